@@ -1,0 +1,241 @@
+/*
+ * api.c — the public entry points: errors, validation of every descriptor rule (DESIGN.md §1),
+ * and dispatch to the CPU or CUDA kernels. Nothing here touches tensor data.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "internal.h"
+
+// ----------------------------------------------------------------------------
+// errors
+
+static _Thread_local char last_error[512];
+
+nbhd_status nbhd_fail(nbhd_status status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+const char *nbhd_last_error(void) { return last_error; }
+
+const char *nbhd_version(void) { return "0.1.0"; }
+
+const char *nbhd_status_string(nbhd_status status) {
+    switch (status) {
+    case NBHD_OK: return "NBHD_OK";
+    case NBHD_ERR_ARG: return "NBHD_ERR_ARG";
+    case NBHD_ERR_UNSUPPORTED: return "NBHD_ERR_UNSUPPORTED";
+    case NBHD_ERR_DEVICE: return "NBHD_ERR_DEVICE";
+    case NBHD_ERR_WORKSPACE: return "NBHD_ERR_WORKSPACE";
+    case NBHD_ERR_ALLOC: return "NBHD_ERR_ALLOC";
+    }
+    return "NBHD_ERR_UNKNOWN";
+}
+
+int nbhd_has_cuda(void) {
+#ifdef NBHD_WITH_CUDA
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+size_t nbhd_dtype_size(nbhd_dtype t) {
+    switch (t) {
+    case NBHD_F64: return 8;
+    case NBHD_F32: return 4;
+    case NBHD_F16: case NBHD_BF16: return 2;
+    }
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// validation: one rule per check, the message names the field, the value and the rule
+
+/* Products of sizes must not overflow int64 indexing. */
+#define NBHD_MAX_COUNT ((int64_t)1 << 56)
+
+nbhd_status nbhd_validate(const nbhd_problem *p) {
+    if (!p) return nbhd_fail(NBHD_ERR_ARG, "problem is NULL");
+    if (p->rank < 0 || p->rank > NBHD_MAX_RANK)
+        return nbhd_fail(NBHD_ERR_ARG, "rank=%d is invalid (need 0 <= rank <= 3)", p->rank);
+    if ((unsigned)p->dtype > NBHD_BF16)
+        return nbhd_fail(NBHD_ERR_ARG, "dtype=%d is invalid (need NBHD_F64..NBHD_BF16)", (int)p->dtype);
+    if ((unsigned)p->device > NBHD_CUDA)
+        return nbhd_fail(NBHD_ERR_ARG, "device=%d is invalid (need NBHD_CPU or NBHD_CUDA)", (int)p->device);
+    if (p->batch < 0 || p->batch > NBHD_MAX_COUNT)
+        return nbhd_fail(NBHD_ERR_ARG, "batch=%lld is invalid (need 0 <= batch < 2^56)", (long long)p->batch);
+    if (p->heads < 0 || p->kv_heads < 1)
+        return nbhd_fail(NBHD_ERR_ARG, "heads=%d, kv_heads=%d are invalid (need heads >= 0, kv_heads >= 1)",
+                         p->heads, p->kv_heads);
+    if (p->heads % p->kv_heads != 0)
+        return nbhd_fail(NBHD_ERR_ARG, "heads=%d is not a multiple of kv_heads=%d (GQA/MQA need heads %% kv_heads == 0)",
+                         p->heads, p->kv_heads);
+    if (p->head_dim < 1 || p->head_dim_v < 1)
+        return nbhd_fail(NBHD_ERR_ARG, "head_dim=%d, head_dim_v=%d are invalid (need >= 1)",
+                         p->head_dim, p->head_dim_v);
+    if (!isfinite(p->scale))
+        return nbhd_fail(NBHD_ERR_ARG, "scale=%g is invalid (need a finite number)", p->scale);
+    if (p->extra_kv < 0 || p->extra_kv > NBHD_MAX_COUNT)
+        return nbhd_fail(NBHD_ERR_ARG, "extra_kv=%lld is invalid (need 0 <= extra_kv < 2^56)", (long long)p->extra_kv);
+    if (p->rank == 0) {
+        if (p->extent[0] < 1 || p->extent[0] > NBHD_MAX_COUNT)
+            return nbhd_fail(NBHD_ERR_ARG, "extent[0]=%lld is invalid for rank 0 (need >= 1 queries)",
+                             (long long)p->extent[0]);
+        if (p->extra_kv < 1)
+            return nbhd_fail(NBHD_ERR_ARG, "rank 0 (dense attention) needs extra_kv >= 1 keys, got %lld",
+                             (long long)p->extra_kv);
+    }
+    int64_t tokens = 1;
+    for (int a = 0; a < p->rank; ++a) {
+        const int64_t L = p->extent[a];
+        const int32_t K = p->kernel[a], s = p->stride[a], d = p->dilation[a];
+        if (L < 1 || L > NBHD_MAX_COUNT)
+            return nbhd_fail(NBHD_ERR_ARG, "extent[%d]=%lld is invalid (need 1 <= extent < 2^56)", a, (long long)L);
+        if (K < 2)
+            return nbhd_fail(NBHD_ERR_ARG, "kernel[%d]=%d is invalid (need kernel >= 2)", a, K);
+        if (d < 1)
+            return nbhd_fail(NBHD_ERR_ARG, "dilation[%d]=%d is invalid (need dilation >= 1)", a, d);
+        if ((int64_t)K * d > L)
+            return nbhd_fail(NBHD_ERR_ARG,
+                             "kernel[%d]=%d with dilation %d exceeds extent %lld on axis %d (need kernel*dilation <= extent)",
+                             a, K, d, (long long)L, a);
+        if (s < 1 || s > K)
+            return nbhd_fail(NBHD_ERR_ARG, "stride[%d]=%d is invalid (need 1 <= stride <= kernel=%d)", a, s, K);
+        if (p->causal[a] > 1)
+            return nbhd_fail(NBHD_ERR_ARG, "causal[%d]=%d is invalid (need 0 or 1)", a, p->causal[a]);
+        tokens *= L;
+        if (tokens > NBHD_MAX_COUNT)
+            return nbhd_fail(NBHD_ERR_ARG, "extent product over axes 0..%d exceeds 2^56 tokens", a);
+    }
+    return NBHD_OK;
+}
+
+nbhd_geometry nbhd_geometry_of(const nbhd_problem *p) {
+    nbhd_geometry g;
+    g.tokens = 1;
+    for (int a = 0; a < NBHD_MAX_RANK; ++a) {
+        nbhd_axis ax = {1, 1, 1, 1, 0};
+        if (a < p->rank)
+            ax = (nbhd_axis){p->extent[a], p->kernel[a], p->stride[a], p->dilation[a], p->causal[a]};
+        g.axis[a] = ax;
+        g.tokens *= ax.extent;
+    }
+    g.has_window = p->rank > 0;
+    if (p->rank == 0) {
+        /* dense: queries along axis 0, no neighborhood keys */
+        g.axis[0].extent = p->extent[0];
+        g.tokens = p->extent[0];
+    }
+    g.batch = p->batch;
+    g.extra_kv = p->extra_kv;
+    g.heads = p->heads;
+    g.kv_heads = p->kv_heads;
+    g.head_dim = p->head_dim;
+    g.head_dim_v = p->head_dim_v;
+    g.group = p->kv_heads > 0 ? p->heads / p->kv_heads : 1;
+    g.scale = p->scale;
+    g.dtype = p->dtype;
+    return g;
+}
+
+// ----------------------------------------------------------------------------
+// tensor checks: every tensor an op reads or writes must have data
+
+#define NEED(t, name)                                                                       \
+    do {                                                                                    \
+        if (!(t).data) return nbhd_fail(NBHD_ERR_ARG, "tensor %s has no data (NULL)", name); \
+    } while (0)
+
+static int is_empty(const nbhd_geometry *g) { return g->batch == 0 || g->heads == 0; }
+
+static nbhd_status check_extra(const nbhd_geometry *g, nbhd_tensor kx, nbhd_tensor vx) {
+    if (g->extra_kv > 0) {
+        NEED(kx, "kx (additional keys)");
+        NEED(vx, "vx (additional values)");
+    }
+    return NBHD_OK;
+}
+
+static nbhd_status check_workspace(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e) {
+    const size_t need = nbhd_workspace_bytes(p, op, e);
+    if (need && (!e->workspace || e->workspace_bytes < need))
+        return nbhd_fail(NBHD_ERR_WORKSPACE, "workspace of %zu bytes given, %zu needed (see nbhd_workspace_bytes)",
+                         e->workspace ? e->workspace_bytes : (size_t)0, need);
+    return NBHD_OK;
+}
+
+size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e) {
+    if (nbhd_validate(p) != NBHD_OK) return 0;
+    const nbhd_geometry g = nbhd_geometry_of(p);
+    if (is_empty(&g)) return 0;
+#ifdef NBHD_WITH_CUDA
+    if (p->device == NBHD_CUDA) return nbhd_cuda_workspace_bytes(&g, op, e);
+#endif
+    (void)e;
+    return p->device == NBHD_CPU ? nbhd_cpu_workspace_bytes(&g, op) : 0;
+}
+
+static const nbhd_exec default_exec;
+
+#define DISPATCH(fn, g, a, e)                                                                 \
+    do {                                                                                      \
+        if (p->device == NBHD_CPU) return nbhd_cpu_##fn(g, a, e);                             \
+        CUDA_DISPATCH(fn, g, a, e);                                                           \
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "this build of nbhd has no CUDA kernels (nvcc was not found when it was built)"); \
+    } while (0)
+#ifdef NBHD_WITH_CUDA
+#define CUDA_DISPATCH(fn, g, a, e) return nbhd_cuda_##fn(g, a, e)
+#else
+#define CUDA_DISPATCH(fn, g, a, e) (void)0
+#endif
+
+nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, const nbhd_exec *e) {
+    nbhd_status st = nbhd_validate(p);
+    if (st != NBHD_OK) return st;
+    if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
+    if (!e) e = &default_exec;
+    const nbhd_geometry g = nbhd_geometry_of(p);
+    if (is_empty(&g)) return NBHD_OK;
+    NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
+    if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); }
+    if ((st = check_extra(&g, a->kx, a->vx)) != NBHD_OK) return st;
+    if ((st = check_workspace(p, NBHD_OP_FORWARD, e)) != NBHD_OK) return st;
+    DISPATCH(forward, &g, a, e);
+}
+
+nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, const nbhd_exec *e) {
+    nbhd_status st = nbhd_validate(p);
+    if (st != NBHD_OK) return st;
+    if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
+    if (!e) e = &default_exec;
+    const nbhd_geometry g = nbhd_geometry_of(p);
+    if (is_empty(&g)) return NBHD_OK;
+    NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse"); NEED(a->d_out, "d_out");
+    NEED(a->d_q, "d_q");
+    if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
+    if ((st = check_extra(&g, a->kx, a->vx)) != NBHD_OK) return st;
+    if ((st = check_extra(&g, a->d_kx, a->d_vx)) != NBHD_OK) return st;
+    if ((st = check_workspace(p, NBHD_OP_BACKWARD, e)) != NBHD_OK) return st;
+    DISPATCH(backward, &g, a, e);
+}
+
+nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args *a, const nbhd_exec *e) {
+    nbhd_status st = nbhd_validate(p);
+    if (st != NBHD_OK) return st;
+    if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
+    if (!e) e = &default_exec;
+    const nbhd_geometry g = nbhd_geometry_of(p);
+    if (is_empty(&g)) return NBHD_OK;
+    NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
+    NEED(a->t_out, "t_out"); NEED(a->t_lse, "t_lse");
+    if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); }
+    if ((st = check_extra(&g, a->kx, a->vx)) != NBHD_OK) return st;
+    if ((st = check_workspace(p, NBHD_OP_FORWARD_JVP, e)) != NBHD_OK) return st;
+    DISPATCH(forward_jvp, &g, a, e);
+}

@@ -1,0 +1,146 @@
+/*
+ * reference.c — the plain scalar CPU kernels: forward, backward and forward+JVP, written to read
+ * like DESIGN.md §4, one query (or one key) at a time. They are the oracle of the C tests and
+ * can be forced at run time with nbhd_exec.use_reference; the fast kernels sit beside them.
+ *
+ *   forward      O, LSE by online softmax over each query's keys (window, then extra keys)
+ *   backward     pass 1 query-stationary (D_i, dQ); pass 2 key-stationary over the inverse
+ *                neighborhood (dK, dV); pass 3 extra keys over all queries. No atomics, each
+ *                output written by one thread: deterministic.
+ *   forward_jvp  O, LSE, tO, mu in one online-softmax pass
+ *
+ * Accumulation is double for F64 and float otherwise (reference_impl.h is instantiated twice).
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "convert.h"
+#include "internal.h"
+#include "reference.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// ----------------------------------------------------------------------------
+// addressing: token t = (x*Y + y)*Z + z; n-th key of a key set
+
+static inline int64_t token_offset(const nbhd_tensor *t, const nbhd_geometry *g, int64_t b,
+                                   int64_t x, int64_t y, int64_t z, int64_t h) {
+    (void)g;
+    return b * t->stride[0] + x * t->stride[1] + y * t->stride[2] + z * t->stride[3] +
+           h * t->stride[4];
+}
+
+static inline void token_coords(const nbhd_geometry *g, int64_t tok, int64_t c[3]) {
+    const int64_t Y = g->axis[1].extent, Z = g->axis[2].extent;
+    c[0] = tok / (Y * Z);
+    c[1] = (tok / Z) % Y;
+    c[2] = tok % Z;
+}
+
+/* A box of tokens per axis (first, count; step = dilation) followed by `extra` extra keys. */
+typedef struct {
+    int64_t first[3], count[3], step[3];
+    int64_t box, extra;
+} nbhd_keyset;
+
+static nbhd_keyset window_of(const nbhd_geometry *g, int64_t tok) {
+    nbhd_keyset s;
+    int64_t c[3];
+    token_coords(g, tok, c);
+    s.box = g->has_window ? 1 : 0;
+    for (int a = 0; a < 3; ++a) {
+        nbhd_window(&g->axis[a], c[a], &s.first[a], &s.count[a]);
+        s.step[a] = g->axis[a].dilation;
+        s.box *= s.count[a];
+    }
+    s.extra = g->extra_kv;
+    return s;
+}
+
+static nbhd_keyset inverse_window_of(const nbhd_geometry *g, int64_t tok) {
+    nbhd_keyset s;
+    int64_t c[3];
+    token_coords(g, tok, c);
+    s.box = 1;
+    for (int a = 0; a < 3; ++a) {
+        nbhd_inverse_window(&g->axis[a], c[a], &s.first[a], &s.count[a]);
+        s.step[a] = g->axis[a].dilation;
+        s.box *= s.count[a];
+    }
+    s.extra = 0;
+    return s;
+}
+
+/* Offset of the n-th member in tensor t (box members) or tx (extra keys), head h. */
+static inline int64_t member_offset(const nbhd_keyset *s, int64_t n, const nbhd_tensor *t,
+                                    const nbhd_tensor *tx, int64_t b, int64_t h) {
+    if (n >= s->box) {
+        const int64_t e = n - s->box;
+        return b * tx->stride[0] + e * tx->stride[1] + h * tx->stride[4];
+    }
+    const int64_t cz = s->count[2], cyz = s->count[1] * cz;
+    const int64_t x = s->first[0] + (n / cyz) * s->step[0];
+    const int64_t y = s->first[1] + ((n / cz) % s->count[1]) * s->step[1];
+    const int64_t z = s->first[2] + (n % cz) * s->step[2];
+    return b * t->stride[0] + x * t->stride[1] + y * t->stride[2] + z * t->stride[3] +
+           h * t->stride[4];
+}
+
+/* Token index of the n-th box member (for workspace rows indexed by token). */
+static inline int64_t member_token(const nbhd_geometry *g, const nbhd_keyset *s, int64_t n) {
+    const int64_t cz = s->count[2], cyz = s->count[1] * cz;
+    const int64_t x = s->first[0] + (n / cyz) * s->step[0];
+    const int64_t y = s->first[1] + ((n / cz) % s->count[1]) * s->step[1];
+    const int64_t z = s->first[2] + (n % cz) * s->step[2];
+    return (x * g->axis[1].extent + y) * g->axis[2].extent + z;
+}
+
+static inline int threads_of(const nbhd_exec *e) {
+#ifdef _OPENMP
+    return e && e->threads > 0 ? e->threads : omp_get_max_threads();
+#else
+    (void)e;
+    return 1;
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// the kernels, once per accumulation type
+
+#define ACC float
+#define FN(name) name##_f32
+#include "reference_impl.h"
+#undef ACC
+#undef FN
+
+#define ACC double
+#define FN(name) name##_f64
+#include "reference_impl.h"
+#undef ACC
+#undef FN
+
+// ----------------------------------------------------------------------------
+// entry points
+
+size_t nbhd_cpu_ref_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
+    /* backward keeps D_i = dO_i.O_i - dLSE_i per (b, token, head) */
+    if (op != NBHD_OP_BACKWARD) return 0;
+    return (size_t)(g->batch * g->tokens * g->heads) * sizeof(double);
+}
+
+nbhd_status nbhd_cpu_ref_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
+                                 const nbhd_exec *e) {
+    return g->dtype == NBHD_F64 ? forward_f64(g, a, e) : forward_f32(g, a, e);
+}
+
+nbhd_status nbhd_cpu_ref_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                  const nbhd_exec *e) {
+    return g->dtype == NBHD_F64 ? backward_f64(g, a, e) : backward_f32(g, a, e);
+}
+
+nbhd_status nbhd_cpu_ref_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                     const nbhd_exec *e) {
+    return g->dtype == NBHD_F64 ? forward_jvp_f64(g, a, e) : forward_jvp_f32(g, a, e);
+}

@@ -1,0 +1,318 @@
+/*
+ * reference_impl.h — body of reference.c, included once per accumulation type with
+ * ACC (float or double) and FN(name) (adds the type suffix) defined. Not a public header.
+ */
+
+static inline void FN(load_row)(ACC *dst, const nbhd_tensor *t, int64_t off, int n,
+                                nbhd_dtype dt) {
+    const int64_t s = t->stride[5];
+    for (int i = 0; i < n; ++i) dst[i] = (ACC)nbhd_load(t->data, off + i * s, dt);
+}
+
+/* Loads the n-th member of a key set: from t (box members) or tx (extra keys). */
+static inline void FN(load_member)(ACC *dst, const nbhd_keyset *ks, int64_t n,
+                                   const nbhd_tensor *t, const nbhd_tensor *tx, int64_t b,
+                                   int64_t h, int width, nbhd_dtype dt) {
+    FN(load_row)(dst, n < ks->box ? t : tx, member_offset(ks, n, t, tx, b, h), width, dt);
+}
+
+static inline void FN(store_row)(const nbhd_tensor *t, int64_t off, const ACC *src, ACC mul,
+                                 int n, nbhd_dtype dt) {
+    const int64_t s = t->stride[5];
+    for (int i = 0; i < n; ++i) nbhd_store(t->data, off + i * s, dt, (double)(src[i] * mul));
+}
+
+static inline ACC FN(dot)(const ACC *x, const ACC *y, int n) {
+    ACC acc = 0;
+    for (int i = 0; i < n; ++i) acc += x[i] * y[i];
+    return acc;
+}
+
+static inline void FN(axpy)(ACC *y, ACC alpha, const ACC *x, int n) {
+    for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+static inline void FN(scal)(ACC *y, ACC alpha, int n) {
+    for (int i = 0; i < n; ++i) y[i] *= alpha;
+}
+
+static inline void FN(zero)(ACC *y, int n) {
+    for (int i = 0; i < n; ++i) y[i] = 0;
+}
+
+/* Row r of the flattened [B, tokens, H] query rows. */
+typedef struct { int64_t b, tok, h; } FN(row_index);
+
+static inline FN(row_index) FN(row_of)(const nbhd_geometry *g, int64_t r) {
+    FN(row_index) ri = {r / (g->heads * g->tokens), (r / g->heads) % g->tokens, r % g->heads};
+    return ri;
+}
+
+/* exp(s - m), with keys whose score is -inf contributing nothing (not exp(-inf + inf) = NaN) */
+static inline ACC FN(weight)(ACC s, ACC m) {
+    return s == -INFINITY ? (ACC)0 : (ACC)exp((double)(s - m));
+}
+
+// ----------------------------------------------------------------------------
+// forward: online softmax per query row
+
+static nbhd_status FN(forward)(const nbhd_geometry *g, const nbhd_forward_args *a,
+                               const nbhd_exec *e) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const int64_t rows = g->batch * g->tokens * g->heads;
+    const ACC scale = (ACC)g->scale;
+    int failed = 0;
+#pragma omp parallel num_threads(threads_of(e))
+    {
+        ACC *buf = (ACC *)malloc(sizeof(ACC) * (2 * (size_t)D + 2 * (size_t)Dv));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        ACC *q = buf, *k = q + D, *v = k + D, *acc = v + Dv;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            if (!buf) continue;
+            const FN(row_index) ri = FN(row_of)(g, r);
+            const int64_t hk = ri.h / g->group;
+            const nbhd_keyset ks = window_of(g, ri.tok);
+            int64_t c[3];
+            token_coords(g, ri.tok, c);
+            FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
+            ACC m = -INFINITY, l = 0;
+            FN(zero)(acc, Dv);
+            for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
+                FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
+                FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
+                const ACC s = scale * FN(dot)(q, k, D);
+                if (s > m) {  /* the max grew: acc = acc*exp(m_old - m), l likewise */
+                    const ACC corr = (ACC)exp((double)(m - s));
+                    l *= corr;
+                    FN(scal)(acc, corr, Dv);
+                    m = s;
+                }
+                const ACC p = FN(weight)(s, m);
+                l += p;
+                FN(axpy)(acc, p, v, Dv);
+            }
+            FN(store_row)(&a->out, token_offset(&a->out, g, ri.b, c[0], c[1], c[2], ri.h), acc,
+                          (ACC)1 / l, Dv, dt);
+            nbhd_store(a->lse.data, token_offset(&a->lse, g, ri.b, c[0], c[1], c[2], ri.h), lt,
+                       (double)m + log((double)l));
+        }
+        free(buf);
+    }
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory for scratch rows")
+                  : NBHD_OK;
+}
+
+// ----------------------------------------------------------------------------
+// backward
+
+/* dK_j, dV_j of one key row (k, v loaded) over the query rows of `queries` in the heads of
+ * key head hk:  dV_j = sum_i P_ij dO_i,  dK_j = s sum_i dS_ij q_i,  dS_ij = P_ij (dO_i.v_j - D_i) */
+static void FN(key_gradients)(const nbhd_geometry *g, const nbhd_backward_args *a,
+                              const double *Dws, int64_t b, int64_t hk,
+                              const nbhd_keyset *queries, const ACC *k, const ACC *v, ACC *q,
+                              ACC *dout, ACC *dk, ACC *dv) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const ACC scale = (ACC)g->scale;
+    FN(zero)(dk, D);
+    FN(zero)(dv, Dv);
+    for (int64_t n = 0; n < queries->box; ++n) {
+        const int64_t qtok = member_token(g, queries, n);
+        for (int64_t h = hk * g->group; h < (hk + 1) * g->group; ++h) {
+            FN(load_row)(q, &a->q, member_offset(queries, n, &a->q, NULL, b, h), D, dt);
+            FN(load_row)(dout, &a->d_out, member_offset(queries, n, &a->d_out, NULL, b, h), Dv, dt);
+            const ACC lse = (ACC)nbhd_load(a->lse.data, member_offset(queries, n, &a->lse, NULL, b, h), lt);
+            const ACC Di = (ACC)Dws[(b * g->tokens + qtok) * g->heads + h];
+            const ACC p = FN(weight)(scale * FN(dot)(q, k, D), lse);
+            const ACC ds = p * (FN(dot)(dout, v, Dv) - Di);
+            FN(axpy)(dv, p, dout, Dv);
+            FN(axpy)(dk, ds, q, D);
+        }
+    }
+}
+
+static nbhd_status FN(backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                const nbhd_exec *e) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const int64_t rows = g->batch * g->tokens * g->heads;
+    const int64_t key_rows = g->has_window ? g->batch * g->tokens * g->kv_heads : 0;
+    const int64_t extra_rows = g->batch * g->extra_kv * g->kv_heads;
+    const ACC scale = (ACC)g->scale;
+    double *Dws = (double *)e->workspace;  /* D_i per query row, see nbhd_cpu_ref_workspace_bytes */
+    /* all query tokens, for the extra keys that every query sees */
+    const nbhd_keyset all_queries = {{0, 0, 0},
+                                     {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent},
+                                     {1, 1, 1}, g->tokens, 0};
+    int failed = 0;
+#pragma omp parallel num_threads(threads_of(e))
+    {
+        const size_t width = (size_t)(D > Dv ? D : Dv);
+        ACC *buf = (ACC *)malloc(sizeof(ACC) * 6 * width);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        ACC *q = buf, *k = q + width, *v = k + width, *dout = v + width, *o = dout + width,
+            *acc = o + width;
+
+        /* pass 1, query-stationary: D_i = dO_i.O_i - dLSE_i;  dQ_i = s sum_j dS_ij k_j */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            if (!buf) continue;
+            const FN(row_index) ri = FN(row_of)(g, r);
+            const int64_t hk = ri.h / g->group;
+            int64_t c[3];
+            token_coords(g, ri.tok, c);
+            const nbhd_keyset ks = window_of(g, ri.tok);
+            FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
+            FN(load_row)(dout, &a->d_out, token_offset(&a->d_out, g, ri.b, c[0], c[1], c[2], ri.h), Dv, dt);
+            FN(load_row)(o, &a->out, token_offset(&a->out, g, ri.b, c[0], c[1], c[2], ri.h), Dv, dt);
+            const ACC lse = (ACC)nbhd_load(a->lse.data, token_offset(&a->lse, g, ri.b, c[0], c[1], c[2], ri.h), lt);
+            ACC Di = FN(dot)(dout, o, Dv);
+            if (a->d_lse.data)
+                Di -= (ACC)nbhd_load(a->d_lse.data, token_offset(&a->d_lse, g, ri.b, c[0], c[1], c[2], ri.h), lt);
+            Dws[r] = (double)Di;
+            FN(zero)(acc, D);
+            for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
+                FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
+                FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
+                const ACC p = FN(weight)(scale * FN(dot)(q, k, D), lse);
+                const ACC ds = p * (FN(dot)(dout, v, Dv) - Di);
+                FN(axpy)(acc, ds, k, D);
+            }
+            FN(store_row)(&a->d_q, token_offset(&a->d_q, g, ri.b, c[0], c[1], c[2], ri.h), acc,
+                          scale, D, dt);
+        }
+        /* (implicit barrier: every D_i is written) */
+
+        /* pass 2, key-stationary over each key's inverse neighborhood: dK, dV */
+        ACC *dk = acc, *dv = o;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < key_rows; ++r) {
+            if (!buf) continue;
+            const int64_t hk = r % g->kv_heads, tok = (r / g->kv_heads) % g->tokens,
+                          b = r / (g->kv_heads * g->tokens);
+            int64_t c[3];
+            token_coords(g, tok, c);
+            const nbhd_keyset qs = inverse_window_of(g, tok);
+            /* k and v rows stay in `k` and `v`; `q` and `dout` are scratch in key_gradients */
+            FN(load_row)(k, &a->k, token_offset(&a->k, g, b, c[0], c[1], c[2], hk), D, dt);
+            FN(load_row)(v, &a->v, token_offset(&a->v, g, b, c[0], c[1], c[2], hk), Dv, dt);
+            FN(key_gradients)(g, a, Dws, b, hk, &qs, k, v, q, dout, dk, dv);
+            FN(store_row)(&a->d_k, token_offset(&a->d_k, g, b, c[0], c[1], c[2], hk), dk, scale, D, dt);
+            FN(store_row)(&a->d_v, token_offset(&a->d_v, g, b, c[0], c[1], c[2], hk), dv, 1, Dv, dt);
+        }
+
+        /* pass 3: extra keys are seen by every query */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < extra_rows; ++r) {
+            if (!buf) continue;
+            const int64_t hk = r % g->kv_heads, ex = (r / g->kv_heads) % g->extra_kv,
+                          b = r / (g->kv_heads * g->extra_kv);
+            const int64_t kx_off = b * a->kx.stride[0] + ex * a->kx.stride[1] + hk * a->kx.stride[4];
+            const int64_t vx_off = b * a->vx.stride[0] + ex * a->vx.stride[1] + hk * a->vx.stride[4];
+            FN(load_row)(k, &a->kx, kx_off, D, dt);
+            FN(load_row)(v, &a->vx, vx_off, Dv, dt);
+            FN(key_gradients)(g, a, Dws, b, hk, &all_queries, k, v, q, dout, dk, dv);
+            FN(store_row)(&a->d_kx, b * a->d_kx.stride[0] + ex * a->d_kx.stride[1] + hk * a->d_kx.stride[4],
+                          dk, scale, D, dt);
+            FN(store_row)(&a->d_vx, b * a->d_vx.stride[0] + ex * a->d_vx.stride[1] + hk * a->d_vx.stride[4],
+                          dv, 1, Dv, dt);
+        }
+        free(buf);
+    }
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for scratch rows")
+                  : NBHD_OK;
+}
+
+// ----------------------------------------------------------------------------
+// forward + JVP: one online-softmax pass with two extra accumulators (DESIGN.md §4)
+
+static nbhd_status FN(forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                   const nbhd_exec *e) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const int64_t rows = g->batch * g->tokens * g->heads;
+    const ACC scale = (ACC)g->scale;
+    int failed = 0;
+#pragma omp parallel num_threads(threads_of(e))
+    {
+        ACC *buf = (ACC *)malloc(sizeof(ACC) * (4 * (size_t)D + 4 * (size_t)Dv));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        ACC *q = buf, *tq = q + D, *k = tq + D, *tk = k + D;
+        ACC *v = tk + D, *tv = v + Dv, *acc = tv + Dv, *acc_t = acc + Dv;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            if (!buf) continue;
+            const FN(row_index) ri = FN(row_of)(g, r);
+            const int64_t hk = ri.h / g->group;
+            int64_t c[3];
+            token_coords(g, ri.tok, c);
+            const nbhd_keyset ks = window_of(g, ri.tok);
+            FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
+            const int has_tq = a->t_q.data != NULL;
+            if (has_tq)
+                FN(load_row)(tq, &a->t_q, token_offset(&a->t_q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
+            /* m running max, l = sum p, acc = sum p v, r_t = sum p tS, acc_t = sum p (tv + tS v) */
+            ACC m = -INFINITY, l = 0, r_t = 0;
+            FN(zero)(acc, Dv);
+            FN(zero)(acc_t, Dv);
+            for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
+                const int in_box = n < ks.box;
+                const nbhd_tensor *tk_src = in_box ? &a->t_k : &a->t_kx;  /* data NULL: zero */
+                const nbhd_tensor *tv_src = in_box ? &a->t_v : &a->t_vx;
+                FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
+                FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
+                const ACC s = scale * FN(dot)(q, k, D);
+                /* tS = s (tq.k + q.tk); absent tangents are skipped */
+                ACC ts = 0;
+                if (has_tq) ts += FN(dot)(tq, k, D);
+                if (tk_src->data) {
+                    FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, hk, D, dt);
+                    ts += FN(dot)(q, tk, D);
+                }
+                ts *= scale;
+                if (s > m) {
+                    const ACC corr = (ACC)exp((double)(m - s));
+                    l *= corr;
+                    r_t *= corr;
+                    FN(scal)(acc, corr, Dv);
+                    FN(scal)(acc_t, corr, Dv);
+                    m = s;
+                }
+                const ACC p = FN(weight)(s, m);
+                l += p;
+                r_t += p * ts;
+                FN(axpy)(acc, p, v, Dv);
+                FN(axpy)(acc_t, p * ts, v, Dv);
+                if (tv_src->data) {
+                    FN(load_member)(tv, &ks, n, &a->t_v, &a->t_vx, ri.b, hk, Dv, dt);
+                    FN(axpy)(acc_t, p, tv, Dv);
+                }
+            }
+            /* o = acc/l, mu = r_t/l, tO = acc_t/l - mu o, lse = m + log l, tLSE = mu */
+            const ACC inv_l = (ACC)1 / l, mu = r_t * inv_l;
+            FN(scal)(acc, inv_l, Dv);
+            FN(scal)(acc_t, inv_l, Dv);
+            FN(axpy)(acc_t, -mu, acc, Dv);
+            FN(store_row)(&a->out, token_offset(&a->out, g, ri.b, c[0], c[1], c[2], ri.h), acc, 1, Dv, dt);
+            FN(store_row)(&a->t_out, token_offset(&a->t_out, g, ri.b, c[0], c[1], c[2], ri.h), acc_t, 1, Dv, dt);
+            nbhd_store(a->lse.data, token_offset(&a->lse, g, ri.b, c[0], c[1], c[2], ri.h), lt,
+                       (double)m + log((double)l));
+            nbhd_store(a->t_lse.data, token_offset(&a->t_lse, g, ri.b, c[0], c[1], c[2], ri.h), lt,
+                       (double)mu);
+        }
+        free(buf);
+    }
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory for scratch rows")
+                  : NBHD_OK;
+}

@@ -1,0 +1,166 @@
+/*
+ * cuda_common.cuh — what the CUDA kernel files share: element conversion, the device copy of
+ * the geometry, key sets (a box of window keys, then the extra keys) and launch checking.
+ * Not a public header. Dimension letters: B batch, X Y Z axes, H heads, Hk kv heads, D, Dv.
+ */
+#ifndef NBHD_CUDA_COMMON_CUH
+#define NBHD_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "internal.h"
+
+// ----------------------------------------------------------------------------
+// element conversion: storage type T <-> accumulation type A (float, or double for F64)
+
+template <typename A> __device__ __forceinline__ A to_acc(double x) { return (A)x; }
+template <typename A> __device__ __forceinline__ A to_acc(float x) { return (A)x; }
+template <typename A> __device__ __forceinline__ A to_acc(__half x) { return (A)__half2float(x); }
+template <typename A> __device__ __forceinline__ A to_acc(__nv_bfloat16 x) {
+    return (A)__bfloat162float(x);
+}
+
+template <typename T> __device__ __forceinline__ T from_acc(double x);
+template <> __device__ __forceinline__ double from_acc<double>(double x) { return x; }
+template <> __device__ __forceinline__ float from_acc<float>(double x) { return (float)x; }
+template <> __device__ __forceinline__ __half from_acc<__half>(double x) {
+    return __float2half_rn((float)x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(double x) {
+    return __float2bfloat16_rn((float)x);
+}
+
+template <typename T, typename A> __device__ __forceinline__ A ld(const nbhd_tensor &t, int64_t off) {
+    return to_acc<A>(((const T *)t.data)[off]);
+}
+
+// ----------------------------------------------------------------------------
+// geometry on the device: nbhd_geometry is plain data and is passed by value
+
+__device__ __forceinline__ void token_coords(const nbhd_geometry &g, int64_t tok, int64_t c[3]) {
+    const int64_t Y = g.axis[1].extent, Z = g.axis[2].extent;
+    c[0] = tok / (Y * Z);
+    c[1] = (tok / Z) % Y;
+    c[2] = tok % Z;
+}
+
+__device__ __forceinline__ int64_t offset_of(const nbhd_tensor &t, int64_t b, int64_t x,
+                                             int64_t y, int64_t z, int64_t h) {
+    return b * t.stride[0] + x * t.stride[1] + y * t.stride[2] + z * t.stride[3] +
+           h * t.stride[4];
+}
+
+/* A box of tokens per axis (first, count; step = dilation) followed by `extra` extra keys. */
+struct keyset {
+    int64_t first[3], count[3], step[3];
+    int64_t box, extra;
+};
+
+__device__ __forceinline__ keyset window_keys(const nbhd_geometry &g, const int64_t c[3]) {
+    keyset s;
+    s.box = g.has_window ? 1 : 0;
+    for (int a = 0; a < 3; ++a) {
+        nbhd_window(&g.axis[a], c[a], &s.first[a], &s.count[a]);
+        s.step[a] = g.axis[a].dilation;
+        s.box *= s.count[a];
+    }
+    s.extra = g.extra_kv;
+    return s;
+}
+
+__device__ __forceinline__ keyset inverse_window_queries(const nbhd_geometry &g,
+                                                         const int64_t c[3]) {
+    keyset s;
+    s.box = 1;
+    for (int a = 0; a < 3; ++a) {
+        nbhd_inverse_window(&g.axis[a], c[a], &s.first[a], &s.count[a]);
+        s.step[a] = g.axis[a].dilation;
+        s.box *= s.count[a];
+    }
+    s.extra = 0;
+    return s;
+}
+
+__device__ __forceinline__ keyset all_queries(const nbhd_geometry &g) {
+    keyset s;
+    for (int a = 0; a < 3; ++a) {
+        s.first[a] = 0;
+        s.count[a] = g.axis[a].extent;
+        s.step[a] = 1;
+    }
+    s.box = g.tokens;
+    s.extra = 0;
+    return s;
+}
+
+/* Coordinates of the n-th box member. */
+__device__ __forceinline__ void member_coords(const keyset &s, int64_t n, int64_t c[3]) {
+    const int64_t cz = s.count[2], cyz = s.count[1] * cz;
+    c[0] = s.first[0] + (n / cyz) * s.step[0];
+    c[1] = s.first[1] + ((n / cz) % s.count[1]) * s.step[1];
+    c[2] = s.first[2] + (n % cz) * s.step[2];
+}
+
+/* Offset of the n-th member in t (box members) or tx (extra keys), head h. */
+__device__ __forceinline__ int64_t member_offset(const keyset &s, int64_t n, const nbhd_tensor &t,
+                                                 const nbhd_tensor &tx, int64_t b, int64_t h) {
+    if (n >= s.box) {
+        const int64_t e = n - s.box;
+        return b * tx.stride[0] + e * tx.stride[1] + h * tx.stride[4];
+    }
+    int64_t c[3];
+    member_coords(s, n, c);
+    return offset_of(t, b, c[0], c[1], c[2], h);
+}
+
+// ----------------------------------------------------------------------------
+// warp reductions
+
+template <typename A> __device__ __forceinline__ A warp_sum(A x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+template <typename A> __device__ __forceinline__ A warp_max(A x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const A y = __shfl_xor_sync(0xffffffffu, x, o);
+        x = y > x ? y : x;
+    }
+    return x;
+}
+
+// ----------------------------------------------------------------------------
+// launch checking: every launch is followed by this (never a synchronisation)
+
+#define NBHD_CUDA_CHECK_LAUNCH(what)                                                          \
+    do {                                                                                     \
+        const cudaError_t err_ = cudaGetLastError();                                         \
+        if (err_ != cudaSuccess)                                                             \
+            return nbhd_fail(NBHD_ERR_DEVICE, "%s: CUDA launch failed: %s (%s)", what,       \
+                             cudaGetErrorName(err_), cudaGetErrorString(err_));              \
+    } while (0)
+
+// ----------------------------------------------------------------------------
+// the kernel families, each in its own file, called by dispatch.cu
+
+/* simple.cu: one warp per query (or key) row, any dtype and geometry */
+nbhd_status nbhd_cuda_simple_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
+                                     cudaStream_t stream);
+nbhd_status nbhd_cuda_simple_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                      void *workspace, cudaStream_t stream);
+nbhd_status nbhd_cuda_simple_forward_jvp(const nbhd_geometry *g,
+                                         const nbhd_forward_jvp_args *a, cudaStream_t stream);
+size_t nbhd_cuda_simple_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
+
+/* fna_mma.cu: tensor-core (mma.sync) forward for f16/bf16, D = Dv in {32, 64, 128} */
+int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_args *a);
+nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
+                                  const nbhd_exec *e, cudaStream_t stream);
+
+#endif /* NBHD_CUDA_COMMON_CUH */

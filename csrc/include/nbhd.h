@@ -1,0 +1,141 @@
+/*
+ * nbhd.h — the one public header of the nbhd C library.
+ *
+ * Neighborhood attention (1-D/2-D/3-D sliding-window attention) with fused kernels for the
+ * forward pass, the backward pass and the forward-mode derivative (JVP). Semantics follow
+ * NATTEN exactly (DESIGN.md §1); the math is DESIGN.md §4. Usable from C with this header alone.
+ *
+ * Shape legend (heads-last, every tensor is addressed as a 6-D view with element strides):
+ *   B batch, X Y Z spatial axes (rank 1..3; unused axes have extent 1), H query heads,
+ *   Hkv key/value heads (H % Hkv == 0), D head dim of Q and K, Dv head dim of V.
+ *   Q, dQ, tQ            [B, X, Y, Z, H,   D ]
+ *   K, dK, tK            [B, X, Y, Z, Hkv, D ]
+ *   V, dV, tV            [B, X, Y, Z, Hkv, Dv]
+ *   O, dO, tO            [B, X, Y, Z, H,   Dv]
+ *   LSE, dLSE, tLSE      [B, X, Y, Z, H     ]   (stride[5] ignored)
+ *   Kx, Vx (+ d, t)      [B, S,  -, -, Hkv, D/Dv]  additional keys: stride[1] steps tokens
+ * Rank 0 is dense attention: Q/O/LSE are [B, S_q, -, -, H, .] with S_q = extent[0] and every
+ * query sees only the extra_kv additional keys.
+ *
+ * Per query i with key set W(i) (its neighborhood, then the additional keys), s = scale:
+ *   S_ij = s q_i.k_j,  lse_i = log sum_j exp S_ij,  o_i = sum_j exp(S_ij - lse_i) v_j.
+ *
+ * Element types: F64 inputs give F64 LSE and F64 accumulation; F32/F16/BF16 inputs give an
+ * F32 LSE and accumulate in F32. Outputs are write-only: they are never read, so poisoned or
+ * uninitialised output buffers are fine. The library never allocates on the hot path: scratch
+ * memory comes from the caller (nbhd_workspace_bytes).
+ */
+#ifndef NBHD_H
+#define NBHD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define NBHD_API __declspec(dllexport)
+#else
+#define NBHD_API __attribute__((visibility("default")))
+#endif
+
+#define NBHD_VERSION_MAJOR 0
+#define NBHD_VERSION_MINOR 1
+#define NBHD_VERSION_PATCH 0
+
+typedef enum {
+    NBHD_OK = 0,
+    NBHD_ERR_ARG = 1,          /* a field of the problem or a tensor is invalid */
+    NBHD_ERR_UNSUPPORTED = 2,  /* valid, but this build or device cannot run it */
+    NBHD_ERR_DEVICE = 3,       /* the device runtime reported an error */
+    NBHD_ERR_WORKSPACE = 4,    /* workspace missing or smaller than nbhd_workspace_bytes */
+    NBHD_ERR_ALLOC = 5,        /* host memory for per-thread scratch could not be allocated */
+} nbhd_status;
+
+typedef enum { NBHD_F64 = 0, NBHD_F32 = 1, NBHD_F16 = 2, NBHD_BF16 = 3 } nbhd_dtype;
+typedef enum { NBHD_CPU = 0, NBHD_CUDA = 1 } nbhd_device;
+typedef enum { NBHD_OP_FORWARD = 0, NBHD_OP_BACKWARD = 1, NBHD_OP_FORWARD_JVP = 2 } nbhd_op;
+
+#define NBHD_MAX_RANK 3
+
+/* The geometry and sizes of one problem. Every rule is checked by nbhd_validate. */
+typedef struct {
+    int32_t rank;                     /* 0 (dense over extra keys only), 1, 2 or 3 */
+    int64_t extent[NBHD_MAX_RANK];    /* tokens per spatial axis (rank 0: extent[0] = S_q) */
+    int32_t kernel[NBHD_MAX_RANK];    /* window size per axis, 2 <= kernel*dilation <= extent */
+    int32_t stride[NBHD_MAX_RANK];    /* 1 <= stride <= kernel */
+    int32_t dilation[NBHD_MAX_RANK];  /* >= 1 */
+    uint8_t causal[NBHD_MAX_RANK];    /* 0 or 1 */
+    int64_t batch;                    /* >= 0 */
+    int64_t extra_kv;                 /* additional keys seen by every query, >= 0 */
+    int32_t heads, kv_heads;          /* heads % kv_heads == 0 (0 heads: nothing to do) */
+    int32_t head_dim, head_dim_v;     /* D and Dv, >= 1 */
+    double scale;                     /* finite; S = scale * q.k */
+    nbhd_dtype dtype;                 /* of every input, output, gradient and tangent but LSE */
+    nbhd_device device;
+} nbhd_problem;
+
+/* A tensor: data pointer and element strides of its [B, X, Y, Z, H, D] view (see legend). */
+typedef struct {
+    void *data;
+    int64_t stride[6];
+} nbhd_tensor;
+
+/* How to run it. Zero-initialised is a valid default. */
+typedef struct {
+    void *stream;                     /* cudaStream_t for NBHD_CUDA, ignored on the CPU */
+    void *workspace;                  /* at least nbhd_workspace_bytes(...) bytes, or NULL if 0 */
+    size_t workspace_bytes;
+    int32_t threads;                  /* CPU threads; <= 0: OpenMP's default */
+    int32_t kv_parallel;              /* GPU backward may accumulate dQ with atomics */
+    int32_t use_reference;            /* force the plain scalar kernels (tests, debugging) */
+    int32_t q_tile[NBHD_MAX_RANK];    /* 0: the library chooses */
+    int32_t kv_tile[NBHD_MAX_RANK];
+} nbhd_exec;
+
+/* Forward: O = softmax(s Q K^T + mask) V, LSE. Inputs q,k,v (+kx,vx when extra_kv > 0). */
+typedef struct {
+    nbhd_tensor q, k, v, kx, vx;      /* read */
+    nbhd_tensor out, lse;             /* written */
+} nbhd_forward_args;
+
+/* Backward (DESIGN.md §4): D_i = dO_i.O_i - dLSE_i, P = exp(S - LSE), dS = P (dO V^T - D),
+ * dQ = s dS K, dK = s dS^T Q, dV = P^T dO. d_lse.data may be NULL (no gradient on LSE).
+ * Deterministic: every output element is written by one thread in a fixed order. */
+typedef struct {
+    nbhd_tensor q, k, v, kx, vx, out, lse, d_out, d_lse;   /* read */
+    nbhd_tensor d_q, d_k, d_v, d_kx, d_vx;                 /* written */
+} nbhd_backward_args;
+
+/* Forward + JVP in one pass: O, LSE, tO and tLSE = mu from (Q,K,V) and tangents (tQ,tK,tV);
+ * a tangent whose data is NULL is zero and its products are skipped.
+ *   tS = s (tq.k + q.tk), mu = sum P tS, tO = sum P (tv + tS v) - mu O. */
+typedef struct {
+    nbhd_tensor q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx; /* read */
+    nbhd_tensor out, lse, t_out, t_lse;                     /* written */
+} nbhd_forward_jvp_args;
+
+NBHD_API const char *nbhd_version(void);
+NBHD_API const char *nbhd_status_string(nbhd_status status);
+/* The message of the last failed call on this thread: names the field, the value and the rule. */
+NBHD_API const char *nbhd_last_error(void);
+/* 1 when the library was built with CUDA kernels. */
+NBHD_API int nbhd_has_cuda(void);
+
+NBHD_API nbhd_status nbhd_validate(const nbhd_problem *p);
+/* Scratch bytes the op needs for this problem (0 when none). */
+NBHD_API size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e);
+
+NBHD_API nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a,
+                                  const nbhd_exec *e);
+NBHD_API nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a,
+                                   const nbhd_exec *e);
+NBHD_API nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args *a,
+                                      const nbhd_exec *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NBHD_H */

@@ -1,0 +1,212 @@
+"""Loads the nbhd C library and passes it tensors: data pointers, shapes, strides, stream.
+
+Nothing here computes: it only marshals. Every tensor is described to C as a 6-D view
+[B, X, Y, Z, H, D] with element strides (csrc/include/nbhd.h has the legend).
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["NbhdError", "lib", "Problem", "run"]
+
+
+class NbhdError(RuntimeError):
+    """The C library rejected a call; the message names the field and the rule."""
+
+
+def _find_library() -> str:
+    override = os.environ.get("NBHD_LIBRARY")
+    if override:
+        return override
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_nbhd*.so")) + glob.glob(os.path.join(here, "_nbhd*.pyd")))
+    if not found:
+        raise ImportError(
+            f"nbhd's C library was not found in {here}: build it with `pip install .` "
+            "(or `pip install -e .`) from the repository root")
+    return found[0]
+
+
+MAX_RANK = 3
+_DTYPES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+OP_FORWARD, OP_BACKWARD, OP_FORWARD_JVP = 0, 1, 2
+
+
+class _Problem(ctypes.Structure):
+    _fields_ = [
+        ("rank", ctypes.c_int32),
+        ("extent", ctypes.c_int64 * MAX_RANK),
+        ("kernel", ctypes.c_int32 * MAX_RANK),
+        ("stride", ctypes.c_int32 * MAX_RANK),
+        ("dilation", ctypes.c_int32 * MAX_RANK),
+        ("causal", ctypes.c_uint8 * MAX_RANK),
+        ("batch", ctypes.c_int64),
+        ("extra_kv", ctypes.c_int64),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("head_dim_v", ctypes.c_int32),
+        ("scale", ctypes.c_double),
+        ("dtype", ctypes.c_int),
+        ("device", ctypes.c_int),
+    ]
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("stride", ctypes.c_int64 * 6)]
+
+
+class _Exec(ctypes.Structure):
+    _fields_ = [
+        ("stream", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+        ("threads", ctypes.c_int32),
+        ("kv_parallel", ctypes.c_int32),
+        ("use_reference", ctypes.c_int32),
+        ("q_tile", ctypes.c_int32 * MAX_RANK),
+        ("kv_tile", ctypes.c_int32 * MAX_RANK),
+    ]
+
+
+def _args_struct(name: str, fields: Sequence[str]):
+    return type(name, (ctypes.Structure,), {"_fields_": [(f, _Tensor) for f in fields]})
+
+
+_ARGS = {
+    OP_FORWARD: _args_struct("_ForwardArgs", ["q", "k", "v", "kx", "vx", "out", "lse"]),
+    OP_BACKWARD: _args_struct("_BackwardArgs", [
+        "q", "k", "v", "kx", "vx", "out", "lse", "d_out", "d_lse",
+        "d_q", "d_k", "d_v", "d_kx", "d_vx"]),
+    OP_FORWARD_JVP: _args_struct("_ForwardJvpArgs", [
+        "q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx",
+        "out", "lse", "t_out", "t_lse"]),
+}
+_ENTRY = {OP_FORWARD: "nbhd_forward", OP_BACKWARD: "nbhd_backward", OP_FORWARD_JVP: "nbhd_forward_jvp"}
+
+
+def _load():
+    so = ctypes.CDLL(_find_library())
+    so.nbhd_last_error.restype = ctypes.c_char_p
+    so.nbhd_version.restype = ctypes.c_char_p
+    so.nbhd_status_string.restype = ctypes.c_char_p
+    so.nbhd_has_cuda.restype = ctypes.c_int
+    so.nbhd_validate.argtypes = [ctypes.POINTER(_Problem)]
+    so.nbhd_workspace_bytes.restype = ctypes.c_size_t
+    so.nbhd_workspace_bytes.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int, ctypes.POINTER(_Exec)]
+    for op, name in _ENTRY.items():
+        fn = getattr(so, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(_Problem), ctypes.POINTER(_ARGS[op]), ctypes.POINTER(_Exec)]
+    return so
+
+
+lib = _load()
+
+
+def version() -> str:
+    return lib.nbhd_version().decode()
+
+
+def has_cuda() -> bool:
+    return bool(lib.nbhd_has_cuda())
+
+
+class Problem:
+    """The C problem descriptor for one call, built from the query and key tensors.
+
+    `kernel_size` etc. are per-axis tuples of length rank (rank 0: dense attention over the
+    additional keys only). q: [B, *spatial, H, D]; k: [B, *spatial, Hkv, D]; v: [..., Dv];
+    kx/vx: [B, S, Hkv, D|Dv] or None.
+    """
+
+    def __init__(self, q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale):
+        rank = len(kernel_size)
+        p = _Problem()
+        p.rank = rank
+        spatial = q.shape[1:-2]
+        for a in range(MAX_RANK):
+            if a < rank:
+                p.extent[a] = spatial[a]
+                p.kernel[a] = kernel_size[a]
+                p.stride[a] = stride[a]
+                p.dilation[a] = dilation[a]
+                p.causal[a] = 1 if is_causal[a] else 0
+            else:
+                p.extent[a] = p.kernel[a] = p.stride[a] = p.dilation[a] = 1
+        if rank == 0:
+            p.extent[0] = spatial[0]
+        p.batch = q.shape[0]
+        p.extra_kv = kx.shape[1] if kx is not None else 0
+        p.heads = q.shape[-2]
+        p.kv_heads = (k if rank > 0 else kx).shape[-2]
+        p.head_dim = q.shape[-1]
+        p.head_dim_v = (v if rank > 0 else vx).shape[-1]
+        p.scale = float(scale)
+        p.dtype = _DTYPES[q.dtype]
+        p.device = 1 if q.device.type == "cuda" else 0
+        self.c = p
+        self.rank = rank
+        self.device = q.device
+
+    def check(self) -> None:
+        status = lib.nbhd_validate(ctypes.byref(self.c))
+        if status != 0:
+            raise NbhdError(lib.nbhd_last_error().decode())
+
+
+def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -> _Tensor:
+    """Tensor -> (pointer, 6 strides). Spatial tensors are [B, *spatial(rank), H, D?]; token
+    tensors (additional keys, rank-0 queries) are [B, S, H, D?]."""
+    d = _Tensor()
+    if t is None:
+        d.data = None
+        return d
+    d.data = t.data_ptr() if t.numel() else None
+    st = t.stride()
+    n_spatial = 1 if token_major else rank
+    has_last = t.dim() == n_spatial + 3
+    d.stride[0] = st[0]
+    for a in range(MAX_RANK):
+        d.stride[1 + a] = st[1 + a] if a < n_spatial else 0
+    head_axis = 1 + n_spatial
+    d.stride[4] = st[head_axis]
+    d.stride[5] = st[head_axis + 1] if has_last else 0
+    return d
+
+
+def run(op: int, problem: Problem, tensors: dict, threads: int = 0, use_reference: bool = False,
+        q_tile=None, kv_tile=None, kv_parallel: bool = False) -> None:
+    """Calls one entry point. `tensors` maps the C argument names to tensors (or None)."""
+    args = _ARGS[op]()
+    rank = problem.rank
+    token_major_names = {"kx", "vx", "d_kx", "d_vx", "t_kx", "t_vx"}
+    for name, _ in args._fields_:
+        t = tensors.get(name)
+        setattr(args, name, _describe(t, rank, token_major=(name in token_major_names) or rank == 0))
+    ex = _Exec()
+    ex.threads = threads
+    ex.use_reference = 1 if use_reference else 0
+    ex.kv_parallel = 1 if kv_parallel else 0
+    for a in range(MAX_RANK):
+        ex.q_tile[a] = q_tile[a] if q_tile and a < len(q_tile) else 0
+        ex.kv_tile[a] = kv_tile[a] if kv_tile and a < len(kv_tile) else 0
+    dev = problem.device
+    if dev.type == "cuda":
+        ex.stream = torch.cuda.current_stream(dev).cuda_stream
+    nbytes = lib.nbhd_workspace_bytes(ctypes.byref(problem.c), op, ctypes.byref(ex))
+    workspace = None
+    if nbytes:
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        ex.workspace = workspace.data_ptr()
+        ex.workspace_bytes = nbytes
+    fn = getattr(lib, _ENTRY[op])
+    status = fn(ctypes.byref(problem.c), ctypes.byref(args), ctypes.byref(ex))
+    del workspace  # kept alive until the call returned (the caching allocator orders GPU reuse)
+    if status != 0:
+        raise NbhdError(f"{lib.nbhd_status_string(status).decode()}: {lib.nbhd_last_error().decode()}")

@@ -1,0 +1,237 @@
+"""Autograd for nbhd's ops (DESIGN.md §3), in the setup_context style so that every
+torch.func transform composes with it.
+
+  NeighborhoodAttention  forward -> nbhd::na_forward (out, lse)
+                         backward -> _Backward (nbhd::na_backward), itself differentiable
+                         jvp -> _ForwardJvp (nbhd::na_forward_jvp), itself differentiable
+  _Backward / _ForwardJvp  their own backward and jvp use the reference math (reference.py)
+                         through torch.func, so double backward, Hessians, forward-over-reverse
+                         and gradients of tangents all work.
+
+Under torch.compile the custom ops are used directly with register_autograd (Dynamo cannot
+trace an autograd.Function that defines jvp); see `na_compiled`.
+
+`geometry` below is the tuple (kernel_size, stride, dilation, is_causal, scale) with lists of
+length rank, already validated by functional.py.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .reference import na_reference
+
+__all__ = ["NeighborhoodAttention", "na_autograd", "na_jvp_autograd", "na_compiled", "na_jvp_compiled"]
+
+
+# ----------------------------------------------------------------------------
+# reference math for the second-order rules
+
+def _reference(q, k, v, kx, vx, geometry):
+    kernel_size, stride, dilation, is_causal, scale = geometry
+    return na_reference(q, k, v, kernel_size, stride, dilation, is_causal, scale, kx, vx)
+
+
+def _reference_backward(q, k, v, kx, vx, d_out, d_lse, geometry):
+    """(dq, dk, dv, dkx, dvx) by the reference's vjp."""
+    _, vjp_fn = torch.func.vjp(lambda *x: _reference(*x, geometry), q, k, v, kx, vx)
+    return vjp_fn((d_out, d_lse))
+
+
+def _reference_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
+    """(out, lse, t_out, t_lse) by the reference's jvp."""
+    (out, lse), (t_out, t_lse) = torch.func.jvp(
+        lambda *x: _reference(*x, geometry), (q, k, v, kx, vx), (tq, tk, tv, tkx, tvx))
+    return out, lse, t_out, t_lse
+
+
+def _zeros_for(tangents, primals):
+    return tuple(torch.zeros_like(p) if t is None else t for t, p in zip(tangents, primals))
+
+
+# ----------------------------------------------------------------------------
+# backward as a differentiable function
+
+class _Backward(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, kx, vx, out, lse, d_out, d_lse, geometry):
+        return ops.na_backward(q, k, v, kx, vx, out, lse, d_out, d_lse, *geometry)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, kx, vx, out, lse, d_out, d_lse, geometry = inputs
+        ctx.geometry = geometry
+        ctx.save_for_backward(q, k, v, kx, vx, d_out, d_lse)
+        ctx.save_for_forward(q, k, v, kx, vx, d_out, d_lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # out and lse are functions of q, k, v: the reference recomputes them, so the total
+        # derivative flows through q, k, v and the out/lse inputs get none (no double count).
+        q, k, v, kx, vx, d_out, d_lse = ctx.saved_tensors
+        primals = (q, k, v, kx, vx, d_out, d_lse)
+        _, vjp_fn = torch.func.vjp(lambda *x: _reference_backward(*x, ctx.geometry), *primals)
+        gq, gk, gv, gkx, gvx, gdo, gdl = vjp_fn(_zeros_for(grads, (q, k, v, kx, vx)))
+        return gq, gk, gv, gkx, gvx, None, None, gdo, gdl, None
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, tkx, tvx, t_out, t_lse, t_dout, t_dlse, _):
+        q, k, v, kx, vx, d_out, d_lse = ctx.saved_tensors
+        primals = (q, k, v, kx, vx, d_out, d_lse)
+        tangents = _zeros_for((tq, tk, tv, tkx, tvx, t_dout, t_dlse), primals)
+        _, t = torch.func.jvp(lambda *x: _reference_backward(*x, ctx.geometry), primals, tangents)
+        return t
+
+
+# ----------------------------------------------------------------------------
+# forward + JVP as a differentiable function
+
+class _ForwardJvp(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
+        return ops.na_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geometry)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, geometry = inputs
+        ctx.geometry = geometry
+        primals = tuple(tensors[:5])
+        tangents = _zeros_for(tensors[5:], primals)
+        ctx.save_for_backward(*primals, *tangents)
+        ctx.save_for_forward(*primals, *tangents)
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse, g_tout, g_tlse):
+        saved = ctx.saved_tensors
+        _, vjp_fn = torch.func.vjp(lambda *x: _reference_forward_jvp(*x, ctx.geometry), *saved)
+        outs = (g_out, g_lse, g_tout, g_tlse)
+        grads = vjp_fn(tuple(torch.zeros_like(o) if g is None else g
+                             for g, o in zip(outs, _reference_forward_jvp(*saved, ctx.geometry))))
+        return (*grads, None)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        saved = ctx.saved_tensors
+        t = _zeros_for(tangents[:10], saved)
+        _, tout = torch.func.jvp(lambda *x: _reference_forward_jvp(*x, ctx.geometry), saved, t)
+        return tout
+
+
+# ----------------------------------------------------------------------------
+# the forward
+
+class NeighborhoodAttention(torch.autograd.Function):
+    """(out, lse) = na(q, k, v, kx, vx) with fused backward and fused forward-mode AD."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, kx, vx, geometry):
+        return ops.na_forward(q, k, v, kx, vx, *geometry)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, kx, vx, geometry = inputs
+        out, lse = output
+        ctx.geometry = geometry
+        ctx.save_for_backward(q, k, v, kx, vx, out, lse)
+        ctx.save_for_forward(q, k, v, kx, vx)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, kx, vx, out, lse = ctx.saved_tensors
+        grads = _Backward.apply(q, k, v, kx, vx, out, lse, d_out, d_lse, ctx.geometry)
+        return (*grads, None)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, tkx, tvx, _):
+        q, k, v, kx, vx = ctx.saved_tensors
+        _, _, t_out, t_lse = _ForwardJvp.apply(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, ctx.geometry)
+        return t_out, t_lse
+
+
+def na_autograd(q, k, v, kx, vx, geometry) -> Tuple[Tensor, Tensor]:
+    return NeighborhoodAttention.apply(q, k, v, kx, vx, geometry)
+
+
+def na_jvp_autograd(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
+    return _ForwardJvp.apply(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry)
+
+
+# ----------------------------------------------------------------------------
+# torch.compile path: the custom ops with register_autograd
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, kx, vx, *geometry = inputs
+    out, lse = output
+    ctx.geometry = tuple(geometry)
+    ctx.save_for_backward(q, k, v, kx, vx, out, lse)
+
+
+def _fwd_backward(ctx, d_out, d_lse):
+    q, k, v, kx, vx, out, lse = ctx.saved_tensors
+    grads = ops.na_backward(q, k, v, kx, vx, out, lse, d_out, d_lse, *ctx.geometry)
+    return (*grads, None, None, None, None, None)
+
+
+torch.library.register_autograd("nbhd::na_forward", _fwd_backward, setup_context=_fwd_setup)
+
+
+def _bwd_setup(ctx, inputs, output):
+    q, k, v, kx, vx, out, lse, d_out, d_lse, *geometry = inputs
+    ctx.geometry = tuple(geometry)
+    ctx.has_dlse = d_lse is not None
+    ctx.save_for_backward(q, k, v, kx, vx, d_out, d_lse if d_lse is not None else torch.zeros_like(lse))
+
+
+def _bwd_backward(ctx, *grads):
+    q, k, v, kx, vx, d_out, d_lse = ctx.saved_tensors
+    with torch.enable_grad():
+        primals = [t.detach().requires_grad_() for t in (q, k, v, kx, vx, d_out, d_lse)]
+        outs = _reference_backward(*primals, ctx.geometry)
+        gs = torch.autograd.grad(outs, primals, _zeros_for(grads, outs), allow_unused=True)
+    gq, gk, gv, gkx, gvx, gdo, gdl = gs
+    return (gq, gk, gv, gkx, gvx, None, None, gdo, gdl if ctx.has_dlse else None,
+            None, None, None, None, None)
+
+
+torch.library.register_autograd("nbhd::na_backward", _bwd_backward, setup_context=_bwd_setup)
+
+
+def _jvp_setup(ctx, inputs, output):
+    *tensors, ks, st, dil, causal, scale = inputs
+    ctx.geometry = (ks, st, dil, causal, scale)
+    primals = tuple(tensors[:5])
+    ctx.present = tuple(t is not None for t in tensors[5:])
+    ctx.save_for_backward(*primals, *_zeros_for(tensors[5:], primals))
+
+
+def _jvp_backward(ctx, *grads):
+    saved = ctx.saved_tensors
+    with torch.enable_grad():
+        primals = [t.detach().requires_grad_() for t in saved]
+        outs = _reference_forward_jvp(*primals, ctx.geometry)
+        gs = torch.autograd.grad(outs, primals, _zeros_for(grads, outs), allow_unused=True)
+    gs = list(gs)
+    for i, present in enumerate(ctx.present):
+        if not present:
+            gs[5 + i] = None
+    return (*gs, None, None, None, None, None)
+
+
+torch.library.register_autograd("nbhd::na_forward_jvp", _jvp_backward, setup_context=_jvp_setup)
+
+
+def na_compiled(q, k, v, kx, vx, geometry):
+    return ops.na_forward(q, k, v, kx, vx, *geometry)
+
+
+def na_jvp_compiled(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
+    return ops.na_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geometry)

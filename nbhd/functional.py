@@ -1,0 +1,248 @@
+"""na1d / na2d / na3d with NATTEN's signatures, and their explicit JVP forms.
+
+Shape legend (heads-last): B batch, S spatial axes (1, 2 or 3), H query heads, Hkv key/value
+heads (H % Hkv == 0), D query/key head dim, Dv value head dim, S_add additional tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import backends, checks
+from .autograd import na_autograd, na_compiled, na_jvp_autograd, na_jvp_compiled
+from .reference import na_reference
+
+__all__ = ["na1d", "na2d", "na3d", "na1d_jvp", "na2d_jvp", "na3d_jvp"]
+
+Dims = Union[int, Tuple[int, ...]]
+Flags = Union[bool, Tuple[bool, ...]]
+
+
+class _Call:
+    """One validated call: canonical tensors, geometry and options."""
+
+    def __init__(self, rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                 additional_keys, additional_values, backend, q_tile_shape, kv_tile_shape,
+                 backward_q_tile_shape, backward_kv_tile_shape, attention_kwargs):
+        q, k, v = checks.qkv(query, key, value, rank)
+        kx, vx = checks.additional_kv(additional_keys, additional_values, q, k, v)
+        spatial = tuple(q.shape[1:-2])
+        ks, st, dil, causal = checks.geometry(spatial, kernel_size, stride, dilation, is_causal)
+        for name, tile in (("q_tile_shape", q_tile_shape), ("kv_tile_shape", kv_tile_shape),
+                           ("backward_q_tile_shape", backward_q_tile_shape),
+                           ("backward_kv_tile_shape", backward_kv_tile_shape)):
+            checks.tile_shape(name, tile, rank)
+        if attention_kwargs is not None and not isinstance(attention_kwargs, dict):
+            raise TypeError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
+        self.q, self.k, self.v, self.kx, self.vx = q, k, v, kx, vx
+        self.spatial = spatial
+        self.geometry = (list(ks), list(st), list(dil), list(causal), checks.scale_of(scale, q.shape[-1]))
+        self.backend = backends.choose(q, backend)
+
+    def is_self_attention(self) -> bool:
+        """Every axis spans its whole extent and none is causal: plain self attention."""
+        ks, _, _, causal, _ = self.geometry
+        return all(k == n for k, n in zip(ks, self.spatial)) and not any(causal)
+
+    def empty_extra(self, like: Tensor) -> Tensor:
+        return like.new_empty((like.shape[0], 0, *like.shape[-2:]))
+
+    def kernel_args(self):
+        """(q, k, v, kx, vx, geometry) for the ops: self attention becomes dense attention of the
+        flattened tokens (rank 0) over the keys and the additional keys together."""
+        q, k, v, kx, vx = self.q, self.k, self.v, self.kx, self.vx
+        if self.is_self_attention():
+            B = q.shape[0]
+            k_all, v_all = k.reshape(B, -1, *k.shape[-2:]), v.reshape(B, -1, *v.shape[-2:])
+            if kx is not None:
+                k_all, v_all = torch.cat([k_all, kx], 1), torch.cat([v_all, vx], 1)
+            q_tokens = q.reshape(B, -1, *q.shape[-2:])
+            return (q_tokens, self.empty_extra(k), self.empty_extra(v), k_all, v_all,
+                    ([], [], [], [], self.geometry[4]))
+        if kx is None:
+            kx, vx = self.empty_extra(k), self.empty_extra(v)
+        return q, k, v, kx, vx, self.geometry
+
+    def restore(self, out: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
+        B = self.q.shape[0]
+        return (out.reshape(B, *self.spatial, *out.shape[-2:]),
+                lse.reshape(B, *self.spatial, lse.shape[-1]))
+
+
+def _forward(call: _Call) -> Tuple[Tensor, Tensor]:
+    if call.backend == "reference":
+        ks, st, dil, causal, scale = call.geometry
+        return na_reference(call.q, call.k, call.v, ks, st, dil, causal, scale, call.kx, call.vx)
+    args = call.kernel_args()
+    if torch.compiler.is_compiling():
+        out, lse = na_compiled(*args)
+    else:
+        out, lse = na_autograd(*args)
+    return call.restore(out, lse)
+
+
+def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    tq, tk, tv, tkx, tvx = tangents
+    if call.backend == "reference":
+        ks, st, dil, causal, scale = call.geometry
+        primals = (call.q, call.k, call.v, call.kx, call.vx)
+        tans = tuple(torch.zeros_like(p) if (t is None and p is not None) else t
+                     for t, p in zip(tangents, primals))
+        fn = lambda q, k, v, kx, vx: na_reference(q, k, v, ks, st, dil, causal, scale, kx, vx)
+        if call.kx is None:
+            (out, lse), (t_out, t_lse) = torch.func.jvp(
+                lambda q, k, v: fn(q, k, v, None, None), primals[:3], tans[:3])
+        else:
+            (out, lse), (t_out, t_lse) = torch.func.jvp(fn, primals, tans)
+        return out, lse, t_out, t_lse
+    q, k, v, kx, vx, geometry = call.kernel_args()
+    if call.is_self_attention():
+        B = call.q.shape[0]
+        flat = lambda t: None if t is None else t.reshape(B, -1, *t.shape[-2:])
+        tk_all = None if tk is None and tkx is None else torch.cat(
+            [flat(tk) if tk is not None else flat(torch.zeros_like(call.k)),
+             *([] if call.kx is None else [tkx if tkx is not None else torch.zeros_like(call.kx)])], 1)
+        tv_all = None if tv is None and tvx is None else torch.cat(
+            [flat(tv) if tv is not None else flat(torch.zeros_like(call.v)),
+             *([] if call.vx is None else [tvx if tvx is not None else torch.zeros_like(call.vx)])], 1)
+        tq, tk, tv, tkx, tvx = flat(tq), None, None, tk_all, tv_all
+    run = na_jvp_compiled if torch.compiler.is_compiling() else na_jvp_autograd
+    out, lse, t_out, t_lse = run(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry)
+    out, lse = call.restore(out, lse)
+    t_out, t_lse = call.restore(t_out, t_lse)
+    return out, lse, t_out, t_lse
+
+
+def _check_tangents(call: _Call, tangent_query, tangent_key, tangent_value,
+                    tangent_additional_keys, tangent_additional_values):
+    pairs = (("tangent_query", tangent_query, call.q), ("tangent_key", tangent_key, call.k),
+             ("tangent_value", tangent_value, call.v),
+             ("tangent_additional_keys", tangent_additional_keys, call.kx),
+             ("tangent_additional_values", tangent_additional_values, call.vx))
+    out = []
+    for name, t, primal in pairs:
+        if t is not None:
+            if primal is None:
+                raise ValueError(f"{name} is given but its primal is absent")
+            checks.tensor(name, t)
+            checks.same(name, t, "query", call.q)
+            if t.shape != primal.shape:
+                raise ValueError(f"{name} must have its primal's shape {tuple(primal.shape)}, got {tuple(t.shape)}")
+        out.append(t)
+    return out
+
+
+_DOC = """{rank}-D neighborhood attention (NATTEN-compatible).
+
+    Every query attends to the keys in its sliding window (kernel_size per axis, shifted inward
+    at the borders, NATTEN's exact rule: DESIGN.md §1), plus every additional key if given.
+    Differentiable under autograd and every torch.func transform (grad, vjp, jvp, vmap,
+    jacrev, jacfwd, hessian), forward-mode AD, double backward and torch.compile.
+
+    Args:
+        query: [B, {dims}, H, D]
+        key: [B, {dims}, Hkv, D], H % Hkv == 0 (GQA/MQA)
+        value: [B, {dims}, Hkv, Dv]
+        kernel_size: int or {rank}-tuple, >= 2 and kernel_size*dilation <= extent per axis
+        stride: int or {rank}-tuple, 1 <= stride <= kernel_size (default 1)
+        dilation: int or {rank}-tuple, >= 1 (default 1)
+        is_causal: bool or {rank}-tuple of bools (default False)
+        scale: attention scale (default D**-0.5)
+        additional_keys: [B, S_add, Hkv, D] tokens seen by every query, or None
+        additional_values: [B, S_add, Hkv, Dv], given together with additional_keys
+        backend: None (best available), "cpu-fna", "cuda-fna" or "reference"
+        return_lse: also return the logsumexp [B, {dims}, H] (float32; float64 for float64 inputs)
+
+    Performance knobs (validated: {rank}-tuples of positive ints; backends without tiles ignore
+    them): q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
+    backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel, kernel_schedule,
+    torch_compile, try_fuse_additional_kv, attention_kwargs.
+
+    Returns:
+        output [B, {dims}, H, Dv] in query's dtype, or (output, lse) when return_lse.
+
+    Example:
+        >>> q = k = v = torch.randn(2, {example}, 4, 32)
+        >>> out = nbhd.na{rank}d(q, k, v, kernel_size={ks})
+    """
+
+
+def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
+        additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
+        q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
+        backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
+        run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
+        try_fuse_additional_kv=False, return_lse=False):
+    if backward_kv_splits is not None:
+        checks.tile_shape("backward_kv_splits", backward_kv_splits, rank)
+    call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                 additional_keys, additional_values, backend, q_tile_shape, kv_tile_shape,
+                 backward_q_tile_shape, backward_kv_tile_shape, attention_kwargs)
+    out, lse = _forward(call)
+    return (out, lse) if return_lse else out
+
+
+def _na_jvp(rank, query, key, value, tangent_query, tangent_key, tangent_value, kernel_size,
+            stride=1, dilation=1, is_causal=False, scale=None, additional_keys=None,
+            additional_values=None, tangent_additional_keys=None, tangent_additional_values=None,
+            backend=None, return_lse=False):
+    call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                 additional_keys, additional_values, backend, None, None, None, None, None)
+    tangents = _check_tangents(call, tangent_query, tangent_key, tangent_value,
+                               tangent_additional_keys, tangent_additional_values)
+    out, lse, t_out, t_lse = _jvp(call, tangents)
+    return (out, t_out, lse, t_lse) if return_lse else (out, t_out)
+
+
+def _make(rank: int, dims: str, example: str, ks: str):
+    def na(query: Tensor, key: Tensor, value: Tensor, kernel_size: Dims, stride: Dims = 1,
+           dilation: Dims = 1, is_causal: Flags = False, scale: Optional[float] = None,
+           additional_keys: Optional[Tensor] = None, additional_values: Optional[Tensor] = None,
+           attention_kwargs: Optional[dict] = None, backend: Optional[str] = None,
+           q_tile_shape: Optional[Dims] = None, kv_tile_shape: Optional[Dims] = None,
+           backward_q_tile_shape: Optional[Dims] = None, backward_kv_tile_shape: Optional[Dims] = None,
+           backward_kv_splits: Optional[Dims] = None, backward_use_pt_reduction: bool = False,
+           run_persistent_kernel: bool = True, kernel_schedule: Optional[str] = None,
+           torch_compile: bool = False, try_fuse_additional_kv: bool = False,
+           return_lse: bool = False):
+        return _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                   additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
+                   kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
+                   backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
+                   kernel_schedule, torch_compile, try_fuse_additional_kv, return_lse)
+
+    def na_jvp(query: Tensor, key: Tensor, value: Tensor, tangent_query: Optional[Tensor],
+               tangent_key: Optional[Tensor], tangent_value: Optional[Tensor], kernel_size: Dims,
+               stride: Dims = 1, dilation: Dims = 1, is_causal: Flags = False,
+               scale: Optional[float] = None, additional_keys: Optional[Tensor] = None,
+               additional_values: Optional[Tensor] = None,
+               tangent_additional_keys: Optional[Tensor] = None,
+               tangent_additional_values: Optional[Tensor] = None, backend: Optional[str] = None,
+               return_lse: bool = False):
+        return _na_jvp(rank, query, key, value, tangent_query, tangent_key, tangent_value,
+                       kernel_size, stride, dilation, is_causal, scale, additional_keys,
+                       additional_values, tangent_additional_keys, tangent_additional_values,
+                       backend, return_lse)
+
+    na.__name__ = na.__qualname__ = f"na{rank}d"
+    na.__doc__ = _DOC.format(rank=rank, dims=dims, example=example, ks=ks)
+    na_jvp.__name__ = na_jvp.__qualname__ = f"na{rank}d_jvp"
+    na_jvp.__doc__ = (
+        f"""Forward-mode derivative of na{rank}d in one fused pass.
+
+    Args: as na{rank}d, plus tangent_query/tangent_key/tangent_value (and
+    tangent_additional_keys/values) shaped like their primals; None means zero.
+
+    Returns:
+        (output, tangent_output), both [B, {dims}, H, Dv]; with return_lse=True
+        (output, tangent_output, lse, tangent_lse). Differentiable (for consistency-distillation
+        losses on the tangent) and usable under torch.compile.
+    """)
+    return na, na_jvp
+
+
+na1d, na1d_jvp = _make(1, "X", "64", "7")
+na2d, na2d_jvp = _make(2, "X, Y", "16, 16", "(7, 7)")
+na3d, na3d_jvp = _make(3, "X, Y, Z", "8, 8, 8", "(3, 3, 3)")

@@ -1,0 +1,143 @@
+"""torch.library custom ops, one per C kernel, with fake (meta) and vmap rules.
+
+Each op allocates fresh outputs, and the C library writes into them. One shape function per op
+serves both the real op and its fake. Geometry arrives canonical (functional.py validated it):
+kernel_size/stride/dilation/is_causal are lists of length rank (0 for dense attention).
+
+Tensor arguments are always present: absent additional keys (and, for rank 0, absent
+neighborhood keys) are zero-length tensors [B, 0, Hkv, D], so every op has fixed arity and vmap
+can fold every argument the same way.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _lib
+
+__all__ = ["na_forward", "na_backward", "na_forward_jvp"]
+
+_OPTIONS = {"threads": 0, "use_reference": False}
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _forward_shapes(q: Tensor, v: Tensor, vx: Tensor, rank: int):
+    dv = (v if rank > 0 else vx).shape[-1]
+    out = q.new_empty((*q.shape[:-1], dv))
+    lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
+    return out, lse
+
+
+def _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale):
+    return _lib.Problem(q, k, v, kx if kx.shape[1] > 0 else None, vx if vx.shape[1] > 0 else None,
+                        kernel_size, stride, dilation, is_causal, scale)
+
+
+def _extra(kx: Tensor, vx: Tensor) -> dict:
+    return {"kx": kx, "vx": vx} if kx.shape[1] > 0 else {}
+
+
+# ----------------------------------------------------------------------------
+# forward
+
+@torch.library.custom_op("nbhd::na_forward", mutates_args=())
+def na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, kernel_size: List[int],
+               stride: List[int], dilation: List[int], is_causal: List[bool],
+               scale: float) -> Tuple[Tensor, Tensor]:
+    """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention."""
+    out, lse = _forward_shapes(q, v, vx, len(kernel_size))
+    p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
+    _lib.run(_lib.OP_FORWARD, p, {"q": q, "k": k, "v": v, **_extra(kx, vx), "out": out, "lse": lse},
+             **_OPTIONS)
+    return out, lse
+
+
+@na_forward.register_fake
+def _(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale):
+    return _forward_shapes(q, v, vx, len(kernel_size))
+
+
+# ----------------------------------------------------------------------------
+# backward
+
+@torch.library.custom_op("nbhd::na_backward", mutates_args=())
+def na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, out: Tensor, lse: Tensor,
+                d_out: Tensor, d_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
+                dilation: List[int], is_causal: List[bool],
+                scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dkx, dvx), shaped like (q, k, v, kx, vx)."""
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
+    p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
+    dq, dk, dv, dkx, dvx = grads
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "d_out": d_out, "d_lse": d_lse,
+               "d_q": dq, "d_k": dk, "d_v": dv, **_extra(kx, vx)}
+    if kx.shape[1] > 0:
+        tensors.update(d_kx=dkx, d_vx=dvx)
+    _lib.run(_lib.OP_BACKWARD, p, tensors, **_OPTIONS)
+    return grads
+
+
+@na_backward.register_fake
+def _(q, k, v, kx, vx, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
+
+
+# ----------------------------------------------------------------------------
+# forward + JVP
+
+@torch.library.custom_op("nbhd::na_forward_jvp", mutates_args=())
+def na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, t_q: Optional[Tensor],
+                   t_k: Optional[Tensor], t_v: Optional[Tensor], t_kx: Optional[Tensor],
+                   t_vx: Optional[Tensor], kernel_size: List[int], stride: List[int],
+                   dilation: List[int], is_causal: List[bool],
+                   scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, tangent_out, tangent_lse) in one pass; a None tangent is zero."""
+    out, lse = _forward_shapes(q, v, vx, len(kernel_size))
+    t_out, t_lse = torch.empty_like(out), torch.empty_like(lse)
+    p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
+    tensors = {"q": q, "k": k, "v": v, **_extra(kx, vx), "t_q": t_q, "t_k": t_k, "t_v": t_v,
+               "out": out, "lse": lse, "t_out": t_out, "t_lse": t_lse}
+    if kx.shape[1] > 0:
+        tensors.update(t_kx=t_kx, t_vx=t_vx)
+    _lib.run(_lib.OP_FORWARD_JVP, p, tensors, **_OPTIONS)
+    return out, lse, t_out, t_lse
+
+
+@na_forward_jvp.register_fake
+def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, kernel_size, stride, dilation, is_causal, scale):
+    out, lse = _forward_shapes(q, v, vx, len(kernel_size))
+    return out, lse, torch.empty_like(out), torch.empty_like(lse)
+
+
+# ----------------------------------------------------------------------------
+# vmap: fold the vmapped dimension into the batch dimension
+
+def _fold(x: Optional[Tensor], bdim: Optional[int], size: int) -> Optional[Tensor]:
+    if x is None:
+        return None
+    x = x.movedim(bdim, 0) if bdim is not None else x.unsqueeze(0).expand(size, *x.shape)
+    return x.flatten(0, 1)
+
+
+def _unfold(x: Tensor, size: int) -> Tensor:
+    return x.unflatten(0, (size, x.shape[0] // size if size else 0))
+
+
+def _register_batch_folding(op, n_tensors: int):
+    def rule(info, in_dims, *args):
+        size = info.batch_size
+        tensors = [_fold(a, d, size) for a, d in zip(args[:n_tensors], in_dims[:n_tensors])]
+        outs = op(*tensors, *args[n_tensors:])
+        return tuple(_unfold(o, size) for o in outs), tuple(0 for _ in outs)
+
+    torch.library.register_vmap(op, rule)
+
+
+_register_batch_folding(na_forward, 5)
+_register_batch_folding(na_backward, 9)
+_register_batch_folding(na_forward_jvp, 10)
