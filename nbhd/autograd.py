@@ -11,8 +11,8 @@ torch.func transform composes with it.
 Under torch.compile the custom ops are used directly with register_autograd (Dynamo cannot
 trace an autograd.Function that defines jvp); see `na_compiled`.
 
-`geometry` below is the tuple (kernel_size, stride, dilation, is_causal, scale) with lists of
-length rank, already validated by functional.py.
+`geometry` below is a Geometry: (kernel_size, stride, dilation, is_causal, scale) with lists
+of length rank, already validated by functional.py.
 """
 from __future__ import annotations
 
@@ -24,7 +24,26 @@ from torch import Tensor
 from . import ops
 from .reference import na_reference
 
-__all__ = ["NeighborhoodAttention", "na_autograd", "na_jvp_autograd", "na_compiled", "na_jvp_compiled"]
+__all__ = ["Geometry", "NeighborhoodAttention", "na_autograd", "na_jvp_autograd", "na_compiled", "na_jvp_compiled"]
+
+
+class Geometry:
+    """(kernel_size, stride, dilation, is_causal, scale), unpackable like a tuple.
+
+    A plain object on purpose: autograd.Function's generated vmap rule flattens tuples and
+    lists among the arguments as pytrees, which must not happen to the geometry."""
+
+    __slots__ = ("kernel_size", "stride", "dilation", "is_causal", "scale")
+
+    def __init__(self, kernel_size, stride, dilation, is_causal, scale):
+        self.kernel_size, self.stride, self.dilation = list(kernel_size), list(stride), list(dilation)
+        self.is_causal, self.scale = [bool(c) for c in is_causal], float(scale)
+
+    def __iter__(self):
+        return iter((self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale))
+
+    def __repr__(self):
+        return "Geometry(kernel_size={}, stride={}, dilation={}, is_causal={}, scale={})".format(*self)
 
 
 # ----------------------------------------------------------------------------
@@ -50,6 +69,22 @@ def _reference_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
 
 def _zeros_for(tangents, primals):
     return tuple(torch.zeros_like(p) if t is None else t for t, p in zip(tangents, primals))
+
+
+def _jvp_by_double_vjp(fn, primals, tangents):
+    """J(primals) @ tangents through two reverse passes: vjp_fn(u) = J^T u is linear in u, and
+    its own vjp applied to `tangents` is J tangents. Used inside jvp rules, where PyTorch does
+    not allow nested forward-mode AD (e.g. hessian = jacfwd(jacrev(f)))."""
+    out, vjp_fn = torch.func.vjp(fn, *primals)
+    zeros = tuple(torch.zeros_like(o) for o in out)
+    _, vjp_of_vjp = torch.func.vjp(vjp_fn, zeros)
+    (t_out,) = vjp_of_vjp(tuple(tangents))
+    return out, t_out
+
+
+def _dense(tensors):
+    """Expanded inputs (e.g. the gradient of a sum) cannot become dual tensors: copy those."""
+    return tuple(t.contiguous() for t in tensors)
 
 
 # ----------------------------------------------------------------------------
@@ -82,9 +117,9 @@ class _Backward(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tq, tk, tv, tkx, tvx, t_out, t_lse, t_dout, t_dlse, _):
         q, k, v, kx, vx, d_out, d_lse = ctx.saved_tensors
-        primals = (q, k, v, kx, vx, d_out, d_lse)
-        tangents = _zeros_for((tq, tk, tv, tkx, tvx, t_dout, t_dlse), primals)
-        _, t = torch.func.jvp(lambda *x: _reference_backward(*x, ctx.geometry), primals, tangents)
+        primals = _dense((q, k, v, kx, vx, d_out, d_lse))
+        tangents = _dense(_zeros_for((tq, tk, tv, tkx, tvx, t_dout, t_dlse), primals))
+        _, t = _jvp_by_double_vjp(lambda *x: _reference_backward(*x, ctx.geometry), primals, tangents)
         return t
 
 
@@ -118,9 +153,9 @@ class _ForwardJvp(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, *tangents):
-        saved = ctx.saved_tensors
-        t = _zeros_for(tangents[:10], saved)
-        _, tout = torch.func.jvp(lambda *x: _reference_forward_jvp(*x, ctx.geometry), saved, t)
+        saved = _dense(ctx.saved_tensors)
+        t = _dense(_zeros_for(tangents[:10], saved))
+        _, tout = _jvp_by_double_vjp(lambda *x: _reference_forward_jvp(*x, ctx.geometry), saved, t)
         return tout
 
 
@@ -171,7 +206,7 @@ def na_jvp_autograd(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
 def _fwd_setup(ctx, inputs, output):
     q, k, v, kx, vx, *geometry = inputs
     out, lse = output
-    ctx.geometry = tuple(geometry)
+    ctx.geometry = Geometry(*geometry)
     ctx.save_for_backward(q, k, v, kx, vx, out, lse)
 
 
@@ -186,7 +221,7 @@ torch.library.register_autograd("nbhd::na_forward", _fwd_backward, setup_context
 
 def _bwd_setup(ctx, inputs, output):
     q, k, v, kx, vx, out, lse, d_out, d_lse, *geometry = inputs
-    ctx.geometry = tuple(geometry)
+    ctx.geometry = Geometry(*geometry)
     ctx.has_dlse = d_lse is not None
     ctx.save_for_backward(q, k, v, kx, vx, d_out, d_lse if d_lse is not None else torch.zeros_like(lse))
 
@@ -207,7 +242,7 @@ torch.library.register_autograd("nbhd::na_backward", _bwd_backward, setup_contex
 
 def _jvp_setup(ctx, inputs, output):
     *tensors, ks, st, dil, causal, scale = inputs
-    ctx.geometry = (ks, st, dil, causal, scale)
+    ctx.geometry = Geometry(ks, st, dil, causal, scale)
     primals = tuple(tensors[:5])
     ctx.present = tuple(t is not None for t in tensors[5:])
     ctx.save_for_backward(*primals, *_zeros_for(tensors[5:], primals))

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checks
-from .autograd import na_autograd, na_compiled, na_jvp_autograd, na_jvp_compiled
+from .autograd import Geometry, na_autograd, na_compiled, na_jvp_autograd, na_jvp_compiled
 from .reference import na_reference
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_jvp", "na2d_jvp", "na3d_jvp"]
@@ -38,7 +38,7 @@ class _Call:
             raise TypeError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
         self.q, self.k, self.v, self.kx, self.vx = q, k, v, kx, vx
         self.spatial = spatial
-        self.geometry = (list(ks), list(st), list(dil), list(causal), checks.scale_of(scale, q.shape[-1]))
+        self.geometry = Geometry(ks, st, dil, causal, checks.scale_of(scale, q.shape[-1]))
         self.backend = backends.choose(q, backend)
 
     def is_self_attention(self) -> bool:
@@ -60,7 +60,7 @@ class _Call:
                 k_all, v_all = torch.cat([k_all, kx], 1), torch.cat([v_all, vx], 1)
             q_tokens = q.reshape(B, -1, *q.shape[-2:])
             return (q_tokens, self.empty_extra(k), self.empty_extra(v), k_all, v_all,
-                    ([], [], [], [], self.geometry[4]))
+                    Geometry([], [], [], [], self.geometry.scale))
         if kx is None:
             kx, vx = self.empty_extra(k), self.empty_extra(v)
         return q, k, v, kx, vx, self.geometry

@@ -62,7 +62,10 @@ def neighborhood_index(shape: Sequence[int], kernel_size, stride, dilation, is_c
                        device=None) -> Tuple[Tensor, Tensor]:
     """Key token index [N, W] and validity [N, W] of every query token (row-major tokens)."""
     dev = str(torch.device(device) if device is not None else torch.device("cpu"))
-    return _neighborhood_index_cached(tuple(int(x) for x in shape), tuple(kernel_size), tuple(stride),
+    # Plain tensors, even when called inside torch.func transforms: they are cached and shared
+    # across calls, so they must not be wrapped at the transform level of the first caller.
+    with torch._C._DisableFuncTorch():
+        return _neighborhood_index_cached(tuple(int(x) for x in shape), tuple(kernel_size), tuple(stride),
                                       tuple(dilation), tuple(bool(c) for c in is_causal), dev)
 
 
