@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One run on the GPU machine: build nbhd with nvcc for sm_90a, run the CUDA test suite,
+# compute-sanitizer (memcheck, racecheck) on a small sweep, then the benchmark.
+# Logs go to $OUT (or ./out); the summary table prints last.
+#   STAGES="build test sanitize bench" (default all)  BENCH_ARGS="..."  PYTEST_ARGS="..."
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build test sanitize bench"}
+export PYTHONUNBUFFERED=1 NBHD_CUDA_ARCH=${NBHD_CUDA_ARCH:-90a}
+PY=${PY:-python3}
+summary=()
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+
+if has build; then
+    t0=$SECONDS
+    if $PY -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+        summary+=("build: ok ($((SECONDS - t0)) s)")
+    else
+        tail -40 "$OUT/build.log"; summary+=("build: FAILED (see build.log)")
+        printf '%s\n' "${summary[@]}"; exit 1
+    fi
+fi
+
+if has test; then
+    t0=$SECONDS
+    $PY -m pytest -q -x --timeout=900 -p no:cacheprovider tests/test_cuda.py ${PYTEST_ARGS:-} \
+        >"$OUT/test.log" 2>&1
+    rc=$?
+    tail -25 "$OUT/test.log"
+    summary+=("tests/test_cuda.py: rc=$rc, $(grep -E '[0-9]+ (passed|failed)' "$OUT/test.log" | tail -1) ($((SECONDS - t0)) s)")
+fi
+
+if has sanitize; then
+    for tool in memcheck racecheck; do
+        t0=$SECONDS
+        compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_cuda.py \
+            >"$OUT/sanitize_$tool.log" 2>&1
+        rc=$?
+        tail -5 "$OUT/sanitize_$tool.log"
+        summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1) ($((SECONDS - t0)) s)")
+    done
+fi
+
+if has bench; then
+    $PY bench/bench_gpu.py --csv "$OUT/bench.csv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+
+echo "==== summary ($(cat "$OUT/device.txt"))"
+printf '%s\n' "${summary[@]}"
+has bench && grep -v "^  flex failed" "$OUT/bench.log" | tail -12

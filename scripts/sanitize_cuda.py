@@ -1,0 +1,32 @@
+"""A small sweep of every CUDA kernel for compute-sanitizer (memcheck, racecheck): forward
+(tensor-core and simple), backward, forward+JVP, on small odd shapes with extra keys."""
+import torch
+
+from nbhd import ops
+
+CASES = [
+    # rank extents kernel stride dilation causal H Hkv D S dtype
+    (1, (37,), (7,), (2,), (1,), (False,), 2, 1, 64, 3, torch.bfloat16),
+    (2, (11, 9), (5, 3), (1, 2), (2, 1), (False, True), 2, 2, 32, 0, torch.float16),
+    (3, (5, 6, 7), (3, 3, 4), (1, 1, 2), (1, 2, 1), (True, False, False), 2, 1, 128, 5, torch.bfloat16),
+    (2, (7, 8), (3, 4), (1, 1), (1, 1), (False, False), 2, 2, 24, 2, torch.float32),
+    (0, (9,), (), (), (), (), 2, 1, 64, 17, torch.bfloat16),
+]
+
+for use_ref in (False, True):
+    ops._OPTIONS["use_reference"] = use_ref
+    for rank, ext, ks, st, dil, causal, H, Hkv, D, S, dt in CASES:
+        B = 2
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=dt)
+        q = mk(B, *ext, H, D)
+        k = mk(B, *ext, Hkv, D) if rank else mk(B, 0, Hkv, D)
+        v = mk(B, *ext, Hkv, D) if rank else mk(B, 0, Hkv, D)
+        kx, vx = mk(B, S, Hkv, D), mk(B, S, Hkv, D)
+        geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5)
+        out, lse = ops.na_forward(q, k, v, kx, vx, *geo)
+        if not use_ref:
+            continue
+        ops.na_backward(q, k, v, kx, vx, out, lse, torch.randn_like(out), torch.randn_like(lse), *geo)
+        ops.na_forward_jvp(q, k, v, kx, vx, q, None, v, kx if S else None, None, *geo)
+torch.cuda.synchronize()
+print("sanitize sweep done")

@@ -1,0 +1,270 @@
+"""GPU tests of the CUDA kernels (csrc/cuda): every output, gradient and tangent against the
+float64 reference (nbhd/reference.py), outputs poisoned first; torch.func / compile / CUDA-graph
+on cuda. Skipped cleanly without a GPU or without a CUDA build.
+
+Errors are max|x - ref| / max|ref| per output: fp32/fp64 < 1e-5, fp16/bf16 < 1e-2.
+NBHD_CUDA_TEST_QUICK=1 runs a subset.
+"""
+import os
+import zlib
+
+import pytest
+import torch
+
+import nbhd
+from nbhd import _lib, ops
+from nbhd.reference import na_reference
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not _lib.has_cuda(),
+    reason="needs a CUDA GPU and nbhd built with nvcc")
+
+TOL = {torch.float64: 1e-5, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def rel_err(x, ref):
+    x, ref = x.double(), ref.double()
+    assert not torch.isnan(x).any(), "NaN in result (an unwritten output element?)"
+    return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def poison():
+    """Fill the caching allocator's free blocks with NaN so that torch.empty outputs start NaN."""
+    blocks = [torch.empty(n, dtype=torch.uint8, device="cuda").fill_(0xFF)
+              for n in [1 << 16] * 16 + [1 << 20] * 8 + [1 << 24] * 4]
+    del blocks
+
+
+# ----------------------------------------------------------------------------
+# cases: (rank, extents, kernel, stride, dilation, causal, B, H, Hkv, D, Dv, extra, layout)
+
+CASES = [
+    (1, (37,), (7,), (1,), (1,), (False,), 2, 4, 4, 32, 32, 0, "contig"),
+    (1, (64,), (8,), (3,), (2,), (False,), 1, 4, 2, 64, 64, 5, "contig"),
+    (1, (50,), (6,), (2,), (1,), (True,), 2, 2, 1, 64, 64, 0, "heads_major"),
+    (1, (130,), (33,), (1,), (3,), (False,), 1, 2, 2, 128, 128, 0, "contig"),
+    (2, (13, 11), (3, 5), (1, 1), (1, 1), (False, False), 2, 2, 2, 32, 32, 0, "contig"),
+    (2, (16, 16), (7, 7), (1, 1), (1, 1), (False, False), 1, 4, 2, 64, 64, 0, "heads_major"),
+    (2, (12, 17), (4, 6), (2, 3), (2, 1), (True, False), 1, 2, 1, 64, 64, 3, "contig"),
+    (2, (15, 14), (5, 4), (5, 2), (1, 2), (False, True), 2, 2, 2, 128, 128, 0, "contig"),
+    (2, (9, 10), (3, 3), (1, 1), (1, 1), (False, False), 1, 3, 1, 24, 40, 2, "contig"),
+    (2, (10, 10), (5, 5), (1, 1), (1, 1), (False, False), 1, 2, 2, 32, 32, 0, "strided_d"),
+    (3, (6, 7, 8), (3, 3, 3), (1, 1, 1), (1, 1, 1), (False, False, False), 1, 2, 2, 64, 64, 0, "contig"),
+    (3, (8, 6, 9), (4, 3, 5), (2, 1, 3), (1, 2, 1), (True, False, True), 1, 4, 2, 32, 32, 4, "contig"),
+    (3, (5, 8, 8), (5, 4, 4), (5, 4, 4), (1, 1, 1), (False, False, False), 2, 2, 1, 128, 128, 0, "heads_major"),
+    (3, (6, 6, 6), (3, 2, 3), (1, 2, 1), (2, 1, 2), (False, True, False), 1, 2, 2, 16, 8, 1, "strided_d"),
+    (0, (20,), (), (), (), (), 2, 4, 2, 64, 64, 33, "contig"),
+    (0, (7,), (), (), (), (), 1, 2, 2, 32, 48, 9, "contig"),
+]
+if os.environ.get("NBHD_CUDA_TEST_QUICK") == "1":
+    CASES = CASES[::3]
+
+
+def make(shape, dtype, layout, gen):
+    """A random tensor of logical shape [B, *S, H, D] in the given memory layout."""
+    if layout == "heads_major":  # [B, H, *S, D] storage, permuted to heads-last
+        n = len(shape)
+        perm_store = (0, n - 2, *range(1, n - 2), n - 1)
+        t = torch.randn([shape[i] for i in perm_store], generator=gen, device="cuda", dtype=torch.float64)
+        inv = [perm_store.index(i) for i in range(n)]
+        t = t.permute(*inv)
+    elif layout == "strided_d":  # last-dim stride 2
+        t = torch.randn(*shape, 2, generator=gen, device="cuda", dtype=torch.float64)[..., 0]
+    else:
+        t = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float64)
+    return t.to(dtype)
+
+
+def build(case, dtype, seed):
+    rank, ext, ks, st, dil, causal, B, H, Hkv, D, Dv, S, layout = case
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = make((B, *ext, H, D), dtype, layout, gen)
+    if rank > 0:
+        k = make((B, *ext, Hkv, D), dtype, layout, gen)
+        v = make((B, *ext, Hkv, Dv), dtype, layout, gen)
+    else:
+        k = torch.empty(B, 0, Hkv, D, device="cuda", dtype=dtype)
+        v = torch.empty(B, 0, Hkv, Dv, device="cuda", dtype=dtype)
+    kx = make((B, S, Hkv, D), dtype, layout if S else "contig", gen)
+    vx = make((B, S, Hkv, Dv), dtype, layout if S else "contig", gen)
+    geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5)
+    return (q, k, v, kx, vx), geo
+
+
+def reference(inputs, geo, rank):
+    q, k, v, kx, vx = [t.double() for t in inputs]
+    ks, st, dil, causal, scale = geo
+    if rank == 0:  # dense over the extra keys: the reference sees them as additional keys only
+        return na_reference(q, None, None, [], [], [], [], scale, kx, vx)
+    return na_reference(q, k, v, ks, st, dil, causal, scale,
+                        kx if kx.shape[1] else None, vx if vx.shape[1] else None)
+
+
+def ids(case):
+    rank, ext, ks, st, dil, causal, B, H, Hkv, D, Dv, S, layout = case
+    return f"r{rank}-{'x'.join(map(str, ext))}-k{ks}-s{st}-d{dil}-c{[int(c) for c in causal]}-H{H}/{Hkv}-D{D}/{Dv}-S{S}-{layout}"
+
+
+@pytest.fixture(params=[False, True], ids=["fast", "simple"])
+def use_reference(request):
+    old = ops._OPTIONS["use_reference"]
+    ops._OPTIONS["use_reference"] = request.param
+    yield request.param
+    ops._OPTIONS["use_reference"] = old
+
+
+def check(name, got, ref, dtype, case):
+    err = rel_err(got, ref)
+    assert err < TOL[dtype], f"{name}: rel err {err:.3g} >= {TOL[dtype]} for {ids(case)} {dtype}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_forward(case, dtype, use_reference):
+    inputs, geo = build(case, dtype, zlib.crc32(ids(case).encode()) % 1000)
+    ref_out, ref_lse = reference(inputs, geo, case[0])
+    poison()
+    out, lse = ops.na_forward(*inputs, *geo)
+    torch.cuda.synchronize()
+    check("out", out, ref_out, dtype, case)
+    check("lse", lse, ref_lse, dtype, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_backward(case, dtype):
+    rank = case[0]
+    inputs, geo = build(case, dtype, 1 + zlib.crc32(ids(case).encode()) % 1000)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    ref_in = [t.double().requires_grad_() for t in inputs]
+    ref_out, ref_lse = reference(ref_in, geo, rank)
+    d_out = torch.randn(ref_out.shape, generator=gen, device="cuda", dtype=torch.float64)
+    d_lse = torch.randn(ref_lse.shape, generator=gen, device="cuda", dtype=torch.float64)
+    wrt = [t for t in ref_in if t.numel()]
+    ref_grads = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), wrt,
+                                    allow_unused=True)
+    out, lse = ops.na_forward(*inputs, *geo)
+    poison()
+    grads = ops.na_backward(*inputs, out, lse, d_out.to(dtype), d_lse.to(lse.dtype), *geo)
+    torch.cuda.synchronize()
+    got = [g for g, t in zip(grads, inputs) if t.numel()]
+    for name, g, r in zip(["dq", "dk", "dv", "dkx", "dvx"], got, ref_grads):
+        if r is None:
+            r = torch.zeros_like(g, dtype=torch.float64)
+        tol_dtype = dtype
+        check(name, g, r, tol_dtype, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=ids)
+@pytest.mark.parametrize("absent", ["none", "tq", "tkv"])
+def test_forward_jvp(case, dtype, absent):
+    rank = case[0]
+    inputs, geo = build(case, dtype, 2 + zlib.crc32(ids(case).encode()) % 1000)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    tangents = [torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64) for t in inputs]
+    if absent == "tq":
+        tangents[0] = torch.zeros_like(tangents[0])
+    if absent == "tkv":
+        tangents[1] = torch.zeros_like(tangents[1])
+        tangents[4] = torch.zeros_like(tangents[4])
+    primals = tuple(t.double() for t in inputs)
+    (ref_out, ref_lse), (ref_tout, ref_tlse) = torch.func.jvp(
+        lambda *a: reference(a, geo, rank), primals, tuple(t.to(dtype).double() for t in tangents))
+    tc = [t.to(dtype) for t in tangents]
+    if absent == "tq":
+        tc[0] = None
+    if absent == "tkv":
+        tc[1] = None
+        tc[4] = None
+    poison()
+    out, lse, tout, tlse = ops.na_forward_jvp(*inputs, *tc, *geo)
+    torch.cuda.synchronize()
+    check("out", out, ref_out, dtype, case)
+    check("lse", lse, ref_lse, dtype, case)
+    check("t_out", tout, ref_tout, dtype, case)
+    check("t_lse", tlse, ref_tlse, dtype, case)
+
+
+# ----------------------------------------------------------------------------
+# transforms on cuda through the public functions
+
+def _qkv(dtype=torch.float32, shape=(2, 12, 10, 4, 32)):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    return [torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dtype)
+            for _ in range(3)]
+
+
+KW = dict(kernel_size=(5, 3), stride=(2, 1), dilation=(1, 2), is_causal=(False, True))
+
+
+def _ref(q, k, v):
+    return nbhd.na2d(q, k, v, backend="reference", **KW)
+
+
+def _cuda(q, k, v):
+    return nbhd.na2d(q, k, v, backend="cuda-fna", **KW)
+
+
+def test_func_jvp():
+    q, k, v = _qkv(torch.float64)
+    tq, tk, tv = _qkv(torch.float64)
+    out, tout = torch.func.jvp(_cuda, (q, k, v), (tq, tk, tv))
+    rout, rtout = torch.func.jvp(_ref, (q, k, v), (tq, tk, tv))
+    assert rel_err(out, rout) < 1e-10 and rel_err(tout, rtout) < 1e-10
+
+
+def test_func_grad():
+    q, k, v = _qkv(torch.float64)
+    g = torch.func.grad(lambda *a: _cuda(*a).square().sum(), argnums=(0, 1, 2))(q, k, v)
+    r = torch.func.grad(lambda *a: _ref(*a).square().sum(), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g, r):
+        assert rel_err(a, b) < 1e-10
+
+
+def test_func_vmap():
+    q, k, v = _qkv(torch.float32, (3, 2, 12, 10, 4, 32))
+    out = torch.func.vmap(_cuda)(q, k, v)
+    ref = torch.stack([_ref(q[i].double(), k[i].double(), v[i].double()) for i in range(3)])
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_compile():
+    q, k, v = [t.requires_grad_() for t in _qkv(torch.bfloat16, (2, 16, 16, 4, 64))]
+    f = torch.compile(_cuda, fullgraph=True, dynamic=True)
+    out = f(q, k, v)
+    out.float().square().sum().backward()
+    qr, kr, vr = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = _ref(qr, kr, vr)
+    ref.square().sum().backward()
+    assert rel_err(out, ref) < 1e-2
+    for a, b in zip((q.grad, k.grad, v.grad), (qr.grad, kr.grad, vr.grad)):
+        assert rel_err(a, b) < 2e-2
+
+
+def test_cuda_graph():
+    q, k, v = [t.requires_grad_() for t in _qkv(torch.bfloat16, (2, 16, 16, 4, 64))]
+    d_out = torch.randn(2, 16, 16, 4, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = _cuda(q, k, v)
+        return (out,) + torch.autograd.grad(out, (q, k, v), d_out)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    with torch.no_grad():
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for a, b in zip(static, eager):
+        assert rel_err(a, b) < 1e-6
