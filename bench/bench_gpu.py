@@ -110,7 +110,7 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--only", default=None, help="substring of problem names")
-    ap.add_argument("--max-slow-flop", type=float, default=3e12,
+    ap.add_argument("--max-slow-flop", type=float, default=5e12,
                     help="skip backward / forward+JVP above this many useful FLOPs while they "
                          "run on the simple (non-tensor-core) kernels")
     args = ap.parse_args()
