@@ -15,11 +15,16 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _lib
+from . import _lib, context
 
 __all__ = ["na_forward", "na_backward", "na_forward_jvp"]
 
 _OPTIONS = {"threads": 0, "use_reference": False}
+
+
+def _run_options() -> dict:
+    """_OPTIONS plus the context flags, read at run time (no recompilation when they change)."""
+    return {**_OPTIONS, "kv_parallel": context.kv_parallelism_for_run()}
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,7 +58,7 @@ def na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, kernel_s
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
     _lib.run(_lib.OP_FORWARD, p, {"q": q, "k": k, "v": v, **_extra(kx, vx), "out": out, "lse": lse},
-             **_OPTIONS)
+             **_run_options())
     return out, lse
 
 
@@ -78,7 +83,7 @@ def na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, out: Te
                "d_q": dq, "d_k": dk, "d_v": dv, **_extra(kx, vx)}
     if kx.shape[1] > 0:
         tensors.update(d_kx=dkx, d_vx=dvx)
-    _lib.run(_lib.OP_BACKWARD, p, tensors, **_OPTIONS)
+    _lib.run(_lib.OP_BACKWARD, p, tensors, **_run_options())
     return grads
 
 
@@ -104,7 +109,7 @@ def na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, t_q:
                "out": out, "lse": lse, "t_out": t_out, "t_lse": t_lse}
     if kx.shape[1] > 0:
         tensors.update(t_kx=t_kx, t_vx=t_vx)
-    _lib.run(_lib.OP_FORWARD_JVP, p, tensors, **_OPTIONS)
+    _lib.run(_lib.OP_FORWARD_JVP, p, tensors, **_run_options())
     return out, lse, t_out, t_lse
 
 
