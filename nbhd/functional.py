@@ -71,12 +71,31 @@ class _Call:
                 lse.reshape(B, *self.spatial, lse.shape[-1]))
 
 
+def _use_custom_op() -> bool:
+    """Eager calls go through the autograd.Function (fused jvp rule); under torch.compile the
+    custom ops with register_autograd keep the graph whole.
+
+    A torch.func transform traced by Dynamo (torch.compile(torch.func.jvp(f))) drops custom
+    forward-mode rules and would silently return a zero tangent, and Dynamo cannot tell which
+    transform is active. So a compiled call inside any transform is refused: never a wrong
+    tangent."""
+    if not torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise NotImplementedError(
+            "nbhd: torch.compile around a torch.func transform (jvp, vmap, grad, ...) is not "
+            "supported: PyTorch would drop nbhd's forward-mode rule and give a wrong tangent. "
+            "Compile the function inside the transform instead (torch.func.jvp(torch.compile(f), "
+            "...)), or call nbhd.na1d_jvp/na2d_jvp/na3d_jvp, which work compiled.")
+    return True
+
+
 def _forward(call: _Call) -> Tuple[Tensor, Tensor]:
     if call.backend == "reference":
         ks, st, dil, causal, scale = call.geometry
         return na_reference(call.q, call.k, call.v, ks, st, dil, causal, scale, call.kx, call.vx)
     args = call.kernel_args()
-    if torch.compiler.is_compiling():
+    if _use_custom_op():
         out, lse = na_compiled(*args)
     else:
         out, lse = na_autograd(*args)
@@ -108,7 +127,7 @@ def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
             [flat(tv) if tv is not None else flat(torch.zeros_like(call.v)),
              *([] if call.vx is None else [tvx if tvx is not None else torch.zeros_like(call.vx)])], 1)
         tq, tk, tv, tkx, tvx = flat(tq), None, None, tk_all, tv_all
-    run = na_jvp_compiled if torch.compiler.is_compiling() else na_jvp_autograd
+    run = na_jvp_compiled if _use_custom_op() else na_jvp_autograd
     out, lse, t_out, t_lse = run(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry)
     out, lse = call.restore(out, lse)
     t_out, t_lse = call.restore(t_out, t_lse)
