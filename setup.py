@@ -61,7 +61,7 @@ class BuildNbhd(build_ext):
             ext.define_macros = [*ext.define_macros, ("NBHD_WITH_CUDA", "1")]
             lib_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
             ext.library_dirs = [d for d in lib_dirs if os.path.isdir(d)]
-            ext.libraries = [*ext.libraries, "cudart"]
+            ext.libraries = [*ext.libraries, "cudart", "stdc++"]  # nvcc host code needs the C++ runtime
             ext.runtime_library_dirs = ext.library_dirs
         super().build_extension(ext)
 
