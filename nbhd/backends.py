@@ -90,7 +90,9 @@ def forward_ad_requested(*tensors: Optional[Tensor]) -> bool:
 
 
 def can_run_flex_fna(q: Tensor, raise_error: bool = False, tensors: Sequence[Optional[Tensor]] = (),
-                     torch_compile: bool = False, **_) -> bool:
+                     torch_compile: bool = False, forward_ad: bool = False, **_) -> bool:
+    """tensors: the call's other inputs (grad and forward-AD checks); forward_ad: the call
+    itself asks for a tangent (na*d_jvp)."""
     if not _flex_available():
         return _refuse(raise_error, f"flex-fna needs torch.nn.attention.flex_attention "
                                     f"(PyTorch >= 2.5), this is {torch.__version__}")
@@ -101,7 +103,7 @@ def can_run_flex_fna(q: Tensor, raise_error: bool = False, tensors: Sequence[Opt
             t is not None and t.requires_grad for t in all_tensors):
         return _refuse(raise_error, "flex-fna cannot backpropagate on the CPU (PyTorch's "
                                     "flex_attention has no CPU backward); use cpu-fna")
-    if forward_ad_requested(*all_tensors):
+    if forward_ad or forward_ad_requested(*all_tensors):
         return _refuse(raise_error, "flex-fna cannot do forward-mode AD (torch.func.jvp, "
                                     "torch.autograd.forward_ad): PyTorch's flex_attention has no "
                                     "jvp rule; use backend=None, 'cpu-fna', 'cuda-fna' or "
@@ -240,6 +242,7 @@ def flex_na(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], kx: Optional[Te
     is dense attention of q [B, S_q, H, D] over kx/vx alone. Returns out [B, *S, H, Dv] and
     lse [B, *S, H] (float32; float64 for float64 inputs)."""
     import warnings as _w
+    can_run_flex_fna(q, raise_error=True, tensors=(k, v, kx, vx), torch_compile=torch_compile)
     from torch.nn.attention.flex_attention import create_block_mask
     ks = list(geometry[0])
     rank = len(ks)

@@ -10,7 +10,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import backends, checks
+from . import backends, checks, configs
 from .autograd import Geometry, na_autograd, na_compiled, na_jvp_autograd, na_jvp_compiled
 from .reference import na_reference
 
@@ -90,7 +90,11 @@ def _use_custom_op() -> bool:
     return True
 
 
-def _forward(call: _Call) -> Tuple[Tensor, Tensor]:
+def _forward(call: _Call, torch_compile: bool = False) -> Tuple[Tensor, Tensor]:
+    if call.backend == "flex-fna":
+        ks, st, dil, causal, scale = call.geometry
+        return backends.flex_na(call.q, call.k, call.v, call.kx, call.vx, (ks, st, dil, causal),
+                                scale, torch_compile=torch_compile)
     if call.backend == "reference":
         ks, st, dil, causal, scale = call.geometry
         return na_reference(call.q, call.k, call.v, ks, st, dil, causal, scale, call.kx, call.vx)
@@ -104,6 +108,8 @@ def _forward(call: _Call) -> Tuple[Tensor, Tensor]:
 
 def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     tq, tk, tv, tkx, tvx = tangents
+    if call.backend == "flex-fna":
+        backends.can_run_flex_fna(call.q, raise_error=True, tensors=tangents, forward_ad=True)
     if call.backend == "reference":
         ks, st, dil, causal, scale = call.geometry
         primals = (call.q, call.k, call.v, call.kx, call.vx)
@@ -171,7 +177,8 @@ _DOC = """{rank}-D neighborhood attention (NATTEN-compatible).
         scale: attention scale (default D**-0.5)
         additional_keys: [B, S_add, Hkv, D] tokens seen by every query, or None
         additional_values: [B, S_add, Hkv, Dv], given together with additional_keys
-        backend: None (best available), "cpu-fna", "cuda-fna" or "reference"
+        backend: None (best available), "cpu-fna", "cuda-fna", "flex-fna", "reference", or a
+            NATTEN name (mapped with a warning; see nbhd.backends)
         return_lse: also return the logsumexp [B, {dims}, H] (float32; float64 for float64 inputs)
 
     Performance knobs (validated: {rank}-tuples of positive ints; backends without tiles ignore
@@ -199,7 +206,9 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
     call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, backend, q_tile_shape, kv_tile_shape,
                  backward_q_tile_shape, backward_kv_tile_shape, attention_kwargs)
-    out, lse = _forward(call)
+    configs.validate_tiles(call.backend, call.q, call.k, call.v, q_tile_shape, kv_tile_shape,
+                           backward_q_tile_shape, backward_kv_tile_shape)
+    out, lse = _forward(call, torch_compile)
     return (out, lse) if return_lse else out
 
 
