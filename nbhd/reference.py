@@ -13,6 +13,8 @@ q [B, S_q, H, D] over the additional keys alone.
 from __future__ import annotations
 
 import functools
+
+import torch._guards
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -62,6 +64,11 @@ def neighborhood_index(shape: Sequence[int], kernel_size, stride, dilation, is_c
                        device=None) -> Tuple[Tensor, Tensor]:
     """Key token index [N, W] and validity [N, W] of every query token (row-major tokens)."""
     dev = str(torch.device(device) if device is not None else torch.device("cpu"))
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        # tracing: build the index inside the trace (a cached real tensor cannot enter fake mode)
+        return _neighborhood_index_cached.__wrapped__(
+            tuple(int(x) for x in shape), tuple(kernel_size), tuple(stride), tuple(dilation),
+            tuple(bool(c) for c in is_causal), dev)
     # Plain tensors, even when called inside torch.func transforms: they are cached and shared
     # across calls, so they must not be wrapped at the transform level of the first caller.
     with torch._C._DisableFuncTorch():

@@ -1,0 +1,157 @@
+"""attention() and merge_attentions(): values, LSE, gradients (incl. on the LSE), jvp, vmap,
+gradcheck with forward AD, against the float64 reference (dense = rank-0 reference)."""
+import pytest
+import torch
+
+import nbhd
+from nbhd.reference import na_reference
+
+DT = torch.float64
+
+
+def dense_ref(q, k, v, scale=None, causal=False):
+    """(out, lse) of dense attention by the reference (rank 0 = attention over extra keys)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if causal:
+        return na_reference(q, k, v, [q.shape[1]], [1], [1], [True], scale)
+    return na_reference(q, None, None, [], [], [], [], scale, k, v)
+
+
+def make(B=2, Sq=5, Skv=7, H=4, Hkv=2, D=8, Dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=DT)
+    return r(B, Sq, H, D), r(B, Skv, Hkv, D), r(B, Skv, Hkv, Dv)
+
+
+def close(a, b, tol=1e-10):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a - b).abs().max().item()
+    assert err <= tol * max(1.0, b.abs().max().item()), err
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-fna", "reference", "flex-fna"])
+@pytest.mark.parametrize("dims", [(2, 5, 7, 4, 2, 8, 6), (1, 9, 3, 2, 1, 4, 4), (2, 1, 1, 3, 3, 5, 2)])
+def test_attention_forward(backend, dims):
+    q, k, v = make(*dims)
+    out, lse = nbhd.attention(q, k, v, backend=backend, return_lse=True)
+    ro, rl = dense_ref(q, k, v)
+    close(out, ro)
+    close(lse, rl)
+    assert lse.dtype == DT
+    assert nbhd.attention(q, k, v, backend=backend).shape == ro.shape
+
+
+def test_attention_scale_and_float32():
+    q, k, v = make()
+    close(nbhd.attention(q, k, v, scale=0.0), dense_ref(q, k, v, 0.0)[0])
+    out, lse = nbhd.attention(q.float(), k.float(), v.float(), scale=0.3, return_lse=True)
+    ro, rl = dense_ref(q, k, v, 0.3)
+    assert lse.dtype == torch.float32
+    close(out.double(), ro, 1e-5)
+    close(lse.double(), rl, 1e-5)
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_attention_causal(backend):
+    q, k, v = make(Sq=7, Skv=7)
+    out, lse = nbhd.attention(q, k, v, is_causal=True, backend=backend, return_lse=True)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) * 8 ** -0.5
+    s = s.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    close(lse, s.logsumexp(-1).transpose(1, 2))
+    close(out, torch.einsum("bhqk,bkhe->bqhe", s.softmax(-1), v.repeat_interleave(2, 2)))
+    with pytest.raises(ValueError, match="S_q"):
+        nbhd.attention(*make(Sq=5, Skv=7), is_causal=True)
+
+
+def test_attention_grad_jvp_vmap():
+    q, k, v = make()
+    tq, tk, tv = make(seed=1)
+    f = lambda q, k, v: nbhd.attention(q, k, v, return_lse=True)
+    r = lambda q, k, v: dense_ref(q, k, v)
+    # reverse mode, with a gradient on the LSE as well
+    go, gl = torch.randn(2, 5, 4, 6, dtype=DT), torch.randn(2, 5, 4, dtype=DT)
+    _, vjp = torch.func.vjp(f, q, k, v)
+    _, rvjp = torch.func.vjp(r, q, k, v)
+    for a, b in zip(vjp((go, gl)), rvjp((go, gl))):
+        close(a, b)
+    # forward mode
+    (o, l), (to, tl) = torch.func.jvp(f, (q, k, v), (tq, tk, tv))
+    (_, _), (rto, rtl) = torch.func.jvp(r, (q, k, v), (tq, tk, tv))
+    close(to, rto)
+    close(tl, rtl)
+    # vmap over a leading dim
+    qs = torch.stack([q, tq])
+    out = torch.func.vmap(lambda q: nbhd.attention(q, k, v))(qs)
+    close(out[1], dense_ref(tq, k, v)[0])
+
+
+def test_attention_gradcheck():
+    q, k, v = make(B=1, Sq=3, Skv=4, H=2, Hkv=1, D=3, Dv=2)
+    fn = lambda q, k, v: nbhd.attention(q, k, v, return_lse=True)
+    ins = tuple(t.requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(fn, ins, check_forward_ad=True, check_batched_grad=True)
+
+
+def _split(k, v, cuts):
+    bounds = [0, *cuts, k.shape[1]]
+    return [(k[:, a:b], v[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@pytest.mark.parametrize("cuts", [(3,), (2, 5), (1, 4)])
+def test_merge_matches_concatenated_keys(cuts):
+    q, k, v = make()
+    tq, tk, tv = make(seed=2)
+
+    def merged(q, k, v):
+        parts = [nbhd.attention(q, kp, vp, return_lse=True) for kp, vp in _split(k, v, cuts)]
+        return nbhd.merge_attentions([p[0] for p in parts], [p[1] for p in parts],
+                                     torch_compile=False, return_lse=True)
+
+    out, lse = merged(q, k, v)
+    ro, rl = dense_ref(q, k, v)
+    close(out, ro)
+    close(lse, rl)
+    assert nbhd.merge_attentions([ro, ro], [rl, rl]).shape == ro.shape
+    # gradients, including through the merged LSE
+    go, gl = torch.randn_like(ro), torch.randn_like(rl)
+    _, vjp = torch.func.vjp(merged, q, k, v)
+    _, rvjp = torch.func.vjp(dense_ref, q, k, v)
+    for a, b in zip(vjp((go, gl)), rvjp((go, gl))):
+        close(a, b)
+    # jvp
+    _, (to, tl) = torch.func.jvp(merged, (q, k, v), (tq, tk, tv))
+    _, (rto, rtl) = torch.func.jvp(dense_ref, (q, k, v), (tq, tk, tv))
+    close(to, rto)
+    close(tl, rtl)
+    # vmap over a stack of queries
+    outs = torch.func.vmap(lambda q: merged(q, k, v)[0])(torch.stack([q, tq]))
+    close(outs[1], dense_ref(tq, k, v)[0])
+
+
+def test_merge_gradcheck_on_outputs_and_lses():
+    g = torch.Generator().manual_seed(3)
+    o = [torch.randn(1, 3, 2, 4, dtype=DT, generator=g).requires_grad_() for _ in range(3)]
+    l = [torch.randn(1, 3, 2, dtype=DT, generator=g).requires_grad_() for _ in range(3)]
+    fn = lambda *x: nbhd.merge_attentions(list(x[:3]), list(x[3:]), return_lse=True)
+    assert torch.autograd.gradcheck(fn, (*o, *l), check_forward_ad=True, check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(fn, (*o, *l))
+
+
+def test_merge_errors():
+    o, l = torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2)
+    with pytest.raises(ValueError, match="at least two"):
+        nbhd.merge_attentions([o], [l])
+    with pytest.raises(ValueError, match="one LSE per output"):
+        nbhd.merge_attentions([o, o], [l])
+    with pytest.raises(ValueError, match="shape"):
+        nbhd.merge_attentions([o, o], [l, torch.zeros(1, 2, 3)])
+
+
+def test_attention_errors():
+    q, k, v = make()
+    with pytest.raises(ValueError, match="4-D"):
+        nbhd.attention(q[0], k, v)
+    with pytest.raises(ValueError, match="multiple"):
+        nbhd.attention(torch.randn(2, 5, 3, 8, dtype=DT), k, v)
+    with pytest.raises(ValueError, match="unknown"):
+        nbhd.attention(q, k, v, backend="nope")
