@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from nbhd import ops
 
 # ops with a tensor-core kernel; the others are skipped on large problems (--max-slow-flop)
-FAST_OPS = {"fwd"}
+FAST_OPS = {"fwd", "bwd"}
 
 PROBLEMS = [
     ("2d-64x64-w7-H4 (small)", 1, (64, 64), (7, 7), (1, 1)),
@@ -36,6 +36,8 @@ PROBLEMS = [
 def time_ms(fn, warmup=2, reps=7, slow_s=1.0):
     """Median ms over reps (CUDA events), or one timed call when a call takes > slow_s."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()  # first call: compilation, autotuning, allocator warm-up
+    torch.cuda.synchronize()
     start.record()
     fn()
     end.record()
@@ -115,6 +117,8 @@ def main():
                          "run on the simple (non-tensor-core) kernels")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.cache_size_limit = 256
     dev = "cuda"
     rows = []
     hdr = (f"{'problem':34s} {'D':>4s} {'fwd ms':>9s} {'TF/s':>6s} {'bwd ms':>9s} {'TF/s':>6s} "

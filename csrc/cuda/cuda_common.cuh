@@ -163,4 +163,10 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                   const nbhd_exec *e, cudaStream_t stream);
 
+/* fna_mma_bwd.cu: tensor-core backward (D_i, dQ query-stationary, dK/dV key-stationary) */
+int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward_args *a);
+nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                   void *workspace, cudaStream_t stream);
+size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g);
+
 #endif /* NBHD_CUDA_COMMON_CUH */

@@ -4,7 +4,9 @@
  *
  *   forward      mma.sync tensor-core kernel (fna_mma.cu) when f16/bf16, D = Dv in {32,64,128},
  *                16-byte aligned rows with unit element stride; else the simple kernel
- *   backward     simple kernels (deterministic: D_i/dQ query-stationary, dK/dV key-stationary)
+ *   backward     mma.sync kernels (fna_mma_bwd.cu) under the forward's conditions plus aligned
+ *                dO and gradients; else the simple kernels. Both deterministic: D_i and dQ
+ *                query-stationary, dK/dV key-stationary. (exec.kv_parallel is not used yet.)
  *   forward_jvp  simple kernel
  * exec.use_reference forces the simple kernels.
  */
@@ -12,7 +14,10 @@
 
 size_t nbhd_cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
     (void)e;
-    return nbhd_cuda_simple_workspace_bytes(g, op);
+    /* backward: D_i per query row, float (mma and simple f16/bf16/f32) or double (simple f64) */
+    const size_t simple = nbhd_cuda_simple_workspace_bytes(g, op);
+    const size_t mma = op == NBHD_OP_BACKWARD ? nbhd_cuda_mma_backward_workspace_bytes(g) : 0;
+    return simple > mma ? simple : mma;
 }
 
 nbhd_status nbhd_cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
@@ -25,7 +30,10 @@ nbhd_status nbhd_cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a
 
 nbhd_status nbhd_cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
                                const nbhd_exec *e) {
-    return nbhd_cuda_simple_backward(g, a, e->workspace, (cudaStream_t)e->stream);
+    cudaStream_t stream = (cudaStream_t)e->stream;
+    const bool use_mma = !e->use_reference && nbhd_cuda_mma_backward_supported(g, a);
+    if (use_mma) return nbhd_cuda_mma_backward(g, a, e->workspace, stream);
+    return nbhd_cuda_simple_backward(g, a, e->workspace, stream);
 }
 
 nbhd_status nbhd_cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,

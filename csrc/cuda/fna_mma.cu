@@ -17,86 +17,12 @@
  *   O += P V                      (P from the S registers, ldmatrix.trans V, mma)
  *   O /= l,  LSE = (m + log2 l) ln 2
  */
-#include "cuda_common.cuh"
+#include "mma_util.cuh"
 
 #define MMA_WARPS 4
 #define MMA_THREADS (MMA_WARPS * 32)
 #define BM 64  /* queries per CTA */
 #define BN 64  /* keys per tile */
-#define KEY_NONE (-(1 << 30))
-
-/* tile shapes and the CTA -> (b, head, patch) map, computed on the host */
-struct mma_plan {
-    int wt[3];        /* warp patch per axis, product 16 */
-    int wc[3];        /* warps per axis, product 4 */
-    int ct[3];        /* CTA patch = wt * wc */
-    int64_t slots[3]; /* patch slots per axis: dilation * ceil(ceil(L/d) / ct) */
-    int64_t patches;  /* product of slots */
-    float scale_log2; /* scale * log2(e) */
-};
-
-// ----------------------------------------------------------------------------
-// PTX helpers
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool valid) {
-    const int n = valid ? 16 : 0;  /* 0 source bytes: the 16 bytes are zero-filled */
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-/* c += a b, m16n8k16, fp32 accumulators */
-template <typename T> __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4],
-                                                                uint32_t b0, uint32_t b1);
-template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float c[4], const uint32_t a[4],
-                                                                     uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ __forceinline__ void mma16816<__half>(float c[4], const uint32_t a[4],
-                                                              uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *(uint32_t *)&v;
-}
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *(uint32_t *)&v;
-}
-
-/* element offset of (row, col) in a [rows][HD] tile, 16-byte chunks XOR-swizzled by row */
-template <int HD> __device__ __forceinline__ int swz(int row, int col) {
-    constexpr int CH = HD / 8, MASK = (CH < 8 ? CH : 8) - 1;
-    return row * HD + ((((col >> 3) ^ (row & MASK))) << 3) + (col & 7);
-}
 
 // ----------------------------------------------------------------------------
 // the kernel
@@ -410,13 +336,6 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
 // ----------------------------------------------------------------------------
 // plan, conditions, launch
 
-static bool aligned_rows(const nbhd_tensor &t, int64_t align_elems, uintptr_t align_bytes) {
-    if (!t.data || ((uintptr_t)t.data % align_bytes) != 0 || t.stride[5] != 1) return false;
-    for (int i = 0; i < 5; ++i)
-        if (t.stride[i] % align_elems != 0) return false;
-    return true;
-}
-
 int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_args *a) {
     const bool half_type = g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
     const int D = g->head_dim;
@@ -432,29 +351,9 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes;
 }
 
-static mma_plan plan_of(const nbhd_geometry *g) {
-    mma_plan P;
-    const int rank = !g->has_window ? 1 : g->axis[2].extent > 1 || g->axis[2].kernel > 1 ? 3
-                                   : g->axis[1].extent > 1 || g->axis[1].kernel > 1 ? 2 : 1;
-    static const int wt_of[4][3] = {{16, 1, 1}, {16, 1, 1}, {4, 4, 1}, {2, 2, 4}};
-    static const int wc_of[4][3] = {{4, 1, 1}, {4, 1, 1}, {2, 2, 1}, {2, 2, 1}};
-    P.patches = 1;
-    for (int ax = 0; ax < 3; ++ax) {
-        P.wt[ax] = wt_of[rank][ax];
-        P.wc[ax] = wc_of[rank][ax];
-        P.ct[ax] = P.wt[ax] * P.wc[ax];
-        const int64_t d = g->axis[ax].dilation, L = g->axis[ax].extent;
-        const int64_t lg = (L + d - 1) / d;
-        P.slots[ax] = d * ((lg + P.ct[ax] - 1) / P.ct[ax]);
-        P.patches *= P.slots[ax];
-    }
-    P.scale_log2 = (float)(g->scale * 1.4426950408889634);
-    return P;
-}
-
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
-    const mma_plan P = plan_of(g);
+    const mma_plan P = mma_plan_of(g);
     const size_t smem = sizeof(T) * (size_t)(BM * HD + 4 * BN * HD) + sizeof(int) * 6 * BN;
     static bool attr_set = false;  /* per instantiation */
     if (!attr_set) {

@@ -1,0 +1,640 @@
+/*
+ * fna_mma_bwd.cu — tensor-core backward for f16/bf16 with D = Dv in {32, 64, 128} (DESIGN.md §4):
+ *
+ *   1. di_kernel      D_i = dO_i.O_i - dLSE_i per query row (warp per row) -> workspace
+ *   2. dq_kernel      query-stationary, tiles as the forward (64-query patch, exact union of
+ *                     windows, then the extra keys), 32-key tiles:
+ *                       P = 2^(S log2e - lse log2e), dP = dO V^T, dS = P (dP - D), dQ = s dS K
+ *   3. dkdv_kernel    key-stationary over the exact union of the inverse neighborhoods of a
+ *                     64-key patch, 32-query tiles, every query head of the key head in turn:
+ *                       dV = P^T dO, dK = s dS^T Q
+ *                     and once more with EXTRA: rows = 64 extra keys, columns = every query.
+ * Each output element is written once by one thread: deterministic, no atomics.
+ */
+#include "mma_util.cuh"
+
+#define BW_WARPS 4
+#define BW_THREADS (BW_WARPS * 32)
+#define BR 64  /* rows per CTA (4 warps x 16) */
+#define BC 32  /* columns per tile */
+
+// ----------------------------------------------------------------------------
+// 1. D_i = dO_i.O_i - dLSE_i
+
+template <typename T>
+__global__ void __launch_bounds__(128) di_kernel(const nbhd_geometry g, const nbhd_backward_args a,
+                                                 float *Dws) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (r >= g.batch * g.tokens * g.heads) return;
+    const int64_t h = r % g.heads, tok = (r / g.heads) % g.tokens, b = r / (g.heads * g.tokens);
+    int64_t c[3];
+    token_coords(g, tok, c);
+    const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h);
+    const int64_t dd = offset_of(a.d_out, b, c[0], c[1], c[2], h);
+    float acc = 0.f;
+    for (int d = lane; d < g.head_dim_v; d += 32)
+        acc += ld<T, float>(a.out, oo + d * a.out.stride[5]) * ld<T, float>(a.d_out, dd + d * a.d_out.stride[5]);
+    acc = warp_sum(acc);
+    if (lane == 0) {
+        if (a.d_lse.data) acc -= ((const float *)a.d_lse.data)[offset_of(a.d_lse, b, c[0], c[1], c[2], h)];
+        Dws[r] = acc;
+    }
+}
+
+// ----------------------------------------------------------------------------
+// shared pieces: a 16 x BC score tile of one warp, A from shared rows, B from shared columns
+
+/* acc[BC/8][4] += A(16 x HD, rows a_row0.. of As) * B(BC x HD of Bs)^T */
+template <typename T, int HD>
+__device__ __forceinline__ void tile_abt(float acc[BC / 8][4], const T *As, int a_row0, const T *Bs,
+                                         int lane) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t af[4];
+        {
+            const int row = a_row0 + ((lane >> 3) & 1) * 8 + (lane & 7);
+            const int col = kk * 16 + (lane >> 4) * 8;
+            ldmatrix_x4(af, smem_u32(As + swz<HD>(row, col)));
+        }
+#pragma unroll
+        for (int nb2 = 0; nb2 < BC / 16; ++nb2) {
+            uint32_t bf[4];
+            const int mat = lane >> 3;
+            const int row = nb2 * 16 + (mat >> 1) * 8 + (lane & 7);
+            const int col = kk * 16 + (mat & 1) * 8;
+            ldmatrix_x4(bf, smem_u32(Bs + swz<HD>(row, col)));
+            mma16816<T>(acc[2 * nb2], af, bf[0], bf[1]);
+            mma16816<T>(acc[2 * nb2 + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+/* acc[HD/8][4] += X(16 x BC, registers) * Bs(BC x HD, k = row of Bs) */
+template <typename T, int HD>
+__device__ __forceinline__ void tile_xb(float acc[HD / 8][4], const float x[BC / 8][4], const T *Bs,
+                                        int lane) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+        uint32_t pf[4];
+        pf[0] = pack2<T>(x[2 * kk][0], x[2 * kk][1]);
+        pf[1] = pack2<T>(x[2 * kk][2], x[2 * kk][3]);
+        pf[2] = pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+        pf[3] = pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+#pragma unroll
+        for (int nd2 = 0; nd2 < HD / 16; ++nd2) {
+            uint32_t bf[4];
+            const int mat = lane >> 3;
+            const int row = kk * 16 + (mat & 1) * 8 + (lane & 7);
+            const int col = nd2 * 16 + (mat >> 1) * 8;
+            ldmatrix_x4_trans(bf, smem_u32(Bs + swz<HD>(row, col)));
+            mma16816<T>(acc[2 * nd2], pf, bf[0], bf[1]);
+            mma16816<T>(acc[2 * nd2 + 1], pf, bf[2], bf[3]);
+        }
+    }
+}
+
+/* row-tile geometry of a CTA: per axis dilation group, first in-group index, group length */
+struct patch_rows {
+    int64_t grp[3], i0[3], Lg[3];
+};
+
+__device__ __forceinline__ bool patch_of(const nbhd_geometry &g, const mma_plan &P, int64_t patch,
+                                         patch_rows &pr) {
+    int64_t slot[3];
+    slot[2] = patch % P.slots[2];
+    slot[1] = (patch / P.slots[2]) % P.slots[1];
+    slot[0] = patch / (P.slots[1] * P.slots[2]);
+    for (int ax = 0; ax < 3; ++ax) {
+        const int64_t d = g.axis[ax].dilation;
+        pr.grp[ax] = slot[ax] % d;
+        pr.i0[ax] = (slot[ax] / d) * P.ct[ax];
+        pr.Lg[ax] = nbhd_group_len(&g.axis[ax], pr.grp[ax]);
+        if (pr.i0[ax] >= pr.Lg[ax]) return false;
+    }
+    return true;
+}
+
+/* row qr of the CTA -> in-group coordinates; valid if inside every axis */
+__device__ __forceinline__ bool patch_row(const mma_plan &P, const patch_rows &pr, int qr,
+                                          int64_t iq[3]) {
+    const int ww = qr >> 4, r = qr & 15;
+    const int w2 = ww % P.wc[2], w1 = (ww / P.wc[2]) % P.wc[1], w0 = ww / (P.wc[1] * P.wc[2]);
+    const int r2 = r % P.wt[2], r1 = (r / P.wt[2]) % P.wt[1], r0 = r / (P.wt[1] * P.wt[2]);
+    iq[0] = pr.i0[0] + w0 * P.wt[0] + r0;
+    iq[1] = pr.i0[1] + w1 * P.wt[1] + r1;
+    iq[2] = pr.i0[2] + w2 * P.wt[2] + r2;
+    return iq[0] < pr.Lg[0] && iq[1] < pr.Lg[1] && iq[2] < pr.Lg[2];
+}
+
+template <typename T> __device__ __forceinline__ void store_pairs(T *dst, const float (*acc)[4],
+                                                                   int n8, int hrow, int cq,
+                                                                   float mul) {
+    for (int nd = 0; nd < n8; ++nd)
+        *(uint32_t *)(dst + nd * 8 + 2 * cq) =
+            pack2<T>(acc[nd][2 * hrow] * mul, acc[nd][2 * hrow + 1] * mul);
+}
+
+// ----------------------------------------------------------------------------
+// 2. dQ, query-stationary
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(BW_THREADS, 2)
+fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+                  const mma_plan P) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *Qs = (T *)smem_raw;          /* [BR][HD] */
+    T *dOs = Qs + BR * HD;          /* [BR][HD] */
+    T *Ks = dOs + BR * HD;          /* [2][BC][HD] */
+    T *Vs = Ks + 2 * BC * HD;       /* [2][BC][HD] */
+    int *kc = (int *)(Vs + 2 * BC * HD); /* [2][3][BC] */
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+
+    int64_t idx = blockIdx.x;
+    const int hg = (int)(idx % g.group);
+    idx /= g.group;
+    const int64_t patch = idx % P.patches;
+    idx /= P.patches;
+    const int hk = (int)(idx % g.kv_heads);
+    const int64_t b = idx / g.kv_heads;
+    const int h = hk * g.group + hg;
+
+    patch_rows pr;
+    if (!patch_of(g, P, patch, pr)) return;
+    int64_t lo[3], cnt[3];
+    for (int ax = 0; ax < 3; ++ax) {
+        int64_t st, en, st2, en2;
+        nbhd_window_in_group(&g.axis[ax], pr.i0[ax], pr.Lg[ax], &st, &en);
+        nbhd_window_in_group(&g.axis[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1, pr.Lg[ax], &st2, &en2);
+        lo[ax] = st;
+        cnt[ax] = en2 - st;
+    }
+    const int64_t nk = g.has_window ? cnt[0] * cnt[1] * cnt[2] : 0, nx = g.extra_kv;
+    const int win_tiles = (int)((nk + BC - 1) / BC);
+    const int tiles = win_tiles + (int)((nx + BC - 1) / BC);
+    const int64_t dil[3] = {g.axis[0].dilation, g.axis[1].dilation, g.axis[2].dilation};
+
+    {   // Q and dO rows
+        constexpr int CH = HD / 8;
+        for (int c = tid; c < BR * CH; c += BW_THREADS) {
+            const int row = c / CH, ch = c % CH;
+            int64_t iq[3];
+            const bool ok = patch_row(P, pr, row, iq);
+            const T *qs = (const T *)a.q.data, *ds = (const T *)a.d_out.data;
+            if (ok) {
+                const int64_t x = pr.grp[0] + iq[0] * dil[0], y = pr.grp[1] + iq[1] * dil[1],
+                              z = pr.grp[2] + iq[2] * dil[2];
+                qs += offset_of(a.q, b, x, y, z, h) + ch * 8;
+                ds += offset_of(a.d_out, b, x, y, z, h) + ch * 8;
+            }
+            cp_async16(smem_u32(Qs + swz<HD>(row, ch * 8)), qs, ok);
+            cp_async16(smem_u32(dOs + swz<HD>(row, ch * 8)), ds, ok);
+        }
+    }
+    auto load_tile = [&](int t, int s) {
+        constexpr int CH = HD / 8;
+        T *Kd = Ks + s * BC * HD, *Vd = Vs + s * BC * HD;
+        int *kcd = kc + s * 3 * BC;
+        const bool win = t < win_tiles;
+        for (int c = tid; c < BC * CH; c += BW_THREADS) {
+            const int kr = c / CH, ch = c % CH;
+            const T *ksrc = (const T *)(win ? a.k.data : a.kx.data);
+            const T *vsrc = (const T *)(win ? a.v.data : a.vx.data);
+            bool ok;
+            int j[3] = {0, 0, 0};
+            if (win) {
+                const int64_t n = (int64_t)t * BC + kr;
+                ok = n < nk;
+                if (ok) {
+                    j[2] = (int)(lo[2] + n % cnt[2]);
+                    j[1] = (int)(lo[1] + (n / cnt[2]) % cnt[1]);
+                    j[0] = (int)(lo[0] + n / (cnt[1] * cnt[2]));
+                    const int64_t y0 = pr.grp[0] + j[0] * dil[0], y1 = pr.grp[1] + j[1] * dil[1],
+                                  y2 = pr.grp[2] + j[2] * dil[2];
+                    ksrc += offset_of(a.k, b, y0, y1, y2, hk) + ch * 8;
+                    vsrc += offset_of(a.v, b, y0, y1, y2, hk) + ch * 8;
+                }
+            } else {
+                const int64_t e = (int64_t)(t - win_tiles) * BC + kr;
+                ok = e < nx;
+                if (ok) {
+                    ksrc += b * a.kx.stride[0] + e * a.kx.stride[1] + hk * a.kx.stride[4] + ch * 8;
+                    vsrc += b * a.vx.stride[0] + e * a.vx.stride[1] + hk * a.vx.stride[4] + ch * 8;
+                }
+            }
+            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ksrc, ok);
+            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vsrc, ok);
+            if (ch == 0) {
+                kcd[kr] = ok ? j[0] : KEY_NONE;
+                kcd[BC + kr] = j[1];
+                kcd[2 * BC + kr] = j[2];
+            }
+        }
+    };
+
+    // this thread's rows: windows, lse (base 2), D_i
+    const int rq = lane >> 2, cq = lane & 3;
+    int wst[2][3], wen[2][3];
+    bool rvalid[2];
+    int64_t rfull[2][3];
+    float lse2[2], Di[2];
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        int64_t iq[3];
+        rvalid[hrow] = patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
+        for (int ax = 0; ax < 3; ++ax) {
+            int64_t st = 0, en = 0;
+            if (rvalid[hrow]) nbhd_window_in_group(&g.axis[ax], iq[ax], pr.Lg[ax], &st, &en);
+            wst[hrow][ax] = (int)st;
+            wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
+            rfull[hrow][ax] = pr.grp[ax] + iq[ax] * dil[ax];
+        }
+        lse2[hrow] = 0.f;
+        Di[hrow] = 0.f;
+        if (rvalid[hrow]) {
+            const int64_t *c = rfull[hrow];
+            lse2[hrow] = ((const float *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)] *
+                         1.4426950408889634f;
+            const int64_t tok = (c[0] * g.axis[1].extent + c[1]) * g.axis[2].extent + c[2];
+            Di[hrow] = Dws[(b * g.tokens + tok) * g.heads + h];
+        }
+    }
+    int ulo[3], uhi[3];
+    for (int ax = 0; ax < 3; ++ax) {
+        int l0 = 1 << 30, h0 = -(1 << 30);
+        for (int hrow = 0; hrow < 2; ++hrow)
+            if (rvalid[hrow]) {
+                l0 = min(l0, wst[hrow][ax]);
+                h0 = max(h0, wen[hrow][ax]);
+            }
+        for (int o = 16; o > 0; o >>= 1) {
+            l0 = min(l0, __shfl_xor_sync(0xffffffffu, l0, o));
+            h0 = max(h0, __shfl_xor_sync(0xffffffffu, h0, o));
+        }
+        ulo[ax] = l0;
+        uhi[ax] = h0;
+    }
+
+    float dq[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+
+    if (tiles > 0) load_tile(0, 0);
+    cp_async_commit();
+    for (int t = 0; t < tiles; ++t) {
+        const int s = t & 1;
+        if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const T *Kt = Ks + s * BC * HD, *Vt = Vs + s * BC * HD;
+        const int *kct = kc + s * 3 * BC;
+        const bool win = t < win_tiles;
+        bool mine = false;
+        if (win) {
+            const int kr = lane;  /* BC == 32 */
+            const int j0 = kct[kr], j1 = kct[BC + kr], j2 = kct[2 * BC + kr];
+            mine = j0 >= ulo[0] && j0 < uhi[0] && j1 >= ulo[1] && j1 < uhi[1] && j2 >= ulo[2] &&
+                   j2 < uhi[2];
+        } else {
+            mine = ulo[0] < uhi[0];
+        }
+        if (__any_sync(0xffffffffu, mine)) {
+            float sc[BC / 8][4], dp[BC / 8][4];
+#pragma unroll
+            for (int i = 0; i < BC / 8; ++i)
+                sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+            tile_abt<T, HD>(sc, Qs, w * 16, Kt, lane);   // S = Q K^T
+            tile_abt<T, HD>(dp, dOs, w * 16, Vt, lane);  // dP = dO V^T
+#pragma unroll
+            for (int nb = 0; nb < BC / 8; ++nb)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int kr = nb * 8 + 2 * cq + e;
+                    const int j0 = kct[kr], j1 = kct[BC + kr], j2 = kct[2 * BC + kr];
+#pragma unroll
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        const bool ok = win ? j0 >= wst[hrow][0] && j0 < wen[hrow][0] &&
+                                                  j1 >= wst[hrow][1] && j1 < wen[hrow][1] &&
+                                                  j2 >= wst[hrow][2] && j2 < wen[hrow][2]
+                                            : rvalid[hrow] && j0 != KEY_NONE;
+                        // P = exp(S - lse), dS = P (dP - D)
+                        const float p = ok ? exp2f(sc[nb][2 * hrow + e] * P.scale_log2 - lse2[hrow]) : 0.f;
+                        sc[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - Di[hrow]);
+                    }
+                }
+            tile_xb<T, HD>(dq, sc, Kt, lane);  // dQ += dS K
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+    const float scale = P.scale_log2 * 0.69314718055994531f;
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        if (!rvalid[hrow]) continue;
+        const int64_t *c = rfull[hrow];
+        store_pairs<T>((T *)a.d_q.data + offset_of(a.d_q, b, c[0], c[1], c[2], h), dq, HD / 8, hrow, cq, scale);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// 3. dK, dV, key-stationary (EXTRA: the extra keys, over every query)
+
+template <typename T, int HD, bool EXTRA>
+__global__ void __launch_bounds__(BW_THREADS, 2)
+fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+                    const mma_plan P) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *Ks = (T *)smem_raw;            /* [BR][HD] */
+    T *Vs = Ks + BR * HD;             /* [BR][HD] */
+    T *Qs = Vs + BR * HD;             /* [2][BC][HD] */
+    T *dOs = Qs + 2 * BC * HD;        /* [2][BC][HD] */
+    int *qc = (int *)(dOs + 2 * BC * HD); /* [2][3][BC] in-group query coordinates */
+    float *ql = (float *)(qc + 6 * BC);   /* [2][BC] lse log2 e */
+    float *qd = ql + 2 * BC;              /* [2][BC] D_i */
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const nbhd_tensor &kt = EXTRA ? a.kx : a.k, &vt = EXTRA ? a.vx : a.v;
+
+    int64_t idx = blockIdx.x;
+    const int64_t patch = idx % P.patches;
+    idx /= P.patches;
+    const int hk = (int)(idx % g.kv_heads);
+    const int64_t b = idx / g.kv_heads;
+    const int64_t dil[3] = {EXTRA ? 1 : g.axis[0].dilation, EXTRA ? 1 : g.axis[1].dilation,
+                            EXTRA ? 1 : g.axis[2].dilation};
+
+    // rows: keys of the patch (EXTRA: extra keys patch*64 + r)
+    patch_rows pr;
+    if (EXTRA) {
+        for (int ax = 0; ax < 3; ++ax) { pr.grp[ax] = 0; pr.i0[ax] = 0; pr.Lg[ax] = 1; }
+        pr.i0[0] = patch * BR;
+        pr.Lg[0] = g.extra_kv;
+    } else if (!patch_of(g, P, patch, pr)) {
+        return;
+    }
+    // columns: the union of the rows' inverse neighborhoods (EXTRA: every query token)
+    int64_t lo[3], cnt[3];
+    for (int ax = 0; ax < 3; ++ax) {
+        if (EXTRA) {
+            lo[ax] = 0;
+            cnt[ax] = g.axis[ax].extent;
+        } else {
+            const int64_t d = dil[ax];
+            const int64_t last = min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1;
+            int64_t f0, c0, f1, c1;
+            nbhd_inverse_window(&g.axis[ax], pr.grp[ax] + pr.i0[ax] * d, &f0, &c0);
+            nbhd_inverse_window(&g.axis[ax], pr.grp[ax] + last * d, &f1, &c1);
+            lo[ax] = f0 / d;
+            cnt[ax] = f1 / d + c1 - lo[ax];
+            if (cnt[ax] < 0) cnt[ax] = 0;
+        }
+    }
+    const int64_t ncol = cnt[0] * cnt[1] * cnt[2];
+    const int tiles_per_head = (int)((ncol + BC - 1) / BC);
+    const int tiles = tiles_per_head * g.group;
+
+    auto row_coords = [&](int qr, int64_t iq[3]) -> bool {
+        if (EXTRA) {
+            iq[0] = pr.i0[0] + qr;
+            iq[1] = iq[2] = 0;
+            return iq[0] < pr.Lg[0];
+        }
+        return patch_row(P, pr, qr, iq);
+    };
+    auto row_offset = [&](const nbhd_tensor &t, const int64_t iq[3]) -> int64_t {
+        if (EXTRA) return b * t.stride[0] + iq[0] * t.stride[1] + hk * t.stride[4];
+        return offset_of(t, b, pr.grp[0] + iq[0] * dil[0], pr.grp[1] + iq[1] * dil[1],
+                         pr.grp[2] + iq[2] * dil[2], hk);
+    };
+
+    {   // K and V rows
+        constexpr int CH = HD / 8;
+        for (int c = tid; c < BR * CH; c += BW_THREADS) {
+            const int row = c / CH, ch = c % CH;
+            int64_t iq[3];
+            const bool ok = row_coords(row, iq);
+            const T *ks = (const T *)kt.data, *vs = (const T *)vt.data;
+            if (ok) {
+                ks += row_offset(kt, iq) + ch * 8;
+                vs += row_offset(vt, iq) + ch * 8;
+            }
+            cp_async16(smem_u32(Ks + swz<HD>(row, ch * 8)), ks, ok);
+            cp_async16(smem_u32(Vs + swz<HD>(row, ch * 8)), vs, ok);
+        }
+    }
+    auto load_tile = [&](int t, int s) {
+        constexpr int CH = HD / 8;
+        T *Qd = Qs + s * BC * HD, *dOd = dOs + s * BC * HD;
+        int *qcd = qc + s * 3 * BC;
+        const int h = hk * g.group + t / tiles_per_head;
+        const int64_t n0 = (int64_t)(t % tiles_per_head) * BC;
+        for (int c = tid; c < BC * CH; c += BW_THREADS) {
+            const int cr = c / CH, ch = c % CH;
+            const int64_t n = n0 + cr;
+            const bool ok = n < ncol;
+            int j[3] = {0, 0, 0};
+            const T *qs = (const T *)a.q.data, *ds = (const T *)a.d_out.data;
+            int64_t x = 0, y = 0, z = 0;
+            if (ok) {
+                j[2] = (int)(lo[2] + n % cnt[2]);
+                j[1] = (int)(lo[1] + (n / cnt[2]) % cnt[1]);
+                j[0] = (int)(lo[0] + n / (cnt[1] * cnt[2]));
+                x = pr.grp[0] * !EXTRA + j[0] * dil[0];
+                y = pr.grp[1] * !EXTRA + j[1] * dil[1];
+                z = pr.grp[2] * !EXTRA + j[2] * dil[2];
+                qs += offset_of(a.q, b, x, y, z, h) + ch * 8;
+                ds += offset_of(a.d_out, b, x, y, z, h) + ch * 8;
+            }
+            cp_async16(smem_u32(Qd + swz<HD>(cr, ch * 8)), qs, ok);
+            cp_async16(smem_u32(dOd + swz<HD>(cr, ch * 8)), ds, ok);
+            if (ch == 0) {
+                qcd[cr] = ok ? j[0] : KEY_NONE;
+                qcd[BC + cr] = j[1];
+                qcd[2 * BC + cr] = j[2];
+                float lv = 0.f, dv = 0.f;
+                if (ok) {
+                    lv = ((const float *)a.lse.data)[offset_of(a.lse, b, x, y, z, h)] * 1.4426950408889634f;
+                    const int64_t tok = (x * g.axis[1].extent + y) * g.axis[2].extent + z;
+                    dv = Dws[(b * g.tokens + tok) * g.heads + h];
+                }
+                ql[s * BC + cr] = lv;
+                qd[s * BC + cr] = dv;
+            }
+        }
+    };
+
+    // this thread's rows (keys): inverse windows per axis, in-group
+    const int rq = lane >> 2, cq = lane & 3;
+    int ist[2][3], ien[2][3];
+    bool rvalid[2];
+    int64_t rc[2][3];
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        rvalid[hrow] = row_coords(w * 16 + rq + 8 * hrow, rc[hrow]);
+        for (int ax = 0; ax < 3; ++ax) {
+            int64_t f = 0, c = 0;
+            if (!EXTRA && rvalid[hrow])
+                nbhd_inverse_window(&g.axis[ax], pr.grp[ax] + rc[hrow][ax] * dil[ax], &f, &c);
+            ist[hrow][ax] = (int)(f / dil[ax]);
+            ien[hrow][ax] = rvalid[hrow] ? (int)(f / dil[ax] + c) : 0;
+        }
+    }
+    int ulo[3], uhi[3];
+    for (int ax = 0; ax < 3; ++ax) {
+        int l0 = 1 << 30, h0 = -(1 << 30);
+        for (int hrow = 0; hrow < 2; ++hrow)
+            if (rvalid[hrow]) {
+                l0 = min(l0, ist[hrow][ax]);
+                h0 = max(h0, ien[hrow][ax]);
+            }
+        for (int o = 16; o > 0; o >>= 1) {
+            l0 = min(l0, __shfl_xor_sync(0xffffffffu, l0, o));
+            h0 = max(h0, __shfl_xor_sync(0xffffffffu, h0, o));
+        }
+        ulo[ax] = l0;
+        uhi[ax] = h0;
+    }
+    const bool warp_has_rows = __any_sync(0xffffffffu, rvalid[0] || rvalid[1]);
+
+    float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i)
+        dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+
+    if (tiles > 0) load_tile(0, 0);
+    cp_async_commit();
+    for (int t = 0; t < tiles; ++t) {
+        const int s = t & 1;
+        if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const T *Qt = Qs + s * BC * HD, *dOt = dOs + s * BC * HD;
+        const int *qct = qc + s * 3 * BC;
+        const float *qlt = ql + s * BC, *qdt = qd + s * BC;
+        bool mine;
+        if (!EXTRA) {
+            const int cr = lane;  /* BC == 32 */
+            const int j0 = qct[cr], j1 = qct[BC + cr], j2 = qct[2 * BC + cr];
+            mine = j0 >= ulo[0] && j0 < uhi[0] && j1 >= ulo[1] && j1 < uhi[1] && j2 >= ulo[2] &&
+                   j2 < uhi[2];
+        } else {
+            mine = warp_has_rows;
+        }
+        if (__any_sync(0xffffffffu, mine)) {
+            float sc[BC / 8][4], dp[BC / 8][4];
+#pragma unroll
+            for (int i = 0; i < BC / 8; ++i)
+                sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+            tile_abt<T, HD>(sc, Ks, w * 16, Qt, lane);   // S^T = K Q^T
+            tile_abt<T, HD>(dp, Vs, w * 16, dOt, lane);  // dP^T = V dO^T
+#pragma unroll
+            for (int nb = 0; nb < BC / 8; ++nb)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int cr = nb * 8 + 2 * cq + e;
+                    const int j0 = qct[cr], j1 = qct[BC + cr], j2 = qct[2 * BC + cr];
+                    const float lv = qlt[cr], dv_i = qdt[cr];
+#pragma unroll
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        const bool ok = EXTRA ? rvalid[hrow] && j0 != KEY_NONE
+                                              : j0 >= ist[hrow][0] && j0 < ien[hrow][0] &&
+                                                    j1 >= ist[hrow][1] && j1 < ien[hrow][1] &&
+                                                    j2 >= ist[hrow][2] && j2 < ien[hrow][2];
+                        // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)
+                        const float p = ok ? exp2f(sc[nb][2 * hrow + e] * P.scale_log2 - lv) : 0.f;
+                        sc[nb][2 * hrow + e] = p;
+                        dp[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - dv_i);
+                    }
+                }
+            tile_xb<T, HD>(dv, sc, dOt, lane);  // dV += P^T dO
+            tile_xb<T, HD>(dk, dp, Qt, lane);   // dK += dS^T Q
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+    const float scale = P.scale_log2 * 0.69314718055994531f;
+    const nbhd_tensor &dkt = EXTRA ? a.d_kx : a.d_k, &dvt = EXTRA ? a.d_vx : a.d_v;
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        if (!rvalid[hrow]) continue;
+        store_pairs<T>((T *)dkt.data + row_offset(dkt, rc[hrow]), dk, HD / 8, hrow, cq, scale);
+        store_pairs<T>((T *)dvt.data + row_offset(dvt, rc[hrow]), dv, HD / 8, hrow, cq, 1.f);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// conditions and launch
+
+int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward_args *a) {
+    const bool half_type = g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
+    const int D = g->head_dim;
+    const bool head_dim_ok = D == g->head_dim_v && (D == 32 || D == 64 || D == 128);
+    const bool inputs_aligned =
+        aligned_rows(a->q, 8, 16) && aligned_rows(a->d_out, 8, 16) &&
+        (!g->has_window || (aligned_rows(a->k, 8, 16) && aligned_rows(a->v, 8, 16))) &&
+        (g->extra_kv == 0 || (aligned_rows(a->kx, 8, 16) && aligned_rows(a->vx, 8, 16)));
+    const bool outputs_aligned =
+        aligned_rows(a->d_q, 2, 4) &&
+        (!g->has_window || (aligned_rows(a->d_k, 2, 4) && aligned_rows(a->d_v, 2, 4))) &&
+        (g->extra_kv == 0 || (aligned_rows(a->d_kx, 2, 4) && aligned_rows(a->d_vx, 2, 4)));
+    const bool small_axes = g->axis[0].extent < (1 << 29) && g->axis[1].extent < (1 << 29) &&
+                            g->axis[2].extent < (1 << 29);
+    return half_type && head_dim_ok && inputs_aligned && outputs_aligned && small_axes;
+}
+
+template <typename K> static nbhd_status reserve_smem(K kernel, size_t smem) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
+        const cudaError_t err = cudaGetLastError();
+        return nbhd_fail(NBHD_ERR_DEVICE, "mma backward: cannot reserve %zu bytes of shared memory: %s",
+                         smem, cudaGetErrorString(err));
+    }
+    return NBHD_OK;
+}
+
+template <typename T, int HD>
+static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *a, float *Dws,
+                              cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g);
+    nbhd_status s;
+    const int64_t rows = g->batch * g->tokens * g->heads;
+    di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
+    NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
+
+    const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
+    if ((s = reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq)) != NBHD_OK) return s;
+    const int64_t ctas = g->batch * g->heads * P.patches;
+    if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: grid too large");
+    fna_mma_dq_kernel<T, HD><<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
+    NBHD_CUDA_CHECK_LAUNCH("mma backward (dq)");
+
+    const size_t smem_kv = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC +
+                           sizeof(float) * 4 * BC;
+    if (g->has_window) {
+        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, false>, smem_kv)) != NBHD_OK) return s;
+        fna_mma_dkdv_kernel<T, HD, false><<<(unsigned)(g->batch * g->kv_heads * P.patches),
+                                            BW_THREADS, smem_kv, st>>>(*g, *a, Dws, P);
+        NBHD_CUDA_CHECK_LAUNCH("mma backward (dk, dv)");
+    }
+    if (g->extra_kv > 0) {
+        mma_plan PX = P;
+        PX.patches = (g->extra_kv + BR - 1) / BR;
+        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, true>, smem_kv)) != NBHD_OK) return s;
+        fna_mma_dkdv_kernel<T, HD, true><<<(unsigned)(g->batch * g->kv_heads * PX.patches),
+                                           BW_THREADS, smem_kv, st>>>(*g, *a, Dws, PX);
+        NBHD_CUDA_CHECK_LAUNCH("mma backward (extra dk, dv)");
+    }
+    return NBHD_OK;
+}
+
+size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g) {
+    return (size_t)(g->batch * g->tokens * g->heads) * sizeof(float);
+}
+
+nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                   void *workspace, cudaStream_t st) {
+    float *Dws = (float *)workspace;
+    const bool bf = g->dtype == NBHD_BF16;
+    switch (g->head_dim) {
+    case 32: return bf ? launch_bwd<__nv_bfloat16, 32>(g, a, Dws, st) : launch_bwd<__half, 32>(g, a, Dws, st);
+    case 64: return bf ? launch_bwd<__nv_bfloat16, 64>(g, a, Dws, st) : launch_bwd<__half, 64>(g, a, Dws, st);
+    case 128: return bf ? launch_bwd<__nv_bfloat16, 128>(g, a, Dws, st) : launch_bwd<__half, 128>(g, a, Dws, st);
+    }
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: head_dim %d", g->head_dim);
+}
