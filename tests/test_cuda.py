@@ -133,7 +133,7 @@ def test_forward(case, dtype, use_reference):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=ids)
-def test_backward(case, dtype):
+def test_backward(case, dtype, use_reference):
     rank = case[0]
     inputs, geo = build(case, dtype, 1 + zlib.crc32(ids(case).encode()) % 1000)
     gen = torch.Generator(device="cuda").manual_seed(7)
