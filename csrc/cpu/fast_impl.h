@@ -1,0 +1,1004 @@
+/*
+ * fast_impl.h — the fast CPU kernels (forward, backward, forward+JVP; DESIGN.md §4, KERNELS.md
+ * §3), written once over the 16-lane vectors of simd.h and compiled once per ISA by
+ * fast_avx512.c, fast_avx2.c and fast_generic.c (each defines FAST(name) to add its suffix).
+ *
+ * Design (KERNELS.md §3, "stencil" with an exact-union fallback):
+ *   - A query patch is a chunk of 16 consecutive in-group queries along the last axis Z (one
+ *     query per SIMD lane) that share (x, y). Their windows on X and Y are therefore identical,
+ *     so the patch visits exactly Kx*Ky key rows: no waste on X/Y.
+ *   - Along Z each lane l sees in-group keys [lo_l, hi_l). Interior patches are a pure shift
+ *     (lo_l = lo_0 + l, same count): slot c of lane l is key lo_0 + c + l, one unaligned vector
+ *     load from a Z-transposed key row, no mask and no wasted product. Other patches (borders,
+ *     stride > 1, causal starts) use the exact union [lo_0, hi_15) with the key broadcast to
+ *     every lane and a per-lane range test (two integer compares per slot vector).
+ *   - K, V (and Q, dO, LSE, D for the backward) are first packed into the workspace as fp32
+ *     rows [dim][Z+pad], Z in dilation-group-major order; fp16/bf16 are converted there, so
+ *     the inner loops are fp32 FMAs on any input type and any strides.
+ *   - Scores are in log2 units (scale*log2(e) folded into the packed Q), exp2 is a polynomial
+ *     (simd.h), the running max and its rescale are per lane and happen only when a block of
+ *     slots raises some lane's max (at most once per 512 slots).
+ *   - Backward, deterministic without atomics: pass 1 query-stationary (dQ), pass 2
+ *     key-stationary over each key chunk's inverse neighborhood (dK, dV, all heads of a GQA
+ *     group), pass 3 the additional keys over all queries. Each output row is written by one
+ *     thread; work is split statically over batch x heads x patches.
+ *
+ * Dimension letters: B batch, X Y Z spatial axes, H query heads, Hk key/value heads, D, Dv.
+ * Packed layouts (owned by FAST(layout)):
+ *   row tensors  [B, H|Hk, X, Y, dim, ZP]   ZP = round16(Z + 16): the pad keeps the shifted
+ *                                            loads of partial chunks in bounds (zeroed)
+ *   row scalars  [B, H, X, Y, ZP]            LSE*log2(e) and D_i (backward)
+ *   extra keys   [B, Hk, dim, SP]            SP = round16(S_add + 16)
+ */
+
+#include <stdlib.h>
+
+#include "convert.h"
+#include "internal.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define SMAX 512                     /* slot vectors per processed unit (32 KiB of scores) */
+#define LOG2E 1.4426950408889634
+#define LN2 0.6931471805599453
+
+// ----------------------------------------------------------------------------
+// scalar helpers: element access, packing, geometry
+
+static inline float FAST(ld)(const void *base, int64_t idx, nbhd_dtype t) {
+    switch (t) {
+    case NBHD_F32: return ((const float *)base)[idx];
+    case NBHD_F16: return nbhd_f16_to_f32(((const uint16_t *)base)[idx]);
+    case NBHD_BF16: return nbhd_bf16_to_f32(((const uint16_t *)base)[idx]);
+    default: return (float)((const double *)base)[idx];
+    }
+}
+
+static inline void FAST(st)(void *base, int64_t idx, nbhd_dtype t, float x) {
+    switch (t) {
+    case NBHD_F32: ((float *)base)[idx] = x; break;
+    case NBHD_F16: ((uint16_t *)base)[idx] = nbhd_f32_to_f16(x); break;
+    case NBHD_BF16: ((uint16_t *)base)[idx] = nbhd_f32_to_bf16(x); break;
+    default: ((double *)base)[idx] = x; break;
+    }
+}
+
+static inline int64_t FAST(off)(const nbhd_tensor *t, int64_t b, int64_t x, int64_t y,
+                                int64_t z, int64_t h) {
+    return b * t->stride[0] + x * t->stride[1] + y * t->stride[2] + z * t->stride[3] +
+           h * t->stride[4];
+}
+
+static inline int64_t FAST(round16)(int64_t n) { return (n + 15) / 16 * 16; }
+
+static inline int FAST(threads)(const nbhd_exec *e) {
+#ifdef _OPENMP
+    return e && e->threads > 0 ? e->threads : omp_get_max_threads();
+#else
+    (void)e;
+    return 1;
+#endif
+}
+
+/* Per-call geometry: sizes, packed strides, the Z position of every (group, index), chunks. */
+typedef struct {
+    int64_t B, X, Y, Z, H, Hk, G, D, Dv, S;   /* G: query heads per key head; S: extra keys */
+    int64_t ZP, SP, lines_q, lines_k;         /* lines: B*H*X*Y and B*Hk*X*Y */
+    int64_t dil;                              /* dilation on Z */
+    int64_t *goff;                            /* [dil+1] first packed position of each group */
+    int64_t nchunks;                          /* chunks of 16 in-group queries per (x, y) line */
+    int64_t *chunk_g, *chunk_i0;              /* [nchunks] */
+} FAST(geo);
+
+static int FAST(geo_init)(FAST(geo) *G, const nbhd_geometry *g) {
+    G->B = g->batch; G->X = g->axis[0].extent; G->Y = g->axis[1].extent; G->Z = g->axis[2].extent;
+    G->H = g->heads; G->Hk = g->kv_heads; G->G = g->group; G->D = g->head_dim;
+    G->Dv = g->head_dim_v; G->S = g->extra_kv;
+    G->ZP = FAST(round16)(G->Z + 16); G->SP = FAST(round16)(G->S + 16);
+    G->lines_q = G->B * G->H * G->X * G->Y; G->lines_k = G->B * G->Hk * G->X * G->Y;
+    G->dil = g->axis[2].dilation;
+    G->goff = (int64_t *)malloc(sizeof(int64_t) * (size_t)(G->dil + 1));
+    if (!G->goff) return 0;
+    G->nchunks = 0;
+    G->goff[0] = 0;
+    for (int64_t gr = 0; gr < G->dil; ++gr) {
+        const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
+        G->goff[gr + 1] = G->goff[gr] + Lg;
+        G->nchunks += (Lg + 15) / 16;
+    }
+    G->chunk_g = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)G->nchunks);
+    if (!G->chunk_g) { free(G->goff); return 0; }
+    G->chunk_i0 = G->chunk_g + G->nchunks;
+    int64_t c = 0;
+    for (int64_t gr = 0; gr < G->dil; ++gr)
+        for (int64_t i0 = 0; i0 < G->goff[gr + 1] - G->goff[gr]; i0 += 16) {
+            G->chunk_g[c] = gr;
+            G->chunk_i0[c++] = i0;
+        }
+    return 1;
+}
+
+static void FAST(geo_free)(FAST(geo) *G) {
+    free(G->goff);
+    free(G->chunk_g);
+}
+
+/* Workspace layout (the one owner): float offsets of each packed array, total floats. */
+typedef struct {
+    size_t kt, vt, kxt, vxt, tkt, tvt, tkxt, tvxt, qt, dot, lr, dr, total;
+} FAST(layout_t);
+
+static FAST(layout_t) FAST(layout)(const nbhd_geometry *g, nbhd_op op) {
+    const int64_t Z = g->axis[2].extent, ZP = FAST(round16)(Z + 16),
+                  SP = FAST(round16)(g->extra_kv + 16);
+    const size_t lk = (size_t)(g->batch * g->kv_heads * g->axis[0].extent * g->axis[1].extent);
+    const size_t lq = (size_t)(g->batch * g->heads * g->axis[0].extent * g->axis[1].extent);
+    const size_t xk = (size_t)(g->batch * g->kv_heads);
+    const size_t D = (size_t)g->head_dim, Dv = (size_t)g->head_dim_v;
+    FAST(layout_t) L;
+    memset(&L, 0, sizeof L);
+    size_t at = 0;
+    L.kt = at; at += lk * D * ZP;
+    L.vt = at; at += lk * Dv * ZP;
+    L.kxt = at; at += g->extra_kv ? xk * D * SP : 0;
+    L.vxt = at; at += g->extra_kv ? xk * Dv * SP : 0;
+    if (op == NBHD_OP_FORWARD_JVP) {
+        L.tkt = at; at += lk * D * ZP;
+        L.tvt = at; at += lk * Dv * ZP;
+        L.tkxt = at; at += g->extra_kv ? xk * D * SP : 0;
+        L.tvxt = at; at += g->extra_kv ? xk * Dv * SP : 0;
+    }
+    if (op == NBHD_OP_BACKWARD) {
+        L.qt = at; at += lq * D * ZP;
+        L.dot = at; at += lq * Dv * ZP;
+        L.lr = at; at += lq * ZP;
+        L.dr = at; at += lq * ZP;
+    }
+    L.total = at + 16;  /* + 64 bytes so the base can be aligned */
+    return L;
+}
+
+/* Packs one (b, h, x, y) line of tensor t into dst [dim][ZP] (Z group-major), times mul. */
+static void FAST(pack_line)(float *dst, const FAST(geo) *G, const nbhd_tensor *t, nbhd_dtype dt,
+                            int64_t b, int64_t h, int64_t x, int64_t y, int64_t dim, float mul) {
+    const int64_t ZP = G->ZP, s5 = t->stride[5];
+    for (int64_t z = 0; z < G->Z; ++z) {
+        const int64_t p = G->goff[z % G->dil] + z / G->dil, o = FAST(off)(t, b, x, y, z, h);
+        for (int64_t d = 0; d < dim; ++d) dst[d * ZP + p] = mul * FAST(ld)(t->data, o + d * s5, dt);
+    }
+    for (int64_t d = 0; d < dim; ++d)
+        for (int64_t p = G->Z; p < ZP; ++p) dst[d * ZP + p] = 0.0f;
+}
+
+/* Packs the extra keys of (b, hk) of tensor t ([B, S, -, -, Hk, dim]) into dst [dim][SP]. */
+static void FAST(pack_extra)(float *dst, const FAST(geo) *G, const nbhd_tensor *t, nbhd_dtype dt,
+                             int64_t b, int64_t hk, int64_t dim, float mul) {
+    const int64_t SP = G->SP;
+    for (int64_t s = 0; s < G->S; ++s) {
+        const int64_t o = b * t->stride[0] + s * t->stride[1] + hk * t->stride[4];
+        for (int64_t d = 0; d < dim; ++d) dst[d * SP + s] = mul * FAST(ld)(t->data, o + d * t->stride[5], dt);
+    }
+    for (int64_t d = 0; d < dim; ++d)
+        for (int64_t s = G->S; s < SP; ++s) dst[d * SP + s] = 0.0f;
+}
+
+/* Lane ranges along Z of one chunk: lane l covers in-group positions [lo[l], hi[l]).
+ * shift: lo[l] = base + l and hi[l] = base + l + n (slot c of lane l is position base+c+l);
+ * otherwise the slots are the union [base, base+n), broadcast to all lanes, masked per lane. */
+typedef struct {
+    int32_t lo[NBHD_LANES], hi[NBHD_LANES];
+    int64_t base, n;
+    int bcast, masked;
+} FAST(zdesc);
+
+static void FAST(zdesc_finish)(FAST(zdesc) *zd, int nl) {
+    int shift = 1;
+    int64_t ulo = -1, uhi = -1;
+    for (int l = 0; l < nl; ++l) {
+        if (zd->lo[l] != zd->lo[0] + l || zd->hi[l] - zd->lo[l] != zd->hi[0] - zd->lo[0]) shift = 0;
+        if (zd->hi[l] > zd->lo[l]) {
+            if (ulo < 0 || zd->lo[l] < ulo) ulo = zd->lo[l];
+            if (zd->hi[l] > uhi) uhi = zd->hi[l];
+        }
+    }
+    for (int l = nl; l < NBHD_LANES; ++l) zd->lo[l] = zd->hi[l] = 0;
+    if (shift && zd->hi[0] > zd->lo[0]) {
+        zd->base = zd->lo[0]; zd->n = zd->hi[0] - zd->lo[0]; zd->bcast = 0; zd->masked = 0;
+    } else {
+        zd->base = ulo < 0 ? 0 : ulo; zd->n = ulo < 0 ? 0 : uhi - ulo; zd->bcast = 1; zd->masked = 1;
+    }
+}
+
+/* Windows of the in-group queries i0..i0+nl-1 of a group of length Lg along Z. */
+static void FAST(zdesc_window)(FAST(zdesc) *zd, const nbhd_axis *az, int64_t i0, int nl, int64_t Lg) {
+    for (int l = 0; l < nl; ++l) {
+        int64_t st, en;
+        nbhd_window_in_group(az, i0 + l, Lg, &st, &en);
+        zd->lo[l] = (int32_t)st; zd->hi[l] = (int32_t)en;
+    }
+    FAST(zdesc_finish)(zd, nl);
+}
+
+/* Inverse windows (queries that see each key) of in-group keys j0..j0+nl-1 of group gr. */
+static void FAST(zdesc_inverse)(FAST(zdesc) *zd, const nbhd_axis *az, int64_t gr, int64_t j0, int nl) {
+    for (int l = 0; l < nl; ++l) {
+        int64_t first, count;
+        nbhd_inverse_window(az, gr + (j0 + l) * az->dilation, &first, &count);
+        zd->lo[l] = (int32_t)((first - gr) / az->dilation);
+        zd->hi[l] = zd->lo[l] + (int32_t)count;
+    }
+    FAST(zdesc_finish)(zd, nl);
+}
+
+// ----------------------------------------------------------------------------
+// micro-kernels on 16-lane vectors
+//
+// A slot operand of row r, dimension d, slot c is
+//   shift: vf_load(row_r + d*ld + c)      (lane l reads position c + l)
+//   bcast: vf_set1(row_r[d*ld + c])       (every lane reads position c)
+// where row_r already points at the first slot of the unit.
+
+NBHD_ALWAYS_INLINE vf FAST(opnd)(const float *p, int bcast) { return bcast ? vf_set1(*p) : vf_load(p); }
+
+/* S[c] (+)= sum_d A[d] * opnd(b + d*ld + c), c < CB (CB a constant after inlining) */
+NBHD_ALWAYS_INLINE void FAST(score_block)(float *S, const float *A, int64_t dim, const float *b,
+                                          int64_t ld, int bcast, int accumulate, int CB) {
+    vf s[8];
+    for (int j = 0; j < CB; ++j) s[j] = accumulate ? vf_load(S + 16 * j) : vf_zero();
+    for (int64_t d = 0; d < dim; ++d) {
+        const vf a = vf_load(A + 16 * d);
+        const float *bd = b + d * ld;
+        for (int j = 0; j < CB; ++j) s[j] = vf_fma(a, FAST(opnd)(bd + j, bcast), s[j]);
+    }
+    for (int j = 0; j < CB; ++j) vf_store(S + 16 * j, s[j]);
+}
+
+NBHD_ALWAYS_INLINE void FAST(score_rows_impl)(float *S, const float *A, int64_t dim,
+                                              const float *const *rows, int64_t nrows, int64_t n,
+                                              int64_t ld, int bcast, int accumulate) {
+    for (int64_t r = 0; r < nrows; ++r) {
+        float *Sr = S + 16 * r * n;
+        int64_t c = 0;
+        for (; c + 8 <= n; c += 8) FAST(score_block)(Sr + 16 * c, A, dim, rows[r] + c, ld, bcast, accumulate, 8);
+        switch (n - c) {
+        case 7: FAST(score_block)(Sr + 16 * c, A, dim, rows[r] + c, ld, bcast, accumulate, 7); break;
+        case 6: FAST(score_block)(Sr + 16 * c, A, dim, rows[r] + c, ld, bcast, accumulate, 6); break;
+        case 5: FAST(score_block)(Sr + 16 * c, A, dim, rows[r] + c, ld, bcast, accumulate, 5); break;
+        case 4: FAST(score_block)(Sr + 16 * c, A, dim, rows[r] + c, ld, bcast, accumulate, 4); break;
+        case 3: FAST(score_block)(Sr + 16 * c, A, dim, rows[r] + c, ld, bcast, accumulate, 3); break;
+        case 2: FAST(score_block)(Sr + 16 * c, A, dim, rows[r] + c, ld, bcast, accumulate, 2); break;
+        case 1: FAST(score_block)(Sr + 16 * c, A, dim, rows[r] + c, ld, bcast, accumulate, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* S[r][c] (+)= sum_d A[d] * opnd(rows[r] + d*ld + c): [nrows*n][16] */
+static void FAST(score_rows)(float *S, const float *A, int64_t dim, const float *const *rows,
+                             int64_t nrows, int64_t n, int64_t ld, int bcast, int accumulate) {
+    if (bcast) {
+        if (accumulate) FAST(score_rows_impl)(S, A, dim, rows, nrows, n, ld, 1, 1);
+        else FAST(score_rows_impl)(S, A, dim, rows, nrows, n, ld, 1, 0);
+    } else {
+        if (accumulate) FAST(score_rows_impl)(S, A, dim, rows, nrows, n, ld, 0, 1);
+        else FAST(score_rows_impl)(S, A, dim, rows, nrows, n, ld, 0, 0);
+    }
+}
+
+/* JVP scores in one sweep over K and tK:
+ *   S[c] = sum_d Q[d] k_c[d],  T[c] = sum_d tQ[d] k_c[d] + Q[d] tk_c[d] */
+NBHD_ALWAYS_INLINE void FAST(score3_block)(float *S, float *T, const float *Q, const float *TQ,
+                                           int64_t dim, const float *k, const float *tk,
+                                           int64_t ld, int bcast, int CB) {
+    vf s[8], t[8];
+    for (int j = 0; j < CB; ++j) { s[j] = vf_zero(); t[j] = vf_zero(); }
+    for (int64_t d = 0; d < dim; ++d) {
+        const vf q = vf_load(Q + 16 * d), tq = vf_load(TQ + 16 * d);
+        const float *kd = k + d * ld, *tkd = tk + d * ld;
+        for (int j = 0; j < CB; ++j) {
+            const vf kv = FAST(opnd)(kd + j, bcast);
+            s[j] = vf_fma(q, kv, s[j]);
+            t[j] = vf_fma(tq, kv, t[j]);
+            t[j] = vf_fma(q, FAST(opnd)(tkd + j, bcast), t[j]);
+        }
+    }
+    for (int j = 0; j < CB; ++j) { vf_store(S + 16 * j, s[j]); vf_store(T + 16 * j, t[j]); }
+}
+
+NBHD_ALWAYS_INLINE void FAST(score3_rows_impl)(float *S, float *T, const float *Q, const float *TQ,
+                                               int64_t dim, const float *const *k,
+                                               const float *const *tk, int64_t nrows, int64_t n,
+                                               int64_t ld, int bcast) {
+    for (int64_t r = 0; r < nrows; ++r) {
+        float *Sr = S + 16 * r * n, *Tr = T + 16 * r * n;
+        int64_t c = 0;
+        for (; c + 6 <= n; c += 6)
+            FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 6);
+        switch (n - c) {
+        case 5: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 5); break;
+        case 4: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 4); break;
+        case 3: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 3); break;
+        case 2: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 2); break;
+        case 1: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 1); break;
+        default: break;
+        }
+    }
+}
+
+static void FAST(score3_rows)(float *S, float *T, const float *Q, const float *TQ, int64_t dim,
+                              const float *const *k, const float *const *tk, int64_t nrows,
+                              int64_t n, int64_t ld, int bcast) {
+    if (bcast) FAST(score3_rows_impl)(S, T, Q, TQ, dim, k, tk, nrows, n, ld, 1);
+    else FAST(score3_rows_impl)(S, T, Q, TQ, dim, k, tk, nrows, n, ld, 0);
+}
+
+/* OUT[d] += sum_r sum_c P[r][c] * opnd(rows[r] + d*ld + c), for d in [d0, d0+DB) */
+NBHD_ALWAYS_INLINE void FAST(accum_block)(float *OUT, int64_t d0, const float *P,
+                                          const float *const *rows, int64_t nrows, int64_t n,
+                                          int64_t ld, int bcast, int DB) {
+    vf acc[16];
+    for (int j = 0; j < DB; ++j) acc[j] = vf_load(OUT + 16 * (d0 + j));
+    for (int64_t r = 0; r < nrows; ++r) {
+        const float *b = rows[r] + d0 * ld, *Pr = P + 16 * r * n;
+        for (int64_t c = 0; c < n; ++c) {
+            const vf p = vf_load(Pr + 16 * c);
+            for (int j = 0; j < DB; ++j) acc[j] = vf_fma(p, FAST(opnd)(b + j * ld + c, bcast), acc[j]);
+        }
+    }
+    for (int j = 0; j < DB; ++j) vf_store(OUT + 16 * (d0 + j), acc[j]);
+}
+
+NBHD_ALWAYS_INLINE void FAST(accum_rows_impl)(float *OUT, int64_t dim, const float *P,
+                                              const float *const *rows, int64_t nrows, int64_t n,
+                                              int64_t ld, int bcast) {
+    int64_t d0 = 0;
+    for (; d0 + 16 <= dim; d0 += 16) FAST(accum_block)(OUT, d0, P, rows, nrows, n, ld, bcast, 16);
+    for (; d0 + 8 <= dim; d0 += 8) FAST(accum_block)(OUT, d0, P, rows, nrows, n, ld, bcast, 8);
+    for (; d0 + 4 <= dim; d0 += 4) FAST(accum_block)(OUT, d0, P, rows, nrows, n, ld, bcast, 4);
+    for (; d0 < dim; ++d0) FAST(accum_block)(OUT, d0, P, rows, nrows, n, ld, bcast, 1);
+}
+
+/* OUT[d] += sum_r,c P[r][c] * opnd(rows[r] + d*ld + c) for all d < dim */
+static void FAST(accum_rows)(float *OUT, int64_t dim, const float *P, const float *const *rows,
+                             int64_t nrows, int64_t n, int64_t ld, int bcast) {
+    if (bcast) FAST(accum_rows_impl)(OUT, dim, P, rows, nrows, n, ld, 1);
+    else FAST(accum_rows_impl)(OUT, dim, P, rows, nrows, n, ld, 0);
+}
+
+/* JVP values in one sweep over V and tV:  O += P v,  C += P tv + PT v */
+NBHD_ALWAYS_INLINE void FAST(accum2_block)(float *O, float *C, int64_t d0, const float *P,
+                                           const float *PT, const float *const *v,
+                                           const float *const *tv, int64_t nrows, int64_t n,
+                                           int64_t ld, int bcast, int DB) {
+    vf o[8], cc[8];
+    for (int j = 0; j < DB; ++j) { o[j] = vf_load(O + 16 * (d0 + j)); cc[j] = vf_load(C + 16 * (d0 + j)); }
+    for (int64_t r = 0; r < nrows; ++r) {
+        const float *vb = v[r] + d0 * ld, *tvb = tv[r] + d0 * ld;
+        const float *Pr = P + 16 * r * n, *PTr = PT + 16 * r * n;
+        for (int64_t c = 0; c < n; ++c) {
+            const vf p = vf_load(Pr + 16 * c), pt = vf_load(PTr + 16 * c);
+            for (int j = 0; j < DB; ++j) {
+                const vf vv = FAST(opnd)(vb + j * ld + c, bcast);
+                o[j] = vf_fma(p, vv, o[j]);
+                cc[j] = vf_fma(pt, vv, cc[j]);
+                cc[j] = vf_fma(p, FAST(opnd)(tvb + j * ld + c, bcast), cc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < DB; ++j) { vf_store(O + 16 * (d0 + j), o[j]); vf_store(C + 16 * (d0 + j), cc[j]); }
+}
+
+NBHD_ALWAYS_INLINE void FAST(accum2_rows_impl)(float *O, float *C, int64_t dim, const float *P,
+                                               const float *PT, const float *const *v,
+                                               const float *const *tv, int64_t nrows, int64_t n,
+                                               int64_t ld, int bcast) {
+    int64_t d0 = 0;
+    for (; d0 + 8 <= dim; d0 += 8) FAST(accum2_block)(O, C, d0, P, PT, v, tv, nrows, n, ld, bcast, 8);
+    for (; d0 + 4 <= dim; d0 += 4) FAST(accum2_block)(O, C, d0, P, PT, v, tv, nrows, n, ld, bcast, 4);
+    for (; d0 < dim; ++d0) FAST(accum2_block)(O, C, d0, P, PT, v, tv, nrows, n, ld, bcast, 1);
+}
+
+static void FAST(accum2_rows)(float *O, float *C, int64_t dim, const float *P, const float *PT,
+                              const float *const *v, const float *const *tv, int64_t nrows,
+                              int64_t n, int64_t ld, int bcast) {
+    if (bcast) FAST(accum2_rows_impl)(O, C, dim, P, PT, v, tv, nrows, n, ld, 1);
+    else FAST(accum2_rows_impl)(O, C, dim, P, PT, v, tv, nrows, n, ld, 0);
+}
+
+/* masked slots (lanes outside [lo, hi) at position pos0 + c) become fill */
+static void FAST(apply_mask)(float *S, int64_t nrows, int64_t n, const FAST(zdesc) *zd,
+                             int64_t pos0, float fill) {
+    for (int64_t r = 0; r < nrows; ++r)
+        for (int64_t c = 0; c < n; ++c) {
+            float *s = S + 16 * (r * n + c);
+            vf_store(s, vf_keep_range(vf_load(s), zd->lo, zd->hi, (int32_t)(pos0 + c), fill));
+        }
+}
+
+/* Online softmax step over nslots score vectors (log2 units): raises the running max m,
+ * rescales l and the accumulators acc[0..nacc) (each [dims[i]][16]) when it grew, then
+ * S <- exp2(S - m) and l += sum S. Returns nothing; r (JVP) is rescaled like l when given. */
+static void FAST(softmax_step)(float *S, int64_t nslots, float *m, float *l, float *r,
+                               float **acc, const int64_t *dims, int nacc) {
+    vf mb = vf_load(m);
+    const vf m_old = mb;
+    for (int64_t c = 0; c < nslots; ++c) mb = vf_max(mb, vf_load(S + 16 * c));
+    if (vf_any_gt(mb, m_old)) {
+        /* acc = acc * exp2(m_old - m), l and r likewise */
+        const vf alpha = vf_exp2(vf_sub(m_old, mb));
+        vf_store(l, vf_mul(vf_load(l), alpha));
+        if (r) vf_store(r, vf_mul(vf_load(r), alpha));
+        for (int i = 0; i < nacc; ++i)
+            for (int64_t d = 0; d < dims[i]; ++d)
+                vf_store(acc[i] + 16 * d, vf_mul(vf_load(acc[i] + 16 * d), alpha));
+        vf_store(m, mb);
+    }
+    vf sum = vf_load(l);
+    for (int64_t c = 0; c < nslots; ++c) {
+        const vf p = vf_exp2(vf_sub(vf_load(S + 16 * c), mb));
+        vf_store(S + 16 * c, p);
+        sum = vf_add(sum, p);
+    }
+    vf_store(l, sum);
+}
+
+/* A[d][l] = mul * t[b, x, y, z_l, h, d] for the nl lanes of a chunk (others 0) */
+static void FAST(load_lanes)(float *A, const nbhd_tensor *t, nbhd_dtype dt, int64_t dim,
+                             int64_t b, int64_t x, int64_t y, const int64_t *zl, int nl, int64_t h,
+                             float mul) {
+    for (int64_t d = 0; d < dim; ++d)
+        for (int l = nl; l < NBHD_LANES; ++l) A[16 * d + l] = 0.0f;
+    for (int l = 0; l < nl; ++l) {
+        const int64_t o = FAST(off)(t, b, x, y, zl[l], h);
+        for (int64_t d = 0; d < dim; ++d) A[16 * d + l] = mul * FAST(ld)(t->data, o + d * t->stride[5], dt);
+    }
+}
+
+/* t[b, x, y, z_l, h, d] = mul_l * A[d][l] for the nl lanes of a chunk */
+static void FAST(store_lanes)(const nbhd_tensor *t, nbhd_dtype dt, int64_t dim, int64_t b,
+                              int64_t x, int64_t y, const int64_t *zl, int nl, int64_t h,
+                              const float *A, const float *mul) {
+    for (int l = 0; l < nl; ++l) {
+        const int64_t o = FAST(off)(t, b, x, y, zl[l], h);
+        for (int64_t d = 0; d < dim; ++d) FAST(st)(t->data, o + d * t->stride[5], dt, mul[l] * A[16 * d + l]);
+    }
+}
+
+/* line index of (b, h, x, y) among [B, heads, X, Y] */
+static inline int64_t FAST(line)(const FAST(geo) *G, int64_t heads, int64_t b, int64_t h,
+                                 int64_t x, int64_t y) {
+    return ((b * heads + h) * G->X + x) * G->Y + y;
+}
+
+/* The key rows (x, y) of a query line's window: lines[] of head hk, returns their count. */
+static int64_t FAST(window_rows)(const FAST(geo) *G, const nbhd_geometry *g, int64_t b, int64_t hk,
+                                 int64_t x, int64_t y, int64_t *lines) {
+    int64_t fx, cx, fy, cy;
+    nbhd_window(&g->axis[0], x, &fx, &cx);
+    nbhd_window(&g->axis[1], y, &fy, &cy);
+    int64_t n = 0;
+    for (int64_t i = 0; i < cx; ++i)
+        for (int64_t j = 0; j < cy; ++j)
+            lines[n++] = FAST(line)(G, G->Hk, b, hk, fx + i * g->axis[0].dilation, fy + j * g->axis[1].dilation);
+    return n;
+}
+
+/* The query rows (x, y) that see key row (kx, ky): rows as (x*Y + y), returns their count. */
+static int64_t FAST(inverse_rows)(const FAST(geo) *G, const nbhd_geometry *g, int64_t kx,
+                                  int64_t ky, int64_t *xy) {
+    int64_t fx, cx, fy, cy;
+    nbhd_inverse_window(&g->axis[0], kx, &fx, &cx);
+    nbhd_inverse_window(&g->axis[1], ky, &fy, &cy);
+    int64_t n = 0;
+    for (int64_t i = 0; i < cx; ++i)
+        for (int64_t j = 0; j < cy; ++j)
+            xy[n++] = (fx + i * g->axis[0].dilation) * G->Y + fy + j * g->axis[1].dilation;
+    return n;
+}
+
+/* Splits nrows rows x n slots into units of at most SMAX slot vectors: calls
+ * the body (last argument) with rows [r0, r0+nr) and slots [c0, c0+nn). */
+#define FOR_UNITS(nrows, n, r0, nr, c0, nn, ...)                                         \
+    for (int64_t c0 = 0; c0 < (n); c0 += SMAX) {                                          \
+        const int64_t nn = (n) - c0 < SMAX ? (n) - c0 : SMAX;                              \
+        const int64_t rows_per_unit_ = SMAX / nn;                                          \
+        for (int64_t r0 = 0; r0 < (nrows); r0 += rows_per_unit_) {                         \
+            const int64_t nr = (nrows) - r0 < rows_per_unit_ ? (nrows) - r0 : rows_per_unit_; \
+            __VA_ARGS__                                                                    \
+        }                                                                                  \
+    }
+
+/* per-thread scratch, one allocation */
+typedef struct {
+    float *S, *T, *U;                     /* [SMAX][16] slot vectors */
+    float *A1, *A2, *A3;                  /* lane operands [max(D, Dv)][16] */
+    float *O1, *O2;                       /* accumulators [max(D, Dv)][16] */
+    float *m, *l, *r, *lse, *dd;          /* [16] */
+    const float **p1, **p2, **p3, **p4;   /* row pointers [max rows] */
+    int64_t *lines;                       /* [max rows] */
+    void *mem;
+} FAST(scratch);
+
+static int FAST(scratch_alloc)(FAST(scratch) *s, const FAST(geo) *G, int64_t max_rows) {
+    const size_t w = (size_t)(G->D > G->Dv ? G->D : G->Dv) * 16;
+    const size_t nf = 3 * (size_t)SMAX * 16 + 5 * w + 5 * 16;
+    const size_t bytes = nf * sizeof(float) + 4 * sizeof(float *) * (size_t)max_rows +
+                         sizeof(int64_t) * (size_t)max_rows + 64;
+    s->mem = malloc(bytes);
+    if (!s->mem) return 0;
+    float *f = (float *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
+    s->S = f; f += SMAX * 16;
+    s->T = f; f += SMAX * 16;
+    s->U = f; f += SMAX * 16;
+    s->A1 = f; f += w; s->A2 = f; f += w; s->A3 = f; f += w;
+    s->O1 = f; f += w; s->O2 = f; f += w;
+    s->m = f; f += 16; s->l = f; f += 16; s->r = f; f += 16; s->lse = f; f += 16; s->dd = f; f += 16;
+    const float **pp = (const float **)f;
+    s->p1 = pp; pp += max_rows; s->p2 = pp; pp += max_rows; s->p3 = pp; pp += max_rows;
+    s->p4 = pp; pp += max_rows;
+    s->lines = (int64_t *)pp;
+    return 1;
+}
+
+static inline float *FAST(ws_base)(const nbhd_exec *e) {
+    return (float *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63);
+}
+
+// ----------------------------------------------------------------------------
+// forward
+
+/*   q      [B, X, Y, Z, H,  D ]     out [B, X, Y, Z, H, Dv]   lse [B, X, Y, Z, H]
+ *   k, v   [B, X, Y, Z, Hk, D/Dv]   kx, vx [B, S, -, -, Hk, D/Dv] */
+nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forward_args *a,
+                                        const nbhd_exec *e) {
+    FAST(geo) G;
+    if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory");
+    const nbhd_dtype dt = g->dtype;
+    const FAST(layout_t) L = FAST(layout)(g, NBHD_OP_FORWARD);
+    float *ws = FAST(ws_base)(e);
+    float *KT = ws + L.kt, *VT = ws + L.vt, *KXT = ws + L.kxt, *VXT = ws + L.vxt;
+    const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, SP = G.SP;
+    const float qmul = (float)(g->scale * LOG2E);
+    const int64_t max_rows = (int64_t)g->axis[0].kernel * g->axis[1].kernel;
+    const int64_t work = G.B * G.H * G.X * G.Y * G.nchunks;
+    int failed = 0;
+#pragma omp parallel num_threads(FAST(threads)(e))
+    {
+        /* pack K, V (and the extra keys) as fp32 rows [dim][ZP] */
+#pragma omp for schedule(static)
+        for (int64_t ln = 0; ln < G.lines_k; ++ln) {
+            const int64_t y = ln % G.Y, x = (ln / G.Y) % G.X, hk = (ln / (G.Y * G.X)) % G.Hk,
+                          b = ln / (G.Y * G.X * G.Hk);
+            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
+            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
+        }
+        if (G.S) {
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < G.B * G.Hk; ++bh) {
+                FAST(pack_extra)(KXT + bh * D * SP, &G, &a->kx, dt, bh / G.Hk, bh % G.Hk, D, 1.0f);
+                FAST(pack_extra)(VXT + bh * Dv * SP, &G, &a->vx, dt, bh / G.Hk, bh % G.Hk, Dv, 1.0f);
+            }
+        }
+        FAST(scratch) s;
+        const int ok = FAST(scratch_alloc)(&s, &G, max_rows);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work; ++w) {
+            if (!ok) continue;
+            const int64_t ch = w % G.nchunks, y = (w / G.nchunks) % G.Y,
+                          x = (w / (G.nchunks * G.Y)) % G.X, h = (w / (G.nchunks * G.Y * G.X)) % G.H,
+                          b = w / (G.nchunks * G.Y * G.X * G.H), hk = h / G.G;
+            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
+            const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
+            int64_t zl[NBHD_LANES];
+            for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
+            FAST(zdesc) zd;
+            FAST(zdesc_window)(&zd, &g->axis[2], i0, nl, Lg);
+            /* Q^T * scale * log2(e): scores in log2 units */
+            FAST(load_lanes)(s.A1, &a->q, dt, D, b, x, y, zl, nl, h, qmul);
+            for (int l = 0; l < 16; ++l) { s.m[l] = -INFINITY; s.l[l] = 0.0f; }
+            memset(s.O1, 0, sizeof(float) * 16 * (size_t)Dv);
+            float *accs[1] = {s.O1};
+            const int64_t dims[1] = {Dv};
+            const int64_t nrows = FAST(window_rows)(&G, g, b, hk, x, y, s.lines);
+            FOR_UNITS(nrows, zd.n, r0, nr, c0, nn, {
+                for (int64_t r = 0; r < nr; ++r) {
+                    const int64_t ln = s.lines[r0 + r], at = G.goff[gr] + zd.base + c0;
+                    s.p1[r] = KT + ln * D * ZP + at;
+                    s.p2[r] = VT + ln * Dv * ZP + at;
+                }
+                FAST(score_rows)(s.S, s.A1, D, s.p1, nr, nn, ZP, zd.bcast, 0);
+                if (zd.masked) FAST(apply_mask)(s.S, nr, nn, &zd, zd.base + c0, -INFINITY);
+                FAST(softmax_step)(s.S, nr * nn, s.m, s.l, NULL, accs, dims, 1);
+                FAST(accum_rows)(s.O1, Dv, s.S, s.p2, nr, nn, ZP, zd.bcast);
+            })
+            if (G.S) {
+                const float *kx_row = KXT + (b * G.Hk + hk) * D * SP, *vx_row = VXT + (b * G.Hk + hk) * Dv * SP;
+                FOR_UNITS(1, G.S, r0, nr, c0, nn, {
+                    (void)r0; (void)nr;
+                    s.p1[0] = kx_row + c0;
+                    s.p2[0] = vx_row + c0;
+                    FAST(score_rows)(s.S, s.A1, D, s.p1, 1, nn, SP, 1, 0);
+                    FAST(softmax_step)(s.S, nn, s.m, s.l, NULL, accs, dims, 1);
+                    FAST(accum_rows)(s.O1, Dv, s.S, s.p2, 1, nn, SP, 1);
+                })
+            }
+            /* o = acc / l,  lse = ln2 * (m + log2 l) */
+            float inv[16];
+            for (int l = 0; l < nl; ++l) {
+                inv[l] = 1.0f / s.l[l];
+                const int64_t o = FAST(off)(&a->lse, b, x, y, zl[l], h);
+                ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[l] + log2((double)s.l[l])));
+            }
+            FAST(store_lanes)(&a->out, dt, Dv, b, x, y, zl, nl, h, s.O1, inv);
+        }
+        if (ok) free(s.mem);
+    }
+    FAST(geo_free)(&G);
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory for per-thread scratch")
+                  : NBHD_OK;
+}
+
+// ----------------------------------------------------------------------------
+// forward + JVP (DESIGN.md §4): besides m, l, O keep r = sum p tS and C = sum p (tv + tS v)
+
+nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                            const nbhd_exec *e) {
+    FAST(geo) G;
+    if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory");
+    const nbhd_dtype dt = g->dtype;
+    const FAST(layout_t) L = FAST(layout)(g, NBHD_OP_FORWARD_JVP);
+    float *ws = FAST(ws_base)(e);
+    float *KT = ws + L.kt, *VT = ws + L.vt, *KXT = ws + L.kxt, *VXT = ws + L.vxt;
+    float *TKT = ws + L.tkt, *TVT = ws + L.tvt, *TKXT = ws + L.tkxt, *TVXT = ws + L.tvxt;
+    const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, SP = G.SP;
+    /* S = (scale log2e q).k in log2 units; tS = (scale tq).k + (scale log2e q).(ln2 tk), natural */
+    const float qmul = (float)(g->scale * LOG2E), tqmul = (float)g->scale, tkmul = (float)LN2;
+    const int has_tq = a->t_q.data != NULL;
+    const int has_tk = a->t_k.data != NULL, has_tv = a->t_v.data != NULL;
+    const int has_tkx = a->t_kx.data != NULL, has_tvx = a->t_vx.data != NULL;
+    const int64_t max_rows = (int64_t)g->axis[0].kernel * g->axis[1].kernel;
+    const int64_t work = G.B * G.H * G.X * G.Y * G.nchunks;
+    int failed = 0;
+#pragma omp parallel num_threads(FAST(threads)(e))
+    {
+#pragma omp for schedule(static)
+        for (int64_t ln = 0; ln < G.lines_k; ++ln) {
+            const int64_t y = ln % G.Y, x = (ln / G.Y) % G.X, hk = (ln / (G.Y * G.X)) % G.Hk,
+                          b = ln / (G.Y * G.X * G.Hk);
+            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
+            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
+            if (has_tk) FAST(pack_line)(TKT + ln * D * ZP, &G, &a->t_k, dt, b, hk, x, y, D, tkmul);
+            if (has_tv) FAST(pack_line)(TVT + ln * Dv * ZP, &G, &a->t_v, dt, b, hk, x, y, Dv, 1.0f);
+        }
+        if (G.S) {
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < G.B * G.Hk; ++bh) {
+                const int64_t b = bh / G.Hk, hk = bh % G.Hk;
+                FAST(pack_extra)(KXT + bh * D * SP, &G, &a->kx, dt, b, hk, D, 1.0f);
+                FAST(pack_extra)(VXT + bh * Dv * SP, &G, &a->vx, dt, b, hk, Dv, 1.0f);
+                if (has_tkx) FAST(pack_extra)(TKXT + bh * D * SP, &G, &a->t_kx, dt, b, hk, D, tkmul);
+                if (has_tvx) FAST(pack_extra)(TVXT + bh * Dv * SP, &G, &a->t_vx, dt, b, hk, Dv, 1.0f);
+            }
+        }
+        FAST(scratch) s;
+        const int ok = FAST(scratch_alloc)(&s, &G, max_rows);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work; ++w) {
+            if (!ok) continue;
+            const int64_t ch = w % G.nchunks, y = (w / G.nchunks) % G.Y,
+                          x = (w / (G.nchunks * G.Y)) % G.X, h = (w / (G.nchunks * G.Y * G.X)) % G.H,
+                          b = w / (G.nchunks * G.Y * G.X * G.H), hk = h / G.G;
+            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
+            const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
+            int64_t zl[NBHD_LANES];
+            for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
+            FAST(zdesc) zd;
+            FAST(zdesc_window)(&zd, &g->axis[2], i0, nl, Lg);
+            float *Q = s.A1, *TQ = s.A2, *O = s.O1, *C = s.O2;
+            FAST(load_lanes)(Q, &a->q, dt, D, b, x, y, zl, nl, h, qmul);
+            if (has_tq) FAST(load_lanes)(TQ, &a->t_q, dt, D, b, x, y, zl, nl, h, tqmul);
+            for (int l = 0; l < 16; ++l) { s.m[l] = -INFINITY; s.l[l] = 0.0f; s.r[l] = 0.0f; }
+            memset(O, 0, sizeof(float) * 16 * (size_t)Dv);
+            memset(C, 0, sizeof(float) * 16 * (size_t)Dv);
+            float *accs[2] = {O, C};
+            const int64_t dims[2] = {Dv, Dv};
+            /* one unit: S, T = tS from rows k, tk; then P, PT = P tS; O, C */
+#define JVP_UNIT(nr, nn, ld, bcast, masked, pos0, tk_on, tv_on)                                     \
+    do {                                                                                            \
+        if (has_tq && (tk_on)) FAST(score3_rows)(s.S, s.T, Q, TQ, D, s.p1, s.p3, nr, nn, ld, bcast); \
+        else {                                                                                      \
+            FAST(score_rows)(s.S, Q, D, s.p1, nr, nn, ld, bcast, 0);                                \
+            memset(s.T, 0, sizeof(float) * 16 * (size_t)((nr) * (nn)));                            \
+            if (has_tq) FAST(score_rows)(s.T, TQ, D, s.p1, nr, nn, ld, bcast, 1);                   \
+            if (tk_on) FAST(score_rows)(s.T, Q, D, s.p3, nr, nn, ld, bcast, 1);                     \
+        }                                                                                           \
+        if (masked) FAST(apply_mask)(s.S, nr, nn, &zd, pos0, -INFINITY);                            \
+        FAST(softmax_step)(s.S, (nr) * (nn), s.m, s.l, s.r, accs, dims, 2);                         \
+        vf racc = vf_load(s.r);                                                                     \
+        for (int64_t c = 0; c < (nr) * (nn); ++c) {                                                 \
+            const vf pt = vf_mul(vf_load(s.S + 16 * c), vf_load(s.T + 16 * c));                     \
+            vf_store(s.T + 16 * c, pt);                                                             \
+            racc = vf_add(racc, pt);                                                                \
+        }                                                                                           \
+        vf_store(s.r, racc);                                                                        \
+        if (tv_on) FAST(accum2_rows)(O, C, Dv, s.S, s.T, s.p2, s.p4, nr, nn, ld, bcast);             \
+        else {                                                                                      \
+            FAST(accum_rows)(O, Dv, s.S, s.p2, nr, nn, ld, bcast);                                  \
+            FAST(accum_rows)(C, Dv, s.T, s.p2, nr, nn, ld, bcast);                                  \
+        }                                                                                           \
+    } while (0)
+            const int64_t nrows = FAST(window_rows)(&G, g, b, hk, x, y, s.lines);
+            FOR_UNITS(nrows, zd.n, r0, nr, c0, nn, {
+                for (int64_t r = 0; r < nr; ++r) {
+                    const int64_t ln = s.lines[r0 + r], at = G.goff[gr] + zd.base + c0;
+                    s.p1[r] = KT + ln * D * ZP + at;
+                    s.p2[r] = VT + ln * Dv * ZP + at;
+                    s.p3[r] = TKT + ln * D * ZP + at;
+                    s.p4[r] = TVT + ln * Dv * ZP + at;
+                }
+                JVP_UNIT(nr, nn, ZP, zd.bcast, zd.masked, zd.base + c0, has_tk, has_tv);
+            })
+            if (G.S) {
+                const int64_t bh = b * G.Hk + hk;
+                FOR_UNITS(1, G.S, r0, nr, c0, nn, {
+                    (void)r0; (void)nr;
+                    s.p1[0] = KXT + bh * D * SP + c0;
+                    s.p2[0] = VXT + bh * Dv * SP + c0;
+                    s.p3[0] = TKXT + bh * D * SP + c0;
+                    s.p4[0] = TVXT + bh * Dv * SP + c0;
+                    JVP_UNIT(1, nn, SP, 1, 0, 0, has_tkx, has_tvx);
+                })
+            }
+#undef JVP_UNIT
+            /* o = O/l, mu = r/l, tO = C/l - mu o, lse = ln2 (m + log2 l), tLSE = mu */
+            float inv[16], mu[16];
+            for (int l = 0; l < nl; ++l) {
+                inv[l] = 1.0f / s.l[l];
+                mu[l] = s.r[l] * inv[l];
+                const int64_t o = FAST(off)(&a->lse, b, x, y, zl[l], h);
+                ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[l] + log2((double)s.l[l])));
+                ((float *)a->t_lse.data)[FAST(off)(&a->t_lse, b, x, y, zl[l], h)] = mu[l];
+            }
+            for (int64_t d = 0; d < Dv; ++d)
+                for (int l = 0; l < 16; ++l) {
+                    O[16 * d + l] *= inv[l < nl ? l : 0];
+                    C[16 * d + l] = C[16 * d + l] * inv[l < nl ? l : 0] - mu[l < nl ? l : 0] * O[16 * d + l];
+                }
+            const float one[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+            FAST(store_lanes)(&a->out, dt, Dv, b, x, y, zl, nl, h, O, one);
+            FAST(store_lanes)(&a->t_out, dt, Dv, b, x, y, zl, nl, h, C, one);
+        }
+        if (ok) free(s.mem);
+    }
+    FAST(geo_free)(&G);
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory for per-thread scratch")
+                  : NBHD_OK;
+}
+
+// ----------------------------------------------------------------------------
+// backward (DESIGN.md §4): D_i = dO_i.O_i - dLSE_i, P = exp(S - LSE), dS = P (dO.v - D)
+
+/* Key-stationary unit: keys in lanes (A: K^T, V^T chunks), queries in slots (rows p1: Q^T
+ * scaled by scale*log2e, p2: dO^T, p3: LSE*log2e, p4: D, all [.][ZP] rows at the unit's first
+ * slot).  P^T = exp2(S^T - L), dS^T = P^T (V.dO - D), dV += P^T dO, dK += dS^T Q. */
+static void FAST(kv_unit)(FAST(scratch) *s, const float *KA, const float *VA, int64_t D, int64_t Dv,
+                          int64_t nr, int64_t nn, int64_t ld, int bcast, const FAST(zdesc) *zd,
+                          int64_t pos0, float *dK, float *dV) {
+    FAST(score_rows)(s->S, KA, D, s->p1, nr, nn, ld, bcast, 0);
+    if (zd && zd->masked) FAST(apply_mask)(s->S, nr, nn, zd, pos0, -INFINITY);
+    FAST(score_rows)(s->T, VA, Dv, s->p2, nr, nn, ld, bcast, 0);
+    for (int64_t r = 0; r < nr; ++r)
+        for (int64_t c = 0; c < nn; ++c) {
+            float *S = s->S + 16 * (r * nn + c), *T = s->T + 16 * (r * nn + c);
+            const vf L = FAST(opnd)(s->p3[r] + c, bcast), Dd = FAST(opnd)(s->p4[r] + c, bcast);
+            const vf p = vf_exp2(vf_sub(vf_load(S), L));
+            vf_store(S, p);
+            vf_store(T, vf_mul(p, vf_sub(vf_load(T), Dd)));
+        }
+    FAST(accum_rows)(dV, Dv, s->S, s->p2, nr, nn, ld, bcast);
+    FAST(accum_rows)(dK, D, s->T, s->p1, nr, nn, ld, bcast);
+}
+
+nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                         const nbhd_exec *e) {
+    FAST(geo) G;
+    if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory");
+    const nbhd_dtype dt = g->dtype;
+    const FAST(layout_t) L = FAST(layout)(g, NBHD_OP_BACKWARD);
+    float *ws = FAST(ws_base)(e);
+    float *KT = ws + L.kt, *VT = ws + L.vt, *KXT = ws + L.kxt, *VXT = ws + L.vxt;
+    float *QT = ws + L.qt, *DOT = ws + L.dot, *LR = ws + L.lr, *DR = ws + L.dr;
+    const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, SP = G.SP;
+    const float qmul = (float)(g->scale * LOG2E);
+    int64_t max_rows = (int64_t)g->axis[0].kernel * g->axis[1].kernel;
+    if (max_rows < G.X * G.Y) max_rows = G.X * G.Y;  /* inverse windows and extra keys */
+    const int64_t work_q = G.B * G.H * G.X * G.Y * G.nchunks;
+    const int64_t work_k = G.B * G.Hk * G.X * G.Y * G.nchunks;
+    const int64_t xchunks = (G.S + 15) / 16, work_x = G.B * G.Hk * xchunks;
+    int failed = 0;
+#pragma omp parallel num_threads(FAST(threads)(e))
+    {
+#pragma omp for schedule(static)
+        for (int64_t ln = 0; ln < G.lines_k; ++ln) {
+            const int64_t y = ln % G.Y, x = (ln / G.Y) % G.X, hk = (ln / (G.Y * G.X)) % G.Hk,
+                          b = ln / (G.Y * G.X * G.Hk);
+            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
+            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
+        }
+        /* query lines: Q^T scale log2e, dO^T, LSE log2e, D = dO.O - dLSE */
+#pragma omp for schedule(static)
+        for (int64_t ln = 0; ln < G.lines_q; ++ln) {
+            const int64_t y = ln % G.Y, x = (ln / G.Y) % G.X, h = (ln / (G.Y * G.X)) % G.H,
+                          b = ln / (G.Y * G.X * G.H);
+            FAST(pack_line)(QT + ln * D * ZP, &G, &a->q, dt, b, h, x, y, D, qmul);
+            float *dO = DOT + ln * Dv * ZP, *Lr = LR + ln * ZP, *Dr = DR + ln * ZP;
+            FAST(pack_line)(dO, &G, &a->d_out, dt, b, h, x, y, Dv, 1.0f);
+            for (int64_t p = 0; p < ZP; ++p) { Lr[p] = 0.0f; Dr[p] = 0.0f; }
+            for (int64_t z = 0; z < G.Z; ++z) {
+                const int64_t p = G.goff[z % G.dil] + z / G.dil, oo = FAST(off)(&a->out, b, x, y, z, h);
+                float Di = 0.0f;
+                for (int64_t d = 0; d < Dv; ++d)
+                    Di += dO[d * ZP + p] * FAST(ld)(a->out.data, oo + d * a->out.stride[5], dt);
+                if (a->d_lse.data) Di -= ((const float *)a->d_lse.data)[FAST(off)(&a->d_lse, b, x, y, z, h)];
+                Dr[p] = Di;
+                Lr[p] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
+            }
+        }
+        if (G.S) {
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < G.B * G.Hk; ++bh) {
+                FAST(pack_extra)(KXT + bh * D * SP, &G, &a->kx, dt, bh / G.Hk, bh % G.Hk, D, 1.0f);
+                FAST(pack_extra)(VXT + bh * Dv * SP, &G, &a->vx, dt, bh / G.Hk, bh % G.Hk, Dv, 1.0f);
+            }
+        }
+        FAST(scratch) s;
+        const int ok = FAST(scratch_alloc)(&s, &G, max_rows);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t *xy = s.lines;
+
+        /* pass 1, query-stationary: dQ = scale sum_j dS_ij k_j */
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work_q; ++w) {
+            if (!ok) continue;
+            const int64_t ch = w % G.nchunks, y = (w / G.nchunks) % G.Y,
+                          x = (w / (G.nchunks * G.Y)) % G.X, h = (w / (G.nchunks * G.Y * G.X)) % G.H,
+                          b = w / (G.nchunks * G.Y * G.X * G.H), hk = h / G.G;
+            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
+            const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
+            int64_t zl[NBHD_LANES];
+            for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
+            FAST(zdesc) zd;
+            FAST(zdesc_window)(&zd, &g->axis[2], i0, nl, Lg);
+            const int64_t lq = FAST(line)(&G, G.H, b, h, x, y), at_q = G.goff[gr] + i0;
+            float *Q = s.A1, *dO = s.A2, *dQ = s.O1;
+            for (int64_t d = 0; d < D; ++d) vf_store(Q + 16 * d, vf_load(QT + lq * D * ZP + d * ZP + at_q));
+            for (int64_t d = 0; d < Dv; ++d) vf_store(dO + 16 * d, vf_load(DOT + lq * Dv * ZP + d * ZP + at_q));
+            const vf Lq = vf_load(LR + lq * ZP + at_q), Dq = vf_load(DR + lq * ZP + at_q);
+            memset(dQ, 0, sizeof(float) * 16 * (size_t)D);
+            /* S = Q.k, P = exp2(S - L), dS = P (dO.v - D), dQ += dS k */
+#define DQ_UNIT(nr, nn, ld, bcast, masked, pos0)                                         \
+    do {                                                                                 \
+        FAST(score_rows)(s.S, Q, D, s.p1, nr, nn, ld, bcast, 0);                         \
+        if (masked) FAST(apply_mask)(s.S, nr, nn, &zd, pos0, -INFINITY);                 \
+        FAST(score_rows)(s.T, dO, Dv, s.p2, nr, nn, ld, bcast, 0);                       \
+        for (int64_t c = 0; c < (nr) * (nn); ++c) {                                      \
+            const vf p = vf_exp2(vf_sub(vf_load(s.S + 16 * c), Lq));                     \
+            vf_store(s.T + 16 * c, vf_mul(p, vf_sub(vf_load(s.T + 16 * c), Dq)));        \
+        }                                                                                \
+        FAST(accum_rows)(dQ, D, s.T, s.p1, nr, nn, ld, bcast);                           \
+    } while (0)
+            const int64_t nrows = FAST(window_rows)(&G, g, b, hk, x, y, s.lines);
+            FOR_UNITS(nrows, zd.n, r0, nr, c0, nn, {
+                for (int64_t r = 0; r < nr; ++r) {
+                    const int64_t ln = s.lines[r0 + r], at = G.goff[gr] + zd.base + c0;
+                    s.p1[r] = KT + ln * D * ZP + at;
+                    s.p2[r] = VT + ln * Dv * ZP + at;
+                }
+                DQ_UNIT(nr, nn, ZP, zd.bcast, zd.masked, zd.base + c0);
+            })
+            if (G.S) {
+                const int64_t bh = b * G.Hk + hk;
+                FOR_UNITS(1, G.S, r0, nr, c0, nn, {
+                    (void)r0; (void)nr;
+                    s.p1[0] = KXT + bh * D * SP + c0;
+                    s.p2[0] = VXT + bh * Dv * SP + c0;
+                    DQ_UNIT(1, nn, SP, 1, 0, 0);
+                })
+            }
+#undef DQ_UNIT
+            float mul[16];
+            for (int l = 0; l < 16; ++l) mul[l] = (float)g->scale;
+            FAST(store_lanes)(&a->d_q, dt, D, b, x, y, zl, nl, h, dQ, mul);
+        }
+
+        /* pass 2, key-stationary over the inverse neighborhood, all heads of the GQA group */
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work_k; ++w) {
+            if (!ok) continue;
+            const int64_t ch = w % G.nchunks, y = (w / G.nchunks) % G.Y,
+                          x = (w / (G.nchunks * G.Y)) % G.X, hk = (w / (G.nchunks * G.Y * G.X)) % G.Hk,
+                          b = w / (G.nchunks * G.Y * G.X * G.Hk);
+            const int64_t gr = G.chunk_g[ch], j0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
+            const int nl = (int)(Lg - j0 < 16 ? Lg - j0 : 16);
+            int64_t zl[NBHD_LANES];
+            for (int l = 0; l < nl; ++l) zl[l] = gr + (j0 + l) * G.dil;
+            FAST(zdesc) zd;
+            FAST(zdesc_inverse)(&zd, &g->axis[2], gr, j0, nl);
+            const int64_t lk = FAST(line)(&G, G.Hk, b, hk, x, y), at_k = G.goff[gr] + j0;
+            float *KA = s.A1, *VA = s.A2, *dK = s.O1, *dV = s.O2;
+            for (int64_t d = 0; d < D; ++d) vf_store(KA + 16 * d, vf_load(KT + lk * D * ZP + d * ZP + at_k));
+            for (int64_t d = 0; d < Dv; ++d) vf_store(VA + 16 * d, vf_load(VT + lk * Dv * ZP + d * ZP + at_k));
+            memset(dK, 0, sizeof(float) * 16 * (size_t)D);
+            memset(dV, 0, sizeof(float) * 16 * (size_t)Dv);
+            const int64_t nrows = FAST(inverse_rows)(&G, g, x, y, xy);
+            for (int64_t h = hk * G.G; h < (hk + 1) * G.G; ++h) {
+                const int64_t l0 = (b * G.H + h) * G.X * G.Y;
+                FOR_UNITS(nrows, zd.n, r0, nr, c0, nn, {
+                    for (int64_t r = 0; r < nr; ++r) {
+                        const int64_t ln = l0 + xy[r0 + r], at = G.goff[gr] + zd.base + c0;
+                        s.p1[r] = QT + ln * D * ZP + at;
+                        s.p2[r] = DOT + ln * Dv * ZP + at;
+                        s.p3[r] = LR + ln * ZP + at;
+                        s.p4[r] = DR + ln * ZP + at;
+                    }
+                    FAST(kv_unit)(&s, KA, VA, D, Dv, nr, nn, ZP, zd.bcast, &zd, zd.base + c0, dK, dV);
+                })
+            }
+            /* dK = scale sum dS q = (sum dS Q^T_packed) / log2e */
+            float mk[16], mv[16];
+            for (int l = 0; l < 16; ++l) { mk[l] = (float)LN2; mv[l] = 1.0f; }
+            FAST(store_lanes)(&a->d_k, dt, D, b, x, y, zl, nl, hk, dK, mk);
+            FAST(store_lanes)(&a->d_v, dt, Dv, b, x, y, zl, nl, hk, dV, mv);
+        }
+
+        /* pass 3: the extra keys are seen by every query of every head in the group */
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work_x; ++w) {
+            if (!ok) continue;
+            const int64_t xc = w % xchunks, hk = (w / xchunks) % G.Hk, b = w / (xchunks * G.Hk);
+            const int64_t e0 = xc * 16, bh = b * G.Hk + hk;
+            const int nl = (int)(G.S - e0 < 16 ? G.S - e0 : 16);
+            float *KA = s.A1, *VA = s.A2, *dK = s.O1, *dV = s.O2;
+            for (int64_t d = 0; d < D; ++d) vf_store(KA + 16 * d, vf_load(KXT + bh * D * SP + d * SP + e0));
+            for (int64_t d = 0; d < Dv; ++d) vf_store(VA + 16 * d, vf_load(VXT + bh * Dv * SP + d * SP + e0));
+            memset(dK, 0, sizeof(float) * 16 * (size_t)D);
+            memset(dV, 0, sizeof(float) * 16 * (size_t)Dv);
+            for (int64_t h = hk * G.G; h < (hk + 1) * G.G; ++h) {
+                const int64_t l0 = (b * G.H + h) * G.X * G.Y;
+                FOR_UNITS(G.X * G.Y, G.Z, r0, nr, c0, nn, {
+                    for (int64_t r = 0; r < nr; ++r) {
+                        const int64_t ln = l0 + r0 + r;
+                        s.p1[r] = QT + ln * D * ZP + c0;
+                        s.p2[r] = DOT + ln * Dv * ZP + c0;
+                        s.p3[r] = LR + ln * ZP + c0;
+                        s.p4[r] = DR + ln * ZP + c0;
+                    }
+                    FAST(kv_unit)(&s, KA, VA, D, Dv, nr, nn, ZP, 1, NULL, 0, dK, dV);
+                })
+            }
+            for (int l = 0; l < nl; ++l) {
+                const int64_t ok_ = b * a->d_kx.stride[0] + (e0 + l) * a->d_kx.stride[1] + hk * a->d_kx.stride[4];
+                const int64_t ov = b * a->d_vx.stride[0] + (e0 + l) * a->d_vx.stride[1] + hk * a->d_vx.stride[4];
+                for (int64_t d = 0; d < D; ++d) FAST(st)(a->d_kx.data, ok_ + d * a->d_kx.stride[5], dt, (float)LN2 * dK[16 * d + l]);
+                for (int64_t d = 0; d < Dv; ++d) FAST(st)(a->d_vx.data, ov + d * a->d_vx.stride[5], dt, dV[16 * d + l]);
+            }
+        }
+        if (ok) free(s.mem);
+    }
+    FAST(geo_free)(&G);
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for per-thread scratch")
+                  : NBHD_OK;
+}

@@ -1,0 +1,121 @@
+/*
+ * simd.h — the one SIMD mapping of the fast CPU kernels: a vector of 16 fp32 lanes (`vf`).
+ *
+ * Each fast_<isa>.c translation unit defines one of
+ *   NBHD_SIMD_AVX512   AVX-512F intrinsics (one zmm register per vf)
+ *   (neither)          portable C over float[16]; compiled under `target("avx2,fma")` the
+ *                      compiler vectorises it to two ymm registers, otherwise to SSE2
+ * and NBHD_SIMD_FMA when fused multiply-add is available, then includes this file once.
+ * Not include-guarded on purpose: one inclusion per translation unit.
+ *
+ * Lanes are always 16: the kernels put 16 queries (or 16 keys) in the lanes, so a new ISA only
+ * changes this file.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NBHD_LANES 16
+#define NBHD_ALWAYS_INLINE static inline __attribute__((always_inline))
+
+#if defined(NBHD_SIMD_AVX512)
+#include <immintrin.h>
+
+typedef __m512 vf;
+
+NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { _mm512_storeu_ps(p, x); }
+NBHD_ALWAYS_INLINE vf vf_set1(float x) { return _mm512_set1_ps(x); }
+NBHD_ALWAYS_INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+/* a*b + c */
+NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+NBHD_ALWAYS_INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+NBHD_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+NBHD_ALWAYS_INLINE vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+/* 1 when some lane of a is greater than the same lane of b */
+NBHD_ALWAYS_INLINE int vf_any_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
+
+/* lanes with lo[l] <= pos < hi[l] keep x, the others become fill */
+NBHD_ALWAYS_INLINE vf vf_keep_range(vf x, const int32_t *lo, const int32_t *hi, int32_t pos,
+                                    float fill) {
+    const __m512i p = _mm512_set1_epi32(pos);
+    const __mmask16 in = _mm512_cmple_epi32_mask(_mm512_loadu_si512(lo), p) &
+                         _mm512_cmplt_epi32_mask(p, _mm512_loadu_si512(hi));
+    return _mm512_mask_blend_ps(in, _mm512_set1_ps(fill), x);
+}
+
+/* 2^x for x <= 0 (x = -inf gives exactly 0): x = n + f, |f| <= 1/2, 2^f by a degree-6
+ * polynomial (relative error ~1e-7), times 2^n by scalef. */
+NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
+    const vf lo = _mm512_set1_ps(-127.0f);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lo);
+    const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf f = _mm512_sub_ps(x, n);
+    vf p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+#else /* portable: 16 floats, loops the compiler vectorises */
+
+typedef struct { float v[NBHD_LANES]; } vf;
+
+#define VF_MAP(expr) do { for (int l_ = 0; l_ < NBHD_LANES; ++l_) { expr; } } while (0)
+
+NBHD_ALWAYS_INLINE vf vf_load(const float *p) { vf r; memcpy(r.v, p, sizeof r.v); return r; }
+NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { memcpy(p, x.v, sizeof x.v); }
+NBHD_ALWAYS_INLINE vf vf_set1(float x) { vf r; VF_MAP(r.v[l_] = x); return r; }
+NBHD_ALWAYS_INLINE vf vf_zero(void) { return vf_set1(0.0f); }
+#if defined(NBHD_SIMD_FMA)
+NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { vf r; VF_MAP(r.v[l_] = __builtin_fmaf(a.v[l_], b.v[l_], c.v[l_])); return r; }
+#else
+NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { vf r; VF_MAP(r.v[l_] = a.v[l_] * b.v[l_] + c.v[l_]); return r; }
+#endif
+NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { vf r; VF_MAP(r.v[l_] = a.v[l_] * b.v[l_]); return r; }
+NBHD_ALWAYS_INLINE vf vf_add(vf a, vf b) { vf r; VF_MAP(r.v[l_] = a.v[l_] + b.v[l_]); return r; }
+NBHD_ALWAYS_INLINE vf vf_sub(vf a, vf b) { vf r; VF_MAP(r.v[l_] = a.v[l_] - b.v[l_]); return r; }
+NBHD_ALWAYS_INLINE vf vf_max(vf a, vf b) { vf r; VF_MAP(r.v[l_] = a.v[l_] > b.v[l_] ? a.v[l_] : b.v[l_]); return r; }
+NBHD_ALWAYS_INLINE int vf_any_gt(vf a, vf b) {
+    int any = 0;
+    VF_MAP(any |= a.v[l_] > b.v[l_]);
+    return any;
+}
+NBHD_ALWAYS_INLINE vf vf_keep_range(vf x, const int32_t *lo, const int32_t *hi, int32_t pos,
+                                    float fill) {
+    vf r;
+    VF_MAP(r.v[l_] = (lo[l_] <= pos && pos < hi[l_]) ? x.v[l_] : fill);
+    return r;
+}
+/* same polynomial as the AVX-512 version; 2^n built in the exponent bits */
+NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
+    vf r;
+    for (int l = 0; l < NBHD_LANES; ++l) {
+        const float xl = x.v[l];
+        const float xc = xl >= -126.0f ? xl : -126.0f;
+        const float n = (float)(int32_t)(xc - 0.5f);          /* xc <= 0: rounds to nearest */
+        const float f = xc - n;
+        float p = 1.5403530393381606e-4f;
+        p = p * f + 1.3333558146428443e-3f;
+        p = p * f + 9.6181291076284772e-3f;
+        p = p * f + 5.5504108664821580e-2f;
+        p = p * f + 2.4022650695910071e-1f;
+        p = p * f + 6.9314718055994531e-1f;
+        p = p * f + 1.0f;
+        int32_t bits;
+        memcpy(&bits, &p, 4);
+        bits += (int32_t)n * (1 << 23);
+        float y;
+        memcpy(&y, &bits, 4);
+        r.v[l] = xl >= -126.0f ? y : 0.0f;
+    }
+    return r;
+}
+#undef VF_MAP
+#endif
