@@ -1,0 +1,170 @@
+"""Global context flags, backend choice and NATTEN names, flex-fna, tile configurations."""
+import logging
+import threading
+import warnings
+
+import pytest
+import torch
+
+import nbhd
+from nbhd import backends, configs, context, ops
+from nbhd.reference import na_reference
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    context.reset()
+    yield
+    context.reset()
+    torch.use_deterministic_algorithms(False)
+
+
+def test_kv_parallelism_flags_and_determinism():
+    assert nbhd.is_kv_parallelism_in_fused_na_enabled()
+    assert context.kv_parallelism_for_run()
+    nbhd.use_kv_parallelism_in_fused_na(False)
+    assert not nbhd.is_kv_parallelism_in_fused_na_enabled()
+    assert not ops._run_options()["kv_parallel"]
+    nbhd.use_kv_parallelism_in_fused_na(True)
+    assert ops._run_options()["kv_parallel"]
+    torch.use_deterministic_algorithms(True)
+    assert not context.kv_parallelism_for_run()      # PyTorch's deterministic mode wins
+    assert not ops._run_options()["kv_parallel"]
+    context.reset()
+    nbhd.use_kv_parallelism_in_fused_na(False)
+    nbhd.use_kv_parallelism_in_fused_na(True)           # ignored with a warning
+    assert not nbhd.is_kv_parallelism_in_fused_na_enabled()
+    torch.use_deterministic_algorithms(False)
+    nbhd.use_deterministic_algorithms(True)
+    assert nbhd.are_deterministic_algorithms_enabled()
+    with pytest.raises(RuntimeError, match="deterministic"):
+        nbhd.use_kv_parallelism_in_fused_na(True)
+
+
+def test_kv_parallel_reaches_the_library(monkeypatch):
+    seen = []
+    real = nbhd._lib.run
+    monkeypatch.setattr(nbhd._lib, "run", lambda *a, **k: (seen.append(k["kv_parallel"]), real(*a, **k))[1])
+    q = torch.randn(1, 8, 1, 4)
+    nbhd.na1d(q, q, q, 3)
+    nbhd.use_kv_parallelism_in_fused_na(False)
+    nbhd.na1d(q, q, q, 3)
+    assert seen == [True, False]
+
+
+def test_memory_preference():
+    assert nbhd.is_memory_usage_default()
+    nbhd.set_memory_usage_preference("strict")
+    assert nbhd.is_memory_usage_strict() and not nbhd.is_memory_usage_default()
+    nbhd.set_memory_usage_preference("unrestricted")
+    assert nbhd.is_memory_usage_unrestricted()
+    with pytest.raises(ValueError, match="strict"):
+        nbhd.set_memory_usage_preference("low")
+
+
+def test_flex_compile_flags():
+    assert not nbhd.is_flex_compile_allowed() and not nbhd.is_flex_compile_backprop_allowed()
+    nbhd.allow_flex_compile()
+    assert nbhd.is_flex_compile_allowed() and not nbhd.is_flex_compile_backprop_allowed()
+    nbhd.allow_flex_compile_backprop()
+    assert nbhd.is_flex_compile_backprop_allowed()
+    nbhd.disable_flex_compile_backprop()
+    assert nbhd.is_flex_compile_allowed() and not nbhd.is_flex_compile_backprop_allowed()
+    nbhd.allow_flex_compile(True, backprop=True)
+    nbhd.disable_flex_compile()
+    assert not nbhd.is_flex_compile_allowed() and not nbhd.is_flex_compile_backprop_allowed()
+
+
+def test_flags_thread_safe():
+    def flip(i):
+        for _ in range(200):
+            nbhd.use_kv_parallelism_in_fused_na(i % 2 == 0)
+            nbhd.set_memory_usage_preference(["default", "strict"][i % 2])
+            nbhd.is_kv_parallelism_in_fused_na_enabled()
+    threads = [threading.Thread(target=flip, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert nbhd.get_memory_usage_preference() in tuple(context.MemoryUsagePreference)
+
+
+def test_backend_choice_and_errors(caplog):
+    q = torch.randn(1, 8, 1, 4)
+    assert backends.choose(q, None) == "cpu-fna"
+    with pytest.raises(backends.BackendUnavailable, match="CUDA tensors only"):
+        nbhd.na1d(q, q, q, 3, backend="cuda-fna")
+    with pytest.raises(ValueError, match="unknown"):
+        nbhd.na1d(q, q, q, 3, backend="triton")
+    assert "flex-fna" in backends.compatible_backends(q)
+    caplog.set_level(logging.DEBUG, logger="nbhd")
+    assert backends.choose(q, None) == "cpu-fna"
+    assert any("cuda-fna skipped" in r.message for r in caplog.records)
+
+
+def test_natten_names_map_once():
+    q = torch.randn(1, 8, 1, 4)
+    backends._warn_mapped.cache_clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            out = nbhd.na1d(q, q, q, 3, backend="cutlass-fna")
+        nbhd.na1d(q, q, q, 3, backend="hopper-fna")
+    msgs = [str(x.message) for x in w if "mapped" in str(x.message)]
+    assert len(msgs) == 2 and "'cpu-fna'" in msgs[0]
+    torch.testing.assert_close(out, nbhd.na1d(q, q, q, 3))
+    assert backends.resolve_name(q, "flex-fmha") == "flex-fna"
+
+
+@pytest.mark.parametrize("geom", [
+    ((11,), (4,), (2,), (2,), (True,)),
+    ((5, 7), (3, 4), (2, 1), (1, 1), (False, True)),
+    ((4, 5, 3), (3, 2, 3), (1, 2, 1), (1, 2, 1), (True, False, False)),
+])
+def test_flex_fna_matches_reference(geom):
+    shape, ks, st, dil, causal = geom
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, *shape, 4, 8, generator=g, dtype=DT)
+    k, v = torch.randn(2, *shape, 2, 8, generator=g, dtype=DT), torch.randn(2, *shape, 2, 5, generator=g, dtype=DT)
+    kx, vx = torch.randn(2, 3, 2, 8, generator=g, dtype=DT), torch.randn(2, 3, 2, 5, generator=g, dtype=DT)
+    na = getattr(nbhd, f"na{len(shape)}d")
+    for extra in ((None, None), (kx, vx)):
+        out, lse = na(q, k, v, ks, st, dil, causal, additional_keys=extra[0],
+                      additional_values=extra[1], backend="flex-fna", return_lse=True)
+        ro, rl = na_reference(q, k, v, ks, st, dil, causal, 8 ** -0.5, *extra)
+        torch.testing.assert_close(out, ro, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(lse, rl, atol=1e-12, rtol=1e-12)
+
+
+def test_flex_fna_refusals():
+    q = torch.randn(1, 8, 1, 4)
+    with pytest.raises(backends.BackendUnavailable, match="forward-mode AD"):
+        torch.func.jvp(lambda q: nbhd.na1d(q, q, q, 3, backend="flex-fna"), (q,), (q,))
+    with pytest.raises(backends.BackendUnavailable, match="forward-mode AD"):
+        nbhd.na1d_jvp(q, q, q, q, None, None, 3, backend="flex-fna")
+    with pytest.raises(backends.BackendUnavailable, match="CPU"):
+        nbhd.na1d(q.requires_grad_(), q, q, 3, backend="flex-fna")
+    with pytest.raises(backends.BackendUnavailable, match="allow_flex_compile"):
+        nbhd.na1d(q.detach(), q.detach(), q.detach(), 3, backend="flex-fna", torch_compile=True)
+
+
+def test_configs_and_tile_validation():
+    q = torch.randn(1, 12, 10, 2, 4)
+    fwd = nbhd.get_configs_for_cpu_fna(q, q, q)
+    assert fwd and all(len(a) == 2 and len(b) == 2 for a, b in fwd)
+    assert all(a[0] * a[1] in (16, 32, 64) for a, _ in fwd)
+    assert nbhd.get_bwd_configs_for_cpu_fna(q, q, q)
+    assert nbhd.get_configs_for_cuda_fna(q, q, q) == []          # CPU tensors
+    assert nbhd.get_configs("reference", q, q, q) == []
+    assert nbhd.get_configs("cutlass-fna", q, q, q) == fwd       # NATTEN name, mapped
+    q_tile, kv_tile = fwd[0]
+    out = nbhd.na2d(q, q, q, 3, q_tile_shape=q_tile, kv_tile_shape=kv_tile,
+                    backward_q_tile_shape=q_tile, backward_kv_tile_shape=kv_tile)
+    torch.testing.assert_close(out, nbhd.na2d(q, q, q, 3))
+    with pytest.raises(ValueError, match="not a valid forward configuration"):
+        nbhd.na2d(q, q, q, 3, q_tile_shape=(3, 5))
+    with pytest.raises(ValueError, match="not a valid backward configuration"):
+        nbhd.na2d(q, q, q, 3, backward_q_tile_shape=(1, 1))
+    nbhd.na2d(q, q, q, 3, q_tile_shape=(3, 5), backend="reference")  # no tiles: not used
