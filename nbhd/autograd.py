@@ -137,6 +137,7 @@ class _ForwardJvp(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         *tensors, geometry = inputs
         ctx.geometry = geometry
+        ctx.present = tuple(t is not None for t in tensors[5:])
         primals = tuple(tensors[:5])
         tangents = _zeros_for(tensors[5:], primals)
         ctx.save_for_backward(*primals, *tangents)
@@ -147,8 +148,11 @@ class _ForwardJvp(torch.autograd.Function):
         saved = ctx.saved_tensors
         _, vjp_fn = torch.func.vjp(lambda *x: _reference_forward_jvp(*x, ctx.geometry), *saved)
         outs = (g_out, g_lse, g_tout, g_tlse)
-        grads = vjp_fn(tuple(torch.zeros_like(o) if g is None else g
-                             for g, o in zip(outs, _reference_forward_jvp(*saved, ctx.geometry))))
+        grads = list(vjp_fn(tuple(torch.zeros_like(o) if g is None else g
+                                  for g, o in zip(outs, _reference_forward_jvp(*saved, ctx.geometry)))))
+        for i, present in enumerate(ctx.present):  # absent (None) tangents get no gradient
+            if not present:
+                grads[5 + i] = None
         return (*grads, None)
 
     @staticmethod
