@@ -157,6 +157,10 @@ def choose(q: Tensor, backend: Optional[str], **kwargs) -> str:
         name = resolve_name(q, backend)
         CAN_RUN[name](q, raise_error=True, **kwargs)
         return name
+    if torch.compiler.is_compiling():  # Dynamo traces no logging and no caught exceptions
+        for name in AUTO_ORDER:
+            if CAN_RUN[name](q, raise_error=False, **kwargs):
+                return name
     for name in AUTO_ORDER:
         try:
             CAN_RUN[name](q, raise_error=True, **kwargs)
