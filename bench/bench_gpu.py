@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from nbhd import ops
 
 # ops with a tensor-core kernel; the others are skipped on large problems (--max-slow-flop)
-FAST_OPS = {"fwd", "bwd"}
+FAST_OPS = {"fwd", "bwd", "jvp"}
 
 PROBLEMS = [
     ("2d-64x64-w7-H4 (small)", 1, (64, 64), (7, 7), (1, 1)),

@@ -159,7 +159,7 @@ def test_backward(case, dtype, use_reference):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=ids)
 @pytest.mark.parametrize("absent", ["none", "tq", "tkv"])
-def test_forward_jvp(case, dtype, absent):
+def test_forward_jvp(case, dtype, absent, use_reference):
     rank = case[0]
     inputs, geo = build(case, dtype, 2 + zlib.crc32(ids(case).encode()) % 1000)
     gen = torch.Generator(device="cuda").manual_seed(11)

@@ -169,4 +169,9 @@ nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_a
                                    void *workspace, cudaStream_t stream);
 size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g);
 
+/* fna_mma_jvp.cu: tensor-core forward + JVP */
+int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forward_jvp_args *a);
+nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                      cudaStream_t stream);
+
 #endif /* NBHD_CUDA_COMMON_CUH */

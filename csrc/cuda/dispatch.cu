@@ -7,7 +7,8 @@
  *   backward     mma.sync kernels (fna_mma_bwd.cu) under the forward's conditions plus aligned
  *                dO and gradients; else the simple kernels. Both deterministic: D_i and dQ
  *                query-stationary, dK/dV key-stationary. (exec.kv_parallel is not used yet.)
- *   forward_jvp  simple kernel
+ *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu) under the forward's conditions plus aligned
+ *                tangents (absent ones skipped); else the simple kernel
  * exec.use_reference forces the simple kernels.
  */
 #include "cuda_common.cuh"
@@ -38,5 +39,8 @@ nbhd_status nbhd_cuda_backward(const nbhd_geometry *g, const nbhd_backward_args 
 
 nbhd_status nbhd_cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                   const nbhd_exec *e) {
-    return nbhd_cuda_simple_forward_jvp(g, a, (cudaStream_t)e->stream);
+    cudaStream_t stream = (cudaStream_t)e->stream;
+    const bool use_mma = !e->use_reference && nbhd_cuda_mma_forward_jvp_supported(g, a);
+    if (use_mma) return nbhd_cuda_mma_forward_jvp(g, a, stream);
+    return nbhd_cuda_simple_forward_jvp(g, a, stream);
 }

@@ -112,4 +112,101 @@ template <int HD> __device__ __forceinline__ int swz(int row, int col) {
     return row * HD + ((((col >> 3) ^ (row & MASK))) << 3) + (col & 7);
 }
 
+#define BR 64  /* rows per CTA of the backward and JVP kernels (4 warps x 16) */
+#define BC 32  /* columns per tile of the backward and JVP kernels */
+
+// ----------------------------------------------------------------------------
+// shared pieces: a 16 x BC score tile of one warp, A from shared rows, B from shared columns
+
+/* acc[BC/8][4] += A(16 x HD, rows a_row0.. of As) * B(BC x HD of Bs)^T */
+template <typename T, int HD>
+__device__ __forceinline__ void tile_abt(float acc[BC / 8][4], const T *As, int a_row0, const T *Bs,
+                                         int lane) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t af[4];
+        {
+            const int row = a_row0 + ((lane >> 3) & 1) * 8 + (lane & 7);
+            const int col = kk * 16 + (lane >> 4) * 8;
+            ldmatrix_x4(af, smem_u32(As + swz<HD>(row, col)));
+        }
+#pragma unroll
+        for (int nb2 = 0; nb2 < BC / 16; ++nb2) {
+            uint32_t bf[4];
+            const int mat = lane >> 3;
+            const int row = nb2 * 16 + (mat >> 1) * 8 + (lane & 7);
+            const int col = kk * 16 + (mat & 1) * 8;
+            ldmatrix_x4(bf, smem_u32(Bs + swz<HD>(row, col)));
+            mma16816<T>(acc[2 * nb2], af, bf[0], bf[1]);
+            mma16816<T>(acc[2 * nb2 + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+/* acc[HD/8][4] += X(16 x BC, registers) * Bs(BC x HD, k = row of Bs) */
+template <typename T, int HD>
+__device__ __forceinline__ void tile_xb(float acc[HD / 8][4], const float x[BC / 8][4], const T *Bs,
+                                        int lane) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+        uint32_t pf[4];
+        pf[0] = pack2<T>(x[2 * kk][0], x[2 * kk][1]);
+        pf[1] = pack2<T>(x[2 * kk][2], x[2 * kk][3]);
+        pf[2] = pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+        pf[3] = pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+#pragma unroll
+        for (int nd2 = 0; nd2 < HD / 16; ++nd2) {
+            uint32_t bf[4];
+            const int mat = lane >> 3;
+            const int row = kk * 16 + (mat & 1) * 8 + (lane & 7);
+            const int col = nd2 * 16 + (mat >> 1) * 8;
+            ldmatrix_x4_trans(bf, smem_u32(Bs + swz<HD>(row, col)));
+            mma16816<T>(acc[2 * nd2], pf, bf[0], bf[1]);
+            mma16816<T>(acc[2 * nd2 + 1], pf, bf[2], bf[3]);
+        }
+    }
+}
+
+/* row-tile geometry of a CTA: per axis dilation group, first in-group index, group length */
+struct patch_rows {
+    int64_t grp[3], i0[3], Lg[3];
+};
+
+__device__ __forceinline__ bool patch_of(const nbhd_geometry &g, const mma_plan &P, int64_t patch,
+                                         patch_rows &pr) {
+    int64_t slot[3];
+    slot[2] = patch % P.slots[2];
+    slot[1] = (patch / P.slots[2]) % P.slots[1];
+    slot[0] = patch / (P.slots[1] * P.slots[2]);
+    for (int ax = 0; ax < 3; ++ax) {
+        const int64_t d = g.axis[ax].dilation;
+        pr.grp[ax] = slot[ax] % d;
+        pr.i0[ax] = (slot[ax] / d) * P.ct[ax];
+        pr.Lg[ax] = nbhd_group_len(&g.axis[ax], pr.grp[ax]);
+        if (pr.i0[ax] >= pr.Lg[ax]) return false;
+    }
+    return true;
+}
+
+/* row qr of the CTA -> in-group coordinates; valid if inside every axis */
+__device__ __forceinline__ bool patch_row(const mma_plan &P, const patch_rows &pr, int qr,
+                                          int64_t iq[3]) {
+    const int ww = qr >> 4, r = qr & 15;
+    const int w2 = ww % P.wc[2], w1 = (ww / P.wc[2]) % P.wc[1], w0 = ww / (P.wc[1] * P.wc[2]);
+    const int r2 = r % P.wt[2], r1 = (r / P.wt[2]) % P.wt[1], r0 = r / (P.wt[1] * P.wt[2]);
+    iq[0] = pr.i0[0] + w0 * P.wt[0] + r0;
+    iq[1] = pr.i0[1] + w1 * P.wt[1] + r1;
+    iq[2] = pr.i0[2] + w2 * P.wt[2] + r2;
+    return iq[0] < pr.Lg[0] && iq[1] < pr.Lg[1] && iq[2] < pr.Lg[2];
+}
+
+template <typename T> __device__ __forceinline__ void store_pairs(T *dst, const float (*acc)[4],
+                                                                   int n8, int hrow, int cq,
+                                                                   float mul) {
+    for (int nd = 0; nd < n8; ++nd)
+        *(uint32_t *)(dst + nd * 8 + 2 * cq) =
+            pack2<T>(acc[nd][2 * hrow] * mul, acc[nd][2 * hrow + 1] * mul);
+}
+
 #endif /* NBHD_CUDA_MMA_UTIL_CUH */
+

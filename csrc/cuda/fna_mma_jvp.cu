@@ -1,0 +1,321 @@
+/*
+ * fna_mma_jvp.cu — tensor-core forward + JVP (O, LSE, tO, mu) for f16/bf16 with
+ * D = Dv in {32, 64, 128}, in one pass (DESIGN.md §4). Tiles as the forward (64-query patch,
+ * exact union of its windows, then the extra keys) with 32-key tiles and K, V, tK, tV
+ * double-buffered by cp.async. Per tile and warp (16 queries x 32 keys):
+ *
+ *   S  = Q K^T,  tS = s (tQ K^T + Q tK^T)            (absent tangents skipped)
+ *   m, l online in base 2; p = 2^(S s log2e - m)
+ *   r  = r 2^(m_old-m) + sum p tS
+ *   O  = O 2^(m_old-m) + P V
+ *   C  = C 2^(m_old-m) + (P . tS) V + P tV
+ * and at the end o = O/l, mu = r/l, tO = C/l - mu o, lse = (m + log2 l) ln 2, tLSE = mu.
+ */
+#include "mma_util.cuh"
+
+#define JV_THREADS 128
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(JV_THREADS, 2)
+fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const mma_plan P) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *Qs = (T *)smem_raw;            /* [BR][HD] */
+    T *tQs = Qs + BR * HD;            /* [BR][HD] */
+    T *Ks = tQs + BR * HD;            /* [2][BC][HD] each: K, V, tK, tV */
+    T *Vs = Ks + 2 * BC * HD;
+    T *tKs = Vs + 2 * BC * HD;
+    T *tVs = tKs + 2 * BC * HD;
+    int *kc = (int *)(tVs + 2 * BC * HD); /* [2][3][BC] */
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+
+    int64_t idx = blockIdx.x;
+    const int hg = (int)(idx % g.group);
+    idx /= g.group;
+    const int64_t patch = idx % P.patches;
+    idx /= P.patches;
+    const int hk = (int)(idx % g.kv_heads);
+    const int64_t b = idx / g.kv_heads;
+    const int h = hk * g.group + hg;
+
+    patch_rows pr;
+    if (!patch_of(g, P, patch, pr)) return;
+    int64_t lo[3], cnt[3];
+    for (int ax = 0; ax < 3; ++ax) {
+        int64_t st, en, st2, en2;
+        nbhd_window_in_group(&g.axis[ax], pr.i0[ax], pr.Lg[ax], &st, &en);
+        nbhd_window_in_group(&g.axis[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1, pr.Lg[ax], &st2, &en2);
+        lo[ax] = st;
+        cnt[ax] = en2 - st;
+    }
+    const int64_t nk = g.has_window ? cnt[0] * cnt[1] * cnt[2] : 0, nx = g.extra_kv;
+    const int win_tiles = (int)((nk + BC - 1) / BC);
+    const int tiles = win_tiles + (int)((nx + BC - 1) / BC);
+    const int64_t dil[3] = {g.axis[0].dilation, g.axis[1].dilation, g.axis[2].dilation};
+    const bool has_tq = a.t_q.data != nullptr;
+
+    {   // Q and tQ rows
+        constexpr int CH = HD / 8;
+        for (int c = tid; c < BR * CH; c += JV_THREADS) {
+            const int row = c / CH, ch = c % CH;
+            int64_t iq[3];
+            const bool ok = patch_row(P, pr, row, iq);
+            const T *qs = (const T *)a.q.data, *ts = (const T *)(has_tq ? a.t_q.data : a.q.data);
+            if (ok) {
+                const int64_t x = pr.grp[0] + iq[0] * dil[0], y = pr.grp[1] + iq[1] * dil[1],
+                              z = pr.grp[2] + iq[2] * dil[2];
+                qs += offset_of(a.q, b, x, y, z, h) + ch * 8;
+                if (has_tq) ts += offset_of(a.t_q, b, x, y, z, h) + ch * 8;
+            }
+            cp_async16(smem_u32(Qs + swz<HD>(row, ch * 8)), qs, ok);
+            if (has_tq) cp_async16(smem_u32(tQs + swz<HD>(row, ch * 8)), ts, ok);
+        }
+    }
+    auto tk_of = [&](int t) -> const nbhd_tensor & { return t < win_tiles ? a.t_k : a.t_kx; };
+    auto tv_of = [&](int t) -> const nbhd_tensor & { return t < win_tiles ? a.t_v : a.t_vx; };
+    auto load_tile = [&](int t, int s) {
+        constexpr int CH = HD / 8;
+        T *Kd = Ks + s * BC * HD, *Vd = Vs + s * BC * HD, *tKd = tKs + s * BC * HD,
+          *tVd = tVs + s * BC * HD;
+        int *kcd = kc + s * 3 * BC;
+        const bool win = t < win_tiles;
+        const nbhd_tensor &kt = win ? a.k : a.kx, &vt = win ? a.v : a.vx;
+        const nbhd_tensor &tkt = tk_of(t), &tvt = tv_of(t);
+        const bool has_tk = tkt.data != nullptr, has_tv = tvt.data != nullptr;
+        for (int c = tid; c < BC * CH; c += JV_THREADS) {
+            const int kr = c / CH, ch = c % CH;
+            bool ok;
+            int j[3] = {0, 0, 0};
+            int64_t y0 = 0, y1 = 0, y2 = 0, e = 0;
+            if (win) {
+                const int64_t n = (int64_t)t * BC + kr;
+                ok = n < nk;
+                if (ok) {
+                    j[2] = (int)(lo[2] + n % cnt[2]);
+                    j[1] = (int)(lo[1] + (n / cnt[2]) % cnt[1]);
+                    j[0] = (int)(lo[0] + n / (cnt[1] * cnt[2]));
+                    y0 = pr.grp[0] + j[0] * dil[0];
+                    y1 = pr.grp[1] + j[1] * dil[1];
+                    y2 = pr.grp[2] + j[2] * dil[2];
+                }
+            } else {
+                e = (int64_t)(t - win_tiles) * BC + kr;
+                ok = e < nx;
+            }
+            auto src = [&](const nbhd_tensor &x) -> const T * {
+                const T *p = (const T *)x.data;
+                if (!ok) return p;
+                return p + ch * 8 +
+                       (win ? offset_of(x, b, y0, y1, y2, hk)
+                            : b * x.stride[0] + e * x.stride[1] + hk * x.stride[4]);
+            };
+            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), src(kt), ok);
+            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), src(vt), ok);
+            if (has_tk) cp_async16(smem_u32(tKd + swz<HD>(kr, ch * 8)), src(tkt), ok);
+            if (has_tv) cp_async16(smem_u32(tVd + swz<HD>(kr, ch * 8)), src(tvt), ok);
+            if (ch == 0) {
+                kcd[kr] = ok ? j[0] : KEY_NONE;
+                kcd[BC + kr] = j[1];
+                kcd[2 * BC + kr] = j[2];
+            }
+        }
+    };
+
+    const int rq = lane >> 2, cq = lane & 3;
+    int wst[2][3], wen[2][3];
+    bool rvalid[2];
+    int64_t rfull[2][3];
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        int64_t iq[3];
+        rvalid[hrow] = patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
+        for (int ax = 0; ax < 3; ++ax) {
+            int64_t st = 0, en = 0;
+            if (rvalid[hrow]) nbhd_window_in_group(&g.axis[ax], iq[ax], pr.Lg[ax], &st, &en);
+            wst[hrow][ax] = (int)st;
+            wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
+            rfull[hrow][ax] = pr.grp[ax] + iq[ax] * dil[ax];
+        }
+    }
+    int ulo[3], uhi[3];
+    for (int ax = 0; ax < 3; ++ax) {
+        int l0 = 1 << 30, h0 = -(1 << 30);
+        for (int hrow = 0; hrow < 2; ++hrow)
+            if (rvalid[hrow]) {
+                l0 = min(l0, wst[hrow][ax]);
+                h0 = max(h0, wen[hrow][ax]);
+            }
+        for (int o = 16; o > 0; o >>= 1) {
+            l0 = min(l0, __shfl_xor_sync(0xffffffffu, l0, o));
+            h0 = max(h0, __shfl_xor_sync(0xffffffffu, h0, o));
+        }
+        ulo[ax] = l0;
+        uhi[ax] = h0;
+    }
+
+    float o[HD / 8][4], ct[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i)
+        o[i][0] = o[i][1] = o[i][2] = o[i][3] = ct[i][0] = ct[i][1] = ct[i][2] = ct[i][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, r[2] = {0.f, 0.f};
+    const float scale = P.scale_log2 * 0.69314718055994531f;
+
+    if (tiles > 0) load_tile(0, 0);
+    cp_async_commit();
+    for (int t = 0; t < tiles; ++t) {
+        const int s = t & 1;
+        if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const T *Kt = Ks + s * BC * HD, *Vt = Vs + s * BC * HD, *tKt = tKs + s * BC * HD,
+                *tVt = tVs + s * BC * HD;
+        const int *kct = kc + s * 3 * BC;
+        const bool win = t < win_tiles;
+        const bool has_tk = tk_of(t).data != nullptr, has_tv = tv_of(t).data != nullptr;
+        bool mine;
+        if (win) {
+            const int j0 = kct[lane], j1 = kct[BC + lane], j2 = kct[2 * BC + lane];
+            mine = j0 >= ulo[0] && j0 < uhi[0] && j1 >= ulo[1] && j1 < uhi[1] && j2 >= ulo[2] &&
+                   j2 < uhi[2];
+        } else {
+            mine = ulo[0] < uhi[0];
+        }
+        if (__any_sync(0xffffffffu, mine)) {
+            float sc[BC / 8][4], ts[BC / 8][4];
+#pragma unroll
+            for (int i = 0; i < BC / 8; ++i)
+                sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = ts[i][0] = ts[i][1] = ts[i][2] = ts[i][3] = 0.f;
+            tile_abt<T, HD>(sc, Qs, w * 16, Kt, lane);                // S = Q K^T
+            if (has_tq) tile_abt<T, HD>(ts, tQs, w * 16, Kt, lane);   // tS = tQ K^T
+            if (has_tk) tile_abt<T, HD>(ts, Qs, w * 16, tKt, lane);   //    + Q tK^T
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int nb = 0; nb < BC / 8; ++nb)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int kr = nb * 8 + 2 * cq + e;
+                    const int j0 = kct[kr], j1 = kct[BC + kr], j2 = kct[2 * BC + kr];
+#pragma unroll
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        const bool ok = win ? j0 >= wst[hrow][0] && j0 < wen[hrow][0] &&
+                                                  j1 >= wst[hrow][1] && j1 < wen[hrow][1] &&
+                                                  j2 >= wst[hrow][2] && j2 < wen[hrow][2]
+                                            : rvalid[hrow] && j0 != KEY_NONE;
+                        float &x = sc[nb][2 * hrow + e];
+                        x = ok ? x * P.scale_log2 : -INFINITY;
+                        // masked scores contribute tS = 0, never -inf
+                        ts[nb][2 * hrow + e] = ok ? ts[nb][2 * hrow + e] * scale : 0.f;
+                        mx[hrow] = fmaxf(mx[hrow], x);
+                    }
+                }
+            float corr[2], mu[2];
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 1));
+                mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 2));
+                const float m_new = fmaxf(m[hrow], mx[hrow]);
+                mu[hrow] = m_new == -INFINITY ? 0.f : m_new;
+                corr[hrow] = exp2f(m[hrow] - mu[hrow]);
+                m[hrow] = m_new;
+                l[hrow] *= corr[hrow];
+                r[hrow] *= corr[hrow];
+            }
+#pragma unroll
+            for (int nb = 0; nb < BC / 8; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2f(sc[nb][e] - mu[e >> 1]);
+                    sc[nb][e] = p;
+                    l[e >> 1] += p;
+                    ts[nb][e] *= p;  // p tS
+                    r[e >> 1] += ts[nb][e];
+                }
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; ++nd) {
+                o[nd][0] *= corr[0]; o[nd][1] *= corr[0]; o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
+                ct[nd][0] *= corr[0]; ct[nd][1] *= corr[0]; ct[nd][2] *= corr[1]; ct[nd][3] *= corr[1];
+            }
+            tile_xb<T, HD>(o, sc, Vt, lane);               // O += P V
+            tile_xb<T, HD>(ct, ts, Vt, lane);              // C += (P tS) V
+            if (has_tv) tile_xb<T, HD>(ct, sc, tVt, lane); //    + P tV
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        float lt = l[hrow], rt = r[hrow];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        rt += __shfl_xor_sync(0xffffffffu, rt, 1);
+        rt += __shfl_xor_sync(0xffffffffu, rt, 2);
+        if (!rvalid[hrow]) continue;
+        const float inv = 1.f / lt, mu_t = rt * inv;
+        const int64_t *c = rfull[hrow];
+        T *out = (T *)a.out.data + offset_of(a.out, b, c[0], c[1], c[2], h);
+        T *tout = (T *)a.t_out.data + offset_of(a.t_out, b, c[0], c[1], c[2], h);
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; ++nd) {
+            const int col = nd * 8 + 2 * cq;
+            const float o0 = o[nd][2 * hrow] * inv, o1 = o[nd][2 * hrow + 1] * inv;
+            *(uint32_t *)(out + col) = pack2<T>(o0, o1);
+            // tO = C/l - mu o
+            *(uint32_t *)(tout + col) = pack2<T>(ct[nd][2 * hrow] * inv - mu_t * o0,
+                                                 ct[nd][2 * hrow + 1] * inv - mu_t * o1);
+        }
+        if (cq == 0) {
+            ((float *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)] =
+                (m[hrow] + log2f(lt)) * 0.69314718055994531f;
+            ((float *)a.t_lse.data)[offset_of(a.t_lse, b, c[0], c[1], c[2], h)] = mu_t;
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// conditions and launch
+
+static bool absent_or_aligned(const nbhd_tensor &t) { return !t.data || aligned_rows(t, 8, 16); }
+
+int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forward_jvp_args *a) {
+    const bool half_type = g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
+    const int D = g->head_dim;
+    const bool head_dim_ok = D == g->head_dim_v && (D == 32 || D == 64 || D == 128);
+    const bool inputs_aligned =
+        aligned_rows(a->q, 8, 16) && absent_or_aligned(a->t_q) &&
+        (!g->has_window || (aligned_rows(a->k, 8, 16) && aligned_rows(a->v, 8, 16) &&
+                            absent_or_aligned(a->t_k) && absent_or_aligned(a->t_v))) &&
+        (g->extra_kv == 0 || (aligned_rows(a->kx, 8, 16) && aligned_rows(a->vx, 8, 16) &&
+                              absent_or_aligned(a->t_kx) && absent_or_aligned(a->t_vx)));
+    const bool out_aligned = aligned_rows(a->out, 2, 4) && aligned_rows(a->t_out, 2, 4);
+    const bool small_axes = g->axis[0].extent < (1 << 29) && g->axis[1].extent < (1 << 29) &&
+                            g->axis[2].extent < (1 << 29);
+    return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes;
+}
+
+template <typename T, int HD>
+static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g);
+    const size_t smem = sizeof(T) * (size_t)(2 * BR * HD + 8 * BC * HD) + sizeof(int) * 6 * BC;
+    if (cudaFuncSetAttribute(fna_mma_jvp_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)smem) != cudaSuccess) {
+        const cudaError_t err = cudaGetLastError();
+        return nbhd_fail(NBHD_ERR_DEVICE, "mma forward_jvp: cannot reserve %zu bytes of shared memory: %s",
+                         smem, cudaGetErrorString(err));
+    }
+    const int64_t ctas = g->batch * g->heads * P.patches;
+    if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward_jvp: grid too large");
+    fna_mma_jvp_kernel<T, HD><<<(unsigned)ctas, JV_THREADS, smem, st>>>(*g, *a, P);
+    NBHD_CUDA_CHECK_LAUNCH("mma forward_jvp");
+    return NBHD_OK;
+}
+
+nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                      cudaStream_t st) {
+    const bool bf = g->dtype == NBHD_BF16;
+    switch (g->head_dim) {
+    case 32: return bf ? launch_jvp<__nv_bfloat16, 32>(g, a, st) : launch_jvp<__half, 32>(g, a, st);
+    case 64: return bf ? launch_jvp<__nv_bfloat16, 64>(g, a, st) : launch_jvp<__half, 64>(g, a, st);
+    case 128: return bf ? launch_jvp<__nv_bfloat16, 128>(g, a, st) : launch_jvp<__half, 128>(g, a, st);
+    }
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward_jvp: head_dim %d", g->head_dim);
+}
