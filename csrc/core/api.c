@@ -1,10 +1,12 @@
 /*
  * api.c — the public entry points: errors, validation of every descriptor rule (DESIGN.md §1),
- * and dispatch to the CPU or CUDA kernels. Nothing here touches tensor data.
+ * and dispatch to the CPU or CUDA kernels. Nothing here touches tensor data, except zeroing
+ * the key gradients of a backward pass with no query heads (backward_no_heads).
  */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -209,12 +211,54 @@ nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, cons
     DISPATCH(forward, &g, a, e);
 }
 
+/* Zeroes the [B, X, Y, Z, Hkv, W] (or [B, S, -, -, Hkv, W]) elements of a host tensor; all-zero
+ * bytes are +0 in every nbhd_dtype. */
+static void zero_host(nbhd_tensor t, int64_t B, const int64_t sp[3], int64_t Hkv, int64_t W,
+                      size_t esize) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t x = 0; x < sp[0]; ++x)
+            for (int64_t y = 0; y < sp[1]; ++y)
+                for (int64_t z = 0; z < sp[2]; ++z)
+                    for (int64_t h = 0; h < Hkv; ++h)
+                        for (int64_t c = 0; c < W; ++c) {
+                            const int64_t off = b * t.stride[0] + x * t.stride[1] + y * t.stride[2] +
+                                                z * t.stride[3] + h * t.stride[4] + c * t.stride[5];
+                            memset((char *)t.data + off * (int64_t)esize, 0, esize);
+                        }
+}
+
+/* heads == 0 with batch > 0: no query sees any key, so dK, dV, dKx, dVx are zero (and the
+ * kernels are not called with zero query heads). */
+static nbhd_status backward_no_heads(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                     nbhd_device device) {
+    if (g->has_window) { NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
+    nbhd_status st = check_extra(g, a->d_kx, a->d_vx);
+    if (st != NBHD_OK) return st;
+    if (device != NBHD_CPU)  /* TODO(issue 8): zero device gradients without a host loop */
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "backward with heads=0 is only supported on the CPU");
+    const size_t es = nbhd_dtype_size(g->dtype);
+    const int64_t sp[3] = {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent};
+    const int64_t sx[3] = {g->extra_kv, 1, 1};
+    if (g->has_window) {
+        zero_host(a->d_k, g->batch, sp, g->kv_heads, g->head_dim, es);
+        zero_host(a->d_v, g->batch, sp, g->kv_heads, g->head_dim_v, es);
+    }
+    if (g->extra_kv > 0) {  /* extra tensors: stride[1] steps tokens, stride[2..3] unused */
+        nbhd_tensor kx = a->d_kx, vx = a->d_vx;
+        kx.stride[2] = kx.stride[3] = vx.stride[2] = vx.stride[3] = 0;
+        zero_host(kx, g->batch, sx, g->kv_heads, g->head_dim, es);
+        zero_host(vx, g->batch, sx, g->kv_heads, g->head_dim_v, es);
+    }
+    return NBHD_OK;
+}
+
 nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, const nbhd_exec *e) {
     nbhd_status st = nbhd_validate(p);
     if (st != NBHD_OK) return st;
     if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
     if (!e) e = &default_exec;
     const nbhd_geometry g = nbhd_geometry_of(p);
+    if (g.batch > 0 && g.heads == 0) return backward_no_heads(&g, a, p->device);
     if (is_empty(&g)) return NBHD_OK;
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse"); NEED(a->d_out, "d_out");
     NEED(a->d_q, "d_q");

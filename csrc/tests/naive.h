@@ -1,0 +1,256 @@
+/*
+ * naive.h — brute-force oracle for the C tests and the fuzzer, in double precision.
+ *
+ * For every query it loops over ALL key tokens and decides membership with its own direct
+ * transcription of DESIGN.md §1 (not csrc/core/window.h), so it is independent of the library.
+ * Then dense softmax math (DESIGN.md §4), no online rescaling, no inverse windows.
+ *
+ * Dense layouts (row-major, double); T = tokens (product of extents; rank 0: extent[0]),
+ * S = extra_kv, token t = (x*Y + y)*Z + z:
+ *   q, dq, tq   [B, T, H,   D ]      k, dk, tk   [B, T, Hkv, D ]     v, dv, tv  [B, T, Hkv, Dv]
+ *   out, tout   [B, T, H,   Dv]      lse, dlse, tlse [B, T, H]
+ *   kx, dkx, tkx [B, S, Hkv, D ]     vx, dvx, tvx [B, S, Hkv, Dv]
+ * Rank 0 has no neighborhood keys (k, v unused). Tangent pointers may be NULL (zero).
+ */
+#ifndef NBHD_TESTS_NAIVE_H
+#define NBHD_TESTS_NAIVE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nbhd.h"
+
+static int64_t naive_ext(const nbhd_problem *p, int a) {
+    if (p->rank == 0) return a == 0 ? p->extent[0] : 1;
+    return a < p->rank ? p->extent[a] : 1;
+}
+
+static int64_t naive_tokens(const nbhd_problem *p) {
+    return naive_ext(p, 0) * naive_ext(p, 1) * naive_ext(p, 2);
+}
+
+/* DESIGN.md §1, one axis: does query coordinate x see key coordinate y? */
+static int naive_axis_sees(int64_t L, int64_t K, int64_t s, int64_t d, int causal, int64_t x,
+                           int64_t y) {
+    /* rule 1: dilation groups */
+    if (x % d != y % d) return 0;
+    const int64_t g = x % d, i = x / d, j = y / d;
+    const int64_t Lg = (L - g + d - 1) / d; /* ceil((L - g) / d) */
+    /* rule 2 */
+    const int64_t left = K / 2;
+    /* rule 3: stride group leader */
+    const int64_t qg = i / s;
+    int64_t leader = causal ? qg * s + s - 1 : qg * s + s / 2;
+    if (leader > Lg - 1) leader = Lg - 1;
+    int64_t start, end;
+    if (!causal) { /* rule 4 */
+        start = leader - left;
+        if (start < 0) start = 0;
+        if (start > Lg - K) start = Lg - K;
+        end = start + K;
+    } else { /* rule 5 */
+        start = leader - K + 1;
+        if (start < 0) start = 0;
+        end = i + 1;
+    }
+    /* rule 6 */
+    return start <= j && j < end;
+}
+
+static int naive_sees(const nbhd_problem *p, int64_t tq, int64_t tk) {
+    if (p->rank == 0) return 0;
+    const int64_t Y = naive_ext(p, 1), Z = naive_ext(p, 2);
+    const int64_t cq[3] = {tq / (Y * Z), (tq / Z) % Y, tq % Z};
+    const int64_t ck[3] = {tk / (Y * Z), (tk / Z) % Y, tk % Z};
+    for (int a = 0; a < p->rank; ++a)
+        if (!naive_axis_sees(p->extent[a], p->kernel[a], p->stride[a], p->dilation[a],
+                             p->causal[a], cq[a], ck[a]))
+            return 0;
+    return 1;
+}
+
+static double naive_dot(const double *x, const double *y, int n) {
+    double acc = 0;
+    for (int i = 0; i < n; ++i) acc += x[i] * y[i];
+    return acc;
+}
+
+/* Everything one query row needs: its key list (neighborhood tokens then extras) and P. */
+typedef struct {
+    int64_t n;        /* keys */
+    int64_t *key;     /* key index: < T a token, >= T an extra key (key - T) */
+    double *score, *p;
+    double lse;
+} naive_row;
+
+static const double *naive_key_ptr(const nbhd_problem *p, const double *k, const double *kx,
+                                   int64_t b, int64_t key, int64_t hk, int width) {
+    const int64_t T = naive_tokens(p), Hkv = p->kv_heads;
+    if (key < T) return k + ((b * T + key) * Hkv + hk) * width;
+    return kx + ((b * p->extra_kv + (key - T)) * Hkv + hk) * width;
+}
+
+/* Fills row: keys, scores, P = softmax, lse. Buffers sized T + S by the caller. */
+static void naive_row_of(const nbhd_problem *p, const double *q, const double *k, const double *kx,
+                         int64_t b, int64_t t, int64_t h, naive_row *row) {
+    const int64_t T = naive_tokens(p), H = p->heads;
+    const int D = p->head_dim;
+    const int64_t hk = h / (p->heads / p->kv_heads);
+    const double *q_bth = q + ((b * T + t) * H + h) * D;
+    row->n = 0;
+    for (int64_t key = 0; key < T + p->extra_kv; ++key) {
+        if (key < T && !naive_sees(p, t, key)) continue;
+        row->key[row->n] = key;
+        row->score[row->n] = p->scale * naive_dot(q_bth, naive_key_ptr(p, k, kx, b, key, hk, D), D);
+        row->n++;
+    }
+    double m = -INFINITY;
+    for (int64_t n = 0; n < row->n; ++n)
+        if (row->score[n] > m) m = row->score[n];
+    double l = 0;
+    for (int64_t n = 0; n < row->n; ++n) l += exp(row->score[n] - m);
+    for (int64_t n = 0; n < row->n; ++n) row->p[n] = exp(row->score[n] - m) / l;
+    row->lse = m + log(l);
+}
+
+static naive_row naive_row_alloc(const nbhd_problem *p) {
+    const int64_t n = naive_tokens(p) + p->extra_kv;
+    naive_row r;
+    r.n = 0;
+    r.key = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+    r.score = (double *)malloc(sizeof(double) * (size_t)n);
+    r.p = (double *)malloc(sizeof(double) * (size_t)n);
+    r.lse = 0;
+    return r;
+}
+
+static void naive_row_free(naive_row *r) {
+    free(r->key);
+    free(r->score);
+    free(r->p);
+}
+
+/* out = P V, lse */
+static void naive_forward(const nbhd_problem *p, const double *q, const double *k, const double *v,
+                          const double *kx, const double *vx, double *out, double *lse) {
+    const int64_t T = naive_tokens(p), H = p->heads, hper = p->heads / p->kv_heads;
+    const int Dv = p->head_dim_v;
+    naive_row row = naive_row_alloc(p);
+    for (int64_t b = 0; b < p->batch; ++b)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t h = 0; h < H; ++h) {
+                naive_row_of(p, q, k, kx, b, t, h, &row);
+                double *o = out + ((b * T + t) * H + h) * Dv;
+                memset(o, 0, sizeof(double) * (size_t)Dv);
+                for (int64_t n = 0; n < row.n; ++n) {
+                    const double *v_j = naive_key_ptr(p, v, vx, b, row.key[n], h / hper, Dv);
+                    for (int c = 0; c < Dv; ++c) o[c] += row.p[n] * v_j[c];
+                }
+                lse[(b * T + t) * H + h] = row.lse;
+            }
+    naive_row_free(&row);
+}
+
+/* Gradients of (out, lse) given dout and dlse (NULL: zero). dk/dv/dkx/dvx are accumulated, so
+ * they are zeroed here first. D_i = do_i.o_i - dlse_i, dS = P (do.v - D_i), where o is `out` as
+ * the kernel is given it (rounded to its dtype), or the exact P V when out is NULL. */
+static void naive_backward(const nbhd_problem *p, const double *q, const double *k, const double *v,
+                           const double *kx, const double *vx, const double *out,
+                           const double *dout, const double *dlse, double *dq, double *dk,
+                           double *dv, double *dkx, double *dvx) {
+    const int64_t T = naive_tokens(p), H = p->heads, Hkv = p->kv_heads, S = p->extra_kv;
+    const int64_t hper = H / Hkv;
+    const int D = p->head_dim, Dv = p->head_dim_v;
+    const double s = p->scale;
+    if (p->rank > 0) {
+        memset(dk, 0, sizeof(double) * (size_t)(p->batch * T * Hkv * D));
+        memset(dv, 0, sizeof(double) * (size_t)(p->batch * T * Hkv * Dv));
+    }
+    if (S > 0) {
+        memset(dkx, 0, sizeof(double) * (size_t)(p->batch * S * Hkv * D));
+        memset(dvx, 0, sizeof(double) * (size_t)(p->batch * S * Hkv * Dv));
+    }
+    naive_row row = naive_row_alloc(p);
+    double *o = (double *)malloc(sizeof(double) * (size_t)Dv);
+    for (int64_t b = 0; b < p->batch; ++b)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t h = 0; h < H; ++h) {
+                const int64_t hk = h / hper, i = (b * T + t) * H + h;
+                naive_row_of(p, q, k, kx, b, t, h, &row);
+                memset(o, 0, sizeof(double) * (size_t)Dv);
+                for (int64_t n = 0; n < row.n; ++n) {
+                    const double *v_j = naive_key_ptr(p, v, vx, b, row.key[n], hk, Dv);
+                    for (int c = 0; c < Dv; ++c) o[c] += row.p[n] * v_j[c];
+                }
+                if (out) memcpy(o, out + i * Dv, sizeof(double) * (size_t)Dv);
+                const double *do_i = dout + i * Dv, *q_i = q + i * D;
+                const double Di = naive_dot(do_i, o, Dv) - (dlse ? dlse[i] : 0.0);
+                double *dq_i = dq + i * D;
+                memset(dq_i, 0, sizeof(double) * (size_t)D);
+                for (int64_t n = 0; n < row.n; ++n) {
+                    const int64_t key = row.key[n];
+                    const double *k_j = naive_key_ptr(p, k, kx, b, key, hk, D);
+                    const double *v_j = naive_key_ptr(p, v, vx, b, key, hk, Dv);
+                    double *dk_j = (double *)naive_key_ptr(p, dk, dkx, b, key, hk, D);
+                    double *dv_j = (double *)naive_key_ptr(p, dv, dvx, b, key, hk, Dv);
+                    const double P = row.p[n], dS = P * (naive_dot(do_i, v_j, Dv) - Di);
+                    for (int c = 0; c < D; ++c) {
+                        dq_i[c] += s * dS * k_j[c];
+                        dk_j[c] += s * dS * q_i[c];
+                    }
+                    for (int c = 0; c < Dv; ++c) dv_j[c] += P * do_i[c];
+                }
+            }
+    free(o);
+    naive_row_free(&row);
+}
+
+/* Forward + JVP: tS = s (tq.k + q.tk), mu = sum P tS, tout = sum P (tv + tS v) - mu out. */
+static void naive_forward_jvp(const nbhd_problem *p, const double *q, const double *k,
+                              const double *v, const double *kx, const double *vx,
+                              const double *tq, const double *tk, const double *tv,
+                              const double *tkx, const double *tvx, double *out, double *lse,
+                              double *tout, double *tlse) {
+    const int64_t T = naive_tokens(p), H = p->heads, hper = p->heads / p->kv_heads;
+    const int D = p->head_dim, Dv = p->head_dim_v;
+    naive_row row = naive_row_alloc(p);
+    for (int64_t b = 0; b < p->batch; ++b)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t h = 0; h < H; ++h) {
+                const int64_t hk = h / hper, i = (b * T + t) * H + h;
+                naive_row_of(p, q, k, kx, b, t, h, &row);
+                double *o = out + i * Dv, *to = tout + i * Dv;
+                memset(o, 0, sizeof(double) * (size_t)Dv);
+                memset(to, 0, sizeof(double) * (size_t)Dv);
+                double mu = 0;
+                for (int64_t n = 0; n < row.n; ++n) {
+                    const int64_t key = row.key[n];
+                    const int extra = key >= T;
+                    const double *k_j = naive_key_ptr(p, k, kx, b, key, hk, D);
+                    const double *v_j = naive_key_ptr(p, v, vx, b, key, hk, Dv);
+                    double ts = 0;
+                    if (tq) ts += naive_dot(tq + i * D, k_j, D);
+                    if (extra ? tkx != NULL : tk != NULL)
+                        ts += naive_dot(q + i * D, naive_key_ptr(p, tk, tkx, b, key, hk, D), D);
+                    ts *= p->scale;
+                    const double P = row.p[n];
+                    mu += P * ts;
+                    for (int c = 0; c < Dv; ++c) {
+                        o[c] += P * v_j[c];
+                        to[c] += P * ts * v_j[c];
+                    }
+                    if (extra ? tvx != NULL : tv != NULL) {
+                        const double *tv_j = naive_key_ptr(p, tv, tvx, b, key, hk, Dv);
+                        for (int c = 0; c < Dv; ++c) to[c] += P * tv_j[c];
+                    }
+                }
+                for (int c = 0; c < Dv; ++c) to[c] -= mu * o[c];
+                lse[i] = row.lse;
+                tlse[i] = mu;
+            }
+    naive_row_free(&row);
+}
+
+#endif /* NBHD_TESTS_NAIVE_H */

@@ -1,0 +1,384 @@
+/*
+ * test_kernels.c — random sweep of nbhd_forward / nbhd_backward / nbhd_forward_jvp against the
+ * brute-force oracle naive.h, with the plain reference (use_reference = 1) and the default path.
+ *
+ * Each case is seeded by its index (reproduce one with `test_kernels CASES FIRST`), and covers
+ * rank 0-3, even/odd kernels, stride, dilation, causal per axis, GQA, Dv != D, extra keys,
+ * F64/F32/F16/BF16, permuted/padded/broadcast strides, poisoned outputs with canaries, absent
+ * tangents and dLSE, thread counts, and bitwise determinism of the backward pass.
+ * Usage: test_kernels [cases=300] [first=0]. Last line: "N passed, M failed".
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "naive.h"
+
+static const char *dtype_name[] = {"F64", "F32", "F16", "BF16"};
+
+static void describe(const nbhd_problem *p, uint64_t seed) {
+    fprintf(stderr, "  case seed=%llu rank=%d extent=[%lld,%lld,%lld] kernel=[%d,%d,%d] stride=[%d,%d,%d] "
+            "dilation=[%d,%d,%d] causal=[%d,%d,%d] batch=%lld heads=%d kv_heads=%d D=%d Dv=%d "
+            "extra_kv=%lld scale=%g dtype=%s\n",
+            (unsigned long long)seed, p->rank, (long long)p->extent[0], (long long)p->extent[1],
+            (long long)p->extent[2], p->kernel[0], p->kernel[1], p->kernel[2], p->stride[0],
+            p->stride[1], p->stride[2], p->dilation[0], p->dilation[1], p->dilation[2],
+            p->causal[0], p->causal[1], p->causal[2], (long long)p->batch, p->heads, p->kv_heads,
+            p->head_dim, p->head_dim_v, (long long)p->extra_kv, p->scale, dtype_name[p->dtype]);
+}
+
+static void random_problem(rng_t *r, nbhd_problem *p) {
+    for (;;) {
+        memset(p, 0, sizeof *p);
+        p->rank = (int32_t)rng_int(r, 0, 3);
+        int64_t tokens = 1;
+        if (p->rank == 0) {
+            p->extent[0] = rng_int(r, 1, 12);
+            tokens = p->extent[0];
+        }
+        for (int a = 0; a < p->rank; ++a) {
+            const int big = p->rank == 1;
+            p->kernel[a] = (int32_t)rng_int(r, 2, big ? 9 : (p->rank == 2 ? 5 : 3));
+            p->dilation[a] = (int32_t)(rng_int(r, 0, 2) ? 1 : rng_int(r, 2, 3));
+            p->extent[a] = (int64_t)p->kernel[a] * p->dilation[a] + rng_int(r, 0, big ? 12 : 4);
+            p->stride[a] = (int32_t)(rng_int(r, 0, 1) ? 1 : rng_int(r, 1, p->kernel[a]));
+            p->causal[a] = rng_int(r, 0, 2) == 0;
+            tokens *= p->extent[a];
+        }
+        if (tokens > 320) continue;
+        p->batch = rng_int(r, 0, 15) == 0 ? 0 : rng_int(r, 1, 2);
+        p->kv_heads = (int32_t)rng_int(r, 1, 2);
+        p->heads = p->kv_heads * (int32_t)(rng_int(r, 0, 19) == 0 ? 0 : rng_int(r, 1, 3));
+        p->head_dim = (int32_t)(rng_int(r, 0, 4) ? rng_int(r, 1, 9) : 16);
+        p->head_dim_v = (int32_t)(rng_int(r, 0, 1) ? p->head_dim : rng_int(r, 1, 9));
+        p->extra_kv = p->rank == 0 ? rng_int(r, 1, 6) : (rng_int(r, 0, 1) ? 0 : rng_int(r, 1, 4));
+        p->scale = rng_int(r, 0, 1) ? 1.0 / sqrt((double)p->head_dim) : 0.1 + 2.0 * rng_unit(r);
+        p->dtype = (nbhd_dtype)rng_int(r, 0, 3);
+        p->device = NBHD_CPU;
+        return;
+    }
+}
+
+/* the six logical shapes of a problem */
+typedef struct { int64_t q[6], k[6], v[6], o[6], lse[6], kx[6], vx[6]; } shapes;
+
+static shapes shapes_of(const nbhd_problem *p) {
+    const int64_t B = p->batch, X = naive_ext(p, 0), Y = naive_ext(p, 1), Z = naive_ext(p, 2);
+    const int64_t H = p->heads, Hk = p->kv_heads, D = p->head_dim, Dv = p->head_dim_v, S = p->extra_kv;
+    shapes s = {{B, X, Y, Z, H, D}, {B, X, Y, Z, Hk, D}, {B, X, Y, Z, Hk, Dv}, {B, X, Y, Z, H, Dv},
+                {B, X, Y, Z, H, 1}, {B, S, 1, 1, Hk, D}, {B, S, 1, 1, Hk, Dv}};
+    return s;
+}
+
+/* an input tensor with a random layout filled from dense (rounded in place) */
+static tbuf input_b(rng_t *r, const int64_t dims[6], nbhd_dtype dt, double *dense,
+                    int ignore_last, int bcast) {
+    int64_t st[6];
+    random_layout(r, dims, bcast, ignore_last, st);
+    tbuf b = tbuf_make(dims, dt, st);
+    tbuf_fill(&b, dense);
+    return b;
+}
+
+static tbuf input(rng_t *r, const int64_t dims[6], nbhd_dtype dt, double *dense, int ignore_last) {
+    return input_b(r, dims, dt, dense, ignore_last, 1);
+}
+
+static tbuf output(rng_t *r, const int64_t dims[6], nbhd_dtype dt, int ignore_last) {
+    int64_t st[6];
+    random_layout(r, dims, 0, ignore_last, st);
+    return tbuf_make(dims, dt, st);
+}
+
+static int checks_failed;
+static uint64_t cur_seed;
+static const nbhd_problem *cur_p;
+
+/* compares a library output with the oracle and checks nothing outside it was written */
+static void expect_close(const char *what, const tbuf *b, const double *want, double tol) {
+    const int64_t n = dims_count(b->dims);
+    double *got = dense_alloc(n);
+    tbuf_gather(b, got);
+    const double err = rel_error(got, want, n);
+    const int outside = tbuf_untouched_outside(b);
+    if (!(err <= tol) || !outside) {
+        fprintf(stderr, "FAIL %s: rel error %.3g (tol %.1g)%s\n", what, err, tol,
+                outside ? "" : ", wrote outside its elements (padding or canary)");
+        describe(cur_p, cur_seed);
+        if (getenv("NBHD_TEST_VERBOSE"))
+            for (int64_t i = 0; i < n && i < 64; ++i)
+                fprintf(stderr, "    [%lld] got %.8g want %.8g\n", (long long)i, got[i], want[i]);
+        checks_failed++;
+    }
+    free(got);
+}
+
+static void expect_ok(const char *what, nbhd_status st) {
+    if (st != NBHD_OK) {
+        fprintf(stderr, "FAIL %s: status %s: %s\n", what, nbhd_status_string(st), nbhd_last_error());
+        describe(cur_p, cur_seed);
+        checks_failed++;
+    }
+}
+
+static void *workspace_for(const nbhd_problem *p, nbhd_op op, nbhd_exec *e) {
+    const size_t need = nbhd_workspace_bytes(p, op, e);
+    e->workspace = need ? malloc(need) : NULL;
+    e->workspace_bytes = need;
+    return e->workspace;
+}
+
+static nbhd_tensor none(void) {
+    nbhd_tensor t;
+    memset(&t, 0, sizeof t);
+    return t;
+}
+
+/* one case: returns 1 when every check passed */
+static int run_case(uint64_t seed) {
+    rng_t r = {seed * 0x2545f4914f6cdd1dull + 1};
+    nbhd_problem p;
+    random_problem(&r, &p);
+    cur_p = &p;
+    cur_seed = seed;
+    const int before = checks_failed;
+    const nbhd_dtype dt = p.dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const double tol = tol_of(dt);
+    const shapes s = shapes_of(&p);
+    const int has_k = p.rank > 0, has_x = p.extra_kv > 0;
+
+    expect_ok("validate", nbhd_validate(&p));
+
+    /* inputs (dense values are rounded to the dtype by tbuf_fill) */
+    const int64_t nq = dims_count(s.q), nk = dims_count(s.k), nv = dims_count(s.v),
+                  no = dims_count(s.o), nl = dims_count(s.lse), nkx = dims_count(s.kx),
+                  nvx = dims_count(s.vx);
+    double *q = dense_random(&r, nq, -1, 1), *k = dense_random(&r, nk, -1, 1),
+           *v = dense_random(&r, nv, -1, 1), *kx = dense_random(&r, nkx, -1, 1),
+           *vx = dense_random(&r, nvx, -1, 1);
+    tbuf Q = input(&r, s.q, dt, q, 0), K = input(&r, s.k, dt, k, 0), V = input(&r, s.v, dt, v, 0),
+         KX = input(&r, s.kx, dt, kx, 0), VX = input(&r, s.vx, dt, vx, 0);
+    nbhd_tensor tK = has_k ? K.t : none(), tV = has_k ? V.t : none();
+    nbhd_tensor tKX = has_x ? KX.t : none(), tVX = has_x ? VX.t : none();
+
+    /* oracle forward */
+    double *out = dense_alloc(no), *lse = dense_alloc(nl);
+    naive_forward(&p, q, k, v, kx, vx, out, lse);
+
+    for (int use_ref = 1; use_ref >= 0; --use_ref) {
+        char what[64];
+        nbhd_exec e;
+        memset(&e, 0, sizeof e);
+        e.use_reference = use_ref;
+        e.threads = (int32_t)rng_int(&r, 0, 3);
+
+        /* ---- forward */
+        tbuf O = output(&r, s.o, dt, 0), L = output(&r, s.lse, lt, 1);
+        nbhd_forward_args fa = {Q.t, tK, tV, tKX, tVX, O.t, L.t};
+        workspace_for(&p, NBHD_OP_FORWARD, &e);
+        snprintf(what, sizeof what, "forward%s", use_ref ? " (reference)" : "");
+        expect_ok(what, nbhd_forward(&p, &fa, &e));
+        snprintf(what, sizeof what, "forward out%s", use_ref ? " (reference)" : "");
+        expect_close(what, &O, out, tol);
+        snprintf(what, sizeof what, "forward lse%s", use_ref ? " (reference)" : "");
+        expect_close(what, &L, lse, dt == NBHD_F64 ? 1e-12 : 1e-5);
+        free(e.workspace);
+        tbuf_free(&O);
+        tbuf_free(&L);
+
+        /* ---- backward, from the oracle's out and lse */
+        double *o_in = dense_alloc(no), *l_in = dense_alloc(nl);
+        memcpy(o_in, out, sizeof(double) * (size_t)no);
+        memcpy(l_in, lse, sizeof(double) * (size_t)nl);
+        /* no broadcast layouts here: out and lse must stay the forward's values */
+        tbuf Oi = input_b(&r, s.o, dt, o_in, 0, 0), Li = input_b(&r, s.lse, lt, l_in, 1, 0);
+        double *dout = dense_random(&r, no, -1, 1);
+        const int with_dlse = rng_int(&r, 0, 2) > 0;
+        double *dlse = dense_random(&r, nl, -1, 1);
+        tbuf dO = input(&r, s.o, dt, dout, 0), dL = input(&r, s.lse, lt, dlse, 1);
+        double *dq = dense_alloc(nq), *dk = dense_alloc(nk), *dv = dense_alloc(nv),
+               *dkx = dense_alloc(nkx), *dvx = dense_alloc(nvx);
+        naive_backward(&p, q, k, v, kx, vx, o_in, dout, with_dlse ? dlse : NULL, dq, dk, dv, dkx, dvx);
+        tbuf dQ[2], dK[2], dV[2], dKX[2], dVX[2];
+        workspace_for(&p, NBHD_OP_BACKWARD, &e);
+        for (int run = 0; run < 2; ++run) {
+            /* the second run reuses the first run's layouts, for a bitwise comparison */
+            if (run == 0) {
+                dQ[0] = output(&r, s.q, dt, 0);
+                dK[0] = output(&r, s.k, dt, 0);
+                dV[0] = output(&r, s.v, dt, 0);
+                dKX[0] = output(&r, s.kx, dt, 0);
+                dVX[0] = output(&r, s.vx, dt, 0);
+            } else {
+                dQ[1] = tbuf_make(s.q, dt, dQ[0].t.stride);
+                dK[1] = tbuf_make(s.k, dt, dK[0].t.stride);
+                dV[1] = tbuf_make(s.v, dt, dV[0].t.stride);
+                dKX[1] = tbuf_make(s.kx, dt, dKX[0].t.stride);
+                dVX[1] = tbuf_make(s.vx, dt, dVX[0].t.stride);
+            }
+            nbhd_backward_args ba = {Q.t, tK, tV, tKX, tVX, Oi.t, Li.t, dO.t,
+                                     with_dlse ? dL.t : none(), dQ[run].t,
+                                     has_k ? dK[run].t : none(), has_k ? dV[run].t : none(),
+                                     has_x ? dKX[run].t : none(), has_x ? dVX[run].t : none()};
+            snprintf(what, sizeof what, "backward%s", use_ref ? " (reference)" : "");
+            expect_ok(what, nbhd_backward(&p, &ba, &e));
+        }
+        snprintf(what, sizeof what, "backward dq%s", use_ref ? " (reference)" : "");
+        expect_close(what, &dQ[0], dq, tol);
+        if (has_k) {
+            snprintf(what, sizeof what, "backward dk%s", use_ref ? " (reference)" : "");
+            expect_close(what, &dK[0], dk, tol);
+            snprintf(what, sizeof what, "backward dv%s", use_ref ? " (reference)" : "");
+            expect_close(what, &dV[0], dv, tol);
+        }
+        if (has_x) {
+            snprintf(what, sizeof what, "backward dkx%s", use_ref ? " (reference)" : "");
+            expect_close(what, &dKX[0], dkx, tol);
+            snprintf(what, sizeof what, "backward dvx%s", use_ref ? " (reference)" : "");
+            expect_close(what, &dVX[0], dvx, tol);
+        }
+        const tbuf *pairs[5][2] = {{&dQ[0], &dQ[1]}, {&dK[0], &dK[1]}, {&dV[0], &dV[1]},
+                                   {&dKX[0], &dKX[1]}, {&dVX[0], &dVX[1]}};
+        for (int i = 0; i < 5; ++i)
+            if (memcmp(pairs[i][0]->base, pairs[i][1]->base, pairs[i][0]->alloc * pairs[i][0]->esize)) {
+                fprintf(stderr, "FAIL backward%s not deterministic: gradient %d differs between two runs\n",
+                        use_ref ? " (reference)" : "", i);
+                describe(&p, seed);
+                checks_failed++;
+            }
+        for (int run = 0; run < 2; ++run) {
+            tbuf_free(&dQ[run]); tbuf_free(&dK[run]); tbuf_free(&dV[run]);
+            tbuf_free(&dKX[run]); tbuf_free(&dVX[run]);
+        }
+        free(e.workspace);
+        tbuf_free(&Oi); tbuf_free(&Li); tbuf_free(&dO); tbuf_free(&dL);
+        free(o_in); free(l_in); free(dout); free(dlse);
+        free(dq); free(dk); free(dv); free(dkx); free(dvx);
+
+        /* ---- forward + JVP, each tangent present or absent */
+        const int use_t[5] = {rng_int(&r, 0, 3) > 0, rng_int(&r, 0, 3) > 0, rng_int(&r, 0, 3) > 0,
+                              rng_int(&r, 0, 3) > 0, rng_int(&r, 0, 3) > 0};
+        double *tq = dense_random(&r, nq, -1, 1), *tk = dense_random(&r, nk, -1, 1),
+               *tv = dense_random(&r, nv, -1, 1), *tkx = dense_random(&r, nkx, -1, 1),
+               *tvx = dense_random(&r, nvx, -1, 1);
+        tbuf TQ = input(&r, s.q, dt, tq, 0), TK = input(&r, s.k, dt, tk, 0),
+             TV = input(&r, s.v, dt, tv, 0), TKX = input(&r, s.kx, dt, tkx, 0),
+             TVX = input(&r, s.vx, dt, tvx, 0);
+        double *jo = dense_alloc(no), *jl = dense_alloc(nl), *jto = dense_alloc(no),
+               *jtl = dense_alloc(nl);
+        naive_forward_jvp(&p, q, k, v, kx, vx, use_t[0] ? tq : NULL, use_t[1] ? tk : NULL,
+                          use_t[2] ? tv : NULL, use_t[3] ? tkx : NULL, use_t[4] ? tvx : NULL,
+                          jo, jl, jto, jtl);
+        tbuf JO = output(&r, s.o, dt, 0), JL = output(&r, s.lse, lt, 1),
+             JTO = output(&r, s.o, dt, 0), JTL = output(&r, s.lse, lt, 1);
+        nbhd_forward_jvp_args ja = {Q.t, tK, tV, tKX, tVX,
+                                    use_t[0] ? TQ.t : none(),
+                                    use_t[1] && has_k ? TK.t : none(),
+                                    use_t[2] && has_k ? TV.t : none(),
+                                    use_t[3] && has_x ? TKX.t : none(),
+                                    use_t[4] && has_x ? TVX.t : none(),
+                                    JO.t, JL.t, JTO.t, JTL.t};
+        workspace_for(&p, NBHD_OP_FORWARD_JVP, &e);
+        snprintf(what, sizeof what, "forward_jvp%s", use_ref ? " (reference)" : "");
+        expect_ok(what, nbhd_forward_jvp(&p, &ja, &e));
+        snprintf(what, sizeof what, "forward_jvp out%s", use_ref ? " (reference)" : "");
+        expect_close(what, &JO, jo, tol);
+        snprintf(what, sizeof what, "forward_jvp lse%s", use_ref ? " (reference)" : "");
+        expect_close(what, &JL, jl, dt == NBHD_F64 ? 1e-12 : 1e-5);
+        snprintf(what, sizeof what, "forward_jvp t_out%s", use_ref ? " (reference)" : "");
+        expect_close(what, &JTO, jto, tol);
+        snprintf(what, sizeof what, "forward_jvp t_lse%s", use_ref ? " (reference)" : "");
+        expect_close(what, &JTL, jtl, dt == NBHD_F64 ? 1e-10 : 1e-4);
+        free(e.workspace);
+        tbuf_free(&TQ); tbuf_free(&TK); tbuf_free(&TV); tbuf_free(&TKX); tbuf_free(&TVX);
+        tbuf_free(&JO); tbuf_free(&JL); tbuf_free(&JTO); tbuf_free(&JTL);
+        free(tq); free(tk); free(tv); free(tkx); free(tvx);
+        free(jo); free(jl); free(jto); free(jtl);
+    }
+
+    /* the reference backward does not depend on the thread count (bitwise) */
+    if (p.batch > 0 && p.heads > 0) {
+        tbuf O = output(&r, s.o, dt, 0), L = output(&r, s.lse, lt, 1);
+        nbhd_exec e;
+        memset(&e, 0, sizeof e);
+        e.use_reference = 1;
+        nbhd_forward_args fa = {Q.t, tK, tV, tKX, tVX, O.t, L.t};
+        workspace_for(&p, NBHD_OP_FORWARD, &e);
+        expect_ok("forward for thread check", nbhd_forward(&p, &fa, &e));
+        free(e.workspace);
+        double *dout = dense_random(&r, no, -1, 1);
+        tbuf dO = input(&r, s.o, dt, dout, 0);
+        workspace_for(&p, NBHD_OP_BACKWARD, &e);
+        tbuf dQ[2], dK[2], dV[2];
+        for (int run = 0; run < 2; ++run) {
+            e.threads = run == 0 ? 1 : 3;
+            dQ[run] = output(&r, s.q, dt, 0);
+            dK[run] = output(&r, s.k, dt, 0);
+            dV[run] = output(&r, s.v, dt, 0);
+            tbuf DKX = output(&r, s.kx, dt, 0), DVX = output(&r, s.vx, dt, 0);
+            nbhd_backward_args ba = {Q.t, tK, tV, tKX, tVX, O.t, L.t, dO.t, none(), dQ[run].t,
+                                     has_k ? dK[run].t : none(), has_k ? dV[run].t : none(),
+                                     has_x ? DKX.t : none(), has_x ? DVX.t : none()};
+            expect_ok("backward for thread check", nbhd_backward(&p, &ba, &e));
+            tbuf_free(&DKX);
+            tbuf_free(&DVX);
+        }
+        double *a = dense_alloc(nq), *b = dense_alloc(nq);
+        tbuf_gather(&dQ[0], a);
+        tbuf_gather(&dQ[1], b);
+        if (memcmp(a, b, sizeof(double) * (size_t)nq)) {
+            fprintf(stderr, "FAIL reference backward dq differs between 1 and 3 threads\n");
+            describe(&p, seed);
+            checks_failed++;
+        }
+        free(a); free(b);
+        for (int run = 0; run < 2; ++run) { tbuf_free(&dQ[run]); tbuf_free(&dK[run]); tbuf_free(&dV[run]); }
+        free(e.workspace);
+        tbuf_free(&dO);
+        tbuf_free(&O);
+        tbuf_free(&L);
+        free(dout);
+    }
+
+    tbuf_free(&Q); tbuf_free(&K); tbuf_free(&V); tbuf_free(&KX); tbuf_free(&VX);
+    free(q); free(k); free(v); free(kx); free(vx); free(out); free(lse);
+    return checks_failed == before;
+}
+
+/* the oracle itself against DESIGN.md §1's worked examples (L = 10, d = 1) */
+static int check_naive_examples(void) {
+    int bad = 0;
+    struct { int K, s, c; int64_t i; int64_t start, end; } ex[] = {
+        {4, 1, 0, 0, 0, 4}, {4, 1, 0, 1, 0, 4}, {4, 1, 0, 2, 0, 4}, {4, 1, 0, 3, 1, 5},
+        {4, 1, 0, 4, 2, 6}, {4, 1, 0, 5, 3, 7}, {4, 1, 0, 6, 4, 8}, {4, 1, 0, 7, 5, 9},
+        {4, 1, 0, 8, 6, 10}, {4, 1, 0, 9, 6, 10},
+        {5, 2, 0, 0, 0, 5}, {5, 2, 0, 1, 0, 5}, {5, 2, 0, 2, 1, 6}, {5, 2, 0, 3, 1, 6},
+        {5, 2, 0, 4, 3, 8}, {5, 2, 0, 5, 3, 8}, {5, 2, 0, 6, 5, 10}, {5, 2, 0, 7, 5, 10},
+        {5, 2, 0, 8, 5, 10}, {5, 2, 0, 9, 5, 10},
+        {4, 2, 1, 4, 2, 5}, {4, 2, 1, 5, 2, 6},
+    };
+    for (size_t n = 0; n < sizeof ex / sizeof ex[0]; ++n)
+        for (int64_t j = 0; j < 10; ++j) {
+            const int want = ex[n].start <= j && j < ex[n].end;
+            if (naive_axis_sees(10, ex[n].K, ex[n].s, 1, ex[n].c, ex[n].i, j) != want) {
+                fprintf(stderr, "FAIL naive oracle: K=%d s=%d causal=%d i=%lld key %lld\n", ex[n].K,
+                        ex[n].s, ex[n].c, (long long)ex[n].i, (long long)j);
+                bad = 1;
+            }
+        }
+    return !bad;
+}
+
+int main(int argc, char **argv) {
+    const int cases = argc > 1 ? atoi(argv[1]) : 300;
+    const int first = argc > 2 ? atoi(argv[2]) : 0;
+    int passed = 0, failed = 0;
+    if (check_naive_examples()) passed++; else failed++;
+    for (int c = first; c < first + cases; ++c) {
+        if (run_case((uint64_t)c)) passed++;
+        else failed++;
+    }
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
