@@ -173,7 +173,8 @@ def candidate_backends(p: Problem, requested: Optional[str]) -> List[str]:
 # ----------------------------------------------------------------------------
 # modes
 
-def dry_run(p: Problem, requested: Optional[str], max_configs: int, out=sys.stdout) -> Dict[str, list]:
+def dry_run(p: Problem, requested: Optional[str], max_configs: int, out=None) -> Dict[str, list]:
+    out = out if out is not None else sys.stdout
     q, k, v, _, _ = p.tensors()
     found = {}
     print(f"problem: {p.describe()}", file=out)
@@ -200,8 +201,9 @@ def _ratio(x: Optional[float], ref: Optional[float]) -> str:
     return "n/a" if x is None or ref is None or x == 0 else f"{ref / x:.2f}x"
 
 
-def profile(p: Problem, requested: Optional[str], warmup: int, repeats: int, out=sys.stdout):
+def profile(p: Problem, requested: Optional[str], warmup: int, repeats: int, out=None):
     """Rows: (name, {op: ms}). The last row is dense SDPA."""
+    out = out if out is not None else sys.stdout
     rows = []
     for name in candidate_backends(p, requested):
         print(f"timing {name} ...", file=out)
@@ -212,7 +214,8 @@ def profile(p: Problem, requested: Optional[str], warmup: int, repeats: int, out
     return rows
 
 
-def print_table(p: Problem, rows, out=sys.stdout):
+def print_table(p: Problem, rows, out=None):
+    out = out if out is not None else sys.stdout
     sdpa = rows[-1][1]
     head = f"{'backend':10s} | " + " | ".join(f"{op + ' ms':>11s} | {'x sdpa':>7s}" for op in OPS)
     print(f"\n{p.describe()}\n{head}\n{'-' * len(head)}", file=out)
@@ -222,8 +225,9 @@ def print_table(p: Problem, rows, out=sys.stdout):
     print("(x sdpa: SDPA time / backend time; > 1 is faster than dense SDPA)", file=out)
 
 
-def optimize(p: Problem, requested: Optional[str], warmup: int, repeats: int, out=sys.stdout):
+def optimize(p: Problem, requested: Optional[str], warmup: int, repeats: int, out=None):
     """Time every forward configuration of each backend with tiles; report the best."""
+    out = out if out is not None else sys.stdout
     from tqdm import tqdm
     q, k, v, _, _ = p.tensors()
     best = {}
