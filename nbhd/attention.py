@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import backends, checks
 from .autograd import Geometry, na_autograd, na_compiled
+from .functional import _use_custom_op, na1d
 from .reference import na_reference
 
 __all__ = ["attention", "merge_attentions"]
@@ -40,13 +41,6 @@ def _check_qkv(query, key, value) -> Tuple[Tensor, Tensor, Tensor]:
         raise ValueError("key and value must hold at least one token")
     checks.heads_and_dims(q, k, v, "key", "value")
     return q, k, v
-
-
-def _use_custom_op() -> bool:
-    # the same rule as na1d/na2d/na3d (functional.py): the custom op under torch.compile
-    from . import functional
-    rule = getattr(functional, "_use_custom_op", None)
-    return rule() if rule is not None else torch.compiler.is_compiling()
 
 
 def attention(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] = None,
@@ -99,7 +93,6 @@ def attention(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] 
                          f"and S_kv={k.shape[1]}")
     if is_causal and q.shape[1] > 1:
         # causal attention is 1-D causal neighborhood attention whose window is the sequence
-        from .functional import na1d
         out, lse = na1d(q, k, v, kernel_size=q.shape[1], is_causal=True, scale=scale,
                         backend=backend, torch_compile=torch_compile, return_lse=True)
         return (out, lse) if return_lse else out

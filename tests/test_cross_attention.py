@@ -99,11 +99,18 @@ def test_vmap(case):
     close(out[0][1], r(*x0[:3], *x1[3:])[0])
 
 
-@pytest.mark.parametrize("case", CASES[:3] + CASES[4:])
-def test_gradcheck_forward_ad(case):
+GRADCHECK_CASES = [  # small, so that numerical Jacobians stay cheap
+    ((6,), (3,), (2,), (1,), (False,), 2, 1, 2, 3, 2),
+    ((3, 4), (2, 3), (1, 1), (1, 1), (True, False), 2, 1, 2, 2, 1),
+    ((3, 3), (3, 3), (1, 1), (1, 1), (False, False), 1, 1, 2, 2, 1),  # self-attention fast path
+]
+
+
+@pytest.mark.parametrize("i,case", list(enumerate(GRADCHECK_CASES)))
+def test_gradcheck_forward_ad(i, case):
     f, _ = fns(case)
     x = tuple(t.requires_grad_() for t in tensors(case, batch=1))
-    assert torch.autograd.gradcheck(f, x, check_forward_ad=True, check_batched_grad=True)
+    assert torch.autograd.gradcheck(f, x, check_forward_ad=True, check_batched_grad=(i == 0))
 
 
 def test_additional_kv_errors():
