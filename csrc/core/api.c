@@ -62,6 +62,18 @@ size_t nbhd_dtype_size(nbhd_dtype t) {
 /* Products of sizes must not overflow int64 indexing. */
 #define NBHD_MAX_COUNT ((int64_t)1 << 56)
 
+/* a*b*c*d for non-negative factors, saturated at NBHD_MAX_COUNT + 1 (0 if any factor is 0). */
+static int64_t count_product(int64_t a, int64_t b, int64_t c, int64_t d) {
+    const int64_t f[4] = {a, b, c, d};
+    int64_t n = 1;
+    for (int i = 0; i < 4; ++i) if (f[i] == 0) return 0;
+    for (int i = 0; i < 4; ++i) {
+        if (f[i] > NBHD_MAX_COUNT / n) return NBHD_MAX_COUNT + 1;
+        n *= f[i];
+    }
+    return n;
+}
+
 nbhd_status nbhd_validate(const nbhd_problem *p) {
     if (!p) return nbhd_fail(NBHD_ERR_ARG, "problem is NULL");
     if (p->rank < 0 || p->rank > NBHD_MAX_RANK)
@@ -111,10 +123,22 @@ nbhd_status nbhd_validate(const nbhd_problem *p) {
             return nbhd_fail(NBHD_ERR_ARG, "stride[%d]=%d is invalid (need 1 <= stride <= kernel=%d)", a, s, K);
         if (p->causal[a] > 1)
             return nbhd_fail(NBHD_ERR_ARG, "causal[%d]=%d is invalid (need 0 or 1)", a, p->causal[a]);
-        tokens *= L;
-        if (tokens > NBHD_MAX_COUNT)
+        if (L > NBHD_MAX_COUNT / tokens)  /* tokens*L > 2^56, checked without overflowing */
             return nbhd_fail(NBHD_ERR_ARG, "extent product over axes 0..%d exceeds 2^56 tokens", a);
+        tokens *= L;
     }
+    if (p->rank == 0) tokens = p->extent[0];
+    /* every tensor's element count (and each kernel's row count) must fit int64 indexing */
+    const int64_t width = p->head_dim > p->head_dim_v ? p->head_dim : p->head_dim_v;
+    const int64_t heads = p->heads > p->kv_heads ? p->heads : p->kv_heads;
+    const int64_t n_window = count_product(p->batch, tokens, heads, width);
+    const int64_t n_extra = count_product(p->batch, p->extra_kv, p->kv_heads, width);
+    if (n_window > NBHD_MAX_COUNT || n_extra > NBHD_MAX_COUNT)
+        return nbhd_fail(NBHD_ERR_ARG,
+                         "batch=%lld x tokens=%lld (or extra_kv=%lld) x heads=%lld x head_dim=%lld "
+                         "exceeds 2^56 elements in one tensor",
+                         (long long)p->batch, (long long)tokens, (long long)p->extra_kv,
+                         (long long)heads, (long long)width);
     return NBHD_OK;
 }
 
@@ -156,13 +180,16 @@ nbhd_geometry nbhd_geometry_of(const nbhd_problem *p) {
 
 static int is_empty(const nbhd_geometry *g) { return g->batch == 0 || g->heads == 0; }
 
-static nbhd_status check_extra(const nbhd_geometry *g, nbhd_tensor kx, nbhd_tensor vx) {
+static nbhd_status check_extra(const nbhd_geometry *g, nbhd_tensor kx, nbhd_tensor vx,
+                               const char *kx_name, const char *vx_name) {
     if (g->extra_kv > 0) {
-        NEED(kx, "kx (additional keys)");
-        NEED(vx, "vx (additional values)");
+        NEED(kx, kx_name);
+        NEED(vx, vx_name);
     }
     return NBHD_OK;
 }
+#define KX_NAMES "kx (additional keys)", "vx (additional values)"
+#define DKX_NAMES "d_kx (gradient of additional keys)", "d_vx (gradient of additional values)"
 
 static nbhd_status check_workspace(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e) {
     const size_t need = nbhd_workspace_bytes(p, op, e);
@@ -206,7 +233,7 @@ nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, cons
     if (is_empty(&g)) return NBHD_OK;
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
     if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); }
-    if ((st = check_extra(&g, a->kx, a->vx)) != NBHD_OK) return st;
+    if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
     if ((st = check_workspace(p, NBHD_OP_FORWARD, e)) != NBHD_OK) return st;
     DISPATCH(forward, &g, a, e);
 }
@@ -232,7 +259,7 @@ static void zero_host(nbhd_tensor t, int64_t B, const int64_t sp[3], int64_t Hkv
 static nbhd_status backward_no_heads(const nbhd_geometry *g, const nbhd_backward_args *a,
                                      nbhd_device device) {
     if (g->has_window) { NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
-    nbhd_status st = check_extra(g, a->d_kx, a->d_vx);
+    nbhd_status st = check_extra(g, a->d_kx, a->d_vx, DKX_NAMES);
     if (st != NBHD_OK) return st;
     if (device != NBHD_CPU)  /* TODO(issue 8): zero device gradients without a host loop */
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "backward with heads=0 is only supported on the CPU");
@@ -263,8 +290,8 @@ nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, co
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse"); NEED(a->d_out, "d_out");
     NEED(a->d_q, "d_q");
     if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
-    if ((st = check_extra(&g, a->kx, a->vx)) != NBHD_OK) return st;
-    if ((st = check_extra(&g, a->d_kx, a->d_vx)) != NBHD_OK) return st;
+    if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
+    if ((st = check_extra(&g, a->d_kx, a->d_vx, DKX_NAMES)) != NBHD_OK) return st;
     if ((st = check_workspace(p, NBHD_OP_BACKWARD, e)) != NBHD_OK) return st;
     DISPATCH(backward, &g, a, e);
 }
@@ -279,7 +306,7 @@ nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args 
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
     NEED(a->t_out, "t_out"); NEED(a->t_lse, "t_lse");
     if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); }
-    if ((st = check_extra(&g, a->kx, a->vx)) != NBHD_OK) return st;
+    if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
     if ((st = check_workspace(p, NBHD_OP_FORWARD_JVP, e)) != NBHD_OK) return st;
     DISPATCH(forward_jvp, &g, a, e);
 }

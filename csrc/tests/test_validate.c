@@ -1,0 +1,309 @@
+/*
+ * test_validate.c — every descriptor rule of nbhd_validate (nbhd.h, DESIGN.md §1) is rejected
+ * with NBHD_ERR_ARG and a message naming the field; every entry point rejects NULL args, NULL
+ * data of each tensor it needs, and a missing or short workspace; invalid problems need no
+ * workspace. Last line: "N passed, M failed".
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nbhd.h"
+
+static int passed, failed;
+
+static void expect(int ok, const char *what) {
+    if (ok) {
+        passed++;
+    } else {
+        failed++;
+        fprintf(stderr, "FAIL %s (last error: \"%s\")\n", what, nbhd_last_error());
+    }
+}
+
+/* a valid 2-D problem: 9x8 tokens, kernel 3x4, GQA 4/2, D=8, Dv=5, 2 extra keys */
+static nbhd_problem valid(void) {
+    nbhd_problem p;
+    memset(&p, 0, sizeof p);
+    p.rank = 2;
+    p.extent[0] = 9; p.extent[1] = 8;
+    p.kernel[0] = 3; p.kernel[1] = 4;
+    p.stride[0] = 1; p.stride[1] = 2;
+    p.dilation[0] = 2; p.dilation[1] = 1;
+    p.causal[0] = 0; p.causal[1] = 1;
+    p.batch = 2;
+    p.extra_kv = 2;
+    p.heads = 4; p.kv_heads = 2;
+    p.head_dim = 8; p.head_dim_v = 5;
+    p.scale = 0.35;
+    p.dtype = NBHD_F32;
+    p.device = NBHD_CPU;
+    return p;
+}
+
+/* the problem is rejected with NBHD_ERR_ARG, a message holding `field`, no workspace asked, and
+ * every entry point rejects it the same way */
+static void expect_rejected(const nbhd_problem *p, const char *rule, const char *field) {
+    char what[256];
+    nbhd_status st = nbhd_validate(p);
+    const int named = strstr(nbhd_last_error(), field) != NULL;
+    snprintf(what, sizeof what, "validate rejects %s with NBHD_ERR_ARG naming '%s'", rule, field);
+    expect(st == NBHD_ERR_ARG && named, what);
+    snprintf(what, sizeof what, "workspace_bytes is 0 for %s", rule);
+    expect(nbhd_workspace_bytes(p, NBHD_OP_BACKWARD, NULL) == 0, what);
+    nbhd_forward_args fa;
+    nbhd_backward_args ba;
+    nbhd_forward_jvp_args ja;
+    memset(&fa, 0, sizeof fa);
+    memset(&ba, 0, sizeof ba);
+    memset(&ja, 0, sizeof ja);
+    snprintf(what, sizeof what, "forward/backward/forward_jvp reject %s", rule);
+    expect(nbhd_forward(p, &fa, NULL) == NBHD_ERR_ARG && nbhd_backward(p, &ba, NULL) == NBHD_ERR_ARG &&
+               nbhd_forward_jvp(p, &ja, NULL) == NBHD_ERR_ARG && strstr(nbhd_last_error(), field),
+           what);
+}
+
+#define REJECT(field, rule, stmt)             \
+    do {                                      \
+        nbhd_problem p = valid();             \
+        stmt;                                 \
+        expect_rejected(&p, rule, field);     \
+    } while (0)
+
+static void descriptor_rules(void) {
+    expect(nbhd_validate(NULL) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "problem"), "NULL problem");
+    {
+        nbhd_problem p = valid();
+        expect(nbhd_validate(&p) == NBHD_OK, "the valid problem is valid");
+    }
+    REJECT("rank", "rank -1", p.rank = -1);
+    REJECT("rank", "rank 4", p.rank = 4);
+    REJECT("rank", "rank INT32_MIN", p.rank = INT32_MIN);
+    REJECT("dtype", "dtype 4", p.dtype = (nbhd_dtype)4);
+    REJECT("dtype", "dtype -1", p.dtype = (nbhd_dtype)-1);
+    REJECT("device", "device 2", p.device = (nbhd_device)2);
+    REJECT("device", "device -1", p.device = (nbhd_device)-1);
+    REJECT("batch", "batch -1", p.batch = -1);
+    REJECT("batch", "batch 2^60", p.batch = (int64_t)1 << 60);
+    REJECT("batch", "batch INT64_MAX", p.batch = INT64_MAX);
+    REJECT("heads", "heads -1", p.heads = -1);
+    REJECT("kv_heads", "kv_heads 0", p.kv_heads = 0);
+    REJECT("kv_heads", "kv_heads -2", p.kv_heads = -2);
+    REJECT("kv_heads", "heads 5 % kv_heads 2", p.heads = 5);
+    REJECT("kv_heads", "heads 2 % kv_heads 4", (p.heads = 2, p.kv_heads = 4));
+    REJECT("head_dim", "head_dim 0", p.head_dim = 0);
+    REJECT("head_dim", "head_dim -3", p.head_dim = -3);
+    REJECT("head_dim_v", "head_dim_v 0", p.head_dim_v = 0);
+    REJECT("head_dim_v", "head_dim_v INT32_MIN", p.head_dim_v = INT32_MIN);
+    REJECT("scale", "scale NaN", p.scale = NAN);
+    REJECT("scale", "scale +inf", p.scale = INFINITY);
+    REJECT("scale", "scale -inf", p.scale = -INFINITY);
+    REJECT("extra_kv", "extra_kv -1", p.extra_kv = -1);
+    REJECT("extra_kv", "extra_kv 2^62", p.extra_kv = (int64_t)1 << 62);
+    for (int a = 0; a < 2; ++a) {
+        char f[32], r[64];
+#define AXIS(name, rule, stmt)                                         \
+    do {                                                               \
+        snprintf(f, sizeof f, "%s[%d]", name, a);                      \
+        snprintf(r, sizeof r, "%s on axis %d", rule, a);               \
+        REJECT(f, r, stmt);                                            \
+    } while (0)
+        AXIS("extent", "extent 0", p.extent[a] = 0);
+        AXIS("extent", "extent -5", p.extent[a] = -5);
+        AXIS("extent", "extent 2^60", p.extent[a] = (int64_t)1 << 60);
+        AXIS("kernel", "kernel 1", p.kernel[a] = 1);
+        AXIS("kernel", "kernel 0", p.kernel[a] = 0);
+        AXIS("kernel", "kernel -7", p.kernel[a] = -7);
+        AXIS("kernel", "kernel*dilation > extent", p.kernel[a] = 9);
+        AXIS("kernel", "kernel > extent", (p.kernel[a] = 10, p.dilation[a] = 1));
+        AXIS("kernel", "kernel INT32_MAX", p.kernel[a] = INT32_MAX);
+        AXIS("dilation", "dilation 0", p.dilation[a] = 0);
+        AXIS("dilation", "dilation -1", p.dilation[a] = -1);
+        AXIS("kernel", "kernel*dilation overflow int32", (p.kernel[a] = 65536, p.dilation[a] = 65536));
+        AXIS("stride", "stride 0", p.stride[a] = 0);
+        AXIS("stride", "stride -1", p.stride[a] = -1);
+        AXIS("stride", "stride > kernel", p.stride[a] = p.kernel[a] + 1);
+        AXIS("causal", "causal 2", p.causal[a] = 2);
+        AXIS("causal", "causal 255", p.causal[a] = 255);
+#undef AXIS
+    }
+    /* 3-D: the third axis' rules too */
+    REJECT("kernel[2]", "kernel 1 on axis 2", (p.rank = 3, p.extent[2] = 4, p.kernel[2] = 1, p.stride[2] = 1, p.dilation[2] = 1));
+    REJECT("stride[2]", "stride 3 > kernel 2 on axis 2", (p.rank = 3, p.extent[2] = 4, p.kernel[2] = 2, p.stride[2] = 3, p.dilation[2] = 1));
+    REJECT("extent", "extent product 2^40 * 2^40 overflows",
+           (p.extent[0] = (int64_t)1 << 40, p.extent[1] = (int64_t)1 << 40));
+    REJECT("extent", "extent product > 2^56",
+           (p.rank = 3, p.extent[0] = (int64_t)1 << 20, p.extent[1] = (int64_t)1 << 20,
+            p.extent[2] = (int64_t)1 << 20, p.kernel[2] = 2, p.stride[2] = 1, p.dilation[2] = 1));
+    REJECT("batch", "batch*tokens*heads*head_dim > 2^56",
+           (p.batch = (int64_t)1 << 40, p.extent[0] = (int64_t)1 << 15));
+    REJECT("extra_kv", "batch*extra_kv*kv_heads*head_dim > 2^56",
+           (p.batch = (int64_t)1 << 30, p.extra_kv = (int64_t)1 << 30));
+    REJECT("head_dim", "batch*tokens*heads*head_dim via head_dim > 2^56",
+           (p.batch = (int64_t)1 << 40, p.head_dim = INT32_MAX));
+    /* rank 0 */
+    REJECT("extent[0]", "rank 0 with extent[0] 0", (p.rank = 0, p.extent[0] = 0));
+    REJECT("extent[0]", "rank 0 with extent[0] -1", (p.rank = 0, p.extent[0] = -1));
+    REJECT("extra_kv", "rank 0 without extra keys", (p.rank = 0, p.extra_kv = 0));
+    {
+        nbhd_problem p = valid();
+        p.rank = 0;
+        p.extent[0] = 5;
+        p.kernel[0] = -1; /* ignored for rank 0 */
+        expect(nbhd_validate(&p) == NBHD_OK, "rank 0 ignores the per-axis fields");
+        p = valid();
+        p.extent[2] = -1;
+        p.kernel[2] = 0;
+        expect(nbhd_validate(&p) == NBHD_OK, "rank 2 ignores axis 2");
+        p = valid();
+        p.heads = 0;
+        expect(nbhd_validate(&p) == NBHD_OK, "heads 0 is valid");
+        p = valid();
+        p.batch = 0;
+        p.extent[0] = (int64_t)1 << 50;
+        expect(nbhd_validate(&p) == NBHD_OK, "batch 0 with a huge extent is valid (empty)");
+        p = valid();
+        p.kernel[0] = 4;
+        p.dilation[0] = 2;
+        p.stride[0] = 4;
+        p.extent[0] = 8;
+        expect(nbhd_validate(&p) == NBHD_OK, "kernel*dilation == extent, stride == kernel is valid");
+    }
+}
+
+/* a tensor with data: a small dummy buffer (the calls below must fail before touching it) */
+static double dummy[8];
+static nbhd_tensor some(void) {
+    nbhd_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = dummy;
+    return t;
+}
+
+static void tensor_rules(void) {
+    const nbhd_problem p = valid();
+    nbhd_exec e;
+    memset(&e, 0, sizeof e);
+    const nbhd_tensor T = some();
+    char what[128];
+
+    expect(nbhd_forward(&p, NULL, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "args"), "forward args NULL");
+    expect(nbhd_backward(&p, NULL, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "args"), "backward args NULL");
+    expect(nbhd_forward_jvp(&p, NULL, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "args"), "forward_jvp args NULL");
+
+    /* forward: each required tensor NULL in turn */
+    {
+        const char *names[] = {"q", "k", "v", "kx", "vx", "out", "lse"};
+        for (int i = 0; i < 7; ++i) {
+            nbhd_forward_args a = {T, T, T, T, T, T, T};
+            nbhd_tensor *f = &a.q;
+            f[i].data = NULL;
+            const nbhd_status st = nbhd_forward(&p, &a, &e);
+            snprintf(what, sizeof what, "forward with %s NULL -> NBHD_ERR_ARG naming it", names[i]);
+            expect(st == NBHD_ERR_ARG && strstr(nbhd_last_error(), names[i]), what);
+        }
+    }
+    /* backward: each required tensor NULL in turn (d_lse may be NULL) */
+    {
+        const char *names[] = {"q", "k", "v", "kx", "vx", "out", "lse", "d_out", "d_lse",
+                               "d_q", "d_k", "d_v", "d_kx", "d_vx"};
+        for (int i = 0; i < 14; ++i) {
+            if (i == 8) continue;
+            nbhd_backward_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+            nbhd_tensor *f = &a.q;
+            f[i].data = NULL;
+            e.workspace = dummy; /* large enough is not checked before the NULL data */
+            e.workspace_bytes = (size_t)1 << 40;
+            const nbhd_status st = nbhd_backward(&p, &a, &e);
+            snprintf(what, sizeof what, "backward with %s NULL -> NBHD_ERR_ARG naming it", names[i]);
+            expect(st == NBHD_ERR_ARG && strstr(nbhd_last_error(), names[i]), what);
+        }
+        memset(&e, 0, sizeof e);
+    }
+    /* forward_jvp: each required tensor NULL in turn (tangents may be NULL) */
+    {
+        const char *names[] = {"q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx",
+                               "out", "lse", "t_out", "t_lse"};
+        for (int i = 0; i < 14; ++i) {
+            if (i >= 5 && i < 10) continue;
+            nbhd_forward_jvp_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+            nbhd_tensor *f = &a.q;
+            f[i].data = NULL;
+            const nbhd_status st = nbhd_forward_jvp(&p, &a, &e);
+            snprintf(what, sizeof what, "forward_jvp with %s NULL -> NBHD_ERR_ARG naming it", names[i]);
+            expect(st == NBHD_ERR_ARG && strstr(nbhd_last_error(), names[i]), what);
+        }
+    }
+    /* workspace: missing or one byte short (for every op that asks for one) */
+    const nbhd_op ops[3] = {NBHD_OP_FORWARD, NBHD_OP_BACKWARD, NBHD_OP_FORWARD_JVP};
+    for (int o = 0; o < 3; ++o) {
+        const size_t need = nbhd_workspace_bytes(&p, ops[o], &e);
+        if (!need) continue;
+        char *ws = (char *)malloc(need);
+        for (int mode = 0; mode < 3; ++mode) {
+            memset(&e, 0, sizeof e);
+            e.workspace = mode == 0 ? NULL : ws;
+            e.workspace_bytes = mode == 1 ? need - 1 : mode == 2 ? 0 : need;
+            nbhd_status st;
+            if (ops[o] == NBHD_OP_FORWARD) {
+                nbhd_forward_args a = {T, T, T, T, T, T, T};
+                st = nbhd_forward(&p, &a, &e);
+            } else if (ops[o] == NBHD_OP_BACKWARD) {
+                nbhd_backward_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+                st = nbhd_backward(&p, &a, &e);
+            } else {
+                nbhd_forward_jvp_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+                st = nbhd_forward_jvp(&p, &a, &e);
+            }
+            snprintf(what, sizeof what, "op %d with workspace %s -> NBHD_ERR_WORKSPACE", (int)ops[o],
+                     mode == 0 ? "NULL" : mode == 1 ? "one byte short" : "of 0 bytes");
+            expect(st == NBHD_ERR_WORKSPACE && strstr(nbhd_last_error(), "workspace"), what);
+        }
+        free(ws);
+    }
+    /* empty problems need nothing: no data, no workspace */
+    {
+        nbhd_problem q = valid();
+        q.batch = 0;
+        nbhd_forward_args fa;
+        nbhd_backward_args ba;
+        nbhd_forward_jvp_args ja;
+        memset(&fa, 0, sizeof fa);
+        memset(&ba, 0, sizeof ba);
+        memset(&ja, 0, sizeof ja);
+        expect(nbhd_forward(&q, &fa, NULL) == NBHD_OK && nbhd_backward(&q, &ba, NULL) == NBHD_OK &&
+                   nbhd_forward_jvp(&q, &ja, NULL) == NBHD_OK,
+               "batch 0: every entry point succeeds without tensors");
+        q = valid();
+        q.heads = 0;
+        expect(nbhd_forward(&q, &fa, NULL) == NBHD_OK && nbhd_forward_jvp(&q, &ja, NULL) == NBHD_OK,
+               "heads 0: forward and forward_jvp succeed without tensors");
+        expect(nbhd_backward(&q, &ba, NULL) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "d_k"),
+               "heads 0: backward still needs d_k (it writes zeros there)");
+    }
+    /* CUDA on a build without it */
+    if (!nbhd_has_cuda()) {
+        nbhd_problem q = valid();
+        q.device = NBHD_CUDA;
+        nbhd_forward_args a = {T, T, T, T, T, T, T};
+        expect(nbhd_forward(&q, &a, NULL) == NBHD_ERR_UNSUPPORTED, "CUDA problem on a CPU-only build -> UNSUPPORTED");
+    }
+}
+
+static void strings(void) {
+    expect(strcmp(nbhd_status_string(NBHD_OK), "NBHD_OK") == 0, "status string OK");
+    expect(strcmp(nbhd_status_string(NBHD_ERR_ARG), "NBHD_ERR_ARG") == 0, "status string ARG");
+    expect(strcmp(nbhd_status_string(NBHD_ERR_WORKSPACE), "NBHD_ERR_WORKSPACE") == 0, "status string WORKSPACE");
+    expect(strcmp(nbhd_status_string((nbhd_status)77), "NBHD_ERR_UNKNOWN") == 0, "status string unknown");
+    expect(nbhd_version() && nbhd_version()[0] != '\0', "version string");
+}
+
+int main(void) {
+    descriptor_rules();
+    tensor_rules();
+    strings();
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
