@@ -6,7 +6,7 @@ worker owns and the shape of the key tiles it walks over the union of the patch'
 (DESIGN.md §4). An empty list means the backend cannot run these tensors.
 
   cpu-fna    query patches of 16, 32 or 64 tokens in every power-of-two shape that fits the
-             token layout; key tiles of the same shape.
+             token layout (a smaller layout is one patch); key tiles of the same shape.
   cuda-fna   the patch the CUDA kernels are built for: 64 queries as (64,), (8, 8) or (4, 4, 4),
              key tiles of 64 (csrc/cuda/fna_mma.cu).
   flex-fna   flex_attention block sizes as shapes: (q, kv) tokens per block, 64 or 128 each.
@@ -57,9 +57,12 @@ def _pow2_shapes(rank: int, volume: int, bounds: Sequence[int]) -> List[Shape]:
 
 def _cpu_configs(query: Tensor) -> List[Config]:
     spatial = _spatial(query)
+    whole = tuple(1 << max(0, (int(e) - 1).bit_length()) for e in spatial)
     shapes = []
     for volume in (16, 32, 64):
-        shapes += _pow2_shapes(len(spatial), volume, spatial)
+        fit = _pow2_shapes(len(spatial), volume, spatial)
+        # a layout smaller than the patch is one patch: its power-of-two cover
+        shapes += fit if fit else [whole]
     return [(s, s) for s in dict.fromkeys(shapes)]
 
 

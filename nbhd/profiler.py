@@ -3,7 +3,9 @@
 Flags follow NATTEN's profiler where they apply (-b -n -d --dim-value -i/--input-size
 -w/--window-size -s/--stride --dilation -c/--causal --dtype --add-kv --backend --q-tile
 --kv-tile --backward-q-tile --backward-kv-tile --warmup-steps --dry-run --max-configs --optimize
---compile); --dims and --kernel-size are aliases of --input-size and --window-size.
+--optimize-warmup-steps); --dims and --kernel-size are aliases of --input-size and --window-size.
+Not mirrored: --fmha-backend, --schedule, --persistent, --compile, --backprop (backward is
+always timed). Tile flags reach the backends with tiles (cpu-fna, cuda-fna), validated there.
 
   --dry-run    lists the backends and tile configurations that can run the problem here
   (default)    times forward, backward and forward+JVP for every backend that can run it, and
@@ -201,13 +203,15 @@ def _ratio(x: Optional[float], ref: Optional[float]) -> str:
     return "n/a" if x is None or ref is None or x == 0 else f"{ref / x:.2f}x"
 
 
-def profile(p: Problem, requested: Optional[str], warmup: int, repeats: int, out=None):
+def profile(p: Problem, requested: Optional[str], warmup: int, repeats: int, out=None,
+            tiles: Optional[dict] = None):
     """Rows: (name, {op: ms}). The last row is dense SDPA."""
     out = out if out is not None else sys.stdout
     rows = []
     for name in candidate_backends(p, requested):
         print(f"timing {name} ...", file=out)
-        rows.append((name, _time_ops(_nbhd_ops(p, name), p.device, warmup, repeats)))
+        use = tiles if name in ("cpu-fna", "cuda-fna") else None
+        rows.append((name, _time_ops(_nbhd_ops(p, name, use), p.device, warmup, repeats)))
     print("timing sdpa ...", file=out)
     rows.append(("sdpa", _time_ops(_sdpa_ops(p), p.device, warmup, repeats)))
     print_table(p, rows, out)
@@ -324,7 +328,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.optimize:
         optimize(p, args.backend, args.optimize_warmup_steps, args.repeats)
         return 0
-    rows = profile(p, args.backend, args.warmup_steps, args.repeats)
+    tiles = {k: tuple(v) for k, v in (("q_tile_shape", args.q_tile), ("kv_tile_shape", args.kv_tile),
+                                      ("backward_q_tile_shape", args.backward_q_tile),
+                                      ("backward_kv_tile_shape", args.backward_kv_tile)) if v}
+    rows = profile(p, args.backend, args.warmup_steps, args.repeats, tiles=tiles)
     if args.csv:
         write_csv(rows, args.csv)
     if args.plot:

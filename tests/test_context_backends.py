@@ -168,3 +168,6 @@ def test_configs_and_tile_validation():
     with pytest.raises(ValueError, match="not a valid backward configuration"):
         nbhd.na2d(q, q, q, 3, backward_q_tile_shape=(1, 1))
     nbhd.na2d(q, q, q, 3, q_tile_shape=(3, 5), backend="reference")  # no tiles: not used
+    small = torch.randn(1, 6, 1, 4)                                   # smaller than any patch
+    assert nbhd.get_configs_for_cpu_fna(small, small, small) == [((8,), (8,))]
+    nbhd.na1d(small, small, small, 3, q_tile_shape=8, kv_tile_shape=8)
