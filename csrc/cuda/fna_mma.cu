@@ -109,8 +109,12 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         T *Kd = Ks + s * BN * HD, *Vd = Vs + s * BN * HD;
         int *kcd = kc + s * 3 * BN;
         const bool win = t < win_tiles;
-        for (int c = tid; c < BN * CH; c += MMA_THREADS) {
-            const int kr = c / CH, ch = c % CH;
+        // MMA_THREADS / BN threads per row, each a run of chunks: one coordinate computation
+        constexpr int TPR = MMA_THREADS / BN, CPT = CH / TPR;
+        const int kr = tid / TPR;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc;
             const T *ksrc = (const T *)(win ? a.k.data : a.kx.data);
             const T *vsrc = (const T *)(win ? a.v.data : a.vx.data);
             bool ok;
@@ -119,9 +123,12 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                 const int64_t n = (int64_t)t * BN + kr;
                 ok = n < nk;
                 if (ok) {
-                    j[2] = (int)(lo[2] + n % cnt[2]);
-                    j[1] = (int)(lo[1] + (n / cnt[2]) % cnt[1]);
-                    j[0] = (int)(lo[0] + n / (cnt[1] * cnt[2]));
+                    // 32-bit division (tokens < 2^31 on this path): coordinates in the box
+                    const uint32_t nn = (uint32_t)n, c2 = (uint32_t)cnt[2], c1 = (uint32_t)cnt[1];
+                    const uint32_t q2 = nn / c2, q1 = q2 / c1;
+                    j[2] = (int)(lo[2] + (nn - q2 * c2));
+                    j[1] = (int)(lo[1] + (q2 - q1 * c1));
+                    j[0] = (int)(lo[0] + q1);
                     const int64_t y0 = grp[0] + j[0] * g.axis[0].dilation,
                                   y1 = grp[1] + j[1] * g.axis[1].dilation,
                                   y2 = grp[2] + j[2] * g.axis[2].dilation;
@@ -346,8 +353,8 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
         (g->extra_kv == 0 || (aligned_rows(a->kx, 8, 16) && aligned_rows(a->vx, 8, 16)));
     const bool out_aligned = aligned_rows(a->out, 2, 4);
     /* in-group coordinates are kept in int */
-    const bool small_axes = g->axis[0].extent < (1 << 29) && g->axis[1].extent < (1 << 29) &&
-                            g->axis[2].extent < (1 << 29);
+    /* in-group coordinates in int, box positions in 32 bits */
+    const bool small_axes = g->tokens < ((int64_t)1 << 31) && g->extra_kv < ((int64_t)1 << 31);
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes;
 }
 

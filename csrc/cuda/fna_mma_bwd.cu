@@ -101,8 +101,12 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
         T *Kd = Ks + s * BC * HD, *Vd = Vs + s * BC * HD;
         int *kcd = kc + s * 3 * BC;
         const bool win = t < win_tiles;
-        for (int c = tid; c < BC * CH; c += BW_THREADS) {
-            const int kr = c / CH, ch = c % CH;
+        // BW_THREADS / BC threads per row, each a run of chunks: one coordinate computation
+        constexpr int TPR = BW_THREADS / BC, CPT = CH / TPR;
+        const int kr = tid / TPR;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc;
             const T *ksrc = (const T *)(win ? a.k.data : a.kx.data);
             const T *vsrc = (const T *)(win ? a.v.data : a.vx.data);
             bool ok;
@@ -111,9 +115,12 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
                 const int64_t n = (int64_t)t * BC + kr;
                 ok = n < nk;
                 if (ok) {
-                    j[2] = (int)(lo[2] + n % cnt[2]);
-                    j[1] = (int)(lo[1] + (n / cnt[2]) % cnt[1]);
-                    j[0] = (int)(lo[0] + n / (cnt[1] * cnt[2]));
+                    // 32-bit division (tokens < 2^31 on this path): coordinates in the box
+                    const uint32_t nn = (uint32_t)n, c2 = (uint32_t)cnt[2], c1 = (uint32_t)cnt[1];
+                    const uint32_t q2 = nn / c2, q1 = q2 / c1;
+                    j[2] = (int)(lo[2] + (nn - q2 * c2));
+                    j[1] = (int)(lo[1] + (q2 - q1 * c1));
+                    j[0] = (int)(lo[0] + q1);
                     const int64_t y0 = pr.grp[0] + j[0] * dil[0], y1 = pr.grp[1] + j[1] * dil[1],
                                   y2 = pr.grp[2] + j[2] * dil[2];
                     ksrc += offset_of(a.k, b, y0, y1, y2, hk) + ch * 8;
@@ -331,17 +338,24 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
         int *qcd = qc + s * 3 * BC;
         const int h = hk * g.group + t / tiles_per_head;
         const int64_t n0 = (int64_t)(t % tiles_per_head) * BC;
-        for (int c = tid; c < BC * CH; c += BW_THREADS) {
-            const int cr = c / CH, ch = c % CH;
+        // BW_THREADS / BC threads per row, each a run of chunks: one coordinate computation
+        constexpr int TPR = BW_THREADS / BC, CPT = CH / TPR;
+        const int cr = tid / TPR;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc;
             const int64_t n = n0 + cr;
             const bool ok = n < ncol;
             int j[3] = {0, 0, 0};
             const T *qs = (const T *)a.q.data, *ds = (const T *)a.d_out.data;
             int64_t x = 0, y = 0, z = 0;
             if (ok) {
-                j[2] = (int)(lo[2] + n % cnt[2]);
-                j[1] = (int)(lo[1] + (n / cnt[2]) % cnt[1]);
-                j[0] = (int)(lo[0] + n / (cnt[1] * cnt[2]));
+                // 32-bit division (tokens < 2^31 on this path): coordinates in the box
+                const uint32_t nn = (uint32_t)n, c2 = (uint32_t)cnt[2], c1 = (uint32_t)cnt[1];
+                const uint32_t q2 = nn / c2, q1 = q2 / c1;
+                j[2] = (int)(lo[2] + (nn - q2 * c2));
+                j[1] = (int)(lo[1] + (q2 - q1 * c1));
+                j[0] = (int)(lo[0] + q1);
                 x = pr.grp[0] * !EXTRA + j[0] * dil[0];
                 y = pr.grp[1] * !EXTRA + j[1] * dil[1];
                 z = pr.grp[2] * !EXTRA + j[2] * dil[2];
@@ -479,8 +493,8 @@ int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward
         aligned_rows(a->d_q, 2, 4) &&
         (!g->has_window || (aligned_rows(a->d_k, 2, 4) && aligned_rows(a->d_v, 2, 4))) &&
         (g->extra_kv == 0 || (aligned_rows(a->d_kx, 2, 4) && aligned_rows(a->d_vx, 2, 4)));
-    const bool small_axes = g->axis[0].extent < (1 << 29) && g->axis[1].extent < (1 << 29) &&
-                            g->axis[2].extent < (1 << 29);
+    /* in-group coordinates in int, box positions in 32 bits */
+    const bool small_axes = g->tokens < ((int64_t)1 << 31) && g->extra_kv < ((int64_t)1 << 31);
     return half_type && head_dim_ok && inputs_aligned && outputs_aligned && small_axes;
 }
 

@@ -81,8 +81,12 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
         const nbhd_tensor &kt = win ? a.k : a.kx, &vt = win ? a.v : a.vx;
         const nbhd_tensor &tkt = tk_of(t), &tvt = tv_of(t);
         const bool has_tk = tkt.data != nullptr, has_tv = tvt.data != nullptr;
-        for (int c = tid; c < BC * CH; c += JV_THREADS) {
-            const int kr = c / CH, ch = c % CH;
+        // JV_THREADS / BC threads per row, each a run of chunks: one coordinate computation
+        constexpr int TPR = JV_THREADS / BC, CPT = CH / TPR;
+        const int kr = tid / TPR;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc;
             bool ok;
             int j[3] = {0, 0, 0};
             int64_t y0 = 0, y1 = 0, y2 = 0, e = 0;
@@ -90,9 +94,12 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
                 const int64_t n = (int64_t)t * BC + kr;
                 ok = n < nk;
                 if (ok) {
-                    j[2] = (int)(lo[2] + n % cnt[2]);
-                    j[1] = (int)(lo[1] + (n / cnt[2]) % cnt[1]);
-                    j[0] = (int)(lo[0] + n / (cnt[1] * cnt[2]));
+                    // 32-bit division (tokens < 2^31 on this path): coordinates in the box
+                    const uint32_t nn = (uint32_t)n, c2 = (uint32_t)cnt[2], c1 = (uint32_t)cnt[1];
+                    const uint32_t q2 = nn / c2, q1 = q2 / c1;
+                    j[2] = (int)(lo[2] + (nn - q2 * c2));
+                    j[1] = (int)(lo[1] + (q2 - q1 * c1));
+                    j[0] = (int)(lo[0] + q1);
                     y0 = pr.grp[0] + j[0] * dil[0];
                     y1 = pr.grp[1] + j[1] * dil[1];
                     y2 = pr.grp[2] + j[2] * dil[2];
@@ -287,8 +294,8 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
         (g->extra_kv == 0 || (aligned_rows(a->kx, 8, 16) && aligned_rows(a->vx, 8, 16) &&
                               absent_or_aligned(a->t_kx) && absent_or_aligned(a->t_vx)));
     const bool out_aligned = aligned_rows(a->out, 2, 4) && aligned_rows(a->t_out, 2, 4);
-    const bool small_axes = g->axis[0].extent < (1 << 29) && g->axis[1].extent < (1 << 29) &&
-                            g->axis[2].extent < (1 << 29);
+    /* in-group coordinates in int, box positions in 32 bits */
+    const bool small_axes = g->tokens < ((int64_t)1 << 31) && g->extra_kv < ((int64_t)1 << 31);
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes;
 }
 
