@@ -1,0 +1,432 @@
+/*
+ * fuzz_api.c — libFuzzer harness of the public C API (issue 8).
+ *
+ * Decodes the input bytes into a problem descriptor (every field, including invalid and extreme
+ * values), an exec (threads, use_reference, tiles), a mode (all tensors, one tensor NULL, a short
+ * workspace, NULL args/exec) and a seed for layouts and data. Then:
+ *   invalid problem      every entry point returns an error status, nbhd_workspace_bytes is 0,
+ *                        and nothing is read or written (the tensors are 1-byte allocations)
+ *   valid, empty         batch 0 or heads 0: the calls succeed without data (backward with
+ *                        heads 0 writes zero key gradients)
+ *   valid, small         tensors allocated exactly from the descriptor and the strides chosen
+ *                        (under ASan an access one element out is reported), outputs poisoned;
+ *                        forward, backward and forward_jvp are checked against naive.h
+ *   valid, large         nbhd_workspace_bytes only (no buffers that big)
+ * Any mismatch or unexpected status aborts, which libFuzzer reports as a crash.
+ *
+ * Build: clang -fsanitize=fuzzer,address,undefined (make fuzz-smoke). test_fuzz_corpus.c runs
+ * the seed corpus and the crash reproducers in csrc/tests/fuzz_corpus/ through the same function.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "naive.h"
+
+// ----------------------------------------------------------------------------
+// byte decoding: a byte >= 240 picks an extreme value, otherwise a small in-range one
+
+typedef struct { const uint8_t *p; size_t n; } fz_reader;
+
+static uint8_t fz_u8(fz_reader *r) {
+    if (!r->n) return 0;
+    r->n--;
+    return *r->p++;
+}
+
+static int64_t fz_i64(fz_reader *r, int64_t lo, int64_t hi) {
+    static const int64_t ext[16] = {-1, 0, 1, 2, INT64_MAX, INT64_MIN, (int64_t)1 << 31,
+                                    (int64_t)1 << 56, ((int64_t)1 << 56) + 1, (int64_t)1 << 62,
+                                    -((int64_t)1 << 40), 65536, 3, 1000, (int64_t)1 << 28, 5};
+    const uint8_t b = fz_u8(r);
+    if (b >= 240) return ext[b - 240];
+    return lo + (int64_t)(b % (uint64_t)(hi - lo + 1));
+}
+
+static int32_t fz_i32(fz_reader *r, int32_t lo, int32_t hi) {
+    static const int32_t ext[16] = {-1, 0, 1, 2, INT32_MAX, INT32_MIN, 65536, -65536,
+                                    1000000, 3, 255, 256, 46341, -2, 7, 1};
+    const uint8_t b = fz_u8(r);
+    if (b >= 240) return ext[b - 240];
+    return lo + (int32_t)(b % (uint32_t)(hi - lo + 1));
+}
+
+static double fz_scale(fz_reader *r, int32_t head_dim) {
+    const uint8_t b = fz_u8(r);
+    switch (b) {
+    case 255: return NAN;
+    case 254: return INFINITY;
+    case 253: return -INFINITY;
+    case 252: return 0.0;
+    case 251: return 1e300;
+    case 250: return -1.0;
+    case 249: return 1e-300;
+    case 248: return 10.0;
+    default: return b < 128 && head_dim > 0 ? 1.0 / sqrt((double)head_dim) : 0.05 + b / 128.0;
+    }
+}
+
+/* valid-ish: the raw fields repaired into a valid problem (most inputs) */
+static void fz_repair(nbhd_problem *p) {
+    if (p->rank < 0 || p->rank > 3) p->rank = (int32_t)((uint32_t)p->rank % 4u);
+    for (int a = 0; a < 3; ++a) {
+        if (p->kernel[a] < 2 || p->kernel[a] > 9) p->kernel[a] = 2 + (int32_t)((uint32_t)p->kernel[a] % 8u);
+        if (p->dilation[a] < 1 || p->dilation[a] > 3) p->dilation[a] = 1 + (int32_t)((uint32_t)p->dilation[a] % 3u);
+        if (p->stride[a] < 1 || p->stride[a] > p->kernel[a])
+            p->stride[a] = 1 + (int32_t)((uint32_t)p->stride[a] % (uint32_t)p->kernel[a]);
+        const int64_t need = (int64_t)p->kernel[a] * p->dilation[a];
+        if (p->extent[a] < need || p->extent[a] > need + 16) p->extent[a] = need + (int64_t)((uint64_t)p->extent[a] % 5u);
+        p->causal[a] &= 1;
+    }
+    if (p->rank == 0) {
+        if (p->extent[0] < 1 || p->extent[0] > 16) p->extent[0] = 1 + (int64_t)((uint64_t)p->extent[0] % 16u);
+        if (p->extra_kv < 1) p->extra_kv = 1;
+    }
+    if (p->batch < 0 || p->batch > 3) p->batch = (int64_t)((uint64_t)p->batch % 3u);
+    if (p->extra_kv < 0 || p->extra_kv > 8) p->extra_kv = (int64_t)((uint64_t)p->extra_kv % 5u) + (p->rank == 0);
+    if (p->kv_heads < 1 || p->kv_heads > 3) p->kv_heads = 1 + (int32_t)((uint32_t)p->kv_heads % 3u);
+    if (p->heads < 0 || p->heads > 12 || p->heads % p->kv_heads)
+        p->heads = p->kv_heads * (int32_t)((uint32_t)p->heads % 4u);
+    if (p->head_dim < 1 || p->head_dim > 64) p->head_dim = 1 + (int32_t)((uint32_t)p->head_dim % 16u);
+    if (p->head_dim_v < 1 || p->head_dim_v > 64) p->head_dim_v = 1 + (int32_t)((uint32_t)p->head_dim_v % 16u);
+    if (!isfinite(p->scale) || fabs(p->scale) > 100) p->scale = 0.5;
+    if ((unsigned)p->dtype > NBHD_BF16) p->dtype = NBHD_F32;
+    p->device = NBHD_CPU;
+}
+
+// ----------------------------------------------------------------------------
+// checks
+
+#define FZ_CHECK(cond, ...)                                         \
+    do {                                                            \
+        if (!(cond)) {                                              \
+            fprintf(stderr, "fuzz_api: check failed: " __VA_ARGS__); \
+            fprintf(stderr, "\n  last error: %s\n", nbhd_last_error()); \
+            fz_describe(p);                                         \
+            abort();                                                \
+        }                                                           \
+    } while (0)
+
+static const char *fz_input_name;  /* set by test_fuzz_corpus.c */
+
+static void fz_describe(const nbhd_problem *p) {
+    if (fz_input_name) fprintf(stderr, "  input file: %s\n", fz_input_name);
+    fprintf(stderr, "  rank=%d extent=[%lld,%lld,%lld] kernel=[%d,%d,%d] stride=[%d,%d,%d] dilation=[%d,%d,%d] "
+            "causal=[%d,%d,%d] batch=%lld heads=%d kv_heads=%d D=%d Dv=%d extra_kv=%lld scale=%g dtype=%d device=%d\n",
+            p->rank, (long long)p->extent[0], (long long)p->extent[1], (long long)p->extent[2],
+            p->kernel[0], p->kernel[1], p->kernel[2], p->stride[0], p->stride[1], p->stride[2],
+            p->dilation[0], p->dilation[1], p->dilation[2], p->causal[0], p->causal[1], p->causal[2],
+            (long long)p->batch, p->heads, p->kv_heads, p->head_dim, p->head_dim_v,
+            (long long)p->extra_kv, p->scale, (int)p->dtype, (int)p->device);
+}
+
+static void fz_close(const nbhd_problem *p, const char *what, const tbuf *b, const double *want,
+                     double tol) {
+    const int64_t n = dims_count(b->dims);
+    double *got = dense_alloc(n);
+    tbuf_gather(b, got);
+    const double err = rel_error(got, want, n);
+    FZ_CHECK(err <= tol, "%s: rel error %g > %g", what, err, tol);
+    FZ_CHECK(tbuf_untouched_outside(b), "%s: wrote outside its elements", what);
+    free(got);
+}
+
+/* every entry point must fail on an invalid problem without touching any tensor */
+static void fz_invalid(const nbhd_problem *p, nbhd_exec *e) {
+    unsigned char *byte = (unsigned char *)malloc(1);
+    nbhd_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = byte;
+    for (int i = 0; i < 6; ++i) t.stride[i] = 1 << 20;  /* any access lands far out of bounds */
+    nbhd_forward_args fa = {t, t, t, t, t, t, t};
+    nbhd_backward_args ba = {t, t, t, t, t, t, t, t, t, t, t, t, t, t};
+    nbhd_forward_jvp_args ja = {t, t, t, t, t, t, t, t, t, t, t, t, t, t};
+    e->workspace = byte;
+    e->workspace_bytes = 1;
+    FZ_CHECK(nbhd_workspace_bytes(p, NBHD_OP_FORWARD, e) == 0 &&
+                 nbhd_workspace_bytes(p, NBHD_OP_BACKWARD, e) == 0 &&
+                 nbhd_workspace_bytes(p, NBHD_OP_FORWARD_JVP, NULL) == 0,
+             "invalid problem asks for workspace");
+    FZ_CHECK(nbhd_forward(p, &fa, e) == NBHD_ERR_ARG, "forward accepted an invalid problem");
+    FZ_CHECK(nbhd_backward(p, &ba, e) == NBHD_ERR_ARG, "backward accepted an invalid problem");
+    FZ_CHECK(nbhd_forward_jvp(p, &ja, NULL) == NBHD_ERR_ARG, "forward_jvp accepted an invalid problem");
+    FZ_CHECK(strlen(nbhd_last_error()) > 0, "no message");
+    free(byte);
+}
+
+static nbhd_tensor fz_none(void) {
+    nbhd_tensor t;
+    memset(&t, 0, sizeof t);
+    return t;
+}
+
+static void *fz_workspace(const nbhd_problem *p, nbhd_op op, nbhd_exec *e) {
+    const size_t need = nbhd_workspace_bytes(p, op, e);
+    FZ_CHECK(need < ((size_t)1 << 30), "workspace of %zu bytes for a small problem", need);
+    e->workspace = need ? malloc(need) : NULL;
+    e->workspace_bytes = need;
+    return e->workspace;
+}
+
+/* the valid, small problem: exact buffers, all three ops against the oracle. mode 1 nulls one
+ * required tensor (expect NBHD_ERR_ARG), mode 2 gives one byte less workspace. */
+static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t victim, uint64_t seed) {
+    rng_t r = {seed};
+    const nbhd_dtype dt = p->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const double range = (seed & 3) == 0 ? 4.0 : 1.0;
+    /* |S| <= M: an accumulation in float loses about M * 2^-23 on S, hence on P (relative) */
+    const double M = fabs(p->scale) * range * range * (double)p->head_dim;
+    const double tol = tol_of(dt) + M * (dt == NBHD_F64 ? 1e-14 : 4e-6);
+    const int64_t B = p->batch, X = naive_ext(p, 0), Y = naive_ext(p, 1), Z = naive_ext(p, 2);
+    const int64_t H = p->heads, Hk = p->kv_heads, D = p->head_dim, Dv = p->head_dim_v, S = p->extra_kv;
+    const int64_t sq[6] = {B, X, Y, Z, H, D}, sk[6] = {B, X, Y, Z, Hk, D}, sv[6] = {B, X, Y, Z, Hk, Dv},
+                  so[6] = {B, X, Y, Z, H, Dv}, sl[6] = {B, X, Y, Z, H, 1}, skx[6] = {B, S, 1, 1, Hk, D},
+                  svx[6] = {B, S, 1, 1, Hk, Dv};
+    const int has_k = p->rank > 0, has_x = S > 0;
+    int64_t st[6];
+#define MAKE_IN(name, dims, type, dense, ign, bc)                                  \
+    double *dense = dense_random(&r, dims_count(dims), -range, range);             \
+    random_layout(&r, dims, bc, ign, st);                                          \
+    tbuf name = tbuf_make(dims, type, st);                                         \
+    tbuf_fill(&name, dense)
+#define MAKE_OUT(name, dims, type, ign)                                            \
+    random_layout(&r, dims, 0, ign, st);                                           \
+    tbuf name = tbuf_make(dims, type, st)
+
+    MAKE_IN(Q, sq, dt, q, 0, 1);
+    MAKE_IN(K, sk, dt, k, 0, 1);
+    MAKE_IN(V, sv, dt, v, 0, 1);
+    MAKE_IN(KX, skx, dt, kx, 0, 1);
+    MAKE_IN(VX, svx, dt, vx, 0, 1);
+    const nbhd_tensor tK = has_k ? K.t : fz_none(), tV = has_k ? V.t : fz_none();
+    const nbhd_tensor tKX = has_x ? KX.t : fz_none(), tVX = has_x ? VX.t : fz_none();
+    double *out = dense_alloc(dims_count(so)), *lse = dense_alloc(dims_count(sl));
+    naive_forward(p, q, k, v, kx, vx, out, lse);
+
+    /* ---- forward */
+    {
+        MAKE_OUT(O, so, dt, 0);
+        MAKE_OUT(L, sl, lt, 1);
+        nbhd_forward_args a = {Q.t, tK, tV, tKX, tVX, O.t, L.t};
+        fz_workspace(p, NBHD_OP_FORWARD, e);
+        nbhd_tensor *req[5] = {&a.q, &a.out, &a.lse, has_k ? &a.k : &a.q, has_x ? &a.kx : &a.q};
+        if (mode == 1) {
+            req[victim % 5]->data = NULL;
+            FZ_CHECK(nbhd_forward(p, &a, e) == NBHD_ERR_ARG, "forward accepted a NULL tensor");
+        } else if (mode == 2 && e->workspace_bytes) {
+            e->workspace_bytes--;
+            FZ_CHECK(nbhd_forward(p, &a, e) == NBHD_ERR_WORKSPACE, "forward accepted a short workspace");
+        } else {
+            FZ_CHECK(nbhd_forward(p, &a, e) == NBHD_OK, "forward failed");
+            fz_close(p, "forward out", &O, out, tol);
+            fz_close(p, "forward lse", &L, lse, dt == NBHD_F64 ? 1e-12 : 1e-5 + M * 1e-7);
+        }
+        free(e->workspace);
+        tbuf_free(&O);
+        tbuf_free(&L);
+    }
+    /* ---- backward from the oracle's out and lse */
+    {
+        MAKE_IN(Oi, so, dt, o_in, 0, 0);
+        memcpy(o_in, out, sizeof(double) * (size_t)dims_count(so));
+        tbuf_fill(&Oi, o_in);
+        MAKE_IN(Li, sl, lt, l_in, 1, 0);
+        memcpy(l_in, lse, sizeof(double) * (size_t)dims_count(sl));
+        tbuf_fill(&Li, l_in);
+        MAKE_IN(dO, so, dt, dout, 0, 1);
+        MAKE_IN(dL, sl, lt, dlse, 1, 1);
+        const int with_dlse = (seed >> 8) & 1;
+        MAKE_OUT(dQ, sq, dt, 0);
+        MAKE_OUT(dK, sk, dt, 0);
+        MAKE_OUT(dV, sv, dt, 0);
+        MAKE_OUT(dKX, skx, dt, 0);
+        MAKE_OUT(dVX, svx, dt, 0);
+        nbhd_backward_args a = {Q.t, tK, tV, tKX, tVX, Oi.t, Li.t, dO.t, with_dlse ? dL.t : fz_none(),
+                                dQ.t, has_k ? dK.t : fz_none(), has_k ? dV.t : fz_none(),
+                                has_x ? dKX.t : fz_none(), has_x ? dVX.t : fz_none()};
+        fz_workspace(p, NBHD_OP_BACKWARD, e);
+        nbhd_tensor *req[6] = {&a.q, &a.d_out, &a.lse, &a.d_q, has_k ? &a.d_k : &a.out,
+                               has_x ? &a.d_vx : &a.d_q};
+        if (mode == 1) {
+            req[victim % 6]->data = NULL;
+            FZ_CHECK(nbhd_backward(p, &a, e) == NBHD_ERR_ARG, "backward accepted a NULL tensor");
+        } else if (mode == 2 && e->workspace_bytes) {
+            e->workspace_bytes--;
+            FZ_CHECK(nbhd_backward(p, &a, e) == NBHD_ERR_WORKSPACE, "backward accepted a short workspace");
+        } else {
+            FZ_CHECK(nbhd_backward(p, &a, e) == NBHD_OK, "backward failed");
+            const int64_t nq = dims_count(sq), nk = dims_count(sk), nv = dims_count(sv),
+                          nkx = dims_count(skx), nvx = dims_count(svx);
+            double *dq = dense_alloc(nq), *dk = dense_alloc(nk), *dv = dense_alloc(nv),
+                   *dkx = dense_alloc(nkx), *dvx = dense_alloc(nvx);
+            naive_backward(p, q, k, v, kx, vx, o_in, dout, with_dlse ? dlse : NULL, dq, dk, dv, dkx, dvx);
+            fz_close(p, "backward dq", &dQ, dq, tol);
+            if (has_k) {
+                fz_close(p, "backward dk", &dK, dk, tol);
+                fz_close(p, "backward dv", &dV, dv, tol);
+            }
+            if (has_x) {
+                fz_close(p, "backward dkx", &dKX, dkx, tol);
+                fz_close(p, "backward dvx", &dVX, dvx, tol);
+            }
+            free(dq); free(dk); free(dv); free(dkx); free(dvx);
+        }
+        free(e->workspace);
+        tbuf_free(&Oi); tbuf_free(&Li); tbuf_free(&dO); tbuf_free(&dL);
+        tbuf_free(&dQ); tbuf_free(&dK); tbuf_free(&dV); tbuf_free(&dKX); tbuf_free(&dVX);
+        free(o_in); free(l_in); free(dout); free(dlse);
+    }
+    /* ---- forward + JVP */
+    {
+        const int use_t = (int)(seed >> 16);
+        MAKE_IN(TQ, sq, dt, tq, 0, 1);
+        MAKE_IN(TK, sk, dt, tk, 0, 1);
+        MAKE_IN(TV, sv, dt, tv, 0, 1);
+        MAKE_IN(TKX, skx, dt, tkx, 0, 1);
+        MAKE_IN(TVX, svx, dt, tvx, 0, 1);
+        MAKE_OUT(JO, so, dt, 0);
+        MAKE_OUT(JL, sl, lt, 1);
+        MAKE_OUT(JTO, so, dt, 0);
+        MAKE_OUT(JTL, sl, lt, 1);
+        const int t0 = use_t & 1, t1 = (use_t >> 1) & 1 && has_k, t2 = (use_t >> 2) & 1 && has_k,
+                  t3 = (use_t >> 3) & 1 && has_x, t4 = (use_t >> 4) & 1 && has_x;
+        nbhd_forward_jvp_args a = {Q.t, tK, tV, tKX, tVX,
+                                   t0 ? TQ.t : fz_none(), t1 ? TK.t : fz_none(), t2 ? TV.t : fz_none(),
+                                   t3 ? TKX.t : fz_none(), t4 ? TVX.t : fz_none(),
+                                   JO.t, JL.t, JTO.t, JTL.t};
+        fz_workspace(p, NBHD_OP_FORWARD_JVP, e);
+        nbhd_tensor *req[4] = {&a.t_out, &a.t_lse, &a.out, has_k ? &a.v : &a.q};
+        if (mode == 1) {
+            req[victim % 4]->data = NULL;
+            FZ_CHECK(nbhd_forward_jvp(p, &a, e) == NBHD_ERR_ARG, "forward_jvp accepted a NULL tensor");
+        } else if (mode == 2 && e->workspace_bytes) {
+            e->workspace_bytes--;
+            FZ_CHECK(nbhd_forward_jvp(p, &a, e) == NBHD_ERR_WORKSPACE, "forward_jvp accepted a short workspace");
+        } else {
+            FZ_CHECK(nbhd_forward_jvp(p, &a, e) == NBHD_OK, "forward_jvp failed");
+            const int64_t no = dims_count(so), nl = dims_count(sl);
+            double *jo = dense_alloc(no), *jl = dense_alloc(nl), *jto = dense_alloc(no), *jtl = dense_alloc(nl);
+            naive_forward_jvp(p, q, k, v, kx, vx, t0 ? tq : NULL, t1 ? tk : NULL, t2 ? tv : NULL,
+                              t3 ? tkx : NULL, t4 ? tvx : NULL, jo, jl, jto, jtl);
+            fz_close(p, "forward_jvp out", &JO, jo, tol);
+            fz_close(p, "forward_jvp lse", &JL, jl, dt == NBHD_F64 ? 1e-12 : 1e-5 + M * 1e-7);
+            fz_close(p, "forward_jvp t_out", &JTO, jto, tol);
+            fz_close(p, "forward_jvp t_lse", &JTL, jtl, dt == NBHD_F64 ? 1e-10 : 1e-3 + M * 4e-6);
+            free(jo); free(jl); free(jto); free(jtl);
+        }
+        free(e->workspace);
+        tbuf_free(&TQ); tbuf_free(&TK); tbuf_free(&TV); tbuf_free(&TKX); tbuf_free(&TVX);
+        tbuf_free(&JO); tbuf_free(&JL); tbuf_free(&JTO); tbuf_free(&JTL);
+        free(tq); free(tk); free(tv); free(tkx); free(tvx);
+    }
+    tbuf_free(&Q); tbuf_free(&K); tbuf_free(&V); tbuf_free(&KX); tbuf_free(&VX);
+    free(q); free(k); free(v); free(kx); free(vx); free(out); free(lse);
+#undef MAKE_IN
+#undef MAKE_OUT
+}
+
+/* batch 0 or heads 0: nothing to read; backward with heads 0 and batch > 0 zeroes dK/dV */
+static void fz_empty(const nbhd_problem *p, nbhd_exec *e) {
+    nbhd_forward_args fa;
+    nbhd_forward_jvp_args ja;
+    memset(&fa, 0, sizeof fa);
+    memset(&ja, 0, sizeof ja);
+    e->workspace = NULL;
+    e->workspace_bytes = 0;
+    FZ_CHECK(nbhd_workspace_bytes(p, NBHD_OP_BACKWARD, e) == 0, "empty problem asks for workspace");
+    FZ_CHECK(nbhd_forward(p, &fa, e) == NBHD_OK, "empty forward failed");
+    FZ_CHECK(nbhd_forward_jvp(p, &ja, e) == NBHD_OK, "empty forward_jvp failed");
+    if (p->batch == 0) {
+        nbhd_backward_args ba;
+        memset(&ba, 0, sizeof ba);
+        FZ_CHECK(nbhd_backward(p, &ba, e) == NBHD_OK, "empty backward failed");
+    }
+}
+
+// ----------------------------------------------------------------------------
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    fz_reader rd = {data, size};
+    nbhd_problem prob;
+    nbhd_problem *p = &prob;
+    memset(p, 0, sizeof *p);
+    p->rank = fz_i32(&rd, 0, 3);
+    for (int a = 0; a < 3; ++a) {
+        p->extent[a] = fz_i64(&rd, 1, 14);
+        p->kernel[a] = fz_i32(&rd, 2, 7);
+        p->stride[a] = fz_i32(&rd, 1, 4);
+        p->dilation[a] = fz_i32(&rd, 1, 3);
+        const uint8_t c = fz_u8(&rd);
+        p->causal[a] = c >= 250 ? c : (c & 1);
+    }
+    p->batch = fz_i64(&rd, 0, 2);
+    p->extra_kv = fz_i64(&rd, 0, 4);
+    p->kv_heads = fz_i32(&rd, 1, 3);
+    const int32_t group = fz_i32(&rd, 0, 3);
+    const int64_t heads_raw = (int64_t)p->kv_heads * group;  /* extremes: the raw group */
+    p->heads = heads_raw >= INT32_MIN && heads_raw <= INT32_MAX ? (int32_t)heads_raw : group;
+    p->head_dim = fz_i32(&rd, 1, 12);
+    p->head_dim_v = fz_i32(&rd, 1, 12);
+    p->scale = fz_scale(&rd, p->head_dim);
+    const uint8_t tb = fz_u8(&rd);
+    p->dtype = tb >= 250 ? (nbhd_dtype)(int)(tb - 252) : (nbhd_dtype)(tb % 4);
+    const uint8_t dev = fz_u8(&rd);
+    p->device = dev >= 250 ? (nbhd_device)(int)(dev - 248) : NBHD_CPU;
+    const uint8_t flags = fz_u8(&rd);
+    if (flags % 4 != 0) fz_repair(p);  /* three in four inputs become valid problems */
+
+    nbhd_exec e;
+    memset(&e, 0, sizeof e);
+    e.threads = fz_i32(&rd, -1, 3);
+    if (e.threads > 8) e.threads = 8;  /* the harness does not test OpenMP's thread limits */
+    e.use_reference = fz_u8(&rd) & 1;
+    e.kv_parallel = fz_u8(&rd) & 1;
+    for (int a = 0; a < 3; ++a) {
+        e.q_tile[a] = fz_u8(&rd) < 200 ? 0 : fz_i32(&rd, 1, 16);
+        e.kv_tile[a] = fz_u8(&rd) < 200 ? 0 : fz_i32(&rd, 1, 16);
+    }
+    const uint8_t mode = fz_u8(&rd) % 8, victim = fz_u8(&rd);
+    uint64_t seed = 0;
+    for (int i = 0; i < 8; ++i) seed = seed << 8 | fz_u8(&rd);
+
+    if (nbhd_validate(p) != NBHD_OK) {
+        fz_invalid(p, &e);
+        return 0;
+    }
+    /* a valid problem: the same answer from every entry point, whatever the mode */
+    if (mode == 7) {  /* NULL args are rejected, NULL exec is the default */
+        FZ_CHECK(nbhd_forward(p, NULL, &e) == NBHD_ERR_ARG, "forward accepted NULL args");
+        FZ_CHECK(nbhd_backward(p, NULL, &e) == NBHD_ERR_ARG, "backward accepted NULL args");
+        FZ_CHECK(nbhd_forward_jvp(p, NULL, NULL) == NBHD_ERR_ARG, "forward_jvp accepted NULL args");
+    }
+    if (p->device != NBHD_CPU) {  /* host buffers only: a CPU-only build must refuse */
+        if (!nbhd_has_cuda() && p->batch > 0 && p->heads > 0) {
+            unsigned char *byte = (unsigned char *)malloc(1);
+            nbhd_tensor t = fz_none();
+            t.data = byte;
+            nbhd_forward_args fa = {t, t, t, t, t, t, t};
+            e.workspace = NULL;
+            e.workspace_bytes = 0;
+            FZ_CHECK(nbhd_forward(p, &fa, &e) == NBHD_ERR_UNSUPPORTED, "CUDA problem on a CPU-only build");
+            free(byte);
+        }
+        return 0;
+    }
+    if (p->batch == 0 || p->heads == 0) {
+        fz_empty(p, &e);
+        if (p->batch == 0) return 0;
+    }
+    const int64_t T = naive_tokens(p), width = p->head_dim > p->head_dim_v ? p->head_dim : p->head_dim_v;
+    const int64_t heads = p->heads > p->kv_heads ? p->heads : p->kv_heads;
+    const double cost = (double)p->batch * (double)T * (double)heads * (double)(T + p->extra_kv) * (double)width;
+    if (T > 1024 || (double)p->batch * (double)(T + p->extra_kv) * (double)heads * (double)width > 2e4 ||
+        cost > 3e5) {
+        for (int op = 0; op < 3; ++op) (void)nbhd_workspace_bytes(p, (nbhd_op)op, &e);
+        return 0;
+    }
+    fz_compute(p, &e, (mode == 1 || mode == 2) && p->heads > 0 ? mode : 0, victim, seed);
+    return 0;
+}
