@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
+import torch._functorch.eager_transforms as _eager_transforms
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import backends, checks, configs
@@ -71,22 +73,28 @@ class _Call:
                 lse.reshape(B, *self.spatial, lse.shape[-1]))
 
 
-def _use_custom_op() -> bool:
-    """Eager calls go through the autograd.Function (fused jvp rule); under torch.compile the
-    custom ops with register_autograd keep the graph whole.
+def _forward_ad_active() -> bool:
+    """True inside torch.func.jvp/jacfwd/hessian or a forward_ad.dual_level. Reads the Python
+    globals those set, which Dynamo tracks while it inlines them (C-level queries of the
+    functorch stack are not answered faithfully under Dynamo)."""
+    return _eager_transforms.JVP_NESTING > 0 or _forward_ad._current_level >= 0
 
-    A torch.func transform traced by Dynamo (torch.compile(torch.func.jvp(f))) drops custom
-    forward-mode rules and would silently return a zero tangent, and Dynamo cannot tell which
-    transform is active. So a compiled call inside any transform is refused: never a wrong
-    tangent."""
+
+def _use_custom_op() -> bool:
+    """Eager calls go through the autograd.Function (fused jvp rule). Under torch.compile the
+    custom ops with register_autograd keep the graph whole (forward, backward, vmap, grad).
+
+    Dynamo drops custom forward-mode rules (of custom ops and of autograd.Functions alike), so
+    a compiled call under forward-mode AD would return a wrong tangent: it is refused."""
     if not torch.compiler.is_compiling():
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if _forward_ad_active():
         raise NotImplementedError(
-            "nbhd: torch.compile around a torch.func transform (jvp, vmap, grad, ...) is not "
-            "supported: PyTorch would drop nbhd's forward-mode rule and give a wrong tangent. "
-            "Compile the function inside the transform instead (torch.func.jvp(torch.compile(f), "
-            "...)), or call nbhd.na1d_jvp/na2d_jvp/na3d_jvp, which work compiled.")
+            "nbhd: forward-mode AD (torch.func.jvp, jacfwd, hessian, forward_ad) traced by "
+            "torch.compile is not supported: PyTorch would drop nbhd's jvp rule and return a "
+            "wrong tangent. Use nbhd.na1d_jvp/na2d_jvp/na3d_jvp inside the compiled function "
+            "(fused and compilable), or apply torch.func.jvp to the compiled function "
+            "(torch.func.jvp(torch.compile(f), ...)), which runs nbhd eagerly and correctly.")
     return True
 
 
