@@ -7,7 +7,7 @@
  *   1-D 64, 2-D 8x8 (warps 4x4 each), 3-D 4x4x4 (warps 2x2x4 each).
  * Its keys are the exact union of the patch's windows: per axis the in-group range
  * [start(first query), end(last query)) (start and end never decrease along an axis), walked
- * row-major in tiles of 64 keys, then the extra keys in tiles of 64. K and V tiles are
+ * row-major in tiles of 64 keys (32 for windows under 512 keys), then the extra keys. K and V tiles are
  * double-buffered in XOR-swizzled shared memory by cp.async (zero-filled past the end); Q stays
  * in registers. Each warp first asks (one ballot) whether the tile holds any key of its own
  * union and skips the tile's MMAs if not, then masks element-wise by each row's window.
@@ -22,13 +22,12 @@
 #define MMA_WARPS 4
 #define MMA_THREADS (MMA_WARPS * 32)
 #define BM 64  /* queries per CTA */
-#define BN 64  /* keys per tile */
 
 // ----------------------------------------------------------------------------
 // the kernel
 
-template <typename T, int HD>
-__global__ void __launch_bounds__(MMA_THREADS, 2)
+template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windows */>
+__global__ void __launch_bounds__(MMA_THREADS, BN == 32 && HD <= 64 ? 3 : 2)
 fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)smem_raw;                 /* [BM][HD] */
@@ -358,13 +357,13 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes;
 }
 
-template <typename T, int HD>
-static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+template <typename T, int HD, int BN>
+static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
     const mma_plan P = mma_plan_of(g);
     const size_t smem = sizeof(T) * (size_t)(BM * HD + 4 * BN * HD) + sizeof(int) * 6 * BN;
     static bool attr_set = false;  /* per instantiation */
     if (!attr_set) {
-        if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD>,
+        if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
             const cudaError_t err = cudaGetLastError();
             return nbhd_fail(NBHD_ERR_DEVICE, "mma forward: cannot reserve %zu bytes of shared memory: %s",
@@ -376,9 +375,18 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cu
     if (ctas > 0x7fffffff)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward: %lld CTAs exceed the grid limit",
                          (long long)ctas);
-    fna_mma_forward_kernel<T, HD><<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
+    fna_mma_forward_kernel<T, HD, BN><<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward");
     return NBHD_OK;
+}
+
+/* Small windows (|window| < 512 keys) take 32-key tiles: finer per-warp tile skipping and
+ * less padding of the union; large ones 64-key tiles (more work per barrier). */
+template <typename T, int HD>
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+    const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
+    const bool small_window = g->has_window && window < 512;
+    return small_window ? launch_bn<T, HD, 32>(g, a, st) : launch_bn<T, HD, 64>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
