@@ -185,6 +185,19 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         ulo[ax] = l0;
         uhi[ax] = h0;
     }
+    // the intersection of the warp's windows: a tile inside it needs no mask (interior tiles
+    // of large or strided windows); only when all 16 rows are valid
+    int ilo[3], ihi[3];
+    const bool all_rows = __all_sync(0xffffffffu, rvalid[0] && rvalid[1]);
+    for (int ax = 0; ax < 3; ++ax) {
+        int l0 = max(wst[0][ax], wst[1][ax]), h0 = min(wen[0][ax], wen[1][ax]);
+        for (int o = 16; o > 0; o >>= 1) {
+            l0 = max(l0, __shfl_xor_sync(0xffffffffu, l0, o));
+            h0 = min(h0, __shfl_xor_sync(0xffffffffu, h0, o));
+        }
+        ilo[ax] = all_rows ? l0 : 1 << 30;
+        ihi[ax] = all_rows ? h0 : -(1 << 30);
+    }
 
     float o[HD / 8][4];
 #pragma unroll
@@ -214,17 +227,21 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         const bool win = t < win_tiles;
 
         // does the tile hold a key of this warp's union?
-        bool any;
+        bool any, full;
         if (win) {
-            bool mine = false;
+            bool mine = false, inside = true;
             for (int kr = lane; kr < BN; kr += 32) {
                 const int j0 = kct[kr], j1 = kct[BN + kr], j2 = kct[2 * BN + kr];
                 mine |= j0 >= ulo[0] && j0 < uhi[0] && j1 >= ulo[1] && j1 < uhi[1] &&
                         j2 >= ulo[2] && j2 < uhi[2];
+                inside &= j0 >= ilo[0] && j0 < ihi[0] && j1 >= ilo[1] && j1 < ihi[1] &&
+                          j2 >= ilo[2] && j2 < ihi[2];
             }
             any = __any_sync(0xffffffffu, mine);
+            full = __all_sync(0xffffffffu, inside);
         } else {
             any = ulo[0] < uhi[0];  /* the warp has a valid row */
+            full = false;
         }
 
         if (any) {
@@ -247,6 +264,15 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
             }
             // scale to base 2 and mask: key column nb*8 + 2*cq + e
             float mx[2] = {-INFINITY, -INFINITY};
+            if (full) {  /* every key of the tile is in every row's window */
+#pragma unroll
+                for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        sc[nb][e] *= P.scale_log2;
+                        mx[e >> 1] = fmaxf(mx[e >> 1], sc[nb][e]);
+                    }
+            } else {
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
@@ -266,6 +292,7 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                         mx[hrow] = fmaxf(mx[hrow], x);
                     }
                 }
+            }
             }
             float corr[2], mu[2];
 #pragma unroll
