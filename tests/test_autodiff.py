@@ -63,7 +63,7 @@ def test_gradcheck_all_modes(name):
                                     check_batched_grad=True, check_batched_forward_grad=True)
 
 
-@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("name", ["1d_causal_stride", "2d_dilated_extra"])
 def test_gradgradcheck(name):
     case = TINY[name]
     fused, _ = fns(case)
