@@ -1,0 +1,119 @@
+"""CPU benchmark of nbhd's autodiff paths against the unfused PyTorch path, in one run.
+
+For na1d/na2d/na3d problems: forward, forward+backward, forward+JVP (fused na*d_jvp) and
+forward+JVP+backward (torch.func.jvp then backward of a loss on the primal and tangent), each
+fused vs the same computation on the unfused path (nbhd.reference, i.e. torch.func.jvp on the
+pure-PyTorch implementation), with wall time (median) and peak extra resident memory (Linux
+VmHWM, reset through /proc/self/clear_refs before each measurement).
+
+    python bench/bench_autodiff.py [--repeats 5] [--csv out.csv]
+"""
+import argparse
+import csv
+import gc
+import statistics
+import sys
+import time
+
+import torch
+
+import nbhd
+
+PROBLEMS = [  # name, rank, spatial, kernel, B, H, D
+    ("1d 4096 w63", 1, (4096,), 63, 1, 4, 32),
+    ("2d 32x32 w7", 2, (32, 32), 7, 2, 4, 32),
+    ("3d 8x12x12 w3", 3, (8, 12, 12), 3, 1, 4, 32),
+]
+
+
+def rss_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def measure(fn, repeats):
+    """(median seconds, peak extra MiB over the resident set before the call)."""
+    fn()  # warm up
+    gc.collect()
+    times = []
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    base = rss_kib("VmRSS:")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    peak = max(rss_kib("VmHWM:") - base, 0)
+    return statistics.median(times), peak / 1024
+
+
+def cases(rank, spatial, kernel, B, H, D):
+    na = getattr(nbhd, f"na{rank}d")
+    na_jvp = getattr(nbhd, f"na{rank}d_jvp")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, t = (torch.randn(B, *spatial, H, D, generator=g) for _ in range(4))
+
+    def fwd(backend):
+        return lambda: na(q, k, v, kernel, backend=backend)
+
+    def fwd_bwd(backend):
+        def run():
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            na(qq, kk, vv, kernel, backend=backend).square().sum().backward()
+        return run
+
+    def fwd_jvp(backend):
+        if backend is None:
+            return lambda: na_jvp(q, k, v, t, None, None, kernel)
+        return lambda: torch.func.jvp(lambda x: na(x, k, v, kernel, backend=backend), (q,), (t,))
+
+    def fwd_jvp_bwd(backend, through_tangent):
+        """MeanFlow: the loss uses the primal and a detached tangent. Consistency distillation:
+        the loss also differentiates the tangent (nbhd: reference composite for now)."""
+        def run():
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            out, tout = torch.func.jvp(lambda x: na(x, kk, vv, kernel, backend=backend), (qq,), (t,))
+            loss = out.square().sum() + (tout if through_tangent else tout.detach()).square().sum()
+            loss.backward()
+        return run
+    return [("forward", fwd), ("fwd+bwd", fwd_bwd), ("fwd+jvp", fwd_jvp),
+            ("jvp+bwd", lambda b: fwd_jvp_bwd(b, False)), ("jvp+bwd(t)", lambda b: fwd_jvp_bwd(b, True))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, nbhd {nbhd.version()}")
+    header = f"{'problem':<16} {'path':<12} {'fused ms':>9} {'unfused ms':>11} {'speedup':>8} {'fused MiB':>10} {'unfused MiB':>12}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for name, rank, spatial, kernel, B, H, D in PROBLEMS:
+        fwd_ms = None
+        for path, make in cases(rank, spatial, kernel, B, H, D):
+            tf, mf = measure(make(None), args.repeats)
+            tu, mu = measure(make("reference"), max(1, args.repeats // 2))
+            fwd_ms = tf * 1e3 if path == "forward" else fwd_ms
+            rows.append(dict(problem=name, path=path, fused_ms=tf * 1e3, unfused_ms=tu * 1e3,
+                             speedup=tu / tf, fused_mib=mf, unfused_mib=mu,
+                             x_forward=tf * 1e3 / fwd_ms))
+            print(f"{name:<16} {path:<12} {tf*1e3:9.2f} {tu*1e3:11.2f} {tu/tf:7.1f}x {mf:10.1f} {mu:12.1f}"
+                  + (f"   ({tf*1e3/fwd_ms:.2f}x forward)" if path != "forward" else ""))
+            sys.stdout.flush()
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
