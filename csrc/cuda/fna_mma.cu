@@ -64,8 +64,8 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
             if (i0[ax] >= Lg[ax]) return;  /* an empty slot (uniform over the CTA) */
             int64_t st, en, st2, en2;
             const int64_t last = min(i0[ax] + P.ct[ax], Lg[ax]) - 1;
-            nbhd_window_in_group(&g.axis[ax], i0[ax], Lg[ax], &st, &en);
-            nbhd_window_in_group(&g.axis[ax], last, Lg[ax], &st2, &en2);
+            window32(&g.axis[ax], i0[ax], Lg[ax], &st, &en);
+            window32(&g.axis[ax], last, Lg[ax], &st2, &en2);
             lo[ax] = st;
             cnt[ax] = en2 - st;
         }
@@ -89,8 +89,11 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     // load Q (zero rows outside the grid)
     {
         constexpr int CH = HD / 8;
-        for (int c = tid; c < BM * CH; c += MMA_THREADS) {
-            const int row = c / CH, ch = c % CH;
+        constexpr int TPR = MMA_THREADS / BM, CPT = CH / TPR;  /* threads per row, chunks each */
+        const int row = tid / TPR;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc;
             int64_t iq[3];
             const bool ok = row_coords(row, iq);
             const T *src = (const T *)a.q.data;
@@ -163,7 +166,7 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         rvalid[hrow] = row_coords(w * 16 + rq + 8 * hrow, iq);
         for (int ax = 0; ax < 3; ++ax) {
             int64_t st = 0, en = 0;
-            if (rvalid[hrow]) nbhd_window_in_group(&g.axis[ax], iq[ax], Lg[ax], &st, &en);
+            if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], Lg[ax], &st, &en);
             wst[hrow][ax] = (int)st;
             wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
             rfull[hrow][ax] = grp[ax] + iq[ax] * g.axis[ax].dilation;

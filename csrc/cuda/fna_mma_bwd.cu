@@ -69,8 +69,8 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
     int64_t lo[3], cnt[3];
     for (int ax = 0; ax < 3; ++ax) {
         int64_t st, en, st2, en2;
-        nbhd_window_in_group(&g.axis[ax], pr.i0[ax], pr.Lg[ax], &st, &en);
-        nbhd_window_in_group(&g.axis[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1, pr.Lg[ax], &st2, &en2);
+        window32(&g.axis[ax], pr.i0[ax], pr.Lg[ax], &st, &en);
+        window32(&g.axis[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1, pr.Lg[ax], &st2, &en2);
         lo[ax] = st;
         cnt[ax] = en2 - st;
     }
@@ -81,8 +81,11 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
 
     {   // Q and dO rows
         constexpr int CH = HD / 8;
-        for (int c = tid; c < BR * CH; c += BW_THREADS) {
-            const int row = c / CH, ch = c % CH;
+        constexpr int TPR = BW_THREADS / BR, CPT = CH / TPR;  /* threads per row, chunks each */
+        const int row = tid / TPR;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc;
             int64_t iq[3];
             const bool ok = patch_row(P, pr, row, iq);
             const T *qs = (const T *)a.q.data, *ds = (const T *)a.d_out.data;
@@ -155,7 +158,7 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
         rvalid[hrow] = patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
         for (int ax = 0; ax < 3; ++ax) {
             int64_t st = 0, en = 0;
-            if (rvalid[hrow]) nbhd_window_in_group(&g.axis[ax], iq[ax], pr.Lg[ax], &st, &en);
+            if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], pr.Lg[ax], &st, &en);
             wst[hrow][ax] = (int)st;
             wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
             rfull[hrow][ax] = pr.grp[ax] + iq[ax] * dil[ax];
@@ -292,8 +295,8 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
             const int64_t d = dil[ax];
             const int64_t last = min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1;
             int64_t f0, c0, f1, c1;
-            nbhd_inverse_window(&g.axis[ax], pr.grp[ax] + pr.i0[ax] * d, &f0, &c0);
-            nbhd_inverse_window(&g.axis[ax], pr.grp[ax] + last * d, &f1, &c1);
+            inverse32(&g.axis[ax], pr.grp[ax] + pr.i0[ax] * d, &f0, &c0);
+            inverse32(&g.axis[ax], pr.grp[ax] + last * d, &f1, &c1);
             lo[ax] = f0 / d;
             cnt[ax] = f1 / d + c1 - lo[ax];
             if (cnt[ax] < 0) cnt[ax] = 0;
@@ -319,8 +322,11 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
 
     {   // K and V rows
         constexpr int CH = HD / 8;
-        for (int c = tid; c < BR * CH; c += BW_THREADS) {
-            const int row = c / CH, ch = c % CH;
+        constexpr int TPR = BW_THREADS / BR, CPT = CH / TPR;  /* threads per row, chunks each */
+        const int row = tid / TPR;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc;
             int64_t iq[3];
             const bool ok = row_coords(row, iq);
             const T *ks = (const T *)kt.data, *vs = (const T *)vt.data;
@@ -390,7 +396,7 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
         for (int ax = 0; ax < 3; ++ax) {
             int64_t f = 0, c = 0;
             if (!EXTRA && rvalid[hrow])
-                nbhd_inverse_window(&g.axis[ax], pr.grp[ax] + rc[hrow][ax] * dil[ax], &f, &c);
+                inverse32(&g.axis[ax], pr.grp[ax] + rc[hrow][ax] * dil[ax], &f, &c);
             ist[hrow][ax] = (int)(f / dil[ax]);
             ien[hrow][ax] = rvalid[hrow] ? (int)(f / dil[ax] + c) : 0;
         }

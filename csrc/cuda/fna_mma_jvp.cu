@@ -42,8 +42,8 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
     int64_t lo[3], cnt[3];
     for (int ax = 0; ax < 3; ++ax) {
         int64_t st, en, st2, en2;
-        nbhd_window_in_group(&g.axis[ax], pr.i0[ax], pr.Lg[ax], &st, &en);
-        nbhd_window_in_group(&g.axis[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1, pr.Lg[ax], &st2, &en2);
+        window32(&g.axis[ax], pr.i0[ax], pr.Lg[ax], &st, &en);
+        window32(&g.axis[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1, pr.Lg[ax], &st2, &en2);
         lo[ax] = st;
         cnt[ax] = en2 - st;
     }
@@ -55,8 +55,11 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
 
     {   // Q and tQ rows
         constexpr int CH = HD / 8;
-        for (int c = tid; c < BR * CH; c += JV_THREADS) {
-            const int row = c / CH, ch = c % CH;
+        constexpr int TPR = JV_THREADS / BR, CPT = CH / TPR;  /* threads per row, chunks each */
+        const int row = tid / TPR;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc;
             int64_t iq[3];
             const bool ok = patch_row(P, pr, row, iq);
             const T *qs = (const T *)a.q.data, *ts = (const T *)(has_tq ? a.t_q.data : a.q.data);
@@ -136,7 +139,7 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
         rvalid[hrow] = patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
         for (int ax = 0; ax < 3; ++ax) {
             int64_t st = 0, en = 0;
-            if (rvalid[hrow]) nbhd_window_in_group(&g.axis[ax], iq[ax], pr.Lg[ax], &st, &en);
+            if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], pr.Lg[ax], &st, &en);
             wst[hrow][ax] = (int)st;
             wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
             rfull[hrow][ax] = pr.grp[ax] + iq[ax] * dil[ax];

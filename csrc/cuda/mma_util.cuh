@@ -112,6 +112,46 @@ template <int HD> __device__ __forceinline__ int swz(int row, int col) {
     return row * HD + ((((col >> 3) ^ (row & MASK))) << 3) + (col & 7);
 }
 
+/* window.h's rule in 32-bit integers (the mma paths need tokens < 2^31): same signatures as
+ * nbhd_window_in_group and nbhd_inverse_window, without their 64-bit divisions */
+__device__ __forceinline__ void window32(const nbhd_axis *a, int64_t i64, int64_t n64,
+                                         int64_t *start, int64_t *end) {
+    const int K = a->kernel, s = a->stride, i = (int)i64, n = (int)n64;
+    const int q = i / s;
+    if (a->causal) {
+        const int leader = min(q * s + s - 1, n - 1);
+        *start = max(leader - K + 1, 0);
+        *end = i + 1;
+    } else {
+        const int leader = min(q * s + s / 2, n - 1);
+        const int st = max(min(leader - K / 2, n - K), 0);
+        *start = st;
+        *end = st + K;
+    }
+}
+
+__device__ __forceinline__ void inverse32(const nbhd_axis *a, int64_t y64, int64_t *first,
+                                          int64_t *count) {
+    const int d = a->dilation, y = (int)y64, g = y % d, j = y / d;
+    const int n = ((int)a->extent - g + d - 1) / d;
+    int64_t st, en;
+    int lo = 0, hi = n;  /* first i with end(i) > j */
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        window32(a, mid, n, &st, &en);
+        if (en > j) hi = mid; else lo = mid + 1;
+    }
+    const int i_lo = lo;
+    hi = n;  /* first i with start(i) > j */
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        window32(a, mid, n, &st, &en);
+        if (st > j) hi = mid; else lo = mid + 1;
+    }
+    *first = g + (int64_t)i_lo * d;
+    *count = lo - i_lo;
+}
+
 #define BR 64  /* rows per CTA of the backward and JVP kernels (4 warps x 16) */
 #define BC 32  /* columns per tile of the backward and JVP kernels */
 
