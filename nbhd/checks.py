@@ -70,6 +70,14 @@ def scale_of(scale, head_dim: int) -> float:
     return float(scale)
 
 
+def flags(**named) -> None:
+    """Boolean options (return_lse, torch_compile, ...): a bool each; an int, None or a string
+    is a mistake, not a truth value."""
+    for name, value in named.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {name}={value!r}")
+
+
 def tile_shape(name: str, value, rank: int) -> Optional[Tuple[int, ...]]:
     if value is None:
         return None

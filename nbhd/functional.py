@@ -209,6 +209,10 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
         try_fuse_additional_kv=False, return_lse=False):
+    checks.flags(return_lse=return_lse, torch_compile=torch_compile,
+                 backward_use_pt_reduction=backward_use_pt_reduction,
+                 run_persistent_kernel=run_persistent_kernel,
+                 try_fuse_additional_kv=try_fuse_additional_kv)
     if backward_kv_splits is not None:
         checks.tile_shape("backward_kv_splits", backward_kv_splits, rank)
     call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
@@ -224,6 +228,7 @@ def _na_jvp(rank, query, key, value, tangent_query, tangent_key, tangent_value, 
             stride=1, dilation=1, is_causal=False, scale=None, additional_keys=None,
             additional_values=None, tangent_additional_keys=None, tangent_additional_values=None,
             backend=None, return_lse=False):
+    checks.flags(return_lse=return_lse)
     call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, backend, None, None, None, None, None)
     tangents = _check_tangents(call, tangent_query, tangent_key, tangent_value,
