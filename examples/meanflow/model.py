@@ -27,9 +27,9 @@ import nbhd
 ATTENTIONS = ("nbhd", "reference", "dense")
 
 
-def timestep_embedding(t: torch.Tensor, dim: int, scale: float = 100.0, max_period: float = 1e4) -> torch.Tensor:
+def timestep_embedding(t: torch.Tensor, dim: int, scale: float = 20.0, max_period: float = 1e3) -> torch.Tensor:
     """Sinusoidal embedding of t [B] in [0, 1] -> [B, dim]. `scale` is modest (DiT uses 1000) so
-    that d/dt of the embedding, which MeanFlow's jvp differentiates, stays of order 100."""
+    that d/dt of the embedding, which MeanFlow's jvp differentiates, stays of order 20."""
     half = dim // 2
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=t.dtype, device=t.device) / half)
     args = scale * t[:, None] * freqs[None]

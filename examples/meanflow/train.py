@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kernel", type=int, default=7, help="neighborhood (kernel) size per axis")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--adaptive-p", type=float, default=1.0,
+                   help="MeanFlow's adaptive loss weight power p (0: plain MSE objective); the "
+                        "loss shown is always the plain MSE")
     p.add_argument("--ratio", type=float, default=0.5, help="fraction of samples with r != t")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="stop training after this many seconds even before --steps (0: no limit); "
@@ -58,7 +61,9 @@ def parse_args(argv=None):
                    help="also compare nbhd vs dense on fields of this size (trained weights, "
                         "position embedding interpolated), e.g. 64")
     p.add_argument("--compare-batch", type=int, default=8, help="batch of the --compare-resolution row")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0: auto: torch's default, or 1 when the load average says "
+                        "the cores are already busy, where OpenMP's spinning threads stall)")
     p.add_argument("--compare-repeats", type=int, default=3,
                    help="timed steps per variant in the nbhd-vs-dense table (0: skip the table)")
     p.add_argument("--no-progress", action="store_true")
@@ -86,21 +91,34 @@ def meanflow_batch(data, batch, ratio, generator, device):
     return x, eps, r, t
 
 
-def meanflow_loss(model, x, eps, r, t):
+ADAPTIVE_P = 1.0   # set from --adaptive-p
+
+
+def meanflow_loss(model, x, eps, r, t, adaptive_p=None):
+    """(objective to minimise, plain MSE(u, target)). With adaptive_p = p > 0 the objective is
+    MeanFlow's adaptively weighted loss: per sample sg(w) * mse_i, w = 1 / (mse_i + 1e-3)^p."""
+    p = ADAPTIVE_P if adaptive_p is None else adaptive_p
     z = (1 - t)[:, None, None, None] * x + t[:, None, None, None] * eps
     v = eps - x
     u, dudt = torch.func.jvp(lambda z, r, t: model(z, r, t), (z, r, t),
                              (v, torch.zeros_like(r), torch.ones_like(t)))
     target = (v - (t - r)[:, None, None, None] * dudt).detach()
-    return F.mse_loss(u, target)
+    per_sample = ((u - target) ** 2).flatten(1).mean(1)
+    mse = per_sample.mean()
+    if p > 0:
+        return (per_sample / (per_sample.detach() + 1e-3) ** p).mean(), mse
+    return mse, mse
 
 
-def train_step(model, opt, batch):
+def train_step(model, opt, batch, clip=1.0):
+    """One optimizer step; returns the plain MSE (the loss shown and plotted)."""
     opt.zero_grad(set_to_none=True)
-    loss = meanflow_loss(model, *batch)
-    loss.backward()
+    objective, mse = meanflow_loss(model, *batch)
+    objective.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
-    return loss.detach()
+    return mse.detach()
 
 
 @torch.no_grad()
@@ -149,7 +167,7 @@ def compare_attention(model, batch, lr, repeats, device):
         m = copy.deepcopy(model).set_attention(name)
         opt = torch.optim.AdamW(m.parameters(), lr=lr)
         with torch.no_grad():
-            first_loss = meanflow_loss(m, *batch).item() if name != "dense" else None
+            first_loss = meanflow_loss(m, *batch)[1].item() if name != "dense" else None
         if name == "reference":            # only the sanity check of the loss
             rows[name] = {"loss": first_loss}
             continue
@@ -175,7 +193,7 @@ def print_comparison(tables, args, device):
     mem_how = ("torch.cuda.max_memory_allocated" if torch.device(device).type == "cuda" else
                "torch.profiler(profile_memory=True): max of live CPU tensor bytes allocated during the step")
     print()
-    print("One MeanFlow training step (torch.func.jvp + MSE + backward + AdamW) of the same model on the same batch,")
+    print("One MeanFlow training step (torch.func.jvp + loss + backward + AdamW) of the same model on the same batch,")
     print("nbhd.na2d vs dense attention (SDPA, math backend: the only SDPA kernel with forward-mode AD)")
     print(f"  model dim {args.dim}, depth {args.depth}, heads {args.heads}, patch {args.patch}, "
           f"kernel {args.kernel}x{args.kernel}; device {device}, torch threads {torch.get_num_threads()}")
@@ -242,8 +260,15 @@ def plot(path, losses, truth, samples, title):
 
 def run(args):
     """Train; returns a dict with the losses, the model, data statistics and samples."""
+    global ADAPTIVE_P
+    ADAPTIVE_P = args.adaptive_p
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif torch.device(args.device).type == "cpu" and hasattr(os, "getloadavg") \
+            and os.getloadavg()[0] > (os.cpu_count() or 1) - 0.5 and torch.get_num_threads() > 1:
+        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: using 1 torch thread "
+              f"(--threads N to override)")
+        torch.set_num_threads(1)
     device = args.device
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
