@@ -52,9 +52,6 @@ def test_jvp_functional_call(cls, shape, kw):
     torch.testing.assert_close(t, rt)
 
 
-@pytest.mark.xfail(reason="functional._use_custom_op raises under Dynamo in torch 2.13 even "
-                          "outside torch.func transforms (plain nbhd.na1d fails the same way); "
-                          "reported to the lead", strict=False)
 @pytest.mark.parametrize("cls,shape,kw", MODULES[:2])
 def test_compile_fullgraph(cls, shape, kw):
     torch._dynamo.reset()
