@@ -146,10 +146,8 @@ class _ForwardJvp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out, g_lse, g_tout, g_tlse):
         saved = ctx.saved_tensors
-        _, vjp_fn = torch.func.vjp(lambda *x: _reference_forward_jvp(*x, ctx.geometry), *saved)
-        outs = (g_out, g_lse, g_tout, g_tlse)
-        grads = list(vjp_fn(tuple(torch.zeros_like(o) if g is None else g
-                                  for g, o in zip(outs, _reference_forward_jvp(*saved, ctx.geometry)))))
+        primal_outs, vjp_fn = torch.func.vjp(lambda *x: _reference_forward_jvp(*x, ctx.geometry), *saved)
+        grads = list(vjp_fn(_zeros_for((g_out, g_lse, g_tout, g_tlse), primal_outs)))
         for i, present in enumerate(ctx.present):  # absent (None) tangents get no gradient
             if not present:
                 grads[5 + i] = None
