@@ -197,7 +197,7 @@ def print_comparison(tables, args, device):
     print("nbhd.na2d vs dense attention (SDPA, math backend: the only SDPA kernel with forward-mode AD)")
     print(f"  model dim {args.dim}, depth {args.depth}, heads {args.heads}, patch {args.patch}, "
           f"kernel {args.kernel}x{args.kernel}; device {device}, torch threads {torch.get_num_threads()}")
-    print(f"  time: median of {args.compare_repeats} steps after one warm-up step; peak memory: {mem_how}")
+    print(f"  time: median of {len(tables[0][3]['nbhd']['times'])} steps after one warm-up step; peak memory: {mem_how}")
     print()
     print("  | field   | batch | tokens | nbhd time | dense time | dense/nbhd | nbhd peak  | dense peak | dense/nbhd |")
     print("  |---------|-------|--------|-----------|------------|------------|------------|------------|------------|")
