@@ -37,13 +37,33 @@ def cuda_gencode_flags():
     return flags
 
 
+def cuda_home_of(nvcc):
+    """The toolkit folder holding libcudart: CUDA_HOME/CUDA_PATH, the folder above nvcc's bin (nvcc
+    may be a wrapper script elsewhere, so also what `nvcc --dryrun` calls _TOP_), /usr/local/cuda*."""
+    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+             os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "--version"], capture_output=True, text=True).stderr
+        for line in out.splitlines():
+            if "_TOP_=" in line:
+                cands.append(os.path.realpath(line.split("_TOP_=", 1)[1].strip()))
+    except OSError:
+        pass
+    cands += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+    for home in filter(None, cands):
+        for d in ("lib64", "lib", "targets/x86_64-linux/lib"):
+            if glob.glob(os.path.join(home, d, "libcudart.so*")):
+                return home
+    return cands[2]
+
+
 class BuildNbhd(build_ext):
     """Adds nvcc-compiled objects for csrc/cuda when nvcc exists."""
 
     def build_extension(self, ext):
         nvcc = find_nvcc() if CU_SOURCES else None
         if nvcc:
-            cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+            cuda_home = cuda_home_of(nvcc)
             objects = []
             os.makedirs(self.build_temp, exist_ok=True)
             jobs = []

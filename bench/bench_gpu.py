@@ -23,7 +23,7 @@ from nbhd import ops
 FAST_OPS = {"fwd", "bwd", "jvp"}
 
 PROBLEMS = [
-    ("2d-64x64-w7-H4 (small)", 1, (64, 64), (7, 7), (1, 1)),
+    ("2d-64x64-w7-B1 (small)", 1, (64, 64), (7, 7), (1, 1)),
     # name, batch, extents, kernel, stride
     ("1d-32768-w2048", 1, (32768,), (2048,), (1,)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),

@@ -391,15 +391,12 @@ template <typename T, int HD, int BN>
 static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
     const mma_plan P = mma_plan_of(g);
     const size_t smem = sizeof(T) * (size_t)(BM * HD + 4 * BN * HD) + sizeof(int) * 6 * BN;
-    static bool attr_set = false;  /* per instantiation */
-    if (!attr_set) {
-        if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
-            const cudaError_t err = cudaGetLastError();
-            return nbhd_fail(NBHD_ERR_DEVICE, "mma forward: cannot reserve %zu bytes of shared memory: %s",
-                             smem, cudaGetErrorString(err));
-        }
-        attr_set = true;
+    /* per device and cheap: set on every launch (legal during stream capture) */
+    if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
+        const cudaError_t err = cudaGetLastError();
+        return nbhd_fail(NBHD_ERR_DEVICE, "mma forward: cannot reserve %zu bytes of shared memory: %s",
+                         smem, cudaGetErrorString(err));
     }
     const int64_t ctas = g->batch * g->heads * P.patches;
     if (ctas > 0x7fffffff)
