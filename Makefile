@@ -67,13 +67,27 @@ SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 U
 C_TEST_HEADERS := $(wildcard csrc/tests/*.h) csrc/tests/fuzz_api.c
 SAN_C_TESTS := $(patsubst csrc/tests/%.c,$(SAN_BUILD)/%,$(wildcard csrc/tests/test_*.c))
 
-.PHONY: test-c-sanitized fuzz-smoke fuzz-build valgrind-c
+.PHONY: test-c-sanitized fuzz-smoke fuzz-build valgrind-c ci-tools
+
+# CI machines start bare: clang (libFuzzer) and valgrind from apt when missing
+ci-tools:
+	@need=""; command -v $(CLANG) >/dev/null || need="$$need clang"; \
+	command -v valgrind >/dev/null || need="$$need valgrind"; \
+	if [ -n "$$need" ]; then s=""; [ "$$(id -u)" = 0 ] || s=sudo; \
+		echo "installing$$need"; $$s apt-get update -qq && $$s apt-get install -y -qq $$need >/dev/null; fi
 
 $(C_TESTS): $(C_TEST_HEADERS)
 
-$(SAN_BUILD)/%: csrc/tests/%.c $(C_SRCS) $(C_TEST_HEADERS) $(wildcard csrc/*/*.h csrc/include/*.h)
+# the library's objects are compiled once, then linked into each test
+SAN_OBJS := $(patsubst csrc/%.c,build/c-san-obj/%.o,$(C_SRCS))
+.SECONDARY: $(SAN_OBJS)
+build/c-san-obj/%.o: csrc/%.c $(wildcard csrc/*/*.h csrc/include/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -O1 $(SAN_FLAGS) $(C_INCS) -c $< -o $@
+
+$(SAN_BUILD)/%: csrc/tests/%.c $(SAN_OBJS) $(C_TEST_HEADERS)
 	@mkdir -p $(SAN_BUILD)
-	$(CC) $(CFLAGS) -O1 $(SAN_FLAGS) $(C_INCS) $< $(C_SRCS) -o $@ -lm
+	$(CC) $(CFLAGS) -O1 $(SAN_FLAGS) $(C_INCS) $< $(SAN_OBJS) -o $@ -lm
 
 test-c-sanitized: $(SAN_C_TESTS)
 	@set -e; for t in $(SAN_C_TESTS); do echo "== $$t (ASan+UBSan)"; $(SAN_ENV) $$t; done
