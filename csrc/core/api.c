@@ -212,6 +212,16 @@ size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *
 
 static const nbhd_exec default_exec;
 
+/* Threads beyond this are a mistake (OpenMP aborts or crashes creating 10^5 of them). */
+#define NBHD_MAX_THREADS 1024
+
+static nbhd_status check_exec(const nbhd_exec *e) {
+    if (e->threads > NBHD_MAX_THREADS)
+        return nbhd_fail(NBHD_ERR_ARG, "exec threads=%d is invalid (need threads <= %d; <= 0 picks OpenMP's default)",
+                         e->threads, NBHD_MAX_THREADS);
+    return NBHD_OK;
+}
+
 #define DISPATCH(fn, g, a, e)                                                                 \
     do {                                                                                      \
         if (p->device == NBHD_CPU) return nbhd_cpu_##fn(g, a, e);                             \
@@ -229,6 +239,7 @@ nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, cons
     if (st != NBHD_OK) return st;
     if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
     if (!e) e = &default_exec;
+    if ((st = check_exec(e)) != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return NBHD_OK;
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
@@ -284,6 +295,7 @@ nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, co
     if (st != NBHD_OK) return st;
     if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
     if (!e) e = &default_exec;
+    if ((st = check_exec(e)) != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (g.batch > 0 && g.heads == 0) return backward_no_heads(&g, a, p->device);
     if (is_empty(&g)) return NBHD_OK;
@@ -301,6 +313,7 @@ nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args 
     if (st != NBHD_OK) return st;
     if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
     if (!e) e = &default_exec;
+    if ((st = check_exec(e)) != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return NBHD_OK;
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");

@@ -381,7 +381,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     nbhd_exec e;
     memset(&e, 0, sizeof e);
     e.threads = fz_i32(&rd, -1, 3);
-    if (e.threads > 8) e.threads = 8;  /* the harness does not test OpenMP's thread limits */
+    const int absurd_threads = e.threads > 1024;           /* refused by every entry point */
+    if (e.threads > 8 && !absurd_threads) e.threads = 8;   /* valid, but slow to fuzz with */
     e.use_reference = fz_u8(&rd) & 1;
     e.kv_parallel = fz_u8(&rd) & 1;
     for (int a = 0; a < 3; ++a) {
@@ -394,6 +395,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
     if (nbhd_validate(p) != NBHD_OK) {
         fz_invalid(p, &e);
+        return 0;
+    }
+    if (absurd_threads) {
+        nbhd_forward_args fa;
+        nbhd_backward_args ba;
+        nbhd_forward_jvp_args ja;
+        memset(&fa, 0, sizeof fa);
+        memset(&ba, 0, sizeof ba);
+        memset(&ja, 0, sizeof ja);
+        FZ_CHECK(nbhd_forward(p, &fa, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "threads"),
+                 "forward accepted threads=%d", e.threads);
+        FZ_CHECK(nbhd_backward(p, &ba, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "threads"),
+                 "backward accepted threads=%d", e.threads);
+        FZ_CHECK(nbhd_forward_jvp(p, &ja, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "threads"),
+                 "forward_jvp accepted threads=%d", e.threads);
         return 0;
     }
     /* a valid problem: the same answer from every entry point, whatever the mode */

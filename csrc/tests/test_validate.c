@@ -283,6 +283,23 @@ static void tensor_rules(void) {
         expect(nbhd_backward(&q, &ba, NULL) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "d_k"),
                "heads 0: backward still needs d_k (it writes zeros there)");
     }
+    /* exec: absurd thread counts are refused before OpenMP tries to create them */
+    {
+        const int32_t bad[3] = {1025, 100000, INT32_MAX};
+        for (int i = 0; i < 3; ++i) {
+            nbhd_exec x;
+            memset(&x, 0, sizeof x);
+            x.threads = bad[i];
+            nbhd_forward_args fa = {T, T, T, T, T, T, T};
+            nbhd_backward_args ba = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+            nbhd_forward_jvp_args ja = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+            snprintf(what, sizeof what, "exec threads=%d -> NBHD_ERR_ARG naming threads", bad[i]);
+            expect(nbhd_forward(&p, &fa, &x) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "threads") &&
+                       nbhd_backward(&p, &ba, &x) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "threads") &&
+                       nbhd_forward_jvp(&p, &ja, &x) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "threads"),
+                   what);
+        }
+    }
     /* CUDA on a build without it */
     if (!nbhd_has_cuda()) {
         nbhd_problem q = valid();
