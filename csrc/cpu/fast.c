@@ -31,8 +31,35 @@ const char *nbhd_cpu_fast_isa(void) {
     return names[isa()];
 }
 
+
+/* The kernels put their 16-query patches along the LAST geometry axis (Z), but the geometry
+ * pads unused axes at the end (rank 2: [X, Y, 1]). Rotate the real axes to the end
+ * ([1, X, Y]) in the geometry and in the strides of every spatial tensor; padded axes have
+ * extent 1, so their stride is never used. The extra-key tensors are [B, S, -, -, ...]: kept. */
+static int rank_of(const nbhd_geometry *g) {
+    int r = 0;
+    while (r < 3 && g->axis[r].kernel >= 2) ++r;
+    return r;
+}
+
+static nbhd_geometry rotated(const nbhd_geometry *g, int shift) {
+    nbhd_geometry o = *g;
+    for (int j = 0; j < 3; ++j) {
+        if (j >= shift) o.axis[j] = g->axis[j - shift];
+        else { o.axis[j].extent = 1; o.axis[j].kernel = 1; o.axis[j].stride = 1;
+               o.axis[j].dilation = 1; o.axis[j].causal = 0; }
+    }
+    return o;
+}
+
+static void rotate_tensor(nbhd_tensor *t, int shift) {
+    const nbhd_tensor in = *t;
+    for (int j = 0; j < 3; ++j) t->stride[1 + j] = j >= shift ? in.stride[1 + j - shift] : 0;
+}
+
 size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
-    return nbhd_cpu_fast_workspace_bytes_generic(g, op);
+    const nbhd_geometry r = rotated(g, 3 - rank_of(g));
+    return nbhd_cpu_fast_workspace_bytes_generic(&r, op);
 }
 
 #ifdef NBHD_FAST_X86
@@ -46,17 +73,36 @@ size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
 #define PICK(fn, ...) return nbhd_cpu_fast_##fn##_generic(__VA_ARGS__);
 #endif
 
-nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
+nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_args *a0,
                                   const nbhd_exec *e) {
+    const int shift = 3 - rank_of(g0);
+    const nbhd_geometry g1 = rotated(g0, shift), *g = &g1;
+    nbhd_forward_args a1 = *a0, *a = &a1;
+    rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
+    rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     PICK(forward, g, a, e)
 }
 
-nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g0, const nbhd_backward_args *a0,
                                    const nbhd_exec *e) {
+    const int shift = 3 - rank_of(g0);
+    const nbhd_geometry g1 = rotated(g0, shift), *g = &g1;
+    nbhd_backward_args a1 = *a0, *a = &a1;
+    rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
+    rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
+    rotate_tensor(&a1.d_out, shift); rotate_tensor(&a1.d_lse, shift);
+    rotate_tensor(&a1.d_q, shift); rotate_tensor(&a1.d_k, shift); rotate_tensor(&a1.d_v, shift);
     PICK(backward, g, a, e)
 }
 
-nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forward_jvp_args *a0,
                                       const nbhd_exec *e) {
+    const int shift = 3 - rank_of(g0);
+    const nbhd_geometry g1 = rotated(g0, shift), *g = &g1;
+    nbhd_forward_jvp_args a1 = *a0, *a = &a1;
+    rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
+    rotate_tensor(&a1.t_q, shift); rotate_tensor(&a1.t_k, shift); rotate_tensor(&a1.t_v, shift);
+    rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
+    rotate_tensor(&a1.t_out, shift); rotate_tensor(&a1.t_lse, shift);
     PICK(forward_jvp, g, a, e)
 }

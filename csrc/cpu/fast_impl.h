@@ -25,10 +25,11 @@
  *
  * Dimension letters: B batch, X Y Z spatial axes, H query heads, Hk key/value heads, D, Dv.
  * Packed layouts (owned by FAST(layout)):
- *   row tensors  [B, H|Hk, X, Y, dim, ZP]   ZP = round16(Z + 16): the pad keeps the shifted
- *                                            loads of partial chunks in bounds (zeroed)
- *   row scalars  [B, H, X, Y, ZP]            LSE*log2(e) and D_i (backward)
- *   extra keys   [B, Hk, dim, SP]            SP = round16(S_add + 16)
+ *   row tensors  [B, H|Hk, X, Y, dim, Z]     rows are not padded: the lanes of a partial chunk
+ *                                            past the row end read the next row (or the 16-float
+ *                                            tail of the buffer) and are discarded; lanes never mix
+ *   row scalars  [B, H, X, Y, Z]             LSE*log2(e) and D_i (backward)
+ *   extra keys   [B, Hk, dim, S_add]
  */
 
 #include <stdlib.h>
@@ -96,7 +97,7 @@ static int FAST(geo_init)(FAST(geo) *G, const nbhd_geometry *g) {
     G->B = g->batch; G->X = g->axis[0].extent; G->Y = g->axis[1].extent; G->Z = g->axis[2].extent;
     G->H = g->heads; G->Hk = g->kv_heads; G->G = g->group; G->D = g->head_dim;
     G->Dv = g->head_dim_v; G->S = g->extra_kv;
-    G->ZP = FAST(round16)(G->Z + 16); G->SP = FAST(round16)(G->S + 16);
+    G->ZP = G->Z; G->SP = G->S;
     G->lines_q = G->B * G->H * G->X * G->Y; G->lines_k = G->B * G->Hk * G->X * G->Y;
     G->dil = g->axis[2].dilation;
     G->goff = (int64_t *)malloc(sizeof(int64_t) * (size_t)(G->dil + 1));
@@ -131,8 +132,7 @@ typedef struct {
 } FAST(layout_t);
 
 static FAST(layout_t) FAST(layout)(const nbhd_geometry *g, nbhd_op op) {
-    const int64_t Z = g->axis[2].extent, ZP = FAST(round16)(Z + 16),
-                  SP = FAST(round16)(g->extra_kv + 16);
+    const int64_t ZP = g->axis[2].extent, SP = g->extra_kv;
     const size_t lk = (size_t)(g->batch * g->kv_heads * g->axis[0].extent * g->axis[1].extent);
     const size_t lq = (size_t)(g->batch * g->heads * g->axis[0].extent * g->axis[1].extent);
     const size_t xk = (size_t)(g->batch * g->kv_heads);
@@ -156,20 +156,26 @@ static FAST(layout_t) FAST(layout)(const nbhd_geometry *g, nbhd_op op) {
         L.lr = at; at += lq * ZP;
         L.dr = at; at += lq * ZP;
     }
-    L.total = at + 16;  /* + 64 bytes so the base can be aligned */
+    /* + 16 floats of tail: the shifted loads of the last partial chunk, + 16 to align */
+    L.total = at + 32;
     return L;
 }
 
-/* Packs one (b, h, x, y) line of tensor t into dst [dim][ZP] (Z group-major), times mul. */
+/* Packs one (b, h, x, y) line of tensor t into dst [dim][ZP] (Z group-major), times mul.
+ * One loop per element type, so the conversion is hoisted out of the element loop. */
+#define PACK_LOOP(T, CONV)                                                                \
+    for (int64_t gr = 0; gr < G->dil; ++gr)                                               \
+        for (int64_t z = gr, p = G->goff[gr]; z < G->Z; z += G->dil, ++p) {               \
+            const T *src = (const T *)t->data + FAST(off)(t, b, x, y, z, h);              \
+            for (int64_t d = 0; d < dim; ++d) dst[d * ZP + p] = mul * CONV(src[d * s5]);  \
+        }
+#define PACK_F32(v) (v)
 static void FAST(pack_line)(float *dst, const FAST(geo) *G, const nbhd_tensor *t, nbhd_dtype dt,
                             int64_t b, int64_t h, int64_t x, int64_t y, int64_t dim, float mul) {
     const int64_t ZP = G->ZP, s5 = t->stride[5];
-    for (int64_t z = 0; z < G->Z; ++z) {
-        const int64_t p = G->goff[z % G->dil] + z / G->dil, o = FAST(off)(t, b, x, y, z, h);
-        for (int64_t d = 0; d < dim; ++d) dst[d * ZP + p] = mul * FAST(ld)(t->data, o + d * s5, dt);
-    }
-    for (int64_t d = 0; d < dim; ++d)
-        for (int64_t p = G->Z; p < ZP; ++p) dst[d * ZP + p] = 0.0f;
+    if (dt == NBHD_F32) { PACK_LOOP(float, PACK_F32) }
+    else if (dt == NBHD_BF16) { PACK_LOOP(uint16_t, nbhd_bf16_to_f32) }
+    else { PACK_LOOP(uint16_t, nbhd_f16_to_f32) }
 }
 
 /* Packs the extra keys of (b, hk) of tensor t ([B, S, -, -, Hk, dim]) into dst [dim][SP]. */
@@ -180,8 +186,6 @@ static void FAST(pack_extra)(float *dst, const FAST(geo) *G, const nbhd_tensor *
         const int64_t o = b * t->stride[0] + s * t->stride[1] + hk * t->stride[4];
         for (int64_t d = 0; d < dim; ++d) dst[d * SP + s] = mul * FAST(ld)(t->data, o + d * t->stride[5], dt);
     }
-    for (int64_t d = 0; d < dim; ++d)
-        for (int64_t s = G->S; s < SP; ++s) dst[d * SP + s] = 0.0f;
 }
 
 /* Lane ranges along Z of one chunk: lane l covers in-group positions [lo[l], hi[l]).
@@ -451,8 +455,13 @@ static void FAST(load_lanes)(float *A, const nbhd_tensor *t, nbhd_dtype dt, int6
     for (int64_t d = 0; d < dim; ++d)
         for (int l = nl; l < NBHD_LANES; ++l) A[16 * d + l] = 0.0f;
     for (int l = 0; l < nl; ++l) {
-        const int64_t o = FAST(off)(t, b, x, y, zl[l], h);
-        for (int64_t d = 0; d < dim; ++d) A[16 * d + l] = mul * FAST(ld)(t->data, o + d * t->stride[5], dt);
+        const int64_t o = FAST(off)(t, b, x, y, zl[l], h), s5 = t->stride[5];
+        if (dt == NBHD_F32) {
+            const float *src = (const float *)t->data + o;
+            for (int64_t d = 0; d < dim; ++d) A[16 * d + l] = mul * src[d * s5];
+        } else {
+            for (int64_t d = 0; d < dim; ++d) A[16 * d + l] = mul * FAST(ld)(t->data, o + d * s5, dt);
+        }
     }
 }
 
@@ -461,8 +470,13 @@ static void FAST(store_lanes)(const nbhd_tensor *t, nbhd_dtype dt, int64_t dim, 
                               int64_t x, int64_t y, const int64_t *zl, int nl, int64_t h,
                               const float *A, const float *mul) {
     for (int l = 0; l < nl; ++l) {
-        const int64_t o = FAST(off)(t, b, x, y, zl[l], h);
-        for (int64_t d = 0; d < dim; ++d) FAST(st)(t->data, o + d * t->stride[5], dt, mul[l] * A[16 * d + l]);
+        const int64_t o = FAST(off)(t, b, x, y, zl[l], h), s5 = t->stride[5];
+        if (dt == NBHD_F32) {
+            float *dst = (float *)t->data + o;
+            for (int64_t d = 0; d < dim; ++d) dst[d * s5] = mul[l] * A[16 * d + l];
+        } else {
+            for (int64_t d = 0; d < dim; ++d) FAST(st)(t->data, o + d * s5, dt, mul[l] * A[16 * d + l]);
+        }
     }
 }
 
@@ -568,9 +582,9 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
     {
         /* pack K, V (and the extra keys) as fp32 rows [dim][ZP] */
 #pragma omp for schedule(static)
-        for (int64_t ln = 0; ln < G.lines_k; ++ln) {
-            const int64_t y = ln % G.Y, x = (ln / G.Y) % G.X, hk = (ln / (G.Y * G.X)) % G.Hk,
-                          b = ln / (G.Y * G.X * G.Hk);
+        for (int64_t it = 0; it < G.lines_k; ++it) {
+            const int64_t hk = it % G.Hk, y = (it / G.Hk) % G.Y, x = (it / (G.Hk * G.Y)) % G.X,
+                          b = it / (G.Hk * G.Y * G.X), ln = FAST(line)(&G, G.Hk, b, hk, x, y);
             FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
             FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
         }
@@ -590,9 +604,10 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
-            const int64_t ch = w % G.nchunks, y = (w / G.nchunks) % G.Y,
-                          x = (w / (G.nchunks * G.Y)) % G.X, h = (w / (G.nchunks * G.Y * G.X)) % G.H,
-                          b = w / (G.nchunks * G.Y * G.X * G.H), hk = h / G.G;
+            /* heads innermost: neighbouring work items share token rows (cache lines) */
+            const int64_t h = w % G.H, ch = (w / G.H) % G.nchunks, y = (w / (G.H * G.nchunks)) % G.Y,
+                          x = (w / (G.H * G.nchunks * G.Y)) % G.X,
+                          b = w / (G.H * G.nchunks * G.Y * G.X), hk = h / G.G;
             const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
@@ -668,9 +683,9 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
 #pragma omp parallel num_threads(FAST(threads)(e))
     {
 #pragma omp for schedule(static)
-        for (int64_t ln = 0; ln < G.lines_k; ++ln) {
-            const int64_t y = ln % G.Y, x = (ln / G.Y) % G.X, hk = (ln / (G.Y * G.X)) % G.Hk,
-                          b = ln / (G.Y * G.X * G.Hk);
+        for (int64_t it = 0; it < G.lines_k; ++it) {
+            const int64_t hk = it % G.Hk, y = (it / G.Hk) % G.Y, x = (it / (G.Hk * G.Y)) % G.X,
+                          b = it / (G.Hk * G.Y * G.X), ln = FAST(line)(&G, G.Hk, b, hk, x, y);
             FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
             FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
             if (has_tk) FAST(pack_line)(TKT + ln * D * ZP, &G, &a->t_k, dt, b, hk, x, y, D, tkmul);
@@ -695,9 +710,10 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
-            const int64_t ch = w % G.nchunks, y = (w / G.nchunks) % G.Y,
-                          x = (w / (G.nchunks * G.Y)) % G.X, h = (w / (G.nchunks * G.Y * G.X)) % G.H,
-                          b = w / (G.nchunks * G.Y * G.X * G.H), hk = h / G.G;
+            /* heads innermost: neighbouring work items share token rows (cache lines) */
+            const int64_t h = w % G.H, ch = (w / G.H) % G.nchunks, y = (w / (G.H * G.nchunks)) % G.Y,
+                          x = (w / (G.H * G.nchunks * G.Y)) % G.X,
+                          b = w / (G.H * G.nchunks * G.Y * G.X), hk = h / G.G;
             const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
@@ -829,21 +845,20 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
 #pragma omp parallel num_threads(FAST(threads)(e))
     {
 #pragma omp for schedule(static)
-        for (int64_t ln = 0; ln < G.lines_k; ++ln) {
-            const int64_t y = ln % G.Y, x = (ln / G.Y) % G.X, hk = (ln / (G.Y * G.X)) % G.Hk,
-                          b = ln / (G.Y * G.X * G.Hk);
+        for (int64_t it = 0; it < G.lines_k; ++it) {
+            const int64_t hk = it % G.Hk, y = (it / G.Hk) % G.Y, x = (it / (G.Hk * G.Y)) % G.X,
+                          b = it / (G.Hk * G.Y * G.X), ln = FAST(line)(&G, G.Hk, b, hk, x, y);
             FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
             FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
         }
         /* query lines: Q^T scale log2e, dO^T, LSE log2e, D = dO.O - dLSE */
 #pragma omp for schedule(static)
-        for (int64_t ln = 0; ln < G.lines_q; ++ln) {
-            const int64_t y = ln % G.Y, x = (ln / G.Y) % G.X, h = (ln / (G.Y * G.X)) % G.H,
-                          b = ln / (G.Y * G.X * G.H);
+        for (int64_t it = 0; it < G.lines_q; ++it) {
+            const int64_t h = it % G.H, y = (it / G.H) % G.Y, x = (it / (G.H * G.Y)) % G.X,
+                          b = it / (G.H * G.Y * G.X), ln = FAST(line)(&G, G.H, b, h, x, y);
             FAST(pack_line)(QT + ln * D * ZP, &G, &a->q, dt, b, h, x, y, D, qmul);
             float *dO = DOT + ln * Dv * ZP, *Lr = LR + ln * ZP, *Dr = DR + ln * ZP;
             FAST(pack_line)(dO, &G, &a->d_out, dt, b, h, x, y, Dv, 1.0f);
-            for (int64_t p = 0; p < ZP; ++p) { Lr[p] = 0.0f; Dr[p] = 0.0f; }
             for (int64_t z = 0; z < G.Z; ++z) {
                 const int64_t p = G.goff[z % G.dil] + z / G.dil, oo = FAST(off)(&a->out, b, x, y, z, h);
                 float Di = 0.0f;
@@ -873,9 +888,10 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work_q; ++w) {
             if (!ok) continue;
-            const int64_t ch = w % G.nchunks, y = (w / G.nchunks) % G.Y,
-                          x = (w / (G.nchunks * G.Y)) % G.X, h = (w / (G.nchunks * G.Y * G.X)) % G.H,
-                          b = w / (G.nchunks * G.Y * G.X * G.H), hk = h / G.G;
+            /* heads innermost: neighbouring work items share token rows (cache lines) */
+            const int64_t h = w % G.H, ch = (w / G.H) % G.nchunks, y = (w / (G.H * G.nchunks)) % G.Y,
+                          x = (w / (G.H * G.nchunks * G.Y)) % G.X,
+                          b = w / (G.H * G.nchunks * G.Y * G.X), hk = h / G.G;
             const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
@@ -928,9 +944,9 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work_k; ++w) {
             if (!ok) continue;
-            const int64_t ch = w % G.nchunks, y = (w / G.nchunks) % G.Y,
-                          x = (w / (G.nchunks * G.Y)) % G.X, hk = (w / (G.nchunks * G.Y * G.X)) % G.Hk,
-                          b = w / (G.nchunks * G.Y * G.X * G.Hk);
+            const int64_t hk = w % G.Hk, ch = (w / G.Hk) % G.nchunks,
+                          y = (w / (G.Hk * G.nchunks)) % G.Y, x = (w / (G.Hk * G.nchunks * G.Y)) % G.X,
+                          b = w / (G.Hk * G.nchunks * G.Y * G.X);
             const int64_t gr = G.chunk_g[ch], j0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
             const int nl = (int)(Lg - j0 < 16 ? Lg - j0 : 16);
             int64_t zl[NBHD_LANES];
