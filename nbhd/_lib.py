@@ -34,7 +34,7 @@ def _find_library() -> str:
 
 MAX_RANK = 3
 _DTYPES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
-OP_FORWARD, OP_BACKWARD, OP_FORWARD_JVP = 0, 1, 2
+OP_FORWARD, OP_BACKWARD, OP_FORWARD_JVP, OP_FORWARD_JVP_BACKWARD = 0, 1, 2, 3
 
 
 class _Problem(ctypes.Structure):
@@ -87,7 +87,12 @@ _ARGS = {
         "q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx",
         "out", "lse", "t_out", "t_lse"]),
 }
-_ENTRY = {OP_FORWARD: "nbhd_forward", OP_BACKWARD: "nbhd_backward", OP_FORWARD_JVP: "nbhd_forward_jvp"}
+_ARGS[OP_FORWARD_JVP_BACKWARD] = _args_struct("_ForwardJvpBackwardArgs", [
+    "q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx", "out", "lse", "t_out", "t_lse",
+    "d_out", "d_lse", "d_t_out", "d_t_lse", "d_q", "d_k", "d_v", "d_kx", "d_vx",
+    "d_t_q", "d_t_k", "d_t_v", "d_t_kx", "d_t_vx"])
+_ENTRY = {OP_FORWARD: "nbhd_forward", OP_BACKWARD: "nbhd_backward", OP_FORWARD_JVP: "nbhd_forward_jvp",
+          OP_FORWARD_JVP_BACKWARD: "nbhd_forward_jvp_backward"}
 
 
 def _load():
@@ -113,8 +118,11 @@ def version() -> str:
     return lib.nbhd_version().decode()
 
 
+_HAS_CUDA = bool(lib.nbhd_has_cuda())  # read once: a ctypes call cannot be traced by Dynamo
+
+
 def has_cuda() -> bool:
-    return bool(lib.nbhd_has_cuda())
+    return _HAS_CUDA
 
 
 class Problem:
@@ -185,7 +193,7 @@ def run(op: int, problem: Problem, tensors: dict, threads: int = 0, use_referenc
     """Calls one entry point. `tensors` maps the C argument names to tensors (or None)."""
     args = _ARGS[op]()
     rank = problem.rank
-    token_major_names = {"kx", "vx", "d_kx", "d_vx", "t_kx", "t_vx"}
+    token_major_names = {"kx", "vx", "d_kx", "d_vx", "t_kx", "t_vx", "d_t_kx", "d_t_vx"}
     for name, _ in args._fields_:
         t = tensors.get(name)
         setattr(args, name, _describe(t, rank, token_major=(name in token_major_names) or rank == 0))

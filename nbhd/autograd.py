@@ -140,12 +140,20 @@ class _ForwardJvp(torch.autograd.Function):
         ctx.present = tuple(t is not None for t in tensors[5:])
         primals = tuple(tensors[:5])
         tangents = _zeros_for(tensors[5:], primals)
-        ctx.save_for_backward(*primals, *tangents)
+        ctx.fused_backward = primals[0].device.type in ops.FUSED_JVP_BACKWARD_DEVICES
+        ctx.save_for_backward(*primals, *tangents, *output)
         ctx.save_for_forward(*primals, *tangents)
 
     @staticmethod
     def backward(ctx, g_out, g_lse, g_tout, g_tlse):
-        saved = ctx.saved_tensors
+        *saved, out, lse, t_out, t_lse = ctx.saved_tensors
+        if ctx.fused_backward:
+            grads = list(_ForwardJvpBackward.apply(*saved, out, lse, t_out, t_lse,
+                                                   g_out, g_lse, g_tout, g_tlse, ctx.geometry))
+            for i, present in enumerate(ctx.present):  # absent (None) tangents get no gradient
+                if not present:
+                    grads[5 + i] = None
+            return (*grads, None)
         primal_outs, vjp_fn = torch.func.vjp(lambda *x: _reference_forward_jvp(*x, ctx.geometry), *saved)
         grads = list(vjp_fn(_zeros_for((g_out, g_lse, g_tout, g_tlse), primal_outs)))
         for i, present in enumerate(ctx.present):  # absent (None) tangents get no gradient
@@ -158,6 +166,50 @@ class _ForwardJvp(torch.autograd.Function):
         saved = _dense(ctx.saved_tensors)
         t = _dense(_zeros_for(tangents[:10], saved))
         _, tout = _jvp_by_double_vjp(lambda *x: _reference_forward_jvp(*x, ctx.geometry), saved, t)
+        return tout
+
+
+# ----------------------------------------------------------------------------
+# backward through forward + JVP as a differentiable function
+
+def _reference_forward_jvp_backward(*args):
+    """Gradients of <cotangents, (out, lse, t_out, t_lse)> w.r.t. primals and tangents."""
+    *inputs, g_out, g_lse, g_tout, g_tlse, geometry = args
+    outs, vjp_fn = torch.func.vjp(lambda *x: _reference_forward_jvp(*x, geometry), *inputs)
+    return vjp_fn(_zeros_for((g_out, g_lse, g_tout, g_tlse), outs))
+
+
+class _ForwardJvpBackward(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out, t_lse,
+                g_out, g_lse, g_tout, g_tlse, geometry):
+        return ops.na_forward_jvp_backward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out,
+                                           t_lse, g_out, g_lse, g_tout, g_tlse, *geometry)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, geometry = inputs
+        ctx.geometry = geometry
+        inputs10 = tuple(tensors[:10])
+        cot = _zeros_for(tensors[14:18], tensors[10:14])
+        ctx.save_for_backward(*inputs10, *cot)
+        ctx.save_for_forward(*inputs10, *cot)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # out, lse, t_out, t_lse are functions of the inputs: the reference recomputes them
+        saved = ctx.saved_tensors
+        _, vjp_fn = torch.func.vjp(lambda *x: _reference_forward_jvp_backward(*x, ctx.geometry), *saved)
+        g = vjp_fn(_zeros_for(grads, saved[:10]))
+        return (*g[:10], None, None, None, None, *g[10:], None)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        saved = _dense(ctx.saved_tensors)
+        t = _dense(_zeros_for(tangents[:10] + tangents[14:18], saved))
+        _, tout = _jvp_by_double_vjp(lambda *x: _reference_forward_jvp_backward(*x, ctx.geometry), saved, t)
         return tout
 
 
@@ -247,20 +299,44 @@ def _jvp_setup(ctx, inputs, output):
     ctx.geometry = Geometry(ks, st, dil, causal, scale)
     primals = tuple(tensors[:5])
     ctx.present = tuple(t is not None for t in tensors[5:])
-    ctx.save_for_backward(*primals, *_zeros_for(tensors[5:], primals))
+    ctx.fused_backward = primals[0].device.type in ops.FUSED_JVP_BACKWARD_DEVICES
+    ctx.save_for_backward(*primals, *_zeros_for(tensors[5:], primals), *output)
 
 
 def _jvp_backward(ctx, *grads):
-    saved = ctx.saved_tensors
-    with torch.enable_grad():
-        primals = [t.detach().requires_grad_() for t in saved]
-        outs = _reference_forward_jvp(*primals, ctx.geometry)
-        gs = torch.autograd.grad(outs, primals, _zeros_for(grads, outs), allow_unused=True)
-    gs = list(gs)
+    *saved, out, lse, t_out, t_lse = ctx.saved_tensors
+    if ctx.fused_backward:
+        gs = list(ops.na_forward_jvp_backward(*saved, out, lse, t_out, t_lse, *grads, *ctx.geometry))
+    else:
+        with torch.enable_grad():
+            primals = [t.detach().requires_grad_() for t in saved]
+            outs = _reference_forward_jvp(*primals, ctx.geometry)
+            gs = list(torch.autograd.grad(outs, primals, _zeros_for(grads, outs), allow_unused=True))
     for i, present in enumerate(ctx.present):
         if not present:
             gs[5 + i] = None
     return (*gs, None, None, None, None, None)
+
+
+def _jvp_bwd_setup(ctx, inputs, output):
+    *tensors, ks, st, dil, causal, scale = inputs
+    ctx.geometry = Geometry(ks, st, dil, causal, scale)
+    primals = tuple(tensors[:5])
+    ctx.save_for_backward(*_zeros_for(tensors[:10], primals * 2),
+                          *_zeros_for(tensors[14:18], tensors[10:14]))
+
+
+def _jvp_bwd_backward(ctx, *grads):
+    saved = ctx.saved_tensors
+    with torch.enable_grad():
+        primals = [t.detach().requires_grad_() for t in saved]
+        outs = _reference_forward_jvp_backward(*primals, ctx.geometry)
+        gs = list(torch.autograd.grad(outs, primals, _zeros_for(grads, outs), allow_unused=True))
+    return (*gs[:10], None, None, None, None, *gs[10:], None, None, None, None, None)
+
+
+torch.library.register_autograd("nbhd::na_forward_jvp_backward", _jvp_bwd_backward,
+                                setup_context=_jvp_bwd_setup)
 
 
 torch.library.register_autograd("nbhd::na_forward_jvp", _jvp_backward, setup_context=_jvp_setup)

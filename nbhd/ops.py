@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import _lib, context
 
-__all__ = ["na_forward", "na_backward", "na_forward_jvp"]
+__all__ = ["na_forward", "na_backward", "na_forward_jvp", "na_forward_jvp_backward"]
 
 _OPTIONS = {"threads": 0, "use_reference": False}
 
@@ -120,6 +120,44 @@ def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, kernel_size, stride, dilation,
 
 
 # ----------------------------------------------------------------------------
+# backward through forward + JVP (gradients of a loss on out, lse, tangent out, tangent lse)
+
+# Devices with a fused kernel for it; elsewhere autograd.py differentiates the reference.
+FUSED_JVP_BACKWARD_DEVICES = ("cpu",)
+
+
+@torch.library.custom_op("nbhd::na_forward_jvp_backward", mutates_args=())
+def na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor,
+                            t_q: Optional[Tensor], t_k: Optional[Tensor], t_v: Optional[Tensor],
+                            t_kx: Optional[Tensor], t_vx: Optional[Tensor], out: Tensor, lse: Tensor,
+                            t_out: Tensor, t_lse: Tensor, d_out: Optional[Tensor],
+                            d_lse: Optional[Tensor], d_t_out: Optional[Tensor],
+                            d_t_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
+                            dilation: List[int], is_causal: List[bool],
+                            scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                   Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx), shaped like (q, k, v, kx, vx) twice."""
+    new = torch.zeros_like if q.shape[-2] == 0 else torch.empty_like  # no heads: zero gradients
+    grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx) * 2)
+    p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
+    dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx = grads
+    tensors = {"q": q, "k": k, "v": v, **_extra(kx, vx), "t_q": t_q, "t_k": t_k, "t_v": t_v,
+               "out": out, "lse": lse, "t_out": t_out, "t_lse": t_lse, "d_out": d_out,
+               "d_lse": d_lse, "d_t_out": d_t_out, "d_t_lse": d_t_lse, "d_q": dq, "d_k": dk,
+               "d_v": dv, "d_t_q": dtq, "d_t_k": dtk, "d_t_v": dtv}
+    if kx.shape[1] > 0:
+        tensors.update(t_kx=t_kx, t_vx=t_vx, d_kx=dkx, d_vx=dvx, d_t_kx=dtkx, d_t_vx=dtvx)
+    _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, p, tensors, **_run_options())
+    return grads
+
+
+@na_forward_jvp_backward.register_fake
+def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse, d_t_out,
+      d_t_lse, kernel_size, stride, dilation, is_causal, scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx) * 2)
+
+
+# ----------------------------------------------------------------------------
 # vmap: fold the vmapped dimension into the batch dimension
 
 def _fold(x: Optional[Tensor], bdim: Optional[int], size: int) -> Optional[Tensor]:
@@ -146,3 +184,4 @@ def _register_batch_folding(op, n_tensors: int):
 _register_batch_folding(na_forward, 5)
 _register_batch_folding(na_backward, 9)
 _register_batch_folding(na_forward_jvp, 10)
+_register_batch_folding(na_forward_jvp_backward, 18)

@@ -323,3 +323,22 @@ nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args 
     if ((st = check_workspace(p, NBHD_OP_FORWARD_JVP, e)) != NBHD_OK) return st;
     DISPATCH(forward_jvp, &g, a, e);
 }
+
+nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_jvp_backward_args *a,
+                                      const nbhd_exec *e) {
+    nbhd_status st = nbhd_validate(p);
+    if (st != NBHD_OK) return st;
+    if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
+    if (!e) e = &default_exec;
+    if ((st = check_exec(e)) != NBHD_OK) return st;
+    const nbhd_geometry g = nbhd_geometry_of(p);
+    if (is_empty(&g)) return NBHD_OK;  /* heads == 0: the caller's gradients are zeros */
+    NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse"); NEED(a->t_out, "t_out");
+    NEED(a->t_lse, "t_lse"); NEED(a->d_q, "d_q");
+    if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
+    if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
+    if ((st = check_extra(&g, a->d_kx, a->d_vx, DKX_NAMES)) != NBHD_OK) return st;
+    if ((st = check_workspace(p, NBHD_OP_FORWARD_JVP_BACKWARD, e)) != NBHD_OK) return st;
+    if (p->device == NBHD_CPU) return nbhd_cpu_forward_jvp_backward(&g, a, e);
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "forward_jvp_backward has no CUDA kernel yet");
+}

@@ -40,6 +40,9 @@ nbhd_status nbhd_cpu_backward(const nbhd_geometry *g, const nbhd_backward_args *
                               const nbhd_exec *e);
 nbhd_status nbhd_cpu_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                  const nbhd_exec *e);
+nbhd_status nbhd_cpu_forward_jvp_backward(const nbhd_geometry *g,
+                                          const nbhd_forward_jvp_backward_args *a,
+                                          const nbhd_exec *e);
 size_t nbhd_cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
 
 #ifdef NBHD_WITH_CUDA

@@ -42,3 +42,9 @@ nbhd_status nbhd_cpu_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_
     if (use_fast(g, e)) return nbhd_cpu_fast_forward_jvp(g, a, e);
     return nbhd_cpu_ref_forward_jvp(g, a, e);
 }
+
+nbhd_status nbhd_cpu_forward_jvp_backward(const nbhd_geometry *g,
+                                          const nbhd_forward_jvp_backward_args *a,
+                                          const nbhd_exec *e) {
+    return nbhd_cpu_ref_forward_jvp_backward(g, a, e);  /* no fast kernel yet */
+}

@@ -125,9 +125,12 @@ static inline int threads_of(const nbhd_exec *e) {
 // entry points
 
 size_t nbhd_cpu_ref_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
-    /* backward keeps D_i = dO_i.O_i - dLSE_i per (b, token, head) */
-    if (op != NBHD_OP_BACKWARD) return 0;
-    return (size_t)(g->batch * g->tokens * g->heads) * sizeof(double);
+    /* backward keeps D_i = dO_i.O_i - dLSE_i per (b, token, head); the backward through the
+     * JVP keeps (D'_i, c_i, E_i) */
+    const size_t rows = (size_t)(g->batch * g->tokens * g->heads);
+    if (op == NBHD_OP_BACKWARD) return rows * sizeof(double);
+    if (op == NBHD_OP_FORWARD_JVP_BACKWARD) return 3 * rows * sizeof(double);
+    return 0;
 }
 
 nbhd_status nbhd_cpu_ref_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
@@ -143,4 +146,11 @@ nbhd_status nbhd_cpu_ref_backward(const nbhd_geometry *g, const nbhd_backward_ar
 nbhd_status nbhd_cpu_ref_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                      const nbhd_exec *e) {
     return g->dtype == NBHD_F64 ? forward_jvp_f64(g, a, e) : forward_jvp_f32(g, a, e);
+}
+
+nbhd_status nbhd_cpu_ref_forward_jvp_backward(const nbhd_geometry *g,
+                                              const nbhd_forward_jvp_backward_args *a,
+                                              const nbhd_exec *e) {
+    return g->dtype == NBHD_F64 ? forward_jvp_backward_f64(g, a, e)
+                                : forward_jvp_backward_f32(g, a, e);
 }

@@ -11,4 +11,7 @@ nbhd_status nbhd_cpu_ref_backward(const nbhd_geometry *g, const nbhd_backward_ar
                                   const nbhd_exec *e);
 nbhd_status nbhd_cpu_ref_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                      const nbhd_exec *e);
+nbhd_status nbhd_cpu_ref_forward_jvp_backward(const nbhd_geometry *g,
+                                              const nbhd_forward_jvp_backward_args *a,
+                                              const nbhd_exec *e);
 #endif

@@ -316,3 +316,191 @@ static nbhd_status FN(forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jv
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory for scratch rows")
                   : NBHD_OK;
 }
+
+// ----------------------------------------------------------------------------
+// backward through forward + JVP (see nbhd_forward_jvp_backward_args in nbhd.h)
+
+/* One (query i, key j) pair of the backward through the JVP. Rows: q, tq, dO, G (= dL/dtO)
+ * of the query; k, tk, v, tv of the key; NULL rows are zero. Per-query scalars: lse, mu,
+ * g_mu = dL/dmu, and from pass 1: D' = dO.O - dLSE, c = G.O, E = G.tO. Returns P, n, dS, dtS. */
+typedef struct { ACC p, n, ds, dts; } FN(pair);
+
+static inline FN(pair) FN(jvp_pair)(const nbhd_geometry *g, const ACC *q, const ACC *tq,
+                                     const ACC *dout, const ACC *G, const ACC *k, const ACC *tk,
+                                     const ACC *v, const ACC *tv, ACC lse, ACC mu, ACC g_mu,
+                                     ACC Dp, ACC c, ACC E) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const ACC scale = (ACC)g->scale;
+    FN(pair) r;
+    ACC ts = 0;  /* tS = s (tq.k + q.tk) */
+    if (tq) ts += FN(dot)(tq, k, D);
+    if (tk) ts += FN(dot)(q, tk, D);
+    ts *= scale;
+    r.p = FN(weight)(scale * FN(dot)(q, k, D), lse);
+    r.n = ts - mu;
+    const ACC gv = G ? FN(dot)(G, v, Dv) : 0;
+    const ACC w = gv - c + g_mu;                               /* w = G.v - c + g_mu */
+    ACC inner = (dout ? FN(dot)(dout, v, Dv) : 0) - Dp - E + w * r.n;
+    if (G && tv) inner += FN(dot)(G, tv, Dv);
+    r.ds = r.p * inner;                                        /* dS = P (dO.v - D' + G.tv + w n - E) */
+    r.dts = r.p * w;                                           /* dtS = P w */
+    return r;
+}
+
+/* Gradients of one key row (k, tk, v, tv loaded) over the query rows of `queries`. */
+static void FN(jvp_key_gradients)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                  const double *ws, int64_t b, int64_t hk,
+                                  const nbhd_keyset *queries, const ACC *k, const ACC *tk,
+                                  const ACC *v, const ACC *tv, ACC *q, ACC *tq, ACC *dout, ACC *G,
+                                  ACC *dk, ACC *dtk, ACC *dv, ACC *dtv) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    FN(zero)(dk, D); FN(zero)(dtk, D); FN(zero)(dv, Dv); FN(zero)(dtv, Dv);
+    for (int64_t n = 0; n < queries->box; ++n) {
+        const int64_t qtok = member_token(g, queries, n);
+        for (int64_t h = hk * g->group; h < (hk + 1) * g->group; ++h) {
+            const int64_t row = (b * g->tokens + qtok) * g->heads + h;
+            FN(load_row)(q, &a->q, member_offset(queries, n, &a->q, NULL, b, h), D, dt);
+            if (a->t_q.data) FN(load_row)(tq, &a->t_q, member_offset(queries, n, &a->t_q, NULL, b, h), D, dt);
+            if (a->d_out.data) FN(load_row)(dout, &a->d_out, member_offset(queries, n, &a->d_out, NULL, b, h), Dv, dt);
+            if (a->d_t_out.data) FN(load_row)(G, &a->d_t_out, member_offset(queries, n, &a->d_t_out, NULL, b, h), Dv, dt);
+            const ACC lse = (ACC)nbhd_load(a->lse.data, member_offset(queries, n, &a->lse, NULL, b, h), lt);
+            const ACC mu = (ACC)nbhd_load(a->t_lse.data, member_offset(queries, n, &a->t_lse, NULL, b, h), lt);
+            const ACC g_mu = a->d_t_lse.data
+                ? (ACC)nbhd_load(a->d_t_lse.data, member_offset(queries, n, &a->d_t_lse, NULL, b, h), lt) : 0;
+            const FN(pair) r = FN(jvp_pair)(g, q, a->t_q.data ? tq : NULL, a->d_out.data ? dout : NULL,
+                                            a->d_t_out.data ? G : NULL, k, tk, v, tv, lse, mu, g_mu,
+                                            (ACC)ws[3 * row], (ACC)ws[3 * row + 1], (ACC)ws[3 * row + 2]);
+            FN(axpy)(dk, r.ds, q, D);                          /* dK += dS q + dtS tq */
+            if (a->t_q.data) FN(axpy)(dk, r.dts, tq, D);
+            FN(axpy)(dtk, r.dts, q, D);                        /* dtK += dtS q */
+            if (a->d_out.data) FN(axpy)(dv, r.p, dout, Dv);    /* dV += P dO + P n G */
+            if (a->d_t_out.data) {
+                FN(axpy)(dv, r.p * r.n, G, Dv);
+                FN(axpy)(dtv, r.p, G, Dv);                     /* dtV += P G */
+            }
+        }
+    }
+}
+
+static nbhd_status FN(forward_jvp_backward)(const nbhd_geometry *g,
+                                            const nbhd_forward_jvp_backward_args *a,
+                                            const nbhd_exec *e) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const int64_t rows = g->batch * g->tokens * g->heads;
+    const int64_t key_rows = g->has_window ? g->batch * g->tokens * g->kv_heads : 0;
+    const int64_t extra_rows = g->batch * g->extra_kv * g->kv_heads;
+    const ACC scale = (ACC)g->scale;
+    double *ws = (double *)e->workspace;  /* (D', c, E) per query row */
+    const nbhd_keyset all_queries = {{0, 0, 0},
+                                     {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent},
+                                     {1, 1, 1}, g->tokens, 0};
+    int failed = 0;
+#pragma omp parallel num_threads(threads_of(e))
+    {
+        const size_t width = (size_t)(D > Dv ? D : Dv);
+        ACC *buf = (ACC *)malloc(sizeof(ACC) * 14 * width);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        ACC *q = buf, *tq = q + width, *dout = tq + width, *G = dout + width, *o = G + width,
+            *to = o + width, *k = to + width, *tk = k + width, *v = tk + width, *tv = v + width,
+            *acc = tv + width, *acc_t = acc + width, *acc_v = acc_t + width, *acc_tv = acc_v + width;
+
+        /* pass 1, query-stationary: D', c, E;  dQ = s sum (dS k + dtS tk),  dtQ = s sum dtS k */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            if (!buf) continue;
+            const FN(row_index) ri = FN(row_of)(g, r);
+            const int64_t hk = ri.h / g->group;
+            int64_t c3[3];
+            token_coords(g, ri.tok, c3);
+#define AT(t) token_offset(&a->t, g, ri.b, c3[0], c3[1], c3[2], ri.h)
+            FN(load_row)(q, &a->q, AT(q), D, dt);
+            if (a->t_q.data) FN(load_row)(tq, &a->t_q, AT(t_q), D, dt);
+            FN(load_row)(o, &a->out, AT(out), Dv, dt);
+            FN(load_row)(to, &a->t_out, AT(t_out), Dv, dt);
+            if (a->d_out.data) FN(load_row)(dout, &a->d_out, AT(d_out), Dv, dt);
+            if (a->d_t_out.data) FN(load_row)(G, &a->d_t_out, AT(d_t_out), Dv, dt);
+            const ACC lse = (ACC)nbhd_load(a->lse.data, AT(lse), lt);
+            const ACC mu = (ACC)nbhd_load(a->t_lse.data, AT(t_lse), lt);
+            const ACC g_mu = a->d_t_lse.data ? (ACC)nbhd_load(a->d_t_lse.data, AT(d_t_lse), lt) : 0;
+            ACC Dp = a->d_out.data ? FN(dot)(dout, o, Dv) : 0;
+            if (a->d_lse.data) Dp -= (ACC)nbhd_load(a->d_lse.data, AT(d_lse), lt);
+            const ACC c = a->d_t_out.data ? FN(dot)(G, o, Dv) : 0;
+            const ACC E = a->d_t_out.data ? FN(dot)(G, to, Dv) : 0;
+            ws[3 * r] = (double)Dp;
+            ws[3 * r + 1] = (double)c;
+            ws[3 * r + 2] = (double)E;
+            const nbhd_keyset ks = window_of(g, ri.tok);
+            FN(zero)(acc, D);
+            FN(zero)(acc_t, D);
+            for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
+                const int in_box = n < ks.box;
+                const nbhd_tensor *tk_src = in_box ? &a->t_k : &a->t_kx;
+                const nbhd_tensor *tv_src = in_box ? &a->t_v : &a->t_vx;
+                FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
+                FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
+                if (tk_src->data) FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, hk, D, dt);
+                if (tv_src->data) FN(load_member)(tv, &ks, n, &a->t_v, &a->t_vx, ri.b, hk, Dv, dt);
+                const FN(pair) pr = FN(jvp_pair)(g, q, a->t_q.data ? tq : NULL, a->d_out.data ? dout : NULL,
+                                                 a->d_t_out.data ? G : NULL, k, tk_src->data ? tk : NULL,
+                                                 v, tv_src->data ? tv : NULL, lse, mu, g_mu, Dp, c, E);
+                FN(axpy)(acc, pr.ds, k, D);
+                if (tk_src->data) FN(axpy)(acc, pr.dts, tk, D);
+                FN(axpy)(acc_t, pr.dts, k, D);
+            }
+            FN(store_row)(&a->d_q, AT(d_q), acc, scale, D, dt);
+            if (a->d_t_q.data) FN(store_row)(&a->d_t_q, AT(d_t_q), acc_t, scale, D, dt);
+#undef AT
+        }
+
+        /* pass 2, key-stationary over each key's inverse neighborhood: dK, dtK, dV, dtV */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < key_rows; ++r) {
+            if (!buf) continue;
+            const int64_t hk = r % g->kv_heads, tok = (r / g->kv_heads) % g->tokens,
+                          b = r / (g->kv_heads * g->tokens);
+            int64_t c3[3];
+            token_coords(g, tok, c3);
+#define AT(t) token_offset(&a->t, g, b, c3[0], c3[1], c3[2], hk)
+            FN(load_row)(k, &a->k, AT(k), D, dt);
+            FN(load_row)(v, &a->v, AT(v), Dv, dt);
+            if (a->t_k.data) FN(load_row)(tk, &a->t_k, AT(t_k), D, dt);
+            if (a->t_v.data) FN(load_row)(tv, &a->t_v, AT(t_v), Dv, dt);
+            const nbhd_keyset qs = inverse_window_of(g, tok);
+            FN(jvp_key_gradients)(g, a, ws, b, hk, &qs, k, a->t_k.data ? tk : NULL, v,
+                                  a->t_v.data ? tv : NULL, q, tq, dout, G, acc, acc_t, acc_v, acc_tv);
+            FN(store_row)(&a->d_k, AT(d_k), acc, scale, D, dt);
+            FN(store_row)(&a->d_v, AT(d_v), acc_v, 1, Dv, dt);
+            if (a->d_t_k.data) FN(store_row)(&a->d_t_k, AT(d_t_k), acc_t, scale, D, dt);
+            if (a->d_t_v.data) FN(store_row)(&a->d_t_v, AT(d_t_v), acc_tv, 1, Dv, dt);
+#undef AT
+        }
+
+        /* pass 3: extra keys are seen by every query */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < extra_rows; ++r) {
+            if (!buf) continue;
+            const int64_t hk = r % g->kv_heads, ex = (r / g->kv_heads) % g->extra_kv,
+                          b = r / (g->kv_heads * g->extra_kv);
+#define AT(t) (b * a->t.stride[0] + ex * a->t.stride[1] + hk * a->t.stride[4])
+            FN(load_row)(k, &a->kx, AT(kx), D, dt);
+            FN(load_row)(v, &a->vx, AT(vx), Dv, dt);
+            if (a->t_kx.data) FN(load_row)(tk, &a->t_kx, AT(t_kx), D, dt);
+            if (a->t_vx.data) FN(load_row)(tv, &a->t_vx, AT(t_vx), Dv, dt);
+            FN(jvp_key_gradients)(g, a, ws, b, hk, &all_queries, k, a->t_kx.data ? tk : NULL, v,
+                                  a->t_vx.data ? tv : NULL, q, tq, dout, G, acc, acc_t, acc_v, acc_tv);
+            FN(store_row)(&a->d_kx, AT(d_kx), acc, scale, D, dt);
+            FN(store_row)(&a->d_vx, AT(d_vx), acc_v, 1, Dv, dt);
+            if (a->d_t_kx.data) FN(store_row)(&a->d_t_kx, AT(d_t_kx), acc_t, scale, D, dt);
+            if (a->d_t_vx.data) FN(store_row)(&a->d_t_vx, AT(d_t_vx), acc_tv, 1, Dv, dt);
+#undef AT
+        }
+        free(buf);
+    }
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp_backward: out of host memory for scratch rows")
+                  : NBHD_OK;
+}

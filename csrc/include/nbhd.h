@@ -56,7 +56,12 @@ typedef enum {
 
 typedef enum { NBHD_F64 = 0, NBHD_F32 = 1, NBHD_F16 = 2, NBHD_BF16 = 3 } nbhd_dtype;
 typedef enum { NBHD_CPU = 0, NBHD_CUDA = 1 } nbhd_device;
-typedef enum { NBHD_OP_FORWARD = 0, NBHD_OP_BACKWARD = 1, NBHD_OP_FORWARD_JVP = 2 } nbhd_op;
+typedef enum {
+    NBHD_OP_FORWARD = 0,
+    NBHD_OP_BACKWARD = 1,
+    NBHD_OP_FORWARD_JVP = 2,
+    NBHD_OP_FORWARD_JVP_BACKWARD = 3,
+} nbhd_op;
 
 #define NBHD_MAX_RANK 3
 
@@ -117,6 +122,22 @@ typedef struct {
     nbhd_tensor out, lse, t_out, t_lse;                     /* written */
 } nbhd_forward_jvp_args;
 
+/* Backward through forward+JVP (DESIGN.md §4): gradients of a loss on (O, LSE, tO, tLSE) with
+ * respect to Q, K, V and their tangents. With G = dL/dtO, g_mu = dL/dtLSE, n = tS - mu,
+ * c = G.O, E = G.tO, D' = dO.O - dLSE and w = G v^T - c + g_mu:
+ *   dtS = P w,  dS = P (dO v^T - D' + G tv^T + w n - E),
+ *   dQ = s (dS K + dtS tK),  dK = s (dS^T Q + dtS^T tQ),  dV = P^T dO + (P n)^T G,
+ *   dtQ = s dtS K,  dtK = s dtS^T Q,  dtV = P^T G.
+ * Any of d_out, d_lse, d_t_out, d_t_lse and the tangents may have NULL data (zero); d_t_*
+ * outputs with NULL data are not computed. Deterministic, like nbhd_backward. */
+typedef struct {
+    nbhd_tensor q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx;  /* read */
+    nbhd_tensor out, lse, t_out, t_lse;                      /* read: nbhd_forward_jvp's outputs */
+    nbhd_tensor d_out, d_lse, d_t_out, d_t_lse;              /* read */
+    nbhd_tensor d_q, d_k, d_v, d_kx, d_vx;                   /* written */
+    nbhd_tensor d_t_q, d_t_k, d_t_v, d_t_kx, d_t_vx;         /* written when data != NULL */
+} nbhd_forward_jvp_backward_args;
+
 NBHD_API const char *nbhd_version(void);
 NBHD_API const char *nbhd_status_string(nbhd_status status);
 /* The message of the last failed call on this thread: names the field, the value and the rule. */
@@ -134,6 +155,10 @@ NBHD_API nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_ar
                                    const nbhd_exec *e);
 NBHD_API nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args *a,
                                       const nbhd_exec *e);
+/* CPU only for now: NBHD_ERR_UNSUPPORTED on CUDA. */
+NBHD_API nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p,
+                                               const nbhd_forward_jvp_backward_args *a,
+                                               const nbhd_exec *e);
 
 #ifdef __cplusplus
 }
