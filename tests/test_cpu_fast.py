@@ -1,0 +1,128 @@
+"""The fast CPU kernels (csrc/cpu/fast_*) against the forced scalar reference
+(nbhd.ops._OPTIONS["use_reference"]) and the float64 reference, on cases chosen to hit their
+branches: several 16-query patches per row and a partial last one, border patches (exact union
+with a per-lane mask) and interior ones (shifted loads), causal starts, stride groups, dilation
+on the patch axis and on the others, GQA, extra keys, head dims that leave 8/4/1-wide tails,
+windows larger than one 512-slot unit, absent tangents, a gradient on the LSE, fp16/bf16,
+non-contiguous inputs, and every ISA build (NBHD_CPU_ISA=avx512|avx2|generic)."""
+import pytest
+import torch
+
+import nbhd
+from nbhd import ops
+from utils import Case, TOL, rel_err
+
+CASES = [
+    # shape, kernel, stride, dilation, causal, B, H, Hk, D, Dv, extra
+    ((40,), (7,), (1,), (1,), (False,), 1, 2, 2, 16, 16, 0),       # 3 patches, partial last
+    ((37,), (6,), (1,), (2,), (False,), 1, 2, 1, 20, 13, 0),       # dilation on Z, GQA, tails
+    ((50,), (9,), (3,), (1,), (True,), 2, 2, 2, 8, 8, 3),          # causal + stride + extra
+    ((700,), (600,), (1,), (1,), (False,), 1, 1, 1, 8, 8, 0),      # window > 512 slots
+    ((19, 34), (5, 7), (1, 1), (1, 1), (False, False), 1, 2, 2, 16, 16, 0),
+    ((12, 33), (3, 4), (2, 1), (2, 1), (True, False), 1, 4, 2, 12, 8, 2),
+    ((10, 40), (4, 6), (1, 3), (1, 2), (False, True), 2, 2, 1, 8, 24, 0),
+    ((30, 30), (23, 23), (1, 1), (1, 1), (False, False), 1, 1, 1, 4, 4, 0),  # 529 slots/query
+    ((5, 9, 20), (3, 3, 5), (1, 2, 1), (1, 1, 1), (False, False, True), 1, 2, 2, 8, 8, 4),
+    ((6, 8, 24), (2, 3, 5), (1, 1, 2), (2, 1, 1), (False, True, False), 1, 2, 1, 32, 16, 0),
+]
+ISAS = ["avx512", "avx2", "generic"]
+
+
+def _case(spec):
+    shape, ks, st, dil, causal, B, H, Hk, D, Dv, extra = spec
+    return Case(shape, ks, st, dil, causal, batch=B, heads=H, kv_heads=Hk, head_dim=D,
+                head_dim_v=Dv, extra=extra)
+
+
+def _run(case, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, d_out, d_lse, use_reference):
+    """forward (out, lse), backward (dq, dk, dv[, dkx, dvx]) and the JVP (out, t_out)."""
+    old = ops._OPTIONS["use_reference"]
+    ops._OPTIONS["use_reference"] = use_reference
+    try:
+        extra = dict(additional_keys=kx, additional_values=vx) if kx is not None else {}
+        leaves = [t.detach().requires_grad_() for t in (q, k, v) + ((kx, vx) if kx is not None else ())]
+        lq, lk, lv = leaves[:3]
+        if kx is not None:
+            extra = dict(additional_keys=leaves[3], additional_values=leaves[4])
+        out, lse = case.na()(lq, lk, lv, **case.kwargs(), return_lse=True, **extra)
+        grads = torch.autograd.grad((out, lse), leaves, (d_out, d_lse))
+        jextra = {}
+        if kx is not None:
+            jextra = dict(additional_keys=kx, additional_values=vx,
+                          tangent_additional_keys=tkx, tangent_additional_values=tvx)
+        jo, jt = case.na_jvp()(q, k, v, tq, tk, tv, **case.kwargs(), **jextra)
+        return [out.detach(), lse.detach(), *grads, jo, jt]
+    finally:
+        ops._OPTIONS["use_reference"] = old
+
+
+def _float64_truth(case, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, d_out, d_lse):
+    """The same quantities from the float64 pure-PyTorch reference (autograd and forward AD)."""
+    import torch.autograd.forward_ad as fwAD
+    d = lambda t: None if t is None else t.detach().double()  # noqa: E731
+    prim = [d(t) for t in (q, k, v, kx, vx)]
+    leaves = [t.requires_grad_() for t in prim if t is not None]
+    out, lse = case.reference(*prim[:3], *prim[3:])
+    grads = torch.autograd.grad((out, lse), leaves, (d(d_out), d(d_lse)))
+    tangents = [tq, tk, tv, tkx, tvx]
+    with fwAD.dual_level():
+        duals = [None if p is None else (fwAD.make_dual(p.detach(), d(t)) if t is not None else p.detach())
+                 for p, t in zip(prim, tangents)]
+        o, _ = case.reference(*duals[:3], *duals[3:])
+        jo, jt = fwAD.unpack_dual(o)
+        jt = torch.zeros_like(jo) if jt is None else jt
+    return [out.detach(), lse.detach(), *grads, jo, jt]
+
+
+NAMES = ["out", "lse", "dq", "dk", "dv", "dkx", "dvx"]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("idx", range(len(CASES)))
+def test_fast_matches_reference(idx, dtype, isa, monkeypatch):
+    if isa != "avx512" and dtype != torch.float32:
+        pytest.skip("the fallbacks share the conversion code: fp32 is enough")
+    monkeypatch.setenv("NBHD_CPU_ISA", isa)
+    case = _case(CASES[idx])
+    q, k, v, kx, vx = case.tensors(dtype, seed=idx)
+    g = torch.Generator().manual_seed(100 + idx)
+    rnd = lambda t: None if t is None else torch.randn(t.shape, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    # absent tangents on some cases (the kernels skip their products)
+    tq, tk, tv = rnd(q), (rnd(k) if idx % 3 != 1 else None), (rnd(v) if idx % 4 != 2 else None)
+    tkx, tvx = rnd(kx), rnd(vx)
+    out_shape = q.shape[:-1] + (case.head_dim_v,)
+    d_out = torch.randn(out_shape, generator=g, dtype=torch.float64).to(dtype)
+    d_lse = torch.randn(q.shape[:-1], generator=g, dtype=torch.float64).float()
+
+    fast = _run(case, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, d_out, d_lse, False)
+    ref = _run(case, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, d_out, d_lse, True)
+    truth = _float64_truth(case, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, d_out, d_lse)
+    names = NAMES[:len(fast) - 2] + ["jvp out", "jvp t_out"]
+    names = names if kx is not None else ["out", "lse", "dq", "dk", "dv", "jvp out", "jvp t_out"]
+    tol = TOL[dtype] if dtype != torch.float32 else 2e-5
+    for name, a, r, t in zip(names, fast, ref, truth):
+        assert torch.isfinite(a.double()).all(), f"{name}: non-finite values"
+        e_true = rel_err(a, t)
+        e_ref = rel_err(a, r)
+        assert e_true < tol, f"{name}: rel err vs float64 {e_true:.3g} (tol {tol}) case {CASES[idx]}"
+        assert e_ref < 2 * tol, f"{name}: rel err vs scalar reference {e_ref:.3g} case {CASES[idx]}"
+
+
+def test_backward_deterministic():
+    case = _case(CASES[5])
+    q, k, v, kx, vx = case.tensors(torch.float32, seed=5)
+    d_out = torch.randn(q.shape[:-1] + (case.head_dim_v,))
+    runs = []
+    for threads in (1, 2, 3):
+        ops._OPTIONS["threads"] = threads
+        try:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, kx, vx)]
+            out = case.na()(*leaves[:3], **case.kwargs(), additional_keys=leaves[3],
+                            additional_values=leaves[4])
+            runs.append(torch.autograd.grad(out, leaves, d_out))
+        finally:
+            ops._OPTIONS["threads"] = 0
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
