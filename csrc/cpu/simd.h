@@ -98,7 +98,9 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
     vf r;
     for (int l = 0; l < NBHD_LANES; ++l) {
         const float xl = x.v[l];
-        const float xc = xl >= -126.0f ? xl : -126.0f;
+        /* clamped to [-126, 128]: lanes past the last query (backward: S - L of padding) can be
+         * large, and (int32_t) of a float beyond 2^31 or an exponent add past 2^31 is UB */
+        const float xc = xl >= -126.0f ? (xl <= 128.0f ? xl : 128.0f) : -126.0f;
         const float n = (float)(int32_t)(xc - 0.5f);          /* xc <= 0: rounds to nearest */
         const float f = xc - n;
         float p = 1.5403530393381606e-4f;
@@ -108,9 +110,9 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
         p = p * f + 2.4022650695910071e-1f;
         p = p * f + 6.9314718055994531e-1f;
         p = p * f + 1.0f;
-        int32_t bits;
+        uint32_t bits;
         memcpy(&bits, &p, 4);
-        bits += (int32_t)n * (1 << 23);
+        bits += (uint32_t)(int32_t)n << 23;                   /* unsigned: wraps, no UB */
         float y;
         memcpy(&y, &bits, 4);
         r.v[l] = xl >= -126.0f ? y : 0.0f;

@@ -175,6 +175,11 @@ static void *fz_workspace(const nbhd_problem *p, nbhd_op op, nbhd_exec *e) {
  * required tensor (expect NBHD_ERR_ARG), mode 2 gives one byte less workspace. */
 static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t victim, uint64_t seed) {
     rng_t r = {seed};
+    if (getenv("NBHD_FUZZ_VERBOSE")) {  /* which problem a sanitizer report is about */
+        fz_describe(p);
+        fprintf(stderr, "  mode=%d threads=%d use_reference=%d seed=%llu\n", mode, e->threads,
+                e->use_reference, (unsigned long long)seed);
+    }
     const nbhd_dtype dt = p->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
     const double range = (seed & 3) == 0 ? 4.0 : 1.0;
     /* |S| <= M: an accumulation in float loses about M * 2^-23 on S, hence on P (relative) */
