@@ -91,6 +91,9 @@ $(SAN_BUILD)/%: csrc/tests/%.c $(SAN_OBJS) $(C_TEST_HEADERS)
 
 test-c-sanitized: $(SAN_C_TESTS)
 	@set -e; for t in $(SAN_C_TESTS); do echo "== $$t (ASan+UBSan)"; $(SAN_ENV) $$t; done
+	@set -e; for isa in avx2 generic; do echo "== fast kernels forced to $$isa (ASan+UBSan)"; \
+		NBHD_CPU_ISA=$$isa $(SAN_ENV) $(SAN_BUILD)/test_fuzz_corpus; \
+		NBHD_CPU_ISA=$$isa $(SAN_ENV) $(SAN_BUILD)/test_kernels 60 1000; done
 
 $(FUZZ_BUILD)/fuzz_api: csrc/tests/fuzz_api.c $(C_SRCS) $(C_TEST_HEADERS) $(wildcard csrc/*/*.h csrc/include/*.h)
 	@mkdir -p $(FUZZ_BUILD)/corpus

@@ -352,8 +352,27 @@ static void fz_empty(const nbhd_problem *p, nbhd_exec *e) {
 }
 
 // ----------------------------------------------------------------------------
+// what the inputs became, printed at exit (the numbers of the note)
+
+static struct {
+    long inputs, invalid, absurd_threads, null_args, device_refused, empty, too_large, computed,
+        null_tensor, short_workspace;
+} fz_count;
+
+static void fz_report(void) {
+    fprintf(stderr,
+            "fuzz_api: %ld inputs: %ld invalid problems (all refused), %ld absurd thread counts "
+            "(refused), %ld NULL-args probes, %ld CUDA problems refused, %ld empty (batch or heads "
+            "0), %ld valid but too large to allocate (workspace size only), %ld computed and "
+            "checked against naive.h (%ld with one required tensor NULL, %ld with a short "
+            "workspace: refused)\n",
+            fz_count.inputs, fz_count.invalid, fz_count.absurd_threads, fz_count.null_args,
+            fz_count.device_refused, fz_count.empty, fz_count.too_large, fz_count.computed,
+            fz_count.null_tensor, fz_count.short_workspace);
+}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    if (fz_count.inputs++ == 0 && !fz_input_name) atexit(fz_report);
     fz_reader rd = {data, size};
     nbhd_problem prob;
     nbhd_problem *p = &prob;
@@ -399,10 +418,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (int i = 0; i < 8; ++i) seed = seed << 8 | fz_u8(&rd);
 
     if (nbhd_validate(p) != NBHD_OK) {
+        fz_count.invalid++;
         fz_invalid(p, &e);
         return 0;
     }
     if (absurd_threads) {
+        fz_count.absurd_threads++;
         nbhd_forward_args fa;
         nbhd_backward_args ba;
         nbhd_forward_jvp_args ja;
@@ -419,11 +440,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     /* a valid problem: the same answer from every entry point, whatever the mode */
     if (mode == 7) {  /* NULL args are rejected, NULL exec is the default */
+        fz_count.null_args++;
         FZ_CHECK(nbhd_forward(p, NULL, &e) == NBHD_ERR_ARG, "forward accepted NULL args");
         FZ_CHECK(nbhd_backward(p, NULL, &e) == NBHD_ERR_ARG, "backward accepted NULL args");
         FZ_CHECK(nbhd_forward_jvp(p, NULL, NULL) == NBHD_ERR_ARG, "forward_jvp accepted NULL args");
     }
     if (p->device != NBHD_CPU) {  /* host buffers only: a CPU-only build must refuse */
+        fz_count.device_refused++;
         if (!nbhd_has_cuda() && p->batch > 0 && p->heads > 0) {
             unsigned char *byte = (unsigned char *)malloc(1);
             nbhd_tensor t = fz_none();
@@ -437,6 +460,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         return 0;
     }
     if (p->batch == 0 || p->heads == 0) {
+        fz_count.empty++;
         fz_empty(p, &e);
         if (p->batch == 0) return 0;
     }
@@ -445,9 +469,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const double cost = (double)p->batch * (double)T * (double)heads * (double)(T + p->extra_kv) * (double)width;
     if (T > 1024 || (double)p->batch * (double)(T + p->extra_kv) * (double)heads * (double)width > 2e4 ||
         cost > 3e5) {
+        fz_count.too_large++;
         for (int op = 0; op < 3; ++op) (void)nbhd_workspace_bytes(p, (nbhd_op)op, &e);
         return 0;
     }
-    fz_compute(p, &e, (mode == 1 || mode == 2) && p->heads > 0 ? mode : 0, victim, seed);
+    const int m = (mode == 1 || mode == 2) && p->heads > 0 ? mode : 0;
+    fz_count.computed++;
+    fz_count.null_tensor += m == 1;
+    fz_count.short_workspace += m == 2;
+    fz_compute(p, &e, m, victim, seed);
     return 0;
 }
