@@ -358,7 +358,6 @@ NBHD_ALWAYS_INLINE void FAST(accum_rows_impl)(float *OUT, int64_t dim, const flo
                                               const float *const *rows, int64_t nrows, int64_t n,
                                               int64_t ld, int bcast) {
     int64_t d0 = 0;
-    for (; d0 + 16 <= dim; d0 += 16) FAST(accum_block)(OUT, d0, P, rows, nrows, n, ld, bcast, 16);
     for (; d0 + 8 <= dim; d0 += 8) FAST(accum_block)(OUT, d0, P, rows, nrows, n, ld, bcast, 8);
     for (; d0 + 4 <= dim; d0 += 4) FAST(accum_block)(OUT, d0, P, rows, nrows, n, ld, bcast, 4);
     for (; d0 < dim; ++d0) FAST(accum_block)(OUT, d0, P, rows, nrows, n, ld, bcast, 1);
@@ -399,7 +398,6 @@ NBHD_ALWAYS_INLINE void FAST(accum2_rows_impl)(float *O, float *C, int64_t dim, 
                                                const float *const *tv, int64_t nrows, int64_t n,
                                                int64_t ld, int bcast) {
     int64_t d0 = 0;
-    for (; d0 + 8 <= dim; d0 += 8) FAST(accum2_block)(O, C, d0, P, PT, v, tv, nrows, n, ld, bcast, 8);
     for (; d0 + 4 <= dim; d0 += 4) FAST(accum2_block)(O, C, d0, P, PT, v, tv, nrows, n, ld, bcast, 4);
     for (; d0 < dim; ++d0) FAST(accum2_block)(O, C, d0, P, PT, v, tv, nrows, n, ld, bcast, 1);
 }
