@@ -84,17 +84,23 @@ def _window(L, K, s, d, causal, x):
 
 
 def flex_fn(q, k, v, extents, kernel, stride):
+    """flex_attention with the neighborhood as a closed-form mask_mod: per axis the window start
+    is computed arithmetically from the query coordinate (non-causal, no dilation), so the block
+    mask and the kernel see only integer ops on the index tensors, no table lookups."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     dev = q.device
-    axes = [window_tensors(L, K, s, 1, False, dev) for L, K, s in zip(extents, kernel, stride)]
     strides = [math.prod(extents[a + 1:]) for a in range(len(extents))]
+    axes = list(zip(extents, kernel, stride, strides))
 
     def mask_mod(b, h, qi, ki):
-        ok = qi >= 0
-        for a, (grp, st, en) in enumerate(axes):
-            xq = (qi // strides[a]) % extents[a]
-            xk = (ki // strides[a]) % extents[a]
-            ok = ok & (xk >= st[xq]) & (xk < en[xq])
+        ok = None
+        for L, K, s, sa in axes:
+            xq = (qi // sa) % L
+            xk = (ki // sa) % L
+            leader = torch.clamp((xq // s) * s + s // 2, max=L - 1)
+            start = torch.clamp(torch.clamp(leader - K // 2, max=L - K), min=0)
+            inside = (xk >= start) & (xk < start + K)
+            ok = inside if ok is None else ok & inside
         return ok
 
     N = math.prod(extents)
