@@ -94,7 +94,7 @@ static void fz_repair(nbhd_problem *p) {
     if (p->head_dim_v < 1 || p->head_dim_v > 64) p->head_dim_v = 1 + (int32_t)((uint32_t)p->head_dim_v % 16u);
     if (!isfinite(p->scale) || fabs(p->scale) > 100) p->scale = 0.5;
     if ((unsigned)p->dtype > NBHD_BF16) p->dtype = NBHD_F32;
-    p->device = NBHD_CPU;
+    p->device = p->device == NBHD_CUDA ? NBHD_CUDA : NBHD_CPU;
 }
 
 // ----------------------------------------------------------------------------
@@ -428,7 +428,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t tb = fz_u8(&rd);
     p->dtype = tb >= 250 ? (nbhd_dtype)(int)(tb - 252) : (nbhd_dtype)(tb % 4);
     const uint8_t dev = fz_u8(&rd);
-    p->device = dev >= 250 ? (nbhd_device)(int)(dev - 248) : NBHD_CPU;
+    p->device = dev >= 250 ? (nbhd_device)(int)(dev - 249) : NBHD_CPU;  /* 1 (CUDA) .. 6 */
     const uint8_t flags = fz_u8(&rd);
     if (flags % 4 != 0) fz_repair(p);  /* three in four inputs become valid problems */
 
