@@ -332,7 +332,16 @@ nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_
     if (!e) e = &default_exec;
     if ((st = check_exec(e)) != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
-    if (is_empty(&g)) return NBHD_OK;  /* heads == 0: the caller's gradients are zeros */
+    if (g.batch > 0 && g.heads == 0) {  /* no query sees any key: key-side gradients are zero */
+        nbhd_backward_args zero = {0};
+        zero.d_k = a->d_k; zero.d_v = a->d_v; zero.d_kx = a->d_kx; zero.d_vx = a->d_vx;
+        if ((st = backward_no_heads(&g, &zero, p->device)) != NBHD_OK) return st;
+        const int has_t = a->d_t_k.data || a->d_t_v.data || a->d_t_kx.data || a->d_t_vx.data;
+        if (!has_t) return NBHD_OK;
+        zero.d_k = a->d_t_k; zero.d_v = a->d_t_v; zero.d_kx = a->d_t_kx; zero.d_vx = a->d_t_vx;
+        return backward_no_heads(&g, &zero, p->device);
+    }
+    if (is_empty(&g)) return NBHD_OK;
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse"); NEED(a->t_out, "t_out");
     NEED(a->t_lse, "t_lse"); NEED(a->d_q, "d_q");
     if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
