@@ -34,18 +34,11 @@ def _same_nan_pattern_and_close(out, want, rtol=1e-5, atol=1e-6):
     torch.testing.assert_close(out[fin], want[fin], rtol=rtol, atol=atol)
 
 
-# Known bug (issue 8): the fused CPU forward drops a NaN key for every query but the first whose
-# window holds it (NaN-unsafe running max / exp2 clamp in csrc/cpu/fast_impl.h); strict, so the
-# fix turns this xfail into a failure to remove.
-_CPU_FNA_NAN_KEY = pytest.mark.xfail(strict=True, reason="cpu-fna forward drops NaN keys (fast_impl.h max/exp2)")
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("where,value", [("q", float("nan")), ("q", float("inf")), ("q", float("-inf")),
                                          ("k", float("-inf")), ("k", float("inf")), ("k", float("nan"))])
 def test_nonfinite_logits_propagate_like_sdpa(backend, where, value, request):
-    if backend == "cpu-fna" and where == "k" and value != value:
-        request.applymarker(_CPU_FNA_NAN_KEY)
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 16, 2, 8) for _ in range(3))
     t = q if where == "q" else k

@@ -48,6 +48,7 @@ NBHD_ALWAYS_INLINE vf vf_keep_range(vf x, const int32_t *lo, const int32_t *hi, 
 /* 2^x for x <= 0 (x = -inf gives exactly 0): x = n + f, |f| <= 1/2, 2^f by a degree-6
  * polynomial (relative error ~1e-7), times 2^n by scalef. */
 NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
+    const vf x_in = x;
     const vf lo = _mm512_set1_ps(-127.0f);
     const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
     x = _mm512_max_ps(x, lo);
@@ -60,7 +61,9 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(live, p, n);
+    /* NaN in, NaN out (a NaN score must poison its row, as in SDPA) */
+    const __mmask16 nan = _mm512_cmp_ps_mask(x_in, x_in, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(nan, _mm512_maskz_scalef_ps(live, p, n), x_in);
 }
 
 #else /* portable: 16 floats, loops the compiler vectorises */
@@ -115,7 +118,7 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
         bits += (uint32_t)(int32_t)n << 23;                   /* unsigned: wraps, no UB */
         float y;
         memcpy(&y, &bits, 4);
-        r.v[l] = xl >= -126.0f ? y : 0.0f;
+        r.v[l] = xl >= -126.0f ? y : (xl != xl ? xl : 0.0f);  /* NaN in, NaN out */
     }
     return r;
 }
