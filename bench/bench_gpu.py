@@ -117,7 +117,7 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--only", default=None, help="substring of problem names")
+    ap.add_argument("--only", default=None, help="substrings of problem names, comma-separated")
     ap.add_argument("--max-slow-flop", type=float, default=5e12,
                     help="skip backward / forward+JVP above this many useful FLOPs while they "
                          "run on the simple (non-tensor-core) kernels")
@@ -134,7 +134,7 @@ def main():
     print(hdr, flush=True)
     for D in [int(x) for x in args.dims.split(",")]:
         for name, B, ext, ks, st in PROBLEMS:
-            if args.only and args.only not in name:
+            if args.only and not any(o in name for o in args.only.split(",")):
                 continue
             H = args.heads
             N = math.prod(ext)

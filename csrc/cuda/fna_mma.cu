@@ -7,7 +7,8 @@
  *   1-D 64, 2-D 8x8 (warps 4x4 each), 3-D 4x4x4 (warps 2x2x4 each).
  * Its keys are the exact union of the patch's windows: per axis the in-group range
  * [start(first query), end(last query)) (start and end never decrease along an axis), walked
- * row-major in tiles of 64 keys (32 for windows under 512 keys), then the extra keys. K and V tiles are
+ * row-major (or, env NBHD_MMA_REGION_WALK=1, region by region: mma_util.cuh's union walk) in
+ * tiles of 64 keys (32 for windows under 512 keys), then the extra keys. K and V tiles are
  * double-buffered in XOR-swizzled shared memory by cp.async (zero-filled past the end); Q stays
  * in registers. Each warp first asks (one ballot) whether the tile holds any key of its own
  * union and skips the tile's MMAs if not, then masks element-wise by each row's window.
@@ -26,14 +27,17 @@
 // ----------------------------------------------------------------------------
 // the kernel
 
-template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windows */>
-__global__ void __launch_bounds__(MMA_THREADS, BN == 32 && HD <= 64 ? 3 : 2)
+template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windows */,
+          int MINB /* CTAs per SM the registers are budgeted for */,
+          int NS /* K/V stages: 2 (load t+1, two barriers a tile) or 3 (load t+2, one barrier) */>
+__global__ void __launch_bounds__(MMA_THREADS, MINB)
 fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)smem_raw;                 /* [BM][HD] */
-    T *Ks = Qs + BM * HD;                  /* [2][BN][HD] */
-    T *Vs = Ks + 2 * BN * HD;              /* [2][BN][HD] */
-    int *kc = (int *)(Vs + 2 * BN * HD);   /* [2][3][BN] in-group key coordinates */
+    T *Ks = Qs + BM * HD;                  /* [NS][BN][HD] */
+    T *Vs = Ks + NS * BN * HD;             /* [NS][BN][HD] */
+    int *kc = (int *)(Vs + NS * BN * HD);  /* [NS][3][BN] in-group key coordinates */
+    uwalk *uw = (uwalk *)(kc + 3 * NS * BN);  /* the order of the window keys */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
@@ -48,7 +52,7 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     const int h = hk * g.group + hg;
 
     // per axis: dilation group, first in-group query of the patch, group length, key range
-    int64_t grp[3], i0[3], Lg[3], lo[3], cnt[3];
+    int64_t grp[3], i0[3], Lg[3];
     {
         int64_t rest = patch;
         int64_t slot[3];
@@ -62,18 +66,9 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
             i0[ax] = (slot[ax] / d) * P.ct[ax];
             Lg[ax] = nbhd_group_len(&g.axis[ax], grp[ax]);
             if (i0[ax] >= Lg[ax]) return;  /* an empty slot (uniform over the CTA) */
-            int64_t st, en, st2, en2;
-            const int64_t last = min(i0[ax] + P.ct[ax], Lg[ax]) - 1;
-            window32(&g.axis[ax], i0[ax], Lg[ax], &st, &en);
-            window32(&g.axis[ax], last, Lg[ax], &st2, &en2);
-            lo[ax] = st;
-            cnt[ax] = en2 - st;
         }
     }
-    const int64_t nk = g.has_window ? cnt[0] * cnt[1] * cnt[2] : 0;
-    const int64_t nx = g.extra_kv;
-    const int win_tiles = (int)((nk + BN - 1) / BN);
-    const int tiles = win_tiles + (int)((nx + BN - 1) / BN);
+    if (w == 0) uwalk_build(uw, g, P, i0, Lg, lane);
 
     // query row qr = w*16 + r of the CTA -> in-group coordinates; valid if inside every axis
     auto row_coords = [&](int qr, int64_t iq[3]) -> bool {
@@ -105,6 +100,12 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         }
     }
 
+    __syncthreads();  /* the walk is built */
+    const int nk = uw->total;
+    const int64_t nx = g.extra_kv;
+    const int win_tiles = (nk + BN - 1) / BN;
+    const int tiles = win_tiles + (int)((nx + BN - 1) / BN);
+
     // K, V (and key coordinates) of tile t into stage s
     auto load_tile = [&](int t, int s) {
         constexpr int CH = HD / 8;
@@ -114,23 +115,18 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         // MMA_THREADS / BN threads per row, each a run of chunks: one coordinate computation
         constexpr int TPR = MMA_THREADS / BN, CPT = CH / TPR;
         const int kr = tid / TPR;
+        int j[3] = {0, 0, 0};
+        const int nwalk = t * BN + kr;
+        if (win && nwalk < nk) uwalk_key(uw, nwalk, j);
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
             const int ch = (tid % TPR) * CPT + cc;
             const T *ksrc = (const T *)(win ? a.k.data : a.kx.data);
             const T *vsrc = (const T *)(win ? a.v.data : a.vx.data);
             bool ok;
-            int j[3] = {0, 0, 0};
             if (win) {
-                const int64_t n = (int64_t)t * BN + kr;
-                ok = n < nk;
+                ok = nwalk < nk;
                 if (ok) {
-                    // 32-bit division (tokens < 2^31 on this path): coordinates in the box
-                    const uint32_t nn = (uint32_t)n, c2 = (uint32_t)cnt[2], c1 = (uint32_t)cnt[1];
-                    const uint32_t q2 = nn / c2, q1 = q2 / c1;
-                    j[2] = (int)(lo[2] + (nn - q2 * c2));
-                    j[1] = (int)(lo[1] + (q2 - q1 * c1));
-                    j[0] = (int)(lo[0] + q1);
                     const int64_t y0 = grp[0] + j[0] * g.axis[0].dilation,
                                   y1 = grp[1] + j[1] * g.axis[1].dilation,
                                   y2 = grp[2] + j[2] * g.axis[2].dilation;
@@ -210,13 +206,26 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
 
     if (tiles > 0) load_tile(0, 0);
     cp_async_commit();
+    if (NS == 3) {
+        if (tiles > 1) load_tile(1, 1);
+        cp_async_commit();
+    }
 
     for (int t = 0; t < tiles; ++t) {
-        const int s = t & 1;
-        if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+        const int s = NS == 3 ? t % 3 : t & 1;
+        if (NS == 3) {
+            /* groups 0 .. t+1 committed: wait for tile t; the barrier also frees the stage of
+             * tile t-1, which tile t+2 takes */
+            cp_async_wait<1>();
+            __syncthreads();
+            if (t + 2 < tiles) load_tile(t + 2, (t + 2) % 3);
+            cp_async_commit();
+        } else {
+            if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+        }
         if (t == 0) {
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
@@ -344,7 +353,7 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                 }
             }
         }
-        __syncthreads();  /* stage s is free for tile t + 2 */
+        if (NS == 2) __syncthreads();  /* stage s is free for tile t + 2 */
     }
     cp_async_wait<0>();
 
@@ -387,12 +396,13 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes;
 }
 
-template <typename T, int HD, int BN>
+template <typename T, int HD, int BN, int MINB, int NS>
 static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
     const mma_plan P = mma_plan_of(g);
-    const size_t smem = sizeof(T) * (size_t)(BM * HD + 4 * BN * HD) + sizeof(int) * 6 * BN;
+    const size_t smem =
+        sizeof(T) * (size_t)(BM * HD + 2 * NS * BN * HD) + sizeof(int) * 3 * NS * BN + sizeof(uwalk);
     /* per device and cheap: set on every launch (legal during stream capture) */
-    if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN>,
+    if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN, MINB, NS>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
         return nbhd_fail(NBHD_ERR_DEVICE, "mma forward: cannot reserve %zu bytes of shared memory: %s",
@@ -402,7 +412,7 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a,
     if (ctas > 0x7fffffff)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward: %lld CTAs exceed the grid limit",
                          (long long)ctas);
-    fna_mma_forward_kernel<T, HD, BN><<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
+    fna_mma_forward_kernel<T, HD, BN, MINB, NS><<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward");
     return NBHD_OK;
 }
@@ -413,7 +423,17 @@ template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
     const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
     const bool small_window = g->has_window && window < 512;
-    return small_window ? launch_bn<T, HD, 32>(g, a, st) : launch_bn<T, HD, 64>(g, a, st);
+    /* 64-key tiles keep 2 stages (3 would leave one 112 KiB CTA per SM at D = 128) */
+    if (!small_window) return launch_bn<T, HD, 64, 2, 2>(g, a, st);
+    /* 32-key tiles: 2 stages unless env NBHD_MMA_FWD_STAGES=3; D = 128 budgets registers for
+     * 2 CTAs/SM (234 registers) unless NBHD_MMA_FWD_OCC=3 (168, a few spills). Both env
+     * switches exist for A/B runs on the device (bench/ab_fwd.py); neither was faster on an
+     * H200 (bench/RESULTS_GPU.md). */
+    const char *stg = getenv("NBHD_MMA_FWD_STAGES"), *occ = getenv("NBHD_MMA_FWD_OCC");
+    const bool two = !(stg && stg[0] == '3');
+    if (HD <= 64 || (occ && occ[0] == '3'))
+        return two ? launch_bn<T, HD, 32, 3, 2>(g, a, st) : launch_bn<T, HD, 32, 3, 3>(g, a, st);
+    return two ? launch_bn<T, HD, 32, 2, 2>(g, a, st) : launch_bn<T, HD, 32, 2, 3>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,

@@ -53,6 +53,7 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
     T *Ks = dOs + BR * HD;          /* [2][BC][HD] */
     T *Vs = Ks + 2 * BC * HD;       /* [2][BC][HD] */
     int *kc = (int *)(Vs + 2 * BC * HD); /* [2][3][BC] */
+    uwalk *uw = (uwalk *)(kc + 6 * BC);  /* the order of the window keys */
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
     int64_t idx = blockIdx.x;
@@ -66,15 +67,10 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
 
     patch_rows pr;
     if (!patch_of(g, P, patch, pr)) return;
-    int64_t lo[3], cnt[3];
-    for (int ax = 0; ax < 3; ++ax) {
-        int64_t st, en, st2, en2;
-        window32(&g.axis[ax], pr.i0[ax], pr.Lg[ax], &st, &en);
-        window32(&g.axis[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1, pr.Lg[ax], &st2, &en2);
-        lo[ax] = st;
-        cnt[ax] = en2 - st;
-    }
-    const int64_t nk = g.has_window ? cnt[0] * cnt[1] * cnt[2] : 0, nx = g.extra_kv;
+    if (w == 0) uwalk_build(uw, g, P, pr.i0, pr.Lg, lane);
+    __syncthreads();  /* the walk is built */
+    const int nk = uw->total;
+    const int64_t nx = g.extra_kv;
     const int win_tiles = (int)((nk + BC - 1) / BC);
     const int tiles = win_tiles + (int)((nx + BC - 1) / BC);
     const int64_t dil[3] = {g.axis[0].dilation, g.axis[1].dilation, g.axis[2].dilation};
@@ -107,23 +103,18 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
         // BW_THREADS / BC threads per row, each a run of chunks: one coordinate computation
         constexpr int TPR = BW_THREADS / BC, CPT = CH / TPR;
         const int kr = tid / TPR;
+        int j[3] = {0, 0, 0};
+        const int nwalk = t * BC + kr;
+        if (win && nwalk < nk) uwalk_key(uw, nwalk, j);
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
             const int ch = (tid % TPR) * CPT + cc;
             const T *ksrc = (const T *)(win ? a.k.data : a.kx.data);
             const T *vsrc = (const T *)(win ? a.v.data : a.vx.data);
             bool ok;
-            int j[3] = {0, 0, 0};
             if (win) {
-                const int64_t n = (int64_t)t * BC + kr;
-                ok = n < nk;
+                ok = nwalk < nk;
                 if (ok) {
-                    // 32-bit division (tokens < 2^31 on this path): coordinates in the box
-                    const uint32_t nn = (uint32_t)n, c2 = (uint32_t)cnt[2], c1 = (uint32_t)cnt[1];
-                    const uint32_t q2 = nn / c2, q1 = q2 / c1;
-                    j[2] = (int)(lo[2] + (nn - q2 * c2));
-                    j[1] = (int)(lo[1] + (q2 - q1 * c1));
-                    j[0] = (int)(lo[0] + q1);
                     const int64_t y0 = pr.grp[0] + j[0] * dil[0], y1 = pr.grp[1] + j[1] * dil[1],
                                   y2 = pr.grp[2] + j[2] * dil[2];
                     ksrc += offset_of(a.k, b, y0, y1, y2, hk) + ch * 8;
@@ -522,7 +513,8 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
-    const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
+    const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC +
+                           sizeof(uwalk);
     if ((s = reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq)) != NBHD_OK) return s;
     const int64_t ctas = g->batch * g->heads * P.patches;
     if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: grid too large");

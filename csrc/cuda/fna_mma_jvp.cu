@@ -26,6 +26,7 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
     T *tKs = Vs + 2 * BC * HD;
     T *tVs = tKs + 2 * BC * HD;
     int *kc = (int *)(tVs + 2 * BC * HD); /* [2][3][BC] */
+    uwalk *uw = (uwalk *)(kc + 6 * BC);  /* the order of the window keys */
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
     int64_t idx = blockIdx.x;
@@ -39,15 +40,10 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
 
     patch_rows pr;
     if (!patch_of(g, P, patch, pr)) return;
-    int64_t lo[3], cnt[3];
-    for (int ax = 0; ax < 3; ++ax) {
-        int64_t st, en, st2, en2;
-        window32(&g.axis[ax], pr.i0[ax], pr.Lg[ax], &st, &en);
-        window32(&g.axis[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1, pr.Lg[ax], &st2, &en2);
-        lo[ax] = st;
-        cnt[ax] = en2 - st;
-    }
-    const int64_t nk = g.has_window ? cnt[0] * cnt[1] * cnt[2] : 0, nx = g.extra_kv;
+    if (w == 0) uwalk_build(uw, g, P, pr.i0, pr.Lg, lane);
+    __syncthreads();  /* the walk is built */
+    const int nk = uw->total;
+    const int64_t nx = g.extra_kv;
     const int win_tiles = (int)((nk + BC - 1) / BC);
     const int tiles = win_tiles + (int)((nx + BC - 1) / BC);
     const int64_t dil[3] = {g.axis[0].dilation, g.axis[1].dilation, g.axis[2].dilation};
@@ -87,22 +83,17 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
         // JV_THREADS / BC threads per row, each a run of chunks: one coordinate computation
         constexpr int TPR = JV_THREADS / BC, CPT = CH / TPR;
         const int kr = tid / TPR;
+        int j[3] = {0, 0, 0};
+        const int nwalk = t * BC + kr;
+        if (win && nwalk < nk) uwalk_key(uw, nwalk, j);
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
             const int ch = (tid % TPR) * CPT + cc;
             bool ok;
-            int j[3] = {0, 0, 0};
             int64_t y0 = 0, y1 = 0, y2 = 0, e = 0;
             if (win) {
-                const int64_t n = (int64_t)t * BC + kr;
-                ok = n < nk;
+                ok = nwalk < nk;
                 if (ok) {
-                    // 32-bit division (tokens < 2^31 on this path): coordinates in the box
-                    const uint32_t nn = (uint32_t)n, c2 = (uint32_t)cnt[2], c1 = (uint32_t)cnt[1];
-                    const uint32_t q2 = nn / c2, q1 = q2 / c1;
-                    j[2] = (int)(lo[2] + (nn - q2 * c2));
-                    j[1] = (int)(lo[1] + (q2 - q1 * c1));
-                    j[0] = (int)(lo[0] + q1);
                     y0 = pr.grp[0] + j[0] * dil[0];
                     y1 = pr.grp[1] + j[1] * dil[1];
                     y2 = pr.grp[2] + j[2] * dil[2];
@@ -305,7 +296,8 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
 template <typename T, int HD>
 static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
     const mma_plan P = mma_plan_of(g);
-    const size_t smem = sizeof(T) * (size_t)(2 * BR * HD + 8 * BC * HD) + sizeof(int) * 6 * BC;
+    const size_t smem = sizeof(T) * (size_t)(2 * BR * HD + 8 * BC * HD) + sizeof(int) * 6 * BC +
+                        sizeof(uwalk);
     if (cudaFuncSetAttribute(fna_mma_jvp_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();

@@ -6,6 +6,8 @@
 #ifndef NBHD_CUDA_MMA_UTIL_CUH
 #define NBHD_CUDA_MMA_UTIL_CUH
 
+#include <stdlib.h>
+
 #include "cuda_common.cuh"
 
 #define KEY_NONE (-(1 << 30))
@@ -18,6 +20,8 @@ struct mma_plan {
     int64_t slots[3]; /* patch slots per axis: dilation * ceil(ceil(L/d) / ct) */
     int64_t patches;  /* product of slots */
     float scale_log2; /* scale * log2(e) */
+    int flat_walk;    /* 1: walk the union box row-major (the default); 0: region by region
+                         (env NBHD_MMA_REGION_WALK=1; measured no faster, see RESULTS_GPU.md) */
 };
 
 /* 64-row patches: 1-D 64, 2-D 8x8 (warps 4x4), 3-D 4x4x4 (warps 2x2x4) */
@@ -38,6 +42,8 @@ static inline mma_plan mma_plan_of(const nbhd_geometry *g) {
         P.patches *= P.slots[ax];
     }
     P.scale_log2 = (float)(g->scale * 1.4426950408889634);
+    const char *rw = getenv("NBHD_MMA_REGION_WALK");
+    P.flat_walk = !(rw && rw[0] == '1');
     return P;
 }
 
@@ -150,6 +156,120 @@ __device__ __forceinline__ void inverse32(const nbhd_axis *a, int64_t y64, int64
     }
     *first = g + (int64_t)i_lo * d;
     *count = lo - i_lo;
+}
+
+// ----------------------------------------------------------------------------
+// the union walk: the order in which a CTA visits the keys of its windows
+//
+// Per axis the CTA's warp rows (P.wc of them, P.wt queries each) have key unions [lo_r, hi_r)
+// (in-group coordinates; starts and ends never decrease along an axis). Their breakpoints cut
+// the axis into segments, each needed by a fixed run of warp rows (gaps needed by none are
+// dropped). The CTA visits the product regions of these segments one after the other, each
+// row-major, so a tile holds keys of few regions and a warp skips the tiles of regions outside
+// its own union (2-D 7x7: 9 regions of the 14x14 box; a warp needs 4 of them, 10x10 keys). The
+// walk covers every row's window exactly once; the element mask stays as before.
+// Measured on an H200 (bench/RESULTS_GPU.md): 10-16 % fewer MMA tiles but no faster (the kernels
+// are bound by instruction issue at 8 warps/SM, not by MMAs), so the default is one region, the
+// whole union box row-major (P.flat_walk); env NBHD_MMA_REGION_WALK=1 selects the regions.
+
+#define UW_SEG 8   /* segments per axis: at most 2 * wc - 1 (wc <= 4) */
+#define UW_MAX 32  /* regions (one lane each when built) */
+
+struct uwalk {    /* in shared memory */
+    int nreg, total;
+    int pre[UW_MAX + 1];               /* first walk index of each region */
+    int f0[UW_MAX], f1[UW_MAX], f2[UW_MAX];  /* first key of each region, in-group */
+    int c1[UW_MAX], c2[UW_MAX];        /* extents of each region on axes 1 and 2 */
+    int seg_lo[3][UW_SEG], seg_n[3][UW_SEG], nseg[3];
+};
+
+/* Built by one whole warp (all 32 lanes); the CTA synchronises before reading it. */
+__device__ __forceinline__ void uwalk_build(uwalk *u, const nbhd_geometry &g, const mma_plan &P,
+                                            const int64_t i0[3], const int64_t Lg[3], int lane) {
+    if (lane < 3) {
+        const int ax = lane;
+        int lo[4], hi[4], nr = 0;
+        for (int r = 0; r < P.wc[ax] && r < 4; ++r) {
+            const int64_t first = i0[ax] + (int64_t)r * P.wt[ax];
+            if (first >= Lg[ax]) break;
+            const int64_t last = min(first + P.wt[ax], Lg[ax]) - 1;
+            int64_t st, en, st2, en2;
+            window32(&g.axis[ax], first, Lg[ax], &st, &en);
+            window32(&g.axis[ax], last, Lg[ax], &st2, &en2);
+            lo[nr] = (int)st;
+            hi[nr] = (int)en2;
+            ++nr;
+        }
+        int pts[8], np = 0;
+        for (int r = 0; r < nr; ++r) {
+            pts[np++] = lo[r];
+            pts[np++] = hi[r];
+        }
+        for (int i = 1; i < np; ++i)  /* insertion sort, at most 8 */
+            for (int k = i; k > 0 && pts[k - 1] > pts[k]; --k) {
+                const int x = pts[k]; pts[k] = pts[k - 1]; pts[k - 1] = x;
+            }
+        int ns = 0;
+        for (int i = 0; i + 1 < np; ++i) {
+            const int p0 = pts[i], p1 = pts[i + 1];
+            if (p1 <= p0) continue;
+            bool need = false;
+            for (int r = 0; r < nr; ++r) need |= lo[r] <= p0 && p1 <= hi[r];
+            if (need && ns < UW_SEG) {
+                u->seg_lo[ax][ns] = p0;
+                u->seg_n[ax][ns] = p1 - p0;
+                ++ns;
+            }
+        }
+        u->nseg[ax] = ns;
+    }
+    __syncwarp();
+    if (P.flat_walk || u->nseg[0] * u->nseg[1] * u->nseg[2] > UW_MAX) {  /* > UW_MAX: never with
+                                                                             mma_plan_of's plans */
+        __syncwarp();
+        if (lane < 3) {  /* one segment per axis: the whole union box */
+            const int k = u->nseg[lane] - 1;
+            u->seg_n[lane][0] = u->seg_lo[lane][k] + u->seg_n[lane][k] - u->seg_lo[lane][0];
+            u->nseg[lane] = 1;
+        }
+        __syncwarp();
+    }
+    const int n0 = u->nseg[0], n1 = u->nseg[1], n2 = u->nseg[2];
+    const int nreg = g.has_window ? min(n0 * n1 * n2, UW_MAX) : 0;
+    int size = 0;
+    if (lane < nreg) {
+        const int s2 = lane % n2, s1 = (lane / n2) % n1, s0 = lane / (n1 * n2);
+        u->f0[lane] = u->seg_lo[0][s0];
+        u->f1[lane] = u->seg_lo[1][s1];
+        u->f2[lane] = u->seg_lo[2][s2];
+        u->c1[lane] = u->seg_n[1][s1];
+        u->c2[lane] = u->seg_n[2][s2];
+        size = u->seg_n[0][s0] * u->seg_n[1][s1] * u->seg_n[2][s2];
+    }
+    int incl = size;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane < nreg) u->pre[lane] = incl - size;
+    if (lane == 31) {
+        u->nreg = nreg;
+        u->total = incl;
+        u->pre[nreg] = incl;
+    }
+}
+
+/* in-group coordinates of the n-th key of the walk (0 <= n < total) */
+__device__ __forceinline__ void uwalk_key(const uwalk *u, int n, int j[3]) {
+    int r = 0;
+    const int nreg = u->nreg;
+    while (r + 1 < nreg && u->pre[r + 1] <= n) ++r;
+    const uint32_t m = (uint32_t)(n - u->pre[r]), c2 = (uint32_t)u->c2[r], c1 = (uint32_t)u->c1[r];
+    const uint32_t q2 = m / c2, q1 = q2 / c1;
+    j[2] = u->f2[r] + (int)(m - q2 * c2);
+    j[1] = u->f1[r] + (int)(q2 - q1 * c1);
+    j[0] = u->f0[r] + (int)q1;
 }
 
 #define BR 64  /* rows per CTA of the backward and JVP kernels (4 warps x 16) */

@@ -1,0 +1,96 @@
+"""A/B of the tensor-core forward's variants in one process, configurations interleaved.
+
+The variants are picked per launch by environment switches read in csrc/cuda/fna_mma.cu and
+mma_util.cuh (NBHD_MMA_REGION_WALK, NBHD_MMA_FWD_STAGES, NBHD_MMA_FWD_OCC). Each timing is a
+loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
+configurations taken in turn within each round.
+
+    python bench/ab_fwd.py [--dims 128,64] [--rounds 7] [--loop 10]
+"""
+import argparse
+import math
+import os
+import statistics
+
+import torch
+
+from nbhd import ops
+
+CONFIGS = {
+    "flat,2st (default)": {},
+    "region,2st": {"NBHD_MMA_REGION_WALK": "1"},
+    "flat,3st": {"NBHD_MMA_FWD_STAGES": "3"},
+    "region,3st": {"NBHD_MMA_REGION_WALK": "1", "NBHD_MMA_FWD_STAGES": "3"},
+    "region,3st,occ3": {"NBHD_MMA_REGION_WALK": "1", "NBHD_MMA_FWD_STAGES": "3",
+                        "NBHD_MMA_FWD_OCC": "3"},
+}
+SWITCHES = ("NBHD_MMA_REGION_WALK", "NBHD_MMA_FWD_STAGES", "NBHD_MMA_FWD_OCC")
+PROBLEMS = [
+    ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
+    ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
+    ("3d-16x32x32-w7", 1, (16, 32, 32), (7, 7, 7), (1, 1, 1)),
+    ("1d-32768-w2048", 1, (32768,), (2048,), (1,)),
+]
+
+
+def set_config(env):
+    for k in SWITCHES:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", default="128,64")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--loop", type=int, default=10)
+    args = ap.parse_args()
+    dev = "cuda"
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"(ms per forward, loop of {args.loop}, median of {args.rounds}; TF/s useful)")
+    names = list(CONFIGS)
+    print(f"{'problem':18s} {'D':>4s} " + " ".join(f"{n:>22s}" for n in names))
+    for D in [int(x) for x in args.dims.split(",")]:
+        for name, B, ext, ks, st in PROBLEMS:
+            H = args.heads
+            gen = torch.Generator(device=dev).manual_seed(0)
+            q, k, v = (torch.randn(B, *ext, H, D, generator=gen, device=dev, dtype=torch.bfloat16)
+                       for _ in range(3))
+            empty = torch.empty(B, 0, H, D, device=dev, dtype=torch.bfloat16)
+            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5)
+            flop = 4.0 * B * H * math.prod(ext) * math.prod(ks) * D
+            fn = lambda: ops.na_forward(q, k, v, empty, empty, *geo)
+            ref = None
+            times = {n: [] for n in names}
+            for n in names:  # warm-up, and every variant gives the same output
+                set_config(CONFIGS[n])
+                out = fn()[0]
+                if ref is None:
+                    ref = out
+                elif not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
+                    print(f"  MISMATCH {name} D={D} {n}: {(out.float() - ref.float()).abs().max()}")
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(args.rounds):
+                for n in names:
+                    set_config(CONFIGS[n])
+                    fn()
+                    torch.cuda.synchronize()
+                    s.record()
+                    for _ in range(args.loop):
+                        fn()
+                    e.record()
+                    torch.cuda.synchronize()
+                    times[n].append(s.elapsed_time(e) / args.loop)
+            cells = []
+            for n in names:
+                ms = statistics.median(times[n])
+                cells.append(f"{ms:8.3f} ms {flop / ms / 1e9:6.1f} TF")
+            print(f"{name:18s} {D:4d} " + " ".join(f"{c:>22s}" for c in cells), flush=True)
+            del q, k, v, ref
+            torch.cuda.empty_cache()
+    set_config({})
+
+
+if __name__ == "__main__":
+    main()
