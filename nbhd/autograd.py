@@ -28,29 +28,27 @@ __all__ = ["Geometry", "NeighborhoodAttention", "na_autograd", "na_jvp_autograd"
 
 
 class Geometry:
-    """(kernel_size, stride, dilation, is_causal, scale), unpackable like a tuple.
-
-    A plain object on purpose: autograd.Function's generated vmap rule flattens tuples and
-    lists among the arguments as pytrees, which must not happen to the geometry."""
-
-    __slots__ = ("kernel_size", "stride", "dilation", "is_causal", "scale")
+    """(kernel_size, stride, dilation, is_causal, scale) of one call; `args()` gives them in the
+    ops' argument order. A plain object on purpose: autograd.Function's generated vmap rule
+    flattens tuples and lists among the arguments as pytrees, which must not happen to the
+    geometry; and attribute reads (no __iter__, no __slots__) trace under every Dynamo."""
 
     def __init__(self, kernel_size, stride, dilation, is_causal, scale):
         self.kernel_size, self.stride, self.dilation = list(kernel_size), list(stride), list(dilation)
         self.is_causal, self.scale = [bool(c) for c in is_causal], float(scale)
 
-    def __iter__(self):
-        return iter((self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale))
+    def args(self):
+        return self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale
 
     def __repr__(self):
-        return "Geometry(kernel_size={}, stride={}, dilation={}, is_causal={}, scale={})".format(*self)
+        return "Geometry(kernel_size={}, stride={}, dilation={}, is_causal={}, scale={})".format(*self.args())
 
 
 # ----------------------------------------------------------------------------
 # reference math for the second-order rules
 
 def _reference(q, k, v, kx, vx, geometry):
-    kernel_size, stride, dilation, is_causal, scale = geometry
+    kernel_size, stride, dilation, is_causal, scale = geometry.args()
     return na_reference(q, k, v, kernel_size, stride, dilation, is_causal, scale, kx, vx)
 
 
@@ -95,7 +93,7 @@ class _Backward(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, kx, vx, out, lse, d_out, d_lse, geometry):
-        return ops.na_backward(q, k, v, kx, vx, out, lse, d_out, d_lse, *geometry)
+        return ops.na_backward(q, k, v, kx, vx, out, lse, d_out, d_lse, *geometry.args())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -131,7 +129,7 @@ class _ForwardJvp(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
-        return ops.na_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geometry)
+        return ops.na_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geometry.args())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -186,7 +184,7 @@ class _ForwardJvpBackward(torch.autograd.Function):
     def forward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out, t_lse,
                 g_out, g_lse, g_tout, g_tlse, geometry):
         return ops.na_forward_jvp_backward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out,
-                                           t_lse, g_out, g_lse, g_tout, g_tlse, *geometry)
+                                           t_lse, g_out, g_lse, g_tout, g_tlse, *geometry.args())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -223,7 +221,7 @@ class NeighborhoodAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, kx, vx, geometry):
-        return ops.na_forward(q, k, v, kx, vx, *geometry)
+        return ops.na_forward(q, k, v, kx, vx, *geometry.args())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -266,7 +264,7 @@ def _fwd_setup(ctx, inputs, output):
 
 def _fwd_backward(ctx, d_out, d_lse):
     q, k, v, kx, vx, out, lse = ctx.saved_tensors
-    grads = ops.na_backward(q, k, v, kx, vx, out, lse, d_out, d_lse, *ctx.geometry)
+    grads = ops.na_backward(q, k, v, kx, vx, out, lse, d_out, d_lse, *ctx.geometry.args())
     return (*grads, None, None, None, None, None)
 
 
@@ -306,7 +304,7 @@ def _jvp_setup(ctx, inputs, output):
 def _jvp_backward(ctx, *grads):
     *saved, out, lse, t_out, t_lse = ctx.saved_tensors
     if ctx.fused_backward:
-        gs = list(ops.na_forward_jvp_backward(*saved, out, lse, t_out, t_lse, *grads, *ctx.geometry))
+        gs = list(ops.na_forward_jvp_backward(*saved, out, lse, t_out, t_lse, *grads, *ctx.geometry.args()))
     else:
         with torch.enable_grad():
             primals = [t.detach().requires_grad_() for t in saved]
@@ -343,8 +341,8 @@ torch.library.register_autograd("nbhd::na_forward_jvp", _jvp_backward, setup_con
 
 
 def na_compiled(q, k, v, kx, vx, geometry):
-    return ops.na_forward(q, k, v, kx, vx, *geometry)
+    return ops.na_forward(q, k, v, kx, vx, *geometry.args())
 
 
 def na_jvp_compiled(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
-    return ops.na_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geometry)
+    return ops.na_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geometry.args())

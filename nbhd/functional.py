@@ -45,7 +45,7 @@ class _Call:
 
     def is_self_attention(self) -> bool:
         """Every axis spans its whole extent and none is causal: plain self attention."""
-        ks, _, _, causal, _ = self.geometry
+        ks, _, _, causal, _ = self.geometry.args()
         return all(k == n for k, n in zip(ks, self.spatial)) and not any(causal)
 
     def empty_extra(self, like: Tensor) -> Tensor:
@@ -100,11 +100,11 @@ def _use_custom_op() -> bool:
 
 def _forward(call: _Call, torch_compile: bool = False) -> Tuple[Tensor, Tensor]:
     if call.backend == "flex-fna":
-        ks, st, dil, causal, scale = call.geometry
+        ks, st, dil, causal, scale = call.geometry.args()
         return backends.flex_na(call.q, call.k, call.v, call.kx, call.vx, (ks, st, dil, causal),
                                 scale, torch_compile=torch_compile)
     if call.backend == "reference":
-        ks, st, dil, causal, scale = call.geometry
+        ks, st, dil, causal, scale = call.geometry.args()
         return na_reference(call.q, call.k, call.v, ks, st, dil, causal, scale, call.kx, call.vx)
     args = call.kernel_args()
     if _use_custom_op():
@@ -119,7 +119,7 @@ def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     if call.backend == "flex-fna":
         backends.can_run_flex_fna(call.q, raise_error=True, tensors=tangents, forward_ad=True)
     if call.backend == "reference":
-        ks, st, dil, causal, scale = call.geometry
+        ks, st, dil, causal, scale = call.geometry.args()
         primals = (call.q, call.k, call.v, call.kx, call.vx)
         tans = tuple(torch.zeros_like(p) if (t is None and p is not None) else t
                      for t, p in zip(tangents, primals))
