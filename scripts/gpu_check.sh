@@ -34,13 +34,13 @@ if has test; then
 fi
 
 if has sanitize; then
-    for tool in memcheck racecheck; do
+    for tool in memcheck racecheck initcheck; do
         t0=$SECONDS
         compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_cuda.py \
             >"$OUT/sanitize_$tool.log" 2>&1
         rc=$?
         tail -5 "$OUT/sanitize_$tool.log"
-        summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1) ($((SECONDS - t0)) s)")
+        summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|INITCHECK' "$OUT/sanitize_$tool.log" | tail -1) ($((SECONDS - t0)) s)")
     done
 fi
 

@@ -59,3 +59,20 @@ def test_jvp_backward_opcheck():
             None, torch.randn_like(t_out), torch.randn_like(t_lse), *geo.args())
     torch.library.opcheck(ops.na_forward_jvp_backward, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and __import__("nbhd").has_cuda()),
+                    reason="needs a CUDA GPU and nbhd built with nvcc")
+def test_grad_through_tangent_on_cuda():
+    """CUDA has no fused kernel for this yet: the reference composite must give the same."""
+    import nbhd
+    case = CASES[-1]
+    q, k, v, kx, vx = (t.cuda().requires_grad_() for t in case.tensors(torch.float64, 2))
+    tq = torch.randn_like(q)
+
+    def loss(backend):
+        _, t_out = case.na_jvp()(q, k, v, tq, None, None, **case.kwargs(), additional_keys=kx,
+                                 additional_values=vx, backend=backend)
+        return torch.autograd.grad(t_out.square().sum(), (q, k, v, kx, vx))
+    for a, b in zip(loss(None), loss("reference")):
+        assert rel_err(a, b) < 1e-9
