@@ -63,6 +63,7 @@ FUZZ_BUILD := build/fuzz
 CLANG ?= clang
 FUZZ_SECONDS ?= 60
 FUZZ_SEED ?= 1  # fixed in CI so a run is repeatable; `make fuzz-smoke FUZZ_SEED=0` picks one
+FUZZ_RUNS ?= 4000  # with the seed: the same inputs on every machine (max_total_time caps slow ones)
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 C_TEST_HEADERS := $(wildcard csrc/tests/*.h) csrc/tests/fuzz_api.c
@@ -104,7 +105,7 @@ $(FUZZ_BUILD)/fuzz_api: csrc/tests/fuzz_api.c $(C_SRCS) $(C_TEST_HEADERS) $(wild
 fuzz-build: $(FUZZ_BUILD)/fuzz_api
 
 fuzz-smoke: $(FUZZ_BUILD)/fuzz_api
-	$(SAN_ENV) $(FUZZ_BUILD)/fuzz_api -seed=$(FUZZ_SEED) -max_total_time=$(FUZZ_SECONDS) -timeout=20 -max_len=512 \
+	$(SAN_ENV) $(FUZZ_BUILD)/fuzz_api -seed=$(FUZZ_SEED) -runs=$(FUZZ_RUNS) -max_total_time=$(FUZZ_SECONDS) -timeout=20 -max_len=512 \
 		-rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/ \
 		$(FUZZ_BUILD)/corpus csrc/tests/fuzz_corpus
 
