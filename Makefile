@@ -63,7 +63,7 @@ FUZZ_BUILD := build/fuzz
 CLANG ?= clang
 FUZZ_SECONDS ?= 60
 FUZZ_SEED ?= 1  # fixed in CI so a run is repeatable; `make fuzz-smoke FUZZ_SEED=0` picks one
-FUZZ_RUNS ?= 4000  # with the seed: the same inputs on every machine (max_total_time caps slow ones)
+FUZZ_RUNS ?= 10000  # with the seed: the same inputs on every machine (max_total_time caps slow ones)
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 C_TEST_HEADERS := $(wildcard csrc/tests/*.h) csrc/tests/fuzz_api.c
