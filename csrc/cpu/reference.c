@@ -74,27 +74,31 @@ static nbhd_keyset inverse_window_of(const nbhd_geometry *g, int64_t tok) {
 }
 
 /* Offset of the n-th member in tensor t (box members) or tx (extra keys), head h. */
+/* Coordinates (x, y, z) of the n-th box member, n < s->box. */
+static inline void member_coords(const nbhd_keyset *s, int64_t n, int64_t c[3]) {
+    const int64_t cz = s->count[2], cyz = s->count[1] * cz;
+    c[0] = s->first[0] + (n / cyz) * s->step[0];
+    c[1] = s->first[1] + ((n / cz) % s->count[1]) * s->step[1];
+    c[2] = s->first[2] + (n % cz) * s->step[2];
+}
+
 static inline int64_t member_offset(const nbhd_keyset *s, int64_t n, const nbhd_tensor *t,
                                     const nbhd_tensor *tx, int64_t b, int64_t h) {
     if (n >= s->box) {
         const int64_t e = n - s->box;
         return b * tx->stride[0] + e * tx->stride[1] + h * tx->stride[4];
     }
-    const int64_t cz = s->count[2], cyz = s->count[1] * cz;
-    const int64_t x = s->first[0] + (n / cyz) * s->step[0];
-    const int64_t y = s->first[1] + ((n / cz) % s->count[1]) * s->step[1];
-    const int64_t z = s->first[2] + (n % cz) * s->step[2];
-    return b * t->stride[0] + x * t->stride[1] + y * t->stride[2] + z * t->stride[3] +
+    int64_t c[3];
+    member_coords(s, n, c);
+    return b * t->stride[0] + c[0] * t->stride[1] + c[1] * t->stride[2] + c[2] * t->stride[3] +
            h * t->stride[4];
 }
 
 /* Token index of the n-th box member (for workspace rows indexed by token). */
 static inline int64_t member_token(const nbhd_geometry *g, const nbhd_keyset *s, int64_t n) {
-    const int64_t cz = s->count[2], cyz = s->count[1] * cz;
-    const int64_t x = s->first[0] + (n / cyz) * s->step[0];
-    const int64_t y = s->first[1] + ((n / cz) % s->count[1]) * s->step[1];
-    const int64_t z = s->first[2] + (n % cz) * s->step[2];
-    return (x * g->axis[1].extent + y) * g->axis[2].extent + z;
+    int64_t c[3];
+    member_coords(s, n, c);
+    return (c[0] * g->axis[1].extent + c[1]) * g->axis[2].extent + c[2];
 }
 
 static inline int threads_of(const nbhd_exec *e) {
