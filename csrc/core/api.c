@@ -222,6 +222,87 @@ static nbhd_status check_exec(const nbhd_exec *e) {
     return NBHD_OK;
 }
 
+// ----------------------------------------------------------------------------
+// tile configurations: the kernels list what they accept, the entry points check exec's tiles
+
+#define NBHD_MAX_TILE_CONFIGS 64
+
+int32_t nbhd_tile_configs(const nbhd_problem *p, nbhd_op op, nbhd_tile_config *out, int32_t max) {
+    if (nbhd_validate(p) != NBHD_OK) return -1;
+    if ((unsigned)op > NBHD_OP_FORWARD_JVP_BACKWARD) {
+        nbhd_fail(NBHD_ERR_ARG, "op=%d is invalid (need NBHD_OP_FORWARD..NBHD_OP_FORWARD_JVP_BACKWARD)", (int)op);
+        return -1;
+    }
+    if (max < 0 || (max > 0 && !out)) {
+        nbhd_fail(NBHD_ERR_ARG, "max=%d with out=%p is invalid (need max >= 0 and out != NULL when max > 0)",
+                  max, (void *)out);
+        return -1;
+    }
+    const nbhd_geometry g = nbhd_geometry_of(p);
+    if (max > 0) memset(out, 0, (size_t)max * sizeof *out);
+    if (p->device == NBHD_CPU) return nbhd_cpu_tile_configs(&g, p->rank, op, out, max);
+#ifdef NBHD_WITH_CUDA
+    return nbhd_cuda_tile_configs(&g, p->rank, op, out, max);
+#else
+    return 0;
+#endif
+}
+
+static int tile_matches(const nbhd_tile_config *c, const nbhd_exec *e, int32_t rank) {
+    for (int a = 0; a < rank; ++a) {
+        if (e->q_tile[a] && e->q_tile[a] != c->q_tile[a]) return 0;
+        if (e->kv_tile[a] && e->kv_tile[a] != c->kv_tile[a]) return 0;
+    }
+    return 1;
+}
+
+static int format_tile(char *buf, size_t n, const int32_t *t, int32_t rank) {
+    int w = snprintf(buf, n, "(");
+    for (int a = 0; a < rank && (size_t)w < n; ++a)
+        w += snprintf(buf + w, n - (size_t)w, a ? ", %d" : "%d", t[a]);
+    if ((size_t)w < n) w += snprintf(buf + w, n - (size_t)w, ")");
+    return w;
+}
+
+/* exec's tiles, checked against the kernels' list and completed to a whole configuration (a
+ * partly given pair takes the first listed configuration that matches it) in *resolved. All
+ * zero, or exec.use_reference (untiled scalar kernels), leaves exec as it is. */
+static nbhd_status resolve_tiles(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e,
+                                 nbhd_exec *resolved) {
+    *resolved = *e;
+    const int32_t rank = p->rank > 0 ? p->rank : 1;
+    int any = 0;
+    for (int a = 0; a < NBHD_MAX_RANK; ++a) {
+        const int32_t q = e->q_tile[a], kv = e->kv_tile[a];
+        if (q < 0 || kv < 0 || (a >= rank && (q || kv)))
+            return nbhd_fail(NBHD_ERR_ARG, "exec q_tile[%d]=%d, kv_tile[%d]=%d are invalid (need >= 0, and 0 past rank %d)",
+                             a, q, a, kv, rank);
+        any |= q | kv;
+    }
+    if (!any || e->use_reference) return NBHD_OK;
+    nbhd_tile_config list[NBHD_MAX_TILE_CONFIGS];
+    const int32_t count = nbhd_tile_configs(p, op, list, NBHD_MAX_TILE_CONFIGS);
+    const int32_t shown = count < NBHD_MAX_TILE_CONFIGS ? count : NBHD_MAX_TILE_CONFIGS;
+    for (int i = 0; i < shown; ++i)
+        if (tile_matches(&list[i], e, rank)) {
+            memcpy(resolved->q_tile, list[i].q_tile, sizeof list[i].q_tile);
+            memcpy(resolved->kv_tile, list[i].kv_tile, sizeof list[i].kv_tile);
+            return NBHD_OK;
+        }
+    char q[64], kv[64], first[64] = "none";
+    format_tile(q, sizeof q, e->q_tile, rank);
+    format_tile(kv, sizeof kv, e->kv_tile, rank);
+    if (shown > 0) {
+        int w = format_tile(first, sizeof first, list[0].q_tile, rank);
+        if ((size_t)w < sizeof first) w += snprintf(first + w, sizeof first - (size_t)w, " x ");
+        if ((size_t)w < sizeof first) format_tile(first + w, sizeof first - (size_t)w, list[0].kv_tile, rank);
+    }
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED,
+                     "exec q_tile=%s, kv_tile=%s is not a tile configuration of the %s kernels for this "
+                     "problem (%d listed by nbhd_tile_configs, the default %s)",
+                     q, kv, p->device == NBHD_CPU ? "CPU" : "CUDA", count, first);
+}
+
 #define DISPATCH(fn, g, a, e)                                                                 \
     do {                                                                                      \
         if (p->device == NBHD_CPU) return nbhd_cpu_##fn(g, a, e);                             \
@@ -240,6 +321,9 @@ nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, cons
     if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
     if (!e) e = &default_exec;
     if ((st = check_exec(e)) != NBHD_OK) return st;
+    nbhd_exec tiled;
+    if ((st = resolve_tiles(p, NBHD_OP_FORWARD, e, &tiled)) != NBHD_OK) return st;
+    e = &tiled;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return NBHD_OK;
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
@@ -296,6 +380,9 @@ nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, co
     if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
     if (!e) e = &default_exec;
     if ((st = check_exec(e)) != NBHD_OK) return st;
+    nbhd_exec tiled;
+    if ((st = resolve_tiles(p, NBHD_OP_BACKWARD, e, &tiled)) != NBHD_OK) return st;
+    e = &tiled;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (g.batch > 0 && g.heads == 0) return backward_no_heads(&g, a, p->device);
     if (is_empty(&g)) return NBHD_OK;
@@ -314,6 +401,9 @@ nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args 
     if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
     if (!e) e = &default_exec;
     if ((st = check_exec(e)) != NBHD_OK) return st;
+    nbhd_exec tiled;
+    if ((st = resolve_tiles(p, NBHD_OP_FORWARD_JVP, e, &tiled)) != NBHD_OK) return st;
+    e = &tiled;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return NBHD_OK;
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
@@ -331,6 +421,9 @@ nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_
     if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
     if (!e) e = &default_exec;
     if ((st = check_exec(e)) != NBHD_OK) return st;
+    nbhd_exec tiled;
+    if ((st = resolve_tiles(p, NBHD_OP_FORWARD_JVP_BACKWARD, e, &tiled)) != NBHD_OK) return st;
+    e = &tiled;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (g.batch > 0 && g.heads == 0) {  /* no query sees any key: key-side gradients are zero */
         nbhd_backward_args zero = {0};

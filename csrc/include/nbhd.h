@@ -96,9 +96,17 @@ typedef struct {
     int32_t threads;                  /* CPU threads; <= 0: OpenMP's default */
     int32_t kv_parallel;              /* GPU backward may accumulate dQ with atomics */
     int32_t use_reference;            /* force the plain scalar kernels (tests, debugging) */
-    int32_t q_tile[NBHD_MAX_RANK];    /* 0: the library chooses */
-    int32_t kv_tile[NBHD_MAX_RANK];
+    int32_t q_tile[NBHD_MAX_RANK];    /* query tile per problem axis; all 0: the library chooses */
+    int32_t kv_tile[NBHD_MAX_RANK];   /* key tile per axis; a set tile must belong to one of
+                                         nbhd_tile_configs (the other may be 0: first match) */
 } nbhd_exec;
+
+/* A tile configuration of a kernel: the query patch one worker owns and the key tiles it
+ * walks over the union of the patch's windows (DESIGN.md §4), per problem axis. */
+typedef struct {
+    int32_t q_tile[NBHD_MAX_RANK];
+    int32_t kv_tile[NBHD_MAX_RANK];
+} nbhd_tile_config;
 
 /* Forward: O = softmax(s Q K^T + mask) V, LSE. Inputs q,k,v (+kx,vx when extra_kv > 0). */
 typedef struct {
@@ -146,6 +154,13 @@ NBHD_API const char *nbhd_last_error(void);
 NBHD_API int nbhd_has_cuda(void);
 
 NBHD_API nbhd_status nbhd_validate(const nbhd_problem *p);
+/* The tile configurations the op's tiled kernels accept for this problem (on p->device): writes
+ * the first min(count, max) to out (out may be NULL when max is 0) and returns the count; the
+ * first is the default. 0: no tiled kernel runs this problem (exec tiles are refused), -1:
+ * the problem is invalid (see nbhd_last_error). Axes past p->rank are 0. A kernel that falls
+ * back to the untiled path for a tensor layout refuses exec tiles with NBHD_ERR_UNSUPPORTED. */
+NBHD_API int32_t nbhd_tile_configs(const nbhd_problem *p, nbhd_op op, nbhd_tile_config *out,
+                                   int32_t max);
 /* Scratch bytes the op needs for this problem (0 when none). */
 NBHD_API size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e);
 

@@ -162,6 +162,76 @@ static void fz_close(const nbhd_problem *p, const char *what, const tbuf *b, con
 }
 
 /* every entry point must fail on an invalid problem without touching any tensor */
+/* Does the exec's (partial) tile request name configuration c? (the rule of nbhd.h) */
+static int fz_tile_matches(const nbhd_tile_config *c, const nbhd_exec *e, int rank) {
+    for (int a = 0; a < rank; ++a)
+        if ((e->q_tile[a] && e->q_tile[a] != c->q_tile[a]) ||
+            (e->kv_tile[a] && e->kv_tile[a] != c->kv_tile[a]))
+            return 0;
+    return 1;
+}
+
+/* exec tiles of a valid problem: random requests must be refused unless a listed configuration
+ * matches; then the request is replaced by a configuration every computed op lists (picked by
+ * the request's bytes), so that the computed case runs a real tile. */
+static void fz_tiles(const nbhd_problem *p, nbhd_exec *e) {
+    const int rank = p->rank > 0 ? p->rank : 1;
+    int any = 0, past_rank = 0;
+    for (int a = 0; a < 3; ++a) {
+        any |= e->q_tile[a] | e->kv_tile[a];
+        past_rank |= (a >= rank && (e->q_tile[a] | e->kv_tile[a])) || e->q_tile[a] < 0 || e->kv_tile[a] < 0;
+    }
+    if (!any) return;
+    nbhd_forward_args fa;
+    memset(&fa, 0, sizeof fa);
+    if (past_rank) {
+        FZ_CHECK(nbhd_forward(p, &fa, e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "tile"),
+                 "forward accepted a negative tile or one past the rank");
+        for (int a = 0; a < 3; ++a) {
+            if (a >= rank || e->q_tile[a] < 0) e->q_tile[a] = 0;
+            if (a >= rank || e->kv_tile[a] < 0) e->kv_tile[a] = 0;
+        }
+        any = 0;
+        for (int a = 0; a < rank; ++a) any |= e->q_tile[a] | e->kv_tile[a];
+        if (!any) return;
+    }
+    if (e->use_reference) return;  /* the scalar kernels have no tiles: any request is ignored */
+    enum { MAX_CONFIGS = 64 };
+    nbhd_tile_config lists[3][MAX_CONFIGS];
+    int32_t counts[3];
+    for (int op = 0; op < 3; ++op) {
+        counts[op] = nbhd_tile_configs(p, (nbhd_op)op, lists[op], MAX_CONFIGS);
+        FZ_CHECK(counts[op] >= 0 && counts[op] <= MAX_CONFIGS, "tile_configs(op %d) returned %d", op, counts[op]);
+    }
+    int listed = 0;
+    for (int i = 0; i < counts[0]; ++i) listed |= fz_tile_matches(&lists[0][i], e, rank);
+    const nbhd_status st = nbhd_forward(p, &fa, e);  /* NULL tensors: refused after the tiles */
+    if (!listed)
+        FZ_CHECK(st == NBHD_ERR_UNSUPPORTED && strstr(nbhd_last_error(), "tile"),
+                 "forward accepted an unlisted tile (status %d)", (int)st);
+    else
+        FZ_CHECK(p->batch == 0 || p->heads == 0 || st == NBHD_ERR_ARG, "forward with a listed tile: status %d", (int)st);
+    const nbhd_tile_config *pick = NULL;
+    const int start = e->q_tile[0] + e->kv_tile[0];
+    for (int k = 0; k < counts[0] && !pick; ++k) {
+        const nbhd_tile_config *c = &lists[0][(start + k) % counts[0]];
+        int everywhere = 1;
+        for (int op = 1; op < 3; ++op) {
+            int found = 0;
+            for (int i = 0; i < counts[op]; ++i)
+                found |= memcmp(&lists[op][i], c, sizeof *c) == 0;
+            everywhere &= found;
+        }
+        if (everywhere) pick = c;
+    }
+    memset(e->q_tile, 0, sizeof e->q_tile);
+    memset(e->kv_tile, 0, sizeof e->kv_tile);
+    if (pick) {
+        memcpy(e->q_tile, pick->q_tile, sizeof e->q_tile);
+        memcpy(e->kv_tile, pick->kv_tile, sizeof e->kv_tile);
+    }
+}
+
 static void fz_invalid(const nbhd_problem *p, nbhd_exec *e) {
     unsigned char *byte = (unsigned char *)malloc(1);
     nbhd_tensor t;
@@ -478,6 +548,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         FZ_CHECK(nbhd_backward(p, NULL, &e) == NBHD_ERR_ARG, "backward accepted NULL args");
         FZ_CHECK(nbhd_forward_jvp(p, NULL, NULL) == NBHD_ERR_ARG, "forward_jvp accepted NULL args");
     }
+    if (p->device == NBHD_CPU) fz_tiles(p, &e);
     if (p->device != NBHD_CPU) {  /* host buffers only: a CPU-only build must refuse */
         fz_count.device_refused++;
         if (!nbhd_has_cuda() && p->batch > 0 && p->heads > 0) {

@@ -317,10 +317,70 @@ static void strings(void) {
     expect(nbhd_version() && nbhd_version()[0] != '\0', "version string");
 }
 
+/* nbhd_tile_configs lists positive tiles on the problem's axes only; entry points accept a
+ * listed (or partly given) configuration, refuse an unlisted one with NBHD_ERR_UNSUPPORTED and a
+ * malformed one with NBHD_ERR_ARG, both naming the tile; the scalar kernels ignore tiles. */
+static void tile_rules(void) {
+    nbhd_problem p = valid();
+    nbhd_tile_config list[64];
+    const int32_t n = nbhd_tile_configs(&p, NBHD_OP_FORWARD, list, 64);
+    expect(n >= 1 && n <= 64, "fp32 CPU rank 2 lists at least one tile configuration");
+    int well_formed = n >= 1;
+    for (int i = 0; i < n && i < 64; ++i)
+        for (int a = 0; a < 3; ++a) {
+            const int on_axis = a < p.rank;
+            well_formed &= on_axis ? list[i].q_tile[a] > 0 && list[i].kv_tile[a] > 0
+                                   : list[i].q_tile[a] == 0 && list[i].kv_tile[a] == 0;
+        }
+    expect(well_formed, "listed tiles are positive on the problem's axes and 0 past them");
+    expect(nbhd_tile_configs(&p, NBHD_OP_FORWARD, NULL, 0) == n, "count without an output array");
+    expect(nbhd_tile_configs(&p, NBHD_OP_FORWARD, NULL, 1) == -1, "out NULL with max > 0 is refused");
+    expect(nbhd_tile_configs(&p, (nbhd_op)9, list, 64) == -1 && strstr(nbhd_last_error(), "op"),
+           "an invalid op is refused");
+    nbhd_problem bad = p;
+    bad.heads = 3;
+    expect(nbhd_tile_configs(&bad, NBHD_OP_FORWARD, list, 64) == -1, "an invalid problem gives -1");
+    nbhd_problem f64 = p;
+    f64.dtype = NBHD_F64;
+    expect(nbhd_tile_configs(&f64, NBHD_OP_FORWARD, list, 64) == 0, "fp64 (scalar kernels) has no tiles");
+
+    nbhd_forward_args fa;
+    memset(&fa, 0, sizeof fa);  /* NULL tensors: a call that passes the tile check fails on them */
+    nbhd_exec e;
+    memset(&e, 0, sizeof e);
+    nbhd_tile_configs(&p, NBHD_OP_FORWARD, list, 1);
+    memcpy(e.q_tile, list[0].q_tile, sizeof e.q_tile);
+    memcpy(e.kv_tile, list[0].kv_tile, sizeof e.kv_tile);
+    expect(nbhd_forward(&p, &fa, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "tensor"),
+           "a listed configuration passes the tile check");
+    memset(e.kv_tile, 0, sizeof e.kv_tile);
+    expect(nbhd_forward(&p, &fa, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "tensor"),
+           "a query tile alone takes the first matching configuration");
+    e.q_tile[0] = 1000003;  /* no kernel lists a prime this large */
+    expect(nbhd_forward(&p, &fa, &e) == NBHD_ERR_UNSUPPORTED && strstr(nbhd_last_error(), "q_tile"),
+           "an unlisted tile is refused naming q_tile");
+    expect(nbhd_forward(&f64, &fa, &e) == NBHD_ERR_UNSUPPORTED, "fp64 refuses any tile");
+    e.use_reference = 1;
+    expect(nbhd_forward(&p, &fa, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "tensor"),
+           "the scalar kernels (use_reference) ignore tiles");
+    e.use_reference = 0;
+    memset(e.q_tile, 0, sizeof e.q_tile);
+    e.q_tile[2] = 4;
+    expect(nbhd_forward(&p, &fa, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "q_tile[2]"),
+           "a tile past the rank is refused naming it");
+    e.q_tile[2] = 0;
+    e.kv_tile[0] = -1;
+    nbhd_backward_args ba;
+    memset(&ba, 0, sizeof ba);
+    expect(nbhd_backward(&p, &ba, &e) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "kv_tile[0]"),
+           "a negative tile is refused naming it (backward)");
+}
+
 int main(void) {
     descriptor_rules();
     tensor_rules();
     strings();
+    tile_rules();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
 }
