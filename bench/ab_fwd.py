@@ -58,7 +58,7 @@ def main():
             q, k, v = (torch.randn(B, *ext, H, D, generator=gen, device=dev, dtype=torch.bfloat16)
                        for _ in range(3))
             empty = torch.empty(B, 0, H, D, device=dev, dtype=torch.bfloat16)
-            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5)
+            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
             flop = 4.0 * B * H * math.prod(ext) * math.prod(ks) * D
             fn = lambda: ops.na_forward(q, k, v, empty, empty, *geo)
             ref = None

@@ -143,7 +143,7 @@ def main():
             q, k, v = (torch.randn(B, *ext, H, D, generator=gen, device=dev, dtype=torch.bfloat16)
                        for _ in range(3))
             empty = torch.empty(B, 0, H, D, device=dev, dtype=torch.bfloat16)
-            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5)
+            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
             flop_f = 4.0 * B * H * N * W * D
             out, lse = ops.na_forward(q, k, v, empty, empty, *geo)
             d_out = torch.randn_like(out)

@@ -3,7 +3,7 @@ PyTorch transform (autograd, torch.func, forward-mode AD, double backward, torch
 from . import ops as _ops  # registers the custom ops  # noqa: F401
 from . import autograd as _autograd  # registers their autograd  # noqa: F401
 from ._lib import NbhdError, has_cuda, version
-from .attention import attention, merge_attentions
+from .attention import attention, generate_varlen_parameters, merge_attentions
 from .backends import BackendUnavailable
 from .configs import (get_bwd_configs, get_bwd_configs_for_cpu_fna, get_bwd_configs_for_cuda_fna,
                       get_configs, get_configs_for_cpu_fna, get_configs_for_cuda_fna,
@@ -21,7 +21,7 @@ from .modules import NeighborhoodAttention1D, NeighborhoodAttention2D, Neighborh
 
 __version__ = "0.1.0"
 __all__ = [
-    "na1d", "na2d", "na3d", "na1d_jvp", "na2d_jvp", "na3d_jvp", "attention", "merge_attentions",
+    "na1d", "na2d", "na3d", "na1d_jvp", "na2d_jvp", "na3d_jvp", "attention", "merge_attentions", "generate_varlen_parameters",
     "NeighborhoodAttention1D", "NeighborhoodAttention2D", "NeighborhoodAttention3D",
     "use_kv_parallelism_in_fused_na", "is_kv_parallelism_in_fused_na_enabled",
     "set_memory_usage_preference", "get_memory_usage_preference", "is_memory_usage_default",

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["NbhdError", "lib", "Problem", "run"]
+__all__ = ["NbhdError", "lib", "Problem", "run", "tile_configs"]
 
 
 class NbhdError(RuntimeError):
@@ -74,6 +74,10 @@ class _Exec(ctypes.Structure):
     ]
 
 
+class _TileConfig(ctypes.Structure):
+    _fields_ = [("q_tile", ctypes.c_int32 * MAX_RANK), ("kv_tile", ctypes.c_int32 * MAX_RANK)]
+
+
 def _args_struct(name: str, fields: Sequence[str]):
     return type(name, (ctypes.Structure,), {"_fields_": [(f, _Tensor) for f in fields]})
 
@@ -104,6 +108,9 @@ def _load():
     so.nbhd_validate.argtypes = [ctypes.POINTER(_Problem)]
     so.nbhd_workspace_bytes.restype = ctypes.c_size_t
     so.nbhd_workspace_bytes.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int, ctypes.POINTER(_Exec)]
+    so.nbhd_tile_configs.restype = ctypes.c_int32
+    so.nbhd_tile_configs.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int, ctypes.POINTER(_TileConfig),
+                                     ctypes.c_int32]
     for op, name in _ENTRY.items():
         fn = getattr(so, name)
         fn.restype = ctypes.c_int
@@ -166,6 +173,20 @@ class Problem:
         status = lib.nbhd_validate(ctypes.byref(self.c))
         if status != 0:
             raise NbhdError(lib.nbhd_last_error().decode())
+
+
+def tile_configs(problem: Problem, op: int):
+    """[(q_tile, kv_tile)] the op's tiled kernels accept for the problem (tuples of length
+    rank, or 1 for rank 0), the default first; [] when no tiled kernel runs it."""
+    count = lib.nbhd_tile_configs(ctypes.byref(problem.c), op, None, 0)
+    if count < 0:
+        raise NbhdError(lib.nbhd_last_error().decode())
+    if count == 0:
+        return []
+    out = (_TileConfig * count)()
+    lib.nbhd_tile_configs(ctypes.byref(problem.c), op, out, count)
+    rank = max(problem.rank, 1)
+    return [(tuple(c.q_tile[:rank]), tuple(c.kv_tile[:rank])) for c in out]
 
 
 def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -> _Tensor:

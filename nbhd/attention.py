@@ -9,6 +9,7 @@ plain differentiable PyTorch (DESIGN.md §4 merge), so every transform goes thro
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -19,7 +20,7 @@ from .autograd import Geometry, na_autograd, na_compiled
 from .functional import _use_custom_op, na1d
 from .reference import na_reference
 
-__all__ = ["attention", "merge_attentions"]
+__all__ = ["attention", "merge_attentions", "generate_varlen_parameters"]
 
 
 def _check_qkv(query, key, value) -> Tuple[Tensor, Tensor, Tensor]:
@@ -49,7 +50,11 @@ def attention(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] 
               backward_kv_tile_size: Optional[int] = None, backward_kv_splits: Optional[int] = None,
               backward_use_pt_reduction: bool = False, run_persistent_kernel: bool = True,
               kernel_schedule: Optional[str] = None, torch_compile: bool = False,
-              return_lse: bool = False, is_causal: bool = False
+              return_lse: bool = False, is_causal: bool = False,
+              seqlens_Q: Optional[Tensor] = None, seqlens_KV: Optional[Tensor] = None,
+              cumulative_seqlen_Q: Optional[Tensor] = None,
+              cumulative_seqlen_KV: Optional[Tensor] = None, max_seqlen_Q: Optional[int] = None,
+              max_seqlen_KV: Optional[int] = None
               ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Dense (standard) dot-product attention, NATTEN-compatible, through nbhd's fused kernels.
 
@@ -65,7 +70,15 @@ def attention(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] 
         backend: None (best available), "cpu-fna", "cuda-fna", "flex-fna", "reference", or a
             NATTEN name (mapped, see nbhd.backends)
         return_lse: also return the logsumexp [B, S_q, H] (float32; float64 for float64 inputs)
-        is_causal: causal masking (query i sees keys 0..i); needs S_q == S_kv
+        is_causal: causal masking (query i sees keys 0..i); needs S_q == S_kv (per sequence
+            in variable-length mode)
+
+    Variable-length mode (NATTEN's names): query [1, T_q, H, D] and key/value [1, T_kv, Hkv, *]
+    hold n sequences packed one after another; give their lengths (seqlens_Q, seqlens_KV:
+    int tensors [n]) or their offsets (cumulative_seqlen_Q, cumulative_seqlen_KV: [n + 1],
+    from 0 to T, as `generate_varlen_parameters` returns, with max_seqlen_Q/KV). Query
+    sequence i attends to key sequence i only. The offsets are read on the host (one
+    device sync per call when they live on the GPU); output and lse are packed like query.
 
     Performance knobs (validated as positive ints; the kernels choose their own tiles today):
     q_tile_size, kv_tile_size, backward_q_tile_size, backward_kv_tile_size, backward_kv_splits,
@@ -80,6 +93,19 @@ def attention(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] 
         >>> out, lse = nbhd.attention(q, k, v, return_lse=True)
     """
     q, k, v = _check_qkv(query, key, value)
+    varlen = (seqlens_Q, seqlens_KV, cumulative_seqlen_Q, cumulative_seqlen_KV, max_seqlen_Q,
+              max_seqlen_KV)
+    if any(x is not None for x in varlen):
+        offsets_q, offsets_kv = _varlen_offsets(q, k, *varlen)
+        knobs = dict(scale=scale, backend=backend, q_tile_size=q_tile_size,
+                     kv_tile_size=kv_tile_size, backward_q_tile_size=backward_q_tile_size,
+                     backward_kv_tile_size=backward_kv_tile_size,
+                     backward_kv_splits=backward_kv_splits,
+                     backward_use_pt_reduction=backward_use_pt_reduction,
+                     run_persistent_kernel=run_persistent_kernel, kernel_schedule=kernel_schedule,
+                     torch_compile=torch_compile, is_causal=is_causal)
+        out, lse = _varlen_attention(q, k, v, offsets_q, offsets_kv, knobs)
+        return (out, lse) if return_lse else out
     for name, size in (("q_tile_size", q_tile_size), ("kv_tile_size", kv_tile_size),
                        ("backward_q_tile_size", backward_q_tile_size),
                        ("backward_kv_tile_size", backward_kv_tile_size),
@@ -110,6 +136,97 @@ def attention(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] 
         run = na_compiled if _use_custom_op() else na_autograd
         out, lse = run(q, empty_k, empty_v, k, v, geometry)
     return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------
+# variable-length sequences
+
+def _lengths(name: str, t, ref: Tensor) -> List[int]:
+    if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got "
+                        f"{type(t).__name__ if not isinstance(t, Tensor) else (t.dtype, tuple(t.shape))}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but query on {ref.device}")
+    return [int(x) for x in t.tolist()]
+
+
+def _check_offsets(name: str, offsets: List[int], total: int, max_name: str,
+                   max_len: Optional[int]) -> None:
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the token count {total} "
+                         f"(n + 1 entries for n sequences), got {offsets}")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+    if max_len is not None and (not isinstance(max_len, int) or max_len < max(lengths)):
+        raise ValueError(f"{max_name}={max_len!r} must be an int >= the longest sequence "
+                         f"({max(lengths)})")
+
+
+def _varlen_offsets(q: Tensor, k: Tensor, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, max_kv):
+    if q.shape[0] != 1:
+        raise ValueError(f"variable-length attention packs the sequences along the tokens: query "
+                         f"must be [1, T_q, H, D], got batch {q.shape[0]}")
+    by_lengths = seqlens_q is not None or seqlens_kv is not None
+    by_offsets = cu_q is not None or cu_kv is not None
+    if by_lengths == by_offsets:
+        raise ValueError("variable-length attention takes either seqlens_Q and seqlens_KV, or "
+                         "cumulative_seqlen_Q and cumulative_seqlen_KV (with max_seqlen_Q/KV)")
+    if by_lengths:
+        if seqlens_q is None or seqlens_kv is None:
+            raise ValueError("seqlens_Q and seqlens_KV must be given together")
+        cu_q, cu_kv, max_q, max_kv = generate_varlen_parameters(q, k, k, seqlens_q, seqlens_kv)
+    if cu_q is None or cu_kv is None:
+        raise ValueError("cumulative_seqlen_Q and cumulative_seqlen_KV must be given together")
+    offsets_q = _lengths("cumulative_seqlen_Q", cu_q, q)
+    offsets_kv = _lengths("cumulative_seqlen_KV", cu_kv, q)
+    if len(offsets_q) != len(offsets_kv):
+        raise ValueError(f"cumulative_seqlen_Q and cumulative_seqlen_KV must describe as many "
+                         f"sequences, got {len(offsets_q) - 1} and {len(offsets_kv) - 1}")
+    _check_offsets("cumulative_seqlen_Q", offsets_q, q.shape[1], "max_seqlen_Q", max_q)
+    _check_offsets("cumulative_seqlen_KV", offsets_kv, k.shape[1], "max_seqlen_KV", max_kv)
+    return offsets_q, offsets_kv
+
+
+def generate_varlen_parameters(query: Tensor, key: Tensor, value: Tensor, seqlens_Q: Tensor,
+                               seqlens_KV: Tensor) -> Tuple[Tensor, Tensor, int, int]:
+    """(cumulative_seqlen_Q, cumulative_seqlen_KV, max_seqlen_Q, max_seqlen_KV) for packed
+    sequences of the given lengths (int tensors [n]); compute once, reuse in every layer.
+
+    query [1, T_q, H, D] with T_q = sum(seqlens_Q); key/value [1, T_kv, Hkv, *] with
+    T_kv = sum(seqlens_KV). The offsets are int32 [n + 1] on query's device."""
+    lq, lkv = _lengths("seqlens_Q", seqlens_Q, query), _lengths("seqlens_KV", seqlens_KV, query)
+    if len(lq) != len(lkv) or not lq:
+        raise ValueError(f"seqlens_Q and seqlens_KV must list the same number (>= 1) of "
+                         f"sequences, got {len(lq)} and {len(lkv)}")
+    if min(lq) < 0 or min(lkv) < 0:
+        raise ValueError("sequence lengths must be >= 0")
+    for name, lengths, t in (("seqlens_Q", lq, query), ("seqlens_KV", lkv, key)):
+        if sum(lengths) != t.shape[1]:
+            raise ValueError(f"{name} sums to {sum(lengths)} but the packed tensor holds "
+                             f"{t.shape[1]} tokens")
+    cum = lambda ls: torch.tensor([0] + list(itertools.accumulate(ls)), dtype=torch.int32,
+                                  device=query.device)
+    return cum(lq), cum(lkv), max(lq), max(lkv)
+
+
+def _varlen_attention(q: Tensor, k: Tensor, v: Tensor, offsets_q: List[int],
+                      offsets_kv: List[int], knobs: dict) -> Tuple[Tensor, Tensor]:
+    """Sequence i's queries attend to sequence i's keys; one fused call per sequence, results
+    packed back (autograd and every transform follow the slices and the concatenation)."""
+    outs, lses = [], []
+    for i, (q0, q1, k0, k1) in enumerate(zip(offsets_q, offsets_q[1:], offsets_kv, offsets_kv[1:])):
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            raise ValueError(f"sequence {i} has {q1 - q0} queries but no keys (seqlens_KV[{i}] = 0)")
+        o, l = attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], return_lse=True, **knobs)
+        outs.append(o)
+        lses.append(l)
+    if not outs:
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return (q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=lse_dtype))
+    return torch.cat(outs, 1), torch.cat(lses, 1)
 
 
 # ----------------------------------------------------------------------------

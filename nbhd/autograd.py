@@ -11,8 +11,8 @@ torch.func transform composes with it.
 Under torch.compile the custom ops are used directly with register_autograd (Dynamo cannot
 trace an autograd.Function that defines jvp); see `na_compiled`.
 
-`geometry` below is a Geometry: (kernel_size, stride, dilation, is_causal, scale) with lists
-of length rank, already validated by functional.py.
+`geometry` below is a Geometry: (kernel_size, stride, dilation, is_causal, scale, tiles) with
+lists of length rank (tiles: 4 x rank), already validated by functional.py.
 """
 from __future__ import annotations
 
@@ -28,27 +28,30 @@ __all__ = ["Geometry", "NeighborhoodAttention", "na_autograd", "na_jvp_autograd"
 
 
 class Geometry:
-    """(kernel_size, stride, dilation, is_causal, scale) of one call; `args()` gives them in the
-    ops' argument order. A plain object on purpose: autograd.Function's generated vmap rule
+    """(kernel_size, stride, dilation, is_causal, scale, tiles) of one call; `args()` gives them
+    in the ops' argument order. `tiles` is [q_tile, kv_tile, backward_q_tile, backward_kv_tile]
+    flattened (4 x rank ints, 0 = the kernel chooses; ops.py reads its half). A plain object on purpose: autograd.Function's generated vmap rule
     flattens tuples and lists among the arguments as pytrees, which must not happen to the
     geometry; and attribute reads (no __iter__, no __slots__) trace under every Dynamo."""
 
-    def __init__(self, kernel_size, stride, dilation, is_causal, scale):
+    def __init__(self, kernel_size, stride, dilation, is_causal, scale, tiles=None):
         self.kernel_size, self.stride, self.dilation = list(kernel_size), list(stride), list(dilation)
         self.is_causal, self.scale = [bool(c) for c in is_causal], float(scale)
+        self.tiles = [int(t) for t in tiles] if tiles else [0] * (4 * len(self.kernel_size))
 
     def args(self):
-        return self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale
+        return self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale, self.tiles
 
     def __repr__(self):
-        return "Geometry(kernel_size={}, stride={}, dilation={}, is_causal={}, scale={})".format(*self.args())
+        return ("Geometry(kernel_size={}, stride={}, dilation={}, is_causal={}, scale={}, "
+                "tiles={})".format(*self.args()))
 
 
 # ----------------------------------------------------------------------------
 # reference math for the second-order rules
 
 def _reference(q, k, v, kx, vx, geometry):
-    kernel_size, stride, dilation, is_causal, scale = geometry.args()
+    kernel_size, stride, dilation, is_causal, scale, _ = geometry.args()
     return na_reference(q, k, v, kernel_size, stride, dilation, is_causal, scale, kx, vx)
 
 
@@ -265,7 +268,7 @@ def _fwd_setup(ctx, inputs, output):
 def _fwd_backward(ctx, d_out, d_lse):
     q, k, v, kx, vx, out, lse = ctx.saved_tensors
     grads = ops.na_backward(q, k, v, kx, vx, out, lse, d_out, d_lse, *ctx.geometry.args())
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("nbhd::na_forward", _fwd_backward, setup_context=_fwd_setup)
@@ -286,15 +289,15 @@ def _bwd_backward(ctx, *grads):
         gs = torch.autograd.grad(outs, primals, _zeros_for(grads, outs), allow_unused=True)
     gq, gk, gv, gkx, gvx, gdo, gdl = gs
     return (gq, gk, gv, gkx, gvx, None, None, gdo, gdl if ctx.has_dlse else None,
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 torch.library.register_autograd("nbhd::na_backward", _bwd_backward, setup_context=_bwd_setup)
 
 
 def _jvp_setup(ctx, inputs, output):
-    *tensors, ks, st, dil, causal, scale = inputs
-    ctx.geometry = Geometry(ks, st, dil, causal, scale)
+    *tensors, ks, st, dil, causal, scale, tiles = inputs
+    ctx.geometry = Geometry(ks, st, dil, causal, scale, tiles)
     primals = tuple(tensors[:5])
     ctx.present = tuple(t is not None for t in tensors[5:])
     ctx.fused_backward = primals[0].device.type in ops.FUSED_JVP_BACKWARD_DEVICES
@@ -313,12 +316,12 @@ def _jvp_backward(ctx, *grads):
     for i, present in enumerate(ctx.present):
         if not present:
             gs[5 + i] = None
-    return (*gs, None, None, None, None, None)
+    return (*gs, None, None, None, None, None, None)
 
 
 def _jvp_bwd_setup(ctx, inputs, output):
-    *tensors, ks, st, dil, causal, scale = inputs
-    ctx.geometry = Geometry(ks, st, dil, causal, scale)
+    *tensors, ks, st, dil, causal, scale, tiles = inputs
+    ctx.geometry = Geometry(ks, st, dil, causal, scale, tiles)
     primals = tuple(tensors[:5])
     ctx.save_for_backward(*_zeros_for(tensors[:10], primals * 2),
                           *_zeros_for(tensors[14:18], tensors[10:14]))
@@ -330,7 +333,7 @@ def _jvp_bwd_backward(ctx, *grads):
         primals = [t.detach().requires_grad_() for t in saved]
         outs = _reference_forward_jvp_backward(*primals, ctx.geometry)
         gs = list(torch.autograd.grad(outs, primals, _zeros_for(grads, outs), allow_unused=True))
-    return (*gs[:10], None, None, None, None, *gs[10:], None, None, None, None, None)
+    return (*gs[:10], None, None, None, None, *gs[10:], None, None, None, None, None, None)
 
 
 torch.library.register_autograd("nbhd::na_forward_jvp_backward", _jvp_bwd_backward,

@@ -21,7 +21,7 @@ from typing import List, Tuple
 from torch import Tensor
 
 from . import configs as _configs
-from .attention import attention, merge_attentions
+from .attention import attention, generate_varlen_parameters, merge_attentions
 from .context import (allow_flex_compile, allow_flex_compile_backprop,
                       are_deterministic_algorithms_enabled, disable_flex_compile,
                       disable_flex_compile_backprop, get_memory_usage_preference,
@@ -91,7 +91,8 @@ def _namespace(name: str, **members) -> types.ModuleType:
 
 
 functional = _namespace("functional", na1d=na1d, na2d=na2d, na3d=na3d, attention=attention,
-                        merge_attentions=merge_attentions)
+                        merge_attentions=merge_attentions,
+                        generate_varlen_parameters=generate_varlen_parameters)
 modules = _namespace("modules", NeighborhoodAttention1D=NeighborhoodAttention1D,
                      NeighborhoodAttention2D=NeighborhoodAttention2D,
                      NeighborhoodAttention3D=NeighborhoodAttention3D)
@@ -114,7 +115,7 @@ backends = _namespace("backends", **{n: globals()[n] for n in _CONFIG_NAMES})
 
 __all__ = [
     "__version__", "HAS_LIBNATTEN", "na1d", "na2d", "na3d", "attention", "merge_attentions",
-    "NeighborhoodAttention1D", "NeighborhoodAttention2D", "NeighborhoodAttention3D",
+    "generate_varlen_parameters", "NeighborhoodAttention1D", "NeighborhoodAttention2D", "NeighborhoodAttention3D",
     "use_kv_parallelism_in_fused_na", "is_kv_parallelism_in_fused_na_enabled",
     "set_memory_usage_preference", "get_memory_usage_preference", "is_memory_usage_default",
     "is_memory_usage_strict", "is_memory_usage_unrestricted", "allow_flex_compile",

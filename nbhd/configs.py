@@ -3,26 +3,27 @@ tensors, forward and backward (NATTEN's `get_configs_for_*` / `get_bwd_configs_f
 
 A configuration is a pair of per-axis shapes `(q_tile_shape, kv_tile_shape)`: the query patch a
 worker owns and the shape of the key tiles it walks over the union of the patch's windows
-(DESIGN.md §4). An empty list means the backend cannot run these tensors.
+(DESIGN.md §4). An empty list means the backend cannot run these tensors with tiles.
 
-  cpu-fna    query patches of 16, 32 or 64 tokens in every power-of-two shape that fits the
-             token layout (a smaller layout is one patch); key tiles of the same shape.
-  cuda-fna   the patch the CUDA kernels are built for: 64 queries as (64,), (8, 8) or (4, 4, 4),
-             key tiles of 64 (csrc/cuda/fna_mma.cu).
+  cpu-fna, cuda-fna  the C library's own list (`nbhd_tile_configs`, csrc/cpu/tiles.c and
+             csrc/cuda/tiles.cu): what the fused kernels are built for, the default first. The
+             kernels run the tile they are given (na1d/2d/3d's q_tile_shape, kv_tile_shape,
+             backward_q_tile_shape, backward_kv_tile_shape) and refuse any other.
   flex-fna   flex_attention block sizes as shapes: (q, kv) tokens per block, 64 or 128 each.
   reference  no tiles (an empty list; tile arguments are ignored by it).
 
+The lists may depend on the window: pass kernel_size (stride, dilation, is_causal) to get the
+list of a given call; by default the window spans each whole axis.
 `validate_tiles` checks the tile arguments of na1d/na2d/na3d against these lists.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from . import backends, checks
+from . import _lib, backends, checks
 
 __all__ = ["get_configs_for_cpu_fna", "get_bwd_configs_for_cpu_fna", "get_configs_for_cuda_fna",
            "get_bwd_configs_for_cuda_fna", "get_configs_for_flex_fna", "get_configs",
@@ -40,61 +41,59 @@ def _spatial(query: Tensor) -> Shape:
     return tuple(int(x) for x in query.shape[1:-2])
 
 
-def _pow2_shapes(rank: int, volume: int, bounds: Sequence[int]) -> List[Shape]:
-    """Power-of-two shapes of `rank` axes with product `volume`, each axis <= the next power of
-    two of its extent (a larger tile only holds padding)."""
-    caps = [1 << max(0, (int(b) - 1).bit_length()) for b in bounds]
-    powers = [1 << e for e in range(volume.bit_length())]
-    out = []
-    for shape in itertools.product(powers, repeat=rank):
-        prod = 1
-        for s in shape:
-            prod *= s
-        if prod == volume and all(s <= c for s, c in zip(shape, caps)):
-            out.append(tuple(shape))
-    return out
-
-
-def _cpu_configs(query: Tensor) -> List[Config]:
+def _library_configs(op: int, query: Tensor, key: Tensor, value: Tensor, kernel_size, stride,
+                     dilation, is_causal) -> List[Config]:
+    """The C library's list for this call's problem ([] when its window is not valid)."""
     spatial = _spatial(query)
-    whole = tuple(1 << max(0, (int(e) - 1).bit_length()) for e in spatial)
-    shapes = []
-    for volume in (16, 32, 64):
-        fit = _pow2_shapes(len(spatial), volume, spatial)
-        # a layout smaller than the patch is one patch: its power-of-two cover
-        shapes += fit if fit else [whole]
-    return [(s, s) for s in dict.fromkeys(shapes)]
+    if kernel_size is None:
+        kernel_size = spatial
+    try:
+        ks, st, dil, causal = checks.geometry(spatial, kernel_size, stride, dilation, is_causal)
+        problem = _lib.Problem(query, key, value, None, None, ks, st, dil, causal,
+                               query.shape[-1] ** -0.5)
+        return _lib.tile_configs(problem, op)
+    except (ValueError, TypeError, _lib.NbhdError):
+        return []
 
 
-def get_configs_for_cpu_fna(query: Tensor, key: Tensor, value: Tensor) -> List[Config]:
+def get_configs_for_cpu_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
+                            stride=1, dilation=1, is_causal=False) -> List[Config]:
     """Forward (q_tile_shape, kv_tile_shape) pairs of the CPU fused kernels for these tensors."""
     if not backends.can_run_cpu_fna(query):
         return []
-    return _cpu_configs(query)
+    return _library_configs(_lib.OP_FORWARD, query, key, value, kernel_size, stride, dilation,
+                            is_causal)
 
 
-def get_bwd_configs_for_cpu_fna(query: Tensor, key: Tensor, value: Tensor) -> List[Config]:
+def get_bwd_configs_for_cpu_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
+                                stride=1, dilation=1, is_causal=False) -> List[Config]:
     """Backward (backward_q_tile_shape, backward_kv_tile_shape) pairs of the CPU fused kernels."""
-    return get_configs_for_cpu_fna(query, key, value)
+    if not backends.can_run_cpu_fna(query):
+        return []
+    return _library_configs(_lib.OP_BACKWARD, query, key, value, kernel_size, stride, dilation,
+                            is_causal)
 
 
-_CUDA_PATCH = {1: (64,), 2: (8, 8), 3: (4, 4, 4)}
-
-
-def get_configs_for_cuda_fna(query: Tensor, key: Tensor, value: Tensor) -> List[Config]:
+def get_configs_for_cuda_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
+                             stride=1, dilation=1, is_causal=False) -> List[Config]:
     """Forward (q_tile_shape, kv_tile_shape) pairs of the CUDA fused kernels for these tensors."""
     if not backends.can_run_cuda_fna(query):
         return []
-    patch = _CUDA_PATCH[len(_spatial(query))]
-    return [(patch, patch)]
+    return _library_configs(_lib.OP_FORWARD, query, key, value, kernel_size, stride, dilation,
+                            is_causal)
 
 
-def get_bwd_configs_for_cuda_fna(query: Tensor, key: Tensor, value: Tensor) -> List[Config]:
+def get_bwd_configs_for_cuda_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
+                                 stride=1, dilation=1, is_causal=False) -> List[Config]:
     """Backward (backward_q_tile_shape, backward_kv_tile_shape) pairs of the CUDA kernels."""
-    return get_configs_for_cuda_fna(query, key, value)
+    if not backends.can_run_cuda_fna(query):
+        return []
+    return _library_configs(_lib.OP_BACKWARD, query, key, value, kernel_size, stride, dilation,
+                            is_causal)
 
 
-def get_configs_for_flex_fna(query: Tensor, key: Tensor, value: Tensor) -> List[Config]:
+def get_configs_for_flex_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
+                             stride=1, dilation=1, is_causal=False) -> List[Config]:
     """(q_tile_shape, kv_tile_shape) for flex-fna: its block sizes, as 1-element shapes per
     token count (flex works on row-major tokens; the shape's product is the block size)."""
     if not backends.can_run_flex_fna(query):
@@ -109,18 +108,21 @@ _FORWARD = {"cpu-fna": get_configs_for_cpu_fna, "cuda-fna": get_configs_for_cuda
 _BACKWARD = {"cpu-fna": get_bwd_configs_for_cpu_fna, "cuda-fna": get_bwd_configs_for_cuda_fna}
 
 
-def get_configs(backend: str, query: Tensor, key: Tensor, value: Tensor) -> List[Config]:
-    """Forward configurations of `backend` (nbhd or NATTEN name) for these tensors."""
+def get_configs(backend: str, query: Tensor, key: Tensor, value: Tensor,
+                **window) -> List[Config]:
+    """Forward configurations of `backend` (nbhd or NATTEN name) for these tensors; `window`:
+    kernel_size, stride, dilation, is_causal of the call (default: whole axes)."""
     name = backends.resolve_name(query, backend)
     fn = _FORWARD.get(name)
-    return fn(query, key, value) if fn else []
+    return fn(query, key, value, **window) if fn else []
 
 
-def get_bwd_configs(backend: str, query: Tensor, key: Tensor, value: Tensor) -> List[Config]:
+def get_bwd_configs(backend: str, query: Tensor, key: Tensor, value: Tensor,
+                    **window) -> List[Config]:
     """Backward configurations of `backend` for these tensors (flex-fna and reference: none)."""
     name = backends.resolve_name(query, backend)
     fn = _BACKWARD.get(name)
-    return fn(query, key, value) if fn else []
+    return fn(query, key, value, **window) if fn else []
 
 
 def _check_pair(backend: str, kind: str, q_name: str, kv_name: str, q_tile: Optional[Shape],
@@ -138,22 +140,27 @@ def _check_pair(backend: str, kind: str, q_name: str, kv_name: str, q_tile: Opti
 
 def validate_tiles(backend: str, query: Tensor, key: Tensor, value: Tensor,
                    q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
-                   backward_kv_tile_shape=None) -> None:
+                   backward_kv_tile_shape=None, window: Optional[dict] = None) -> List[int]:
     """Raise ValueError unless the given tile shapes (ints, tuples or None) form a valid
-    configuration of the (already chosen) backend. Backends without tiles accept any."""
+    configuration of the (already chosen) backend for this call (`window`: its kernel_size,
+    stride, dilation, is_causal). Returns the ops' `tiles` list: [q, kv, backward q, backward
+    kv] flattened, 0 where not given (the kernel then completes the configuration)."""
     rank = query.dim() - 3
+    window = window or {}
     names = ("q_tile_shape", "kv_tile_shape", "backward_q_tile_shape", "backward_kv_tile_shape")
     tiles = tuple(checks.tile_shape(n, t, rank) for n, t in zip(
         names, (q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape)))
+    flat = [x for t in tiles for x in (t if t is not None else (0,) * rank)]
     if all(t is None for t in tiles):
-        return
+        return flat
     if backend not in _FORWARD:
         log.debug("nbhd: backend %s has no tiles; tile arguments %s are not used", backend, tiles)
-        return
+        return flat
     _check_pair(backend, "forward", "q_tile_shape", "kv_tile_shape", tiles[0], tiles[1],
-                _FORWARD[backend](query, key, value))
+                _FORWARD[backend](query, key, value, **window))
     if backend in _BACKWARD:
         _check_pair(backend, "backward", "backward_q_tile_shape", "backward_kv_tile_shape",
-                    tiles[2], tiles[3], _BACKWARD[backend](query, key, value))
+                    tiles[2], tiles[3], _BACKWARD[backend](query, key, value, **window))
     elif tiles[2] is not None or tiles[3] is not None:
         log.debug("nbhd: backend %s has no backward tiles; backward tile shapes not used", backend)
+    return flat

@@ -5,6 +5,7 @@ heads (H % Hkv == 0), D query/key head dim, Dv value head dim, S_add additional 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -43,10 +44,15 @@ class _Call:
         self.geometry = Geometry(ks, st, dil, causal, checks.scale_of(scale, q.shape[-1]))
         self.backend = backends.choose(q, backend)
 
+    def set_tiles(self, tiles) -> None:
+        """The ops' tile list (configs.validate_tiles); given tiles keep the tiled kernels."""
+        self.geometry.tiles = list(tiles)
+
     def is_self_attention(self) -> bool:
-        """Every axis spans its whole extent and none is causal: plain self attention."""
-        ks, _, _, causal, _ = self.geometry.args()
-        return all(k == n for k, n in zip(ks, self.spatial)) and not any(causal)
+        """Every axis spans its whole extent and none is causal: plain self attention (run by
+        the dense kernel, unless tiles were asked for the neighborhood kernels)."""
+        ks, _, _, causal, _, tiles = self.geometry.args()
+        return all(k == n for k, n in zip(ks, self.spatial)) and not any(causal) and not any(tiles)
 
     def empty_extra(self, like: Tensor) -> Tensor:
         return like.new_empty((like.shape[0], 0, *like.shape[-2:]))
@@ -98,13 +104,24 @@ def _use_custom_op() -> bool:
     return True
 
 
+def _flex_blocks(tiles) -> Optional[Tuple[int, int]]:
+    """flex-fna's (Q, KV) block sizes from the forward tile shapes (their token counts); None
+    when neither is given (flex's default)."""
+    rank = len(tiles) // 4
+    q_tile, kv_tile = tiles[:rank], tiles[rank:2 * rank]
+    if not any(q_tile) and not any(kv_tile):
+        return None
+    size = lambda t: math.prod(t) if any(t) else 128
+    return size(q_tile), size(kv_tile)
+
+
 def _forward(call: _Call, torch_compile: bool = False) -> Tuple[Tensor, Tensor]:
     if call.backend == "flex-fna":
-        ks, st, dil, causal, scale = call.geometry.args()
+        ks, st, dil, causal, scale, tiles = call.geometry.args()
         return backends.flex_na(call.q, call.k, call.v, call.kx, call.vx, (ks, st, dil, causal),
-                                scale, torch_compile=torch_compile)
+                                scale, torch_compile=torch_compile, block_size=_flex_blocks(tiles))
     if call.backend == "reference":
-        ks, st, dil, causal, scale = call.geometry.args()
+        ks, st, dil, causal, scale, _ = call.geometry.args()
         return na_reference(call.q, call.k, call.v, ks, st, dil, causal, scale, call.kx, call.vx)
     args = call.kernel_args()
     if _use_custom_op():
@@ -119,7 +136,7 @@ def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     if call.backend == "flex-fna":
         backends.can_run_flex_fna(call.q, raise_error=True, tensors=tangents, forward_ad=True)
     if call.backend == "reference":
-        ks, st, dil, causal, scale = call.geometry.args()
+        ks, st, dil, causal, scale, _ = call.geometry.args()
         primals = (call.q, call.k, call.v, call.kx, call.vx)
         tans = tuple(torch.zeros_like(p) if (t is None and p is not None) else t
                      for t, p in zip(tangents, primals))
@@ -189,10 +206,14 @@ _DOC = """{rank}-D neighborhood attention (NATTEN-compatible).
             NATTEN name (mapped with a warning; see nbhd.backends)
         return_lse: also return the logsumexp [B, {dims}, H] (float32; float64 for float64 inputs)
 
-    Performance knobs (validated: {rank}-tuples of positive ints; backends without tiles ignore
-    them): q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
-    backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel, kernel_schedule,
-    torch_compile, try_fuse_additional_kv, attention_kwargs.
+    Tiles: q_tile_shape, kv_tile_shape (forward) and backward_q_tile_shape,
+        backward_kv_tile_shape ({rank}-tuples or ints): a configuration listed by
+        nbhd.get_configs / get_bwd_configs for this backend and window; the fused kernels run
+        it (a half-given pair takes the first listed match); "reference" ignores them.
+
+    Other NATTEN knobs (validated; without effect on nbhd's kernels): backward_kv_splits,
+    backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, try_fuse_additional_kv,
+    attention_kwargs. torch_compile applies to "flex-fna".
 
     Returns:
         output [B, {dims}, H, Dv] in query's dtype, or (output, lse) when return_lse.
@@ -218,8 +239,10 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
     call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, backend, q_tile_shape, kv_tile_shape,
                  backward_q_tile_shape, backward_kv_tile_shape, attention_kwargs)
-    configs.validate_tiles(call.backend, call.q, call.k, call.v, q_tile_shape, kv_tile_shape,
-                           backward_q_tile_shape, backward_kv_tile_shape)
+    ks, st, dil, causal, _, _ = call.geometry.args()
+    call.set_tiles(configs.validate_tiles(
+        call.backend, call.q, call.k, call.v, q_tile_shape, kv_tile_shape, backward_q_tile_shape,
+        backward_kv_tile_shape, window=dict(kernel_size=ks, stride=st, dilation=dil, is_causal=causal)))
     out, lse = _forward(call, torch_compile)
     return (out, lse) if return_lse else out
 

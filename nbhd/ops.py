@@ -2,7 +2,10 @@
 
 Each op allocates fresh outputs, and the C library writes into them. One shape function per op
 serves both the real op and its fake. Geometry arrives canonical (functional.py validated it):
-kernel_size/stride/dilation/is_causal are lists of length rank (0 for dense attention).
+kernel_size/stride/dilation/is_causal are lists of length rank (0 for dense attention), and
+`tiles` is [q_tile, kv_tile, backward_q_tile, backward_kv_tile] flattened (4 x rank ints, 0:
+the kernel chooses): forward-type ops pass the first half to the C library, backward-type ops
+the second.
 
 Tensor arguments are always present: absent additional keys (and, for rank 0, absent
 neighborhood keys) are zero-length tensors [B, 0, Hkv, D], so every op has fixed arity and vmap
@@ -22,9 +25,13 @@ __all__ = ["na_forward", "na_backward", "na_forward_jvp", "na_forward_jvp_backwa
 _OPTIONS = {"threads": 0, "use_reference": False}
 
 
-def _run_options() -> dict:
-    """_OPTIONS plus the context flags, read at run time (no recompilation when they change)."""
-    return {**_OPTIONS, "kv_parallel": context.kv_parallelism_for_run()}
+def _run_options(tiles: List[int], backward: bool) -> dict:
+    """_OPTIONS, the context flags (read at run time: no recompilation when they change) and the
+    tiles of this pass."""
+    rank = len(tiles) // 4
+    first = 2 * rank if backward else 0
+    return {**_OPTIONS, "kv_parallel": context.kv_parallelism_for_run(),
+            "q_tile": tiles[first:first + rank], "kv_tile": tiles[first + rank:first + 2 * rank]}
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,17 +60,17 @@ def _extra(kx: Tensor, vx: Tensor) -> dict:
 @torch.library.custom_op("nbhd::na_forward", mutates_args=())
 def na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, kernel_size: List[int],
                stride: List[int], dilation: List[int], is_causal: List[bool],
-               scale: float) -> Tuple[Tensor, Tensor]:
+               scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor]:
     """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention."""
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
     _lib.run(_lib.OP_FORWARD, p, {"q": q, "k": k, "v": v, **_extra(kx, vx), "out": out, "lse": lse},
-             **_run_options())
+             **_run_options(tiles, backward=False))
     return out, lse
 
 
 @na_forward.register_fake
-def _(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale):
+def _(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale, tiles):
     return _forward_shapes(q, v, vx, len(kernel_size))
 
 
@@ -74,7 +81,7 @@ def _(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale):
 def na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, out: Tensor, lse: Tensor,
                 d_out: Tensor, d_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
                 dilation: List[int], is_causal: List[bool],
-                scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dkx, dvx), shaped like (q, k, v, kx, vx)."""
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
     p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
@@ -83,12 +90,12 @@ def na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, out: Te
                "d_q": dq, "d_k": dk, "d_v": dv, **_extra(kx, vx)}
     if kx.shape[1] > 0:
         tensors.update(d_kx=dkx, d_vx=dvx)
-    _lib.run(_lib.OP_BACKWARD, p, tensors, **_run_options())
+    _lib.run(_lib.OP_BACKWARD, p, tensors, **_run_options(tiles, backward=True))
     return grads
 
 
 @na_backward.register_fake
-def _(q, k, v, kx, vx, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale):
+def _(q, k, v, kx, vx, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale, tiles):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
 
 
@@ -100,7 +107,7 @@ def na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, t_q:
                    t_k: Optional[Tensor], t_v: Optional[Tensor], t_kx: Optional[Tensor],
                    t_vx: Optional[Tensor], kernel_size: List[int], stride: List[int],
                    dilation: List[int], is_causal: List[bool],
-                   scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                   scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, tangent_out, tangent_lse) in one pass; a None tangent is zero."""
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     t_out, t_lse = torch.empty_like(out), torch.empty_like(lse)
@@ -109,12 +116,12 @@ def na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, t_q:
                "out": out, "lse": lse, "t_out": t_out, "t_lse": t_lse}
     if kx.shape[1] > 0:
         tensors.update(t_kx=t_kx, t_vx=t_vx)
-    _lib.run(_lib.OP_FORWARD_JVP, p, tensors, **_run_options())
+    _lib.run(_lib.OP_FORWARD_JVP, p, tensors, **_run_options(tiles, backward=False))
     return out, lse, t_out, t_lse
 
 
 @na_forward_jvp.register_fake
-def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, kernel_size, stride, dilation, is_causal, scale):
+def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, kernel_size, stride, dilation, is_causal, scale, tiles):
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     return out, lse, torch.empty_like(out), torch.empty_like(lse)
 
@@ -134,7 +141,7 @@ def na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Ten
                             d_lse: Optional[Tensor], d_t_out: Optional[Tensor],
                             d_t_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
                             dilation: List[int], is_causal: List[bool],
-                            scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                            scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
                                                    Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx), shaped like (q, k, v, kx, vx) twice."""
     new = torch.zeros_like if q.shape[-2] == 0 else torch.empty_like  # no heads: zero gradients
@@ -147,13 +154,13 @@ def na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Ten
                "d_v": dv, "d_t_q": dtq, "d_t_k": dtk, "d_t_v": dtv}
     if kx.shape[1] > 0:
         tensors.update(t_kx=t_kx, t_vx=t_vx, d_kx=dkx, d_vx=dvx, d_t_kx=dtkx, d_t_vx=dtvx)
-    _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, p, tensors, **_run_options())
+    _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, p, tensors, **_run_options(tiles, backward=True))
     return grads
 
 
 @na_forward_jvp_backward.register_fake
 def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse, d_t_out,
-      d_t_lse, kernel_size, stride, dilation, is_causal, scale):
+      d_t_lse, kernel_size, stride, dilation, is_causal, scale, tiles):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx) * 2)
 
 

@@ -181,8 +181,8 @@ def dry_run(p: Problem, requested: Optional[str], max_configs: int, out=None) ->
     found = {}
     print(f"problem: {p.describe()}", file=out)
     for name in candidate_backends(p, requested):
-        fwd = configs.get_configs(name, q, k, v)
-        bwd = configs.get_bwd_configs(name, q, k, v)
+        fwd = configs.get_configs(name, q, k, v, **p.geometry())
+        bwd = configs.get_bwd_configs(name, q, k, v, **p.geometry())
         found[name] = fwd
         print(f"backend {name}: {len(fwd)} forward, {len(bwd)} backward configurations"
               + ("" if fwd or bwd else " (no tiles)"), file=out)
@@ -236,7 +236,7 @@ def optimize(p: Problem, requested: Optional[str], warmup: int, repeats: int, ou
     q, k, v, _, _ = p.tensors()
     best = {}
     for name in candidate_backends(p, requested):
-        cfgs = configs.get_configs(name, q, k, v)
+        cfgs = configs.get_configs(name, q, k, v, **p.geometry())
         if not cfgs:
             continue
         results = []

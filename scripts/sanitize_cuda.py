@@ -22,7 +22,7 @@ for use_ref in (False, True):
         k = mk(B, *ext, Hkv, D) if rank else mk(B, 0, Hkv, D)
         v = mk(B, *ext, Hkv, D) if rank else mk(B, 0, Hkv, D)
         kx, vx = mk(B, S, Hkv, D), mk(B, S, Hkv, D)
-        geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5)
+        geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5, [0] * (4 * len(ks)))
         out, lse = ops.na_forward(q, k, v, kx, vx, *geo)
         ops.na_backward(q, k, v, kx, vx, out, lse, torch.randn_like(out), torch.randn_like(lse), *geo)
         ops.na_forward_jvp(q, k, v, kx, vx, q, None, v, kx if S else None, None, *geo)

@@ -155,3 +155,67 @@ def test_attention_errors():
         nbhd.attention(torch.randn(2, 5, 3, 8, dtype=DT), k, v)
     with pytest.raises(ValueError, match="unknown"):
         nbhd.attention(q, k, v, backend="nope")
+
+
+# ----------------------------------------------------------------------------
+# variable-length (packed) sequences
+
+def _packed(lq, lk, seed=3, dtype=DT):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    return r(1, sum(lq), 4, 8), r(1, sum(lk), 2, 8), r(1, sum(lk), 2, 6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_each_sequence_alone(causal):
+    lq, lk = ([5, 0, 9, 3], [7, 2, 4, 3]) if not causal else ([4, 1, 6], [4, 1, 6])
+    q, k, v = (t.requires_grad_() for t in _packed(lq, lk))
+    out, lse = nbhd.attention(q, k, v, seqlens_Q=torch.tensor(lq), seqlens_KV=torch.tensor(lk),
+                              is_causal=causal, return_lse=True)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    oq = ok = 0
+    want_grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for a, b in zip(lq, lk):
+        if a:
+            qs, ks, vs = (t.detach()[:, s:s + n].requires_grad_() for t, s, n in
+                          ((q, oq, a), (k, ok, b), (v, ok, b)))
+            ro, rl = dense_ref(qs, ks, vs, causal=causal)
+            close(out[:, oq:oq + a], ro)
+            close(lse[:, oq:oq + a], rl)
+            gq, gk, gv = torch.autograd.grad(ro, (qs, ks, vs), d_out[:, oq:oq + a])
+            want_grads[0][:, oq:oq + a] += gq
+            want_grads[1][:, ok:ok + b] += gk
+            want_grads[2][:, ok:ok + b] += gv
+        oq, ok = oq + a, ok + b
+    for got, want in zip(grads, want_grads):
+        close(got, want)
+
+
+def test_varlen_offsets_jvp_and_errors():
+    lq, lk = [3, 6], [5, 2]
+    q, k, v = _packed(lq, lk)
+    cq, ck, mq, mk = nbhd.generate_varlen_parameters(q, k, v, torch.tensor(lq), torch.tensor(lk))
+    assert cq.tolist() == [0, 3, 9] and ck.tolist() == [0, 5, 7] and (mq, mk) == (6, 5)
+    kw = dict(cumulative_seqlen_Q=cq, cumulative_seqlen_KV=ck, max_seqlen_Q=mq, max_seqlen_KV=mk)
+    f = lambda q, k, v: nbhd.attention(q, k, v, **kw)
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+    out, t_out = torch.func.jvp(f, (q, k, v), tangents)
+    ref = lambda q, k, v: torch.cat([dense_ref(q[:, :3], k[:, :5], v[:, :5])[0],
+                                     dense_ref(q[:, 3:], k[:, 5:], v[:, 5:])[0]], 1)
+    r_out, r_t = torch.func.jvp(ref, (q, k, v), tangents)
+    close(out, r_out)
+    close(t_out, r_t)
+    with pytest.raises(ValueError, match="either seqlens_Q"):
+        nbhd.attention(q, k, v, seqlens_Q=torch.tensor(lq), seqlens_KV=torch.tensor(lk), **kw)
+    with pytest.raises(ValueError, match="sums to"):
+        nbhd.attention(q, k, v, seqlens_Q=torch.tensor([3, 5]), seqlens_KV=torch.tensor(lk))
+    with pytest.raises(ValueError, match="batch"):
+        nbhd.attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
+                       seqlens_Q=torch.tensor(lq), seqlens_KV=torch.tensor(lk))
+    with pytest.raises(ValueError, match="no keys"):
+        nbhd.attention(q, k, v, seqlens_Q=torch.tensor(lq), seqlens_KV=torch.tensor([7, 0]))
+    with pytest.raises(ValueError, match="max_seqlen_Q"):
+        nbhd.attention(q, k, v, **{**kw, "max_seqlen_Q": 2})
+    with pytest.raises(TypeError, match="int32/int64"):
+        nbhd.attention(q, k, v, seqlens_Q=torch.tensor([3.0, 6.0]), seqlens_KV=torch.tensor(lk))

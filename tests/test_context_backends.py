@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nbhd
-from nbhd import backends, configs, context, ops
+from nbhd import _lib, backends, configs, context, ops
 from nbhd.reference import na_reference
 
 DT = torch.float64
@@ -26,12 +26,12 @@ def test_kv_parallelism_flags_and_determinism():
     assert context.kv_parallelism_for_run()
     nbhd.use_kv_parallelism_in_fused_na(False)
     assert not nbhd.is_kv_parallelism_in_fused_na_enabled()
-    assert not ops._run_options()["kv_parallel"]
+    assert not ops._run_options([], False)["kv_parallel"]
     nbhd.use_kv_parallelism_in_fused_na(True)
-    assert ops._run_options()["kv_parallel"]
+    assert ops._run_options([], False)["kv_parallel"]
     torch.use_deterministic_algorithms(True)
     assert not context.kv_parallelism_for_run()      # PyTorch's deterministic mode wins
-    assert not ops._run_options()["kv_parallel"]
+    assert not ops._run_options([], False)["kv_parallel"]
     context.reset()
     nbhd.use_kv_parallelism_in_fused_na(False)
     nbhd.use_kv_parallelism_in_fused_na(True)           # ignored with a warning
@@ -154,8 +154,9 @@ def test_configs_and_tile_validation():
     q = torch.randn(1, 12, 10, 2, 4)
     fwd = nbhd.get_configs_for_cpu_fna(q, q, q)
     assert fwd and all(len(a) == 2 and len(b) == 2 for a, b in fwd)
-    assert all(a[0] * a[1] in (16, 32, 64) for a, _ in fwd)
+    assert all(min(a + b) >= 1 for a, b in fwd)
     assert nbhd.get_bwd_configs_for_cpu_fna(q, q, q)
+    assert nbhd.get_configs_for_cpu_fna(q.double(), q.double(), q.double()) == []  # scalar kernels
     assert nbhd.get_configs_for_cuda_fna(q, q, q) == []          # CPU tensors
     assert nbhd.get_configs("reference", q, q, q) == []
     assert nbhd.get_configs("cutlass-fna", q, q, q) == fwd       # NATTEN name, mapped
@@ -166,8 +167,53 @@ def test_configs_and_tile_validation():
     with pytest.raises(ValueError, match="not a valid forward configuration"):
         nbhd.na2d(q, q, q, 3, q_tile_shape=(3, 5))
     with pytest.raises(ValueError, match="not a valid backward configuration"):
-        nbhd.na2d(q, q, q, 3, backward_q_tile_shape=(1, 1))
+        nbhd.na2d(q, q, q, 3, backward_q_tile_shape=(1000003, 1))
     nbhd.na2d(q, q, q, 3, q_tile_shape=(3, 5), backend="reference")  # no tiles: not used
-    small = torch.randn(1, 6, 1, 4)                                   # smaller than any patch
-    assert nbhd.get_configs_for_cpu_fna(small, small, small) == [((8,), (8,))]
-    nbhd.na1d(small, small, small, 3, q_tile_shape=8, kv_tile_shape=8)
+    # the C library refuses an unlisted tile itself (the check is not only in Python)
+    geometry = ([3, 3], [1, 1], [1, 1], [False, False], 0.5, [1000003, 1, 0, 0, 0, 0, 0, 0])
+    empty = q.new_empty((1, 0, 2, 4))
+    with pytest.raises(_lib.NbhdError, match="NBHD_ERR_UNSUPPORTED.*q_tile"):
+        ops.na_forward(q, q, q, empty, empty, *geometry)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_every_listed_tile_matches_the_reference(rank, dtype):
+    """Each configuration nbhd_tile_configs lists runs (forward, backward and forward+JVP, the
+    tile passed down to the kernel) and agrees with the float64 reference."""
+    g = torch.Generator().manual_seed(rank)
+    spatial = {1: (37,), 2: (11, 13), 3: (5, 6, 7)}[rank]
+    ks = {1: 5, 2: (3, 5), 3: (3, 3, 5)}[rank]
+    dil = {1: 2, 2: (1, 2), 3: 1}[rank]
+    causal = {1: True, 2: (False, True), 3: (True, False, False)}[rank]
+    q, k, v = (torch.randn(2, *spatial, 2, 8, generator=g) for _ in range(3))
+    fn = {1: nbhd.na1d, 2: nbhd.na2d, 3: nbhd.na3d}[rank]
+    window = dict(kernel_size=ks, dilation=dil, is_causal=causal)
+    fwd = nbhd.get_configs_for_cpu_fna(q, k, v, **window)
+    bwd = nbhd.get_bwd_configs_for_cpu_fna(q, k, v, **window)
+    assert fwd and bwd
+    x64 = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = fn(*x64, backend="reference", **window)
+    d_out = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, x64, d_out)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
+    for (q_tile, kv_tile), (bq_tile, bkv_tile) in zip(fwd, bwd * len(fwd)):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*xs, q_tile_shape=q_tile, kv_tile_shape=kv_tile, backward_q_tile_shape=bq_tile,
+                 backward_kv_tile_shape=bkv_tile, **window)
+        torch.testing.assert_close(out.double(), ref.detach(), **tol)
+        grads = torch.autograd.grad(out, xs, d_out.to(dtype))
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got.double(), want, **tol)
+    for bq_tile, bkv_tile in bwd[1:]:  # backward configurations beyond the forward's count
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*xs, backward_q_tile_shape=bq_tile, backward_kv_tile_shape=bkv_tile, **window)
+        for got, want in zip(torch.autograd.grad(out, xs, d_out.to(dtype)), ref_grads):
+            torch.testing.assert_close(got.double(), want, **tol)
+    q_tile, kv_tile = fwd[-1]
+    tangents = (k, v, q)
+    _, t_out = torch.func.jvp(lambda *x: fn(*x, q_tile_shape=q_tile, kv_tile_shape=kv_tile, **window),
+                              tuple(t.to(dtype) for t in (q, k, v)), tuple(t.to(dtype) for t in tangents))
+    _, t_ref = torch.func.jvp(lambda *x: fn(*x, backend="reference", **window),
+                              tuple(x.detach() for x in x64), tuple(t.double() for t in tangents))
+    torch.testing.assert_close(t_out.double(), t_ref, **tol)

@@ -89,7 +89,7 @@ def build(case, dtype, seed):
         v = torch.empty(B, 0, Hkv, Dv, device="cuda", dtype=dtype)
     kx = make((B, S, Hkv, D), dtype, layout if S else "contig", gen)
     vx = make((B, S, Hkv, Dv), dtype, layout if S else "contig", gen)
-    geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5)
+    geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5, [0] * (4 * len(ks)))
     return (q, k, v, kx, vx), geo
 
 
