@@ -13,8 +13,13 @@
  *     stride > 1, causal starts) use the exact union [lo_0, hi_15) with the key broadcast to
  *     every lane and a per-lane range test (two integer compares per slot vector).
  *   - K, V (and Q, dO, LSE, D for the backward) are first packed into the workspace as fp32
- *     rows [dim][Z+pad], Z in dilation-group-major order; fp16/bf16 are converted there, so
+ *     rows [dim][ZP], Z in dilation-group-major order, each group followed by PAD zeros (which
+ *     are also the left margin of the next group or row); fp16/bf16 are converted there, so
  *     the inner loops are fp32 FMAs on any input type and any strides.
+ *   - Border patches (clamped windows) and strided windows are still shifted loads, over the
+ *     few extra slots that cover every lane's window, masked per lane; the zero margins keep
+ *     the masked products finite. Only when that is wider than the union of the windows is
+ *     the key broadcast instead.
  *   - Scores are in log2 units (scale*log2(e) folded into the packed Q), exp2 is a polynomial
  *     (simd.h), the running max and its rescale are per lane and happen only when a block of
  *     slots raises some lane's max (at most once per 512 slots).
@@ -24,11 +29,11 @@
  *     thread; work is split statically over batch x heads x patches.
  *
  * Dimension letters: B batch, X Y Z spatial axes, H query heads, Hk key/value heads, D, Dv.
- * Packed layouts (owned by FAST(layout)):
- *   row tensors  [B, H|Hk, X, Y, dim, Z]     rows are not padded: the lanes of a partial chunk
- *                                            past the row end read the next row (or the 16-float
- *                                            tail of the buffer) and are discarded; lanes never mix
- *   row scalars  [B, H, X, Y, Z]             LSE*log2(e) and D_i (backward)
+ * Packed layouts (owned by FAST(layout)), ZP = Z + PAD*dilation:
+ *   row tensors  [B, H|Hk, X, Y, dim, ZP]    | g0 ... | 0 x PAD | g1 ... | 0 x PAD |, and PAD
+ *                                            floats before the first row; a shifted load of a
+ *                                            chunk reads at most PAD-1 past either end of its group
+ *   row scalars  [B, H, X, Y, ZP]            LSE*log2(e) and D_i (backward), same margins
  *   extra keys   [B, Hk, dim, S_add]
  */
 
@@ -42,6 +47,7 @@
 #endif
 
 #define SMAX 512                     /* slot vectors per processed unit (32 KiB of scores) */
+#define PAD 16                       /* zero floats after each dilation group of a packed row */
 #define LOG2E 1.4426950408889634
 #define LN2 0.6931471805599453
 
@@ -88,7 +94,7 @@ typedef struct {
     int64_t B, X, Y, Z, H, Hk, G, D, Dv, S;   /* G: query heads per key head; S: extra keys */
     int64_t ZP, SP, lines_q, lines_k;         /* lines: B*H*X*Y and B*Hk*X*Y */
     int64_t dil;                              /* dilation on Z */
-    int64_t *goff;                            /* [dil+1] first packed position of each group */
+    int64_t *goff, *glen;                     /* [dil] first packed position, length of each group */
     int64_t nchunks;                          /* chunks of 16 in-group queries per (x, y) line */
     int64_t *chunk_g, *chunk_i0;              /* [nchunks] */
 } FAST(geo);
@@ -97,16 +103,18 @@ static int FAST(geo_init)(FAST(geo) *G, const nbhd_geometry *g) {
     G->B = g->batch; G->X = g->axis[0].extent; G->Y = g->axis[1].extent; G->Z = g->axis[2].extent;
     G->H = g->heads; G->Hk = g->kv_heads; G->G = g->group; G->D = g->head_dim;
     G->Dv = g->head_dim_v; G->S = g->extra_kv;
-    G->ZP = G->Z; G->SP = G->S;
-    G->lines_q = G->B * G->H * G->X * G->Y; G->lines_k = G->B * G->Hk * G->X * G->Y;
     G->dil = g->axis[2].dilation;
-    G->goff = (int64_t *)malloc(sizeof(int64_t) * (size_t)(G->dil + 1));
+    G->ZP = G->Z + PAD * G->dil; G->SP = G->S;
+    G->lines_q = G->B * G->H * G->X * G->Y; G->lines_k = G->B * G->Hk * G->X * G->Y;
+    G->goff = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)G->dil);
     if (!G->goff) return 0;
+    G->glen = G->goff + G->dil;
     G->nchunks = 0;
-    G->goff[0] = 0;
-    for (int64_t gr = 0; gr < G->dil; ++gr) {
+    for (int64_t gr = 0, at = 0; gr < G->dil; ++gr) {
         const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
-        G->goff[gr + 1] = G->goff[gr] + Lg;
+        G->goff[gr] = at;
+        G->glen[gr] = Lg;
+        at += Lg + PAD;
         G->nchunks += (Lg + 15) / 16;
     }
     G->chunk_g = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)G->nchunks);
@@ -114,7 +122,7 @@ static int FAST(geo_init)(FAST(geo) *G, const nbhd_geometry *g) {
     G->chunk_i0 = G->chunk_g + G->nchunks;
     int64_t c = 0;
     for (int64_t gr = 0; gr < G->dil; ++gr)
-        for (int64_t i0 = 0; i0 < G->goff[gr + 1] - G->goff[gr]; i0 += 16) {
+        for (int64_t i0 = 0; i0 < G->glen[gr]; i0 += 16) {
             G->chunk_g[c] = gr;
             G->chunk_i0[c++] = i0;
         }
@@ -132,50 +140,95 @@ typedef struct {
 } FAST(layout_t);
 
 static FAST(layout_t) FAST(layout)(const nbhd_geometry *g, nbhd_op op) {
-    const int64_t ZP = g->axis[2].extent, SP = g->extra_kv;
-    const size_t lk = (size_t)(g->batch * g->kv_heads * g->axis[0].extent * g->axis[1].extent);
+    const int64_t ZP = g->axis[2].extent + PAD * g->axis[2].dilation, SP = g->extra_kv;
+    /* forward and forward+JVP pack one (b, hk) slab at a time (it stays in cache) */
+    const size_t slabs = op == NBHD_OP_BACKWARD ? (size_t)(g->batch * g->kv_heads) : 1;
+    const size_t lk = slabs * (size_t)(g->axis[0].extent * g->axis[1].extent);
     const size_t lq = (size_t)(g->batch * g->heads * g->axis[0].extent * g->axis[1].extent);
-    const size_t xk = (size_t)(g->batch * g->kv_heads);
+    const size_t xk = slabs;
     const size_t D = (size_t)g->head_dim, Dv = (size_t)g->head_dim_v;
     FAST(layout_t) L;
     memset(&L, 0, sizeof L);
     size_t at = 0;
-    L.kt = at; at += lk * D * ZP;
-    L.vt = at; at += lk * Dv * ZP;
+    /* each packed array starts PAD floats in: the left margin of its first row */
+#define PLACE(field, n) do { L.field = at + PAD; at += PAD + (n); } while (0)
+    PLACE(kt, lk * D * ZP);
+    PLACE(vt, lk * Dv * ZP);
     L.kxt = at; at += g->extra_kv ? xk * D * SP : 0;
     L.vxt = at; at += g->extra_kv ? xk * Dv * SP : 0;
     if (op == NBHD_OP_FORWARD_JVP) {
-        L.tkt = at; at += lk * D * ZP;
-        L.tvt = at; at += lk * Dv * ZP;
+        PLACE(tkt, lk * D * ZP);
+        PLACE(tvt, lk * Dv * ZP);
         L.tkxt = at; at += g->extra_kv ? xk * D * SP : 0;
         L.tvxt = at; at += g->extra_kv ? xk * Dv * SP : 0;
     }
     if (op == NBHD_OP_BACKWARD) {
-        L.qt = at; at += lq * D * ZP;
-        L.dot = at; at += lq * Dv * ZP;
-        L.lr = at; at += lq * ZP;
-        L.dr = at; at += lq * ZP;
+        PLACE(qt, lq * D * ZP);
+        PLACE(dot, lq * Dv * ZP);
+        PLACE(lr, lq * ZP);
+        PLACE(dr, lq * ZP);
     }
-    /* + 16 floats of tail: the shifted loads of the last partial chunk, + 16 to align */
-    L.total = at + 32;
+#undef PLACE
+    /* + 16 floats to align the base */
+    L.total = at + 16;
     return L;
 }
 
-/* Packs one (b, h, x, y) line of tensor t into dst [dim][ZP] (Z group-major), times mul.
- * One loop per element type, so the conversion is hoisted out of the element loop. */
-#define PACK_LOOP(T, CONV)                                                                \
-    for (int64_t gr = 0; gr < G->dil; ++gr)                                               \
-        for (int64_t z = gr, p = G->goff[gr]; z < G->Z; z += G->dil, ++p) {               \
-            const T *src = (const T *)t->data + FAST(off)(t, b, x, y, z, h);              \
-            for (int64_t d = 0; d < dim; ++d) dst[d * ZP + p] = mul * CONV(src[d * s5]);  \
-        }
-#define PACK_F32(v) (v)
+/* Zeroes the left margin of every packed array of L (the rows zero their own right margins). */
+static void FAST(zero_front_margins)(float *ws, const FAST(layout_t) *L, nbhd_op op) {
+    size_t at[8] = {L->kt, L->vt}, n = 2;
+    if (op == NBHD_OP_FORWARD_JVP) { at[n++] = L->tkt; at[n++] = L->tvt; }
+    if (op == NBHD_OP_BACKWARD) { at[n++] = L->qt; at[n++] = L->dot; at[n++] = L->lr; at[n++] = L->dr; }
+    for (size_t i = 0; i < n; ++i) memset(ws + at[i] - PAD, 0, sizeof(float) * PAD);
+}
+
+/* Zeroes the PAD margin after each group of the rows dst[d*ZP], d < dim. */
+static void FAST(zero_margins)(float *dst, const FAST(geo) *G, int64_t dim) {
+    for (int64_t d = 0; d < dim; ++d)
+        for (int64_t gr = 0; gr < G->dil; ++gr)
+            memset(dst + d * G->ZP + G->goff[gr] + G->glen[gr], 0, sizeof(float) * PAD);
+}
+
+/* r[l] = the 16 elements d0.. of token tok[l] (element offsets, contiguous d), widened to fp32;
+ * r[l] = 0 for l >= nl */
+NBHD_ALWAYS_INLINE void FAST(load_rows16)(vf *r, const void *data, nbhd_dtype dt, const int64_t *tok,
+                                          int nl, int64_t d0) {
+    for (int l = 0; l < NBHD_LANES; ++l) {
+        if (l >= nl) r[l] = vf_zero();
+        else if (dt == NBHD_F32) r[l] = vf_load((const float *)data + tok[l] + d0);
+        else if (dt == NBHD_BF16) r[l] = vf_load_bf16((const uint16_t *)data + tok[l] + d0);
+        else r[l] = vf_load_f16((const uint16_t *)data + tok[l] + d0);
+    }
+}
+
+/* Dims moved 16 at a time by register transposes (contiguous d); the rest go one by one. */
+static inline int64_t FAST(dims16)(const nbhd_tensor *t, int64_t dim) {
+    return t->stride[5] == 1 ? dim / 16 * 16 : 0;
+}
+
+/* Packs one (b, h, x, y) line of tensor t into dst [dim][ZP] (Z group-major), times mul:
+ * blocks of 16 tokens x 16 dims are transposed in registers. */
 static void FAST(pack_line)(float *dst, const FAST(geo) *G, const nbhd_tensor *t, nbhd_dtype dt,
                             int64_t b, int64_t h, int64_t x, int64_t y, int64_t dim, float mul) {
-    const int64_t ZP = G->ZP, s5 = t->stride[5];
-    if (dt == NBHD_F32) { PACK_LOOP(float, PACK_F32) }
-    else if (dt == NBHD_BF16) { PACK_LOOP(uint16_t, nbhd_bf16_to_f32) }
-    else { PACK_LOOP(uint16_t, nbhd_f16_to_f32) }
+    const int64_t ZP = G->ZP, s5 = t->stride[5], d16 = FAST(dims16)(t, dim);
+    const vf vmul = vf_set1(mul);
+    for (int64_t gr = 0; gr < G->dil; ++gr)
+        for (int64_t i0 = 0; i0 < G->glen[gr]; i0 += 16) {
+            const int nz = (int)(G->glen[gr] - i0 < 16 ? G->glen[gr] - i0 : 16);
+            int64_t tok[NBHD_LANES];
+            for (int l = 0; l < nz; ++l) tok[l] = FAST(off)(t, b, x, y, gr + (i0 + l) * G->dil, h);
+            float *dp = dst + G->goff[gr] + i0;
+            /* a partial block stores zeros past the group end: into its margin */
+            for (int64_t d0 = 0; d0 < d16; d0 += 16) {
+                vf r[NBHD_LANES];
+                FAST(load_rows16)(r, t->data, dt, tok, nz, d0);
+                vf_transpose16(r);
+                for (int i = 0; i < NBHD_LANES; ++i) vf_store(dp + (d0 + i) * ZP, vf_mul(r[i], vmul));
+            }
+            for (int64_t d = d16; d < dim; ++d)
+                for (int l = 0; l < nz; ++l) dp[d * ZP + l] = mul * FAST(ld)(t->data, tok[l] + d * s5, dt);
+        }
+    FAST(zero_margins)(dst, G, dim);
 }
 
 /* Packs the extra keys of (b, hk) of tensor t ([B, S, -, -, Hk, dim]) into dst [dim][SP]. */
@@ -188,9 +241,13 @@ static void FAST(pack_extra)(float *dst, const FAST(geo) *G, const nbhd_tensor *
     }
 }
 
-/* Lane ranges along Z of one chunk: lane l covers in-group positions [lo[l], hi[l]).
- * shift: lo[l] = base + l and hi[l] = base + l + n (slot c of lane l is position base+c+l);
- * otherwise the slots are the union [base, base+n), broadcast to all lanes, masked per lane. */
+/* Lane ranges along Z of one chunk: lane l covers in-group positions [lo_l, hi_l).
+ *   shift (bcast = 0): slot c of lane l is position base + c + l. Unmasked when every lane's
+ *     range is [base + l, base + l + n); masked otherwise, and then lo[l], hi[l] hold
+ *     lo_l - l, hi_l - l, so the per-lane test of slot c is lo[l] <= base + c < hi[l].
+ *     base >= -15 and base + n + 14 <= group length + 14: within the packed margins.
+ *   union (bcast = 1): slot c is position base + c for every lane, masked by lo[l], hi[l].
+ * The mode with fewer slots wins. */
 typedef struct {
     int32_t lo[NBHD_LANES], hi[NBHD_LANES];
     int64_t base, n;
@@ -199,17 +256,24 @@ typedef struct {
 
 static void FAST(zdesc_finish)(FAST(zdesc) *zd, int nl) {
     int shift = 1;
-    int64_t ulo = -1, uhi = -1;
+    int64_t ulo = -1, uhi = -1, slo = 0, shi = 0;
+    int any = 0;
     for (int l = 0; l < nl; ++l) {
         if (zd->lo[l] != zd->lo[0] + l || zd->hi[l] - zd->lo[l] != zd->hi[0] - zd->lo[0]) shift = 0;
         if (zd->hi[l] > zd->lo[l]) {
             if (ulo < 0 || zd->lo[l] < ulo) ulo = zd->lo[l];
             if (zd->hi[l] > uhi) uhi = zd->hi[l];
+            if (!any || zd->lo[l] - l < slo) slo = zd->lo[l] - l;
+            if (!any || zd->hi[l] - l > shi) shi = zd->hi[l] - l;
+            any = 1;
         }
     }
     for (int l = nl; l < NBHD_LANES; ++l) zd->lo[l] = zd->hi[l] = 0;
     if (shift && zd->hi[0] > zd->lo[0]) {
         zd->base = zd->lo[0]; zd->n = zd->hi[0] - zd->lo[0]; zd->bcast = 0; zd->masked = 0;
+    } else if (any && shi - slo <= uhi - ulo) {
+        for (int l = 0; l < nl; ++l) { zd->lo[l] -= l; zd->hi[l] -= l; }
+        zd->base = slo; zd->n = shi - slo; zd->bcast = 0; zd->masked = 1;
     } else {
         zd->base = ulo < 0 ? 0 : ulo; zd->n = ulo < 0 ? 0 : uhi - ulo; zd->bcast = 1; zd->masked = 1;
     }
@@ -450,32 +514,44 @@ static void FAST(softmax_step)(float *S, int64_t nslots, float *m, float *l, flo
 static void FAST(load_lanes)(float *A, const nbhd_tensor *t, nbhd_dtype dt, int64_t dim,
                              int64_t b, int64_t x, int64_t y, const int64_t *zl, int nl, int64_t h,
                              float mul) {
-    for (int64_t d = 0; d < dim; ++d)
-        for (int l = nl; l < NBHD_LANES; ++l) A[16 * d + l] = 0.0f;
-    for (int l = 0; l < nl; ++l) {
-        const int64_t o = FAST(off)(t, b, x, y, zl[l], h), s5 = t->stride[5];
-        if (dt == NBHD_F32) {
-            const float *src = (const float *)t->data + o;
-            for (int64_t d = 0; d < dim; ++d) A[16 * d + l] = mul * src[d * s5];
-        } else {
-            for (int64_t d = 0; d < dim; ++d) A[16 * d + l] = mul * FAST(ld)(t->data, o + d * s5, dt);
-        }
+    const int64_t s5 = t->stride[5], d16 = FAST(dims16)(t, dim);
+    int64_t tok[NBHD_LANES];
+    for (int l = 0; l < nl; ++l) tok[l] = FAST(off)(t, b, x, y, zl[l], h);
+    const vf vmul = vf_set1(mul);
+    for (int64_t d0 = 0; d0 < d16; d0 += 16) {
+        vf r[NBHD_LANES];
+        FAST(load_rows16)(r, t->data, dt, tok, nl, d0);
+        vf_transpose16(r);
+        for (int i = 0; i < NBHD_LANES; ++i) vf_store(A + 16 * (d0 + i), vf_mul(r[i], vmul));
     }
+    for (int64_t d = d16; d < dim; ++d)
+        for (int l = 0; l < NBHD_LANES; ++l)
+            A[16 * d + l] = l < nl ? mul * FAST(ld)(t->data, tok[l] + d * s5, dt) : 0.0f;
 }
 
 /* t[b, x, y, z_l, h, d] = mul_l * A[d][l] for the nl lanes of a chunk */
 static void FAST(store_lanes)(const nbhd_tensor *t, nbhd_dtype dt, int64_t dim, int64_t b,
                               int64_t x, int64_t y, const int64_t *zl, int nl, int64_t h,
                               const float *A, const float *mul) {
-    for (int l = 0; l < nl; ++l) {
-        const int64_t o = FAST(off)(t, b, x, y, zl[l], h), s5 = t->stride[5];
-        if (dt == NBHD_F32) {
-            float *dst = (float *)t->data + o;
-            for (int64_t d = 0; d < dim; ++d) dst[d * s5] = mul[l] * A[16 * d + l];
-        } else {
-            for (int64_t d = 0; d < dim; ++d) FAST(st)(t->data, o + d * s5, dt, mul[l] * A[16 * d + l]);
+    const int64_t s5 = t->stride[5], d16 = FAST(dims16)(t, dim);
+    int64_t tok[NBHD_LANES];
+    for (int l = 0; l < nl; ++l) tok[l] = FAST(off)(t, b, x, y, zl[l], h);
+    for (int64_t d0 = 0; d0 < d16; d0 += 16) {
+        vf r[NBHD_LANES];
+        for (int i = 0; i < NBHD_LANES; ++i) r[i] = vf_load(A + 16 * (d0 + i));
+        vf_transpose16(r);
+        for (int l = 0; l < nl; ++l) {
+            const vf o = vf_mul(r[l], vf_set1(mul[l]));
+            if (dt == NBHD_F32) vf_store((float *)t->data + tok[l] + d0, o);
+            else {
+                float tmp[NBHD_LANES];
+                vf_store(tmp, o);
+                for (int j = 0; j < NBHD_LANES; ++j) FAST(st)(t->data, tok[l] + d0 + j, dt, tmp[j]);
+            }
         }
     }
+    for (int l = 0; l < nl; ++l)
+        for (int64_t d = d16; d < dim; ++d) FAST(st)(t->data, tok[l] + d * s5, dt, mul[l] * A[16 * d + l]);
 }
 
 /* line index of (b, h, x, y) among [B, heads, X, Y] */
@@ -559,99 +635,341 @@ static inline float *FAST(ws_base)(const nbhd_exec *e) {
 }
 
 // ----------------------------------------------------------------------------
+// line-blocked micro-kernels (forward): up to MAXLINES query lines (same x, neighbouring y in
+// one dilation group, same Z chunk) share every key row that lies in all of their windows, so
+// one shifted load of K or V feeds one FMA per line. A key row u is seen by a contiguous range
+// of lines [ra, rb) (windows never move backwards), a "segment" when several rows share it.
+//
+//   scores  S_r[c] = sum_d Q_r[d] * opnd(k_u + d*ld + c)          acc[line][slot] in registers
+//   values  O_r[d] += sum_u,c P_r[u][c] * opnd(v_u + d*ld + c)     acc[line][dim]  in registers
+
+#define MAXLINES 4
+
+/* S[r][j] = sum_d Q[r][d] * opnd(k + d*ld + j), r < NR, j < C (NR, C constants after inlining) */
+NBHD_ALWAYS_INLINE void FAST(score_lines_block)(float *const *S, const float *const *Q, int NR,
+                                                int64_t dim, const float *k, int64_t ld,
+                                                int bcast, int C) {
+    vf acc[MAXLINES][6];
+    NBHD_UNROLL
+    for (int r = 0; r < NR; ++r)
+        NBHD_UNROLL
+        for (int j = 0; j < C; ++j) acc[r][j] = vf_zero();
+    for (int64_t d = 0; d < dim; ++d) {
+        vf q[MAXLINES];
+        NBHD_UNROLL
+        for (int r = 0; r < NR; ++r) q[r] = vf_load(Q[r] + 16 * d);
+        const float *kd = k + d * ld;
+        NBHD_UNROLL
+        for (int j = 0; j < C; ++j) {
+            const vf kj = FAST(opnd)(kd + j, bcast);
+            NBHD_UNROLL
+            for (int r = 0; r < NR; ++r) acc[r][j] = vf_fma(q[r], kj, acc[r][j]);
+        }
+    }
+    NBHD_UNROLL
+    for (int r = 0; r < NR; ++r)
+        NBHD_UNROLL
+        for (int j = 0; j < C; ++j) vf_store(S[r] + 16 * j, acc[r][j]);
+}
+
+NBHD_ALWAYS_INLINE void FAST(score_lines_nr)(float *const *S, const float *const *Q, int NR,
+                                             int64_t dim, const float *k, int64_t ld, int64_t n,
+                                             int bcast) {
+    float *Sc[MAXLINES];
+    int64_t c = 0;
+    for (; c + 6 <= n; c += 6) {
+        NBHD_UNROLL
+        for (int r = 0; r < NR; ++r) Sc[r] = S[r] + 16 * c;
+        FAST(score_lines_block)(Sc, Q, NR, dim, k + c, ld, bcast, 6);
+    }
+    NBHD_UNROLL
+    for (int r = 0; r < NR; ++r) Sc[r] = S[r] + 16 * c;
+    switch (n - c) {
+    case 5: FAST(score_lines_block)(Sc, Q, NR, dim, k + c, ld, bcast, 5); break;
+    case 4: FAST(score_lines_block)(Sc, Q, NR, dim, k + c, ld, bcast, 4); break;
+    case 3: FAST(score_lines_block)(Sc, Q, NR, dim, k + c, ld, bcast, 3); break;
+    case 2: FAST(score_lines_block)(Sc, Q, NR, dim, k + c, ld, bcast, 2); break;
+    case 1: FAST(score_lines_block)(Sc, Q, NR, dim, k + c, ld, bcast, 1); break;
+    default: break;
+    }
+}
+
+/* S[r][c] = sum_d Q[r][d] * opnd(k + d*ld + c) for nr (1..MAXLINES) lines and n slots */
+static void FAST(score_lines)(float *const *S, const float *const *Q, int nr, int64_t dim,
+                              const float *k, int64_t ld, int64_t n, int bcast) {
+#define SCORE_NR(NR)                                                                     \
+    case NR:                                                                             \
+        if (bcast) FAST(score_lines_nr)(S, Q, NR, dim, k, ld, n, 1);                     \
+        else FAST(score_lines_nr)(S, Q, NR, dim, k, ld, n, 0);                           \
+        break;
+    switch (nr) { SCORE_NR(1) SCORE_NR(2) SCORE_NR(3) SCORE_NR(4) default: break; }
+#undef SCORE_NR
+}
+
+/* One unit's key rows for the value pass: row t has lines [ra[t], rb[t]) and values v[t]. */
+typedef struct {
+    int8_t *ra, *rb;
+    const float **v;
+    int64_t nrows;
+} FAST(rowset);
+
+/* acc[r][j] += sum over `len` rows and n slots of P_r * opnd(v + j*ld + c), lines RA <= r < RB.
+ * P_r of row t, slot c is P[r] + 16*(t*n + c). */
+NBHD_ALWAYS_INLINE void FAST(values_seg)(vf (*acc)[4], int RA, int RB, const float *const *P,
+                                         const float *const *v, int64_t len, int64_t d0,
+                                         int64_t n, int64_t ld, int bcast, int DB) {
+    for (int64_t t = 0; t < len; ++t) {
+        const float *vb = v[t] + d0 * ld;
+        for (int64_t c = 0; c < n; ++c) {
+            vf p[MAXLINES];
+            NBHD_UNROLL
+            for (int r = RA; r < RB; ++r) p[r] = vf_load(P[r] + 16 * (t * n + c));
+            NBHD_UNROLL
+            for (int j = 0; j < DB; ++j) {
+                const vf vj = FAST(opnd)(vb + j * ld + c, bcast);
+                NBHD_UNROLL
+                for (int r = RA; r < RB; ++r) acc[r][j] = vf_fma(p[r], vj, acc[r][j]);
+            }
+        }
+    }
+}
+
+NBHD_ALWAYS_INLINE void FAST(values_block)(float *const *O, int nl, const float *const *S,
+                                           const FAST(rowset) *rs, int64_t d0, int64_t n,
+                                           int64_t ld, int bcast, int DB) {
+    vf acc[MAXLINES][4];
+    NBHD_UNROLL
+    for (int r = 0; r < MAXLINES; ++r)
+        NBHD_UNROLL
+        for (int j = 0; j < DB; ++j) acc[r][j] = r < nl ? vf_load(O[r] + 16 * (d0 + j)) : vf_zero();
+    const float *P[MAXLINES];
+    NBHD_UNROLL
+    for (int r = 0; r < MAXLINES; ++r) P[r] = r < nl ? S[r] : NULL;
+    for (int64_t t0 = 0; t0 < rs->nrows;) {
+        const int ra = rs->ra[t0], rb = rs->rb[t0];
+        int64_t len = 1;
+        while (t0 + len < rs->nrows && rs->ra[t0 + len] == ra && rs->rb[t0 + len] == rb) ++len;
+#define SEG(RA, RB)                                                                           \
+    case (RA) * 8 + (RB):                                                                     \
+        FAST(values_seg)(acc, RA, RB, P, rs->v + t0, len, d0, n, ld, bcast, DB);              \
+        break;
+        switch (ra * 8 + rb) {
+            SEG(0, 1) SEG(0, 2) SEG(0, 3) SEG(0, 4) SEG(1, 2) SEG(1, 3) SEG(1, 4)
+            SEG(2, 3) SEG(2, 4) SEG(3, 4)
+        default: break;
+        }
+#undef SEG
+        NBHD_UNROLL
+        for (int r = ra; r < rb; ++r) P[r] += 16 * len * n;
+        t0 += len;
+    }
+    NBHD_UNROLL
+    for (int r = 0; r < nl; ++r)
+        NBHD_UNROLL
+        for (int j = 0; j < DB; ++j) vf_store(O[r] + 16 * (d0 + j), acc[r][j]);
+}
+
+/* O_r[d] += sum over the rows of rs of P_r * v, d < dim; S[r] holds line r's rows in order */
+static void FAST(values_lines)(float *const *O, int nl, int64_t dim, const float *const *S,
+                               const FAST(rowset) *rs, int64_t n, int64_t ld, int bcast) {
+    int64_t d0 = 0;
+    if (bcast) {
+        for (; d0 + 4 <= dim; d0 += 4) FAST(values_block)(O, nl, S, rs, d0, n, ld, 1, 4);
+        for (; d0 < dim; ++d0) FAST(values_block)(O, nl, S, rs, d0, n, ld, 1, 1);
+    } else {
+        for (; d0 + 4 <= dim; d0 += 4) FAST(values_block)(O, nl, S, rs, d0, n, ld, 0, 4);
+        for (; d0 < dim; ++d0) FAST(values_block)(O, nl, S, rs, d0, n, ld, 0, 1);
+    }
+}
+
+// ----------------------------------------------------------------------------
 // forward
 
+/* The lines a forward work item owns: up to `lines` consecutive in-group rows along Y. */
+typedef struct {
+    int64_t n, *g, *i0;   /* [n] Y dilation group and first in-group index of each block */
+} FAST(yblocks);
+
+static int FAST(yblocks_init)(FAST(yblocks) *yb, const nbhd_axis *ay, int lines) {
+    yb->n = 0;
+    for (int64_t gr = 0; gr < ay->dilation; ++gr) yb->n += (nbhd_group_len(ay, gr) + lines - 1) / lines;
+    yb->g = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)yb->n);
+    if (!yb->g) return 0;
+    yb->i0 = yb->g + yb->n;
+    int64_t at = 0;
+    for (int64_t gr = 0; gr < ay->dilation; ++gr)
+        for (int64_t i0 = 0; i0 < nbhd_group_len(ay, gr); i0 += lines) { yb->g[at] = gr; yb->i0[at++] = i0; }
+    return 1;
+}
+
+/* per-thread scratch of the line-blocked forward, one allocation */
+typedef struct {
+    float *S[MAXLINES], *Q[MAXLINES], *O[MAXLINES], *m[MAXLINES], *l[MAXLINES];
+    int8_t *ra, *rb;
+    const float **v;
+    void *mem;
+} FAST(fwd_scratch);
+
+static int FAST(fwd_scratch_alloc)(FAST(fwd_scratch) *s, int64_t D, int64_t Dv) {
+    const size_t per_line = (size_t)SMAX * 16 + (size_t)(D + Dv) * 16 + 32;
+    const size_t bytes = sizeof(float) * MAXLINES * per_line + SMAX * (2 + sizeof(float *)) + 128;
+    s->mem = malloc(bytes);
+    if (!s->mem) return 0;
+    float *f = (float *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
+    for (int r = 0; r < MAXLINES; ++r) {
+        s->S[r] = f; f += SMAX * 16;
+        s->Q[r] = f; f += D * 16;
+        s->O[r] = f; f += Dv * 16;
+        s->m[r] = f; f += 16;
+        s->l[r] = f; f += 16;
+    }
+    s->v = (const float **)f;
+    s->ra = (int8_t *)(s->v + SMAX);
+    s->rb = s->ra + SMAX;
+    return 1;
+}
+
+/* Query lines per work item: exec.q_tile on Y (internal axes; fast.c rotates it), else 4. */
+static int FAST(forward_lines)(const nbhd_geometry *g, const nbhd_exec *e) {
+    (void)g;
+    return e->q_tile[1] > 0 ? e->q_tile[1] : MAXLINES;
+}
+
 /*   q      [B, X, Y, Z, H,  D ]     out [B, X, Y, Z, H, Dv]   lse [B, X, Y, Z, H]
- *   k, v   [B, X, Y, Z, Hk, D/Dv]   kx, vx [B, S, -, -, Hk, D/Dv] */
+ *   k, v   [B, X, Y, Z, Hk, D/Dv]   kx, vx [B, S, -, -, Hk, D/Dv]
+ * A work item is (b, x, block of `lines` Y lines, Z chunk, h); its key rows are the union of
+ * the lines' windows on Y (rows u of the union) times the common window on X. */
 nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forward_args *a,
                                         const nbhd_exec *e) {
+    const int lines = FAST(forward_lines)(g, e);
+    if (lines < 1 || lines > MAXLINES || (e->q_tile[2] && e->q_tile[2] != 16) || e->q_tile[0] > 1)
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED,
+                         "exec.q_tile is not a query patch of the fast CPU forward (see nbhd_tile_configs)");
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory");
+    FAST(yblocks) YB;
+    if (!FAST(yblocks_init)(&YB, &g->axis[1], lines)) {
+        FAST(geo_free)(&G);
+        return nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory");
+    }
     const nbhd_dtype dt = g->dtype;
     const FAST(layout_t) L = FAST(layout)(g, NBHD_OP_FORWARD);
     float *ws = FAST(ws_base)(e);
+    FAST(zero_front_margins)(ws, &L, NBHD_OP_FORWARD);
     float *KT = ws + L.kt, *VT = ws + L.vt, *KXT = ws + L.kxt, *VXT = ws + L.vxt;
     const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, SP = G.SP;
+    const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation;
     const float qmul = (float)(g->scale * LOG2E);
-    const int64_t max_rows = (int64_t)g->axis[0].kernel * g->axis[1].kernel;
-    const int64_t work = G.B * G.H * G.X * G.Y * G.nchunks;
+    const int64_t work = G.X * YB.n * G.nchunks * G.G;   /* per slab */
     int failed = 0;
 #pragma omp parallel num_threads(FAST(threads)(e))
     {
-        /* pack K, V (and the extra keys) as fp32 rows [dim][ZP] */
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < G.lines_k; ++it) {
-            const int64_t hk = it % G.Hk, y = (it / G.Hk) % G.Y, x = (it / (G.Hk * G.Y)) % G.X,
-                          b = it / (G.Hk * G.Y * G.X), ln = FAST(line)(&G, G.Hk, b, hk, x, y);
-            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
-            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
-        }
-        if (G.S) {
-#pragma omp for schedule(static)
-            for (int64_t bh = 0; bh < G.B * G.Hk; ++bh) {
-                FAST(pack_extra)(KXT + bh * D * SP, &G, &a->kx, dt, bh / G.Hk, bh % G.Hk, D, 1.0f);
-                FAST(pack_extra)(VXT + bh * Dv * SP, &G, &a->vx, dt, bh / G.Hk, bh % G.Hk, Dv, 1.0f);
-            }
-        }
-        FAST(scratch) s;
-        const int ok = FAST(scratch_alloc)(&s, &G, max_rows);
+        FAST(fwd_scratch) s;
+        const int ok = FAST(fwd_scratch_alloc)(&s, D, Dv);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
+        }
+        /* one (b, hk) slab at a time: pack its K, V rows, then every work item of its heads;
+         * the barriers closing the two loops order them */
+        for (int64_t slab = 0; slab < G.B * G.Hk; ++slab) {
+        const int64_t b = slab / G.Hk, hk = slab % G.Hk;
+        /* pack K, V (and the extra keys) as fp32 rows [dim][ZP] */
+#pragma omp for schedule(static)
+        for (int64_t ln = 0; ln < G.X * G.Y; ++ln) {
+            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, ln / G.Y, ln % G.Y, D, 1.0f);
+            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, ln / G.Y, ln % G.Y, Dv, 1.0f);
+            if (G.S && ln == 0) {
+                FAST(pack_extra)(KXT, &G, &a->kx, dt, b, hk, D, 1.0f);
+                FAST(pack_extra)(VXT, &G, &a->vx, dt, b, hk, Dv, 1.0f);
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
             /* heads innermost: neighbouring work items share token rows (cache lines) */
-            const int64_t h = w % G.H, ch = (w / G.H) % G.nchunks, y = (w / (G.H * G.nchunks)) % G.Y,
-                          x = (w / (G.H * G.nchunks * G.Y)) % G.X,
-                          b = w / (G.H * G.nchunks * G.Y * G.X), hk = h / G.G;
-            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
+            const int64_t h = hk * G.G + w % G.G, ch = (w / G.G) % G.nchunks,
+                          yb = (w / (G.G * G.nchunks)) % YB.n, x = w / (G.G * G.nchunks * YB.n);
+            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
             for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
             FAST(zdesc) zd;
             FAST(zdesc_window)(&zd, &g->axis[2], i0, nl, Lg);
-            /* Q^T * scale * log2(e): scores in log2 units */
-            FAST(load_lanes)(s.A1, &a->q, dt, D, b, x, y, zl, nl, h, qmul);
-            for (int l = 0; l < 16; ++l) { s.m[l] = -INFINITY; s.l[l] = 0.0f; }
-            memset(s.O1, 0, sizeof(float) * 16 * (size_t)Dv);
-            float *accs[1] = {s.O1};
+            /* the lines y_r and their windows on Y: union rows u in [0, U), line r sees
+             * [ua[r], ub[r]) */
+            const int64_t gy = YB.g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
+            const int nly = (int)(Lgy - YB.i0[yb] < lines ? Lgy - YB.i0[yb] : lines);
+            int64_t ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
+            for (int r = 0; r < nly; ++r) {
+                ys[r] = gy + (YB.i0[yb] + r) * dy;
+                nbhd_window(&g->axis[1], ys[r], &fy[r], &cy[r]);
+                ua[r] = (fy[r] - fy[0]) / dy;
+                ub[r] = ua[r] + cy[r];
+            }
+            const int64_t U = ub[nly - 1];
+            int64_t fx, cx;
+            nbhd_window(&g->axis[0], x, &fx, &cx);
+            for (int r = 0; r < nly; ++r) {
+                /* Q^T * scale * log2(e): scores in log2 units */
+                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, ys[r], zl, nl, h, qmul);
+                for (int l = 0; l < 16; ++l) { s.m[r][l] = -INFINITY; s.l[r][l] = 0.0f; }
+                memset(s.O[r], 0, sizeof(float) * 16 * (size_t)Dv);
+            }
             const int64_t dims[1] = {Dv};
-            const int64_t nrows = FAST(window_rows)(&G, g, b, hk, x, y, s.lines);
-            FOR_UNITS(nrows, zd.n, r0, nr, c0, nn, {
-                for (int64_t r = 0; r < nr; ++r) {
-                    const int64_t ln = s.lines[r0 + r], at = G.goff[gr] + zd.base + c0;
-                    s.p1[r] = KT + ln * D * ZP + at;
-                    s.p2[r] = VT + ln * Dv * ZP + at;
+            const int64_t nrows = cx * U;
+            FOR_UNITS(nrows, zd.n, q0, nq, c0, nn, {
+                int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+                for (int64_t t = 0; t < nq; ++t) {
+                    const int64_t q = q0 + t, u = q % U, kx = fx + (q / U) * dx;
+                    int ra = 0, rb = 0;
+                    while (ra < nly && ub[ra] <= u) ++ra;
+                    rb = ra;
+                    while (rb < nly && ua[rb] <= u) ++rb;
+                    const int64_t ln = kx * G.Y + fy[0] + u * dy,
+                                  at = G.goff[gr] + zd.base + c0;
+                    float *Sr[MAXLINES];
+                    for (int r = ra; r < rb; ++r) Sr[r - ra] = s.S[r] + 16 * nn * cnt[r]++;
+                    FAST(score_lines)(Sr, (const float *const *)s.Q + ra, rb - ra, D,
+                                      KT + ln * D * ZP + at, ZP, nn, zd.bcast);
+                    s.ra[t] = (int8_t)ra;
+                    s.rb[t] = (int8_t)rb;
+                    s.v[t] = VT + ln * Dv * ZP + at;
                 }
-                FAST(score_rows)(s.S, s.A1, D, s.p1, nr, nn, ZP, zd.bcast, 0);
-                if (zd.masked) FAST(apply_mask)(s.S, nr, nn, &zd, zd.base + c0, -INFINITY);
-                FAST(softmax_step)(s.S, nr * nn, s.m, s.l, NULL, accs, dims, 1);
-                FAST(accum_rows)(s.O1, Dv, s.S, s.p2, nr, nn, ZP, zd.bcast);
+                for (int r = 0; r < nly; ++r) {
+                    if (!cnt[r]) continue;
+                    if (zd.masked) FAST(apply_mask)(s.S[r], cnt[r], nn, &zd, zd.base + c0, -INFINITY);
+                    FAST(softmax_step)(s.S[r], cnt[r] * nn, s.m[r], s.l[r], NULL, &s.O[r], dims, 1);
+                }
+                const FAST(rowset) rs = {s.ra, s.rb, s.v, nq};
+                FAST(values_lines)(s.O, nly, Dv, (const float *const *)s.S, &rs, nn, ZP, zd.bcast);
             })
-            if (G.S) {
-                const float *kx_row = KXT + (b * G.Hk + hk) * D * SP, *vx_row = VXT + (b * G.Hk + hk) * Dv * SP;
-                FOR_UNITS(1, G.S, r0, nr, c0, nn, {
-                    (void)r0; (void)nr;
-                    s.p1[0] = kx_row + c0;
-                    s.p2[0] = vx_row + c0;
-                    FAST(score_rows)(s.S, s.A1, D, s.p1, 1, nn, SP, 1, 0);
-                    FAST(softmax_step)(s.S, nn, s.m, s.l, NULL, accs, dims, 1);
-                    FAST(accum_rows)(s.O1, Dv, s.S, s.p2, 1, nn, SP, 1);
-                })
+            for (int r = 0; r < nly; ++r) {
+                if (G.S) {
+                    const float *kx_row = KXT, *vx_row = VXT;
+                    float *accs[1] = {s.O[r]};
+                    FOR_UNITS(1, G.S, r0, nr, c0, nn, {
+                        (void)r0; (void)nr;
+                        const float *kp[1] = {kx_row + c0}, *vp[1] = {vx_row + c0};
+                        FAST(score_rows)(s.S[0] + 0, s.Q[r], D, kp, 1, nn, SP, 1, 0);
+                        FAST(softmax_step)(s.S[0], nn, s.m[r], s.l[r], NULL, accs, dims, 1);
+                        FAST(accum_rows)(s.O[r], Dv, s.S[0], vp, 1, nn, SP, 1);
+                    })
+                }
+                /* o = acc / l,  lse = ln2 * (m + log2 l) */
+                float inv[16];
+                for (int l = 0; l < nl; ++l) {
+                    inv[l] = 1.0f / s.l[r][l];
+                    const int64_t o = FAST(off)(&a->lse, b, x, ys[r], zl[l], h);
+                    ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[r][l] + log2((double)s.l[r][l])));
+                }
+                FAST(store_lanes)(&a->out, dt, Dv, b, x, ys[r], zl, nl, h, s.O[r], inv);
             }
-            /* o = acc / l,  lse = ln2 * (m + log2 l) */
-            float inv[16];
-            for (int l = 0; l < nl; ++l) {
-                inv[l] = 1.0f / s.l[l];
-                const int64_t o = FAST(off)(&a->lse, b, x, y, zl[l], h);
-                ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[l] + log2((double)s.l[l])));
-            }
-            FAST(store_lanes)(&a->out, dt, Dv, b, x, y, zl, nl, h, s.O1, inv);
+        }
         }
         if (ok) free(s.mem);
     }
+    free(YB.g);
     FAST(geo_free)(&G);
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory for per-thread scratch")
                   : NBHD_OK;
@@ -667,6 +985,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
     const nbhd_dtype dt = g->dtype;
     const FAST(layout_t) L = FAST(layout)(g, NBHD_OP_FORWARD_JVP);
     float *ws = FAST(ws_base)(e);
+    FAST(zero_front_margins)(ws, &L, NBHD_OP_FORWARD_JVP);
     float *KT = ws + L.kt, *VT = ws + L.vt, *KXT = ws + L.kxt, *VXT = ws + L.vxt;
     float *TKT = ws + L.tkt, *TVT = ws + L.tvt, *TKXT = ws + L.tkxt, *TVXT = ws + L.tvxt;
     const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, SP = G.SP;
@@ -676,43 +995,40 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
     const int has_tk = a->t_k.data != NULL, has_tv = a->t_v.data != NULL;
     const int has_tkx = a->t_kx.data != NULL, has_tvx = a->t_vx.data != NULL;
     const int64_t max_rows = (int64_t)g->axis[0].kernel * g->axis[1].kernel;
-    const int64_t work = G.B * G.H * G.X * G.Y * G.nchunks;
+    const int64_t work = G.G * G.X * G.Y * G.nchunks;   /* per slab */
     int failed = 0;
 #pragma omp parallel num_threads(FAST(threads)(e))
     {
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < G.lines_k; ++it) {
-            const int64_t hk = it % G.Hk, y = (it / G.Hk) % G.Y, x = (it / (G.Hk * G.Y)) % G.X,
-                          b = it / (G.Hk * G.Y * G.X), ln = FAST(line)(&G, G.Hk, b, hk, x, y);
-            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
-            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
-            if (has_tk) FAST(pack_line)(TKT + ln * D * ZP, &G, &a->t_k, dt, b, hk, x, y, D, tkmul);
-            if (has_tv) FAST(pack_line)(TVT + ln * Dv * ZP, &G, &a->t_v, dt, b, hk, x, y, Dv, 1.0f);
-        }
-        if (G.S) {
-#pragma omp for schedule(static)
-            for (int64_t bh = 0; bh < G.B * G.Hk; ++bh) {
-                const int64_t b = bh / G.Hk, hk = bh % G.Hk;
-                FAST(pack_extra)(KXT + bh * D * SP, &G, &a->kx, dt, b, hk, D, 1.0f);
-                FAST(pack_extra)(VXT + bh * Dv * SP, &G, &a->vx, dt, b, hk, Dv, 1.0f);
-                if (has_tkx) FAST(pack_extra)(TKXT + bh * D * SP, &G, &a->t_kx, dt, b, hk, D, tkmul);
-                if (has_tvx) FAST(pack_extra)(TVXT + bh * Dv * SP, &G, &a->t_vx, dt, b, hk, Dv, 1.0f);
-            }
-        }
         FAST(scratch) s;
         const int ok = FAST(scratch_alloc)(&s, &G, max_rows);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
+        /* one (b, hk) slab at a time, as in the forward */
+        for (int64_t slab = 0; slab < G.B * G.Hk; ++slab) {
+        const int64_t b = slab / G.Hk, hk = slab % G.Hk, slab_line0 = FAST(line)(&G, G.Hk, b, hk, 0, 0);
+#pragma omp for schedule(static)
+        for (int64_t ln = 0; ln < G.X * G.Y; ++ln) {
+            const int64_t x = ln / G.Y, y = ln % G.Y;
+            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
+            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
+            if (has_tk) FAST(pack_line)(TKT + ln * D * ZP, &G, &a->t_k, dt, b, hk, x, y, D, tkmul);
+            if (has_tv) FAST(pack_line)(TVT + ln * Dv * ZP, &G, &a->t_v, dt, b, hk, x, y, Dv, 1.0f);
+            if (G.S && ln == 0) {
+                FAST(pack_extra)(KXT, &G, &a->kx, dt, b, hk, D, 1.0f);
+                FAST(pack_extra)(VXT, &G, &a->vx, dt, b, hk, Dv, 1.0f);
+                if (has_tkx) FAST(pack_extra)(TKXT, &G, &a->t_kx, dt, b, hk, D, tkmul);
+                if (has_tvx) FAST(pack_extra)(TVXT, &G, &a->t_vx, dt, b, hk, Dv, 1.0f);
+            }
+        }
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
             /* heads innermost: neighbouring work items share token rows (cache lines) */
-            const int64_t h = w % G.H, ch = (w / G.H) % G.nchunks, y = (w / (G.H * G.nchunks)) % G.Y,
-                          x = (w / (G.H * G.nchunks * G.Y)) % G.X,
-                          b = w / (G.H * G.nchunks * G.Y * G.X), hk = h / G.G;
-            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
+            const int64_t h = hk * G.G + w % G.G, ch = (w / G.G) % G.nchunks,
+                          y = (w / (G.G * G.nchunks)) % G.Y, x = w / (G.G * G.nchunks * G.Y);
+            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
             for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
@@ -754,7 +1070,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
             const int64_t nrows = FAST(window_rows)(&G, g, b, hk, x, y, s.lines);
             FOR_UNITS(nrows, zd.n, r0, nr, c0, nn, {
                 for (int64_t r = 0; r < nr; ++r) {
-                    const int64_t ln = s.lines[r0 + r], at = G.goff[gr] + zd.base + c0;
+                    const int64_t ln = s.lines[r0 + r] - slab_line0, at = G.goff[gr] + zd.base + c0;
                     s.p1[r] = KT + ln * D * ZP + at;
                     s.p2[r] = VT + ln * Dv * ZP + at;
                     s.p3[r] = TKT + ln * D * ZP + at;
@@ -763,7 +1079,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                 JVP_UNIT(nr, nn, ZP, zd.bcast, zd.masked, zd.base + c0, has_tk, has_tv);
             })
             if (G.S) {
-                const int64_t bh = b * G.Hk + hk;
+                const int64_t bh = 0;   /* the slab's extra keys */
                 FOR_UNITS(1, G.S, r0, nr, c0, nn, {
                     (void)r0; (void)nr;
                     s.p1[0] = KXT + bh * D * SP + c0;
@@ -791,6 +1107,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
             const float one[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
             FAST(store_lanes)(&a->out, dt, Dv, b, x, y, zl, nl, h, O, one);
             FAST(store_lanes)(&a->t_out, dt, Dv, b, x, y, zl, nl, h, C, one);
+        }
         }
         if (ok) free(s.mem);
     }
@@ -830,6 +1147,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
     const nbhd_dtype dt = g->dtype;
     const FAST(layout_t) L = FAST(layout)(g, NBHD_OP_BACKWARD);
     float *ws = FAST(ws_base)(e);
+    FAST(zero_front_margins)(ws, &L, NBHD_OP_BACKWARD);
     float *KT = ws + L.kt, *VT = ws + L.vt, *KXT = ws + L.kxt, *VXT = ws + L.vxt;
     float *QT = ws + L.qt, *DOT = ws + L.dot, *LR = ws + L.lr, *DR = ws + L.dr;
     const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, SP = G.SP;
@@ -866,6 +1184,8 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                 Dr[p] = Di;
                 Lr[p] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
             }
+            FAST(zero_margins)(Dr, &G, 1);
+            FAST(zero_margins)(Lr, &G, 1);
         }
         if (G.S) {
 #pragma omp for schedule(static)
@@ -890,7 +1210,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             const int64_t h = w % G.H, ch = (w / G.H) % G.nchunks, y = (w / (G.H * G.nchunks)) % G.Y,
                           x = (w / (G.H * G.nchunks * G.Y)) % G.X,
                           b = w / (G.H * G.nchunks * G.Y * G.X), hk = h / G.G;
-            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
+            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
             for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
@@ -945,7 +1265,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             const int64_t hk = w % G.Hk, ch = (w / G.Hk) % G.nchunks,
                           y = (w / (G.Hk * G.nchunks)) % G.Y, x = (w / (G.Hk * G.nchunks * G.Y)) % G.X,
                           b = w / (G.Hk * G.nchunks * G.Y * G.X);
-            const int64_t gr = G.chunk_g[ch], j0 = G.chunk_i0[ch], Lg = G.goff[gr + 1] - G.goff[gr];
+            const int64_t gr = G.chunk_g[ch], j0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - j0 < 16 ? Lg - j0 : 16);
             int64_t zl[NBHD_LANES];
             for (int l = 0; l < nl; ++l) zl[l] = gr + (j0 + l) * G.dil;
@@ -992,16 +1312,19 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             memset(dV, 0, sizeof(float) * 16 * (size_t)Dv);
             for (int64_t h = hk * G.G; h < (hk + 1) * G.G; ++h) {
                 const int64_t l0 = (b * G.H + h) * G.X * G.Y;
-                FOR_UNITS(G.X * G.Y, G.Z, r0, nr, c0, nn, {
-                    for (int64_t r = 0; r < nr; ++r) {
-                        const int64_t ln = l0 + r0 + r;
-                        s.p1[r] = QT + ln * D * ZP + c0;
-                        s.p2[r] = DOT + ln * Dv * ZP + c0;
-                        s.p3[r] = LR + ln * ZP + c0;
-                        s.p4[r] = DR + ln * ZP + c0;
-                    }
-                    FAST(kv_unit)(&s, KA, VA, D, Dv, nr, nn, ZP, 1, NULL, 0, dK, dV);
-                })
+                /* group by group: the zero margins between them are not queries */
+                for (int64_t gr = 0; gr < G.dil; ++gr) {
+                    FOR_UNITS(G.X * G.Y, G.glen[gr], r0, nr, c0, nn, {
+                        for (int64_t r = 0; r < nr; ++r) {
+                            const int64_t ln = l0 + r0 + r, at = G.goff[gr] + c0;
+                            s.p1[r] = QT + ln * D * ZP + at;
+                            s.p2[r] = DOT + ln * Dv * ZP + at;
+                            s.p3[r] = LR + ln * ZP + at;
+                            s.p4[r] = DR + ln * ZP + at;
+                        }
+                        FAST(kv_unit)(&s, KA, VA, D, Dv, nr, nn, ZP, 1, NULL, 0, dK, dV);
+                    })
+                }
             }
             for (int l = 0; l < nl; ++l) {
                 const int64_t ok_ = b * a->d_kx.stride[0] + (e0 + l) * a->d_kx.stride[1] + hk * a->d_kx.stride[4];

@@ -15,8 +15,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "convert.h"
+
 #define NBHD_LANES 16
 #define NBHD_ALWAYS_INLINE static inline __attribute__((always_inline))
+/* before a loop over register-held accumulators: unroll it fully, so they stay in registers */
+#define NBHD_UNROLL _Pragma("GCC unroll 16")
 
 #if defined(NBHD_SIMD_AVX512)
 #include <immintrin.h>
@@ -43,6 +47,41 @@ NBHD_ALWAYS_INLINE vf vf_keep_range(vf x, const int32_t *lo, const int32_t *hi, 
     const __mmask16 in = _mm512_cmple_epi32_mask(_mm512_loadu_si512(lo), p) &
                          _mm512_cmplt_epi32_mask(p, _mm512_loadu_si512(hi));
     return _mm512_mask_blend_ps(in, _mm512_set1_ps(fill), x);
+}
+
+/* r[i] lane j <-> r[j] lane i: pairs of rows interleaved at 32, 64, 128 and 256 bits */
+NBHD_ALWAYS_INLINE void vf_transpose16(vf *r) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+#define PD_(x) _mm512_castps_pd(x)
+    for (int i = 0; i < 4; ++i) {
+        u[4 * i + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(PD_(t[4 * i + 0]), PD_(t[4 * i + 2])));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(PD_(t[4 * i + 0]), PD_(t[4 * i + 2])));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(PD_(t[4 * i + 1]), PD_(t[4 * i + 3])));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(PD_(t[4 * i + 1]), PD_(t[4 * i + 3])));
+    }
+#undef PD_
+    for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 4; ++j) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; ++j) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* 16 bf16 / fp16 values widened to fp32 (bf16 is the high half of an fp32) */
+NBHD_ALWAYS_INLINE vf vf_load_bf16(const uint16_t *p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+NBHD_ALWAYS_INLINE vf vf_load_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* 2^x for x <= 0 (x = -inf gives exactly 0): x = n + f, |f| <= 1/2, 2^f by a degree-6
@@ -96,6 +135,16 @@ NBHD_ALWAYS_INLINE vf vf_keep_range(vf x, const int32_t *lo, const int32_t *hi, 
     VF_MAP(r.v[l_] = (lo[l_] <= pos && pos < hi[l_]) ? x.v[l_] : fill);
     return r;
 }
+NBHD_ALWAYS_INLINE void vf_transpose16(vf *r) {
+    for (int i = 0; i < NBHD_LANES; ++i)
+        for (int j = i + 1; j < NBHD_LANES; ++j) {
+            const float t = r[i].v[j];
+            r[i].v[j] = r[j].v[i];
+            r[j].v[i] = t;
+        }
+}
+NBHD_ALWAYS_INLINE vf vf_load_bf16(const uint16_t *p) { vf r; VF_MAP(r.v[l_] = nbhd_bf16_to_f32(p[l_])); return r; }
+NBHD_ALWAYS_INLINE vf vf_load_f16(const uint16_t *p) { vf r; VF_MAP(r.v[l_] = nbhd_f16_to_f32(p[l_])); return r; }
 /* same polynomial as the AVX-512 version; 2^n built in the exponent bits */
 NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
     vf r;
