@@ -113,7 +113,7 @@ def attention(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] 
         checks.tile_shape(name, size, 1)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool for attention, got {is_causal!r}")
-    scale = checks.scale_of(scale, q.shape[-1])
+    scale = checks.scale_of(scale, q.shape[-1], q.dtype)
     if is_causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"is_causal=True needs as many queries as keys, got S_q={q.shape[1]} "
                          f"and S_kv={k.shape[1]}")

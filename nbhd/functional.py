@@ -41,7 +41,7 @@ class _Call:
             raise TypeError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
         self.q, self.k, self.v, self.kx, self.vx = q, k, v, kx, vx
         self.spatial = spatial
-        self.geometry = Geometry(ks, st, dil, causal, checks.scale_of(scale, q.shape[-1]))
+        self.geometry = Geometry(ks, st, dil, causal, checks.scale_of(scale, q.shape[-1], q.dtype))
         self.backend = backends.choose(q, backend)
 
     def set_tiles(self, tiles) -> None:

@@ -135,6 +135,7 @@ BAD = [
     ("kv-splits-0", lambda: na1d(Q1, Q1, Q1, 3, backward_kv_splits=0), ValueError, r"backward_kv_splits entries"),
     ("scale-nan", lambda: na1d(Q1, Q1, Q1, 3, scale=float("nan")), ValueError, r"scale must be finite"),
     ("scale-inf", lambda: na2d(Q2, Q2, Q2, 3, scale=float("-inf")), ValueError, r"scale must be finite"),
+    ("scale-1e300-fp32", lambda: na1d(Q1, Q1, Q1, 3, scale=1e300), ValueError, r"scale=1e\+300 is out of range"),
     ("scale-str", lambda: na1d(Q1, Q1, Q1, 3, scale="1"), TypeError, r"scale must be a float or None"),
     ("scale-bool", lambda: na1d(Q1, Q1, Q1, 3, scale=True), TypeError, r"scale must be a float or None"),
     ("scale-tensor", lambda: na1d(Q1, Q1, Q1, 3, scale=torch.tensor(1.0)), TypeError, r"scale must be a float"),

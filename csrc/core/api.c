@@ -3,6 +3,7 @@
  * and dispatch to the CPU or CUDA kernels. Nothing here touches tensor data, except zeroing
  * the key gradients of a backward pass with no query heads (backward_no_heads).
  */
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -95,6 +96,9 @@ nbhd_status nbhd_validate(const nbhd_problem *p) {
                          p->head_dim, p->head_dim_v);
     if (!isfinite(p->scale))
         return nbhd_fail(NBHD_ERR_ARG, "scale=%g is invalid (need a finite number)", p->scale);
+    if (p->dtype != NBHD_F64 && fabs(p->scale) > FLT_MAX)  /* scores are float: inf - inf */
+        return nbhd_fail(NBHD_ERR_ARG, "scale=%g is out of range for a float32/float16/bfloat16 problem "
+                         "(need |scale| <= 3.4e38: scores are computed in float)", p->scale);
     if (p->extra_kv < 0 || p->extra_kv > NBHD_MAX_COUNT)
         return nbhd_fail(NBHD_ERR_ARG, "extra_kv=%lld is invalid (need 0 <= extra_kv < 2^56)", (long long)p->extra_kv);
     if (p->rank == 0) {

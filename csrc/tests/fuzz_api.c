@@ -161,7 +161,6 @@ static void fz_close(const nbhd_problem *p, const char *what, const tbuf *b, con
     free(got);
 }
 
-/* every entry point must fail on an invalid problem without touching any tensor */
 /* Does the exec's (partial) tile request name configuration c? (the rule of nbhd.h) */
 static int fz_tile_matches(const nbhd_tile_config *c, const nbhd_exec *e, int rank) {
     for (int a = 0; a < rank; ++a)
@@ -212,9 +211,9 @@ static void fz_tiles(const nbhd_problem *p, nbhd_exec *e) {
     else
         FZ_CHECK(p->batch == 0 || p->heads == 0 || st == NBHD_ERR_ARG, "forward with a listed tile: status %d", (int)st);
     const nbhd_tile_config *pick = NULL;
-    const int start = e->q_tile[0] + e->kv_tile[0];
+    const uint32_t start = (uint32_t)e->q_tile[0] + (uint32_t)e->kv_tile[0];
     for (int k = 0; k < counts[0] && !pick; ++k) {
-        const nbhd_tile_config *c = &lists[0][(start + k) % counts[0]];
+        const nbhd_tile_config *c = &lists[0][(start + (uint32_t)k) % (uint32_t)counts[0]];
         int everywhere = 1;
         for (int op = 1; op < 3; ++op) {
             int found = 0;
@@ -232,6 +231,7 @@ static void fz_tiles(const nbhd_problem *p, nbhd_exec *e) {
     }
 }
 
+/* every entry point must fail on an invalid problem without touching any tensor */
 static void fz_invalid(const nbhd_problem *p, nbhd_exec *e) {
     unsigned char *byte = (unsigned char *)malloc(1);
     nbhd_tensor t;
@@ -558,6 +558,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             nbhd_forward_args fa = {t, t, t, t, t, t, t};
             e.workspace = NULL;
             e.workspace_bytes = 0;
+            memset(e.q_tile, 0, sizeof e.q_tile);  /* tiles are checked first: not this case */
+            memset(e.kv_tile, 0, sizeof e.kv_tile);
             FZ_CHECK(nbhd_forward(p, &fa, &e) == NBHD_ERR_UNSUPPORTED, "CUDA problem on a CPU-only build");
             free(byte);
         }

@@ -100,6 +100,7 @@ static void descriptor_rules(void) {
     REJECT("scale", "scale NaN", p.scale = NAN);
     REJECT("scale", "scale +inf", p.scale = INFINITY);
     REJECT("scale", "scale -inf", p.scale = -INFINITY);
+    REJECT("scale", "scale 1e300 for float32 scores", p.scale = 1e300);
     REJECT("extra_kv", "extra_kv -1", p.extra_kv = -1);
     REJECT("extra_kv", "extra_kv 2^62", p.extra_kv = (int64_t)1 << 62);
     for (int a = 0; a < 2; ++a) {
