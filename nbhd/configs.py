@@ -56,40 +56,32 @@ def _library_configs(op: int, query: Tensor, key: Tensor, value: Tensor, kernel_
         return []
 
 
-def get_configs_for_cpu_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
-                            stride=1, dilation=1, is_causal=False) -> List[Config]:
-    """Forward (q_tile_shape, kv_tile_shape) pairs of the CPU fused kernels for these tensors."""
-    if not backends.can_run_cpu_fna(query):
-        return []
-    return _library_configs(_lib.OP_FORWARD, query, key, value, kernel_size, stride, dilation,
-                            is_causal)
+def _library_query(op: int, can_run, doc: str):
+    """A get_[bwd_]configs_for_* function of a fused backend: its list from the C library."""
+    def query(query: Tensor, key: Tensor, value: Tensor, kernel_size=None, stride=1, dilation=1,
+              is_causal=False) -> List[Config]:
+        if not can_run(query):
+            return []
+        return _library_configs(op, query, key, value, kernel_size, stride, dilation, is_causal)
+    query.__doc__ = doc
+    return query
 
 
-def get_bwd_configs_for_cpu_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
-                                stride=1, dilation=1, is_causal=False) -> List[Config]:
-    """Backward (backward_q_tile_shape, backward_kv_tile_shape) pairs of the CPU fused kernels."""
-    if not backends.can_run_cpu_fna(query):
-        return []
-    return _library_configs(_lib.OP_BACKWARD, query, key, value, kernel_size, stride, dilation,
-                            is_causal)
-
-
-def get_configs_for_cuda_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
-                             stride=1, dilation=1, is_causal=False) -> List[Config]:
-    """Forward (q_tile_shape, kv_tile_shape) pairs of the CUDA fused kernels for these tensors."""
-    if not backends.can_run_cuda_fna(query):
-        return []
-    return _library_configs(_lib.OP_FORWARD, query, key, value, kernel_size, stride, dilation,
-                            is_causal)
-
-
-def get_bwd_configs_for_cuda_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
-                                 stride=1, dilation=1, is_causal=False) -> List[Config]:
-    """Backward (backward_q_tile_shape, backward_kv_tile_shape) pairs of the CUDA kernels."""
-    if not backends.can_run_cuda_fna(query):
-        return []
-    return _library_configs(_lib.OP_BACKWARD, query, key, value, kernel_size, stride, dilation,
-                            is_causal)
+get_configs_for_cpu_fna = _library_query(
+    _lib.OP_FORWARD, backends.can_run_cpu_fna,
+    "Forward (q_tile_shape, kv_tile_shape) pairs of the CPU fused kernels for these tensors.")
+get_bwd_configs_for_cpu_fna = _library_query(
+    _lib.OP_BACKWARD, backends.can_run_cpu_fna,
+    "Backward (backward_q_tile_shape, backward_kv_tile_shape) pairs of the CPU fused kernels.")
+get_configs_for_cuda_fna = _library_query(
+    _lib.OP_FORWARD, backends.can_run_cuda_fna,
+    "Forward (q_tile_shape, kv_tile_shape) pairs of the CUDA fused kernels for these tensors.")
+get_bwd_configs_for_cuda_fna = _library_query(
+    _lib.OP_BACKWARD, backends.can_run_cuda_fna,
+    "Backward (backward_q_tile_shape, backward_kv_tile_shape) pairs of the CUDA fused kernels.")
+for _name in ("get_configs_for_cpu_fna", "get_bwd_configs_for_cpu_fna", "get_configs_for_cuda_fna",
+              "get_bwd_configs_for_cuda_fna"):
+    globals()[_name].__name__ = globals()[_name].__qualname__ = _name
 
 
 def get_configs_for_flex_fna(query: Tensor, key: Tensor, value: Tensor, kernel_size=None,
