@@ -139,10 +139,25 @@ typedef struct {
     size_t kt, vt, kxt, vxt, tkt, tvt, tkxt, tvxt, qt, dot, lr, dr, total;
 } FAST(layout_t);
 
+/* Key/value heads per slab of the forward and forward+JVP: as many as fit SLAB_BYTES packed
+ * (the slab stays in cache while its work items read it), at least 1. */
+#define SLAB_BYTES ((size_t)8 << 20)
+static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
+    const size_t ZP = (size_t)(g->axis[2].extent + PAD * g->axis[2].dilation);
+    const size_t rows = (size_t)(g->axis[0].extent * g->axis[1].extent);
+    const size_t per_head = rows * ZP * sizeof(float) * (size_t)(g->head_dim + g->head_dim_v) *
+                            (op == NBHD_OP_FORWARD_JVP ? 2 : 1);
+    int64_t n = (int64_t)(SLAB_BYTES / (per_head ? per_head : 1));
+    n = n < 1 ? 1 : n > g->kv_heads ? g->kv_heads : n;
+    const int64_t slabs = (g->kv_heads + n - 1) / n;
+    return (g->kv_heads + slabs - 1) / slabs;   /* slabs of even size */
+}
+
 static FAST(layout_t) FAST(layout)(const nbhd_geometry *g, nbhd_op op) {
     const int64_t ZP = g->axis[2].extent + PAD * g->axis[2].dilation, SP = g->extra_kv;
-    /* forward and forward+JVP pack one (b, hk) slab at a time (it stays in cache) */
-    const size_t slabs = op == NBHD_OP_BACKWARD ? (size_t)(g->batch * g->kv_heads) : 1;
+    /* forward and forward+JVP pack one slab of key heads at a time (it stays in cache) */
+    const size_t slabs = op == NBHD_OP_BACKWARD ? (size_t)(g->batch * g->kv_heads)
+                                                : (size_t)FAST(slab_heads)(g, op);
     const size_t lk = slabs * (size_t)(g->axis[0].extent * g->axis[1].extent);
     const size_t lq = (size_t)(g->batch * g->heads * g->axis[0].extent * g->axis[1].extent);
     const size_t xk = slabs;
@@ -201,6 +216,15 @@ NBHD_ALWAYS_INLINE void FAST(load_rows16)(vf *r, const void *data, nbhd_dtype dt
     }
 }
 
+/* Starts loading the `dim` elements of each of the n tokens tok[] (strided rows wait on
+ * memory otherwise: the prefetchers do not follow them) */
+static inline void FAST(prefetch_tokens)(const void *data, nbhd_dtype dt, const int64_t *tok, int n,
+                                         int64_t dim) {
+    const size_t es = dt == NBHD_F32 ? 4 : 2, bytes = (size_t)dim * es;
+    for (int l = 0; l < n; ++l)
+        for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)data + (size_t)tok[l] * es + o);
+}
+
 /* Dims moved 16 at a time by register transposes (contiguous d); the rest go one by one. */
 static inline int64_t FAST(dims16)(const nbhd_tensor *t, int64_t dim) {
     return t->stride[5] == 1 ? dim / 16 * 16 : 0;
@@ -217,6 +241,12 @@ static void FAST(pack_line)(float *dst, const FAST(geo) *G, const nbhd_tensor *t
             const int nz = (int)(G->glen[gr] - i0 < 16 ? G->glen[gr] - i0 : 16);
             int64_t tok[NBHD_LANES];
             for (int l = 0; l < nz; ++l) tok[l] = FAST(off)(t, b, x, y, gr + (i0 + l) * G->dil, h);
+            if (s5 == 1 && i0 + 16 < G->glen[gr]) {
+                const int nn = (int)(G->glen[gr] - i0 - 16 < 16 ? G->glen[gr] - i0 - 16 : 16);
+                int64_t next[NBHD_LANES];
+                for (int l = 0; l < nn; ++l) next[l] = FAST(off)(t, b, x, y, gr + (i0 + 16 + l) * G->dil, h);
+                FAST(prefetch_tokens)(t->data, dt, next, nn, dim);
+            }
             float *dp = dst + G->goff[gr] + i0;
             /* a partial block stores zeros past the group end: into its margin */
             for (int64_t d0 = 0; d0 < d16; d0 += 16) {
@@ -860,7 +890,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
     const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, SP = G.SP;
     const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation;
     const float qmul = (float)(g->scale * LOG2E);
-    const int64_t work = G.X * YB.n * G.nchunks * G.G;   /* per slab */
+    const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_FORWARD), per_b = (G.Hk + nhk - 1) / nhk;
     int failed = 0;
 #pragma omp parallel num_threads(FAST(threads)(e))
     {
@@ -870,26 +900,32 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
 #pragma omp atomic write
             failed = 1;
         }
-        /* one (b, hk) slab at a time: pack its K, V rows, then every work item of its heads;
-         * the barriers closing the two loops order them */
-        for (int64_t slab = 0; slab < G.B * G.Hk; ++slab) {
-        const int64_t b = slab / G.Hk, hk = slab % G.Hk;
-        /* pack K, V (and the extra keys) as fp32 rows [dim][ZP] */
+        /* one slab (b, key heads [hk0, hk0 + nh)) at a time: pack its K, V rows, then every
+         * work item of its query heads; the barriers closing the two loops order them */
+        for (int64_t slab = 0; slab < G.B * per_b; ++slab) {
+        const int64_t b = slab / per_b, hk0 = (slab % per_b) * nhk,
+                      nh = G.Hk - hk0 < nhk ? G.Hk - hk0 : nhk, rows = G.X * G.Y;
+        /* pack K, V (and the extra keys) as fp32 rows [dim][ZP], slab line (hk - hk0, x, y) */
 #pragma omp for schedule(static)
-        for (int64_t ln = 0; ln < G.X * G.Y; ++ln) {
-            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, ln / G.Y, ln % G.Y, D, 1.0f);
-            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, ln / G.Y, ln % G.Y, Dv, 1.0f);
-            if (G.S && ln == 0) {
-                FAST(pack_extra)(KXT, &G, &a->kx, dt, b, hk, D, 1.0f);
-                FAST(pack_extra)(VXT, &G, &a->vx, dt, b, hk, Dv, 1.0f);
+        for (int64_t it = 0; it < nh * rows; ++it) {
+            /* heads innermost: each token's pages are visited once */
+            const int64_t hk = hk0 + it % nh, x = (it / nh) / G.Y, y = (it / nh) % G.Y,
+                          ln = (hk - hk0) * rows + it / nh;
+            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
+            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
+            if (G.S && ln % rows == 0) {
+                FAST(pack_extra)(KXT + (hk - hk0) * D * SP, &G, &a->kx, dt, b, hk, D, 1.0f);
+                FAST(pack_extra)(VXT + (hk - hk0) * Dv * SP, &G, &a->vx, dt, b, hk, Dv, 1.0f);
             }
         }
+        const int64_t nqh = nh * G.G, work = G.X * YB.n * G.nchunks * nqh;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
             /* heads innermost: neighbouring work items share token rows (cache lines) */
-            const int64_t h = hk * G.G + w % G.G, ch = (w / G.G) % G.nchunks,
-                          yb = (w / (G.G * G.nchunks)) % YB.n, x = w / (G.G * G.nchunks * YB.n);
+            const int64_t h = hk0 * G.G + w % nqh, hk = h / G.G, ch = (w / nqh) % G.nchunks,
+                          yb = (w / (nqh * G.nchunks)) % YB.n, x = w / (nqh * G.nchunks * YB.n);
+            const int64_t slab_line0 = (hk - hk0) * rows;
             const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
@@ -926,7 +962,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
                     while (ra < nly && ub[ra] <= u) ++ra;
                     rb = ra;
                     while (rb < nly && ua[rb] <= u) ++rb;
-                    const int64_t ln = kx * G.Y + fy[0] + u * dy,
+                    const int64_t ln = slab_line0 + kx * G.Y + fy[0] + u * dy,
                                   at = G.goff[gr] + zd.base + c0;
                     float *Sr[MAXLINES];
                     for (int r = ra; r < rb; ++r) Sr[r - ra] = s.S[r] + 16 * nn * cnt[r]++;
@@ -946,7 +982,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
             })
             for (int r = 0; r < nly; ++r) {
                 if (G.S) {
-                    const float *kx_row = KXT, *vx_row = VXT;
+                    const float *kx_row = KXT + (hk - hk0) * D * SP, *vx_row = VXT + (hk - hk0) * Dv * SP;
                     float *accs[1] = {s.O[r]};
                     FOR_UNITS(1, G.S, r0, nr, c0, nn, {
                         (void)r0; (void)nr;
@@ -995,7 +1031,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
     const int has_tk = a->t_k.data != NULL, has_tv = a->t_v.data != NULL;
     const int has_tkx = a->t_kx.data != NULL, has_tvx = a->t_vx.data != NULL;
     const int64_t max_rows = (int64_t)g->axis[0].kernel * g->axis[1].kernel;
-    const int64_t work = G.G * G.X * G.Y * G.nchunks;   /* per slab */
+    const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_FORWARD_JVP), per_b = (G.Hk + nhk - 1) / nhk;
     int failed = 0;
 #pragma omp parallel num_threads(FAST(threads)(e))
     {
@@ -1005,29 +1041,35 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
 #pragma omp atomic write
             failed = 1;
         }
-        /* one (b, hk) slab at a time, as in the forward */
-        for (int64_t slab = 0; slab < G.B * G.Hk; ++slab) {
-        const int64_t b = slab / G.Hk, hk = slab % G.Hk, slab_line0 = FAST(line)(&G, G.Hk, b, hk, 0, 0);
+        /* one slab of key heads at a time, as in the forward */
+        for (int64_t slab = 0; slab < G.B * per_b; ++slab) {
+        const int64_t b = slab / per_b, hk0 = (slab % per_b) * nhk,
+                      nh = G.Hk - hk0 < nhk ? G.Hk - hk0 : nhk, rows = G.X * G.Y;
 #pragma omp for schedule(static)
-        for (int64_t ln = 0; ln < G.X * G.Y; ++ln) {
-            const int64_t x = ln / G.Y, y = ln % G.Y;
+        for (int64_t it = 0; it < nh * rows; ++it) {
+            /* heads innermost: each token's pages are visited once */
+            const int64_t hk = hk0 + it % nh, x = (it / nh) / G.Y, y = (it / nh) % G.Y, xo = hk - hk0,
+                          ln = xo * rows + it / nh;
             FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
             FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
             if (has_tk) FAST(pack_line)(TKT + ln * D * ZP, &G, &a->t_k, dt, b, hk, x, y, D, tkmul);
             if (has_tv) FAST(pack_line)(TVT + ln * Dv * ZP, &G, &a->t_v, dt, b, hk, x, y, Dv, 1.0f);
-            if (G.S && ln == 0) {
-                FAST(pack_extra)(KXT, &G, &a->kx, dt, b, hk, D, 1.0f);
-                FAST(pack_extra)(VXT, &G, &a->vx, dt, b, hk, Dv, 1.0f);
-                if (has_tkx) FAST(pack_extra)(TKXT, &G, &a->t_kx, dt, b, hk, D, tkmul);
-                if (has_tvx) FAST(pack_extra)(TVXT, &G, &a->t_vx, dt, b, hk, Dv, 1.0f);
+            if (G.S && ln % rows == 0) {
+                FAST(pack_extra)(KXT + xo * D * SP, &G, &a->kx, dt, b, hk, D, 1.0f);
+                FAST(pack_extra)(VXT + xo * Dv * SP, &G, &a->vx, dt, b, hk, Dv, 1.0f);
+                if (has_tkx) FAST(pack_extra)(TKXT + xo * D * SP, &G, &a->t_kx, dt, b, hk, D, tkmul);
+                if (has_tvx) FAST(pack_extra)(TVXT + xo * Dv * SP, &G, &a->t_vx, dt, b, hk, Dv, 1.0f);
             }
         }
+        const int64_t nqh = nh * G.G, work = G.X * G.Y * G.nchunks * nqh;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
             /* heads innermost: neighbouring work items share token rows (cache lines) */
-            const int64_t h = hk * G.G + w % G.G, ch = (w / G.G) % G.nchunks,
-                          y = (w / (G.G * G.nchunks)) % G.Y, x = w / (G.G * G.nchunks * G.Y);
+            const int64_t h = hk0 * G.G + w % nqh, hk = h / G.G, ch = (w / nqh) % G.nchunks,
+                          y = (w / (nqh * G.nchunks)) % G.Y, x = w / (nqh * G.nchunks * G.Y);
+            /* window_rows numbers lines over all of [B, Hk, X, Y]: shift to the slab's */
+            const int64_t slab_line0 = FAST(line)(&G, G.Hk, b, hk0, 0, 0);
             const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
@@ -1079,7 +1121,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                 JVP_UNIT(nr, nn, ZP, zd.bcast, zd.masked, zd.base + c0, has_tk, has_tv);
             })
             if (G.S) {
-                const int64_t bh = 0;   /* the slab's extra keys */
+                const int64_t bh = hk - hk0;   /* the slab's extra keys */
                 FOR_UNITS(1, G.S, r0, nr, c0, nn, {
                     (void)r0; (void)nr;
                     s.p1[0] = KXT + bh * D * SP + c0;
