@@ -385,53 +385,6 @@ static void FAST(score_rows)(float *S, const float *A, int64_t dim, const float 
     }
 }
 
-/* JVP scores in one sweep over K and tK:
- *   S[c] = sum_d Q[d] k_c[d],  T[c] = sum_d tQ[d] k_c[d] + Q[d] tk_c[d] */
-NBHD_ALWAYS_INLINE void FAST(score3_block)(float *S, float *T, const float *Q, const float *TQ,
-                                           int64_t dim, const float *k, const float *tk,
-                                           int64_t ld, int bcast, int CB) {
-    vf s[8], t[8];
-    for (int j = 0; j < CB; ++j) { s[j] = vf_zero(); t[j] = vf_zero(); }
-    for (int64_t d = 0; d < dim; ++d) {
-        const vf q = vf_load(Q + 16 * d), tq = vf_load(TQ + 16 * d);
-        const float *kd = k + d * ld, *tkd = tk + d * ld;
-        for (int j = 0; j < CB; ++j) {
-            const vf kv = FAST(opnd)(kd + j, bcast);
-            s[j] = vf_fma(q, kv, s[j]);
-            t[j] = vf_fma(tq, kv, t[j]);
-            t[j] = vf_fma(q, FAST(opnd)(tkd + j, bcast), t[j]);
-        }
-    }
-    for (int j = 0; j < CB; ++j) { vf_store(S + 16 * j, s[j]); vf_store(T + 16 * j, t[j]); }
-}
-
-NBHD_ALWAYS_INLINE void FAST(score3_rows_impl)(float *S, float *T, const float *Q, const float *TQ,
-                                               int64_t dim, const float *const *k,
-                                               const float *const *tk, int64_t nrows, int64_t n,
-                                               int64_t ld, int bcast) {
-    for (int64_t r = 0; r < nrows; ++r) {
-        float *Sr = S + 16 * r * n, *Tr = T + 16 * r * n;
-        int64_t c = 0;
-        for (; c + 6 <= n; c += 6)
-            FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 6);
-        switch (n - c) {
-        case 5: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 5); break;
-        case 4: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 4); break;
-        case 3: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 3); break;
-        case 2: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 2); break;
-        case 1: FAST(score3_block)(Sr + 16 * c, Tr + 16 * c, Q, TQ, dim, k[r] + c, tk[r] + c, ld, bcast, 1); break;
-        default: break;
-        }
-    }
-}
-
-static void FAST(score3_rows)(float *S, float *T, const float *Q, const float *TQ, int64_t dim,
-                              const float *const *k, const float *const *tk, int64_t nrows,
-                              int64_t n, int64_t ld, int bcast) {
-    if (bcast) FAST(score3_rows_impl)(S, T, Q, TQ, dim, k, tk, nrows, n, ld, 1);
-    else FAST(score3_rows_impl)(S, T, Q, TQ, dim, k, tk, nrows, n, ld, 0);
-}
-
 /* OUT[d] += sum_r sum_c P[r][c] * opnd(rows[r] + d*ld + c), for d in [d0, d0+DB) */
 NBHD_ALWAYS_INLINE void FAST(accum_block)(float *OUT, int64_t d0, const float *P,
                                           const float *const *rows, int64_t nrows, int64_t n,
@@ -462,45 +415,6 @@ static void FAST(accum_rows)(float *OUT, int64_t dim, const float *P, const floa
                              int64_t nrows, int64_t n, int64_t ld, int bcast) {
     if (bcast) FAST(accum_rows_impl)(OUT, dim, P, rows, nrows, n, ld, 1);
     else FAST(accum_rows_impl)(OUT, dim, P, rows, nrows, n, ld, 0);
-}
-
-/* JVP values in one sweep over V and tV:  O += P v,  C += P tv + PT v */
-NBHD_ALWAYS_INLINE void FAST(accum2_block)(float *O, float *C, int64_t d0, const float *P,
-                                           const float *PT, const float *const *v,
-                                           const float *const *tv, int64_t nrows, int64_t n,
-                                           int64_t ld, int bcast, int DB) {
-    vf o[8], cc[8];
-    for (int j = 0; j < DB; ++j) { o[j] = vf_load(O + 16 * (d0 + j)); cc[j] = vf_load(C + 16 * (d0 + j)); }
-    for (int64_t r = 0; r < nrows; ++r) {
-        const float *vb = v[r] + d0 * ld, *tvb = tv[r] + d0 * ld;
-        const float *Pr = P + 16 * r * n, *PTr = PT + 16 * r * n;
-        for (int64_t c = 0; c < n; ++c) {
-            const vf p = vf_load(Pr + 16 * c), pt = vf_load(PTr + 16 * c);
-            for (int j = 0; j < DB; ++j) {
-                const vf vv = FAST(opnd)(vb + j * ld + c, bcast);
-                o[j] = vf_fma(p, vv, o[j]);
-                cc[j] = vf_fma(pt, vv, cc[j]);
-                cc[j] = vf_fma(p, FAST(opnd)(tvb + j * ld + c, bcast), cc[j]);
-            }
-        }
-    }
-    for (int j = 0; j < DB; ++j) { vf_store(O + 16 * (d0 + j), o[j]); vf_store(C + 16 * (d0 + j), cc[j]); }
-}
-
-NBHD_ALWAYS_INLINE void FAST(accum2_rows_impl)(float *O, float *C, int64_t dim, const float *P,
-                                               const float *PT, const float *const *v,
-                                               const float *const *tv, int64_t nrows, int64_t n,
-                                               int64_t ld, int bcast) {
-    int64_t d0 = 0;
-    for (; d0 + 4 <= dim; d0 += 4) FAST(accum2_block)(O, C, d0, P, PT, v, tv, nrows, n, ld, bcast, 4);
-    for (; d0 < dim; ++d0) FAST(accum2_block)(O, C, d0, P, PT, v, tv, nrows, n, ld, bcast, 1);
-}
-
-static void FAST(accum2_rows)(float *O, float *C, int64_t dim, const float *P, const float *PT,
-                              const float *const *v, const float *const *tv, int64_t nrows,
-                              int64_t n, int64_t ld, int bcast) {
-    if (bcast) FAST(accum2_rows_impl)(O, C, dim, P, PT, v, tv, nrows, n, ld, 1);
-    else FAST(accum2_rows_impl)(O, C, dim, P, PT, v, tv, nrows, n, ld, 0);
 }
 
 /* masked slots (lanes outside [lo, hi) at position pos0 + c) become fill */
@@ -1012,12 +926,228 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
 }
 
 // ----------------------------------------------------------------------------
+// line-blocked JVP micro-kernels: the forward's, with tangents (DESIGN.md §4)
+//
+//   scores  S_r[c] = Q_r.k_u,c     T_r[c] = tQ_r.k_u,c + Q_r.tk_u,c      (tS before the scale)
+//   values  O_r += P_r v_u,c       C_r += PT_r v_u,c + P_r tv_u,c        (PT = P tS)
+// TQ, TK, TV: whether that tangent is present (absent ones are zero: their products skipped).
+
+NBHD_ALWAYS_INLINE void FAST(jvp_scores_block)(float *const *S, float *const *T,
+                                               const float *const *Q, const float *const *TQ,
+                                               int NR, int64_t dim, const float *k,
+                                               const float *tk, int64_t ld, int bcast, int C,
+                                               int has_tq, int has_tk) {
+    vf s[MAXLINES][3], t[MAXLINES][3];
+    NBHD_UNROLL
+    for (int r = 0; r < NR; ++r)
+        NBHD_UNROLL
+        for (int j = 0; j < C; ++j) { s[r][j] = vf_zero(); t[r][j] = vf_zero(); }
+    for (int64_t d = 0; d < dim; ++d) {
+        vf q[MAXLINES], tq[MAXLINES];
+        NBHD_UNROLL
+        for (int r = 0; r < NR; ++r) {
+            q[r] = vf_load(Q[r] + 16 * d);
+            if (has_tq) tq[r] = vf_load(TQ[r] + 16 * d);
+        }
+        const float *kd = k + d * ld, *tkd = tk + d * ld;
+        NBHD_UNROLL
+        for (int j = 0; j < C; ++j) {
+            const vf kj = FAST(opnd)(kd + j, bcast);
+            NBHD_UNROLL
+            for (int r = 0; r < NR; ++r) {
+                s[r][j] = vf_fma(q[r], kj, s[r][j]);
+                if (has_tq) t[r][j] = vf_fma(tq[r], kj, t[r][j]);
+            }
+            if (has_tk) {
+                const vf tkj = FAST(opnd)(tkd + j, bcast);
+                NBHD_UNROLL
+                for (int r = 0; r < NR; ++r) t[r][j] = vf_fma(q[r], tkj, t[r][j]);
+            }
+        }
+    }
+    NBHD_UNROLL
+    for (int r = 0; r < NR; ++r)
+        NBHD_UNROLL
+        for (int j = 0; j < C; ++j) { vf_store(S[r] + 16 * j, s[r][j]); vf_store(T[r] + 16 * j, t[r][j]); }
+}
+
+NBHD_ALWAYS_INLINE void FAST(jvp_scores_nr)(float *const *S, float *const *T, const float *const *Q,
+                                            const float *const *TQ, int NR, int64_t dim,
+                                            const float *k, const float *tk, int64_t ld, int64_t n,
+                                            int bcast, int has_tq, int has_tk) {
+    float *Sc[MAXLINES], *Tc[MAXLINES];
+    int64_t c = 0;
+    for (; c + 3 <= n; c += 3) {
+        NBHD_UNROLL
+        for (int r = 0; r < NR; ++r) { Sc[r] = S[r] + 16 * c; Tc[r] = T[r] + 16 * c; }
+        FAST(jvp_scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, 3, has_tq, has_tk);
+    }
+    NBHD_UNROLL
+    for (int r = 0; r < NR; ++r) { Sc[r] = S[r] + 16 * c; Tc[r] = T[r] + 16 * c; }
+    if (n - c == 2) FAST(jvp_scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, 2, has_tq, has_tk);
+    if (n - c == 1) FAST(jvp_scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, 1, has_tq, has_tk);
+}
+
+/* S_r, T_r for nr (1..MAXLINES) lines and n slots; tk is unused when !has_tk */
+static void FAST(jvp_scores)(float *const *S, float *const *T, const float *const *Q,
+                             const float *const *TQ, int nr, int64_t dim, const float *k,
+                             const float *tk, int64_t ld, int64_t n, int bcast, int has_tq,
+                             int has_tk) {
+#define JS_FLAGS(NR, BC)                                                                            \
+    if (has_tq && has_tk) FAST(jvp_scores_nr)(S, T, Q, TQ, NR, dim, k, tk, ld, n, BC, 1, 1);        \
+    else if (has_tq) FAST(jvp_scores_nr)(S, T, Q, TQ, NR, dim, k, tk, ld, n, BC, 1, 0);             \
+    else if (has_tk) FAST(jvp_scores_nr)(S, T, Q, TQ, NR, dim, k, tk, ld, n, BC, 0, 1);             \
+    else FAST(jvp_scores_nr)(S, T, Q, TQ, NR, dim, k, tk, ld, n, BC, 0, 0);
+#define JS_NR(NR) case NR: if (bcast) { JS_FLAGS(NR, 1) } else { JS_FLAGS(NR, 0) } break;
+    switch (nr) { JS_NR(1) JS_NR(2) JS_NR(3) JS_NR(4) default: break; }
+#undef JS_NR
+#undef JS_FLAGS
+}
+
+/* acc_o[r][j] += P_r v_j, acc_c[r][j] += PT_r v_j + P_r tv_j over `len` rows, lines RA <= r < RB */
+NBHD_ALWAYS_INLINE void FAST(jvp_values_seg)(vf (*ao)[2], vf (*ac)[2], int RA, int RB,
+                                             const float *const *P, const float *const *PT,
+                                             const float *const *v, const float *const *tv,
+                                             int64_t len, int64_t d0, int64_t n, int64_t ld,
+                                             int bcast, int DB, int has_tv) {
+    for (int64_t t = 0; t < len; ++t) {
+        const float *vb = v[t] + d0 * ld, *tvb = has_tv ? tv[t] + d0 * ld : NULL;
+        for (int64_t c = 0; c < n; ++c) {
+            vf p[MAXLINES], pt[MAXLINES];
+            NBHD_UNROLL
+            for (int r = RA; r < RB; ++r) {
+                p[r] = vf_load(P[r] + 16 * (t * n + c));
+                pt[r] = vf_load(PT[r] + 16 * (t * n + c));
+            }
+            NBHD_UNROLL
+            for (int j = 0; j < DB; ++j) {
+                const vf vj = FAST(opnd)(vb + j * ld + c, bcast);
+                NBHD_UNROLL
+                for (int r = RA; r < RB; ++r) {
+                    ao[r][j] = vf_fma(p[r], vj, ao[r][j]);
+                    ac[r][j] = vf_fma(pt[r], vj, ac[r][j]);
+                }
+                if (has_tv) {
+                    const vf tvj = FAST(opnd)(tvb + j * ld + c, bcast);
+                    NBHD_UNROLL
+                    for (int r = RA; r < RB; ++r) ac[r][j] = vf_fma(p[r], tvj, ac[r][j]);
+                }
+            }
+        }
+    }
+}
+
+NBHD_ALWAYS_INLINE void FAST(jvp_values_block)(float *const *O, float *const *Cc, int nl,
+                                               const float *const *S, const float *const *T,
+                                               const FAST(rowset) *rs, const float *const *tvrows,
+                                               int64_t d0, int64_t n, int64_t ld, int bcast,
+                                               int DB, int has_tv) {
+    vf ao[MAXLINES][2], ac[MAXLINES][2];
+    NBHD_UNROLL
+    for (int r = 0; r < MAXLINES; ++r)
+        NBHD_UNROLL
+        for (int j = 0; j < DB; ++j) {
+            ao[r][j] = r < nl ? vf_load(O[r] + 16 * (d0 + j)) : vf_zero();
+            ac[r][j] = r < nl ? vf_load(Cc[r] + 16 * (d0 + j)) : vf_zero();
+        }
+    const float *P[MAXLINES], *PT[MAXLINES];
+    NBHD_UNROLL
+    for (int r = 0; r < MAXLINES; ++r) { P[r] = r < nl ? S[r] : NULL; PT[r] = r < nl ? T[r] : NULL; }
+    for (int64_t t0 = 0; t0 < rs->nrows;) {
+        const int ra = rs->ra[t0], rb = rs->rb[t0];
+        int64_t len = 1;
+        while (t0 + len < rs->nrows && rs->ra[t0 + len] == ra && rs->rb[t0 + len] == rb) ++len;
+#define SEG(RA, RB)                                                                               \
+    case (RA) * 8 + (RB):                                                                         \
+        FAST(jvp_values_seg)(ao, ac, RA, RB, P, PT, rs->v + t0, tvrows + t0, len, d0, n, ld,      \
+                             bcast, DB, has_tv);                                                  \
+        break;
+        switch (ra * 8 + rb) {
+            SEG(0, 1) SEG(0, 2) SEG(0, 3) SEG(0, 4) SEG(1, 2) SEG(1, 3) SEG(1, 4)
+            SEG(2, 3) SEG(2, 4) SEG(3, 4)
+        default: break;
+        }
+#undef SEG
+        NBHD_UNROLL
+        for (int r = ra; r < rb; ++r) { P[r] += 16 * len * n; PT[r] += 16 * len * n; }
+        t0 += len;
+    }
+    NBHD_UNROLL
+    for (int r = 0; r < nl; ++r)
+        NBHD_UNROLL
+        for (int j = 0; j < DB; ++j) {
+            vf_store(O[r] + 16 * (d0 + j), ao[r][j]);
+            vf_store(Cc[r] + 16 * (d0 + j), ac[r][j]);
+        }
+}
+
+/* O_r += P_r v, C_r += PT_r v + P_r tv over the rows of rs (tvrows: their tv rows) */
+static void FAST(jvp_values)(float *const *O, float *const *Cc, int nl, int64_t dim,
+                             const float *const *S, const float *const *T, const FAST(rowset) *rs,
+                             const float *const *tvrows, int64_t n, int64_t ld, int bcast,
+                             int has_tv) {
+#define JV(BC, TV)                                                                                 \
+    do {                                                                                           \
+        int64_t d0 = 0;                                                                            \
+        for (; d0 + 2 <= dim; d0 += 2) FAST(jvp_values_block)(O, Cc, nl, S, T, rs, tvrows, d0, n, ld, BC, 2, TV); \
+        for (; d0 < dim; ++d0) FAST(jvp_values_block)(O, Cc, nl, S, T, rs, tvrows, d0, n, ld, BC, 1, TV); \
+    } while (0)
+    if (bcast) { if (has_tv) JV(1, 1); else JV(1, 0); }
+    else { if (has_tv) JV(0, 1); else JV(0, 0); }
+#undef JV
+}
+
+// ----------------------------------------------------------------------------
 // forward + JVP (DESIGN.md §4): besides m, l, O keep r = sum p tS and C = sum p (tv + tS v)
 
+/* per-thread scratch of the line-blocked forward+JVP, one allocation */
+typedef struct {
+    float *S[MAXLINES], *T[MAXLINES], *Q[MAXLINES], *TQ[MAXLINES], *O[MAXLINES], *C[MAXLINES];
+    float *m[MAXLINES], *l[MAXLINES], *r[MAXLINES];
+    int8_t *ra, *rb;
+    const float **v, **tv;
+    void *mem;
+} FAST(jvp_scratch);
+
+static int FAST(jvp_scratch_alloc)(FAST(jvp_scratch) *s, int64_t D, int64_t Dv) {
+    const size_t per_line = 2 * (size_t)SMAX * 16 + 2 * (size_t)(D + Dv) * 16 + 48;
+    const size_t bytes = sizeof(float) * MAXLINES * per_line + SMAX * (2 + 2 * sizeof(float *)) + 128;
+    s->mem = malloc(bytes);
+    if (!s->mem) return 0;
+    float *f = (float *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
+    for (int r = 0; r < MAXLINES; ++r) {
+        s->S[r] = f; f += SMAX * 16;
+        s->T[r] = f; f += SMAX * 16;
+        s->Q[r] = f; f += D * 16;
+        s->TQ[r] = f; f += D * 16;
+        s->O[r] = f; f += Dv * 16;
+        s->C[r] = f; f += Dv * 16;
+        s->m[r] = f; f += 16;
+        s->l[r] = f; f += 16;
+        s->r[r] = f; f += 16;
+    }
+    s->v = (const float **)f;
+    s->tv = s->v + SMAX;
+    s->ra = (int8_t *)(s->tv + SMAX);
+    s->rb = s->ra + SMAX;
+    return 1;
+}
+
+/* Shapes as the forward, plus t_q, t_k, t_v, t_kx, t_vx like q, k, v, kx, vx (NULL data: zero),
+ * t_out like out, t_lse like lse. Work items and slabs as the forward's. */
 nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                             const nbhd_exec *e) {
+    const int lines = FAST(forward_lines)(g, e);
+    if (lines < 1 || lines > MAXLINES || (e->q_tile[2] && e->q_tile[2] != 16) || e->q_tile[0] > 1)
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED,
+                         "exec.q_tile is not a query patch of the fast CPU forward+JVP (see nbhd_tile_configs)");
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory");
+    FAST(yblocks) YB;
+    if (!FAST(yblocks_init)(&YB, &g->axis[1], lines)) {
+        FAST(geo_free)(&G);
+        return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory");
+    }
     const nbhd_dtype dt = g->dtype;
     const FAST(layout_t) L = FAST(layout)(g, NBHD_OP_FORWARD_JVP);
     float *ws = FAST(ws_base)(e);
@@ -1025,18 +1155,18 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
     float *KT = ws + L.kt, *VT = ws + L.vt, *KXT = ws + L.kxt, *VXT = ws + L.vxt;
     float *TKT = ws + L.tkt, *TVT = ws + L.tvt, *TKXT = ws + L.tkxt, *TVXT = ws + L.tvxt;
     const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, SP = G.SP;
+    const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation;
     /* S = (scale log2e q).k in log2 units; tS = (scale tq).k + (scale log2e q).(ln2 tk), natural */
     const float qmul = (float)(g->scale * LOG2E), tqmul = (float)g->scale, tkmul = (float)LN2;
     const int has_tq = a->t_q.data != NULL;
     const int has_tk = a->t_k.data != NULL, has_tv = a->t_v.data != NULL;
     const int has_tkx = a->t_kx.data != NULL, has_tvx = a->t_vx.data != NULL;
-    const int64_t max_rows = (int64_t)g->axis[0].kernel * g->axis[1].kernel;
     const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_FORWARD_JVP), per_b = (G.Hk + nhk - 1) / nhk;
     int failed = 0;
 #pragma omp parallel num_threads(FAST(threads)(e))
     {
-        FAST(scratch) s;
-        const int ok = FAST(scratch_alloc)(&s, &G, max_rows);
+        FAST(jvp_scratch) s;
+        const int ok = FAST(jvp_scratch_alloc)(&s, D, Dv);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1061,98 +1191,129 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                 if (has_tvx) FAST(pack_extra)(TVXT + xo * Dv * SP, &G, &a->t_vx, dt, b, hk, Dv, 1.0f);
             }
         }
-        const int64_t nqh = nh * G.G, work = G.X * G.Y * G.nchunks * nqh;
+        const int64_t nqh = nh * G.G, work = G.X * YB.n * G.nchunks * nqh;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
             /* heads innermost: neighbouring work items share token rows (cache lines) */
             const int64_t h = hk0 * G.G + w % nqh, hk = h / G.G, ch = (w / nqh) % G.nchunks,
-                          y = (w / (nqh * G.nchunks)) % G.Y, x = w / (nqh * G.nchunks * G.Y);
-            /* window_rows numbers lines over all of [B, Hk, X, Y]: shift to the slab's */
-            const int64_t slab_line0 = FAST(line)(&G, G.Hk, b, hk0, 0, 0);
+                          yb = (w / (nqh * G.nchunks)) % YB.n, x = w / (nqh * G.nchunks * YB.n);
+            const int64_t slab_line0 = (hk - hk0) * rows;
             const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
             for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
             FAST(zdesc) zd;
             FAST(zdesc_window)(&zd, &g->axis[2], i0, nl, Lg);
-            float *Q = s.A1, *TQ = s.A2, *O = s.O1, *C = s.O2;
-            FAST(load_lanes)(Q, &a->q, dt, D, b, x, y, zl, nl, h, qmul);
-            if (has_tq) FAST(load_lanes)(TQ, &a->t_q, dt, D, b, x, y, zl, nl, h, tqmul);
-            for (int l = 0; l < 16; ++l) { s.m[l] = -INFINITY; s.l[l] = 0.0f; s.r[l] = 0.0f; }
-            memset(O, 0, sizeof(float) * 16 * (size_t)Dv);
-            memset(C, 0, sizeof(float) * 16 * (size_t)Dv);
-            float *accs[2] = {O, C};
+            /* the lines y_r and their windows on Y, as in the forward */
+            const int64_t gy = YB.g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
+            const int nly = (int)(Lgy - YB.i0[yb] < lines ? Lgy - YB.i0[yb] : lines);
+            int64_t ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
+            for (int r = 0; r < nly; ++r) {
+                ys[r] = gy + (YB.i0[yb] + r) * dy;
+                nbhd_window(&g->axis[1], ys[r], &fy[r], &cy[r]);
+                ua[r] = (fy[r] - fy[0]) / dy;
+                ub[r] = ua[r] + cy[r];
+            }
+            const int64_t U = ub[nly - 1];
+            int64_t fx, cx;
+            nbhd_window(&g->axis[0], x, &fx, &cx);
+            for (int r = 0; r < nly; ++r) {
+                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, ys[r], zl, nl, h, qmul);
+                if (has_tq) FAST(load_lanes)(s.TQ[r], &a->t_q, dt, D, b, x, ys[r], zl, nl, h, tqmul);
+                for (int l = 0; l < 16; ++l) { s.m[r][l] = -INFINITY; s.l[r][l] = 0.0f; s.r[r][l] = 0.0f; }
+                memset(s.O[r], 0, sizeof(float) * 16 * (size_t)Dv);
+                memset(s.C[r], 0, sizeof(float) * 16 * (size_t)Dv);
+            }
             const int64_t dims[2] = {Dv, Dv};
-            /* one unit: S, T = tS from rows k, tk; then P, PT = P tS; O, C */
-#define JVP_UNIT(nr, nn, ld, bcast, masked, pos0, tk_on, tv_on)                                     \
-    do {                                                                                            \
-        if (has_tq && (tk_on)) FAST(score3_rows)(s.S, s.T, Q, TQ, D, s.p1, s.p3, nr, nn, ld, bcast); \
-        else {                                                                                      \
-            FAST(score_rows)(s.S, Q, D, s.p1, nr, nn, ld, bcast, 0);                                \
-            memset(s.T, 0, sizeof(float) * 16 * (size_t)((nr) * (nn)));                            \
-            if (has_tq) FAST(score_rows)(s.T, TQ, D, s.p1, nr, nn, ld, bcast, 1);                   \
-            if (tk_on) FAST(score_rows)(s.T, Q, D, s.p3, nr, nn, ld, bcast, 1);                     \
-        }                                                                                           \
-        if (masked) FAST(apply_mask)(s.S, nr, nn, &zd, pos0, -INFINITY);                            \
-        FAST(softmax_step)(s.S, (nr) * (nn), s.m, s.l, s.r, accs, dims, 2);                         \
-        vf racc = vf_load(s.r);                                                                     \
-        for (int64_t c = 0; c < (nr) * (nn); ++c) {                                                 \
-            const vf pt = vf_mul(vf_load(s.S + 16 * c), vf_load(s.T + 16 * c));                     \
-            vf_store(s.T + 16 * c, pt);                                                             \
-            racc = vf_add(racc, pt);                                                                \
-        }                                                                                           \
-        vf_store(s.r, racc);                                                                        \
-        if (tv_on) FAST(accum2_rows)(O, C, Dv, s.S, s.T, s.p2, s.p4, nr, nn, ld, bcast);             \
-        else {                                                                                      \
-            FAST(accum_rows)(O, Dv, s.S, s.p2, nr, nn, ld, bcast);                                  \
-            FAST(accum_rows)(C, Dv, s.T, s.p2, nr, nn, ld, bcast);                                  \
-        }                                                                                           \
+            /* P = softmax step of S, then PT = P tS and r += sum PT, for line r's n slots */
+#define JVP_SOFTMAX(r_, S_, T_, rows_, nn_, masked_, pos0_)                                           \
+    do {                                                                                      \
+        float *accs_[2] = {s.O[r_], s.C[r_]};                                                 \
+        const int64_t n_ = (rows_) * (nn_);                                                   \
+        if (masked_) FAST(apply_mask)(S_, rows_, nn_, &zd, pos0_, -INFINITY);                 \
+        FAST(softmax_step)(S_, n_, s.m[r_], s.l[r_], s.r[r_], accs_, dims, 2);                \
+        vf racc_ = vf_load(s.r[r_]);                                                          \
+        for (int64_t c_ = 0; c_ < n_; ++c_) {                                               \
+            const vf pt_ = vf_mul(vf_load(S_ + 16 * c_), vf_load(T_ + 16 * c_));              \
+            vf_store(T_ + 16 * c_, pt_);                                                      \
+            racc_ = vf_add(racc_, pt_);                                                       \
+        }                                                                                     \
+        vf_store(s.r[r_], racc_);                                                             \
     } while (0)
-            const int64_t nrows = FAST(window_rows)(&G, g, b, hk, x, y, s.lines);
-            FOR_UNITS(nrows, zd.n, r0, nr, c0, nn, {
-                for (int64_t r = 0; r < nr; ++r) {
-                    const int64_t ln = s.lines[r0 + r] - slab_line0, at = G.goff[gr] + zd.base + c0;
-                    s.p1[r] = KT + ln * D * ZP + at;
-                    s.p2[r] = VT + ln * Dv * ZP + at;
-                    s.p3[r] = TKT + ln * D * ZP + at;
-                    s.p4[r] = TVT + ln * Dv * ZP + at;
+            const int64_t nrows = cx * U;
+            FOR_UNITS(nrows, zd.n, q0, nq, c0, nn, {
+                int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+                for (int64_t t = 0; t < nq; ++t) {
+                    const int64_t q = q0 + t, u = q % U, kx = fx + (q / U) * dx;
+                    int ra = 0, rb = 0;
+                    while (ra < nly && ub[ra] <= u) ++ra;
+                    rb = ra;
+                    while (rb < nly && ua[rb] <= u) ++rb;
+                    const int64_t ln = slab_line0 + kx * G.Y + fy[0] + u * dy,
+                                  at = G.goff[gr] + zd.base + c0;
+                    float *Sr[MAXLINES], *Tr[MAXLINES];
+                    for (int r = ra; r < rb; ++r) {
+                        Sr[r - ra] = s.S[r] + 16 * nn * cnt[r];
+                        Tr[r - ra] = s.T[r] + 16 * nn * cnt[r]++;
+                    }
+                    FAST(jvp_scores)(Sr, Tr, (const float *const *)s.Q + ra, (const float *const *)s.TQ + ra,
+                                     rb - ra, D, KT + ln * D * ZP + at, TKT + ln * D * ZP + at, ZP, nn,
+                                     zd.bcast, has_tq, has_tk);
+                    s.ra[t] = (int8_t)ra;
+                    s.rb[t] = (int8_t)rb;
+                    s.v[t] = VT + ln * Dv * ZP + at;
+                    s.tv[t] = TVT + ln * Dv * ZP + at;
                 }
-                JVP_UNIT(nr, nn, ZP, zd.bcast, zd.masked, zd.base + c0, has_tk, has_tv);
+                for (int r = 0; r < nly; ++r)
+                    if (cnt[r]) JVP_SOFTMAX(r, s.S[r], s.T[r], cnt[r], nn, zd.masked, zd.base + c0);
+                const FAST(rowset) rs = {s.ra, s.rb, s.v, nq};
+                FAST(jvp_values)(s.O, s.C, nly, Dv, (const float *const *)s.S, (const float *const *)s.T,
+                                 &rs, s.tv, nn, ZP, zd.bcast, has_tv);
             })
-            if (G.S) {
-                const int64_t bh = hk - hk0;   /* the slab's extra keys */
-                FOR_UNITS(1, G.S, r0, nr, c0, nn, {
-                    (void)r0; (void)nr;
-                    s.p1[0] = KXT + bh * D * SP + c0;
-                    s.p2[0] = VXT + bh * Dv * SP + c0;
-                    s.p3[0] = TKXT + bh * D * SP + c0;
-                    s.p4[0] = TVXT + bh * Dv * SP + c0;
-                    JVP_UNIT(1, nn, SP, 1, 0, 0, has_tkx, has_tvx);
-                })
-            }
-#undef JVP_UNIT
-            /* o = O/l, mu = r/l, tO = C/l - mu o, lse = ln2 (m + log2 l), tLSE = mu */
-            float inv[16], mu[16];
-            for (int l = 0; l < nl; ++l) {
-                inv[l] = 1.0f / s.l[l];
-                mu[l] = s.r[l] * inv[l];
-                const int64_t o = FAST(off)(&a->lse, b, x, y, zl[l], h);
-                ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[l] + log2((double)s.l[l])));
-                ((float *)a->t_lse.data)[FAST(off)(&a->t_lse, b, x, y, zl[l], h)] = mu[l];
-            }
-            for (int64_t d = 0; d < Dv; ++d)
-                for (int l = 0; l < 16; ++l) {
-                    O[16 * d + l] *= inv[l < nl ? l : 0];
-                    C[16 * d + l] = C[16 * d + l] * inv[l < nl ? l : 0] - mu[l < nl ? l : 0] * O[16 * d + l];
+            for (int r = 0; r < nly; ++r) {
+                if (G.S) {
+                    const int64_t xo = hk - hk0;
+                    FOR_UNITS(1, G.S, r0, nr, c0, nn, {
+                        (void)r0; (void)nr;
+                        const float *kp = KXT + xo * D * SP + c0, *tkp = TKXT + xo * D * SP + c0;
+                        float *S0[1] = {s.S[0]}, *T0[1] = {s.T[0]};
+                        const float *Q0[1] = {s.Q[r]}, *TQ0[1] = {s.TQ[r]};
+                        FAST(jvp_scores)(S0, T0, Q0, TQ0, 1, D, kp, tkp, SP, nn, 1, has_tq, has_tkx);
+                        JVP_SOFTMAX(r, s.S[0], s.T[0], 1, nn, 0, 0);
+                        int8_t ra0 = 0, rb0 = 1;
+                        const float *vp[1] = {VXT + xo * Dv * SP + c0}, *tvp[1] = {TVXT + xo * Dv * SP + c0};
+                        const FAST(rowset) rs = {&ra0, &rb0, vp, 1};
+                        float *Or[1] = {s.O[r]}, *Cr[1] = {s.C[r]};
+                        const float *Sp[1] = {s.S[0]}, *Tp[1] = {s.T[0]};
+                        FAST(jvp_values)(Or, Cr, 1, Dv, Sp, Tp, &rs, tvp, nn, SP, 1, has_tvx);
+                    })
                 }
-            const float one[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-            FAST(store_lanes)(&a->out, dt, Dv, b, x, y, zl, nl, h, O, one);
-            FAST(store_lanes)(&a->t_out, dt, Dv, b, x, y, zl, nl, h, C, one);
+                /* o = O/l, mu = r/l, tO = C/l - mu o, lse = ln2 (m + log2 l), tLSE = mu */
+                float inv[16], mu[16];
+                for (int l = 0; l < nl; ++l) {
+                    inv[l] = 1.0f / s.l[r][l];
+                    mu[l] = s.r[r][l] * inv[l];
+                    const int64_t o = FAST(off)(&a->lse, b, x, ys[r], zl[l], h);
+                    ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[r][l] + log2((double)s.l[r][l])));
+                    ((float *)a->t_lse.data)[FAST(off)(&a->t_lse, b, x, ys[r], zl[l], h)] = mu[l];
+                }
+                float *O = s.O[r], *C = s.C[r];
+                for (int64_t d = 0; d < Dv; ++d)
+                    for (int l = 0; l < 16; ++l) {
+                        O[16 * d + l] *= inv[l < nl ? l : 0];
+                        C[16 * d + l] = C[16 * d + l] * inv[l < nl ? l : 0] - mu[l < nl ? l : 0] * O[16 * d + l];
+                    }
+                const float one[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+                FAST(store_lanes)(&a->out, dt, Dv, b, x, ys[r], zl, nl, h, O, one);
+                FAST(store_lanes)(&a->t_out, dt, Dv, b, x, ys[r], zl, nl, h, C, one);
+            }
+#undef JVP_SOFTMAX
         }
         }
         if (ok) free(s.mem);
     }
+    free(YB.g);
     FAST(geo_free)(&G);
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory for per-thread scratch")
                   : NBHD_OK;
