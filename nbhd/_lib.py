@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["NbhdError", "lib", "Problem", "run", "tile_configs"]
+__all__ = ["NbhdError", "lib", "Problem", "run", "tile_configs", "merge"]
 
 
 class NbhdError(RuntimeError):
@@ -78,6 +78,20 @@ class _TileConfig(ctypes.Structure):
     _fields_ = [("q_tile", ctypes.c_int32 * MAX_RANK), ("kv_tile", ctypes.c_int32 * MAX_RANK)]
 
 
+MERGE_MAX_PARTS = 32
+
+
+class _MergeProblem(ctypes.Structure):
+    _fields_ = [("parts", ctypes.c_int32), ("batch", ctypes.c_int64), ("tokens", ctypes.c_int64),
+                ("heads", ctypes.c_int32), ("head_dim_v", ctypes.c_int32), ("dtype", ctypes.c_int),
+                ("device", ctypes.c_int)]
+
+
+class _MergeArgs(ctypes.Structure):
+    _fields_ = [("outs", _Tensor * MERGE_MAX_PARTS), ("lses", _Tensor * MERGE_MAX_PARTS),
+                ("out", _Tensor), ("lse", _Tensor)]
+
+
 def _args_struct(name: str, fields: Sequence[str]):
     return type(name, (ctypes.Structure,), {"_fields_": [(f, _Tensor) for f in fields]})
 
@@ -111,6 +125,9 @@ def _load():
     so.nbhd_tile_configs.restype = ctypes.c_int32
     so.nbhd_tile_configs.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int, ctypes.POINTER(_TileConfig),
                                      ctypes.c_int32]
+    so.nbhd_merge.restype = ctypes.c_int
+    so.nbhd_merge.argtypes = [ctypes.POINTER(_MergeProblem), ctypes.POINTER(_MergeArgs),
+                              ctypes.POINTER(_Exec)]
     for op, name in _ENTRY.items():
         fn = getattr(so, name)
         fn.restype = ctypes.c_int
@@ -237,5 +254,28 @@ def run(op: int, problem: Problem, tensors: dict, threads: int = 0, use_referenc
     fn = getattr(lib, _ENTRY[op])
     status = fn(ctypes.byref(problem.c), ctypes.byref(args), ctypes.byref(ex))
     del workspace  # kept alive until the call returned (the caching allocator orders GPU reuse)
+    if status != 0:
+        raise NbhdError(f"{lib.nbhd_status_string(status).decode()}: {lib.nbhd_last_error().decode()}")
+
+
+def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], out: torch.Tensor,
+          lse: torch.Tensor, threads: int = 0) -> None:
+    """nbhd_merge: outs[i] [B, T, H, Dv] and lses[i] [B, T, H] (any strides) into out, lse."""
+    p = _MergeProblem()
+    p.parts = len(outs)
+    p.batch, p.tokens, p.heads, p.head_dim_v = (int(x) for x in out.shape)
+    p.dtype = _DTYPES[out.dtype]
+    p.device = 1 if out.device.type == "cuda" else 0
+    args = _MergeArgs()
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        args.outs[i] = _describe(o, 1, token_major=True)
+        args.lses[i] = _describe(l, 1, token_major=True)
+    args.out = _describe(out, 1, token_major=True)
+    args.lse = _describe(lse, 1, token_major=True)
+    ex = _Exec()
+    ex.threads = threads
+    if out.device.type == "cuda":
+        ex.stream = torch.cuda.current_stream(out.device).cuda_stream
+    status = lib.nbhd_merge(ctypes.byref(p), ctypes.byref(args), ctypes.byref(ex))
     if status != 0:
         raise NbhdError(f"{lib.nbhd_status_string(status).decode()}: {lib.nbhd_last_error().decode()}")

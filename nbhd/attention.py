@@ -10,12 +10,13 @@ plain differentiable PyTorch (DESIGN.md §4 merge), so every transform goes thro
 from __future__ import annotations
 
 import itertools
+import math
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import backends, checks
+from . import _lib, backends, checks, ops
 from .autograd import Geometry, na_autograd, na_compiled
 from .functional import _use_custom_op, na1d
 from .reference import na_reference
@@ -238,8 +239,12 @@ def _merge(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Tensor, T
     Plain torch ops: autograd, jvp and vmap follow from PyTorch's own rules, and they give
     exactly the §4 tangents tL = sum w_a mu_a, to = sum w_a (to_a + (mu_a - tL) o_a)."""
     stacked = torch.stack([l.to(lses[0].dtype) for l in lses])           # [n, B, *S, H]
-    merged = torch.logsumexp(stacked, dim=0)                               # [B, *S, H]
-    # a row with every part empty (all lse = -inf) merges to output 0 and lse -inf, not NaN
+    # a row with every part empty (all lse = -inf) merges to output 0 and lse -inf, and its
+    # derivatives are 0, not NaN: logsumexp sees zeros there and its result is masked
+    empty = torch.isneginf(stacked).all(0)
+    safe = torch.where(empty, torch.zeros_like(stacked), stacked)
+    merged = torch.where(empty, torch.full_like(empty, float("-inf"), dtype=stacked.dtype),
+                         torch.logsumexp(safe, dim=0))                      # [B, *S, H]
     finite = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
     weights = torch.exp(stacked - finite)                                   # [n, B, *S, H]
     work = torch.promote_types(outputs[0].dtype, weights.dtype)
@@ -247,24 +252,65 @@ def _merge(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Tensor, T
     return out.to(outputs[0].dtype), merged
 
 
-_COMPILED_MERGE = None
+def _merge_backward(outputs, lses, out, lse, g_out, g_lse):
+    """Gradients of _merge in closed form (torch ops, so double backward follows):
+    d o_a = w_a g_o, d lse_a = w_a (g_o.(o_a - o) + g_L), with w_a = exp(lse_a - L)."""
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    work = torch.promote_types(outputs[0].dtype, lse.dtype)
+    g_out = g_out.to(work) if g_out is not None else torch.zeros_like(out, dtype=work)
+    g_lse = g_lse.to(lse.dtype) if g_lse is not None else torch.zeros_like(lse)
+    g_outputs, g_lses = [], []
+    for o_a, l_a in zip(outputs, lses):
+        w = torch.exp(l_a.to(lse.dtype) - finite)
+        g_outputs.append((w.unsqueeze(-1).to(work) * g_out).to(o_a.dtype))
+        dot = (g_out * (o_a.to(work) - out.to(work))).sum(-1).to(lse.dtype)
+        g_lses.append((w * (dot + g_lse)).to(l_a.dtype))
+    return g_outputs, g_lses
 
 
-def _merge_compiled(outputs, lses):
-    global _COMPILED_MERGE
-    if _COMPILED_MERGE is None:
-        _COMPILED_MERGE = torch.compile(_merge, dynamic=True)
-    return _COMPILED_MERGE(outputs, lses)
+class _MergeKernel(torch.autograd.Function):
+    """(out, lse) of the merge by the C kernel (nbhd_merge); used outside torch.func transforms,
+    forward-mode AD and torch.compile, where _merge's torch ops serve instead."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        outputs, lses = tensors[:n], tensors[n:]
+        B, H, Dv = outputs[0].shape[0], outputs[0].shape[-2], outputs[0].shape[-1]
+        T = math.prod(outputs[0].shape[1:-2])
+        tokens = lambda t, last: t.reshape(B, T, *t.shape[last:])
+        out = outputs[0].new_empty((B, T, H, Dv))
+        lse = lses[0].new_empty(out.shape[:-1])
+        _lib.merge([tokens(o, -2) for o in outputs], [tokens(l, -1) for l in lses], out, lse,
+                   threads=ops._OPTIONS["threads"])
+        out, lse = out.reshape(outputs[0].shape), lse.reshape(lses[0].shape)
+        ctx.n = n
+        ctx.save_for_backward(*tensors, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse):
+        *tensors, out, lse = ctx.saved_tensors
+        g_outputs, g_lses = _merge_backward(tensors[:ctx.n], tensors[ctx.n:], out, lse, g_out, g_lse)
+        return (None, *g_outputs, *g_lses)
 
 
-def _can_compile_merge(tensors: Sequence[Tensor]) -> bool:
-    """Compile the elementwise merge only where it pays and is safe: CUDA tensors, outside
-    torch.func transforms and forward-mode AD (eager gives the same values everywhere)."""
-    if torch.compiler.is_compiling() or tensors[0].device.type != "cuda":
+def _kernel_can_merge(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> bool:
+    """The C merge kernel runs eager calls whose tensors it takes as they are; transforms,
+    forward-mode AD and torch.compile trace _merge's torch ops instead."""
+    tensors = list(outputs) + list(lses)
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if backends.forward_ad_requested(*tensors) or len(outputs) > _lib.MERGE_MAX_PARTS:
         return False
-    return not backends.forward_ad_requested(*tensors)
+    dtype, device = outputs[0].dtype, outputs[0].device
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    if dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if device.type == "cuda" and not _lib.has_cuda():
+        return False
+    return device.type in ("cpu", "cuda") and all(
+        o.dtype == dtype and l.dtype == lse_dtype and o.device == device and l.device == device
+        for o, l in zip(outputs, lses))
 
 
 def merge_attentions(outputs: List[Tensor], lse_tensors: List[Tensor], torch_compile: bool = True,
@@ -278,8 +324,9 @@ def merge_attentions(outputs: List[Tensor], lse_tensors: List[Tensor], torch_com
     Args:
         outputs: n >= 2 tensors [B, *S, H, Dv] (heads-last; NATTEN uses [B, S, H, Dv])
         lse_tensors: n tensors [B, *S, H], the logsumexp of each part
-        torch_compile: fuse the elementwise ops with torch.compile where that applies (CUDA
-            tensors outside torch.func transforms); elsewhere the same math runs eagerly
+        torch_compile: accepted for NATTEN compatibility; nbhd merges eager calls with its C
+            kernel (nbhd_merge, CPU and CUDA) and traces torch ops under torch.compile and the
+            torch.func transforms
         return_lse: also return the merged logsumexp [B, *S, H]
 
     Returns:
@@ -315,8 +362,8 @@ def merge_attentions(outputs: List[Tensor], lse_tensors: List[Tensor], torch_com
             raise ValueError(f"lse_tensors[{i}] must have shape {tuple(ref.shape[:-1])} (the "
                              f"output's without head_dim), got {tuple(l.shape)}")
     outputs, lse_tensors = list(outputs), list(lse_tensors)
-    if torch_compile and _can_compile_merge(outputs + lse_tensors):
-        out, lse = _merge_compiled(outputs, lse_tensors)
+    if _kernel_can_merge(outputs, lse_tensors):
+        out, lse = _MergeKernel.apply(len(outputs), *outputs, *lse_tensors)
     else:
         out, lse = _merge(outputs, lse_tensors)
     return (out, lse) if return_lse else out

@@ -219,3 +219,61 @@ def test_varlen_offsets_jvp_and_errors():
         nbhd.attention(q, k, v, **{**kw, "max_seqlen_Q": 2})
     with pytest.raises(TypeError, match="int32/int64"):
         nbhd.attention(q, k, v, seqlens_Q=torch.tensor([3.0, 6.0]), seqlens_KV=torch.tensor(lk))
+
+
+# ----------------------------------------------------------------------------
+# the C merge kernel (nbhd_merge) against the torch formulas
+
+def _parts(n, shape, dtype, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(*shape, generator=g).to(dtype) for _ in range(n)]
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    lses = [(3 * torch.randn(*shape[:-1], generator=g)).to(lse_dtype) for _ in range(n)]
+    return outs, lses
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 5, 3, 4), (1, 3, 4, 2, 6), (2, 2, 3, 2, 1, 5)])
+def test_merge_kernel_matches_torch_formulas(dtype, shape):
+    from nbhd.attention import _kernel_can_merge, _merge
+    outs, lses = _parts(3, shape, dtype)
+    lses[1][0, 0] = float("-inf")                        # a part without keys for some rows
+    for l in lses:
+        l[-1, -1] = float("-inf")                        # rows without keys in any part
+    outs[2] = outs[2].transpose(-1, -2).contiguous().transpose(-1, -2)  # strided channels
+    assert _kernel_can_merge(outs, lses)
+    leaves = [t.clone().requires_grad_() for t in outs + lses]
+    out, lse = nbhd.merge_attentions(leaves[:3], leaves[3:], return_lse=True)
+    ref_leaves = [t.clone().requires_grad_() for t in outs + lses]
+    r_out, r_lse = _merge(ref_leaves[:3], ref_leaves[3:])
+    tol = 1e-12 if dtype == torch.float64 else (1e-5 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(out.double(), r_out.double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), r_lse.double(), atol=tol, rtol=tol)
+    assert torch.equal(out[-1, -1], torch.zeros_like(out[-1, -1]))
+    assert torch.isneginf(lse[-1, -1]).all()
+    g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), leaves, (g_out, g_lse))
+    want = torch.autograd.grad((r_out, r_lse), ref_leaves, (g_out, g_lse))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=max(tol, 1e-6) * 10, rtol=tol * 10)
+
+
+def test_merge_kernel_double_backward_nan_and_fallbacks():
+    from nbhd.attention import _kernel_can_merge
+    outs, lses = _parts(2, (1, 4, 2, 3), torch.float64)
+    assert torch.autograd.gradgradcheck(lambda *t: nbhd.merge_attentions(t[:2], t[2:], return_lse=True),
+                                        [t.requires_grad_() for t in outs + lses])
+    outs, lses = _parts(2, (1, 4, 2, 3), torch.float32)
+    lses[0][0, 1, 0] = float("nan")
+    out, lse = nbhd.merge_attentions(outs, lses, return_lse=True)
+    assert torch.isnan(lse[0, 1, 0]) and torch.isnan(out[0, 1, 0]).all()
+    assert torch.isfinite(out[0, 0]).all()
+    many_outs, many_lses = _parts(33, (1, 2, 1, 2), torch.float32)
+    assert not _kernel_can_merge(many_outs, many_lses)    # past NBHD_MERGE_MAX_PARTS: torch ops
+    mixed = [lses[0].double(), lses[1]]
+    assert not _kernel_can_merge(outs, mixed)             # float64 LSE for float32 outputs
+    torch.testing.assert_close(nbhd.merge_attentions(many_outs, many_lses),
+                               nbhd.merge_attentions(many_outs[:32], many_lses[:32]) * 0 +
+                               nbhd.merge_attentions(many_outs, many_lses))
+    empty_outs, empty_lses = _parts(2, (0, 3, 2, 4), torch.float32)
+    assert nbhd.merge_attentions(empty_outs, empty_lses).shape == (0, 3, 2, 4)

@@ -448,3 +448,45 @@ nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_
     if (p->device == NBHD_CPU) return nbhd_cpu_forward_jvp_backward(&g, a, e);
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "forward_jvp_backward has no CUDA kernel yet");
 }
+
+// ----------------------------------------------------------------------------
+// merge of partial attentions
+
+nbhd_status nbhd_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e) {
+    if (!p) return nbhd_fail(NBHD_ERR_ARG, "merge problem is NULL");
+    if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
+    if (!e) e = &default_exec;
+    nbhd_status st = check_exec(e);
+    if (st != NBHD_OK) return st;
+    if (p->parts < 1 || p->parts > NBHD_MERGE_MAX_PARTS)
+        return nbhd_fail(NBHD_ERR_ARG, "parts=%d is invalid (need 1 <= parts <= %d)", p->parts,
+                         NBHD_MERGE_MAX_PARTS);
+    if (p->batch < 0 || p->tokens < 0 || p->batch > NBHD_MAX_COUNT || p->tokens > NBHD_MAX_COUNT)
+        return nbhd_fail(NBHD_ERR_ARG, "batch=%lld, tokens=%lld are invalid (need 0 <= each < 2^56)",
+                         (long long)p->batch, (long long)p->tokens);
+    if (p->heads < 1 || p->head_dim_v < 1)
+        return nbhd_fail(NBHD_ERR_ARG, "heads=%d, head_dim_v=%d are invalid (need >= 1)", p->heads,
+                         p->head_dim_v);
+    if ((unsigned)p->dtype > NBHD_BF16)
+        return nbhd_fail(NBHD_ERR_ARG, "dtype=%d is invalid (need NBHD_F64..NBHD_BF16)", (int)p->dtype);
+    if ((unsigned)p->device > NBHD_CUDA)
+        return nbhd_fail(NBHD_ERR_ARG, "device=%d is invalid (need NBHD_CPU or NBHD_CUDA)", (int)p->device);
+    if (count_product(p->batch, p->tokens, p->heads, p->head_dim_v) > NBHD_MAX_COUNT)
+        return nbhd_fail(NBHD_ERR_ARG, "batch x tokens x heads x head_dim_v exceeds 2^56 elements");
+    if (p->batch == 0 || p->tokens == 0) return NBHD_OK;
+    char name[32];
+    for (int i = 0; i < p->parts; ++i) {
+        snprintf(name, sizeof name, "outs[%d]", i);
+        NEED(a->outs[i], name);
+        snprintf(name, sizeof name, "lses[%d]", i);
+        NEED(a->lses[i], name);
+    }
+    NEED(a->out, "out");
+    NEED(a->lse, "lse");
+    if (p->device == NBHD_CPU) return nbhd_cpu_merge(p, a, e);
+#ifdef NBHD_WITH_CUDA
+    return nbhd_cuda_merge(p, a, e);
+#else
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "this build of nbhd has no CUDA kernels (nvcc was not found when it was built)");
+#endif
+}

@@ -44,6 +44,7 @@ nbhd_status nbhd_cpu_forward_jvp_backward(const nbhd_geometry *g,
                                           const nbhd_forward_jvp_backward_args *a,
                                           const nbhd_exec *e);
 size_t nbhd_cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
+nbhd_status nbhd_cpu_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);
 /* Tile configurations of the device's tiled kernels for g (rank = the problem's rank): fills
  * up to max entries of out and returns the count, the default first (nbhd_tile_configs). */
 int32_t nbhd_cpu_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
@@ -57,6 +58,7 @@ nbhd_status nbhd_cuda_backward(const nbhd_geometry *g, const nbhd_backward_args 
 nbhd_status nbhd_cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                   const nbhd_exec *e);
 size_t nbhd_cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e);
+nbhd_status nbhd_cuda_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);
 int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
                                nbhd_tile_config *out, int32_t max);
 #endif

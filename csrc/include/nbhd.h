@@ -146,6 +146,25 @@ typedef struct {
     nbhd_tensor d_t_q, d_t_k, d_t_v, d_t_kx, d_t_vx;         /* written when data != NULL */
 } nbhd_forward_jvp_backward_args;
 
+/* Merge (DESIGN.md §4): n partial attentions of the same queries, as if their keys had been
+ * concatenated: LSE = log sum_a exp(LSE_a), O = sum_a exp(LSE_a - LSE) O_a. A row whose parts
+ * all have LSE = -inf gets O = 0 and LSE = -inf. Rows are [B, T, H] (T tokens in any layout the
+ * strides describe); every part, and the result, may have its own strides. */
+#define NBHD_MERGE_MAX_PARTS 32
+typedef struct {
+    int32_t parts;                    /* 1 <= parts <= NBHD_MERGE_MAX_PARTS */
+    int64_t batch, tokens;            /* >= 0 */
+    int32_t heads, head_dim_v;        /* >= 1 */
+    nbhd_dtype dtype;                 /* of the outputs; LSE is float32 (float64 for NBHD_F64) */
+    nbhd_device device;
+} nbhd_merge_problem;
+
+typedef struct {
+    nbhd_tensor outs[NBHD_MERGE_MAX_PARTS];  /* read: [B, T, -, -, H, Dv] (stride[1] steps tokens) */
+    nbhd_tensor lses[NBHD_MERGE_MAX_PARTS];  /* read: [B, T, -, -, H] */
+    nbhd_tensor out, lse;                    /* written */
+} nbhd_merge_args;
+
 NBHD_API const char *nbhd_version(void);
 NBHD_API const char *nbhd_status_string(nbhd_status status);
 /* The message of the last failed call on this thread: names the field, the value and the rule. */
@@ -174,6 +193,10 @@ NBHD_API nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_
 NBHD_API nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p,
                                                const nbhd_forward_jvp_backward_args *a,
                                                const nbhd_exec *e);
+
+/* Merge partial attentions (nbhd_merge_problem). Deterministic; no workspace. */
+NBHD_API nbhd_status nbhd_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a,
+                                const nbhd_exec *e);
 
 #ifdef __cplusplus
 }

@@ -377,11 +377,57 @@ static void tile_rules(void) {
            "a negative tile is refused naming it (backward)");
 }
 
+/* nbhd_merge: every rule refused with NBHD_ERR_ARG naming its field; NULL tensors named */
+static void merge_rules(void) {
+    float outs[2][4] = {{1, 2, 3, 4}, {5, 6, 7, 8}}, lses[2][2] = {{0, 0}, {0, -INFINITY}};
+    float out[4], lse[2];
+    nbhd_merge_problem p = {2, 1, 2, 1, 2, NBHD_F32, NBHD_CPU};  /* rows [1, 2, 1], Dv 2 */
+    nbhd_merge_args a;
+    memset(&a, 0, sizeof a);
+    for (int i = 0; i < 2; ++i) {
+        a.outs[i] = (nbhd_tensor){outs[i], {4, 2, 0, 0, 2, 1}};
+        a.lses[i] = (nbhd_tensor){lses[i], {2, 1, 0, 0, 1, 0}};
+    }
+    a.out = (nbhd_tensor){out, {4, 2, 0, 0, 2, 1}};
+    a.lse = (nbhd_tensor){lse, {2, 1, 0, 0, 1, 0}};
+    expect(nbhd_merge(&p, &a, NULL) == NBHD_OK, "a valid merge runs");
+    /* row 0: equal weights; row 1: only part 0 has keys */
+    expect(fabsf(out[0] - 3) < 1e-6f && fabsf(out[1] - 4) < 1e-6f && fabsf(lse[0] - logf(2)) < 1e-6f,
+           "merge of two equal-LSE parts averages them");
+    expect(out[2] == 3 && out[3] == 4 && lse[1] == 0, "a part with LSE -inf has weight 0");
+    struct { const char *field; nbhd_merge_problem bad; } cases[] = {
+        {"parts", {0, 1, 2, 1, 2, NBHD_F32, NBHD_CPU}},
+        {"parts", {NBHD_MERGE_MAX_PARTS + 1, 1, 2, 1, 2, NBHD_F32, NBHD_CPU}},
+        {"batch", {2, -1, 2, 1, 2, NBHD_F32, NBHD_CPU}},
+        {"heads", {2, 1, 2, 0, 2, NBHD_F32, NBHD_CPU}},
+        {"head_dim_v", {2, 1, 2, 1, 0, NBHD_F32, NBHD_CPU}},
+        {"dtype", {2, 1, 2, 1, 2, (nbhd_dtype)7, NBHD_CPU}},
+        {"device", {2, 1, 2, 1, 2, NBHD_F32, (nbhd_device)9}},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        char what[96];
+        snprintf(what, sizeof what, "merge refuses a bad %s", cases[i].field);
+        expect(nbhd_merge(&cases[i].bad, &a, NULL) == NBHD_ERR_ARG &&
+               strstr(nbhd_last_error(), cases[i].field), what);
+    }
+    nbhd_merge_args missing = a;
+    missing.lses[1].data = NULL;
+    expect(nbhd_merge(&p, &missing, NULL) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "lses[1]"),
+           "merge names a NULL part");
+    expect(nbhd_merge(NULL, &a, NULL) == NBHD_ERR_ARG && nbhd_merge(&p, NULL, NULL) == NBHD_ERR_ARG,
+           "merge refuses NULL problem and args");
+    nbhd_merge_problem cuda = p;
+    cuda.device = NBHD_CUDA;
+    if (!nbhd_has_cuda())
+        expect(nbhd_merge(&cuda, &a, NULL) == NBHD_ERR_UNSUPPORTED, "CPU-only build refuses a CUDA merge");
+}
+
 int main(void) {
     descriptor_rules();
     tensor_rules();
     strings();
     tile_rules();
+    merge_rules();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
 }
