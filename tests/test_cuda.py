@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nbhd
-from nbhd import _lib, ops
+from nbhd import _lib, configs, ops
 from nbhd.reference import na_reference
 
 pytestmark = pytest.mark.skipif(
@@ -95,7 +95,7 @@ def build(case, dtype, seed):
 
 def reference(inputs, geo, rank):
     q, k, v, kx, vx = [t.double() for t in inputs]
-    ks, st, dil, causal, scale = geo
+    ks, st, dil, causal, scale = geo[:5]
     if rank == 0:  # dense over the extra keys: the reference sees them as additional keys only
         return na_reference(q, None, None, [], [], [], [], scale, kx, vx)
     return na_reference(q, k, v, ks, st, dil, causal, scale,
@@ -186,6 +186,59 @@ def test_forward_jvp(case, dtype, absent, use_reference):
     check("lse", lse, ref_lse, dtype, case)
     check("t_out", tout, ref_tout, dtype, case)
     check("t_lse", tlse, ref_tlse, dtype, case)
+
+
+# ----------------------------------------------------------------------------
+# tile configurations: every one nbhd_tile_configs lists (csrc/cuda/tiles.cu) gives the right
+# result, and a tile it does not list is refused
+
+TILE_CASES = [
+    (1, (150,), (9,), (1,), (1,), (False,), 1, 2, 2, 64, 64, 0, "contig"),
+    (2, (13, 11), (5, 3), (2, 1), (1, 2), (False, True), 1, 2, 1, 32, 32, 3, "contig"),
+    (3, (6, 7, 9), (3, 3, 5), (1, 2, 1), (2, 1, 1), (False, False, True), 1, 2, 2, 128, 128, 0,
+     "contig"),
+]
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=ids)
+def test_tile_configs(case):
+    rank, dtype = case[0], torch.bfloat16
+    inputs, geo = build(case, dtype, 5)
+    ks, st, dil, causal = geo[:4]
+    q, k, v = inputs[:3]
+    fwd = configs.get_configs_for_cuda_fna(q, k, v, ks, st, dil, causal)
+    bwd = configs.get_bwd_configs_for_cuda_fna(q, k, v, ks, st, dil, causal)
+    assert fwd and bwd, "the tensor-core kernels list no configuration"
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    ref_in = [t.double().requires_grad_() for t in inputs]
+    ref_out, ref_lse = reference(ref_in, geo, rank)
+    d_out = torch.randn(ref_out.shape, generator=gen, device="cuda", dtype=torch.float64)
+    wrt = [t for t in ref_in if t.numel()]
+    ref_grads = torch.autograd.grad((ref_out * d_out).sum(), wrt)
+    tangents = [torch.randn(t.shape, generator=gen, device="cuda", dtype=dtype) for t in inputs]
+    (_, _), (ref_tout, _) = torch.func.jvp(
+        lambda *a: reference(a, geo, rank), tuple(t.double() for t in inputs),
+        tuple(t.double() for t in tangents))
+    for i in range(max(len(fwd), len(bwd))):
+        (qt, kt), (bqt, bkt) = fwd[min(i, len(fwd) - 1)], bwd[min(i, len(bwd) - 1)]
+        tiled = (*geo[:5], [*qt, *kt, *bqt, *bkt])
+        poison()
+        out, lse = ops.na_forward(*inputs, *tiled)
+        torch.cuda.synchronize()
+        check(f"out {qt}x{kt}", out, ref_out, dtype, case)
+        check(f"lse {qt}x{kt}", lse, ref_lse, dtype, case)
+        poison()
+        grads = ops.na_backward(*inputs, out, lse, d_out.to(dtype), None, *tiled)
+        got = [g for g, t in zip(grads, inputs) if t.numel()]
+        for name, g, r in zip(["dq", "dk", "dv", "dkx", "dvx"], got, ref_grads):
+            check(f"{name} {bqt}x{bkt}", g, r, dtype, case)
+        poison()
+        _, _, tout, _ = ops.na_forward_jvp(*inputs, *tangents, *tiled)
+        check(f"t_out {qt}x{kt}", tout, ref_tout, dtype, case)
+    listed = {tuple(c[0]) for c in fwd}
+    bad = next(t for t in range(3, 40) if (t,) * rank not in listed)
+    with pytest.raises(Exception, match="q_tile"):
+        ops.na_forward(*inputs, *geo[:5], [bad] * rank + [0] * (3 * rank))
 
 
 # ----------------------------------------------------------------------------

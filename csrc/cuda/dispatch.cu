@@ -9,9 +9,26 @@
  *                query-stationary, dK/dV key-stationary. (exec.kv_parallel is not used yet.)
  *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu) under the forward's conditions plus aligned
  *                tangents (absent ones skipped); else the simple kernel
- * exec.use_reference forces the simple kernels.
+ * exec.use_reference forces the simple kernels. Tiles in exec (q_tile/kv_tile, already checked
+ * against tiles.cu's list by the entry points) are honoured by the mma kernels, whose only
+ * configuration is the listed one; a problem that would fall back to a simple kernel (a layout
+ * the mma kernels do not take) refuses them.
  */
 #include "cuda_common.cuh"
+
+static bool tiles_requested(const nbhd_exec *e) {
+    for (int a = 0; a < NBHD_MAX_RANK; ++a)
+        if (e->q_tile[a] || e->kv_tile[a]) return true;
+    return false;
+}
+
+static nbhd_status refuse_tiles(const char *op) {
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED,
+                     "exec.q_tile/exec.kv_tile: the CUDA %s of this problem runs on the untiled "
+                     "simple kernel (tensor-core kernels need f16/bf16, D = Dv in {32, 64, 128}, "
+                     "16-byte aligned rows with unit element stride); leave the tiles at 0",
+                     op);
+}
 
 size_t nbhd_cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
     (void)e;
@@ -26,6 +43,7 @@ nbhd_status nbhd_cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a
     cudaStream_t stream = (cudaStream_t)e->stream;
     const bool use_mma = !e->use_reference && nbhd_cuda_mma_forward_supported(g, a);
     if (use_mma) return nbhd_cuda_mma_forward(g, a, e, stream);
+    if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward");
     return nbhd_cuda_simple_forward(g, a, stream);
 }
 
@@ -34,6 +52,7 @@ nbhd_status nbhd_cuda_backward(const nbhd_geometry *g, const nbhd_backward_args 
     cudaStream_t stream = (cudaStream_t)e->stream;
     const bool use_mma = !e->use_reference && nbhd_cuda_mma_backward_supported(g, a);
     if (use_mma) return nbhd_cuda_mma_backward(g, a, e->workspace, stream);
+    if (!e->use_reference && tiles_requested(e)) return refuse_tiles("backward");
     return nbhd_cuda_simple_backward(g, a, e->workspace, stream);
 }
 
@@ -42,5 +61,6 @@ nbhd_status nbhd_cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp
     cudaStream_t stream = (cudaStream_t)e->stream;
     const bool use_mma = !e->use_reference && nbhd_cuda_mma_forward_jvp_supported(g, a);
     if (use_mma) return nbhd_cuda_mma_forward_jvp(g, a, stream);
+    if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward+JVP");
     return nbhd_cuda_simple_forward_jvp(g, a, stream);
 }

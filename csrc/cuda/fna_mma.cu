@@ -4,17 +4,19 @@
  *
  * Tiles. A CTA of 4 warps owns a multi-dimensional patch of 64 queries of one (batch, head),
  * taken in one dilation group per axis (so every window of the patch lies in that group):
- *   1-D 64, 2-D 8x8 (warps 4x4 each), 3-D 4x4x4 (warps 2x2x4 each).
- * Its keys are the exact union of the patch's windows: per axis the in-group range
- * [start(first query), end(last query)) (start and end never decrease along an axis), walked
- * row-major (or, env NBHD_MMA_REGION_WALK=1, region by region: mma_util.cuh's union walk) in
- * tiles of 64 keys (32 for windows under 512 keys), then the extra keys. K and V tiles are
- * double-buffered in XOR-swizzled shared memory by cp.async (zero-filled past the end); Q stays
- * in registers. Each warp first asks (one ballot) whether the tile holds any key of its own
- * union and skips the tile's MMAs if not, then masks element-wise by each row's window.
+ *   1-D 64, 2-D 8x8 (warps 4x4 each), 3-D 4x4x4 (warps 2x2x4 each)   (mma_util.cuh patch_*)
+ * The patch shape is a template argument (RANK), so row and key coordinates need no run-time
+ * division but two multiply-highs per key (key_box). Its keys are the exact union of the
+ * patch's windows: per axis the in-group range [start(first query), end(last query)), walked
+ * row-major in tiles of 64 keys (32 for windows under 512 keys), then the extra keys. K and V
+ * tiles are double-buffered in XOR-swizzled shared memory by cp.async (zero-filled past the
+ * end), addressed per CTA base + 32-bit in-group steps; Q stays in registers. Each warp first
+ * asks (one ballot) whether the tile holds any key of its own union and skips the tile if not;
+ * a tile inside every row's window takes the mask-free path, any other is masked per element.
  *
- *   S = (scale*log2 e) Q K^T     (ldmatrix K, mma)          16 x 64 per warp
- *   online softmax in base 2: m, l per row (quad shuffles), O *= 2^(m_old - m)
+ *   S = (scale*log2 e) Q K^T     (ldmatrix K, mma)          16 x BN per warp
+ *   online softmax in base 2: m, l per row (quad shuffles); O *= 2^(m_old - m) only when a
+ *   row max of the warp moved
  *   O += P V                      (P from the S registers, ldmatrix.trans V, mma)
  *   O /= l,  LSE = (m + log2 l) ln 2
  */
@@ -28,56 +30,60 @@
 // the kernel
 
 template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windows */,
-          int MINB /* CTAs per SM the registers are budgeted for */,
-          int NS /* K/V stages: 2 (load t+1, two barriers a tile) or 3 (load t+2, one barrier) */>
+          int RANK /* patch shape: 1, 2 or 3 (mma_rank_of) */,
+          int MINB /* CTAs per SM the registers are budgeted for */>
 __global__ void __launch_bounds__(MMA_THREADS, MINB)
 fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T *Qs = (T *)smem_raw;                 /* [BM][HD] */
-    T *Ks = Qs + BM * HD;                  /* [NS][BN][HD] */
-    T *Vs = Ks + NS * BN * HD;             /* [NS][BN][HD] */
-    int *kc = (int *)(Vs + NS * BN * HD);  /* [NS][3][BN] in-group key coordinates */
-    uwalk *uw = (uwalk *)(kc + 3 * NS * BN);  /* the order of the window keys */
+    T *Qs = (T *)smem_raw;                          /* [BM][HD]; O staged here at the end */
+    T *Ks = Qs + BM * HD;                           /* [2][BN][HD] */
+    T *Vs = Ks + 2 * BN * HD;                       /* [2][BN][HD] */
+    int *kc = (int *)(Vs + 2 * BN * HD);            /* [2][RANK][BN] in-group key coordinates */
 
+    constexpr int WT[3] = {patch_wt(RANK, 0), patch_wt(RANK, 1), patch_wt(RANK, 2)};
+    constexpr int WC1 = patch_wc(RANK, 1), WC2 = patch_wc(RANK, 2);
+    const int ct[3] = {patch_ct(RANK, 0), patch_ct(RANK, 1), patch_ct(RANK, 2)};
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
-    // CTA -> (b, hk, patch, head in group); heads of one kv head are adjacent (L2 reuse)
-    int64_t idx = blockIdx.x;
-    const int hg = (int)(idx % g.group);
-    idx /= g.group;
-    const int64_t patch = idx % P.patches;
-    idx /= P.patches;
-    const int hk = (int)(idx % g.kv_heads);
-    const int64_t b = idx / g.kv_heads;
-    const int h = hk * g.group + hg;
+    // CTA -> (b, head, patch), in 32 bits (the grid has < 2^31 CTAs); neighbouring CTAs take
+    // neighbouring patches of one head (their key boxes overlap in L2)
+    uint32_t idx = blockIdx.x;
+    const uint32_t patches = (uint32_t)P.patches, heads = (uint32_t)g.heads;
+    uint32_t patch = idx % patches;
+    idx /= patches;
+    const int h = (int)(idx % heads);
+    const int64_t b = idx / heads;
+    const int64_t hk = g.group == 1 ? h : h / g.group;
 
-    // per axis: dilation group, first in-group query of the patch, group length, key range
-    int64_t grp[3], i0[3], Lg[3];
-    {
-        int64_t rest = patch;
-        int64_t slot[3];
-        slot[2] = rest % P.slots[2];
-        rest /= P.slots[2];
-        slot[1] = rest % P.slots[1];
-        slot[0] = rest / P.slots[1];
-        for (int ax = 0; ax < 3; ++ax) {
-            const int64_t d = g.axis[ax].dilation;
-            grp[ax] = slot[ax] % d;
-            i0[ax] = (slot[ax] / d) * P.ct[ax];
-            Lg[ax] = nbhd_group_len(&g.axis[ax], grp[ax]);
-            if (i0[ax] >= Lg[ax]) return;  /* an empty slot (uniform over the CTA) */
-        }
+    // per axis: dilation group, first in-group query of the patch, group length
+    int64_t grp[3] = {0, 0, 0};
+    int i0[3] = {0, 0, 0}, Lg[3] = {1, 1, 1};
+#pragma unroll
+    for (int ax = RANK - 1; ax >= 0; --ax) {
+        const uint32_t ns = (uint32_t)P.slots[ax], slot = patch % ns;
+        patch /= ns;
+        const int d = g.axis[ax].dilation;
+        grp[ax] = d == 1 ? 0 : (int)(slot % (uint32_t)d);
+        i0[ax] = (d == 1 ? (int)slot : (int)(slot / (uint32_t)d)) * ct[ax];
+        Lg[ax] = d == 1 ? (int)g.axis[ax].extent : ((int)g.axis[ax].extent - (int)grp[ax] + d - 1) / d;
+        if (i0[ax] >= Lg[ax]) return;  /* an empty slot (uniform over the CTA) */
     }
-    if (w == 0) uwalk_build(uw, g, P, i0, Lg, lane);
+    const key_box kb = key_box_of(g, i0, ct, Lg);
+    const int nk = kb.total;
+    const int64_t nx = g.extra_kv;
+    const int win_tiles = (nk + BN - 1) / BN;
+    const int tiles = win_tiles + (int)((nx + BN - 1) / BN);
+    const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, b, grp, hk);
+    const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, b, grp, hk);
 
     // query row qr = w*16 + r of the CTA -> in-group coordinates; valid if inside every axis
-    auto row_coords = [&](int qr, int64_t iq[3]) -> bool {
+    auto row_coords = [&](int qr, int iq[3]) -> bool {
         const int ww = qr >> 4, r = qr & 15;
-        const int w2 = ww % P.wc[2], w1 = (ww / P.wc[2]) % P.wc[1], w0 = ww / (P.wc[1] * P.wc[2]);
-        const int r2 = r % P.wt[2], r1 = (r / P.wt[2]) % P.wt[1], r0 = r / (P.wt[1] * P.wt[2]);
-        iq[0] = i0[0] + w0 * P.wt[0] + r0;
-        iq[1] = i0[1] + w1 * P.wt[1] + r1;
-        iq[2] = i0[2] + w2 * P.wt[2] + r2;
+        const int w2 = ww % WC2, w1 = (ww / WC2) % WC1, w0 = ww / (WC1 * WC2);
+        const int r2 = r % WT[2], r1 = (r / WT[2]) % WT[1], r0 = r / (WT[1] * WT[2]);
+        iq[0] = i0[0] + w0 * WT[0] + r0;
+        iq[1] = i0[1] + w1 * WT[1] + r1;
+        iq[2] = i0[2] + w2 * WT[2] + r2;
         return iq[0] < Lg[0] && iq[1] < Lg[1] && iq[2] < Lg[2];
     };
 
@@ -86,146 +92,118 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         constexpr int CH = HD / 8;
         constexpr int TPR = MMA_THREADS / BM, CPT = CH / TPR;  /* threads per row, chunks each */
         const int row = tid / TPR;
+        int iq[3];
+        const bool ok = row_coords(row, iq);
+        const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, b, grp, h);
+        const T *src = ok ? qp.at(iq[0], iq[1], iq[2]) : qp.base;
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
             const int ch = (tid % TPR) * CPT + cc;
-            int64_t iq[3];
-            const bool ok = row_coords(row, iq);
-            const T *src = (const T *)a.q.data;
-            if (ok)
-                src += offset_of(a.q, b, grp[0] + iq[0] * g.axis[0].dilation,
-                                 grp[1] + iq[1] * g.axis[1].dilation,
-                                 grp[2] + iq[2] * g.axis[2].dilation, h) + ch * 8;
-            cp_async16(smem_u32(Qs + swz<HD>(row, ch * 8)), src, ok);
+            cp_async16(smem_u32(Qs + swz<HD>(row, ch * 8)), src + ch * 8, ok);
         }
     }
 
-    __syncthreads();  /* the walk is built */
-    const int nk = uw->total;
-    const int64_t nx = g.extra_kv;
-    const int win_tiles = (nk + BN - 1) / BN;
-    const int tiles = win_tiles + (int)((nx + BN - 1) / BN);
-
-    // K, V (and key coordinates) of tile t into stage s
+    // K, V (and key coordinates) of tile t into stage s: one key per TPR threads
     auto load_tile = [&](int t, int s) {
         constexpr int CH = HD / 8;
-        T *Kd = Ks + s * BN * HD, *Vd = Vs + s * BN * HD;
-        int *kcd = kc + s * 3 * BN;
-        const bool win = t < win_tiles;
-        // MMA_THREADS / BN threads per row, each a run of chunks: one coordinate computation
         constexpr int TPR = MMA_THREADS / BN, CPT = CH / TPR;
+        T *Kd = Ks + s * BN * HD, *Vd = Vs + s * BN * HD;
+        int *kcd = kc + s * RANK * BN;
         const int kr = tid / TPR;
+        const T *ksrc, *vsrc;
+        bool ok;
         int j[3] = {0, 0, 0};
-        const int nwalk = t * BN + kr;
-        if (win && nwalk < nk) uwalk_key(uw, nwalk, j);
+        if (t < win_tiles) {
+            const int n = t * BN + kr;
+            ok = n < nk;
+            if (ok) key_box_at<RANK>(kb, n, j);
+            ksrc = kp.at(j[0], j[1], j[2]);
+            vsrc = vp.at(j[0], j[1], j[2]);
+        } else {
+            const int64_t e = (int64_t)(t - win_tiles) * BN + kr;
+            ok = e < nx;
+            const int64_t ee = ok ? e : 0;
+            ksrc = (const T *)a.kx.data + b * a.kx.stride[0] + ee * a.kx.stride[1] + hk * a.kx.stride[4];
+            vsrc = (const T *)a.vx.data + b * a.vx.stride[0] + ee * a.vx.stride[1] + hk * a.vx.stride[4];
+        }
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
             const int ch = (tid % TPR) * CPT + cc;
-            const T *ksrc = (const T *)(win ? a.k.data : a.kx.data);
-            const T *vsrc = (const T *)(win ? a.v.data : a.vx.data);
-            bool ok;
-            if (win) {
-                ok = nwalk < nk;
-                if (ok) {
-                    const int64_t y0 = grp[0] + j[0] * g.axis[0].dilation,
-                                  y1 = grp[1] + j[1] * g.axis[1].dilation,
-                                  y2 = grp[2] + j[2] * g.axis[2].dilation;
-                    ksrc += offset_of(a.k, b, y0, y1, y2, hk) + ch * 8;
-                    vsrc += offset_of(a.v, b, y0, y1, y2, hk) + ch * 8;
-                }
-            } else {
-                const int64_t e = (int64_t)(t - win_tiles) * BN + kr;
-                ok = e < nx;
-                if (ok) {
-                    ksrc += b * a.kx.stride[0] + e * a.kx.stride[1] + hk * a.kx.stride[4] + ch * 8;
-                    vsrc += b * a.vx.stride[0] + e * a.vx.stride[1] + hk * a.vx.stride[4] + ch * 8;
-                }
-            }
-            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ksrc, ok);
-            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vsrc, ok);
-            if (ch == 0) {
-                kcd[kr] = ok ? j[0] : KEY_NONE;
-                kcd[BN + kr] = j[1];
-                kcd[2 * BN + kr] = j[2];
-            }
+            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ksrc + ch * 8, ok);
+            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vsrc + ch * 8, ok);
+        }
+        if (tid % TPR == 0) {
+            kcd[kr] = ok ? j[0] : KEY_NONE;
+#pragma unroll
+            for (int ax = 1; ax < RANK; ++ax) kcd[ax * BN + kr] = j[ax];
         }
     };
 
     // this thread's two rows (r, r+8 of the warp): validity and in-group windows per axis;
     // invalid rows get empty windows
     const int rq = lane >> 2, cq = lane & 3;
-    int wst[2][3], wen[2][3];
+    int wst[2][RANK], wen[2][RANK];
     bool rvalid[2];
-    int64_t rfull[2][3];
+#pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
-        int64_t iq[3];
+        int iq[3];
         rvalid[hrow] = row_coords(w * 16 + rq + 8 * hrow, iq);
-        for (int ax = 0; ax < 3; ++ax) {
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
             int64_t st = 0, en = 0;
             if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], Lg[ax], &st, &en);
             wst[hrow][ax] = (int)st;
             wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
-            rfull[hrow][ax] = grp[ax] + iq[ax] * g.axis[ax].dilation;
         }
     }
-    // the warp's own key union (for skipping tiles): min start, max end over its valid rows
-    int ulo[3], uhi[3];
-    for (int ax = 0; ax < 3; ++ax) {
-        int l0 = 1 << 30, h0 = -(1 << 30);
-        for (int hrow = 0; hrow < 2; ++hrow)
-            if (rvalid[hrow]) {
-                l0 = min(l0, wst[hrow][ax]);
-                h0 = max(h0, wen[hrow][ax]);
-            }
-        for (int o = 16; o > 0; o >>= 1) {
-            l0 = min(l0, __shfl_xor_sync(0xffffffffu, l0, o));
-            h0 = max(h0, __shfl_xor_sync(0xffffffffu, h0, o));
+    // The warp's rows are a box: per axis its first and last valid coordinates f, l. Their
+    // key union (for skipping tiles) is [start(f), end(l)); the intersection of their windows
+    // (a tile inside it needs no mask) is [start(l), end(f)) when every row is valid
+    // (starts and ends never decrease along an axis).
+    int ulo[RANK], uhi[RANK], ilo[RANK], ihi[RANK];
+    bool warp_has_rows = true, all_rows = true;
+    {
+        int wq[3];
+        row_coords(w * 16, wq);  /* the warp's first row */
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
+            warp_has_rows &= wq[ax] < Lg[ax];
+            all_rows &= wq[ax] + WT[ax] <= Lg[ax];
         }
-        ulo[ax] = l0;
-        uhi[ax] = h0;
-    }
-    // the intersection of the warp's windows: a tile inside it needs no mask (interior tiles
-    // of large or strided windows); only when all 16 rows are valid
-    int ilo[3], ihi[3];
-    const bool all_rows = __all_sync(0xffffffffu, rvalid[0] && rvalid[1]);
-    for (int ax = 0; ax < 3; ++ax) {
-        int l0 = max(wst[0][ax], wst[1][ax]), h0 = min(wen[0][ax], wen[1][ax]);
-        for (int o = 16; o > 0; o >>= 1) {
-            l0 = max(l0, __shfl_xor_sync(0xffffffffu, l0, o));
-            h0 = min(h0, __shfl_xor_sync(0xffffffffu, h0, o));
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
+            const int f = min(wq[ax], Lg[ax] - 1), l = min(wq[ax] + WT[ax], Lg[ax]) - 1;
+            int64_t sf, ef, sl, el;
+            window32(&g.axis[ax], f, Lg[ax], &sf, &ef);
+            window32(&g.axis[ax], l, Lg[ax], &sl, &el);
+            ulo[ax] = warp_has_rows ? (int)sf : 1 << 30;
+            uhi[ax] = warp_has_rows ? (int)el : -(1 << 30);
+            ilo[ax] = all_rows ? (int)sl : 1 << 30;
+            ihi[ax] = all_rows ? (int)ef : -(1 << 30);
         }
-        ilo[ax] = all_rows ? l0 : 1 << 30;
-        ihi[ax] = all_rows ? h0 : -(1 << 30);
     }
+
+    // output: 16-byte row chunks staged through shared memory when out rows allow it
+    const bool out_vec = ((uintptr_t)a.out.data & 15) == 0 && a.out.stride[0] % 8 == 0 &&
+                         a.out.stride[1] % 8 == 0 && a.out.stride[2] % 8 == 0 &&
+                         a.out.stride[3] % 8 == 0 && a.out.stride[4] % 8 == 0;
 
     float o[HD / 8][4];
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     uint32_t qf[HD / 16][4];
+    const float sl2 = P.scale_log2;
 
     if (tiles > 0) load_tile(0, 0);
     cp_async_commit();
-    if (NS == 3) {
-        if (tiles > 1) load_tile(1, 1);
-        cp_async_commit();
-    }
 
     for (int t = 0; t < tiles; ++t) {
-        const int s = NS == 3 ? t % 3 : t & 1;
-        if (NS == 3) {
-            /* groups 0 .. t+1 committed: wait for tile t; the barrier also frees the stage of
-             * tile t-1, which tile t+2 takes */
-            cp_async_wait<1>();
-            __syncthreads();
-            if (t + 2 < tiles) load_tile(t + 2, (t + 2) % 3);
-            cp_async_commit();
-        } else {
-            if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-            __syncthreads();
-        }
+        const int s = t & 1;
+        if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
         if (t == 0) {
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
@@ -235,24 +213,29 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
             }
         }
         const T *Kt = Ks + s * BN * HD, *Vt = Vs + s * BN * HD;
-        const int *kct = kc + s * 3 * BN;
+        const int *kct = kc + s * RANK * BN;
         const bool win = t < win_tiles;
 
-        // does the tile hold a key of this warp's union?
+        // does the tile hold a key of this warp's union; is it inside every row's window?
         bool any, full;
         if (win) {
             bool mine = false, inside = true;
+#pragma unroll
             for (int kr = lane; kr < BN; kr += 32) {
-                const int j0 = kct[kr], j1 = kct[BN + kr], j2 = kct[2 * BN + kr];
-                mine |= j0 >= ulo[0] && j0 < uhi[0] && j1 >= ulo[1] && j1 < uhi[1] &&
-                        j2 >= ulo[2] && j2 < uhi[2];
-                inside &= j0 >= ilo[0] && j0 < ihi[0] && j1 >= ilo[1] && j1 < ihi[1] &&
-                          j2 >= ilo[2] && j2 < ihi[2];
+                bool in_u = true, in_i = true;
+#pragma unroll
+                for (int ax = 0; ax < RANK; ++ax) {
+                    const int j = kct[ax * BN + kr];
+                    in_u = in_u && j >= ulo[ax] && j < uhi[ax];
+                    in_i = in_i && j >= ilo[ax] && j < ihi[ax];
+                }
+                mine |= in_u;
+                inside &= in_i;
             }
             any = __any_sync(0xffffffffu, mine);
             full = __all_sync(0xffffffffu, inside);
         } else {
-            any = ulo[0] < uhi[0];  /* the warp has a valid row */
+            any = warp_has_rows;
             full = false;
         }
 
@@ -260,7 +243,7 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
             // S = Q K^T
             float sc[BN / 8][4];
 #pragma unroll
-            for (int i = 0; i < BN / 8; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+            for (int k = 0; k < BN / 8; ++k) sc[k][0] = sc[k][1] = sc[k][2] = sc[k][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
 #pragma unroll
@@ -281,57 +264,72 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                 for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        sc[nb][e] *= P.scale_log2;
+                        sc[nb][e] *= sl2;
                         mx[e >> 1] = fmaxf(mx[e >> 1], sc[nb][e]);
                     }
             } else {
 #pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb) {
+                for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int kr = nb * 8 + 2 * cq + e;
-                    const int j0 = kct[kr], j1 = kct[BN + kr], j2 = kct[2 * BN + kr];
+                    for (int e = 0; e < 2; ++e) {
+                        const int kr = nb * 8 + 2 * cq + e;
+                        int j[RANK];
 #pragma unroll
-                    for (int hrow = 0; hrow < 2; ++hrow) {
-                        bool ok;
-                        if (win)
-                            ok = j0 >= wst[hrow][0] && j0 < wen[hrow][0] && j1 >= wst[hrow][1] &&
-                                 j1 < wen[hrow][1] && j2 >= wst[hrow][2] && j2 < wen[hrow][2];
-                        else
-                            ok = rvalid[hrow] && j0 != KEY_NONE;
-                        float &x = sc[nb][2 * hrow + e];
-                        x = ok ? x * P.scale_log2 : -INFINITY;
-                        mx[hrow] = fmaxf(mx[hrow], x);
+                        for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
+#pragma unroll
+                        for (int hrow = 0; hrow < 2; ++hrow) {
+                            bool ok;
+                            if (win) {
+                                ok = true;
+#pragma unroll
+                                for (int ax = 0; ax < RANK; ++ax)
+                                    ok = ok && j[ax] >= wst[hrow][ax] && j[ax] < wen[hrow][ax];
+                            } else {
+                                ok = rvalid[hrow] && j[0] != KEY_NONE;
+                            }
+                            float &x = sc[nb][2 * hrow + e];
+                            x = ok ? x * sl2 : -INFINITY;
+                            mx[hrow] = fmaxf(mx[hrow], x);
+                        }
                     }
                 }
             }
-            }
-            float corr[2], mu[2];
+            float mu[2];
+            bool moved = false;
 #pragma unroll
             for (int hrow = 0; hrow < 2; ++hrow) {
                 mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 1));
                 mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 2));
                 const float m_new = fmaxf(m[hrow], mx[hrow]);
                 mu[hrow] = m_new == -INFINITY ? 0.f : m_new;  /* a row with no key yet */
-                corr[hrow] = exp2f(m[hrow] - mu[hrow]);       /* O = O 2^(m_old - m) */
-                m[hrow] = m_new;
-                l[hrow] *= corr[hrow];
+                moved |= m_new != m[hrow];
             }
+            // O = O 2^(m_old - m), skipped while no row max of the warp moves
+            if (__any_sync(0xffffffffu, moved)) {
+                float corr[2];
+#pragma unroll
+                for (int hrow = 0; hrow < 2; ++hrow) {
+                    corr[hrow] = fast_exp2(m[hrow] - mu[hrow]);
+                    l[hrow] *= corr[hrow];
+                }
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; ++nd) {
+                    o[nd][0] *= corr[0];
+                    o[nd][1] *= corr[0];
+                    o[nd][2] *= corr[1];
+                    o[nd][3] *= corr[1];
+                }
+            }
+            m[0] = fmaxf(m[0], mx[0]);
+            m[1] = fmaxf(m[1], mx[1]);
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = exp2f(sc[nb][e] - mu[e >> 1]);
+                    const float p = fast_exp2(sc[nb][e] - mu[e >> 1]);
                     sc[nb][e] = p;
                     l[e >> 1] += p;
                 }
-            }
-#pragma unroll
-            for (int nd = 0; nd < HD / 8; ++nd) {
-                o[nd][0] *= corr[0];
-                o[nd][1] *= corr[0];
-                o[nd][2] *= corr[1];
-                o[nd][3] *= corr[1];
             }
             // O += P V
 #pragma unroll
@@ -353,28 +351,65 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                 }
             }
         }
-        if (NS == 2) __syncthreads();  /* stage s is free for tile t + 2 */
+        __syncthreads();  /* stage s is free for tile t + 2 */
     }
     cp_async_wait<0>();
+    if (tiles == 0) __syncthreads();  /* every thread's Q copies landed before Qs is reused */
 
     // O /= l, LSE = (m + log2 l) ln 2
+    {
+        const group_ptr<T> op = group_ptr_of<T>(a.out, g, b, grp, h);
+        float inv[2];
 #pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        float lt = l[hrow];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        if (!rvalid[hrow]) continue;
-        const float inv = 1.f / lt;
-        const int64_t ooff = offset_of(a.out, b, rfull[hrow][0], rfull[hrow][1], rfull[hrow][2], h);
-        T *out = (T *)a.out.data + ooff;
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; ++nd) {
-            const int col = nd * 8 + 2 * cq;
-            *(uint32_t *)(out + col) = pack2<T>(o[nd][2 * hrow] * inv, o[nd][2 * hrow + 1] * inv);
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            float lt = l[hrow];
+            lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+            lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+            inv[hrow] = 1.f / lt;
+            int iq[3];
+            if (row_coords(w * 16 + rq + 8 * hrow, iq) && cq == 0) {
+                const int64_t x = grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
+                              y = grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
+                              z = grp[2] + (int64_t)iq[2] * g.axis[2].dilation;
+                ((float *)a.lse.data)[offset_of(a.lse, b, x, y, z, h)] =
+                    (m[hrow] + log2f(lt)) * 0.69314718055994531f;
+            }
         }
-        if (cq == 0)
-            ((float *)a.lse.data)[offset_of(a.lse, b, rfull[hrow][0], rfull[hrow][1], rfull[hrow][2], h)] =
-                (m[hrow] + log2f(lt)) * 0.69314718055994531f;
+        if (out_vec) {
+            // the warp's 16 x HD block through its own rows of Qs (its Q is in registers): one
+            // 16-byte store per chunk instead of 4-byte stores per pair
+            T *St = Qs;
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow)
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; ++nd)
+                    *(uint32_t *)(St + swz<HD>(w * 16 + rq + 8 * hrow, nd * 8 + 2 * cq)) =
+                        pack2<T>(o[nd][2 * hrow] * inv[hrow], o[nd][2 * hrow + 1] * inv[hrow]);
+            __syncwarp();
+            constexpr int CH = HD / 8;
+#pragma unroll
+            for (int k = 0; k < 16 * CH / 32; ++k) {
+                const int c = k * 32 + lane, r = c / CH, ch = c % CH;
+                int iq[3];
+                if (row_coords(w * 16 + r, iq)) {
+                    const uint4 v = *(const uint4 *)(St + swz<HD>(w * 16 + r, ch * 8));
+                    *(uint4 *)(op.at(iq[0], iq[1], iq[2]) + ch * 8) = v;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                int iq[3];
+                if (!row_coords(w * 16 + rq + 8 * hrow, iq)) continue;
+                T *out = op.at(iq[0], iq[1], iq[2]);
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; ++nd) {
+                    const int col = nd * 8 + 2 * cq;
+                    *(uint32_t *)(out + col) =
+                        pack2<T>(o[nd][2 * hrow] * inv[hrow], o[nd][2 * hrow + 1] * inv[hrow]);
+                }
+            }
+        }
     }
 }
 
@@ -390,19 +425,19 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
         (!g->has_window || (aligned_rows(a->k, 8, 16) && aligned_rows(a->v, 8, 16))) &&
         (g->extra_kv == 0 || (aligned_rows(a->kx, 8, 16) && aligned_rows(a->vx, 8, 16)));
     const bool out_aligned = aligned_rows(a->out, 2, 4);
-    /* in-group coordinates are kept in int */
-    /* in-group coordinates in int, box positions in 32 bits */
+    /* in-group coordinates in int, box positions in 32 bits, in-group steps in int */
     const bool small_axes = g->tokens < ((int64_t)1 << 31) && g->extra_kv < ((int64_t)1 << 31);
-    return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes;
+    const bool small_steps = steps_fit(a->q, g) && steps_fit(a->out, g) &&
+                             (!g->has_window || (steps_fit(a->k, g) && steps_fit(a->v, g)));
+    return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
-template <typename T, int HD, int BN, int MINB, int NS>
-static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
-    const mma_plan P = mma_plan_of(g);
-    const size_t smem =
-        sizeof(T) * (size_t)(BM * HD + 2 * NS * BN * HD) + sizeof(int) * 3 * NS * BN + sizeof(uwalk);
+template <typename T, int HD, int BN, int RANK, int MINB>
+static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
+                             cudaStream_t st) {
+    const size_t smem = sizeof(T) * (size_t)(BM * HD + 4 * BN * HD) + sizeof(int) * 2 * RANK * BN;
     /* per device and cheap: set on every launch (legal during stream capture) */
-    if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN, MINB, NS>,
+    if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN, RANK, MINB>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
         return nbhd_fail(NBHD_ERR_DEVICE, "mma forward: cannot reserve %zu bytes of shared memory: %s",
@@ -412,28 +447,36 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a,
     if (ctas > 0x7fffffff)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward: %lld CTAs exceed the grid limit",
                          (long long)ctas);
-    fna_mma_forward_kernel<T, HD, BN, MINB, NS><<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
+    fna_mma_forward_kernel<T, HD, BN, RANK, MINB><<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward");
     return NBHD_OK;
 }
 
+template <typename T, int HD, int BN, int MINB>
+static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g);
+    switch (P.rank) {
+    case 1: return launch_bn<T, HD, BN, 1, MINB>(g, a, P, st);
+    case 2: return launch_bn<T, HD, BN, 2, MINB>(g, a, P, st);
+    default: return launch_bn<T, HD, BN, 3, MINB>(g, a, P, st);
+    }
+}
+
 /* Small windows (|window| < 512 keys) take 32-key tiles: finer per-warp tile skipping and
- * less padding of the union; large ones 64-key tiles (more work per barrier). */
+ * less padding of the union; large ones 64-key tiles (more work per barrier). The 32-key
+ * kernels budget registers for 3 CTAs per SM (12 warps: the loop is latency-bound, and on an
+ * H200 3 CTAs beat 2 by 4-8 % at D = 128 despite a few spilled bytes); the 64-key ones for 2.
+ * A/B switches for bench/ab_fwd.py, read per launch: NBHD_MMA_FWD_BN=32|64 forces the key
+ * tile, NBHD_MMA_FWD_OCC=2 budgets the D = 128 32-key kernel for 2 CTAs per SM. */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
     const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
-    const bool small_window = g->has_window && window < 512;
-    /* 64-key tiles keep 2 stages (3 would leave one 112 KiB CTA per SM at D = 128) */
-    if (!small_window) return launch_bn<T, HD, 64, 2, 2>(g, a, st);
-    /* 32-key tiles: 2 stages unless env NBHD_MMA_FWD_STAGES=3; D = 128 budgets registers for
-     * 2 CTAs/SM (234 registers) unless NBHD_MMA_FWD_OCC=3 (168, a few spills). Both env
-     * switches exist for A/B runs on the device (bench/ab_fwd.py); neither was faster on an
-     * H200 (bench/RESULTS_GPU.md). */
-    const char *stg = getenv("NBHD_MMA_FWD_STAGES"), *occ = getenv("NBHD_MMA_FWD_OCC");
-    const bool two = !(stg && stg[0] == '3');
-    if (HD <= 64 || (occ && occ[0] == '3'))
-        return two ? launch_bn<T, HD, 32, 3, 2>(g, a, st) : launch_bn<T, HD, 32, 3, 3>(g, a, st);
-    return two ? launch_bn<T, HD, 32, 2, 2>(g, a, st) : launch_bn<T, HD, 32, 2, 3>(g, a, st);
+    bool small_window = g->has_window && window < 512;
+    const char *bn = getenv("NBHD_MMA_FWD_BN"), *occ = getenv("NBHD_MMA_FWD_OCC");
+    if (bn && bn[0]) small_window = bn[0] == '3';
+    if (!small_window) return launch_rank<T, HD, 64, 2>(g, a, st);
+    if (HD == 128 && occ && occ[0] == '2') return launch_rank<T, HD, 32, 2>(g, a, st);
+    return launch_rank<T, HD, 32, 3>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,

@@ -53,7 +53,6 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
     T *Ks = dOs + BR * HD;          /* [2][BC][HD] */
     T *Vs = Ks + 2 * BC * HD;       /* [2][BC][HD] */
     int *kc = (int *)(Vs + 2 * BC * HD); /* [2][3][BC] */
-    uwalk *uw = (uwalk *)(kc + 6 * BC);  /* the order of the window keys */
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
     int64_t idx = blockIdx.x;
@@ -67,13 +66,14 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
 
     patch_rows pr;
     if (!patch_of(g, P, patch, pr)) return;
-    if (w == 0) uwalk_build(uw, g, P, pr.i0, pr.Lg, lane);
-    __syncthreads();  /* the walk is built */
-    const int nk = uw->total;
+    const key_box kb = key_box_of(g, pr.i0, P.ct, pr.Lg);
+    const int nk = kb.total;
     const int64_t nx = g.extra_kv;
     const int win_tiles = (int)((nk + BC - 1) / BC);
     const int tiles = win_tiles + (int)((nx + BC - 1) / BC);
     const int64_t dil[3] = {g.axis[0].dilation, g.axis[1].dilation, g.axis[2].dilation};
+    const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, b, pr.grp, hk);
+    const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, b, pr.grp, hk);
 
     {   // Q and dO rows
         constexpr int CH = HD / 8;
@@ -104,37 +104,31 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
         constexpr int TPR = BW_THREADS / BC, CPT = CH / TPR;
         const int kr = tid / TPR;
         int j[3] = {0, 0, 0};
-        const int nwalk = t * BC + kr;
-        if (win && nwalk < nk) uwalk_key(uw, nwalk, j);
+        const T *ksrc, *vsrc;
+        bool ok;
+        if (win) {
+            const int n = t * BC + kr;
+            ok = n < nk;
+            if (ok) key_box_at(kb, n, j);
+            ksrc = kp.at(j[0], j[1], j[2]);
+            vsrc = vp.at(j[0], j[1], j[2]);
+        } else {
+            const int64_t e = (int64_t)(t - win_tiles) * BC + kr;
+            ok = e < nx;
+            const int64_t ee = ok ? e : 0;
+            ksrc = (const T *)a.kx.data + b * a.kx.stride[0] + ee * a.kx.stride[1] + hk * a.kx.stride[4];
+            vsrc = (const T *)a.vx.data + b * a.vx.stride[0] + ee * a.vx.stride[1] + hk * a.vx.stride[4];
+        }
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
             const int ch = (tid % TPR) * CPT + cc;
-            const T *ksrc = (const T *)(win ? a.k.data : a.kx.data);
-            const T *vsrc = (const T *)(win ? a.v.data : a.vx.data);
-            bool ok;
-            if (win) {
-                ok = nwalk < nk;
-                if (ok) {
-                    const int64_t y0 = pr.grp[0] + j[0] * dil[0], y1 = pr.grp[1] + j[1] * dil[1],
-                                  y2 = pr.grp[2] + j[2] * dil[2];
-                    ksrc += offset_of(a.k, b, y0, y1, y2, hk) + ch * 8;
-                    vsrc += offset_of(a.v, b, y0, y1, y2, hk) + ch * 8;
-                }
-            } else {
-                const int64_t e = (int64_t)(t - win_tiles) * BC + kr;
-                ok = e < nx;
-                if (ok) {
-                    ksrc += b * a.kx.stride[0] + e * a.kx.stride[1] + hk * a.kx.stride[4] + ch * 8;
-                    vsrc += b * a.vx.stride[0] + e * a.vx.stride[1] + hk * a.vx.stride[4] + ch * 8;
-                }
-            }
-            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ksrc, ok);
-            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vsrc, ok);
-            if (ch == 0) {
-                kcd[kr] = ok ? j[0] : KEY_NONE;
-                kcd[BC + kr] = j[1];
-                kcd[2 * BC + kr] = j[2];
-            }
+            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ksrc + ch * 8, ok);
+            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vsrc + ch * 8, ok);
+        }
+        if (tid % TPR == 0) {
+            kcd[kr] = ok ? j[0] : KEY_NONE;
+            kcd[BC + kr] = j[1];
+            kcd[2 * BC + kr] = j[2];
         }
     };
 
@@ -224,7 +218,7 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
                                                   j2 >= wst[hrow][2] && j2 < wen[hrow][2]
                                             : rvalid[hrow] && j0 != KEY_NONE;
                         // P = exp(S - lse), dS = P (dP - D)
-                        const float p = ok ? exp2f(sc[nb][2 * hrow + e] * P.scale_log2 - lse2[hrow]) : 0.f;
+                        const float p = ok ? fast_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lse2[hrow]) : 0.f;
                         sc[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - Di[hrow]);
                     }
                 }
@@ -329,51 +323,60 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
             cp_async16(smem_u32(Vs + swz<HD>(row, ch * 8)), vs, ok);
         }
     }
+    // column addressing: in-group (EXTRA: full-axis) coordinates of query head hk * group
+    const int64_t cgrp[3] = {EXTRA ? 0 : pr.grp[0], EXTRA ? 0 : pr.grp[1], EXTRA ? 0 : pr.grp[2]};
+    nbhd_tensor dws_t;  /* D_i: [B, X, Y, Z, H] contiguous */
+    dws_t.data = (void *)Dws;
+    dws_t.stride[4] = 1;
+    dws_t.stride[3] = g.heads;
+    dws_t.stride[2] = dws_t.stride[3] * g.axis[2].extent;
+    dws_t.stride[1] = dws_t.stride[2] * g.axis[1].extent;
+    dws_t.stride[0] = dws_t.stride[1] * g.axis[0].extent;
+    dws_t.stride[5] = 0;
+    const int64_t h0 = (int64_t)hk * g.group;
+    const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, b, cgrp, h0, EXTRA);
+    const group_ptr<const T> dop = group_ptr_of<const T>(a.d_out, g, b, cgrp, h0, EXTRA);
+    const group_ptr<const float> lsep = group_ptr_of<const float>(a.lse, g, b, cgrp, h0, EXTRA);
+    const group_ptr<const float> dwp = group_ptr_of<const float>(dws_t, g, b, cgrp, h0, EXTRA);
+    const udiv32 div_c1 = udiv32_of((uint32_t)max(cnt[1], (int64_t)1)),
+                 div_c2 = udiv32_of((uint32_t)max(cnt[2], (int64_t)1));
     auto load_tile = [&](int t, int s) {
         constexpr int CH = HD / 8;
         T *Qd = Qs + s * BC * HD, *dOd = dOs + s * BC * HD;
         int *qcd = qc + s * 3 * BC;
-        const int h = hk * g.group + t / tiles_per_head;
-        const int64_t n0 = (int64_t)(t % tiles_per_head) * BC;
+        const int hh = t / tiles_per_head;  /* query head hk * group + hh */
+        const int n0 = (t - hh * tiles_per_head) * BC;
         // BW_THREADS / BC threads per row, each a run of chunks: one coordinate computation
         constexpr int TPR = BW_THREADS / BC, CPT = CH / TPR;
         const int cr = tid / TPR;
+        const int n = n0 + cr;
+        const bool ok = n < ncol;
+        int j[3] = {0, 0, 0};
+        if (ok) {  /* coordinates in the box (ncol < 2^31 on this path) */
+            const uint32_t q2 = udiv((uint32_t)n, div_c2), q1 = udiv(q2, div_c1);
+            j[2] = (int)(lo[2] + ((uint32_t)n - q2 * (uint32_t)cnt[2]));
+            j[1] = (int)(lo[1] + (q2 - q1 * (uint32_t)cnt[1]));
+            j[0] = (int)(lo[0] + q1);
+        }
+        const T *qs = qp.at(j[0], j[1], j[2]) + (int64_t)hh * a.q.stride[4];
+        const T *ds = dop.at(j[0], j[1], j[2]) + (int64_t)hh * a.d_out.stride[4];
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
             const int ch = (tid % TPR) * CPT + cc;
-            const int64_t n = n0 + cr;
-            const bool ok = n < ncol;
-            int j[3] = {0, 0, 0};
-            const T *qs = (const T *)a.q.data, *ds = (const T *)a.d_out.data;
-            int64_t x = 0, y = 0, z = 0;
+            cp_async16(smem_u32(Qd + swz<HD>(cr, ch * 8)), qs + ch * 8, ok);
+            cp_async16(smem_u32(dOd + swz<HD>(cr, ch * 8)), ds + ch * 8, ok);
+        }
+        if (tid % TPR == 0) {
+            qcd[cr] = ok ? j[0] : KEY_NONE;
+            qcd[BC + cr] = j[1];
+            qcd[2 * BC + cr] = j[2];
+            float lv = 0.f, dv = 0.f;
             if (ok) {
-                // 32-bit division (tokens < 2^31 on this path): coordinates in the box
-                const uint32_t nn = (uint32_t)n, c2 = (uint32_t)cnt[2], c1 = (uint32_t)cnt[1];
-                const uint32_t q2 = nn / c2, q1 = q2 / c1;
-                j[2] = (int)(lo[2] + (nn - q2 * c2));
-                j[1] = (int)(lo[1] + (q2 - q1 * c1));
-                j[0] = (int)(lo[0] + q1);
-                x = pr.grp[0] * !EXTRA + j[0] * dil[0];
-                y = pr.grp[1] * !EXTRA + j[1] * dil[1];
-                z = pr.grp[2] * !EXTRA + j[2] * dil[2];
-                qs += offset_of(a.q, b, x, y, z, h) + ch * 8;
-                ds += offset_of(a.d_out, b, x, y, z, h) + ch * 8;
+                lv = *(lsep.at(j[0], j[1], j[2]) + (int64_t)hh * a.lse.stride[4]) * 1.4426950408889634f;
+                dv = *(dwp.at(j[0], j[1], j[2]) + hh);
             }
-            cp_async16(smem_u32(Qd + swz<HD>(cr, ch * 8)), qs, ok);
-            cp_async16(smem_u32(dOd + swz<HD>(cr, ch * 8)), ds, ok);
-            if (ch == 0) {
-                qcd[cr] = ok ? j[0] : KEY_NONE;
-                qcd[BC + cr] = j[1];
-                qcd[2 * BC + cr] = j[2];
-                float lv = 0.f, dv = 0.f;
-                if (ok) {
-                    lv = ((const float *)a.lse.data)[offset_of(a.lse, b, x, y, z, h)] * 1.4426950408889634f;
-                    const int64_t tok = (x * g.axis[1].extent + y) * g.axis[2].extent + z;
-                    dv = Dws[(b * g.tokens + tok) * g.heads + h];
-                }
-                ql[s * BC + cr] = lv;
-                qd[s * BC + cr] = dv;
-            }
+            ql[s * BC + cr] = lv;
+            qd[s * BC + cr] = dv;
         }
     };
 
@@ -455,7 +458,7 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
                                                     j1 >= ist[hrow][1] && j1 < ien[hrow][1] &&
                                                     j2 >= ist[hrow][2] && j2 < ien[hrow][2];
                         // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)
-                        const float p = ok ? exp2f(sc[nb][2 * hrow + e] * P.scale_log2 - lv) : 0.f;
+                        const float p = ok ? fast_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lv) : 0.f;
                         sc[nb][2 * hrow + e] = p;
                         dp[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - dv_i);
                     }
@@ -490,9 +493,13 @@ int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward
         aligned_rows(a->d_q, 2, 4) &&
         (!g->has_window || (aligned_rows(a->d_k, 2, 4) && aligned_rows(a->d_v, 2, 4))) &&
         (g->extra_kv == 0 || (aligned_rows(a->d_kx, 2, 4) && aligned_rows(a->d_vx, 2, 4)));
-    /* in-group coordinates in int, box positions in 32 bits */
-    const bool small_axes = g->tokens < ((int64_t)1 << 31) && g->extra_kv < ((int64_t)1 << 31);
-    return half_type && head_dim_ok && inputs_aligned && outputs_aligned && small_axes;
+    /* in-group coordinates in int, box positions in 32 bits, in-group steps in int (the dkdv
+     * kernel addresses q, d_out and lse by steps, the dq kernel k and v) */
+    const bool small_axes = g->tokens * g->heads < ((int64_t)1 << 31) &&  /* D_i steps too */
+                            g->extra_kv < ((int64_t)1 << 31);
+    const bool small_steps = steps_fit(a->q, g) && steps_fit(a->d_out, g) && steps_fit(a->lse, g) &&
+                             (!g->has_window || (steps_fit(a->k, g) && steps_fit(a->v, g)));
+    return half_type && head_dim_ok && inputs_aligned && outputs_aligned && small_axes && small_steps;
 }
 
 template <typename K> static nbhd_status reserve_smem(K kernel, size_t smem) {
@@ -513,8 +520,7 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
-    const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC +
-                           sizeof(uwalk);
+    const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
     if ((s = reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq)) != NBHD_OK) return s;
     const int64_t ctas = g->batch * g->heads * P.patches;
     if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: grid too large");

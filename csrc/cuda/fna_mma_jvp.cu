@@ -26,7 +26,10 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
     T *tKs = Vs + 2 * BC * HD;
     T *tVs = tKs + 2 * BC * HD;
     int *kc = (int *)(tVs + 2 * BC * HD); /* [2][3][BC] */
-    uwalk *uw = (uwalk *)(kc + 6 * BC);  /* the order of the window keys */
+    /* K, V, tK, tV addressing of this CTA, kept in shared memory: in registers they would
+     * push the D = 128 kernel (two accumulators of 64 registers) into spills */
+    group_ptr<const T> *kvp = (group_ptr<const T> *)(kc + 6 * BC);  /* [4] */
+    key_box *kbs = (key_box *)(kvp + 4);  /* the union box, likewise */
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
     int64_t idx = blockIdx.x;
@@ -40,9 +43,7 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
 
     patch_rows pr;
     if (!patch_of(g, P, patch, pr)) return;
-    if (w == 0) uwalk_build(uw, g, P, pr.i0, pr.Lg, lane);
-    __syncthreads();  /* the walk is built */
-    const int nk = uw->total;
+    const int nk = key_box_of(g, pr.i0, P.ct, pr.Lg).total;
     const int64_t nx = g.extra_kv;
     const int win_tiles = (int)((nk + BC - 1) / BC);
     const int tiles = win_tiles + (int)((nx + BC - 1) / BC);
@@ -69,62 +70,64 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
             if (has_tq) cp_async16(smem_u32(tQs + swz<HD>(row, ch * 8)), ts, ok);
         }
     }
-    auto tk_of = [&](int t) -> const nbhd_tensor & { return t < win_tiles ? a.t_k : a.t_kx; };
-    auto tv_of = [&](int t) -> const nbhd_tensor & { return t < win_tiles ? a.t_v : a.t_vx; };
+    if (tid < 4) {
+        const nbhd_tensor &x = tid == 0 ? a.k : tid == 1 ? a.v : tid == 2 ? a.t_k : a.t_v;
+        kvp[tid] = group_ptr_of<const T>(x, g, b, pr.grp, hk);
+    }
+    if (tid == 4) *kbs = key_box_of(g, pr.i0, P.ct, pr.Lg);
+    __syncthreads();
     auto load_tile = [&](int t, int s) {
         constexpr int CH = HD / 8;
         T *Kd = Ks + s * BC * HD, *Vd = Vs + s * BC * HD, *tKd = tKs + s * BC * HD,
           *tVd = tVs + s * BC * HD;
         int *kcd = kc + s * 3 * BC;
         const bool win = t < win_tiles;
-        const nbhd_tensor &kt = win ? a.k : a.kx, &vt = win ? a.v : a.vx;
-        const nbhd_tensor &tkt = tk_of(t), &tvt = tv_of(t);
-        const bool has_tk = tkt.data != nullptr, has_tv = tvt.data != nullptr;
+        const bool has_tk = (win ? a.t_k.data : a.t_kx.data) != nullptr;
+        const bool has_tv = (win ? a.t_v.data : a.t_vx.data) != nullptr;
         // JV_THREADS / BC threads per row, each a run of chunks: one coordinate computation
         constexpr int TPR = JV_THREADS / BC, CPT = CH / TPR;
         const int kr = tid / TPR;
         int j[3] = {0, 0, 0};
-        const int nwalk = t * BC + kr;
-        if (win && nwalk < nk) uwalk_key(uw, nwalk, j);
+        bool ok;
+        const T *ks, *vs, *tks, *tvs;
+        if (win) {
+            const int n = t * BC + kr;
+            ok = n < nk;
+            if (ok) key_box_at(*kbs, n, j);
+            ks = kvp[0].at(j[0], j[1], j[2]);
+            vs = kvp[1].at(j[0], j[1], j[2]);
+            tks = kvp[2].at(j[0], j[1], j[2]);
+            tvs = kvp[3].at(j[0], j[1], j[2]);
+        } else {
+            const int64_t e = (int64_t)(t - win_tiles) * BC + kr;
+            ok = e < nx;
+            const int64_t ee = ok ? e : 0;
+            auto xrow = [&](const nbhd_tensor &x) -> const T * {
+                return (const T *)x.data + b * x.stride[0] + ee * x.stride[1] + hk * x.stride[4];
+            };
+            ks = xrow(a.kx);
+            vs = xrow(a.vx);
+            tks = xrow(a.t_kx);
+            tvs = xrow(a.t_vx);
+        }
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
             const int ch = (tid % TPR) * CPT + cc;
-            bool ok;
-            int64_t y0 = 0, y1 = 0, y2 = 0, e = 0;
-            if (win) {
-                ok = nwalk < nk;
-                if (ok) {
-                    y0 = pr.grp[0] + j[0] * dil[0];
-                    y1 = pr.grp[1] + j[1] * dil[1];
-                    y2 = pr.grp[2] + j[2] * dil[2];
-                }
-            } else {
-                e = (int64_t)(t - win_tiles) * BC + kr;
-                ok = e < nx;
-            }
-            auto src = [&](const nbhd_tensor &x) -> const T * {
-                const T *p = (const T *)x.data;
-                if (!ok) return p;
-                return p + ch * 8 +
-                       (win ? offset_of(x, b, y0, y1, y2, hk)
-                            : b * x.stride[0] + e * x.stride[1] + hk * x.stride[4]);
-            };
-            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), src(kt), ok);
-            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), src(vt), ok);
-            if (has_tk) cp_async16(smem_u32(tKd + swz<HD>(kr, ch * 8)), src(tkt), ok);
-            if (has_tv) cp_async16(smem_u32(tVd + swz<HD>(kr, ch * 8)), src(tvt), ok);
-            if (ch == 0) {
-                kcd[kr] = ok ? j[0] : KEY_NONE;
-                kcd[BC + kr] = j[1];
-                kcd[2 * BC + kr] = j[2];
-            }
+            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ks + ch * 8, ok);
+            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vs + ch * 8, ok);
+            if (has_tk) cp_async16(smem_u32(tKd + swz<HD>(kr, ch * 8)), tks + ch * 8, ok);
+            if (has_tv) cp_async16(smem_u32(tVd + swz<HD>(kr, ch * 8)), tvs + ch * 8, ok);
+        }
+        if (tid % TPR == 0) {
+            kcd[kr] = ok ? j[0] : KEY_NONE;
+            kcd[BC + kr] = j[1];
+            kcd[2 * BC + kr] = j[2];
         }
     };
 
     const int rq = lane >> 2, cq = lane & 3;
     int wst[2][3], wen[2][3];
     bool rvalid[2];
-    int64_t rfull[2][3];
     for (int hrow = 0; hrow < 2; ++hrow) {
         int64_t iq[3];
         rvalid[hrow] = patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
@@ -133,10 +136,12 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
             if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], pr.Lg[ax], &st, &en);
             wst[hrow][ax] = (int)st;
             wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
-            rfull[hrow][ax] = pr.grp[ax] + iq[ax] * dil[ax];
         }
     }
-    int ulo[3], uhi[3];
+    // the warp's key union (tiles outside it are skipped) and, when all its rows are valid,
+    // the intersection of its windows (tiles inside it need no mask)
+    int ulo[3], uhi[3], ilo[3], ihi[3];
+    const bool all_rows = __all_sync(0xffffffffu, rvalid[0] && rvalid[1]);
     for (int ax = 0; ax < 3; ++ax) {
         int l0 = 1 << 30, h0 = -(1 << 30);
         for (int hrow = 0; hrow < 2; ++hrow)
@@ -144,12 +149,17 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
                 l0 = min(l0, wst[hrow][ax]);
                 h0 = max(h0, wen[hrow][ax]);
             }
+        int l1 = max(wst[0][ax], wst[1][ax]), h1 = min(wen[0][ax], wen[1][ax]);
         for (int o = 16; o > 0; o >>= 1) {
             l0 = min(l0, __shfl_xor_sync(0xffffffffu, l0, o));
             h0 = max(h0, __shfl_xor_sync(0xffffffffu, h0, o));
+            l1 = max(l1, __shfl_xor_sync(0xffffffffu, l1, o));
+            h1 = min(h1, __shfl_xor_sync(0xffffffffu, h1, o));
         }
         ulo[ax] = l0;
         uhi[ax] = h0;
+        ilo[ax] = all_rows ? l1 : 1 << 30;
+        ihi[ax] = all_rows ? h1 : -(1 << 30);
     }
 
     float o[HD / 8][4], ct[HD / 8][4];
@@ -171,15 +181,21 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
                 *tVt = tVs + s * BC * HD;
         const int *kct = kc + s * 3 * BC;
         const bool win = t < win_tiles;
-        const bool has_tk = tk_of(t).data != nullptr, has_tv = tv_of(t).data != nullptr;
-        bool mine;
+        const bool has_tk = (win ? a.t_k.data : a.t_kx.data) != nullptr;
+        const bool has_tv = (win ? a.t_v.data : a.t_vx.data) != nullptr;
+        bool mine, inside;
         if (win) {
             const int j0 = kct[lane], j1 = kct[BC + lane], j2 = kct[2 * BC + lane];
             mine = j0 >= ulo[0] && j0 < uhi[0] && j1 >= ulo[1] && j1 < uhi[1] && j2 >= ulo[2] &&
                    j2 < uhi[2];
+            inside = j0 >= ilo[0] && j0 < ihi[0] && j1 >= ilo[1] && j1 < ihi[1] && j2 >= ilo[2] &&
+                     j2 < ihi[2];
         } else {
             mine = ulo[0] < uhi[0];
+            inside = false;
         }
+        /* every key in every row's window (D = 128 keeps the masked path: registers) */
+        const bool full = HD <= 64 && __all_sync(0xffffffffu, inside);
         if (__any_sync(0xffffffffu, mine)) {
             float sc[BC / 8][4], ts[BC / 8][4];
 #pragma unroll
@@ -189,6 +205,16 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
             if (has_tq) tile_abt<T, HD>(ts, tQs, w * 16, Kt, lane);   // tS = tQ K^T
             if (has_tk) tile_abt<T, HD>(ts, Qs, w * 16, tKt, lane);   //    + Q tK^T
             float mx[2] = {-INFINITY, -INFINITY};
+            if (full) {
+#pragma unroll
+                for (int nb = 0; nb < BC / 8; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        sc[nb][e] *= P.scale_log2;
+                        ts[nb][e] *= scale;
+                        mx[e >> 1] = fmaxf(mx[e >> 1], sc[nb][e]);
+                    }
+            } else {
 #pragma unroll
             for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
@@ -208,32 +234,38 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
                         mx[hrow] = fmaxf(mx[hrow], x);
                     }
                 }
+            }
             float corr[2], mu[2];
+            bool moved = false;
 #pragma unroll
             for (int hrow = 0; hrow < 2; ++hrow) {
                 mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 1));
                 mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 2));
                 const float m_new = fmaxf(m[hrow], mx[hrow]);
                 mu[hrow] = m_new == -INFINITY ? 0.f : m_new;
-                corr[hrow] = exp2f(m[hrow] - mu[hrow]);
+                corr[hrow] = fast_exp2(m[hrow] - mu[hrow]);
+                moved |= m_new != m[hrow];
                 m[hrow] = m_new;
                 l[hrow] *= corr[hrow];
                 r[hrow] *= corr[hrow];
             }
+            const bool rescale = __any_sync(0xffffffffu, moved);  /* else corr = 1 */
 #pragma unroll
             for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = exp2f(sc[nb][e] - mu[e >> 1]);
+                    const float p = fast_exp2(sc[nb][e] - mu[e >> 1]);
                     sc[nb][e] = p;
                     l[e >> 1] += p;
                     ts[nb][e] *= p;  // p tS
                     r[e >> 1] += ts[nb][e];
                 }
+            if (rescale) {
 #pragma unroll
-            for (int nd = 0; nd < HD / 8; ++nd) {
-                o[nd][0] *= corr[0]; o[nd][1] *= corr[0]; o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
-                ct[nd][0] *= corr[0]; ct[nd][1] *= corr[0]; ct[nd][2] *= corr[1]; ct[nd][3] *= corr[1];
+                for (int nd = 0; nd < HD / 8; ++nd) {
+                    o[nd][0] *= corr[0]; o[nd][1] *= corr[0]; o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
+                    ct[nd][0] *= corr[0]; ct[nd][1] *= corr[0]; ct[nd][2] *= corr[1]; ct[nd][3] *= corr[1];
+                }
             }
             tile_xb<T, HD>(o, sc, Vt, lane);               // O += P V
             tile_xb<T, HD>(ct, ts, Vt, lane);              // C += (P tS) V
@@ -252,7 +284,9 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
         rt += __shfl_xor_sync(0xffffffffu, rt, 2);
         if (!rvalid[hrow]) continue;
         const float inv = 1.f / lt, mu_t = rt * inv;
-        const int64_t *c = rfull[hrow];
+        int64_t iq[3], c[3];
+        patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
+        for (int ax = 0; ax < 3; ++ax) c[ax] = pr.grp[ax] + iq[ax] * dil[ax];
         T *out = (T *)a.out.data + offset_of(a.out, b, c[0], c[1], c[2], h);
         T *tout = (T *)a.t_out.data + offset_of(a.t_out, b, c[0], c[1], c[2], h);
 #pragma unroll
@@ -288,16 +322,20 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
         (g->extra_kv == 0 || (aligned_rows(a->kx, 8, 16) && aligned_rows(a->vx, 8, 16) &&
                               absent_or_aligned(a->t_kx) && absent_or_aligned(a->t_vx)));
     const bool out_aligned = aligned_rows(a->out, 2, 4) && aligned_rows(a->t_out, 2, 4);
-    /* in-group coordinates in int, box positions in 32 bits */
+    /* in-group coordinates in int, box positions in 32 bits, in-group steps in int */
     const bool small_axes = g->tokens < ((int64_t)1 << 31) && g->extra_kv < ((int64_t)1 << 31);
-    return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes;
+    const bool small_steps = !g->has_window ||
+                             (steps_fit(a->k, g) && steps_fit(a->v, g) &&
+                              (!a->t_k.data || steps_fit(a->t_k, g)) &&
+                              (!a->t_v.data || steps_fit(a->t_v, g)));
+    return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
 template <typename T, int HD>
 static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
     const mma_plan P = mma_plan_of(g);
     const size_t smem = sizeof(T) * (size_t)(2 * BR * HD + 8 * BC * HD) + sizeof(int) * 6 * BC +
-                        sizeof(uwalk);
+                        4 * sizeof(group_ptr<const T>) + sizeof(key_box);
     if (cudaFuncSetAttribute(fna_mma_jvp_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();

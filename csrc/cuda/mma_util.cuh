@@ -12,29 +12,42 @@
 
 #define KEY_NONE (-(1 << 30))
 
+/* Patch shapes per rank (rank 0, dense over extra keys, takes rank 1's): a warp owns
+ * patch_wt(rank, axis) queries per axis (16 in all), a CTA patch_wc(rank, axis) warps per axis
+ * (4 in all): 1-D 64, 2-D 8x8 (warps 4x4 each), 3-D 4x4x4 (warps 2x2x4 each). */
+__host__ __device__ constexpr int patch_wt(int rank, int ax) {
+    return rank <= 1 ? (ax == 0 ? 16 : 1) : rank == 2 ? (ax < 2 ? 4 : 1) : (ax < 2 ? 2 : 4);
+}
+__host__ __device__ constexpr int patch_wc(int rank, int ax) {
+    return rank <= 1 ? (ax == 0 ? 4 : 1) : (ax < 2 ? 2 : 1);
+}
+__host__ __device__ constexpr int patch_ct(int rank, int ax) {
+    return patch_wt(rank, ax) * patch_wc(rank, ax);
+}
+
 /* tile shapes and the CTA -> (b, head, patch) map, computed on the host */
 struct mma_plan {
+    int rank;         /* 1..3: the axes that are not padding */
     int wt[3];        /* warp patch per axis, product 16 */
     int wc[3];        /* warps per axis, product 4 */
     int ct[3];        /* CTA patch = wt * wc */
     int64_t slots[3]; /* patch slots per axis: dilation * ceil(ceil(L/d) / ct) */
     int64_t patches;  /* product of slots */
     float scale_log2; /* scale * log2(e) */
-    int flat_walk;    /* 1: walk the union box row-major (the default); 0: region by region
-                         (env NBHD_MMA_REGION_WALK=1; measured no faster, see RESULTS_GPU.md) */
 };
 
-/* 64-row patches: 1-D 64, 2-D 8x8 (warps 4x4), 3-D 4x4x4 (warps 2x2x4) */
+static inline int mma_rank_of(const nbhd_geometry *g) {
+    return !g->has_window ? 1 : g->axis[2].extent > 1 || g->axis[2].kernel > 1 ? 3
+                              : g->axis[1].extent > 1 || g->axis[1].kernel > 1 ? 2 : 1;
+}
+
 static inline mma_plan mma_plan_of(const nbhd_geometry *g) {
     mma_plan P;
-    const int rank = !g->has_window ? 1 : g->axis[2].extent > 1 || g->axis[2].kernel > 1 ? 3
-                                   : g->axis[1].extent > 1 || g->axis[1].kernel > 1 ? 2 : 1;
-    static const int wt_of[4][3] = {{16, 1, 1}, {16, 1, 1}, {4, 4, 1}, {2, 2, 4}};
-    static const int wc_of[4][3] = {{4, 1, 1}, {4, 1, 1}, {2, 2, 1}, {2, 2, 1}};
+    P.rank = mma_rank_of(g);
     P.patches = 1;
     for (int ax = 0; ax < 3; ++ax) {
-        P.wt[ax] = wt_of[rank][ax];
-        P.wc[ax] = wc_of[rank][ax];
+        P.wt[ax] = patch_wt(P.rank, ax);
+        P.wc[ax] = patch_wc(P.rank, ax);
         P.ct[ax] = P.wt[ax] * P.wc[ax];
         const int64_t d = g->axis[ax].dilation, L = g->axis[ax].extent;
         const int64_t lg = (L + d - 1) / d;
@@ -42,8 +55,6 @@ static inline mma_plan mma_plan_of(const nbhd_geometry *g) {
         P.patches *= P.slots[ax];
     }
     P.scale_log2 = (float)(g->scale * 1.4426950408889634);
-    const char *rw = getenv("NBHD_MMA_REGION_WALK");
-    P.flat_walk = !(rw && rw[0] == '1');
     return P;
 }
 
@@ -52,6 +63,15 @@ static inline bool aligned_rows(const nbhd_tensor &t, int64_t align_elems, uintp
     if (!t.data || ((uintptr_t)t.data % align_bytes) != 0 || t.stride[5] != 1) return false;
     for (int i = 0; i < 5; ++i)
         if (t.stride[i] % align_elems != 0) return false;
+    return true;
+}
+
+/* in-group steps (dilation * stride per spatial axis) fit in int: 32-bit products in the loops */
+static inline bool steps_fit(const nbhd_tensor &t, const nbhd_geometry *g) {
+    for (int a = 0; a < 3; ++a) {
+        const int64_t step = t.stride[a + 1] * (int64_t)g->axis[a].dilation;
+        if (step > 0x7fffffff || step < -0x7fffffff) return false;
+    }
     return true;
 }
 
@@ -112,6 +132,13 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
     return *(uint32_t *)&v;
 }
 
+/* 2^x by the special function unit: one MUFU.EX2 (exp2f adds range fix-ups); 2^-inf = 0 */
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* element offset of (row, col) in a [rows][HD] tile, 16-byte chunks XOR-swizzled by row */
 template <int HD> __device__ __forceinline__ int swz(int row, int col) {
     constexpr int CH = HD / 8, MASK = (CH < 8 ? CH : 8) - 1;
@@ -123,7 +150,7 @@ template <int HD> __device__ __forceinline__ int swz(int row, int col) {
 __device__ __forceinline__ void window32(const nbhd_axis *a, int64_t i64, int64_t n64,
                                          int64_t *start, int64_t *end) {
     const int K = a->kernel, s = a->stride, i = (int)i64, n = (int)n64;
-    const int q = i / s;
+    const int q = s == 1 ? i : i / s;
     if (a->causal) {
         const int leader = min(q * s + s - 1, n - 1);
         *start = max(leader - K + 1, 0);
@@ -159,117 +186,90 @@ __device__ __forceinline__ void inverse32(const nbhd_axis *a, int64_t y64, int64
 }
 
 // ----------------------------------------------------------------------------
-// the union walk: the order in which a CTA visits the keys of its windows
-//
-// Per axis the CTA's warp rows (P.wc of them, P.wt queries each) have key unions [lo_r, hi_r)
-// (in-group coordinates; starts and ends never decrease along an axis). Their breakpoints cut
-// the axis into segments, each needed by a fixed run of warp rows (gaps needed by none are
-// dropped). The CTA visits the product regions of these segments one after the other, each
-// row-major, so a tile holds keys of few regions and a warp skips the tiles of regions outside
-// its own union (2-D 7x7: 9 regions of the 14x14 box; a warp needs 4 of them, 10x10 keys). The
-// walk covers every row's window exactly once; the element mask stays as before.
-// Measured on an H200 (bench/RESULTS_GPU.md): 10-16 % fewer MMA tiles but no faster (the kernels
-// are bound by instruction issue at 8 warps/SM, not by MMAs), so the default is one region, the
-// whole union box row-major (P.flat_walk); env NBHD_MMA_REGION_WALK=1 selects the regions.
+// integer helpers of the loops: division by a CTA constant, the union box, in-group addresses
 
-#define UW_SEG 8   /* segments per axis: at most 2 * wc - 1 (wc <= 4) */
-#define UW_MAX 32  /* regions (one lane each when built) */
+/* n / d for any 32-bit n and d >= 1: m = floor((2^32-1)/d) underestimates the quotient by at
+ * most one, so a multiply-high and one correction replace the ~20-instruction division */
+struct udiv32 {
+    uint32_t d, m;
+};
+__device__ __forceinline__ udiv32 udiv32_of(uint32_t d) { return {d, 0xffffffffu / d}; }
+__device__ __forceinline__ uint32_t udiv(uint32_t n, const udiv32 &u) {
+    uint32_t q = __umulhi(n, u.m);
+    if (n - q * u.d >= u.d) ++q;
+    return q;
+}
 
-struct uwalk {    /* in shared memory */
-    int nreg, total;
-    int pre[UW_MAX + 1];               /* first walk index of each region */
-    int f0[UW_MAX], f1[UW_MAX], f2[UW_MAX];  /* first key of each region, in-group */
-    int c1[UW_MAX], c2[UW_MAX];        /* extents of each region on axes 1 and 2 */
-    int seg_lo[3][UW_SEG], seg_n[3][UW_SEG], nseg[3];
+/* The exact union of a CTA's windows: per axis the in-group range [lo, lo + cnt) from the
+ * start of its first query to the end of its last (starts and ends never decrease along an
+ * axis), walked row-major: walk index n -> in-group key coordinates. */
+struct key_box {
+    int lo[3], cnt[3];
+    udiv32 d1, d2;  /* by cnt[1], cnt[2] */
+    int total;      /* keys in the box; 0 without a window */
 };
 
-/* Built by one whole warp (all 32 lanes); the CTA synchronises before reading it. */
-__device__ __forceinline__ void uwalk_build(uwalk *u, const nbhd_geometry &g, const mma_plan &P,
-                                            const int64_t i0[3], const int64_t Lg[3], int lane) {
-    if (lane < 3) {
-        const int ax = lane;
-        int lo[4], hi[4], nr = 0;
-        for (int r = 0; r < P.wc[ax] && r < 4; ++r) {
-            const int64_t first = i0[ax] + (int64_t)r * P.wt[ax];
-            if (first >= Lg[ax]) break;
-            const int64_t last = min(first + P.wt[ax], Lg[ax]) - 1;
-            int64_t st, en, st2, en2;
-            window32(&g.axis[ax], first, Lg[ax], &st, &en);
-            window32(&g.axis[ax], last, Lg[ax], &st2, &en2);
-            lo[nr] = (int)st;
-            hi[nr] = (int)en2;
-            ++nr;
-        }
-        int pts[8], np = 0;
-        for (int r = 0; r < nr; ++r) {
-            pts[np++] = lo[r];
-            pts[np++] = hi[r];
-        }
-        for (int i = 1; i < np; ++i)  /* insertion sort, at most 8 */
-            for (int k = i; k > 0 && pts[k - 1] > pts[k]; --k) {
-                const int x = pts[k]; pts[k] = pts[k - 1]; pts[k - 1] = x;
-            }
-        int ns = 0;
-        for (int i = 0; i + 1 < np; ++i) {
-            const int p0 = pts[i], p1 = pts[i + 1];
-            if (p1 <= p0) continue;
-            bool need = false;
-            for (int r = 0; r < nr; ++r) need |= lo[r] <= p0 && p1 <= hi[r];
-            if (need && ns < UW_SEG) {
-                u->seg_lo[ax][ns] = p0;
-                u->seg_n[ax][ns] = p1 - p0;
-                ++ns;
-            }
-        }
-        u->nseg[ax] = ns;
-    }
-    __syncwarp();
-    if (P.flat_walk || u->nseg[0] * u->nseg[1] * u->nseg[2] > UW_MAX) {  /* > UW_MAX: never with
-                                                                             mma_plan_of's plans */
-        __syncwarp();
-        if (lane < 3) {  /* one segment per axis: the whole union box */
-            const int k = u->nseg[lane] - 1;
-            u->seg_n[lane][0] = u->seg_lo[lane][k] + u->seg_n[lane][k] - u->seg_lo[lane][0];
-            u->nseg[lane] = 1;
-        }
-        __syncwarp();
-    }
-    const int n0 = u->nseg[0], n1 = u->nseg[1], n2 = u->nseg[2];
-    const int nreg = g.has_window ? min(n0 * n1 * n2, UW_MAX) : 0;
-    int size = 0;
-    if (lane < nreg) {
-        const int s2 = lane % n2, s1 = (lane / n2) % n1, s0 = lane / (n1 * n2);
-        u->f0[lane] = u->seg_lo[0][s0];
-        u->f1[lane] = u->seg_lo[1][s1];
-        u->f2[lane] = u->seg_lo[2][s2];
-        u->c1[lane] = u->seg_n[1][s1];
-        u->c2[lane] = u->seg_n[2][s2];
-        size = u->seg_n[0][s0] * u->seg_n[1][s1] * u->seg_n[2][s2];
-    }
-    int incl = size;
+template <typename I>
+__device__ __forceinline__ key_box key_box_of(const nbhd_geometry &g, const I i0[3], const int ct[3],
+                                              const I Lg[3]) {
+    key_box kb;
+    int64_t total = g.has_window ? 1 : 0;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
+    for (int ax = 0; ax < 3; ++ax) {
+        int64_t st, en, st2, en2;
+        const int last = (int)min((int64_t)i0[ax] + ct[ax], (int64_t)Lg[ax]) - 1;
+        window32(&g.axis[ax], i0[ax], Lg[ax], &st, &en);
+        window32(&g.axis[ax], last, Lg[ax], &st2, &en2);
+        kb.lo[ax] = (int)st;
+        kb.cnt[ax] = max((int)(en2 - st), 1);
+        total *= kb.cnt[ax];
     }
-    if (lane < nreg) u->pre[lane] = incl - size;
-    if (lane == 31) {
-        u->nreg = nreg;
-        u->total = incl;
-        u->pre[nreg] = incl;
+    kb.d1 = udiv32_of((uint32_t)kb.cnt[1]);
+    kb.d2 = udiv32_of((uint32_t)kb.cnt[2]);
+    kb.total = (int)total;
+    return kb;
+}
+
+/* RANK < 3: the box is one key thick on the padded axes, whose coordinates stay 0 */
+template <int RANK = 3>
+__device__ __forceinline__ void key_box_at(const key_box &kb, int n, int j[3]) {
+    if (RANK == 1) {
+        j[0] = kb.lo[0] + n;
+    } else if (RANK == 2) {
+        const uint32_t q1 = udiv((uint32_t)n, kb.d1);
+        j[1] = kb.lo[1] + (int)((uint32_t)n - q1 * (uint32_t)kb.cnt[1]);
+        j[0] = kb.lo[0] + (int)q1;
+    } else {
+        const uint32_t q2 = udiv((uint32_t)n, kb.d2), q1 = udiv(q2, kb.d1);
+        j[2] = kb.lo[2] + (int)((uint32_t)n - q2 * (uint32_t)kb.cnt[2]);
+        j[1] = kb.lo[1] + (int)(q2 - q1 * (uint32_t)kb.cnt[1]);
+        j[0] = kb.lo[0] + (int)q1;
     }
 }
 
-/* in-group coordinates of the n-th key of the walk (0 <= n < total) */
-__device__ __forceinline__ void uwalk_key(const uwalk *u, int n, int j[3]) {
-    int r = 0;
-    const int nreg = u->nreg;
-    while (r + 1 < nreg && u->pre[r + 1] <= n) ++r;
-    const uint32_t m = (uint32_t)(n - u->pre[r]), c2 = (uint32_t)u->c2[r], c1 = (uint32_t)u->c1[r];
-    const uint32_t q2 = m / c2, q1 = q2 / c1;
-    j[2] = u->f2[r] + (int)(m - q2 * c2);
-    j[1] = u->f1[r] + (int)(q2 - q1 * c1);
-    j[0] = u->f0[r] + (int)q1;
+/* One (batch, head) of a [B, X, Y, Z, H, D] tensor in one dilation group: in-group element
+ * (j0, j1, j2) at base + sum_a j_a step_a (steps in int by steps_fit, the sum in 64 bits: three
+ * wide multiply-adds instead of five 64-bit products per address). */
+template <typename T> struct group_ptr {
+    T *base;
+    int step[3];
+    __device__ __forceinline__ T *at(int j0, int j1, int j2) const {
+        return base + (int64_t)j0 * step[0] + (int64_t)j1 * step[1] + (int64_t)j2 * step[2];
+    }
+};
+
+/* unit_step: full-axis coordinates (dilation ignored), e.g. every query of the extra keys */
+template <typename T>
+__device__ __forceinline__ group_ptr<T> group_ptr_of(const nbhd_tensor &t, const nbhd_geometry &g,
+                                                     int64_t b, const int64_t grp[3], int64_t h,
+                                                     bool unit_step = false) {
+    group_ptr<T> p;
+    p.base = (T *)t.data + b * t.stride[0] + grp[0] * t.stride[1] + grp[1] * t.stride[2] +
+             grp[2] * t.stride[3] + h * t.stride[4];
+#pragma unroll
+    for (int a = 0; a < 3; ++a)
+        p.step[a] = (int)(t.stride[a + 1] * (unit_step ? 1 : g.axis[a].dilation));
+    return p;
 }
 
 #define BR 64  /* rows per CTA of the backward and JVP kernels (4 warps x 16) */

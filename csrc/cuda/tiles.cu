@@ -1,7 +1,9 @@
 /*
  * tiles.cu — the tile configurations the CUDA tensor-core kernels accept (nbhd_tile_configs),
- * per problem axis. The mma kernels are built for one patch of 64 queries per CTA; the simple
- * kernels have no tiles.
+ * per problem axis. The mma kernels are built for one patch of 64 queries per CTA (1-D 64,
+ * 2-D 8x8, 3-D 4x4x4: mma_util.cuh patch_*); the listed kv tile names that patch, whose exact
+ * union of windows the kernels walk in row-major runs of 32 or 64 keys. The simple kernels
+ * have no tiles (dispatch.cu refuses exec tiles for problems that would run on them).
  */
 #include "cuda_common.cuh"
 
