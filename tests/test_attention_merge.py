@@ -277,3 +277,30 @@ def test_merge_kernel_double_backward_nan_and_fallbacks():
                                nbhd.merge_attentions(many_outs, many_lses))
     empty_outs, empty_lses = _parts(2, (0, 3, 2, 4), torch.float32)
     assert nbhd.merge_attentions(empty_outs, empty_lses).shape == (0, 3, 2, 4)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and nbhd.has_cuda()),
+                    reason="needs a CUDA GPU and nbhd built with nvcc")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_merge_kernel_cuda(dtype):
+    from nbhd.attention import _kernel_can_merge, _merge
+    outs, lses = _parts(5, (2, 3, 7, 4, 16), dtype)
+    lses[0][0, 0] = float("-inf")
+    for l in lses:
+        l[1, 2, 6] = float("-inf")
+    outs = [o.cuda() for o in outs]
+    lses = [l.cuda() for l in lses]
+    outs[1] = outs[1].transpose(1, 2).contiguous().transpose(1, 2)
+    assert _kernel_can_merge(outs, lses)
+    from nbhd import _lib
+    flat = lambda t: t.reshape(2, 21, *t.shape[3:])
+    out = torch.full((2, 21, 4, 16), float("nan"), device="cuda", dtype=dtype)  # poisoned
+    lse = torch.full((2, 21, 4), float("nan"), device="cuda", dtype=lses[0].dtype)
+    _lib.merge([flat(o) for o in outs], [flat(l) for l in lses], out, lse)
+    out, lse = out.reshape(2, 3, 7, 4, 16), lse.reshape(2, 3, 7, 4)
+    torch.testing.assert_close(nbhd.merge_attentions(outs, lses), out, atol=0, rtol=0)
+    r_out, r_lse = _merge([o.cpu().double() for o in outs], [l.cpu().double() for l in lses])
+    tol = 1e-12 if dtype == torch.float64 else (1e-5 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(out.cpu().double(), r_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.cpu().double(), r_lse, atol=tol, rtol=tol)
+    assert torch.equal(out[1, 2, 6].cpu(), torch.zeros_like(out[1, 2, 6].cpu()))
