@@ -52,6 +52,16 @@ static nbhd_geometry rotated(const nbhd_geometry *g, int shift) {
     return o;
 }
 
+/* exec with its tiles on the rotated axes (user axis j is kernel axis j + shift) */
+static nbhd_exec rotated_exec(const nbhd_exec *e, int shift) {
+    nbhd_exec o = *e;
+    for (int j = 0; j < 3; ++j) {
+        o.q_tile[j] = j >= shift ? e->q_tile[j - shift] : 0;
+        o.kv_tile[j] = j >= shift ? e->kv_tile[j - shift] : 0;
+    }
+    return o;
+}
+
 static void rotate_tensor(nbhd_tensor *t, int shift) {
     const nbhd_tensor in = *t;
     for (int j = 0; j < 3; ++j) t->stride[1 + j] = j >= shift ? in.stride[1 + j - shift] : 0;
@@ -74,17 +84,18 @@ size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
 #endif
 
 nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_args *a0,
-                                  const nbhd_exec *e) {
+                                  const nbhd_exec *e0) {
     const int shift = 3 - rank_of(g0);
     const nbhd_geometry g1 = rotated(g0, shift), *g = &g1;
     nbhd_forward_args a1 = *a0, *a = &a1;
     rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
-    PICK(forward, g, a, e)
+    const nbhd_exec e1 = rotated_exec(e0, shift);
+    PICK(forward, g, a, &e1)
 }
 
 nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g0, const nbhd_backward_args *a0,
-                                   const nbhd_exec *e) {
+                                   const nbhd_exec *e0) {
     const int shift = 3 - rank_of(g0);
     const nbhd_geometry g1 = rotated(g0, shift), *g = &g1;
     nbhd_backward_args a1 = *a0, *a = &a1;
@@ -92,11 +103,12 @@ nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g0, const nbhd_backward_
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     rotate_tensor(&a1.d_out, shift); rotate_tensor(&a1.d_lse, shift);
     rotate_tensor(&a1.d_q, shift); rotate_tensor(&a1.d_k, shift); rotate_tensor(&a1.d_v, shift);
-    PICK(backward, g, a, e)
+    const nbhd_exec e1 = rotated_exec(e0, shift);
+    PICK(backward, g, a, &e1)
 }
 
 nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forward_jvp_args *a0,
-                                      const nbhd_exec *e) {
+                                      const nbhd_exec *e0) {
     const int shift = 3 - rank_of(g0);
     const nbhd_geometry g1 = rotated(g0, shift), *g = &g1;
     nbhd_forward_jvp_args a1 = *a0, *a = &a1;
@@ -104,5 +116,6 @@ nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forwar
     rotate_tensor(&a1.t_q, shift); rotate_tensor(&a1.t_k, shift); rotate_tensor(&a1.t_v, shift);
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     rotate_tensor(&a1.t_out, shift); rotate_tensor(&a1.t_lse, shift);
-    PICK(forward_jvp, g, a, e)
+    const nbhd_exec e1 = rotated_exec(e0, shift);
+    PICK(forward_jvp, g, a, &e1)
 }

@@ -773,10 +773,15 @@ static int FAST(fwd_scratch_alloc)(FAST(fwd_scratch) *s, int64_t D, int64_t Dv) 
     return 1;
 }
 
-/* Query lines per work item: exec.q_tile on Y (internal axes; fast.c rotates it), else 4. */
-static int FAST(forward_lines)(const nbhd_geometry *g, const nbhd_exec *e) {
-    (void)g;
-    return e->q_tile[1] > 0 ? e->q_tile[1] : MAXLINES;
+/* Query lines per work item: exec.q_tile on Y (kernel axes: fast.c rotates the tiles), else
+ * MAXLINES; 0 when exec asks for a patch this kernel does not run (tiles.c lists the ones it
+ * does: q 16 on Z, `lines` on Y, 1 on X; key tile 16 on Z, 1 elsewhere). */
+static int FAST(tile_lines)(const nbhd_exec *e, int max_lines) {
+    const int32_t *q = e->q_tile, *kv = e->kv_tile;
+    if ((q[2] && q[2] != 16) || q[0] > 1 || q[1] > max_lines || (kv[2] && kv[2] != 16) ||
+        kv[0] > 1 || kv[1] > 1)
+        return 0;
+    return q[1] > 0 ? q[1] : max_lines;
 }
 
 /*   q      [B, X, Y, Z, H,  D ]     out [B, X, Y, Z, H, Dv]   lse [B, X, Y, Z, H]
@@ -785,10 +790,10 @@ static int FAST(forward_lines)(const nbhd_geometry *g, const nbhd_exec *e) {
  * the lines' windows on Y (rows u of the union) times the common window on X. */
 nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forward_args *a,
                                         const nbhd_exec *e) {
-    const int lines = FAST(forward_lines)(g, e);
-    if (lines < 1 || lines > MAXLINES || (e->q_tile[2] && e->q_tile[2] != 16) || e->q_tile[0] > 1)
+    const int lines = FAST(tile_lines)(e, MAXLINES);
+    if (!lines)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED,
-                         "exec.q_tile is not a query patch of the fast CPU forward (see nbhd_tile_configs)");
+                         "exec.q_tile/kv_tile is not a tile of the fast CPU forward (see nbhd_tile_configs)");
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory");
     FAST(yblocks) YB;
@@ -1137,10 +1142,10 @@ static int FAST(jvp_scratch_alloc)(FAST(jvp_scratch) *s, int64_t D, int64_t Dv) 
  * t_out like out, t_lse like lse. Work items and slabs as the forward's. */
 nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                             const nbhd_exec *e) {
-    const int lines = FAST(forward_lines)(g, e);
-    if (lines < 1 || lines > MAXLINES || (e->q_tile[2] && e->q_tile[2] != 16) || e->q_tile[0] > 1)
+    const int lines = FAST(tile_lines)(e, MAXLINES);
+    if (!lines)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED,
-                         "exec.q_tile is not a query patch of the fast CPU forward+JVP (see nbhd_tile_configs)");
+                         "exec.q_tile/kv_tile is not a tile of the fast CPU forward+JVP (see nbhd_tile_configs)");
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory");
     FAST(yblocks) YB;
@@ -1345,6 +1350,9 @@ static void FAST(kv_unit)(FAST(scratch) *s, const float *KA, const float *VA, in
 
 nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
                                          const nbhd_exec *e) {
+    if (!FAST(tile_lines)(e, 1))
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED,
+                         "exec.q_tile/kv_tile is not a tile of the fast CPU backward (see nbhd_tile_configs)");
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory");
     const nbhd_dtype dt = g->dtype;
