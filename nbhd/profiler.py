@@ -230,23 +230,31 @@ def print_table(p: Problem, rows, out=None):
 
 
 def optimize(p: Problem, requested: Optional[str], warmup: int, repeats: int, out=None):
-    """Time every forward configuration of each backend with tiles; report the best."""
+    """Time every forward configuration (forward pass) and every backward configuration
+    (backward pass) of each backend with tiles; report the best of each."""
     out = out if out is not None else sys.stdout
     from tqdm import tqdm
     q, k, v, _, _ = p.tensors()
     best = {}
     for name in candidate_backends(p, requested):
-        cfgs = configs.get_configs(name, q, k, v, **p.geometry())
-        if not cfgs:
-            continue
-        results = []
-        for qt, kt in tqdm(cfgs, desc=f"optimize {name}", file=out):
-            ops = _nbhd_ops(p, name, dict(q_tile_shape=qt, kv_tile_shape=kt))
-            results.append((time_fn(ops["fwd"], p.device, warmup, repeats), qt, kt))
-        ms, qt, kt = min(results)
-        best[name] = (qt, kt, ms)
-        print(f"best {name}: q_tile_shape={qt} kv_tile_shape={kt} forward {ms:.3f} ms "
-              f"({len(results)} configurations)", file=out)
+        searches = (("forward", "fwd", configs.get_configs(name, q, k, v, **p.geometry()),
+                     ("q_tile_shape", "kv_tile_shape")),
+                    ("backward", "bwd", configs.get_bwd_configs(name, q, k, v, **p.geometry()),
+                     ("backward_q_tile_shape", "backward_kv_tile_shape")))
+        for kind, op, cfgs, names in searches:
+            if not cfgs:
+                continue
+            results = []
+            for qt, kt in tqdm(cfgs, desc=f"optimize {name} {kind}", file=out):
+                ops = _nbhd_ops(p, name, dict(zip(names, (qt, kt))))
+                if op in ops:
+                    results.append((time_fn(ops[op], p.device, warmup, repeats), qt, kt))
+            if not results:
+                continue
+            ms, qt, kt = min(results)
+            best[(name, kind)] = (qt, kt, ms)
+            print(f"best {name} {kind}: {names[0]}={qt} {names[1]}={kt} {ms:.3f} ms "
+                  f"({len(results)} configurations)", file=out)
     if not best:
         print("no backend with tile configurations can run this problem", file=out)
     return best

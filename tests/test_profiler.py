@@ -29,7 +29,9 @@ def test_profile_table_plot_csv(tmp_path, capsys):
 
 def test_optimize(capsys):
     assert profiler.main(TINY + ["--optimize", "--backend", "cpu-fna"]) == 0
-    assert "best cpu-fna: q_tile_shape=" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "best cpu-fna forward: q_tile_shape=" in text
+    assert "best cpu-fna backward: backward_q_tile_shape=" in text
 
 
 def test_module_entry_point():
