@@ -155,14 +155,15 @@ def test_configs_and_tile_validation():
     fwd = nbhd.get_configs_for_cpu_fna(q, q, q)
     assert fwd and all(len(a) == 2 and len(b) == 2 for a, b in fwd)
     assert all(min(a + b) >= 1 for a, b in fwd)
-    assert nbhd.get_bwd_configs_for_cpu_fna(q, q, q)
+    bwd = nbhd.get_bwd_configs_for_cpu_fna(q, q, q)
+    assert bwd
     assert nbhd.get_configs_for_cpu_fna(q.double(), q.double(), q.double()) == []  # scalar kernels
     assert nbhd.get_configs_for_cuda_fna(q, q, q) == []          # CPU tensors
     assert nbhd.get_configs("reference", q, q, q) == []
     assert nbhd.get_configs("cutlass-fna", q, q, q) == fwd       # NATTEN name, mapped
-    q_tile, kv_tile = fwd[0]
+    (q_tile, kv_tile), (bq_tile, bkv_tile) = fwd[0], bwd[0]
     out = nbhd.na2d(q, q, q, 3, q_tile_shape=q_tile, kv_tile_shape=kv_tile,
-                    backward_q_tile_shape=q_tile, backward_kv_tile_shape=kv_tile)
+                    backward_q_tile_shape=bq_tile, backward_kv_tile_shape=bkv_tile)
     torch.testing.assert_close(out, nbhd.na2d(q, q, q, 3))
     with pytest.raises(ValueError, match="not a valid forward configuration"):
         nbhd.na2d(q, q, q, 3, q_tile_shape=(3, 5))
