@@ -504,32 +504,6 @@ static inline int64_t FAST(line)(const FAST(geo) *G, int64_t heads, int64_t b, i
     return ((b * heads + h) * G->X + x) * G->Y + y;
 }
 
-/* The key rows (x, y) of a query line's window: lines[] of head hk, returns their count. */
-static int64_t FAST(window_rows)(const FAST(geo) *G, const nbhd_geometry *g, int64_t b, int64_t hk,
-                                 int64_t x, int64_t y, int64_t *lines) {
-    int64_t fx, cx, fy, cy;
-    nbhd_window(&g->axis[0], x, &fx, &cx);
-    nbhd_window(&g->axis[1], y, &fy, &cy);
-    int64_t n = 0;
-    for (int64_t i = 0; i < cx; ++i)
-        for (int64_t j = 0; j < cy; ++j)
-            lines[n++] = FAST(line)(G, G->Hk, b, hk, fx + i * g->axis[0].dilation, fy + j * g->axis[1].dilation);
-    return n;
-}
-
-/* The query rows (x, y) that see key row (kx, ky): rows as (x*Y + y), returns their count. */
-static int64_t FAST(inverse_rows)(const FAST(geo) *G, const nbhd_geometry *g, int64_t kx,
-                                  int64_t ky, int64_t *xy) {
-    int64_t fx, cx, fy, cy;
-    nbhd_inverse_window(&g->axis[0], kx, &fx, &cx);
-    nbhd_inverse_window(&g->axis[1], ky, &fy, &cy);
-    int64_t n = 0;
-    for (int64_t i = 0; i < cx; ++i)
-        for (int64_t j = 0; j < cy; ++j)
-            xy[n++] = (fx + i * g->axis[0].dilation) * G->Y + fy + j * g->axis[1].dilation;
-    return n;
-}
-
 /* Splits nrows rows x n slots into units of at most SMAX slot vectors: calls
  * the body (last argument) with rows [r0, r0+nr) and slots [c0, c0+nn). */
 #define FOR_UNITS(nrows, n, r0, nr, c0, nn, ...)                                         \
@@ -1350,11 +1324,19 @@ static void FAST(kv_unit)(FAST(scratch) *s, const float *KA, const float *VA, in
 
 nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
                                          const nbhd_exec *e) {
-    if (!FAST(tile_lines)(e, 1))
+    const int lines = FAST(tile_lines)(e, MAXLINES);
+    if (!lines)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED,
                          "exec.q_tile/kv_tile is not a tile of the fast CPU backward (see nbhd_tile_configs)");
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory");
+    /* blocks of query lines (pass 1) and of key lines (pass 2) along Y */
+    FAST(yblocks) YB;
+    if (!FAST(yblocks_init)(&YB, &g->axis[1], lines)) {
+        FAST(geo_free)(&G);
+        return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory");
+    }
+    const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation;
     const nbhd_dtype dt = g->dtype;
     const FAST(layout_t) L = FAST(layout)(g, NBHD_OP_BACKWARD);
     float *ws = FAST(ws_base)(e);
@@ -1365,8 +1347,8 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
     const float qmul = (float)(g->scale * LOG2E);
     int64_t max_rows = (int64_t)g->axis[0].kernel * g->axis[1].kernel;
     if (max_rows < G.X * G.Y) max_rows = G.X * G.Y;  /* inverse windows and extra keys */
-    const int64_t work_q = G.B * G.H * G.X * G.Y * G.nchunks;
-    const int64_t work_k = G.B * G.Hk * G.X * G.Y * G.nchunks;
+    const int64_t work_q = G.B * G.H * G.X * YB.n * G.nchunks;
+    const int64_t work_k = G.B * G.Hk * G.X * YB.n * G.nchunks;
     const int64_t xchunks = (G.S + 15) / 16, work_x = G.B * G.Hk * xchunks;
     int failed = 0;
 #pragma omp parallel num_threads(FAST(threads)(e))
@@ -1406,107 +1388,208 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             }
         }
         FAST(scratch) s;
+        memset(&s, 0, sizeof s);
         const int ok = FAST(scratch_alloc)(&s, &G, max_rows);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-        int64_t *xy = s.lines;
 
-        /* pass 1, query-stationary: dQ = scale sum_j dS_ij k_j */
+        /* line-blocked scratch of passes 1 and 2 */
+        float *lS[MAXLINES], *lT[MAXLINES], *lA1[MAXLINES], *lA2[MAXLINES], *lO1[MAXLINES], *lO2[MAXLINES];
+        int8_t *lra = NULL, *lrb = NULL;
+        const float **lv1 = NULL, **lv2 = NULL;
+        const int64_t wdim = D > Dv ? D : Dv;
+        void *lmem = malloc(sizeof(float) * MAXLINES * (2 * (size_t)SMAX * 16 + 4 * (size_t)wdim * 16) +
+                            SMAX * (2 + 2 * sizeof(float *)) + 128);
+        if (!lmem) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            float *f = (float *)(((uintptr_t)lmem + 63) & ~(uintptr_t)63);
+            for (int r = 0; r < MAXLINES; ++r) {
+                lS[r] = f; f += SMAX * 16; lT[r] = f; f += SMAX * 16;
+                lA1[r] = f; f += wdim * 16; lA2[r] = f; f += wdim * 16;
+                lO1[r] = f; f += wdim * 16; lO2[r] = f; f += wdim * 16;
+            }
+            lv1 = (const float **)f;
+            lv2 = lv1 + SMAX;
+            lra = (int8_t *)(lv2 + SMAX);
+            lrb = lra + SMAX;
+        }
+        const int run = ok && lmem;
+
+        /* pass 1, query-stationary over blocks of query lines (as the forward's):
+         * S = Q.k, T = dO.v, P = exp2(S - L), dS = P (T - D), dQ += dS k */
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work_q; ++w) {
-            if (!ok) continue;
+            if (!run) continue;
             /* heads innermost: neighbouring work items share token rows (cache lines) */
-            const int64_t h = w % G.H, ch = (w / G.H) % G.nchunks, y = (w / (G.H * G.nchunks)) % G.Y,
-                          x = (w / (G.H * G.nchunks * G.Y)) % G.X,
-                          b = w / (G.H * G.nchunks * G.Y * G.X), hk = h / G.G;
+            const int64_t h = w % G.H, ch = (w / G.H) % G.nchunks, yb = (w / (G.H * G.nchunks)) % YB.n,
+                          x = (w / (G.H * G.nchunks * YB.n)) % G.X,
+                          b = w / (G.H * G.nchunks * YB.n * G.X), hk = h / G.G;
             const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
             for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
             FAST(zdesc) zd;
             FAST(zdesc_window)(&zd, &g->axis[2], i0, nl, Lg);
-            const int64_t lq = FAST(line)(&G, G.H, b, h, x, y), at_q = G.goff[gr] + i0;
-            float *Q = s.A1, *dO = s.A2, *dQ = s.O1;
-            for (int64_t d = 0; d < D; ++d) vf_store(Q + 16 * d, vf_load(QT + lq * D * ZP + d * ZP + at_q));
-            for (int64_t d = 0; d < Dv; ++d) vf_store(dO + 16 * d, vf_load(DOT + lq * Dv * ZP + d * ZP + at_q));
-            const vf Lq = vf_load(LR + lq * ZP + at_q), Dq = vf_load(DR + lq * ZP + at_q);
-            memset(dQ, 0, sizeof(float) * 16 * (size_t)D);
-            /* S = Q.k, P = exp2(S - L), dS = P (dO.v - D), dQ += dS k */
-#define DQ_UNIT(nr, nn, ld, bcast, masked, pos0)                                         \
-    do {                                                                                 \
-        FAST(score_rows)(s.S, Q, D, s.p1, nr, nn, ld, bcast, 0);                         \
-        if (masked) FAST(apply_mask)(s.S, nr, nn, &zd, pos0, -INFINITY);                 \
-        FAST(score_rows)(s.T, dO, Dv, s.p2, nr, nn, ld, bcast, 0);                       \
-        for (int64_t c = 0; c < (nr) * (nn); ++c) {                                      \
-            const vf p = vf_exp2(vf_sub(vf_load(s.S + 16 * c), Lq));                     \
-            vf_store(s.T + 16 * c, vf_mul(p, vf_sub(vf_load(s.T + 16 * c), Dq)));        \
-        }                                                                                \
-        FAST(accum_rows)(dQ, D, s.T, s.p1, nr, nn, ld, bcast);                           \
-    } while (0)
-            const int64_t nrows = FAST(window_rows)(&G, g, b, hk, x, y, s.lines);
-            FOR_UNITS(nrows, zd.n, r0, nr, c0, nn, {
-                for (int64_t r = 0; r < nr; ++r) {
-                    const int64_t ln = s.lines[r0 + r], at = G.goff[gr] + zd.base + c0;
-                    s.p1[r] = KT + ln * D * ZP + at;
-                    s.p2[r] = VT + ln * Dv * ZP + at;
-                }
-                DQ_UNIT(nr, nn, ZP, zd.bcast, zd.masked, zd.base + c0);
-            })
-            if (G.S) {
-                const int64_t bh = b * G.Hk + hk;
-                FOR_UNITS(1, G.S, r0, nr, c0, nn, {
-                    (void)r0; (void)nr;
-                    s.p1[0] = KXT + bh * D * SP + c0;
-                    s.p2[0] = VXT + bh * Dv * SP + c0;
-                    DQ_UNIT(1, nn, SP, 1, 0, 0);
-                })
+            const int64_t gy = YB.g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
+            const int nly = (int)(Lgy - YB.i0[yb] < lines ? Lgy - YB.i0[yb] : lines);
+            int64_t ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
+            vf Lq[MAXLINES], Dq[MAXLINES];
+            for (int r = 0; r < nly; ++r) {
+                ys[r] = gy + (YB.i0[yb] + r) * dy;
+                nbhd_window(&g->axis[1], ys[r], &fy[r], &cy[r]);
+                ua[r] = (fy[r] - fy[0]) / dy;
+                ub[r] = ua[r] + cy[r];
+                const int64_t lq = FAST(line)(&G, G.H, b, h, x, ys[r]), at_q = G.goff[gr] + i0;
+                for (int64_t d = 0; d < D; ++d) vf_store(lA1[r] + 16 * d, vf_load(QT + lq * D * ZP + d * ZP + at_q));
+                for (int64_t d = 0; d < Dv; ++d) vf_store(lA2[r] + 16 * d, vf_load(DOT + lq * Dv * ZP + d * ZP + at_q));
+                Lq[r] = vf_load(LR + lq * ZP + at_q);
+                Dq[r] = vf_load(DR + lq * ZP + at_q);
+                memset(lO1[r], 0, sizeof(float) * 16 * (size_t)D);
             }
-#undef DQ_UNIT
+            const int64_t U = ub[nly - 1];
+            int64_t fx, cx;
+            nbhd_window(&g->axis[0], x, &fx, &cx);
+            FOR_UNITS(cx * U, zd.n, q0, nq, c0, nn, {
+                int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+                for (int64_t t = 0; t < nq; ++t) {
+                    const int64_t q = q0 + t, u = q % U, kx = fx + (q / U) * dx;
+                    int ra = 0, rb = 0;
+                    while (ra < nly && ub[ra] <= u) ++ra;
+                    rb = ra;
+                    while (rb < nly && ua[rb] <= u) ++rb;
+                    const int64_t ln = FAST(line)(&G, G.Hk, b, hk, kx, fy[0] + u * dy),
+                                  at = G.goff[gr] + zd.base + c0;
+                    float *Sr[MAXLINES], *Tr[MAXLINES];
+                    for (int r = ra; r < rb; ++r) { Sr[r - ra] = lS[r] + 16 * nn * cnt[r]; Tr[r - ra] = lT[r] + 16 * nn * cnt[r]++; }
+                    const float *krow = KT + ln * D * ZP + at, *vrow = VT + ln * Dv * ZP + at;
+                    FAST(score_lines)(Sr, (const float *const *)lA1 + ra, rb - ra, D, krow, ZP, nn, zd.bcast);
+                    FAST(score_lines)(Tr, (const float *const *)lA2 + ra, rb - ra, Dv, vrow, ZP, nn, zd.bcast);
+                    for (int r = ra; r < rb; ++r) {
+                        float *S = Sr[r - ra], *T = Tr[r - ra];
+                        if (zd.masked) FAST(apply_mask)(S, 1, nn, &zd, zd.base + c0, -INFINITY);
+                        for (int64_t c = 0; c < nn; ++c) {
+                            const vf p = vf_exp2(vf_sub(vf_load(S + 16 * c), Lq[r]));
+                            vf_store(T + 16 * c, vf_mul(p, vf_sub(vf_load(T + 16 * c), Dq[r])));
+                        }
+                    }
+                    lra[t] = (int8_t)ra;
+                    lrb[t] = (int8_t)rb;
+                    lv1[t] = krow;
+                }
+                const FAST(rowset) rs = {lra, lrb, lv1, nq};
+                FAST(values_lines)(lO1, nly, D, (const float *const *)lT, &rs, nn, ZP, zd.bcast);
+            })
             float mul[16];
             for (int l = 0; l < 16; ++l) mul[l] = (float)g->scale;
-            FAST(store_lanes)(&a->d_q, dt, D, b, x, y, zl, nl, h, dQ, mul);
+            for (int r = 0; r < nly; ++r) {
+                float *Q = lA1[r], *dO = lA2[r], *dQ = lO1[r];
+                const vf Lqr = Lq[r], Dqr = Dq[r];
+                if (G.S) {
+                    const int64_t bh = b * G.Hk + hk;
+                    FOR_UNITS(1, G.S, r0, nr, c0, nn, {
+                        (void)r0; (void)nr;
+                        s.p1[0] = KXT + bh * D * SP + c0;
+                        s.p2[0] = VXT + bh * Dv * SP + c0;
+                        FAST(score_rows)(s.S, Q, D, s.p1, 1, nn, SP, 1, 0);
+                        FAST(score_rows)(s.T, dO, Dv, s.p2, 1, nn, SP, 1, 0);
+                        for (int64_t c = 0; c < nn; ++c) {
+                            const vf p = vf_exp2(vf_sub(vf_load(s.S + 16 * c), Lqr));
+                            vf_store(s.T + 16 * c, vf_mul(p, vf_sub(vf_load(s.T + 16 * c), Dqr)));
+                        }
+                        FAST(accum_rows)(dQ, D, s.T, s.p1, 1, nn, SP, 1);
+                    })
+                }
+                FAST(store_lanes)(&a->d_q, dt, D, b, x, ys[r], zl, nl, h, dQ, mul);
+            }
         }
 
-        /* pass 2, key-stationary over the inverse neighborhood, all heads of the GQA group */
+        /* pass 2, key-stationary over blocks of key lines and their inverse neighborhoods, all
+         * heads of the GQA group: keys in lanes, queries in slots;
+         * S = K.q, T = V.dO, P = exp2(S - L_q), dS = P (T - D_q), dV += P dO, dK += dS q */
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work_k; ++w) {
-            if (!ok) continue;
+            if (!run) continue;
             const int64_t hk = w % G.Hk, ch = (w / G.Hk) % G.nchunks,
-                          y = (w / (G.Hk * G.nchunks)) % G.Y, x = (w / (G.Hk * G.nchunks * G.Y)) % G.X,
-                          b = w / (G.Hk * G.nchunks * G.Y * G.X);
+                          yb = (w / (G.Hk * G.nchunks)) % YB.n, x = (w / (G.Hk * G.nchunks * YB.n)) % G.X,
+                          b = w / (G.Hk * G.nchunks * YB.n * G.X);
             const int64_t gr = G.chunk_g[ch], j0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - j0 < 16 ? Lg - j0 : 16);
             int64_t zl[NBHD_LANES];
             for (int l = 0; l < nl; ++l) zl[l] = gr + (j0 + l) * G.dil;
             FAST(zdesc) zd;
             FAST(zdesc_inverse)(&zd, &g->axis[2], gr, j0, nl);
-            const int64_t lk = FAST(line)(&G, G.Hk, b, hk, x, y), at_k = G.goff[gr] + j0;
-            float *KA = s.A1, *VA = s.A2, *dK = s.O1, *dV = s.O2;
-            for (int64_t d = 0; d < D; ++d) vf_store(KA + 16 * d, vf_load(KT + lk * D * ZP + d * ZP + at_k));
-            for (int64_t d = 0; d < Dv; ++d) vf_store(VA + 16 * d, vf_load(VT + lk * Dv * ZP + d * ZP + at_k));
-            memset(dK, 0, sizeof(float) * 16 * (size_t)D);
-            memset(dV, 0, sizeof(float) * 16 * (size_t)Dv);
-            const int64_t nrows = FAST(inverse_rows)(&G, g, x, y, xy);
-            for (int64_t h = hk * G.G; h < (hk + 1) * G.G; ++h) {
+            const int64_t gy = YB.g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
+            const int nly = (int)(Lgy - YB.i0[yb] < lines ? Lgy - YB.i0[yb] : lines);
+            int64_t ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
+            for (int r = 0; r < nly; ++r) {
+                ys[r] = gy + (YB.i0[yb] + r) * dy;
+                nbhd_inverse_window(&g->axis[1], ys[r], &fy[r], &cy[r]);
+                const int64_t lk = FAST(line)(&G, G.Hk, b, hk, x, ys[r]), at_k = G.goff[gr] + j0;
+                for (int64_t d = 0; d < D; ++d) vf_store(lA1[r] + 16 * d, vf_load(KT + lk * D * ZP + d * ZP + at_k));
+                for (int64_t d = 0; d < Dv; ++d) vf_store(lA2[r] + 16 * d, vf_load(VT + lk * Dv * ZP + d * ZP + at_k));
+                memset(lO1[r], 0, sizeof(float) * 16 * (size_t)D);
+                memset(lO2[r], 0, sizeof(float) * 16 * (size_t)Dv);
+            }
+            /* lines whose inverse window is empty (possible with causal or stride) see no query */
+            int first = 0;
+            while (first < nly && cy[first] == 0) ++first;
+            for (int r = 0; r < nly; ++r) {
+                ua[r] = cy[r] ? (fy[r] - fy[first]) / dy : 0;
+                ub[r] = cy[r] ? ua[r] + cy[r] : 0;
+            }
+            int64_t fx, cx;
+            nbhd_inverse_window(&g->axis[0], x, &fx, &cx);
+            int64_t U = 0;
+            for (int r = first; r < nly; ++r) if (ub[r] > U) U = ub[r];
+            for (int64_t h = hk * G.G; first < nly && h < (hk + 1) * G.G; ++h) {
                 const int64_t l0 = (b * G.H + h) * G.X * G.Y;
-                FOR_UNITS(nrows, zd.n, r0, nr, c0, nn, {
-                    for (int64_t r = 0; r < nr; ++r) {
-                        const int64_t ln = l0 + xy[r0 + r], at = G.goff[gr] + zd.base + c0;
-                        s.p1[r] = QT + ln * D * ZP + at;
-                        s.p2[r] = DOT + ln * Dv * ZP + at;
-                        s.p3[r] = LR + ln * ZP + at;
-                        s.p4[r] = DR + ln * ZP + at;
+                FOR_UNITS(cx * U, zd.n, q0, nq, c0, nn, {
+                    int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+                    for (int64_t t = 0; t < nq; ++t) {
+                        const int64_t q = q0 + t, u = q % U, qx = fx + (q / U) * dx;
+                        /* lines seeing query row u: contiguous, empty ones skipped */
+                        int ra = first, rb;
+                        while (ra < nly && (cy[ra] == 0 || ub[ra] <= u)) ++ra;
+                        rb = ra;
+                        while (rb < nly && cy[rb] && ua[rb] <= u) ++rb;
+                        const int64_t ln = l0 + qx * G.Y + fy[first] + u * dy, at = G.goff[gr] + zd.base + c0;
+                        const float *qrow = QT + ln * D * ZP + at, *orow = DOT + ln * Dv * ZP + at;
+                        const float *lrow = LR + ln * ZP + at, *drow = DR + ln * ZP + at;
+                        float *Sr[MAXLINES], *Tr[MAXLINES];
+                        for (int r = ra; r < rb; ++r) { Sr[r - ra] = lS[r] + 16 * nn * cnt[r]; Tr[r - ra] = lT[r] + 16 * nn * cnt[r]++; }
+                        FAST(score_lines)(Sr, (const float *const *)lA1 + ra, rb - ra, D, qrow, ZP, nn, zd.bcast);
+                        FAST(score_lines)(Tr, (const float *const *)lA2 + ra, rb - ra, Dv, orow, ZP, nn, zd.bcast);
+                        for (int r = ra; r < rb; ++r) {
+                            float *S = Sr[r - ra], *T = Tr[r - ra];
+                            if (zd.masked) FAST(apply_mask)(S, 1, nn, &zd, zd.base + c0, -INFINITY);
+                            for (int64_t c = 0; c < nn; ++c) {
+                                const vf Lv = FAST(opnd)(lrow + c, zd.bcast), Dd = FAST(opnd)(drow + c, zd.bcast);
+                                const vf p = vf_exp2(vf_sub(vf_load(S + 16 * c), Lv));
+                                vf_store(S + 16 * c, p);
+                                vf_store(T + 16 * c, vf_mul(p, vf_sub(vf_load(T + 16 * c), Dd)));
+                            }
+                        }
+                        lra[t] = (int8_t)ra;
+                        lrb[t] = (int8_t)rb;
+                        lv1[t] = orow;
+                        lv2[t] = qrow;
                     }
-                    FAST(kv_unit)(&s, KA, VA, D, Dv, nr, nn, ZP, zd.bcast, &zd, zd.base + c0, dK, dV);
+                    const FAST(rowset) rs_v = {lra, lrb, lv1, nq}, rs_k = {lra, lrb, lv2, nq};
+                    FAST(values_lines)(lO2, nly, Dv, (const float *const *)lS, &rs_v, nn, ZP, zd.bcast);
+                    FAST(values_lines)(lO1, nly, D, (const float *const *)lT, &rs_k, nn, ZP, zd.bcast);
                 })
             }
             /* dK = scale sum dS q = (sum dS Q^T_packed) / log2e */
             float mk[16], mv[16];
             for (int l = 0; l < 16; ++l) { mk[l] = (float)LN2; mv[l] = 1.0f; }
-            FAST(store_lanes)(&a->d_k, dt, D, b, x, y, zl, nl, hk, dK, mk);
-            FAST(store_lanes)(&a->d_v, dt, Dv, b, x, y, zl, nl, hk, dV, mv);
+            for (int r = 0; r < nly; ++r) {
+                FAST(store_lanes)(&a->d_k, dt, D, b, x, ys[r], zl, nl, hk, lO1[r], mk);
+                FAST(store_lanes)(&a->d_v, dt, Dv, b, x, ys[r], zl, nl, hk, lO2[r], mv);
+            }
         }
 
         /* pass 3: the extra keys are seen by every query of every head in the group */
@@ -1544,8 +1627,10 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                 for (int64_t d = 0; d < Dv; ++d) FAST(st)(a->d_vx.data, ov + d * a->d_vx.stride[5], dt, dV[16 * d + l]);
             }
         }
+        free(lmem);
         if (ok) free(s.mem);
     }
+    free(YB.g);
     FAST(geo_free)(&G);
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for per-thread scratch")
                   : NBHD_OK;

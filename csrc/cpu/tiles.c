@@ -3,9 +3,9 @@
  * query patch a thread owns and the key tiles it walks, per problem axis.
  *
  * Query patch: 16 consecutive queries along the last axis (the SIMD lanes) times `lines`
- * neighbouring queries along the axis before it (rank >= 2), 1 on the others. The forward and
- * forward+JVP run 4, 2 or 1 lines (4 first: each key row it loads serves up to 4 lines); the
- * backward runs 1. Key tile: the kernels walk the union of the patch's windows one key row
+ * neighbouring queries along the axis before it (rank >= 2), 1 on the others: 4, 2 or 1 lines
+ * (4 first: each key row loaded serves up to 4 lines; the backward's key-stationary pass blocks
+ * as many key lines the same way). Key tile: the kernels walk the union of the patch's windows one key row
  * (all of the last axis, 16 positions per vector) at a time, so it is 16 along the last axis
  * and 1 elsewhere. The scalar reference kernels (fp64, rank 0, the tangent backward) have no
  * tiles.
@@ -19,7 +19,7 @@ int32_t nbhd_cpu_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
     const int fast_dtype = g->dtype == NBHD_F32 || g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
     const int fast_op = op != NBHD_OP_FORWARD_JVP_BACKWARD;
     if (!fast_dtype || !fast_op || !g->has_window || rank < 1) return 0;
-    const int blocked = rank >= 2 && (op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP);
+    const int blocked = rank >= 2;
     const int32_t count = blocked ? (int32_t)(sizeof forward_lines / sizeof forward_lines[0]) : 1;
     for (int32_t i = 0; i < count && i < max; ++i) {
         for (int a = 0; a < rank; ++a) out[i].q_tile[a] = out[i].kv_tile[a] = 1;
