@@ -11,6 +11,7 @@ CASES = [
     (3, (5, 6, 7), (3, 3, 4), (1, 1, 2), (1, 2, 1), (True, False, False), 2, 1, 128, 5, torch.bfloat16),
     (2, (7, 8), (3, 4), (1, 1), (1, 1), (False, False), 2, 2, 24, 2, torch.float32),
     (0, (9,), (), (), (), (), 2, 1, 64, 17, torch.bfloat16),
+    (1, (600,), (520,), (1,), (1,), (False,), 1, 1, 128, 0, torch.bfloat16),  # 64-key tiles
 ]
 
 for use_ref in (False, True):

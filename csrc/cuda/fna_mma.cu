@@ -31,7 +31,9 @@
 
 template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windows */,
           int RANK /* patch shape: 1, 2 or 3 (mma_rank_of) */,
-          int MINB /* CTAs per SM the registers are budgeted for */>
+          int MINB /* CTAs per SM the registers are budgeted for */,
+          bool QREG /* Q fragments held in registers (else re-read from shared memory per tile,
+                       32 registers fewer at D = 128) */>
 __global__ void __launch_bounds__(MMA_THREADS, MINB)
 fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -204,13 +206,14 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        if (t == 0) {
+        auto load_qf = [&](int kk, uint32_t f[4]) {
+            const int row = w * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+            const int col = kk * 16 + (lane >> 4) * 8;
+            ldmatrix_x4(f, smem_u32(Qs + swz<HD>(row, col)));
+        };
+        if (QREG && t == 0) {
 #pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk) {
-                const int row = w * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-                const int col = kk * 16 + (lane >> 4) * 8;
-                ldmatrix_x4(qf[kk], smem_u32(Qs + swz<HD>(row, col)));
-            }
+            for (int kk = 0; kk < HD / 16; ++kk) load_qf(kk, qf[kk]);
         }
         const T *Kt = Ks + s * BN * HD, *Vt = Vs + s * BN * HD;
         const int *kct = kc + s * RANK * BN;
@@ -246,6 +249,12 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
             for (int k = 0; k < BN / 8; ++k) sc[k][0] = sc[k][1] = sc[k][2] = sc[k][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
+                uint32_t qk[4];
+                if (QREG) {
+                    qk[0] = qf[kk][0]; qk[1] = qf[kk][1]; qk[2] = qf[kk][2]; qk[3] = qf[kk][3];
+                } else {
+                    load_qf(kk, qk);
+                }
 #pragma unroll
                 for (int nb2 = 0; nb2 < BN / 16; ++nb2) {
                     uint32_t kf[4];
@@ -253,8 +262,8 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                     const int row = nb2 * 16 + (mat >> 1) * 8 + (lane & 7);
                     const int col = kk * 16 + (mat & 1) * 8;
                     ldmatrix_x4(kf, smem_u32(Kt + swz<HD>(row, col)));
-                    mma16816<T>(sc[2 * nb2], qf[kk], kf[0], kf[1]);
-                    mma16816<T>(sc[2 * nb2 + 1], qf[kk], kf[2], kf[3]);
+                    mma16816<T>(sc[2 * nb2], qk, kf[0], kf[1]);
+                    mma16816<T>(sc[2 * nb2 + 1], qk, kf[2], kf[3]);
                 }
             }
             // scale to base 2 and mask: key column nb*8 + 2*cq + e
@@ -432,12 +441,12 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
-template <typename T, int HD, int BN, int RANK, int MINB>
+template <typename T, int HD, int BN, int RANK, int MINB, bool QREG>
 static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                              cudaStream_t st) {
     const size_t smem = sizeof(T) * (size_t)(BM * HD + 4 * BN * HD) + sizeof(int) * 2 * RANK * BN;
     /* per device and cheap: set on every launch (legal during stream capture) */
-    if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN, RANK, MINB>,
+    if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN, RANK, MINB, QREG>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
         return nbhd_fail(NBHD_ERR_DEVICE, "mma forward: cannot reserve %zu bytes of shared memory: %s",
@@ -447,36 +456,36 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a,
     if (ctas > 0x7fffffff)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward: %lld CTAs exceed the grid limit",
                          (long long)ctas);
-    fna_mma_forward_kernel<T, HD, BN, RANK, MINB><<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
+    fna_mma_forward_kernel<T, HD, BN, RANK, MINB, QREG><<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward");
     return NBHD_OK;
 }
 
-template <typename T, int HD, int BN, int MINB>
+template <typename T, int HD, int BN, int MINB, bool QREG>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
     const mma_plan P = mma_plan_of(g);
     switch (P.rank) {
-    case 1: return launch_bn<T, HD, BN, 1, MINB>(g, a, P, st);
-    case 2: return launch_bn<T, HD, BN, 2, MINB>(g, a, P, st);
-    default: return launch_bn<T, HD, BN, 3, MINB>(g, a, P, st);
+    case 1: return launch_bn<T, HD, BN, 1, MINB, QREG>(g, a, P, st);
+    case 2: return launch_bn<T, HD, BN, 2, MINB, QREG>(g, a, P, st);
+    default: return launch_bn<T, HD, BN, 3, MINB, QREG>(g, a, P, st);
     }
 }
 
 /* Small windows (|window| < 512 keys) take 32-key tiles: finer per-warp tile skipping and
  * less padding of the union; large ones 64-key tiles (more work per barrier). The 32-key
- * kernels budget registers for 3 CTAs per SM (12 warps: the loop is latency-bound, and on an
- * H200 3 CTAs beat 2 by 4-8 % at D = 128 despite a few spilled bytes); the 64-key ones for 2.
- * A/B switches for bench/ab_fwd.py, read per launch: NBHD_MMA_FWD_BN=32|64 forces the key
- * tile, NBHD_MMA_FWD_OCC=2 budgets the D = 128 32-key kernel for 2 CTAs per SM. */
+ * kernels budget registers for 3 CTAs per SM (12 warps: the loop is latency-bound; on an H200
+ * 3 CTAs beat 2 by 4-8 % at D = 128 despite a few spilled bytes) and, at D = 128, re-read Q
+ * from shared memory each tile (equal on the 2-D problems, 5 % faster on 3-D 7^3); the 64-key
+ * ones keep Q in registers with 2 CTAs per SM (re-reading Q there was 16 % slower on 1-D 2048).
+ * NBHD_MMA_FWD_BN=32|64 forces the key tile (A/B runs, bench/ab_fwd.py; read per launch). */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
     const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
     bool small_window = g->has_window && window < 512;
-    const char *bn = getenv("NBHD_MMA_FWD_BN"), *occ = getenv("NBHD_MMA_FWD_OCC");
+    const char *bn = getenv("NBHD_MMA_FWD_BN");
     if (bn && bn[0]) small_window = bn[0] == '3';
-    if (!small_window) return launch_rank<T, HD, 64, 2>(g, a, st);
-    if (HD == 128 && occ && occ[0] == '2') return launch_rank<T, HD, 32, 2>(g, a, st);
-    return launch_rank<T, HD, 32, 3>(g, a, st);
+    if (!small_window) return launch_rank<T, HD, 64, 2, true>(g, a, st);
+    return launch_rank<T, HD, 32, 3, HD != 128>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
