@@ -3,11 +3,26 @@
  * ACC (float or double) and FN(name) (adds the type suffix) defined. Not a public header.
  */
 
+/* One conversion loop per dtype (not a dtype switch per element), unit stride vectorised. */
+#define FN_LOAD_LOOP(expr)                                                   \
+    do {                                                                     \
+        if (s == 1)                                                          \
+            for (int i = 0; i < n; ++i) { const int64_t j = off + i; dst[i] = (ACC)(expr); } \
+        else                                                                 \
+            for (int i = 0; i < n; ++i) { const int64_t j = off + i * s; dst[i] = (ACC)(expr); } \
+    } while (0)
+
 static inline void FN(load_row)(ACC *dst, const nbhd_tensor *t, int64_t off, int n,
                                 nbhd_dtype dt) {
     const int64_t s = t->stride[5];
-    for (int i = 0; i < n; ++i) dst[i] = (ACC)nbhd_load(t->data, off + i * s, dt);
+    switch (dt) {
+    case NBHD_F64: FN_LOAD_LOOP(((const double *)t->data)[j]); break;
+    case NBHD_F32: FN_LOAD_LOOP(((const float *)t->data)[j]); break;
+    case NBHD_F16: FN_LOAD_LOOP(nbhd_f16_to_f32(((const uint16_t *)t->data)[j])); break;
+    case NBHD_BF16: FN_LOAD_LOOP(nbhd_bf16_to_f32(((const uint16_t *)t->data)[j])); break;
+    }
 }
+#undef FN_LOAD_LOOP
 
 /* Loads the n-th member of a key set: from t (box members) or tx (extra keys). */
 static inline void FN(load_member)(ACC *dst, const nbhd_keyset *ks, int64_t n,
@@ -24,6 +39,7 @@ static inline void FN(store_row)(const nbhd_tensor *t, int64_t off, const ACC *s
 
 static inline ACC FN(dot)(const ACC *x, const ACC *y, int n) {
     ACC acc = 0;
+#pragma omp simd reduction(+ : acc)
     for (int i = 0; i < n; ++i) acc += x[i] * y[i];
     return acc;
 }
