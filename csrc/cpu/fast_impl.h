@@ -139,14 +139,16 @@ typedef struct {
     size_t kt, vt, kxt, vxt, tkt, tvt, tkxt, tvxt, qt, dot, lr, dr, total;
 } FAST(layout_t);
 
-/* Key/value heads per slab of the forward and forward+JVP: as many as fit SLAB_BYTES packed
- * (the slab stays in cache while its work items read it), at least 1. */
+/* Key/value heads per slab (every kernel packs and runs one slab at a time): as many as fit
+ * SLAB_BYTES packed (the slab stays in cache while its work items read it), at least 1. */
 #define SLAB_BYTES ((size_t)8 << 20)
 static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
     const size_t ZP = (size_t)(g->axis[2].extent + PAD * g->axis[2].dilation);
     const size_t rows = (size_t)(g->axis[0].extent * g->axis[1].extent);
-    const size_t per_head = rows * ZP * sizeof(float) * (size_t)(g->head_dim + g->head_dim_v) *
-                            (op == NBHD_OP_FORWARD_JVP ? 2 : 1);
+    const size_t kv = (size_t)(g->head_dim + g->head_dim_v), group = (size_t)g->group;
+    /* forward: K, V; forward+JVP: and their tangents; backward: and the group's Q, dO, L, D */
+    const size_t per_row = op == NBHD_OP_FORWARD_JVP ? 2 * kv : op == NBHD_OP_BACKWARD ? kv + group * (kv + 2) : kv;
+    const size_t per_head = rows * ZP * sizeof(float) * per_row;
     int64_t n = (int64_t)(SLAB_BYTES / (per_head ? per_head : 1));
     n = n < 1 ? 1 : n > g->kv_heads ? g->kv_heads : n;
     const int64_t slabs = (g->kv_heads + n - 1) / n;
@@ -155,12 +157,11 @@ static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
 
 static FAST(layout_t) FAST(layout)(const nbhd_geometry *g, nbhd_op op) {
     const int64_t ZP = g->axis[2].extent + PAD * g->axis[2].dilation, SP = g->extra_kv;
-    /* forward and forward+JVP pack one slab of key heads at a time (it stays in cache) */
-    const size_t slabs = op == NBHD_OP_BACKWARD ? (size_t)(g->batch * g->kv_heads)
-                                                : (size_t)FAST(slab_heads)(g, op);
-    const size_t lk = slabs * (size_t)(g->axis[0].extent * g->axis[1].extent);
-    const size_t lq = (size_t)(g->batch * g->heads * g->axis[0].extent * g->axis[1].extent);
-    const size_t xk = slabs;
+    /* one slab of key heads (and their query heads) at a time: it stays in cache */
+    const size_t slab = (size_t)FAST(slab_heads)(g, op);
+    const size_t lk = slab * (size_t)(g->axis[0].extent * g->axis[1].extent);
+    const size_t lq = lk * (size_t)g->group;
+    const size_t xk = slab;
     const size_t D = (size_t)g->head_dim, Dv = (size_t)g->head_dim_v;
     FAST(layout_t) L;
     memset(&L, 0, sizeof L);
@@ -1347,46 +1348,11 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
     const float qmul = (float)(g->scale * LOG2E);
     int64_t max_rows = (int64_t)g->axis[0].kernel * g->axis[1].kernel;
     if (max_rows < G.X * G.Y) max_rows = G.X * G.Y;  /* inverse windows and extra keys */
-    const int64_t work_q = G.B * G.H * G.X * YB.n * G.nchunks;
-    const int64_t work_k = G.B * G.Hk * G.X * YB.n * G.nchunks;
-    const int64_t xchunks = (G.S + 15) / 16, work_x = G.B * G.Hk * xchunks;
+    const int64_t xchunks = (G.S + 15) / 16;
+    const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_BACKWARD), per_b = (G.Hk + nhk - 1) / nhk;
     int failed = 0;
 #pragma omp parallel num_threads(FAST(threads)(e))
     {
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < G.lines_k; ++it) {
-            const int64_t hk = it % G.Hk, y = (it / G.Hk) % G.Y, x = (it / (G.Hk * G.Y)) % G.X,
-                          b = it / (G.Hk * G.Y * G.X), ln = FAST(line)(&G, G.Hk, b, hk, x, y);
-            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
-            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
-        }
-        /* query lines: Q^T scale log2e, dO^T, LSE log2e, D = dO.O - dLSE */
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < G.lines_q; ++it) {
-            const int64_t h = it % G.H, y = (it / G.H) % G.Y, x = (it / (G.H * G.Y)) % G.X,
-                          b = it / (G.H * G.Y * G.X), ln = FAST(line)(&G, G.H, b, h, x, y);
-            FAST(pack_line)(QT + ln * D * ZP, &G, &a->q, dt, b, h, x, y, D, qmul);
-            float *dO = DOT + ln * Dv * ZP, *Lr = LR + ln * ZP, *Dr = DR + ln * ZP;
-            FAST(pack_line)(dO, &G, &a->d_out, dt, b, h, x, y, Dv, 1.0f);
-            for (int64_t z = 0; z < G.Z; ++z) {
-                const int64_t p = G.goff[z % G.dil] + z / G.dil, oo = FAST(off)(&a->out, b, x, y, z, h);
-                float Di = 0.0f;
-                for (int64_t d = 0; d < Dv; ++d)
-                    Di += dO[d * ZP + p] * FAST(ld)(a->out.data, oo + d * a->out.stride[5], dt);
-                if (a->d_lse.data) Di -= ((const float *)a->d_lse.data)[FAST(off)(&a->d_lse, b, x, y, z, h)];
-                Dr[p] = Di;
-                Lr[p] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
-            }
-            FAST(zero_margins)(Dr, &G, 1);
-            FAST(zero_margins)(Lr, &G, 1);
-        }
-        if (G.S) {
-#pragma omp for schedule(static)
-            for (int64_t bh = 0; bh < G.B * G.Hk; ++bh) {
-                FAST(pack_extra)(KXT + bh * D * SP, &G, &a->kx, dt, bh / G.Hk, bh % G.Hk, D, 1.0f);
-                FAST(pack_extra)(VXT + bh * Dv * SP, &G, &a->vx, dt, bh / G.Hk, bh % G.Hk, Dv, 1.0f);
-            }
-        }
         FAST(scratch) s;
         memset(&s, 0, sizeof s);
         const int ok = FAST(scratch_alloc)(&s, &G, max_rows);
@@ -1419,15 +1385,54 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
         }
         const int run = ok && lmem;
 
+        /* one slab (b, key heads [hk0, hk0 + nh), their query heads [h0, h0 + nqh)) at a time:
+         * pack it, then passes 1 to 3 over it; the barriers closing each loop order them */
+        for (int64_t slab = 0; slab < G.B * per_b; ++slab) {
+        const int64_t b = slab / per_b, hk0 = (slab % per_b) * nhk,
+                      nh = G.Hk - hk0 < nhk ? G.Hk - hk0 : nhk, rows = G.X * G.Y,
+                      h0 = hk0 * G.G, nqh = nh * G.G;
+        /* no barrier between independent loops (nowait); one after the packing, one at the end */
+#pragma omp for schedule(static) nowait
+        for (int64_t it = 0; it < nh * rows; ++it) {
+            /* heads innermost: each token's pages are visited once */
+            const int64_t hk = hk0 + it % nh, x = (it / nh) / G.Y, y = (it / nh) % G.Y,
+                          ln = (hk - hk0) * rows + it / nh;
+            FAST(pack_line)(KT + ln * D * ZP, &G, &a->k, dt, b, hk, x, y, D, 1.0f);
+            FAST(pack_line)(VT + ln * Dv * ZP, &G, &a->v, dt, b, hk, x, y, Dv, 1.0f);
+            if (G.S && ln % rows == 0) {
+                FAST(pack_extra)(KXT + (hk - hk0) * D * SP, &G, &a->kx, dt, b, hk, D, 1.0f);
+                FAST(pack_extra)(VXT + (hk - hk0) * Dv * SP, &G, &a->vx, dt, b, hk, Dv, 1.0f);
+            }
+        }
+        /* query lines: Q^T scale log2e, dO^T, LSE log2e, D = dO.O - dLSE */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < nqh * rows; ++it) {
+            const int64_t h = h0 + it % nqh, x = (it / nqh) / G.Y, y = (it / nqh) % G.Y,
+                          ln = (h - h0) * rows + it / nqh;
+            FAST(pack_line)(QT + ln * D * ZP, &G, &a->q, dt, b, h, x, y, D, qmul);
+            float *dO = DOT + ln * Dv * ZP, *Lr = LR + ln * ZP, *Dr = DR + ln * ZP;
+            FAST(pack_line)(dO, &G, &a->d_out, dt, b, h, x, y, Dv, 1.0f);
+            for (int64_t z = 0; z < G.Z; ++z) {
+                const int64_t p = G.goff[z % G.dil] + z / G.dil, oo = FAST(off)(&a->out, b, x, y, z, h);
+                float Di = 0.0f;
+                for (int64_t d = 0; d < Dv; ++d)
+                    Di += dO[d * ZP + p] * FAST(ld)(a->out.data, oo + d * a->out.stride[5], dt);
+                if (a->d_lse.data) Di -= ((const float *)a->d_lse.data)[FAST(off)(&a->d_lse, b, x, y, z, h)];
+                Dr[p] = Di;
+                Lr[p] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
+            }
+            FAST(zero_margins)(Dr, &G, 1);
+            FAST(zero_margins)(Lr, &G, 1);
+        }
         /* pass 1, query-stationary over blocks of query lines (as the forward's):
          * S = Q.k, T = dO.v, P = exp2(S - L), dS = P (T - D), dQ += dS k */
-#pragma omp for schedule(static)
+        const int64_t work_q = G.X * YB.n * G.nchunks * nqh;
+#pragma omp for schedule(static) nowait
         for (int64_t w = 0; w < work_q; ++w) {
             if (!run) continue;
             /* heads innermost: neighbouring work items share token rows (cache lines) */
-            const int64_t h = w % G.H, ch = (w / G.H) % G.nchunks, yb = (w / (G.H * G.nchunks)) % YB.n,
-                          x = (w / (G.H * G.nchunks * YB.n)) % G.X,
-                          b = w / (G.H * G.nchunks * YB.n * G.X), hk = h / G.G;
+            const int64_t h = h0 + w % nqh, ch = (w / nqh) % G.nchunks, yb = (w / (nqh * G.nchunks)) % YB.n,
+                          x = w / (nqh * G.nchunks * YB.n), hk = h / G.G;
             const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
             int64_t zl[NBHD_LANES];
@@ -1443,7 +1448,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                 nbhd_window(&g->axis[1], ys[r], &fy[r], &cy[r]);
                 ua[r] = (fy[r] - fy[0]) / dy;
                 ub[r] = ua[r] + cy[r];
-                const int64_t lq = FAST(line)(&G, G.H, b, h, x, ys[r]), at_q = G.goff[gr] + i0;
+                const int64_t lq = (h - h0) * rows + x * G.Y + ys[r], at_q = G.goff[gr] + i0;
                 for (int64_t d = 0; d < D; ++d) vf_store(lA1[r] + 16 * d, vf_load(QT + lq * D * ZP + d * ZP + at_q));
                 for (int64_t d = 0; d < Dv; ++d) vf_store(lA2[r] + 16 * d, vf_load(DOT + lq * Dv * ZP + d * ZP + at_q));
                 Lq[r] = vf_load(LR + lq * ZP + at_q);
@@ -1461,7 +1466,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                     while (ra < nly && ub[ra] <= u) ++ra;
                     rb = ra;
                     while (rb < nly && ua[rb] <= u) ++rb;
-                    const int64_t ln = FAST(line)(&G, G.Hk, b, hk, kx, fy[0] + u * dy),
+                    const int64_t ln = (hk - hk0) * rows + kx * G.Y + fy[0] + u * dy,
                                   at = G.goff[gr] + zd.base + c0;
                     float *Sr[MAXLINES], *Tr[MAXLINES];
                     for (int r = ra; r < rb; ++r) { Sr[r - ra] = lS[r] + 16 * nn * cnt[r]; Tr[r - ra] = lT[r] + 16 * nn * cnt[r]++; }
@@ -1489,7 +1494,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                 float *Q = lA1[r], *dO = lA2[r], *dQ = lO1[r];
                 const vf Lqr = Lq[r], Dqr = Dq[r];
                 if (G.S) {
-                    const int64_t bh = b * G.Hk + hk;
+                    const int64_t bh = hk - hk0;   /* the slab's extra keys */
                     FOR_UNITS(1, G.S, r0, nr, c0, nn, {
                         (void)r0; (void)nr;
                         s.p1[0] = KXT + bh * D * SP + c0;
@@ -1510,12 +1515,12 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
         /* pass 2, key-stationary over blocks of key lines and their inverse neighborhoods, all
          * heads of the GQA group: keys in lanes, queries in slots;
          * S = K.q, T = V.dO, P = exp2(S - L_q), dS = P (T - D_q), dV += P dO, dK += dS q */
-#pragma omp for schedule(static)
+        const int64_t work_k = G.X * YB.n * G.nchunks * nh;
+#pragma omp for schedule(static) nowait
         for (int64_t w = 0; w < work_k; ++w) {
             if (!run) continue;
-            const int64_t hk = w % G.Hk, ch = (w / G.Hk) % G.nchunks,
-                          yb = (w / (G.Hk * G.nchunks)) % YB.n, x = (w / (G.Hk * G.nchunks * YB.n)) % G.X,
-                          b = w / (G.Hk * G.nchunks * YB.n * G.X);
+            const int64_t hk = hk0 + w % nh, ch = (w / nh) % G.nchunks,
+                          yb = (w / (nh * G.nchunks)) % YB.n, x = w / (nh * G.nchunks * YB.n);
             const int64_t gr = G.chunk_g[ch], j0 = G.chunk_i0[ch], Lg = G.glen[gr];
             const int nl = (int)(Lg - j0 < 16 ? Lg - j0 : 16);
             int64_t zl[NBHD_LANES];
@@ -1528,7 +1533,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             for (int r = 0; r < nly; ++r) {
                 ys[r] = gy + (YB.i0[yb] + r) * dy;
                 nbhd_inverse_window(&g->axis[1], ys[r], &fy[r], &cy[r]);
-                const int64_t lk = FAST(line)(&G, G.Hk, b, hk, x, ys[r]), at_k = G.goff[gr] + j0;
+                const int64_t lk = (hk - hk0) * rows + x * G.Y + ys[r], at_k = G.goff[gr] + j0;
                 for (int64_t d = 0; d < D; ++d) vf_store(lA1[r] + 16 * d, vf_load(KT + lk * D * ZP + d * ZP + at_k));
                 for (int64_t d = 0; d < Dv; ++d) vf_store(lA2[r] + 16 * d, vf_load(VT + lk * Dv * ZP + d * ZP + at_k));
                 memset(lO1[r], 0, sizeof(float) * 16 * (size_t)D);
@@ -1546,7 +1551,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             int64_t U = 0;
             for (int r = first; r < nly; ++r) if (ub[r] > U) U = ub[r];
             for (int64_t h = hk * G.G; first < nly && h < (hk + 1) * G.G; ++h) {
-                const int64_t l0 = (b * G.H + h) * G.X * G.Y;
+                const int64_t l0 = (h - h0) * rows;
                 FOR_UNITS(cx * U, zd.n, q0, nq, c0, nn, {
                     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
                     for (int64_t t = 0; t < nq; ++t) {
@@ -1593,11 +1598,12 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
         }
 
         /* pass 3: the extra keys are seen by every query of every head in the group */
+        const int64_t work_x = nh * xchunks;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work_x; ++w) {
             if (!ok) continue;
-            const int64_t xc = w % xchunks, hk = (w / xchunks) % G.Hk, b = w / (xchunks * G.Hk);
-            const int64_t e0 = xc * 16, bh = b * G.Hk + hk;
+            const int64_t xc = w % xchunks, hk = hk0 + w / xchunks;
+            const int64_t e0 = xc * 16, bh = hk - hk0;
             const int nl = (int)(G.S - e0 < 16 ? G.S - e0 : 16);
             float *KA = s.A1, *VA = s.A2, *dK = s.O1, *dV = s.O2;
             for (int64_t d = 0; d < D; ++d) vf_store(KA + 16 * d, vf_load(KXT + bh * D * SP + d * SP + e0));
@@ -1605,7 +1611,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             memset(dK, 0, sizeof(float) * 16 * (size_t)D);
             memset(dV, 0, sizeof(float) * 16 * (size_t)Dv);
             for (int64_t h = hk * G.G; h < (hk + 1) * G.G; ++h) {
-                const int64_t l0 = (b * G.H + h) * G.X * G.Y;
+                const int64_t l0 = (h - h0) * rows;
                 /* group by group: the zero margins between them are not queries */
                 for (int64_t gr = 0; gr < G.dil; ++gr) {
                     FOR_UNITS(G.X * G.Y, G.glen[gr], r0, nr, c0, nn, {
@@ -1626,6 +1632,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                 for (int64_t d = 0; d < D; ++d) FAST(st)(a->d_kx.data, ok_ + d * a->d_kx.stride[5], dt, (float)LN2 * dK[16 * d + l]);
                 for (int64_t d = 0; d < Dv; ++d) FAST(st)(a->d_vx.data, ov + d * a->d_vx.stride[5], dt, dV[16 * d + l]);
             }
+        }
         }
         free(lmem);
         if (ok) free(s.mem);
