@@ -19,13 +19,14 @@
 
 #define NBHD_LANES 16
 #define NBHD_ALWAYS_INLINE static inline __attribute__((always_inline))
-/* before a loop over register-held accumulators: unroll it fully, so they stay in registers */
-#define NBHD_UNROLL _Pragma("GCC unroll 16")
 
 #if defined(NBHD_SIMD_AVX512)
 #include <immintrin.h>
 
 typedef __m512 vf;
+
+/* before a loop over register-held accumulators: unroll it fully, so they stay in registers */
+#define NBHD_UNROLL _Pragma("GCC unroll 16")
 
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { _mm512_storeu_ps(p, x); }
@@ -108,6 +109,10 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
 #else /* portable: 16 floats, loops the compiler vectorises */
 
 typedef struct { float v[NBHD_LANES]; } vf;
+
+/* the accumulator blocks do not fit in registers here (2 ymm or 4 xmm per vf): unrolling them
+ * would only multiply the code */
+#define NBHD_UNROLL
 
 #define VF_MAP(expr) do { for (int l_ = 0; l_ < NBHD_LANES; ++l_) { expr; } } while (0)
 
