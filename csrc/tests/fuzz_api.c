@@ -430,6 +430,131 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
         tbuf_free(&JO); tbuf_free(&JL); tbuf_free(&JTO); tbuf_free(&JTL);
         free(tq); free(tk); free(tv); free(tkx); free(tvx);
     }
+    /* ---- backward through forward + JVP, from the oracle's (out, lse, tout, tlse) */
+    {
+        const int use_t = (int)(seed >> 16), pick = (int)(seed >> 24);
+        MAKE_IN(TQ, sq, dt, tq, 0, 1);
+        MAKE_IN(TK, sk, dt, tk, 0, 1);
+        MAKE_IN(TV, sv, dt, tv, 0, 1);
+        MAKE_IN(TKX, skx, dt, tkx, 0, 1);
+        MAKE_IN(TVX, svx, dt, tvx, 0, 1);
+        const int t0 = use_t & 1, t1 = (use_t >> 1) & 1 && has_k, t2 = (use_t >> 2) & 1 && has_k,
+                  t3 = (use_t >> 3) & 1 && has_x, t4 = (use_t >> 4) & 1 && has_x;
+        const int64_t no = dims_count(so), nl = dims_count(sl);
+        double *jo = dense_alloc(no), *jl = dense_alloc(nl), *jto = dense_alloc(no), *jtl = dense_alloc(nl);
+        naive_forward_jvp(p, q, k, v, kx, vx, t0 ? tq : NULL, t1 ? tk : NULL, t2 ? tv : NULL,
+                          t3 ? tkx : NULL, t4 ? tvx : NULL, jo, jl, jto, jtl);
+        MAKE_IN(Oi, so, dt, o_in, 0, 0);
+        memcpy(o_in, jo, sizeof(double) * (size_t)no);
+        tbuf_fill(&Oi, o_in);
+        MAKE_IN(Li, sl, lt, l_in, 1, 0);
+        memcpy(l_in, jl, sizeof(double) * (size_t)nl);
+        tbuf_fill(&Li, l_in);
+        MAKE_IN(TOi, so, dt, to_in, 0, 0);
+        memcpy(to_in, jto, sizeof(double) * (size_t)no);
+        tbuf_fill(&TOi, to_in);
+        MAKE_IN(TLi, sl, lt, tl_in, 1, 0);
+        memcpy(tl_in, jtl, sizeof(double) * (size_t)nl);
+        tbuf_fill(&TLi, tl_in);
+        MAKE_IN(dO, so, dt, dout, 0, 1);
+        MAKE_IN(dL, sl, lt, dlse, 1, 1);
+        MAKE_IN(dTO, so, dt, dtout, 0, 1);
+        MAKE_IN(dTL, sl, lt, dtlse, 1, 1);
+        const int c0 = pick & 1, c1 = (pick >> 1) & 1, c2 = (pick >> 2) & 1, c3 = (pick >> 3) & 1,
+                  with_dt = (pick >> 4) & 1;
+        MAKE_OUT(dQ, sq, dt, 0);
+        MAKE_OUT(dK, sk, dt, 0);
+        MAKE_OUT(dV, sv, dt, 0);
+        MAKE_OUT(dKX, skx, dt, 0);
+        MAKE_OUT(dVX, svx, dt, 0);
+        MAKE_OUT(dTQ, sq, dt, 0);
+        MAKE_OUT(dTK, sk, dt, 0);
+        MAKE_OUT(dTV, sv, dt, 0);
+        MAKE_OUT(dTKX, skx, dt, 0);
+        MAKE_OUT(dTVX, svx, dt, 0);
+        nbhd_forward_jvp_backward_args a = {
+            Q.t, tK, tV, tKX, tVX,
+            t0 ? TQ.t : fz_none(), t1 ? TK.t : fz_none(), t2 ? TV.t : fz_none(),
+            t3 ? TKX.t : fz_none(), t4 ? TVX.t : fz_none(),
+            Oi.t, Li.t, TOi.t, TLi.t,
+            c0 ? dO.t : fz_none(), c1 ? dL.t : fz_none(), c2 ? dTO.t : fz_none(), c3 ? dTL.t : fz_none(),
+            dQ.t, has_k ? dK.t : fz_none(), has_k ? dV.t : fz_none(),
+            has_x ? dKX.t : fz_none(), has_x ? dVX.t : fz_none(),
+            with_dt ? dTQ.t : fz_none(), with_dt && has_k ? dTK.t : fz_none(),
+            with_dt && has_k ? dTV.t : fz_none(), with_dt && has_x ? dTKX.t : fz_none(),
+            with_dt && has_x ? dTVX.t : fz_none()};
+        /* exec tiles were picked from the other ops' lists; keep them only if this op lists them */
+        nbhd_tile_config listed[64];
+        const int32_t n_listed = nbhd_tile_configs(p, NBHD_OP_FORWARD_JVP_BACKWARD, listed, 64);
+        int tile_listed = 0;
+        for (int i = 0; i < n_listed && i < 64; ++i) tile_listed |= fz_tile_matches(&listed[i], e, p->rank > 0 ? p->rank : 1);
+        if (!tile_listed) {
+            memset(e->q_tile, 0, sizeof e->q_tile);
+            memset(e->kv_tile, 0, sizeof e->kv_tile);
+        }
+        fz_workspace(p, NBHD_OP_FORWARD_JVP_BACKWARD, e);
+        nbhd_tensor *req[5] = {&a.q, &a.t_out, &a.t_lse, &a.d_q, has_k ? &a.d_v : &a.lse};
+        if (mode == 1) {
+            req[victim % 5]->data = NULL;
+            FZ_CHECK(nbhd_forward_jvp_backward(p, &a, e) == NBHD_ERR_ARG,
+                     "forward_jvp_backward accepted a NULL tensor");
+        } else if (mode == 2 && e->workspace_bytes) {
+            e->workspace_bytes--;
+            FZ_CHECK(nbhd_forward_jvp_backward(p, &a, e) == NBHD_ERR_WORKSPACE,
+                     "forward_jvp_backward accepted a short workspace");
+        } else {
+            FZ_CHECK(nbhd_forward_jvp_backward(p, &a, e) == NBHD_OK, "forward_jvp_backward failed");
+            const int64_t nq = dims_count(sq), nk = dims_count(sk), nv = dims_count(sv),
+                          nkx = dims_count(skx), nvx = dims_count(svx);
+            double *want[10], *scale[10];
+            const int64_t sizes[10] = {nq, nk, nv, nkx, nvx, nq, nk, nv, nkx, nvx};
+            for (int i = 0; i < 10; ++i) {
+                want[i] = dense_alloc(sizes[i] > 0 ? sizes[i] : 1);
+                scale[i] = dense_alloc(sizes[i] > 0 ? sizes[i] : 1);
+            }
+            const naive_jvp_backward_in in = {
+                q, k, v, kx, vx, t0 ? tq : NULL, t1 ? tk : NULL, t2 ? tv : NULL, t3 ? tkx : NULL,
+                t4 ? tvx : NULL, o_in, to_in, tl_in, c0 ? dout : NULL, c1 ? dlse : NULL,
+                c2 ? dtout : NULL, c3 ? dtlse : NULL};
+            for (int absolute = 0; absolute < 2; ++absolute) {
+                double **w = absolute ? scale : want;
+                naive_forward_jvp_backward(p, &in, absolute, w[0], has_k ? w[1] : NULL,
+                                           has_k ? w[2] : NULL, has_x ? w[3] : NULL,
+                                           has_x ? w[4] : NULL, with_dt ? w[5] : NULL,
+                                           with_dt && has_k ? w[6] : NULL,
+                                           with_dt && has_k ? w[7] : NULL,
+                                           with_dt && has_x ? w[8] : NULL,
+                                           with_dt && has_x ? w[9] : NULL);
+            }
+            /* every gradient is a sum of signed terms: its error scales with the terms' sizes */
+            double terms = 0;
+            for (int i = 0; i < 10; ++i)
+                for (int64_t j = 0; j < sizes[i]; ++j)
+                    if (scale[i][j] > terms) terms = scale[i][j];
+            const double saved_magnitude = fz_magnitude;
+            fz_magnitude = terms > 0 ? terms : 1e-300;
+            const tbuf *got[10] = {&dQ, &dK, &dV, &dKX, &dVX, &dTQ, &dTK, &dTV, &dTKX, &dTVX};
+            static const char *names[10] = {
+                "backward_jvp dq", "backward_jvp dk", "backward_jvp dv", "backward_jvp dkx",
+                "backward_jvp dvx", "backward_jvp dtq", "backward_jvp dtk", "backward_jvp dtv",
+                "backward_jvp dtkx", "backward_jvp dtvx"};
+            for (int i = 0; i < 10; ++i) {
+                const int present = (i % 5 == 0 || ((i % 5 == 1 || i % 5 == 2) ? has_k : has_x)) &&
+                                    (i < 5 || with_dt);
+                if (present) fz_close(p, names[i], got[i], want[i], tol);
+            }
+            fz_magnitude = saved_magnitude;
+            for (int i = 0; i < 10; ++i) { free(want[i]); free(scale[i]); }
+        }
+        free(e->workspace);
+        tbuf_free(&TQ); tbuf_free(&TK); tbuf_free(&TV); tbuf_free(&TKX); tbuf_free(&TVX);
+        tbuf_free(&Oi); tbuf_free(&Li); tbuf_free(&TOi); tbuf_free(&TLi);
+        tbuf_free(&dO); tbuf_free(&dL); tbuf_free(&dTO); tbuf_free(&dTL);
+        tbuf_free(&dQ); tbuf_free(&dK); tbuf_free(&dV); tbuf_free(&dKX); tbuf_free(&dVX);
+        tbuf_free(&dTQ); tbuf_free(&dTK); tbuf_free(&dTV); tbuf_free(&dTKX); tbuf_free(&dTVX);
+        free(tq); free(tk); free(tv); free(tkx); free(tvx); free(jo); free(jl); free(jto); free(jtl);
+        free(o_in); free(l_in); free(to_in); free(tl_in); free(dout); free(dlse); free(dtout); free(dtlse);
+    }
     tbuf_free(&Q); tbuf_free(&K); tbuf_free(&V); tbuf_free(&KX); tbuf_free(&VX);
     free(q); free(k); free(v); free(kx); free(vx); free(out); free(lse);
 #undef MAKE_IN

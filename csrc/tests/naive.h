@@ -253,4 +253,105 @@ static void naive_forward_jvp(const nbhd_problem *p, const double *q, const doub
     naive_row_free(&row);
 }
 
+/* Backward through forward + JVP (nbhd.h): gradients of a loss on (out, lse, tout, tlse) given
+ * their cotangents dout, dlse, G = dtout, gmu = dtlse (NULL: zero), with out, tout and mu = tlse
+ * as the kernel is given them. With n = tS - mu, c = G.O, E = G.tO, D' = dO.O - dLSE and
+ * w = G v^T - c + gmu:  dtS = P w,  dS = P (dO v^T - D' + G tv^T + w n - E),
+ *   dQ = s (dS K + dtS tK),  dK = s (dS^T Q + dtS^T tQ),  dV = P^T dO + (P n)^T G,
+ *   dtQ = s dtS K,  dtK = s dtS^T Q,  dtV = P^T G.
+ * `absolute` (the error scale of every output element): every input is taken by its absolute
+ * value and every difference becomes a sum, so each output is the sum of its terms' sizes.
+ * Outputs dense, zeroed here; dt* may be NULL (not computed). Tangents may be NULL (zero). */
+typedef struct {
+    const double *q, *k, *v, *kx, *vx, *tq, *tk, *tv, *tkx, *tvx;
+    const double *out, *tout, *tlse, *dout, *dlse, *dtout, *dtlse;
+} naive_jvp_backward_in;
+
+static inline void naive_forward_jvp_backward(const nbhd_problem *p,
+                                              const naive_jvp_backward_in *in, int absolute,
+                                              double *dq, double *dk, double *dv, double *dkx,
+                                              double *dvx, double *dtq, double *dtk, double *dtv,
+                                              double *dtkx, double *dtvx) {
+    const int64_t T = naive_tokens(p), H = p->heads, Hkv = p->kv_heads, S = p->extra_kv;
+    const int64_t hper = H / Hkv, B = p->batch;
+    const int D = p->head_dim, Dv = p->head_dim_v;
+    /* float problems multiply by the scale as a float (1e-300 is 0 there) */
+    const double scale = p->dtype == NBHD_F64 ? p->scale : (double)(float)p->scale;
+    const double s = absolute ? fabs(scale) : scale, sign = absolute ? 1.0 : -1.0;
+    double *outs[10] = {dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx};
+    const int64_t counts[10] = {B * T * H * D, B * T * Hkv * D, B * T * Hkv * Dv, B * S * Hkv * D,
+                                B * S * Hkv * Dv, B * T * H * D, B * T * Hkv * D, B * T * Hkv * Dv,
+                                B * S * Hkv * D, B * S * Hkv * Dv};
+    for (int i = 0; i < 10; ++i)
+        if (outs[i] && counts[i] > 0) memset(outs[i], 0, sizeof(double) * (size_t)counts[i]);
+    const int with_t = dtq != NULL;
+    /* a copy of every input, by absolute value in `absolute` mode */
+    const double *src[17] = {in->q, in->k, in->v, in->kx, in->vx, in->tq, in->tk, in->tv, in->tkx,
+                             in->tvx, in->out, in->tout, in->tlse, in->dout, in->dlse, in->dtout,
+                             in->dtlse};
+    const int64_t n_of[17] = {B * T * H * D, B * T * Hkv * D, B * T * Hkv * Dv, B * S * Hkv * D,
+                              B * S * Hkv * Dv, B * T * H * D, B * T * Hkv * D, B * T * Hkv * Dv,
+                              B * S * Hkv * D, B * S * Hkv * Dv, B * T * H * Dv, B * T * H * Dv,
+                              B * T * H, B * T * H * Dv, B * T * H, B * T * H * Dv, B * T * H};
+    double *x[17];
+    for (int i = 0; i < 17; ++i) {
+        x[i] = NULL;
+        if (!src[i]) continue;
+        x[i] = (double *)malloc(sizeof(double) * (size_t)(n_of[i] > 0 ? n_of[i] : 1));
+        for (int64_t j = 0; j < n_of[i]; ++j) x[i][j] = absolute ? fabs(src[i][j]) : src[i][j];
+    }
+    const double *q = x[0], *k = x[1], *v = x[2], *kx = x[3], *vx = x[4], *tq = x[5], *tk = x[6],
+                 *tv = x[7], *tkx = x[8], *tvx = x[9], *out = x[10], *tout = x[11], *tlse = x[12],
+                 *dout = x[13], *dlse = x[14], *G_all = x[15], *gmu = x[16];
+    naive_row row = naive_row_alloc(p);  /* P from the exact scores (in->q, in->k: signs kept) */
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t h = 0; h < H; ++h) {
+                const int64_t hk = h / hper, i = (b * T + t) * H + h;
+                naive_row_of(p, in->q, in->k, in->kx, b, t, h, &row);
+                const double *o_i = out + i * Dv, *to_i = tout + i * Dv, *q_i = q + i * D;
+                const double *do_i = dout ? dout + i * Dv : NULL, *G = G_all ? G_all + i * Dv : NULL;
+                const double mu = tlse[i], g_mu = gmu ? gmu[i] : 0.0;
+                const double c = G ? naive_dot(G, o_i, Dv) : 0.0, E = G ? naive_dot(G, to_i, Dv) : 0.0;
+                const double Dp = (do_i ? naive_dot(do_i, o_i, Dv) : 0.0) + (dlse ? sign * dlse[i] : 0.0);
+                for (int64_t n = 0; n < row.n; ++n) {
+                    const int64_t key = row.key[n];
+                    const int extra = key >= T;
+                    const double *k_j = naive_key_ptr(p, k, kx, b, key, hk, D);
+                    const double *v_j = naive_key_ptr(p, v, vx, b, key, hk, Dv);
+                    const double *tk_j = (extra ? tkx : tk) ? naive_key_ptr(p, tk, tkx, b, key, hk, D) : NULL;
+                    const double *tv_j = (extra ? tvx : tv) ? naive_key_ptr(p, tv, tvx, b, key, hk, Dv) : NULL;
+                    const double P = row.p[n];
+                    double tS = 0;
+                    if (tq) tS += naive_dot(tq + i * D, k_j, D);
+                    if (tk_j) tS += naive_dot(q_i, tk_j, D);
+                    tS *= s;
+                    const double nn = tS + sign * mu;
+                    const double w = (G ? naive_dot(G, v_j, Dv) : 0.0) + sign * c + g_mu;
+                    const double dtS = P * w;
+                    const double dS = P * ((do_i ? naive_dot(do_i, v_j, Dv) : 0.0) + sign * Dp +
+                                           (G && tv_j ? naive_dot(G, tv_j, Dv) : 0.0) + w * nn + sign * E);
+                    double *dk_j = (double *)naive_key_ptr(p, dk, dkx, b, key, hk, D);
+                    double *dv_j = (double *)naive_key_ptr(p, dv, dvx, b, key, hk, Dv);
+                    for (int cc = 0; cc < D; ++cc) {
+                        dq[i * D + cc] += s * (dS * k_j[cc] + (tk_j ? dtS * tk_j[cc] : 0.0));
+                        dk_j[cc] += s * (dS * q_i[cc] + (tq ? dtS * tq[i * D + cc] : 0.0));
+                    }
+                    for (int cc = 0; cc < Dv; ++cc)
+                        dv_j[cc] += (do_i ? P * do_i[cc] : 0.0) + (G ? P * nn * G[cc] : 0.0);
+                    if (!with_t) continue;
+                    double *dtk_j = (double *)naive_key_ptr(p, dtk, dtkx, b, key, hk, D);
+                    double *dtv_j = (double *)naive_key_ptr(p, dtv, dtvx, b, key, hk, Dv);
+                    for (int cc = 0; cc < D; ++cc) {
+                        dtq[i * D + cc] += s * dtS * k_j[cc];
+                        dtk_j[cc] += s * dtS * q_i[cc];
+                    }
+                    if (G)
+                        for (int cc = 0; cc < Dv; ++cc) dtv_j[cc] += P * G[cc];
+                }
+            }
+    naive_row_free(&row);
+    for (int i = 0; i < 17; ++i) free(x[i]);
+}
+
 #endif /* NBHD_TESTS_NAIVE_H */
