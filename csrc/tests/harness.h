@@ -39,7 +39,7 @@
 
 typedef struct { uint64_t s; } rng_t;
 
-static uint64_t rng_next(rng_t *r) {
+static inline uint64_t rng_next(rng_t *r) {
     uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -47,11 +47,11 @@ static uint64_t rng_next(rng_t *r) {
 }
 
 /* uniform integer in [lo, hi] */
-static int64_t rng_int(rng_t *r, int64_t lo, int64_t hi) {
+static inline int64_t rng_int(rng_t *r, int64_t lo, int64_t hi) {
     return lo + (int64_t)(rng_next(r) % (uint64_t)(hi - lo + 1));
 }
 
-static double rng_unit(rng_t *r) { return (double)(rng_next(r) >> 11) * (1.0 / 9007199254740992.0); }
+static inline double rng_unit(rng_t *r) { return (double)(rng_next(r) >> 11) * (1.0 / 9007199254740992.0); }
 
 // ----------------------------------------------------------------------------
 // strided typed tensors
@@ -65,14 +65,14 @@ typedef struct {
     nbhd_dtype dtype;
 } tbuf;
 
-static int64_t dims_count(const int64_t dims[6]) {
+static inline int64_t dims_count(const int64_t dims[6]) {
     int64_t n = 1;
     for (int i = 0; i < 6; ++i) n *= dims[i];
     return n;
 }
 
 /* Offset of logical element `lin` (row-major over dims). */
-static int64_t tbuf_offset(const tbuf *b, int64_t lin) {
+static inline int64_t tbuf_offset(const tbuf *b, int64_t lin) {
     int64_t off = 0;
     for (int i = 5; i >= 0; --i) {
         const int64_t c = lin % b->dims[i];
@@ -85,7 +85,7 @@ static int64_t tbuf_offset(const tbuf *b, int64_t lin) {
 /* Strides for dims: random order of axes (or row-major), random padding, junk strides on
  * size-1 axes (their coordinate is always 0), stride 0 on one axis when bcast (inputs only).
  * ignore_last: the last axis is ignored by the library (LSE): its stride is junk. */
-static void random_layout(rng_t *r, const int64_t dims[6], int bcast, int ignore_last,
+static inline void random_layout(rng_t *r, const int64_t dims[6], int bcast, int ignore_last,
                           int64_t stride[6]) {
     int order[6] = {0, 1, 2, 3, 4, 5};
     const int mode = (int)rng_int(r, 0, 3);
@@ -111,7 +111,7 @@ static void random_layout(rng_t *r, const int64_t dims[6], int bcast, int ignore
     }
 }
 
-static tbuf tbuf_make(const int64_t dims[6], nbhd_dtype dt, const int64_t stride[6]) {
+static inline tbuf tbuf_make(const int64_t dims[6], nbhd_dtype dt, const int64_t stride[6]) {
     tbuf b;
     memset(&b, 0, sizeof b);
     memcpy(b.dims, dims, sizeof b.dims);
@@ -130,7 +130,7 @@ static tbuf tbuf_make(const int64_t dims[6], nbhd_dtype dt, const int64_t stride
     return b;
 }
 
-static void tbuf_free(tbuf *b) {
+static inline void tbuf_free(tbuf *b) {
     free(b->base);
     b->base = NULL;
     b->t.data = NULL;
@@ -138,19 +138,19 @@ static void tbuf_free(tbuf *b) {
 
 /* Writes dense values (rounded to the dtype) into the logical elements, then reads them back so
  * that dense holds exactly what the library will see (broadcast axes keep the last write). */
-static void tbuf_fill(tbuf *b, double *dense) {
+static inline void tbuf_fill(tbuf *b, double *dense) {
     const int64_t n = dims_count(b->dims);
     for (int64_t i = 0; i < n; ++i) nbhd_store(b->t.data, tbuf_offset(b, i), b->dtype, dense[i]);
     for (int64_t i = 0; i < n; ++i) dense[i] = nbhd_load(b->t.data, tbuf_offset(b, i), b->dtype);
 }
 
-static void tbuf_gather(const tbuf *b, double *dense) {
+static inline void tbuf_gather(const tbuf *b, double *dense) {
     const int64_t n = dims_count(b->dims);
     for (int64_t i = 0; i < n; ++i) dense[i] = nbhd_load(b->t.data, tbuf_offset(b, i), b->dtype);
 }
 
 /* 1 when every byte outside the logical elements is still poison (0xFF). */
-static int tbuf_untouched_outside(const tbuf *b) {
+static inline int tbuf_untouched_outside(const tbuf *b) {
     const int64_t n = dims_count(b->dims);
     unsigned char *mark = (unsigned char *)calloc(b->alloc ? b->alloc : 1, 1);
     for (int64_t i = 0; i < n; ++i) mark[CANARY + tbuf_offset(b, i)] = 1;
@@ -163,19 +163,19 @@ static int tbuf_untouched_outside(const tbuf *b) {
     return ok;
 }
 
-static double *dense_random(rng_t *r, int64_t n, double lo, double hi) {
+static inline double *dense_random(rng_t *r, int64_t n, double lo, double hi) {
     double *x = (double *)malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
     for (int64_t i = 0; i < n; ++i) x[i] = lo + (hi - lo) * rng_unit(r);
     return x;
 }
 
-static double *dense_alloc(int64_t n) {
+static inline double *dense_alloc(int64_t n) {
     return (double *)calloc((size_t)(n > 0 ? n : 1), sizeof(double));
 }
 
 /* Largest error of got vs want, in units of (|want_i| + max(rms(want), 1e-3)) (inputs are O(1):
  * exact zeros carry float roundoff); NaN/inf mismatch -> inf. */
-static double rel_error(const double *got, const double *want, int64_t n) {
+static inline double rel_error(const double *got, const double *want, int64_t n) {
     double ss = 0;
     for (int64_t i = 0; i < n; ++i) ss += want[i] * want[i];
     const double rms = n ? sqrt(ss / (double)n) : 0, floor_ = rms > 1e-3 ? rms : 1e-3;
@@ -192,7 +192,7 @@ static double rel_error(const double *got, const double *want, int64_t n) {
     return worst;
 }
 
-static double tol_of(nbhd_dtype dt) {
+static inline double tol_of(nbhd_dtype dt) {
     switch (dt) {
     case NBHD_F64: return 1e-10;
     case NBHD_F32: return 5e-4;

@@ -10,22 +10,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "harness.h"
 #include "nbhd.h"
 
 #define MAX_CONFIGS 16
-
-typedef struct { uint64_t s; } rng_t;
-
-static uint64_t rng_next(rng_t *r) {   /* splitmix64 */
-    uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static int64_t rng_int(rng_t *r, int64_t lo, int64_t hi) {
-    return lo + (int64_t)(rng_next(r) % (uint64_t)(hi - lo + 1));
-}
-static double rng_unit(rng_t *r) { return (double)(rng_next(r) >> 11) * (1.0 / 9007199254740992.0); }
 
 static int failures;
 
