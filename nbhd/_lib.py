@@ -192,6 +192,12 @@ class Problem:
             raise NbhdError(lib.nbhd_last_error().decode())
 
 
+def _check(status: int) -> None:
+    """Raises the C library's status and message for a failed call."""
+    if status != 0:
+        raise NbhdError(f"{lib.nbhd_status_string(status).decode()}: {lib.nbhd_last_error().decode()}")
+
+
 def tile_configs(problem: Problem, op: int):
     """[(q_tile, kv_tile)] the op's tiled kernels accept for the problem (tuples of length
     rank, or 1 for rank 0), the default first; [] when no tiled kernel runs it."""
@@ -254,8 +260,7 @@ def run(op: int, problem: Problem, tensors: dict, threads: int = 0, use_referenc
     fn = getattr(lib, _ENTRY[op])
     status = fn(ctypes.byref(problem.c), ctypes.byref(args), ctypes.byref(ex))
     del workspace  # kept alive until the call returned (the caching allocator orders GPU reuse)
-    if status != 0:
-        raise NbhdError(f"{lib.nbhd_status_string(status).decode()}: {lib.nbhd_last_error().decode()}")
+    _check(status)
 
 
 def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], out: torch.Tensor,
@@ -277,5 +282,4 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], out: torch
     if out.device.type == "cuda":
         ex.stream = torch.cuda.current_stream(out.device).cuda_stream
     status = lib.nbhd_merge(ctypes.byref(p), ctypes.byref(args), ctypes.byref(ex))
-    if status != 0:
-        raise NbhdError(f"{lib.nbhd_status_string(status).decode()}: {lib.nbhd_last_error().decode()}")
+    _check(status)

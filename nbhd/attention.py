@@ -176,7 +176,7 @@ def _varlen_offsets(q: Tensor, k: Tensor, seqlens_q, seqlens_kv, cu_q, cu_kv, ma
     if by_lengths:
         if seqlens_q is None or seqlens_kv is None:
             raise ValueError("seqlens_Q and seqlens_KV must be given together")
-        cu_q, cu_kv, max_q, max_kv = generate_varlen_parameters(q, k, k, seqlens_q, seqlens_kv)
+        return _offsets_of_lengths(q, k, seqlens_q, seqlens_kv)  # host lists: no device round trip
     if cu_q is None or cu_kv is None:
         raise ValueError("cumulative_seqlen_Q and cumulative_seqlen_KV must be given together")
     offsets_q = _lengths("cumulative_seqlen_Q", cu_q, q)
@@ -196,6 +196,14 @@ def generate_varlen_parameters(query: Tensor, key: Tensor, value: Tensor, seqlen
 
     query [1, T_q, H, D] with T_q = sum(seqlens_Q); key/value [1, T_kv, Hkv, *] with
     T_kv = sum(seqlens_KV). The offsets are int32 [n + 1] on query's device."""
+    offsets_q, offsets_kv = _offsets_of_lengths(query, key, seqlens_Q, seqlens_KV)
+    as_tensor = lambda offsets: torch.tensor(offsets, dtype=torch.int32, device=query.device)
+    longest = lambda offsets: max(b - a for a, b in zip(offsets, offsets[1:]))
+    return as_tensor(offsets_q), as_tensor(offsets_kv), longest(offsets_q), longest(offsets_kv)
+
+
+def _offsets_of_lengths(query: Tensor, key: Tensor, seqlens_Q, seqlens_KV) -> Tuple[List[int], List[int]]:
+    """Host offsets [0, l0, l0 + l1, ...] of the query and key sequences, lengths checked."""
     lq, lkv = _lengths("seqlens_Q", seqlens_Q, query), _lengths("seqlens_KV", seqlens_KV, query)
     if len(lq) != len(lkv) or not lq:
         raise ValueError(f"seqlens_Q and seqlens_KV must list the same number (>= 1) of "
@@ -206,9 +214,7 @@ def generate_varlen_parameters(query: Tensor, key: Tensor, value: Tensor, seqlen
         if sum(lengths) != t.shape[1]:
             raise ValueError(f"{name} sums to {sum(lengths)} but the packed tensor holds "
                              f"{t.shape[1]} tokens")
-    cum = lambda ls: torch.tensor([0] + list(itertools.accumulate(ls)), dtype=torch.int32,
-                                  device=query.device)
-    return cum(lq), cum(lkv), max(lq), max(lkv)
+    return [0, *itertools.accumulate(lq)], [0, *itertools.accumulate(lkv)]
 
 
 def _varlen_attention(q: Tensor, k: Tensor, v: Tensor, offsets_q: List[int],

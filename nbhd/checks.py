@@ -60,9 +60,6 @@ def same(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must match")
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
 def scale_of(scale, head_dim: int, dtype: Optional[torch.dtype] = None) -> float:
     """The attention scale (default head_dim**-0.5). Non-float64 problems compute scores in
     float32, so their scale must fit it."""
@@ -72,7 +69,7 @@ def scale_of(scale, head_dim: int, dtype: Optional[torch.dtype] = None) -> float
         raise TypeError(f"scale must be a float or None, got {scale!r}")
     if not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got scale={scale!r}")
-    if dtype is not None and dtype != torch.float64 and abs(float(scale)) > _FLOAT32_MAX:
+    if dtype is not None and dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
         raise ValueError(f"scale={scale!r} is out of range for {dtype} inputs (need |scale| <= "
                          f"3.4e38: scores are computed in float32)")
     return float(scale)

@@ -3,21 +3,10 @@
  * OpenMP threads (each row is written by one thread: deterministic).
  */
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "convert.h"
 #include "internal.h"
-
-static int merge_threads(const nbhd_exec *e) {
-#ifdef _OPENMP
-    return e->threads > 0 ? e->threads : omp_get_max_threads();
-#else
-    (void)e;
-    return 1;
-#endif
-}
+#include "reference.h"
 
 static inline int64_t row_offset(const nbhd_tensor *t, int64_t b, int64_t tok, int64_t h) {
     return b * t->stride[0] + tok * t->stride[1] + h * t->stride[4];
@@ -28,7 +17,7 @@ nbhd_status nbhd_cpu_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a
     const nbhd_dtype lse_type = p->dtype == NBHD_F64 ? NBHD_F64 : NBHD_F32;
     const int64_t rows = p->batch * p->tokens * p->heads;
     const int n = p->parts, Dv = p->head_dim_v;
-#pragma omp parallel for schedule(static) num_threads(merge_threads(e))
+#pragma omp parallel for schedule(static) num_threads(nbhd_cpu_threads(e))
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = r % p->heads, tok = r / p->heads % p->tokens, b = r / p->heads / p->tokens;
         double lse[NBHD_MERGE_MAX_PARTS], m = -INFINITY;

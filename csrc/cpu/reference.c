@@ -101,7 +101,7 @@ static inline int64_t member_token(const nbhd_geometry *g, const nbhd_keyset *s,
     return (c[0] * g->axis[1].extent + c[1]) * g->axis[2].extent + c[2];
 }
 
-static inline int threads_of(const nbhd_exec *e) {
+int nbhd_cpu_threads(const nbhd_exec *e) {
 #ifdef _OPENMP
     return e && e->threads > 0 ? e->threads : omp_get_max_threads();
 #else

@@ -79,7 +79,7 @@ static nbhd_status FN(forward)(const nbhd_geometry *g, const nbhd_forward_args *
     const int64_t rows = g->batch * g->tokens * g->heads;
     const ACC scale = (ACC)g->scale;
     int failed = 0;
-#pragma omp parallel num_threads(threads_of(e))
+#pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         ACC *buf = (ACC *)malloc(sizeof(ACC) * (2 * (size_t)D + 2 * (size_t)Dv));
         if (!buf) {
@@ -166,7 +166,7 @@ static nbhd_status FN(backward)(const nbhd_geometry *g, const nbhd_backward_args
                                      {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent},
                                      {1, 1, 1}, g->tokens, 0};
     int failed = 0;
-#pragma omp parallel num_threads(threads_of(e))
+#pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         const size_t width = (size_t)(D > Dv ? D : Dv);
         ACC *buf = (ACC *)malloc(sizeof(ACC) * 6 * width);
@@ -257,7 +257,7 @@ static nbhd_status FN(forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jv
     const int64_t rows = g->batch * g->tokens * g->heads;
     const ACC scale = (ACC)g->scale;
     int failed = 0;
-#pragma omp parallel num_threads(threads_of(e))
+#pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         ACC *buf = (ACC *)malloc(sizeof(ACC) * (4 * (size_t)D + 4 * (size_t)Dv));
         if (!buf) {
@@ -413,7 +413,7 @@ static nbhd_status FN(forward_jvp_backward)(const nbhd_geometry *g,
                                      {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent},
                                      {1, 1, 1}, g->tokens, 0};
     int failed = 0;
-#pragma omp parallel num_threads(threads_of(e))
+#pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         const size_t width = (size_t)(D > Dv ? D : Dv);
         ACC *buf = (ACC *)malloc(sizeof(ACC) * 14 * width);

@@ -5,6 +5,11 @@
  */
 #include "cuda_common.cuh"
 
+/* element (b, tok, h, 0) of a [B, T, -, -, H, *] tensor */
+__device__ __forceinline__ int64_t row_at(const nbhd_tensor &t, int64_t b, int64_t tok, int64_t h) {
+    return row_at(t, b, tok, h);
+}
+
 template <typename T, typename L>
 __global__ void merge_kernel(nbhd_merge_problem p, nbhd_merge_args a) {
     using A = L;  /* accumulate in the LSE's type: float, double for F64 */
@@ -17,7 +22,7 @@ __global__ void merge_kernel(nbhd_merge_problem p, nbhd_merge_args a) {
         bool any_nan = false;
         for (int k = 0; k < p.parts; ++k) {
             const nbhd_tensor &t = a.lses[k];
-            const A x = ((const L *)t.data)[b * t.stride[0] + tok * t.stride[1] + h * t.stride[4]];
+            const A x = ((const L *)t.data)[row_at(t, b, tok, h)];
             any_nan |= isnan(x);
             m = x > m ? x : m;
         }
@@ -27,20 +32,20 @@ __global__ void merge_kernel(nbhd_merge_problem p, nbhd_merge_args a) {
             A sum = 0;
             for (int k = 0; k < p.parts; ++k) {
                 const nbhd_tensor &t = a.lses[k];
-                sum += exp(((const L *)t.data)[b * t.stride[0] + tok * t.stride[1] + h * t.stride[4]] - m);
+                sum += exp(((const L *)t.data)[row_at(t, b, tok, h)] - m);
             }
             lse = m + log(sum);
             for (int k = 0; k < p.parts; ++k) {
                 const nbhd_tensor &t = a.lses[k], &o = a.outs[k];
-                const A w = exp(((const L *)t.data)[b * t.stride[0] + tok * t.stride[1] + h * t.stride[4]] - lse);
-                acc += w * ld<T, A>(o, b * o.stride[0] + tok * o.stride[1] + h * o.stride[4] + c * o.stride[5]);
+                const A w = exp(((const L *)t.data)[row_at(t, b, tok, h)] - lse);
+                acc += w * ld<T, A>(o, row_at(o, b, tok, h) + c * o.stride[5]);
             }
         }
         const nbhd_tensor &out = a.out;
-        ((T *)out.data)[b * out.stride[0] + tok * out.stride[1] + h * out.stride[4] + c * out.stride[5]] =
+        ((T *)out.data)[row_at(out, b, tok, h) + c * out.stride[5]] =
             from_acc<T>((double)acc);
         if (c == 0)
-            ((L *)a.lse.data)[b * a.lse.stride[0] + tok * a.lse.stride[1] + h * a.lse.stride[4]] = lse;
+            ((L *)a.lse.data)[row_at(a.lse, b, tok, h)] = lse;
     }
 }
 
