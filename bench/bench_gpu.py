@@ -1,6 +1,7 @@
 """GPU benchmark of nbhd's CUDA kernels against anchors measured in the same run.
 
-For each problem (bf16, head dim 128 and 64): nbhd forward / backward / forward+JVP time, useful
+For each problem (bf16, head dim 128 and 64): nbhd forward / backward (KV-parallel, the default,
+and deterministic, `bdet`) / forward+JVP time, useful
 TFLOP/s (4·B·H·N·|window|·D per forward, backward counted as 2.5x forward, forward+JVP as 3x),
 dense SDPA on the same tokens (forward and backward) and flex_attention with the same
 neighborhood mask (block mask from the same window rule). Times: CUDA events around loops of
@@ -18,6 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import nbhd
 from nbhd import ops
 
 # ops with a tensor-core kernel; the others are skipped on large problems (--max-slow-flop)
@@ -134,7 +136,7 @@ def main():
     dev = "cuda"
     rows = []
     hdr = (f"{'problem':34s} {'D':>4s} {'fwd ms':>9s} {'TF/s':>6s} {'bwd ms':>9s} {'TF/s':>6s} "
-           f"{'jvp ms':>9s} {'jvp/fwd':>7s} {'sdpa f':>8s} {'sdpaTF':>6s} {'sdpa b':>8s} "
+           f"{'bdet ms':>9s} {'jvp ms':>9s} {'jvp/fwd':>7s} {'sdpa f':>8s} {'sdpaTF':>6s} {'sdpa b':>8s} "
            f"{'flex f':>8s} {'x flex':>7s} {'%sdpa':>6s} {'b%sdpa':>6s}")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     print(hdr, flush=True)
@@ -158,6 +160,13 @@ def main():
             slow_ok = 2.5 * flop_f <= args.max_slow_flop
             t_b, s_b = time_ms(lambda: ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *geo)) \
                 if slow_ok or "bwd" in FAST_OPS else nan
+            # the deterministic backward (KV parallelism off: two passes, no atomics)
+            nbhd.use_kv_parallelism_in_fused_na(False)
+            try:
+                t_bd, s_bd = time_ms(lambda: ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *geo)) \
+                    if slow_ok or "bwd" in FAST_OPS else nan
+            finally:
+                nbhd.use_kv_parallelism_in_fused_na(True)
             t_j, s_j = time_ms(lambda: ops.na_forward_jvp(q, k, v, empty, empty, q, k, v, None, None, *geo)) \
                 if slow_ok or "jvp" in FAST_OPS else nan
             # dense SDPA on the same tokens
@@ -176,16 +185,16 @@ def main():
                     print(f"  flex failed on {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             tf = lambda flop, ms: flop / (ms * 1e-3) / 1e12
             r = dict(problem=name, D=D, fwd_ms=t_f, fwd_tflops=tf(flop_f, t_f), bwd_ms=t_b,
-                     bwd_tflops=tf(2.5 * flop_f, t_b), jvp_ms=t_j, jvp_over_fwd=t_j / t_f,
+                     bwd_tflops=tf(2.5 * flop_f, t_b), bwd_det_ms=t_bd, jvp_ms=t_j, jvp_over_fwd=t_j / t_f,
                      sdpa_fwd_ms=sd_f, sdpa_fwd_tflops=tf(sd_flop, sd_f), sdpa_bwd_ms=sd_b,
                      flex_fwd_ms=fl_f, x_flex=fl_f / t_f,
                      pct_sdpa=100 * tf(flop_f, t_f) / tf(sd_flop, sd_f),
                      bwd_pct_sdpa=100 * tf(2.5 * flop_f, t_b) / tf(2.5 * sd_flop, sd_b),
-                     single_shot="".join(c for c, s in zip("fbj", (s_f, s_b, s_j)) if s))
+                     single_shot="".join(c for c, s in zip("fbdj", (s_f, s_b, s_bd, s_j)) if s))
             rows.append(r)
             star = lambda s: "*" if s else " "
             print(f"{name:34s} {D:4d} {t_f:8.3f}{star(s_f)} {r['fwd_tflops']:6.1f} {t_b:8.2f}{star(s_b)} "
-                  f"{r['bwd_tflops']:6.1f} {t_j:8.2f}{star(s_j)} {r['jvp_over_fwd']:7.2f} {sd_f:8.3f} "
+                  f"{r['bwd_tflops']:6.1f} {t_bd:8.2f}{star(s_bd)} {t_j:8.2f}{star(s_j)} {r['jvp_over_fwd']:7.2f} {sd_f:8.3f} "
                   f"{r['sdpa_fwd_tflops']:6.0f} {sd_b:8.3f} {fl_f:8.3f} {r['x_flex']:7.2f} "
                   f"{r['pct_sdpa']:6.1f} {r['bwd_pct_sdpa']:6.1f}", flush=True)
             del q, k, v, qt, kt, vt, o_sd, out, lse, d_out

@@ -1,7 +1,7 @@
 """Global context: the switches NATTEN users know, with NATTEN's names and meaning.
 
   use_kv_parallelism_in_fused_na(mode)      KV parallelism in fused backward passes (default on)
-  set_memory_usage_preference(pref)         "default" | "strict" | "unrestricted"
+  set_memory_usage_preference(pref)         "default" | "strict" (no KV parallelism) | "unrestricted"
   allow_flex_compile(mode, backprop)        let the "flex-fna" backend run torch.compile'd
   use_deterministic_algorithms(mode)        nbhd's own deterministic mode (no KV parallelism)
 
@@ -103,9 +103,12 @@ def is_kv_parallelism_in_fused_na_enabled() -> bool:
 
 
 def kv_parallelism_for_run() -> bool:
-    """What a kernel launch uses now: the flag, unless a deterministic mode is on."""
+    """What a kernel launch uses now: the flag, unless a deterministic mode is on or the memory
+    preference is "strict" (the KV-parallel CUDA backward takes an fp32 dQ accumulator, twice
+    the size of a bf16 dQ, as scratch)."""
     with _CTX.lock:
-        flag = _CTX.kv_parallel and not _CTX.deterministic
+        flag = (_CTX.kv_parallel and not _CTX.deterministic
+                and _CTX.memory is not MemoryUsagePreference.Strict)
     return flag and not torch.are_deterministic_algorithms_enabled()
 
 

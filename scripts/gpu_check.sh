@@ -26,11 +26,11 @@ fi
 
 if has test; then
     t0=$SECONDS
-    $PY -m pytest -q -x --timeout=900 -p no:cacheprovider tests/test_cuda.py ${PYTEST_ARGS:-} \
+    $PY -m pytest -q -x --timeout=900 -p no:cacheprovider tests/test_cuda.py tests/test_attention_merge.py::test_merge_kernel_cuda ${PYTEST_ARGS:-} \
         >"$OUT/test.log" 2>&1
     rc=$?
     tail -25 "$OUT/test.log"
-    summary+=("tests/test_cuda.py: rc=$rc, $(grep -E '[0-9]+ (passed|failed)' "$OUT/test.log" | tail -1) ($((SECONDS - t0)) s)")
+    summary+=("tests/test_cuda.py + merge kernel: rc=$rc, $(grep -E '[0-9]+ (passed|failed)' "$OUT/test.log" | tail -1) ($((SECONDS - t0)) s)")
 fi
 
 if has sanitize; then

@@ -1,7 +1,9 @@
 """A small sweep of every CUDA kernel for compute-sanitizer (memcheck, racecheck): forward
-(tensor-core and simple), backward, forward+JVP, on small odd shapes with extra keys."""
+(tensor-core and simple), backward (KV-parallel and deterministic), forward+JVP, on small odd
+shapes with extra keys."""
 import torch
 
+import nbhd
 from nbhd import ops
 
 CASES = [
@@ -14,8 +16,9 @@ CASES = [
     (1, (600,), (520,), (1,), (1,), (False,), 1, 1, 128, 0, torch.bfloat16),  # 64-key tiles
 ]
 
-for use_ref in (False, True):
+for use_ref, kv_parallel in ((False, True), (False, False), (True, False)):
     ops._OPTIONS["use_reference"] = use_ref
+    nbhd.use_kv_parallelism_in_fused_na(kv_parallel)
     for rank, ext, ks, st, dil, causal, H, Hkv, D, S, dt in CASES:
         B = 2
         mk = lambda *s: torch.randn(*s, device="cuda", dtype=dt)

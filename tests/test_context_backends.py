@@ -56,10 +56,13 @@ def test_kv_parallel_reaches_the_library(monkeypatch):
 
 def test_memory_preference():
     assert nbhd.is_memory_usage_default()
+    assert context.kv_parallelism_for_run()
     nbhd.set_memory_usage_preference("strict")
     assert nbhd.is_memory_usage_strict() and not nbhd.is_memory_usage_default()
+    assert not context.kv_parallelism_for_run()  # no fp32 dQ scratch under "strict"
     nbhd.set_memory_usage_preference("unrestricted")
     assert nbhd.is_memory_usage_unrestricted()
+    assert context.kv_parallelism_for_run()
     with pytest.raises(ValueError, match="strict"):
         nbhd.set_memory_usage_preference("low")
 

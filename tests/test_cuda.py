@@ -115,6 +115,15 @@ def use_reference(request):
     ops._OPTIONS["use_reference"] = old
 
 
+@pytest.fixture(params=[True, False], ids=["kvpar", "determ"])
+def kv_parallel(request):
+    """The backward with KV parallelism (dQ by atomics, the default) and without (deterministic)."""
+    old = nbhd.is_kv_parallelism_in_fused_na_enabled()
+    nbhd.use_kv_parallelism_in_fused_na(request.param)
+    yield request.param
+    nbhd.use_kv_parallelism_in_fused_na(old)
+
+
 def check(name, got, ref, dtype, case):
     err = rel_err(got, ref)
     assert err < TOL[dtype], f"{name}: rel err {err:.3g} >= {TOL[dtype]} for {ids(case)} {dtype}"
@@ -134,7 +143,9 @@ def test_forward(case, dtype, use_reference):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=ids)
-def test_backward(case, dtype, use_reference):
+def test_backward(case, dtype, use_reference, kv_parallel):
+    if use_reference and not kv_parallel:
+        pytest.skip("the simple kernels have no KV-parallel path: the kvpar case runs the same kernels")
     rank = case[0]
     inputs, geo = build(case, dtype, 1 + zlib.crc32(ids(case).encode()) % 1000)
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -155,6 +166,34 @@ def test_backward(case, dtype, use_reference):
             r = torch.zeros_like(g, dtype=torch.float64)
         tol_dtype = dtype
         check(name, g, r, tol_dtype, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_backward_determinism(dtype):
+    """KV parallelism off: bitwise-equal gradients on repeated calls (no atomics); on: the same
+    gradients up to summation order. A 2-D case whose key patches share many queries, with
+    extra keys (both key-stationary kernels add to dQ)."""
+    case = (2, (24, 20), (7, 5), (1, 1), (1, 2), (False, False), 2, 4, 2, 64, 64, 6, "contig")
+    inputs, geo = build(case, dtype, 3)
+    out, lse = ops.na_forward(*inputs, *geo)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    d_out = torch.randn(out.shape, generator=gen, device="cuda", dtype=dtype)
+    d_lse = torch.randn(lse.shape, generator=gen, device="cuda", dtype=lse.dtype)
+    old = nbhd.is_kv_parallelism_in_fused_na_enabled()
+    try:
+        runs = {}
+        for mode in (False, True):
+            nbhd.use_kv_parallelism_in_fused_na(mode)
+            runs[mode] = [ops.na_backward(*inputs, out, lse, d_out, d_lse, *geo) for _ in range(3)]
+    finally:
+        nbhd.use_kv_parallelism_in_fused_na(old)
+    first = runs[False][0]
+    for again in runs[False][1:]:
+        for g0, g1 in zip(first, again):
+            assert torch.equal(g0, g1), "deterministic backward differs between calls"
+    for grads in runs[True]:
+        for name, g, g_det in zip(["dq", "dk", "dv", "dkx", "dvx"], grads, first):
+            check(name, g, g_det.double(), dtype, case)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

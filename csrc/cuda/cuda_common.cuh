@@ -166,8 +166,8 @@ nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_arg
 /* fna_mma_bwd.cu: tensor-core backward (D_i, dQ query-stationary, dK/dV key-stationary) */
 int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward_args *a);
 nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                   void *workspace, cudaStream_t stream);
-size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g);
+                                   const nbhd_exec *e, cudaStream_t stream);
+size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, const nbhd_exec *e);
 
 /* fna_mma_jvp.cu: tensor-core forward + JVP */
 int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forward_jvp_args *a);

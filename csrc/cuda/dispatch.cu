@@ -5,8 +5,10 @@
  *   forward      mma.sync tensor-core kernel (fna_mma.cu) when f16/bf16, D = Dv in {32,64,128},
  *                16-byte aligned rows with unit element stride; else the simple kernel
  *   backward     mma.sync kernels (fna_mma_bwd.cu) under the forward's conditions plus aligned
- *                dO and gradients; else the simple kernels. Both deterministic: D_i and dQ
- *                query-stationary, dK/dV key-stationary. (exec.kv_parallel is not used yet.)
+ *                dO and gradients; else the simple kernels (deterministic). The mma backward is
+ *                deterministic with exec.kv_parallel off (dQ query-stationary, dK/dV
+ *                key-stationary); with it on, one key-stationary pass adds dQ by fp32 atomics
+ *                into a workspace accumulator (faster, summation order not fixed).
  *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu) under the forward's conditions plus aligned
  *                tangents (absent ones skipped); else the simple kernel
  * exec.use_reference forces the simple kernels. Tiles in exec (q_tile/kv_tile, already checked
@@ -31,10 +33,10 @@ static nbhd_status refuse_tiles(const char *op) {
 }
 
 size_t nbhd_cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
-    (void)e;
-    /* backward: D_i per query row, float (mma and simple f16/bf16/f32) or double (simple f64) */
+    /* backward: D_i per query row, float (mma and simple f16/bf16/f32) or double (simple f64);
+     * the KV-parallel mma backward adds its fp32 dQ accumulator */
     const size_t simple = nbhd_cuda_simple_workspace_bytes(g, op);
-    const size_t mma = op == NBHD_OP_BACKWARD ? nbhd_cuda_mma_backward_workspace_bytes(g) : 0;
+    const size_t mma = op == NBHD_OP_BACKWARD ? nbhd_cuda_mma_backward_workspace_bytes(g, e) : 0;
     return simple > mma ? simple : mma;
 }
 
@@ -51,7 +53,7 @@ nbhd_status nbhd_cuda_backward(const nbhd_geometry *g, const nbhd_backward_args 
                                const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     const bool use_mma = !e->use_reference && nbhd_cuda_mma_backward_supported(g, a);
-    if (use_mma) return nbhd_cuda_mma_backward(g, a, e->workspace, stream);
+    if (use_mma) return nbhd_cuda_mma_backward(g, a, e, stream);
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("backward");
     return nbhd_cuda_simple_backward(g, a, e->workspace, stream);
 }

@@ -9,12 +9,17 @@
  *                     64-key patch, 32-query tiles, every query head of the key head in turn:
  *                       dV = P^T dO, dK = s dS^T Q
  *                     and once more with EXTRA: rows = 64 extra keys, columns = every query.
- * Each output element is written once by one thread: deterministic, no atomics.
+ * Deterministic (exec.kv_parallel off): each output element is written once by one thread.
+ * KV-parallel (exec.kv_parallel on): no dq_kernel; the key-stationary kernels also form
+ *   dQ += dS K per tile (dS staged in shared memory) and add it with fp32 atomics into a zeroed
+ *   workspace, which dq_convert_kernel scales into dQ: one pass over S and dP instead of two,
+ *   summation order left to the hardware.
  */
 #include "mma_util.cuh"
 
 #define BW_WARPS 4
 #define BW_THREADS (BW_WARPS * 32)
+#define DS_LD 40  /* row pitch of the staged dS^T tile [BR keys][BC queries]: 80 B, conflict-free */
 
 // ----------------------------------------------------------------------------
 // 1. D_i = dO_i.O_i - dLSE_i
@@ -236,12 +241,96 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
 }
 
 // ----------------------------------------------------------------------------
-// 3. dK, dV, key-stationary (EXTRA: the extra keys, over every query)
+// 3. dK, dV, key-stationary (EXTRA: the extra keys, over every query; KVP: dQ by atomics)
 
-template <typename T, int HD, bool EXTRA>
+/* KV-parallel dQ of one tile: dQ[BC queries][HD] += dS[BC][BR] K[BR][HD], dS read transposed
+ * from the staged dS^T, keys of inactive warps skipped. Warp w takes queries (w & 1) * 16.. and
+ * columns (w >> 1) * HD / 2.., in chunks of 32 columns (16 accumulator registers), and adds its
+ * results to the fp32 accumulator rows of the tile's queries (in-group coordinates in qct). */
+template <typename T, int HD>
+__device__ __forceinline__ void tile_dq_atomic(const T *dST, const int *warp_active, const T *Ks,
+                                               const int *qct, const group_ptr<float> &dqp,
+                                               int64_t head_offset, int lane, int w) {
+    constexpr int NCOL = HD / 2, CHUNK = NCOL < 32 ? NCOL : 32;
+    const int q0 = (w & 1) * 16, d0 = (w >> 1) * NCOL, rq = lane >> 2, cq = lane & 3;
+    const int mat = lane >> 3;
+    float *dst[2];
+    bool row_ok[2];
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        const int cr = q0 + rq + 8 * hrow;
+        const int j0 = qct[cr];
+        row_ok[hrow] = j0 != KEY_NONE;
+        dst[hrow] = dqp.at(row_ok[hrow] ? j0 : 0, qct[BC + cr], qct[2 * BC + cr]) + head_offset + d0;
+    }
+#pragma unroll
+    for (int c0 = 0; c0 < NCOL; c0 += CHUNK) {
+        float acc[CHUNK / 8][4];
+#pragma unroll
+        for (int i = 0; i < CHUNK / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+        bool any = false;
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk) {  /* keys 16 kk.. are warp kk's rows */
+            if (!warp_active[kk]) continue;
+            any = true;
+            uint32_t af[4];
+            ldmatrix_x4_trans(af, smem_u32(dST + (kk * 16 + (mat >> 1) * 8 + (lane & 7)) * DS_LD +
+                                           q0 + (mat & 1) * 8));
+#pragma unroll
+            for (int nd2 = 0; nd2 < CHUNK / 16; ++nd2) {
+                uint32_t bf[4];
+                const int row = kk * 16 + (mat & 1) * 8 + (lane & 7);
+                const int col = d0 + c0 + nd2 * 16 + (mat >> 1) * 8;
+                ldmatrix_x4_trans(bf, smem_u32(Ks + swz<HD>(row, col)));
+                mma16816<T>(acc[2 * nd2], af, bf[0], bf[1]);
+                mma16816<T>(acc[2 * nd2 + 1], af, bf[2], bf[3]);
+            }
+        }
+        if (!any) return;
+#pragma unroll
+        for (int nb = 0; nb < CHUNK / 8; ++nb)
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow)
+                if (row_ok[hrow]) {
+                    float *p = dst[hrow] + c0 + nb * 8 + 2 * cq;
+                    atomicAdd(p, acc[nb][2 * hrow]);
+                    atomicAdd(p + 1, acc[nb][2 * hrow + 1]);
+                }
+    }
+}
+
+/* KV-parallel epilogue: dQ = scale * accumulator, in the caller's layout (pairs of elements) */
+template <typename T>
+__global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, const nbhd_tensor dq,
+                                                         const float *acc, float scale) {
+    const int64_t pairs = g.batch * g.tokens * g.heads * (g.head_dim / 2);
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= pairs) return;
+    const int64_t d = (i % (g.head_dim / 2)) * 2, row = i / (g.head_dim / 2);
+    const int64_t h = row % g.heads, tok = (row / g.heads) % g.tokens, b = row / (g.heads * g.tokens);
+    int64_t c[3];
+    token_coords(g, tok, c);
+    const float2 v = *(const float2 *)(acc + 2 * i);
+    *(uint32_t *)((T *)dq.data + offset_of(dq, b, c[0], c[1], c[2], h) + d) = pack2<T>(v.x * scale, v.y * scale);
+}
+
+/* dQ accumulator of the KV-parallel backward: float [B, X, Y, Z, H, D], contiguous */
+static __host__ __device__ inline nbhd_tensor dq_accumulator(const nbhd_geometry &g, float *data) {
+    nbhd_tensor t;
+    t.data = (void *)data;
+    t.stride[5] = 1;
+    t.stride[4] = g.head_dim;
+    t.stride[3] = t.stride[4] * g.heads;
+    t.stride[2] = t.stride[3] * g.axis[2].extent;
+    t.stride[1] = t.stride[2] * g.axis[1].extent;
+    t.stride[0] = t.stride[1] * g.axis[0].extent;
+    return t;
+}
+
+template <typename T, int HD, bool EXTRA, bool KVP>
 __global__ void __launch_bounds__(BW_THREADS, 2)
 fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
-                    const mma_plan P) {
+                    float *dq_acc, const mma_plan P) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Ks = (T *)smem_raw;            /* [BR][HD] */
     T *Vs = Ks + BR * HD;             /* [BR][HD] */
@@ -250,6 +339,8 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     int *qc = (int *)(dOs + 2 * BC * HD); /* [2][3][BC] in-group query coordinates */
     float *ql = (float *)(qc + 6 * BC);   /* [2][BC] lse log2 e */
     float *qd = ql + 2 * BC;              /* [2][BC] D_i */
+    T *dST = (T *)(qd + 2 * BC);          /* KVP: [BR][DS_LD] dS^T of the tile */
+    int *warp_active = (int *)(dST + BR * DS_LD); /* KVP: [BW_WARPS] warps with rows in the tile */
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const nbhd_tensor &kt = EXTRA ? a.kx : a.k, &vt = EXTRA ? a.vx : a.v;
 
@@ -338,6 +429,8 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     const group_ptr<const T> dop = group_ptr_of<const T>(a.d_out, g, b, cgrp, h0, EXTRA);
     const group_ptr<const float> lsep = group_ptr_of<const float>(a.lse, g, b, cgrp, h0, EXTRA);
     const group_ptr<const float> dwp = group_ptr_of<const float>(dws_t, g, b, cgrp, h0, EXTRA);
+    const nbhd_tensor dqa_t = dq_accumulator(g, dq_acc);
+    const group_ptr<float> dqp = group_ptr_of<float>(dqa_t, g, b, cgrp, h0, EXTRA);
     const udiv32 div_c1 = udiv32_of((uint32_t)max(cnt[1], (int64_t)1)),
                  div_c2 = udiv32_of((uint32_t)max(cnt[2], (int64_t)1));
     auto load_tile = [&](int t, int s) {
@@ -437,7 +530,9 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
         } else {
             mine = warp_has_rows;
         }
-        if (__any_sync(0xffffffffu, mine)) {
+        const bool active = __any_sync(0xffffffffu, mine);
+        if (KVP && lane == 0) warp_active[w] = active;
+        if (active) {
             float sc[BC / 8][4], dp[BC / 8][4];
 #pragma unroll
             for (int i = 0; i < BC / 8; ++i)
@@ -465,6 +560,18 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
                 }
             tile_xb<T, HD>(dv, sc, dOt, lane);  // dV += P^T dO
             tile_xb<T, HD>(dk, dp, Qt, lane);   // dK += dS^T Q
+            if (KVP)  /* this warp's 16 keys x BC queries of dS^T, rounded as the dK operand */
+#pragma unroll
+                for (int nb = 0; nb < BC / 8; ++nb)
+#pragma unroll
+                    for (int hrow = 0; hrow < 2; ++hrow)
+                        *(uint32_t *)(dST + (w * 16 + rq + 8 * hrow) * DS_LD + nb * 8 + 2 * cq) =
+                            pack2<T>(dp[nb][2 * hrow], dp[nb][2 * hrow + 1]);
+        }
+        if (KVP) {
+            __syncthreads();
+            tile_dq_atomic<T, HD>(dST, warp_active, Ks, qct, dqp,
+                                  (int64_t)(t / tiles_per_head) * dqa_t.stride[4], lane, w);
         }
         __syncthreads();
     }
@@ -511,53 +618,92 @@ template <typename K> static nbhd_status reserve_smem(K kernel, size_t smem) {
     return NBHD_OK;
 }
 
-template <typename T, int HD>
-static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *a, float *Dws,
-                              cudaStream_t st) {
-    const mma_plan P = mma_plan_of(g);
+/* workspace: D_i per query row, then (KV-parallel) the fp32 dQ accumulator, 256-byte aligned */
+static size_t di_bytes(const nbhd_geometry *g) {
+    return ((size_t)(g->batch * g->tokens * g->heads) * sizeof(float) + 255) & ~(size_t)255;
+}
+static size_t dq_accumulator_bytes(const nbhd_geometry *g) {
+    return (size_t)(g->batch * g->tokens * g->heads) * (size_t)g->head_dim * sizeof(float);
+}
+
+template <typename T, int HD, bool KVP>
+static nbhd_status launch_dkdv(const nbhd_geometry *g, const nbhd_backward_args *a, float *Dws,
+                               float *dq_acc, const mma_plan &P, cudaStream_t st) {
     nbhd_status s;
-    const int64_t rows = g->batch * g->tokens * g->heads;
-    di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
-    NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
-
-    const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
-    if ((s = reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq)) != NBHD_OK) return s;
-    const int64_t ctas = g->batch * g->heads * P.patches;
-    if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: grid too large");
-    fna_mma_dq_kernel<T, HD><<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
-    NBHD_CUDA_CHECK_LAUNCH("mma backward (dq)");
-
     const size_t smem_kv = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC +
-                           sizeof(float) * 4 * BC;
+                           sizeof(float) * 4 * BC +
+                           (KVP ? sizeof(T) * BR * DS_LD + sizeof(int) * BW_WARPS : 0);
     if (g->has_window) {
-        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, false>, smem_kv)) != NBHD_OK) return s;
-        fna_mma_dkdv_kernel<T, HD, false><<<(unsigned)(g->batch * g->kv_heads * P.patches),
-                                            BW_THREADS, smem_kv, st>>>(*g, *a, Dws, P);
+        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, false, KVP>, smem_kv)) != NBHD_OK) return s;
+        fna_mma_dkdv_kernel<T, HD, false, KVP><<<(unsigned)(g->batch * g->kv_heads * P.patches),
+                                                 BW_THREADS, smem_kv, st>>>(*g, *a, Dws, dq_acc, P);
         NBHD_CUDA_CHECK_LAUNCH("mma backward (dk, dv)");
     }
     if (g->extra_kv > 0) {
         mma_plan PX = P;
         PX.patches = (g->extra_kv + BR - 1) / BR;
-        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, true>, smem_kv)) != NBHD_OK) return s;
-        fna_mma_dkdv_kernel<T, HD, true><<<(unsigned)(g->batch * g->kv_heads * PX.patches),
-                                           BW_THREADS, smem_kv, st>>>(*g, *a, Dws, PX);
+        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, true, KVP>, smem_kv)) != NBHD_OK) return s;
+        fna_mma_dkdv_kernel<T, HD, true, KVP><<<(unsigned)(g->batch * g->kv_heads * PX.patches),
+                                                BW_THREADS, smem_kv, st>>>(*g, *a, Dws, dq_acc, PX);
         NBHD_CUDA_CHECK_LAUNCH("mma backward (extra dk, dv)");
     }
     return NBHD_OK;
 }
 
-size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g) {
-    return (size_t)(g->batch * g->tokens * g->heads) * sizeof(float);
+template <typename T, int HD>
+static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *a, void *workspace,
+                              bool kv_parallel, cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g);
+    float *Dws = (float *)workspace;
+    nbhd_status s;
+    const int64_t rows = g->batch * g->tokens * g->heads;
+    const int64_t ctas = g->batch * g->heads * P.patches;
+    if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: grid too large");
+    di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
+    NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
+
+    if (kv_parallel) {
+        float *dq_acc = (float *)((unsigned char *)workspace + di_bytes(g));
+        if (cudaMemsetAsync(dq_acc, 0, dq_accumulator_bytes(g), st) != cudaSuccess) {
+            const cudaError_t err = cudaGetLastError();
+            return nbhd_fail(NBHD_ERR_DEVICE, "mma backward: clearing the dQ accumulator: %s",
+                             cudaGetErrorString(err));
+        }
+        if ((s = launch_dkdv<T, HD, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK) return s;
+        const int64_t pairs = rows * (HD / 2);
+        dq_convert_kernel<T><<<(unsigned)((pairs + 255) / 256), 256, 0, st>>>(
+            *g, a->d_q, dq_acc, (float)g->scale);
+        NBHD_CUDA_CHECK_LAUNCH("mma backward (dq from the accumulator)");
+        return NBHD_OK;
+    }
+
+    const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
+    if ((s = reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq)) != NBHD_OK) return s;
+    fna_mma_dq_kernel<T, HD><<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
+    NBHD_CUDA_CHECK_LAUNCH("mma backward (dq)");
+    return launch_dkdv<T, HD, false>(g, a, Dws, nullptr, P, st);
+}
+
+/* the KV-parallel path needs the accumulator: asked for, and on the tensor-core path's types */
+static bool kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e) {
+    const int D = g->head_dim;
+    return e && e->kv_parallel && (g->dtype == NBHD_F16 || g->dtype == NBHD_BF16) &&
+           D == g->head_dim_v && (D == 32 || D == 64 || D == 128);
+}
+
+size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, const nbhd_exec *e) {
+    return di_bytes(g) + (kv_parallel_applies(g, e) ? dq_accumulator_bytes(g) : 0);
 }
 
 nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                   void *workspace, cudaStream_t st) {
-    float *Dws = (float *)workspace;
+                                   const nbhd_exec *e, cudaStream_t st) {
+    const bool kvp = kv_parallel_applies(g, e);
     const bool bf = g->dtype == NBHD_BF16;
+    void *ws = e->workspace;
     switch (g->head_dim) {
-    case 32: return bf ? launch_bwd<__nv_bfloat16, 32>(g, a, Dws, st) : launch_bwd<__half, 32>(g, a, Dws, st);
-    case 64: return bf ? launch_bwd<__nv_bfloat16, 64>(g, a, Dws, st) : launch_bwd<__half, 64>(g, a, Dws, st);
-    case 128: return bf ? launch_bwd<__nv_bfloat16, 128>(g, a, Dws, st) : launch_bwd<__half, 128>(g, a, Dws, st);
+    case 32: return bf ? launch_bwd<__nv_bfloat16, 32>(g, a, ws, kvp, st) : launch_bwd<__half, 32>(g, a, ws, kvp, st);
+    case 64: return bf ? launch_bwd<__nv_bfloat16, 64>(g, a, ws, kvp, st) : launch_bwd<__half, 64>(g, a, ws, kvp, st);
+    case 128: return bf ? launch_bwd<__nv_bfloat16, 128>(g, a, ws, kvp, st) : launch_bwd<__half, 128>(g, a, ws, kvp, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: head_dim %d", g->head_dim);
 }
