@@ -662,7 +662,7 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
-    if (kv_parallel) {
+    if constexpr (HD <= 64) if (kv_parallel) {  /* kv_parallel_applies: D <= 64 only */
         float *dq_acc = (float *)((unsigned char *)workspace + di_bytes(g));
         if (cudaMemsetAsync(dq_acc, 0, dq_accumulator_bytes(g), st) != cudaSuccess) {
             const cudaError_t err = cudaGetLastError();
@@ -684,11 +684,14 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     return launch_dkdv<T, HD, false>(g, a, Dws, nullptr, P, st);
 }
 
-/* the KV-parallel path needs the accumulator: asked for, and on the tensor-core path's types */
+/* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64. At D = 128
+ * the key-stationary kernel already holds dK and dV in 256 registers, and its dQ phase cost more
+ * than the separate dq_kernel (H200, bf16, 16 heads: 2-5 % slower on the bench problems; at
+ * D = 64 6-10 % faster, bench/RESULTS_GPU.md). */
 static bool kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e) {
     const int D = g->head_dim;
     return e && e->kv_parallel && (g->dtype == NBHD_F16 || g->dtype == NBHD_BF16) &&
-           D == g->head_dim_v && (D == 32 || D == 64 || D == 128);
+           D == g->head_dim_v && (D == 32 || D == 64);
 }
 
 size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, const nbhd_exec *e) {

@@ -7,7 +7,7 @@
 
 /* element (b, tok, h, 0) of a [B, T, -, -, H, *] tensor */
 __device__ __forceinline__ int64_t row_at(const nbhd_tensor &t, int64_t b, int64_t tok, int64_t h) {
-    return row_at(t, b, tok, h);
+    return b * t.stride[0] + tok * t.stride[1] + h * t.stride[4];
 }
 
 template <typename T, typename L>
