@@ -176,7 +176,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--csv", default="bench/results_cpu.csv")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--only", default=None, help="run only the problem with this name")
+    ap.add_argument("--only", default=None, help="run only these problems (names, comma-separated)")
     ap.add_argument("--dtypes", default="fp32,bf16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -191,13 +191,15 @@ def main():
               for i in range(len(HEAD))]
     print(" | ".join(h.rjust(w) if i > 2 else h.ljust(w) for i, (h, w) in enumerate(zip(HEAD, widths))))
     for name, shape, ks, B, H, D in PROBLEMS:
-        if args.only and name != args.only:
+        if args.only and name not in args.only.split(","):
             continue
         for dtype in dtypes:
             n0 = len(rows)
             run_problem(name, shape, ks, B, H, D, dtype, args, mm, rows)
             for r in rows[n0:]:
                 print(fmt_row(r), flush=True)
+    if not rows:
+        sys.exit(f"--only {args.only!r} names no problem (have: {', '.join(p[0] for p in PROBLEMS)})")
     if args.csv:
         os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
         with open(args.csv, "w", newline="") as f:

@@ -363,6 +363,7 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     }
     // columns: the union of the rows' inverse neighborhoods (EXTRA: every query token)
     int64_t lo[3], cnt[3];
+#pragma unroll
     for (int ax = 0; ax < 3; ++ax) {
         if (EXTRA) {
             lo[ax] = 0;
@@ -478,8 +479,11 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     int ist[2][3], ien[2][3];
     bool rvalid[2];
     int64_t rc[2][3];
+    /* unrolled, these stay in registers (else a 112-byte local frame read in the tile loop) */
+#pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         rvalid[hrow] = row_coords(w * 16 + rq + 8 * hrow, rc[hrow]);
+#pragma unroll
         for (int ax = 0; ax < 3; ++ax) {
             int64_t f = 0, c = 0;
             if (!EXTRA && rvalid[hrow])
