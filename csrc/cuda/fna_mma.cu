@@ -4,7 +4,7 @@
  *
  * Tiles. A CTA of 4 warps owns a multi-dimensional patch of 64 queries of one (batch, head),
  * taken in one dilation group per axis (so every window of the patch lies in that group):
- *   1-D 64, 2-D 8x8 (warps 4x4 each), 3-D 4x4x4 (warps 2x2x4 each)   (mma_util.cuh patch_*)
+ *   1-D 64, 2-D 8x8 (warps 2x8 each), 3-D 4x4x4 (warps 1x4x4 each)   (mma_util.cuh patch_*)
  * The patch shape is a template argument (RANK), so row and key coordinates need no run-time
  * division but two multiply-highs per key (key_box). Its keys are the exact union of the
  * patch's windows: per axis the in-group range [start(first query), end(last query)), walked

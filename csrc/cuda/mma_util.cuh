@@ -14,12 +14,17 @@
 
 /* Patch shapes per rank (rank 0, dense over extra keys, takes rank 1's): a warp owns
  * patch_wt(rank, axis) queries per axis (16 in all), a CTA patch_wc(rank, axis) warps per axis
- * (4 in all): 1-D 64, 2-D 8x8 (warps 4x4 each), 3-D 4x4x4 (warps 2x2x4 each). */
+ * (4 in all): 1-D 64, 2-D 8x8 (warps 2x8 each), 3-D 4x4x4 (warps 1x4x4 each). The warps are
+ * stacked along the slowest axis and span the CTA's patch on the others, so that the keys a
+ * warp needs form one contiguous run of the CTA's row-major walk of its union box (2-D 7x7:
+ * 8 x 14 = 112 walk positions per warp, against 10 rows x 14 = 140 for warps of 4x4). */
 __host__ __device__ constexpr int patch_wt(int rank, int ax) {
-    return rank <= 1 ? (ax == 0 ? 16 : 1) : rank == 2 ? (ax < 2 ? 4 : 1) : (ax < 2 ? 2 : 4);
+    return rank <= 1 ? (ax == 0 ? 16 : 1) : rank == 2 ? (ax == 0 ? 2 : ax == 1 ? 8 : 1)
+                                                      : (ax == 0 ? 1 : 4);
 }
 __host__ __device__ constexpr int patch_wc(int rank, int ax) {
-    return rank <= 1 ? (ax == 0 ? 4 : 1) : (ax < 2 ? 2 : 1);
+    (void)rank;
+    return ax == 0 ? 4 : 1;
 }
 __host__ __device__ constexpr int patch_ct(int rank, int ax) {
     return patch_wt(rank, ax) * patch_wc(rank, ax);
