@@ -1,7 +1,7 @@
 """A/B of the tensor-core forward's variants in one process, configurations interleaved.
 
 The variants are picked per launch by environment switches read in csrc/cuda/fna_mma.cu
-(NBHD_MMA_FWD_BN). Each timing is a
+(NBHD_MMA_FWD_BN, NBHD_MMA_FWD_MINB). Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
@@ -19,13 +19,15 @@ from nbhd import ops
 CONFIGS = {
     "default": {},
     "bn64": {"NBHD_MMA_FWD_BN": "64"},
+    "more": {"NBHD_MMA_FWD_MINB": "+"},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN",)
+SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MINB")
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
     ("3d-16x32x32-w7", 1, (16, 32, 32), (7, 7, 7), (1, 1, 1)),
     ("1d-32768-w2048", 1, (32768,), (2048,), (1,)),
+    ("3d-30x48x80-s16x8x8", 1, (30, 48, 80), (18, 24, 24), (16, 8, 8)),
 ]
 
 

@@ -484,7 +484,14 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cu
     bool small_window = g->has_window && window < 512;
     const char *bn = getenv("NBHD_MMA_FWD_BN");
     if (bn && bn[0]) small_window = bn[0] == '3';
-    if (!small_window) return launch_rank<T, HD, 64, 2, true>(g, a, st);
+    const char *mb = getenv("NBHD_MMA_FWD_MINB");  /* A/B: more CTAs per SM */
+    const bool more = mb && mb[0] == '+';
+    if (!small_window) {
+        if (more) return launch_rank<T, HD, 64, 3, true>(g, a, st);
+        return launch_rank<T, HD, 64, 2, true>(g, a, st);
+    }
+    if constexpr (HD <= 64)
+        if (more) return launch_rank<T, HD, 32, 4, true>(g, a, st);
     return launch_rank<T, HD, 32, 3, HD != 128>(g, a, st);
 }
 
