@@ -1,7 +1,7 @@
 """A/B of the tensor-core forward's variants in one process, configurations interleaved.
 
 The variants are picked per launch by environment switches read in csrc/cuda/fna_mma.cu
-(NBHD_MMA_FWD_BN, NBHD_MMA_FWD_MINB). Each timing is a
+(NBHD_MMA_FWD_BN). Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
@@ -19,9 +19,8 @@ from nbhd import ops
 CONFIGS = {
     "default": {},
     "bn64": {"NBHD_MMA_FWD_BN": "64"},
-    "more": {"NBHD_MMA_FWD_MINB": "+"},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MINB")
+SWITCHES = ("NBHD_MMA_FWD_BN",)
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),

@@ -472,11 +472,13 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *
 }
 
 /* Small windows (|window| < 512 keys) take 32-key tiles: finer per-warp tile skipping and
- * less padding of the union; large ones 64-key tiles (more work per barrier). The 32-key
- * kernels budget registers for 3 CTAs per SM (12 warps: the loop is latency-bound; on an H200
- * 3 CTAs beat 2 by 4-8 % at D = 128 despite a few spilled bytes) and, at D = 128, re-read Q
- * from shared memory each tile (equal on the 2-D problems, 5 % faster on 3-D 7^3); the 64-key
- * ones keep Q in registers with 2 CTAs per SM (re-reading Q there was 16 % slower on 1-D 2048).
+ * less padding of the union; large ones 64-key tiles (more work per barrier). The loop is
+ * latency-bound, so registers are budgeted for as many CTAs per SM as spill little: at D <= 64
+ * 4 CTAs (32-key tiles) or 3 (64-key), at D = 128 3 or 2 (H200, bench/ab_fwd.py: at D = 64 one
+ * more CTA per SM was 5-9 % faster on the 2-D/3-D small windows and 10 % on strided 3-D, 2 %
+ * slower on 1-D 2048; at D = 128 it spilled and was 12-18 % slower on the large windows). The
+ * D = 128 32-key kernels re-read Q from shared memory each tile (equal on the 2-D problems, 5 %
+ * faster on 3-D 7^3); the 64-key ones keep Q in registers (re-reading was 16 % slower on 1-D).
  * NBHD_MMA_FWD_BN=32|64 forces the key tile (A/B runs, bench/ab_fwd.py; read per launch). */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
@@ -484,15 +486,9 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cu
     bool small_window = g->has_window && window < 512;
     const char *bn = getenv("NBHD_MMA_FWD_BN");
     if (bn && bn[0]) small_window = bn[0] == '3';
-    const char *mb = getenv("NBHD_MMA_FWD_MINB");  /* A/B: more CTAs per SM */
-    const bool more = mb && mb[0] == '+';
-    if (!small_window) {
-        if (more) return launch_rank<T, HD, 64, 3, true>(g, a, st);
-        return launch_rank<T, HD, 64, 2, true>(g, a, st);
-    }
-    if constexpr (HD <= 64)
-        if (more) return launch_rank<T, HD, 32, 4, true>(g, a, st);
-    return launch_rank<T, HD, 32, 3, HD != 128>(g, a, st);
+    constexpr int extra_cta = HD <= 64 ? 1 : 0;
+    if (!small_window) return launch_rank<T, HD, 64, 2 + extra_cta, true>(g, a, st);
+    return launch_rank<T, HD, 32, 3 + extra_cta, HD != 128>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
