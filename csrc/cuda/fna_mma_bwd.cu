@@ -48,8 +48,8 @@ __global__ void __launch_bounds__(128) di_kernel(const nbhd_geometry g, const nb
 // ----------------------------------------------------------------------------
 // 2. dQ, query-stationary
 
-template <typename T, int HD>
 /* 3 CTAs per SM at D <= 64 (168 registers, 20 bytes spilled at D = 64), else 2 */
+template <typename T, int HD>
 __global__ void __launch_bounds__(BW_THREADS, HD <= 64 ? 3 : 2)
 fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
                   const mma_plan P) {
