@@ -94,7 +94,9 @@ typedef struct {
     void *workspace;                  /* at least nbhd_workspace_bytes(...) bytes, or NULL if 0 */
     size_t workspace_bytes;
     int32_t threads;                  /* CPU threads; <= 0: OpenMP's default */
-    int32_t kv_parallel;              /* GPU backward may accumulate dQ with atomics */
+    int32_t kv_parallel;              /* GPU backward may add dQ with fp32 atomics (f16/bf16,
+                                         D <= 64): not bitwise deterministic; 0: deterministic.
+                                         Pass the same value to nbhd_workspace_bytes. */
     int32_t use_reference;            /* force the plain scalar kernels (tests, debugging) */
     int32_t q_tile[NBHD_MAX_RANK];    /* query tile per problem axis; all 0: the library chooses */
     int32_t kv_tile[NBHD_MAX_RANK];   /* key tile per axis; a set tile must belong to one of
