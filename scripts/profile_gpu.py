@@ -1,0 +1,27 @@
+"""One call of each tensor-core kernel on a benchmark problem, for Nsight Compute:
+    ncu --clock-control none -k regex:fna_mma --launch-skip 1 ... python scripts/profile_gpu.py [2d7|3d7|1d]
+(the first launches warm up; ncu then profiles the named kernels)."""
+import sys
+
+import torch
+
+from nbhd import ops
+
+PROBLEMS = {  # name: batch, extents, kernel, head dim
+    "2d7": (8, (64, 64), (7, 7), 128),
+    "2d7-64": (8, (64, 64), (7, 7), 64),
+    "3d7": (1, (16, 32, 32), (7, 7, 7), 64),
+    "1d": (1, (32768,), (2048,), 128),
+}
+
+name = sys.argv[1] if len(sys.argv) > 1 else "2d7"
+B, ext, ks, D = PROBLEMS[name]
+H = 16
+q, k, v = (torch.randn(B, *ext, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+empty = torch.empty(B, 0, H, D, device="cuda", dtype=torch.bfloat16)
+geo = (list(ks), [1] * len(ks), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
+for _ in range(2):
+    out, lse = ops.na_forward(q, k, v, empty, empty, *geo)
+    ops.na_backward(q, k, v, empty, empty, out, lse, torch.randn_like(out), None, *geo)
+torch.cuda.synchronize()
+print(f"profiled {name}: B={B} {ext} window {ks} D={D} H={H}")
