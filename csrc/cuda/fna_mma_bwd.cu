@@ -698,8 +698,8 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
 
 /* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64. At D = 128
  * the key-stationary kernel already holds dK and dV in 256 registers, and its dQ phase cost more
- * than the separate dq_kernel (H200, bf16, 16 heads: 2-5 % slower on the bench problems; at
- * D = 64 6-10 % faster, bench/RESULTS_GPU.md). */
+ * than the separate dq_kernel (H200, bf16, 16 heads: 2-6 % slower on the bench problems; at
+ * D = 64 3-9 % faster on four of them, 2 % slower on strided 3-D; bench/RESULTS_GPU.md). */
 static bool kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e) {
     const int D = g->head_dim;
     return e && e->kv_parallel && (g->dtype == NBHD_F16 || g->dtype == NBHD_BF16) &&
