@@ -54,6 +54,20 @@ def test_kv_parallel_reaches_the_library(monkeypatch):
     assert seen == [True, False]
 
 
+def test_kv_parallel_flag_under_compile_without_recompiling(monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+    seen = []
+    real = nbhd._lib.run
+    monkeypatch.setattr(nbhd._lib, "run", lambda *a, **k: (seen.append(k["kv_parallel"]), real(*a, **k))[1])
+    counter = CompileCounter()
+    f = torch.compile(lambda q: nbhd.na1d(q, q, q, 3), backend=counter, fullgraph=True)
+    q = torch.randn(1, 8, 1, 4)
+    f(q)
+    nbhd.use_kv_parallelism_in_fused_na(False)  # read inside the op: no guard, no recompile
+    f(q)
+    assert seen == [True, False] and counter.frame_count == 1
+
+
 def test_memory_preference():
     assert nbhd.is_memory_usage_default()
     assert context.kv_parallelism_for_run()
