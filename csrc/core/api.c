@@ -319,15 +319,24 @@ static nbhd_status resolve_tiles(const nbhd_problem *p, nbhd_op op, const nbhd_e
 #define CUDA_DISPATCH(fn, g, a, e) (void)0
 #endif
 
-nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, const nbhd_exec *e) {
+/* What every entry point checks first: the problem, the args pointer, the exec (NULL: the
+ * defaults) and its tiles; *e then points at `tiled`, the exec with the tiles resolved. */
+static nbhd_status enter(const nbhd_problem *p, const void *args, nbhd_op op, const nbhd_exec **e,
+                         nbhd_exec *tiled) {
     nbhd_status st = nbhd_validate(p);
     if (st != NBHD_OK) return st;
-    if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
-    if (!e) e = &default_exec;
-    if ((st = check_exec(e)) != NBHD_OK) return st;
+    if (!args) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
+    if (!*e) *e = &default_exec;
+    if ((st = check_exec(*e)) != NBHD_OK) return st;
+    if ((st = resolve_tiles(p, op, *e, tiled)) != NBHD_OK) return st;
+    *e = tiled;
+    return NBHD_OK;
+}
+
+nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, const nbhd_exec *e) {
     nbhd_exec tiled;
-    if ((st = resolve_tiles(p, NBHD_OP_FORWARD, e, &tiled)) != NBHD_OK) return st;
-    e = &tiled;
+    nbhd_status st = enter(p, a, NBHD_OP_FORWARD, &e, &tiled);
+    if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return NBHD_OK;
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
@@ -379,14 +388,9 @@ static nbhd_status backward_no_heads(const nbhd_geometry *g, const nbhd_backward
 }
 
 nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, const nbhd_exec *e) {
-    nbhd_status st = nbhd_validate(p);
-    if (st != NBHD_OK) return st;
-    if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
-    if (!e) e = &default_exec;
-    if ((st = check_exec(e)) != NBHD_OK) return st;
     nbhd_exec tiled;
-    if ((st = resolve_tiles(p, NBHD_OP_BACKWARD, e, &tiled)) != NBHD_OK) return st;
-    e = &tiled;
+    nbhd_status st = enter(p, a, NBHD_OP_BACKWARD, &e, &tiled);
+    if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (g.batch > 0 && g.heads == 0) return backward_no_heads(&g, a, p->device);
     if (is_empty(&g)) return NBHD_OK;
@@ -400,14 +404,9 @@ nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, co
 }
 
 nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args *a, const nbhd_exec *e) {
-    nbhd_status st = nbhd_validate(p);
-    if (st != NBHD_OK) return st;
-    if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
-    if (!e) e = &default_exec;
-    if ((st = check_exec(e)) != NBHD_OK) return st;
     nbhd_exec tiled;
-    if ((st = resolve_tiles(p, NBHD_OP_FORWARD_JVP, e, &tiled)) != NBHD_OK) return st;
-    e = &tiled;
+    nbhd_status st = enter(p, a, NBHD_OP_FORWARD_JVP, &e, &tiled);
+    if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return NBHD_OK;
     NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
@@ -420,14 +419,9 @@ nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args 
 
 nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_jvp_backward_args *a,
                                       const nbhd_exec *e) {
-    nbhd_status st = nbhd_validate(p);
-    if (st != NBHD_OK) return st;
-    if (!a) return nbhd_fail(NBHD_ERR_ARG, "args is NULL");
-    if (!e) e = &default_exec;
-    if ((st = check_exec(e)) != NBHD_OK) return st;
     nbhd_exec tiled;
-    if ((st = resolve_tiles(p, NBHD_OP_FORWARD_JVP_BACKWARD, e, &tiled)) != NBHD_OK) return st;
-    e = &tiled;
+    nbhd_status st = enter(p, a, NBHD_OP_FORWARD_JVP_BACKWARD, &e, &tiled);
+    if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (g.batch > 0 && g.heads == 0) {  /* no query sees any key: key-side gradients are zero */
         nbhd_backward_args zero = {0};
