@@ -721,6 +721,40 @@ static int FAST(yblocks_init)(FAST(yblocks) *yb, const nbhd_axis *ay, int lines)
     return 1;
 }
 
+/* A query work item w of a slab (heads innermost, then Z chunks, Y blocks, X; neighbouring items
+ * share token rows): head h0 + w % nqh, 16 lanes along Z (zl, the chunk's window descriptor zd),
+ * up to `lines` lines y_r along Y whose windows [fy_r, fy_r + cy_r) make union rows u in [0, U)
+ * (line r sees [ua[r], ub[r])), and the X window [fx, fx + cx). */
+typedef struct {
+    int64_t h, x, gr, i0, U, fx, cx;
+    int nl, nly;
+    int64_t zl[NBHD_LANES], ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
+    FAST(zdesc) zd;
+} FAST(qitem);
+
+static void FAST(qitem_of)(FAST(qitem) *it, const nbhd_geometry *g, const FAST(geo) *G,
+                           const FAST(yblocks) *YB, int lines, int64_t w, int64_t nqh, int64_t h0) {
+    const int64_t ch = (w / nqh) % G->nchunks, yb = (w / (nqh * G->nchunks)) % YB->n;
+    it->h = h0 + w % nqh;
+    it->x = w / (nqh * G->nchunks * YB->n);
+    it->gr = G->chunk_g[ch];
+    it->i0 = G->chunk_i0[ch];
+    const int64_t Lg = G->glen[it->gr];
+    it->nl = (int)(Lg - it->i0 < 16 ? Lg - it->i0 : 16);
+    for (int l = 0; l < it->nl; ++l) it->zl[l] = it->gr + (it->i0 + l) * G->dil;
+    FAST(zdesc_window)(&it->zd, &g->axis[2], it->i0, it->nl, Lg);
+    const int64_t dy = g->axis[1].dilation, gy = YB->g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
+    it->nly = (int)(Lgy - YB->i0[yb] < lines ? Lgy - YB->i0[yb] : lines);
+    for (int r = 0; r < it->nly; ++r) {
+        it->ys[r] = gy + (YB->i0[yb] + r) * dy;
+        nbhd_window(&g->axis[1], it->ys[r], &it->fy[r], &it->cy[r]);
+        it->ua[r] = (it->fy[r] - it->fy[0]) / dy;
+        it->ub[r] = it->ua[r] + it->cy[r];
+    }
+    it->U = it->ub[it->nly - 1];
+    nbhd_window(&g->axis[0], it->x, &it->fx, &it->cx);
+}
+
 /* per-thread scratch of the line-blocked forward, one allocation */
 typedef struct {
     float *S[MAXLINES], *Q[MAXLINES], *O[MAXLINES], *m[MAXLINES], *l[MAXLINES];
@@ -816,65 +850,44 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
-            /* heads innermost: neighbouring work items share token rows (cache lines) */
-            const int64_t h = hk0 * G.G + w % nqh, hk = h / G.G, ch = (w / nqh) % G.nchunks,
-                          yb = (w / (nqh * G.nchunks)) % YB.n, x = w / (nqh * G.nchunks * YB.n);
-            const int64_t slab_line0 = (hk - hk0) * rows;
-            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
-            const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
-            int64_t zl[NBHD_LANES];
-            for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
-            FAST(zdesc) zd;
-            FAST(zdesc_window)(&zd, &g->axis[2], i0, nl, Lg);
-            /* the lines y_r and their windows on Y: union rows u in [0, U), line r sees
-             * [ua[r], ub[r]) */
-            const int64_t gy = YB.g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
-            const int nly = (int)(Lgy - YB.i0[yb] < lines ? Lgy - YB.i0[yb] : lines);
-            int64_t ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
-            for (int r = 0; r < nly; ++r) {
-                ys[r] = gy + (YB.i0[yb] + r) * dy;
-                nbhd_window(&g->axis[1], ys[r], &fy[r], &cy[r]);
-                ua[r] = (fy[r] - fy[0]) / dy;
-                ub[r] = ua[r] + cy[r];
-            }
-            const int64_t U = ub[nly - 1];
-            int64_t fx, cx;
-            nbhd_window(&g->axis[0], x, &fx, &cx);
-            for (int r = 0; r < nly; ++r) {
+            FAST(qitem) it;
+            FAST(qitem_of)(&it, g, &G, &YB, lines, w, nqh, hk0 * G.G);
+            const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, slab_line0 = (hk - hk0) * rows;
+            for (int r = 0; r < it.nly; ++r) {
                 /* Q^T * scale * log2(e): scores in log2 units */
-                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, ys[r], zl, nl, h, qmul);
+                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, it.ys[r], it.zl, it.nl, h, qmul);
                 for (int l = 0; l < 16; ++l) { s.m[r][l] = -INFINITY; s.l[r][l] = 0.0f; }
                 memset(s.O[r], 0, sizeof(float) * 16 * (size_t)Dv);
             }
             const int64_t dims[1] = {Dv};
-            const int64_t nrows = cx * U;
-            FOR_UNITS(nrows, zd.n, q0, nq, c0, nn, {
+            const int64_t nrows = it.cx * it.U;
+            FOR_UNITS(nrows, it.zd.n, q0, nq, c0, nn, {
                 int64_t cnt[MAXLINES] = {0, 0, 0, 0};
                 for (int64_t t = 0; t < nq; ++t) {
-                    const int64_t q = q0 + t, u = q % U, kx = fx + (q / U) * dx;
+                    const int64_t q = q0 + t, u = q % it.U, kx = it.fx + (q / it.U) * dx;
                     int ra = 0, rb = 0;
-                    while (ra < nly && ub[ra] <= u) ++ra;
+                    while (ra < it.nly && it.ub[ra] <= u) ++ra;
                     rb = ra;
-                    while (rb < nly && ua[rb] <= u) ++rb;
-                    const int64_t ln = slab_line0 + kx * G.Y + fy[0] + u * dy,
-                                  at = G.goff[gr] + zd.base + c0;
+                    while (rb < it.nly && it.ua[rb] <= u) ++rb;
+                    const int64_t ln = slab_line0 + kx * G.Y + it.fy[0] + u * dy,
+                                  at = G.goff[gr] + it.zd.base + c0;
                     float *Sr[MAXLINES];
                     for (int r = ra; r < rb; ++r) Sr[r - ra] = s.S[r] + 16 * nn * cnt[r]++;
                     FAST(score_lines)(Sr, (const float *const *)s.Q + ra, rb - ra, D,
-                                      KT + ln * D * ZP + at, ZP, nn, zd.bcast);
+                                      KT + ln * D * ZP + at, ZP, nn, it.zd.bcast);
                     s.ra[t] = (int8_t)ra;
                     s.rb[t] = (int8_t)rb;
                     s.v[t] = VT + ln * Dv * ZP + at;
                 }
-                for (int r = 0; r < nly; ++r) {
+                for (int r = 0; r < it.nly; ++r) {
                     if (!cnt[r]) continue;
-                    if (zd.masked) FAST(apply_mask)(s.S[r], cnt[r], nn, &zd, zd.base + c0, -INFINITY);
+                    if (it.zd.masked) FAST(apply_mask)(s.S[r], cnt[r], nn, &it.zd, it.zd.base + c0, -INFINITY);
                     FAST(softmax_step)(s.S[r], cnt[r] * nn, s.m[r], s.l[r], NULL, &s.O[r], dims, 1);
                 }
                 const FAST(rowset) rs = {s.ra, s.rb, s.v, nq};
-                FAST(values_lines)(s.O, nly, Dv, (const float *const *)s.S, &rs, nn, ZP, zd.bcast);
+                FAST(values_lines)(s.O, it.nly, Dv, (const float *const *)s.S, &rs, nn, ZP, it.zd.bcast);
             })
-            for (int r = 0; r < nly; ++r) {
+            for (int r = 0; r < it.nly; ++r) {
                 if (G.S) {
                     const float *kx_row = KXT + (hk - hk0) * D * SP, *vx_row = VXT + (hk - hk0) * Dv * SP;
                     float *accs[1] = {s.O[r]};
@@ -888,12 +901,12 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
                 }
                 /* o = acc / l,  lse = ln2 * (m + log2 l) */
                 float inv[16];
-                for (int l = 0; l < nl; ++l) {
+                for (int l = 0; l < it.nl; ++l) {
                     inv[l] = 1.0f / s.l[r][l];
-                    const int64_t o = FAST(off)(&a->lse, b, x, ys[r], zl[l], h);
+                    const int64_t o = FAST(off)(&a->lse, b, x, it.ys[r], it.zl[l], h);
                     ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[r][l] + log2((double)s.l[r][l])));
                 }
-                FAST(store_lanes)(&a->out, dt, Dv, b, x, ys[r], zl, nl, h, s.O[r], inv);
+                FAST(store_lanes)(&a->out, dt, Dv, b, x, it.ys[r], it.zl, it.nl, h, s.O[r], inv);
             }
         }
         }
@@ -1175,32 +1188,12 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
-            /* heads innermost: neighbouring work items share token rows (cache lines) */
-            const int64_t h = hk0 * G.G + w % nqh, hk = h / G.G, ch = (w / nqh) % G.nchunks,
-                          yb = (w / (nqh * G.nchunks)) % YB.n, x = w / (nqh * G.nchunks * YB.n);
-            const int64_t slab_line0 = (hk - hk0) * rows;
-            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
-            const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
-            int64_t zl[NBHD_LANES];
-            for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
-            FAST(zdesc) zd;
-            FAST(zdesc_window)(&zd, &g->axis[2], i0, nl, Lg);
-            /* the lines y_r and their windows on Y, as in the forward */
-            const int64_t gy = YB.g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
-            const int nly = (int)(Lgy - YB.i0[yb] < lines ? Lgy - YB.i0[yb] : lines);
-            int64_t ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
-            for (int r = 0; r < nly; ++r) {
-                ys[r] = gy + (YB.i0[yb] + r) * dy;
-                nbhd_window(&g->axis[1], ys[r], &fy[r], &cy[r]);
-                ua[r] = (fy[r] - fy[0]) / dy;
-                ub[r] = ua[r] + cy[r];
-            }
-            const int64_t U = ub[nly - 1];
-            int64_t fx, cx;
-            nbhd_window(&g->axis[0], x, &fx, &cx);
-            for (int r = 0; r < nly; ++r) {
-                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, ys[r], zl, nl, h, qmul);
-                if (has_tq) FAST(load_lanes)(s.TQ[r], &a->t_q, dt, D, b, x, ys[r], zl, nl, h, tqmul);
+            FAST(qitem) it;
+            FAST(qitem_of)(&it, g, &G, &YB, lines, w, nqh, hk0 * G.G);
+            const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, slab_line0 = (hk - hk0) * rows;
+            for (int r = 0; r < it.nly; ++r) {
+                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, it.ys[r], it.zl, it.nl, h, qmul);
+                if (has_tq) FAST(load_lanes)(s.TQ[r], &a->t_q, dt, D, b, x, it.ys[r], it.zl, it.nl, h, tqmul);
                 for (int l = 0; l < 16; ++l) { s.m[r][l] = -INFINITY; s.l[r][l] = 0.0f; s.r[r][l] = 0.0f; }
                 memset(s.O[r], 0, sizeof(float) * 16 * (size_t)Dv);
                 memset(s.C[r], 0, sizeof(float) * 16 * (size_t)Dv);
@@ -1211,7 +1204,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
     do {                                                                                      \
         float *accs_[2] = {s.O[r_], s.C[r_]};                                                 \
         const int64_t n_ = (rows_) * (nn_);                                                   \
-        if (masked_) FAST(apply_mask)(S_, rows_, nn_, &zd, pos0_, -INFINITY);                 \
+        if (masked_) FAST(apply_mask)(S_, rows_, nn_, &it.zd, pos0_, -INFINITY);                 \
         FAST(softmax_step)(S_, n_, s.m[r_], s.l[r_], s.r[r_], accs_, dims, 2);                \
         vf racc_ = vf_load(s.r[r_]);                                                          \
         for (int64_t c_ = 0; c_ < n_; ++c_) {                                               \
@@ -1221,17 +1214,17 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
         }                                                                                     \
         vf_store(s.r[r_], racc_);                                                             \
     } while (0)
-            const int64_t nrows = cx * U;
-            FOR_UNITS(nrows, zd.n, q0, nq, c0, nn, {
+            const int64_t nrows = it.cx * it.U;
+            FOR_UNITS(nrows, it.zd.n, q0, nq, c0, nn, {
                 int64_t cnt[MAXLINES] = {0, 0, 0, 0};
                 for (int64_t t = 0; t < nq; ++t) {
-                    const int64_t q = q0 + t, u = q % U, kx = fx + (q / U) * dx;
+                    const int64_t q = q0 + t, u = q % it.U, kx = it.fx + (q / it.U) * dx;
                     int ra = 0, rb = 0;
-                    while (ra < nly && ub[ra] <= u) ++ra;
+                    while (ra < it.nly && it.ub[ra] <= u) ++ra;
                     rb = ra;
-                    while (rb < nly && ua[rb] <= u) ++rb;
-                    const int64_t ln = slab_line0 + kx * G.Y + fy[0] + u * dy,
-                                  at = G.goff[gr] + zd.base + c0;
+                    while (rb < it.nly && it.ua[rb] <= u) ++rb;
+                    const int64_t ln = slab_line0 + kx * G.Y + it.fy[0] + u * dy,
+                                  at = G.goff[gr] + it.zd.base + c0;
                     float *Sr[MAXLINES], *Tr[MAXLINES];
                     for (int r = ra; r < rb; ++r) {
                         Sr[r - ra] = s.S[r] + 16 * nn * cnt[r];
@@ -1239,19 +1232,19 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                     }
                     FAST(jvp_scores)(Sr, Tr, (const float *const *)s.Q + ra, (const float *const *)s.TQ + ra,
                                      rb - ra, D, KT + ln * D * ZP + at, TKT + ln * D * ZP + at, ZP, nn,
-                                     zd.bcast, has_tq, has_tk);
+                                     it.zd.bcast, has_tq, has_tk);
                     s.ra[t] = (int8_t)ra;
                     s.rb[t] = (int8_t)rb;
                     s.v[t] = VT + ln * Dv * ZP + at;
                     s.tv[t] = TVT + ln * Dv * ZP + at;
                 }
-                for (int r = 0; r < nly; ++r)
-                    if (cnt[r]) JVP_SOFTMAX(r, s.S[r], s.T[r], cnt[r], nn, zd.masked, zd.base + c0);
+                for (int r = 0; r < it.nly; ++r)
+                    if (cnt[r]) JVP_SOFTMAX(r, s.S[r], s.T[r], cnt[r], nn, it.zd.masked, it.zd.base + c0);
                 const FAST(rowset) rs = {s.ra, s.rb, s.v, nq};
-                FAST(jvp_values)(s.O, s.C, nly, Dv, (const float *const *)s.S, (const float *const *)s.T,
-                                 &rs, s.tv, nn, ZP, zd.bcast, has_tv);
+                FAST(jvp_values)(s.O, s.C, it.nly, Dv, (const float *const *)s.S, (const float *const *)s.T,
+                                 &rs, s.tv, nn, ZP, it.zd.bcast, has_tv);
             })
-            for (int r = 0; r < nly; ++r) {
+            for (int r = 0; r < it.nly; ++r) {
                 if (G.S) {
                     const int64_t xo = hk - hk0;
                     FOR_UNITS(1, G.S, r0, nr, c0, nn, {
@@ -1271,22 +1264,22 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                 }
                 /* o = O/l, mu = r/l, tO = C/l - mu o, lse = ln2 (m + log2 l), tLSE = mu */
                 float inv[16], mu[16];
-                for (int l = 0; l < nl; ++l) {
+                for (int l = 0; l < it.nl; ++l) {
                     inv[l] = 1.0f / s.l[r][l];
                     mu[l] = s.r[r][l] * inv[l];
-                    const int64_t o = FAST(off)(&a->lse, b, x, ys[r], zl[l], h);
+                    const int64_t o = FAST(off)(&a->lse, b, x, it.ys[r], it.zl[l], h);
                     ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[r][l] + log2((double)s.l[r][l])));
-                    ((float *)a->t_lse.data)[FAST(off)(&a->t_lse, b, x, ys[r], zl[l], h)] = mu[l];
+                    ((float *)a->t_lse.data)[FAST(off)(&a->t_lse, b, x, it.ys[r], it.zl[l], h)] = mu[l];
                 }
                 float *O = s.O[r], *C = s.C[r];
                 for (int64_t d = 0; d < Dv; ++d)
                     for (int l = 0; l < 16; ++l) {
-                        O[16 * d + l] *= inv[l < nl ? l : 0];
-                        C[16 * d + l] = C[16 * d + l] * inv[l < nl ? l : 0] - mu[l < nl ? l : 0] * O[16 * d + l];
+                        O[16 * d + l] *= inv[l < it.nl ? l : 0];
+                        C[16 * d + l] = C[16 * d + l] * inv[l < it.nl ? l : 0] - mu[l < it.nl ? l : 0] * O[16 * d + l];
                     }
                 const float one[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-                FAST(store_lanes)(&a->out, dt, Dv, b, x, ys[r], zl, nl, h, O, one);
-                FAST(store_lanes)(&a->t_out, dt, Dv, b, x, ys[r], zl, nl, h, C, one);
+                FAST(store_lanes)(&a->out, dt, Dv, b, x, it.ys[r], it.zl, it.nl, h, O, one);
+                FAST(store_lanes)(&a->t_out, dt, Dv, b, x, it.ys[r], it.zl, it.nl, h, C, one);
             }
 #undef JVP_SOFTMAX
         }
@@ -1430,24 +1423,14 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
 #pragma omp for schedule(static) nowait
         for (int64_t w = 0; w < work_q; ++w) {
             if (!run) continue;
-            /* heads innermost: neighbouring work items share token rows (cache lines) */
-            const int64_t h = h0 + w % nqh, ch = (w / nqh) % G.nchunks, yb = (w / (nqh * G.nchunks)) % YB.n,
-                          x = w / (nqh * G.nchunks * YB.n), hk = h / G.G;
-            const int64_t gr = G.chunk_g[ch], i0 = G.chunk_i0[ch], Lg = G.glen[gr];
-            const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
-            int64_t zl[NBHD_LANES];
-            for (int l = 0; l < nl; ++l) zl[l] = gr + (i0 + l) * G.dil;
-            FAST(zdesc) zd;
-            FAST(zdesc_window)(&zd, &g->axis[2], i0, nl, Lg);
-            const int64_t gy = YB.g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
-            const int nly = (int)(Lgy - YB.i0[yb] < lines ? Lgy - YB.i0[yb] : lines);
-            int64_t ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
+            FAST(qitem) it;
+            FAST(qitem_of)(&it, g, &G, &YB, lines, w, nqh, h0);
+            const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, i0 = it.i0, U = it.U, fx = it.fx,
+                          cx = it.cx, *zl = it.zl, *ys = it.ys, *fy = it.fy, *ua = it.ua, *ub = it.ub;
+            const int nl = it.nl, nly = it.nly;
+            const FAST(zdesc) zd = it.zd;
             vf Lq[MAXLINES], Dq[MAXLINES];
             for (int r = 0; r < nly; ++r) {
-                ys[r] = gy + (YB.i0[yb] + r) * dy;
-                nbhd_window(&g->axis[1], ys[r], &fy[r], &cy[r]);
-                ua[r] = (fy[r] - fy[0]) / dy;
-                ub[r] = ua[r] + cy[r];
                 const int64_t lq = (h - h0) * rows + x * G.Y + ys[r], at_q = G.goff[gr] + i0;
                 for (int64_t d = 0; d < D; ++d) vf_store(lA1[r] + 16 * d, vf_load(QT + lq * D * ZP + d * ZP + at_q));
                 for (int64_t d = 0; d < Dv; ++d) vf_store(lA2[r] + 16 * d, vf_load(DOT + lq * Dv * ZP + d * ZP + at_q));
@@ -1455,9 +1438,6 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                 Dq[r] = vf_load(DR + lq * ZP + at_q);
                 memset(lO1[r], 0, sizeof(float) * 16 * (size_t)D);
             }
-            const int64_t U = ub[nly - 1];
-            int64_t fx, cx;
-            nbhd_window(&g->axis[0], x, &fx, &cx);
             FOR_UNITS(cx * U, zd.n, q0, nq, c0, nn, {
                 int64_t cnt[MAXLINES] = {0, 0, 0, 0};
                 for (int64_t t = 0; t < nq; ++t) {
