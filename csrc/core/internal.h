@@ -44,6 +44,8 @@ nbhd_status nbhd_cpu_forward_jvp_backward(const nbhd_geometry *g,
                                           const nbhd_forward_jvp_backward_args *a,
                                           const nbhd_exec *e);
 size_t nbhd_cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
+/* OpenMP threads for a CPU call: exec.threads, or OpenMP's default when <= 0 (1 without OpenMP) */
+int nbhd_cpu_threads(const nbhd_exec *e);
 nbhd_status nbhd_cpu_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);
 /* Tile configurations of the device's tiled kernels for g (rank = the problem's rank): fills
  * up to max entries of out and returns the count, the default first (nbhd_tile_configs). */

@@ -5,9 +5,22 @@
  *   fast       fp32/fp16/bf16, rank 1..3 (any strides, geometry, GQA, extra keys)
  *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only)
  */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "fast.h"
 #include "internal.h"
 #include "reference.h"
+
+int nbhd_cpu_threads(const nbhd_exec *e) {
+#ifdef _OPENMP
+    return e && e->threads > 0 ? e->threads : omp_get_max_threads();
+#else
+    (void)e;
+    return 1;
+#endif
+}
 
 static int fast_supports(const nbhd_geometry *g) {
     const int low_precision = g->dtype == NBHD_F32 || g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;

@@ -42,10 +42,6 @@
 #include "convert.h"
 #include "internal.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #define SMAX 512                     /* slot vectors per processed unit (32 KiB of scores) */
 #define PAD 16                       /* zero floats after each dilation group of a packed row */
 #define LOG2E 1.4426950408889634
@@ -79,15 +75,6 @@ static inline int64_t FAST(off)(const nbhd_tensor *t, int64_t b, int64_t x, int6
 }
 
 static inline int64_t FAST(round16)(int64_t n) { return (n + 15) / 16 * 16; }
-
-static inline int FAST(threads)(const nbhd_exec *e) {
-#ifdef _OPENMP
-    return e && e->threads > 0 ? e->threads : omp_get_max_threads();
-#else
-    (void)e;
-    return 1;
-#endif
-}
 
 /* Per-call geometry: sizes, packed strides, the Z position of every (group, index), chunks. */
 typedef struct {
@@ -820,7 +807,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
     const float qmul = (float)(g->scale * LOG2E);
     const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_FORWARD), per_b = (G.Hk + nhk - 1) / nhk;
     int failed = 0;
-#pragma omp parallel num_threads(FAST(threads)(e))
+#pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         FAST(fwd_scratch) s;
         const int ok = FAST(fwd_scratch_alloc)(&s, D, Dv);
@@ -1156,7 +1143,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
     const int has_tkx = a->t_kx.data != NULL, has_tvx = a->t_vx.data != NULL;
     const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_FORWARD_JVP), per_b = (G.Hk + nhk - 1) / nhk;
     int failed = 0;
-#pragma omp parallel num_threads(FAST(threads)(e))
+#pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         FAST(jvp_scratch) s;
         const int ok = FAST(jvp_scratch_alloc)(&s, D, Dv);
@@ -1344,7 +1331,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
     const int64_t xchunks = (G.S + 15) / 16;
     const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_BACKWARD), per_b = (G.Hk + nhk - 1) / nhk;
     int failed = 0;
-#pragma omp parallel num_threads(FAST(threads)(e))
+#pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         FAST(scratch) s;
         memset(&s, 0, sizeof s);

@@ -6,7 +6,6 @@
 
 #include "convert.h"
 #include "internal.h"
-#include "reference.h"
 
 static inline int64_t row_offset(const nbhd_tensor *t, int64_t b, int64_t tok, int64_t h) {
     return b * t->stride[0] + tok * t->stride[1] + h * t->stride[4];

@@ -18,10 +18,6 @@
 #include "internal.h"
 #include "reference.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 // ----------------------------------------------------------------------------
 // addressing: token t = (x*Y + y)*Z + z; n-th key of a key set
 
@@ -99,15 +95,6 @@ static inline int64_t member_token(const nbhd_geometry *g, const nbhd_keyset *s,
     int64_t c[3];
     member_coords(s, n, c);
     return (c[0] * g->axis[1].extent + c[1]) * g->axis[2].extent + c[2];
-}
-
-int nbhd_cpu_threads(const nbhd_exec *e) {
-#ifdef _OPENMP
-    return e && e->threads > 0 ? e->threads : omp_get_max_threads();
-#else
-    (void)e;
-    return 1;
-#endif
 }
 
 // ----------------------------------------------------------------------------

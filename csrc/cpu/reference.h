@@ -4,8 +4,6 @@
 
 #include "internal.h"
 
-/* OpenMP threads for a CPU call: exec.threads, or OpenMP's default when <= 0. */
-int nbhd_cpu_threads(const nbhd_exec *e);
 size_t nbhd_cpu_ref_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
 nbhd_status nbhd_cpu_ref_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                  const nbhd_exec *e);

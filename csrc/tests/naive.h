@@ -278,14 +278,9 @@ static inline void naive_forward_jvp_backward(const nbhd_problem *p,
     /* float problems multiply by the scale as a float (1e-300 is 0 there) */
     const double scale = p->dtype == NBHD_F64 ? p->scale : (double)(float)p->scale;
     const double s = absolute ? fabs(scale) : scale, sign = absolute ? 1.0 : -1.0;
-    double *outs[10] = {dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx};
-    const int64_t counts[10] = {B * T * H * D, B * T * Hkv * D, B * T * Hkv * Dv, B * S * Hkv * D,
-                                B * S * Hkv * Dv, B * T * H * D, B * T * Hkv * D, B * T * Hkv * Dv,
-                                B * S * Hkv * D, B * S * Hkv * Dv};
-    for (int i = 0; i < 10; ++i)
-        if (outs[i] && counts[i] > 0) memset(outs[i], 0, sizeof(double) * (size_t)counts[i]);
     const int with_t = dtq != NULL;
-    /* a copy of every input, by absolute value in `absolute` mode */
+    /* a copy of every input, by absolute value in `absolute` mode; the gradients of the first ten
+     * have their sizes */
     const double *src[17] = {in->q, in->k, in->v, in->kx, in->vx, in->tq, in->tk, in->tv, in->tkx,
                              in->tvx, in->out, in->tout, in->tlse, in->dout, in->dlse, in->dtout,
                              in->dtlse};
@@ -293,6 +288,9 @@ static inline void naive_forward_jvp_backward(const nbhd_problem *p,
                               B * S * Hkv * Dv, B * T * H * D, B * T * Hkv * D, B * T * Hkv * Dv,
                               B * S * Hkv * D, B * S * Hkv * Dv, B * T * H * Dv, B * T * H * Dv,
                               B * T * H, B * T * H * Dv, B * T * H, B * T * H * Dv, B * T * H};
+    double *outs[10] = {dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx};
+    for (int i = 0; i < 10; ++i)
+        if (outs[i] && n_of[i] > 0) memset(outs[i], 0, sizeof(double) * (size_t)n_of[i]);
     double *x[17];
     for (int i = 0; i < 17; ++i) {
         x[i] = NULL;
