@@ -2,7 +2,6 @@
 wrappers, and the pattern for jvp: torch.func.jvp on the unwrapped module (PyTorch cannot take
 jvp through the DDP/FSDP2 wrappers), with the loss's backward through the wrapper."""
 import os
-import socket
 import tempfile
 
 import pytest
@@ -26,15 +25,12 @@ class Block(torch.nn.Module):
         return x + self.proj(nbhd.na2d(q, k, v, (3, 3)).reshape(B, X, Y, C))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, mode, result_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, mode, result_dir):
+    # A file store, not a TCP store: no rank hosts a server that could go away while the other is
+    # still tearing down (a TCP store in rank 0 made rank 1 abort at exit once in CI), and no port
+    # to race for.
+    store = os.path.join(result_dir, "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = Block()
     x = torch.randn(2, 6, 6, 8, generator=torch.Generator().manual_seed(rank))
@@ -70,6 +66,8 @@ def _worker(rank, world, port, mode, result_dir):
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in wrapped.parameters()]
     torch.save({"loss": loss.item(), "finite": all(torch.isfinite(g).all().item() for g in grads),
                 "jvp_err": ((dout - fd).abs().max() / fd.abs().max()).item()}, os.path.join(result_dir, f"{mode}{rank}.pt"))
+    # every collective of both ranks is complete before either tears its process group down
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -78,7 +76,7 @@ def test_distributed_training_and_jvp_pattern(mode):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available in this build")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, _free_port(), mode, d), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, mode, d), nprocs=2, join=True)
         results = [torch.load(os.path.join(d, f"{mode}{r}.pt")) for r in range(2)]
     for r in results:
         assert r["finite"] and torch.isfinite(torch.tensor(r["loss"]))
