@@ -15,6 +15,14 @@ import nbhd
 from nbhd.reference import na_mask, na_reference
 
 BACKENDS = ["cpu-fna", "reference"]
+# the fast CPU kernels once per ISA build (each has its own exp2 and max); NBHD_CPU_ISA only
+# lowers the choice, so on a CPU without AVX-512 the first two are the same build
+BACKEND_ISAS = [("cpu-fna", "avx512"), ("cpu-fna", "avx2"), ("cpu-fna", "generic"), ("reference", None)]
+
+
+def _use_isa(monkeypatch, isa):
+    if isa is not None:
+        monkeypatch.setenv("NBHD_CPU_ISA", isa)
 
 
 def _sdpa_na1d(q, k, v, kernel_size, stride=1, dilation=1, is_causal=False, scale=None):
@@ -35,10 +43,11 @@ def _same_nan_pattern_and_close(out, want, rtol=1e-5, atol=1e-6):
 
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,isa", BACKEND_ISAS)
 @pytest.mark.parametrize("where,value", [("q", float("nan")), ("q", float("inf")), ("q", float("-inf")),
                                          ("k", float("-inf")), ("k", float("inf")), ("k", float("nan"))])
-def test_nonfinite_logits_propagate_like_sdpa(backend, where, value, request):
+def test_nonfinite_logits_propagate_like_sdpa(backend, isa, where, value, monkeypatch):
+    _use_isa(monkeypatch, isa)
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 16, 2, 8) for _ in range(3))
     t = q if where == "q" else k
@@ -51,8 +60,9 @@ def test_nonfinite_logits_propagate_like_sdpa(backend, where, value, request):
         assert torch.isnan(out).any()  # the affected rows really are NaN
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_all_masked_causal_and_nan_everywhere_do_not_hang(backend):
+@pytest.mark.parametrize("backend,isa", BACKEND_ISAS)
+def test_all_masked_causal_and_nan_everywhere_do_not_hang(backend, isa, monkeypatch):
+    _use_isa(monkeypatch, isa)
     q, k, v = (torch.full((1, 12, 1, 4), float("nan")) for _ in range(3))
     out = nbhd.na1d(q, k, v, 3, is_causal=True, backend=backend)
     assert torch.isnan(out).all()
@@ -87,9 +97,11 @@ def test_nan_input_gradients_stay_in_affected_rows():
     assert torch.isnan(q.grad[0, 2]).all() and torch.isfinite(q.grad[0, 6:]).all()
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rank", [1, 2])
-def test_scale_100_logits_stay_finite_and_match_reference(dtype, rank):
+def test_scale_100_logits_stay_finite_and_match_reference(dtype, rank, isa, monkeypatch):
+    _use_isa(monkeypatch, isa)
     torch.manual_seed(4)
     shape = (2, 24, 2, 16) if rank == 1 else (1, 8, 9, 2, 16)
     q, k, v = (torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3))

@@ -14,7 +14,8 @@ static fast_isa detect(void) {
     fast_isa best = ISA_GENERIC;
 #ifdef NBHD_FAST_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = ISA_AVX2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        best = ISA_AVX2;
     if (best == ISA_AVX2 && __builtin_cpu_supports("avx512f")) best = ISA_AVX512;
 #endif
     const char *env = getenv("NBHD_CPU_ISA");

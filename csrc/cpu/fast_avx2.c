@@ -1,7 +1,8 @@
-/* fast_avx2.c — the fast CPU kernels for AVX2 + FMA: the portable simd.h vectors compiled
- * with target("avx2,fma") (two ymm registers per 16-lane vector). Chosen at run time. */
+/* fast_avx2.c — the fast CPU kernels for AVX2 + FMA + F16C (two ymm registers per 16-lane
+ * vector). Chosen at run time when the CPU has them but not avx512f (fast.c). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("avx2,fma,f16c")
+#define NBHD_SIMD_AVX2
 #define NBHD_SIMD_FMA
 #define FAST(name) name##_avx2
 #include "simd.h"

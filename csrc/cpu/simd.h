@@ -3,8 +3,9 @@
  *
  * Each fast_<isa>.c translation unit defines one of
  *   NBHD_SIMD_AVX512   AVX-512F intrinsics (one zmm register per vf)
- *   (neither)          portable C over float[16]; compiled under `target("avx2,fma")` the
- *                      compiler vectorises it to two ymm registers, otherwise to SSE2
+ *   NBHD_SIMD_AVX2     AVX2 + FMA + F16C intrinsics (two ymm registers per vf)
+ *   (neither)          portable C over float[16], vectorised by the compiler for the baseline
+ *                      ISA (SSE2 on x86-64)
  * and NBHD_SIMD_FMA when fused multiply-add is available, then includes this file once.
  * Not include-guarded on purpose: one inclusion per translation unit.
  *
@@ -105,6 +106,108 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
     const __mmask16 nan = _mm512_cmp_ps_mask(x_in, x_in, _CMP_UNORD_Q);
     return _mm512_mask_blend_ps(nan, _mm512_maskz_scalef_ps(live, p, n), x_in);
 }
+
+#elif defined(NBHD_SIMD_AVX2)
+#include <immintrin.h>
+
+/* lanes 0-7 in lo, 8-15 in hi */
+typedef struct { __m256 lo, hi; } vf;
+
+/* 16 ymm registers: the micro-kernels size their blocks with NBHD_VREGS (fast_impl.h) */
+#define NBHD_UNROLL _Pragma("GCC unroll 16")
+
+#define VF2_(a_lo, a_hi) ((vf){(a_lo), (a_hi)})
+NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return VF2_(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { _mm256_storeu_ps(p, x.lo); _mm256_storeu_ps(p + 8, x.hi); }
+NBHD_ALWAYS_INLINE vf vf_set1(float x) { const __m256 b = _mm256_set1_ps(x); return VF2_(b, b); }
+NBHD_ALWAYS_INLINE vf vf_zero(void) { const __m256 z = _mm256_setzero_ps(); return VF2_(z, z); }
+/* a*b + c */
+NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) {
+    return VF2_(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return VF2_(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+NBHD_ALWAYS_INLINE vf vf_add(vf a, vf b) { return VF2_(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+NBHD_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return VF2_(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+NBHD_ALWAYS_INLINE vf vf_max(vf a, vf b) { return VF2_(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+/* 1 when some lane of a is greater than the same lane of b */
+NBHD_ALWAYS_INLINE int vf_any_gt(vf a, vf b) {
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ),
+                                           _mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ))) != 0;
+}
+
+/* lanes with lo[l] <= pos < hi[l] keep x, the others become fill */
+NBHD_ALWAYS_INLINE __m256 vf_keep_range8_(__m256 x, const int32_t *lo, const int32_t *hi, __m256i p,
+                                          __m256 fill) {
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)lo), p);
+    const __m256i inside = _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)hi), p);
+    return _mm256_blendv_ps(fill, x, _mm256_castsi256_ps(_mm256_andnot_si256(below, inside)));
+}
+NBHD_ALWAYS_INLINE vf vf_keep_range(vf x, const int32_t *lo, const int32_t *hi, int32_t pos,
+                                    float fill) {
+    const __m256i p = _mm256_set1_epi32(pos);
+    const __m256 f = _mm256_set1_ps(fill);
+    return VF2_(vf_keep_range8_(x.lo, lo, hi, p, f), vf_keep_range8_(x.hi, lo + 8, hi + 8, p, f));
+}
+
+/* 8x8 transpose in place: interleave at 32 and 64 bits within 128-bit halves, then swap halves */
+NBHD_ALWAYS_INLINE void vf_transpose8_(__m256 *r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int j = 0; j < 4; ++j) {
+        r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+        r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* r[i] lane j <-> r[j] lane i: four 8x8 blocks, the off-diagonal ones swapped */
+NBHD_ALWAYS_INLINE void vf_transpose16(vf *r) {
+    __m256 a[8], b[8], c[8], d[8];   /* rows 0-7 lo, rows 0-7 hi, rows 8-15 lo, rows 8-15 hi */
+    for (int i = 0; i < 8; ++i) { a[i] = r[i].lo; b[i] = r[i].hi; c[i] = r[8 + i].lo; d[i] = r[8 + i].hi; }
+    vf_transpose8_(a); vf_transpose8_(b); vf_transpose8_(c); vf_transpose8_(d);
+    for (int i = 0; i < 8; ++i) { r[i] = VF2_(a[i], c[i]); r[8 + i] = VF2_(b[i], d[i]); }
+}
+
+/* 16 bf16 / fp16 values widened to fp32 (bf16 is the high half of an fp32) */
+NBHD_ALWAYS_INLINE __m256 vf_bf16x8_(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+NBHD_ALWAYS_INLINE vf vf_load_bf16(const uint16_t *p) { return VF2_(vf_bf16x8_(p), vf_bf16x8_(p + 8)); }
+NBHD_ALWAYS_INLINE vf vf_load_f16(const uint16_t *p) {
+    return VF2_(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
+}
+
+/* 2^x (x = -inf gives exactly 0), the AVX-512 polynomial; 2^n built in the exponent bits.
+ * x is clamped to [-127, 127] first: 2^-127 has exponent bits 0, so it (and anything below)
+ * comes out as +0, and n + 127 never leaves [0, 254]. */
+NBHD_ALWAYS_INLINE __m256 vf_exp2x8_(__m256 x_in) {
+    const __m256 x = _mm256_min_ps(_mm256_max_ps(x_in, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    /* NaN in, NaN out (a NaN score must poison its row, as in SDPA) */
+    return _mm256_blendv_ps(y, x_in, _mm256_cmp_ps(x_in, x_in, _CMP_UNORD_Q));
+}
+NBHD_ALWAYS_INLINE vf vf_exp2(vf x) { return VF2_(vf_exp2x8_(x.lo), vf_exp2x8_(x.hi)); }
+#undef VF2_
 
 #else /* portable: 16 floats, loops the compiler vectorises */
 
