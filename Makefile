@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CC ?= gcc
-CFLAGS ?= -std=c11 -O2 -g -Wall -Wextra -fopenmp
+CFLAGS ?= -std=c11 -O2 -g -Wall -Wextra -Wno-psabi -fopenmp
 BUILD := build/c
 C_SRCS := $(wildcard csrc/core/*.c csrc/cpu/*.c)
 C_INCS := -Icsrc/include -Icsrc/core -Icsrc/cpu
@@ -102,7 +102,7 @@ test-c-sanitized: $(SAN_C_TESTS)
 		NBHD_CPU_ISA=$$isa $(SAN_ENV) $(SAN_BUILD)/test_fuzz_corpus; \
 		NBHD_CPU_ISA=$$isa $(SAN_ENV) $(SAN_BUILD)/test_kernels 60 1000; done
 
-FUZZ_FLAGS := -std=c11 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined $(C_INCS)
+FUZZ_FLAGS := -std=c11 -g -Wno-psabi -fsanitize=address,undefined -fno-sanitize-recover=undefined $(C_INCS)
 $(FUZZ_BUILD)/fast_generic.o: csrc/cpu/fast_generic.c $(wildcard csrc/*/*.h csrc/include/*.h)
 	@mkdir -p $(FUZZ_BUILD)
 	$(CLANG) $(FUZZ_FLAGS) -O0 -fsanitize=fuzzer-no-link -c $< -o $@

@@ -95,7 +95,7 @@ setup(
             "nbhd._nbhd",
             sources=C_SOURCES,
             include_dirs=INCLUDES,
-            extra_compile_args=["-std=c11", "-O3", "-fopenmp", "-fvisibility=hidden", "-Wall"],
+            extra_compile_args=["-std=c11", "-O3", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-psabi"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],
         )
