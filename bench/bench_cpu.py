@@ -16,7 +16,7 @@ Anchors:
 Thread scaling: the nbhd forward with threads=1 vs threads=T (nbhd.ops._OPTIONS["threads"]).
 
 Usage: python bench/bench_cpu.py [--threads T] [--reps R] [--csv bench/results_cpu.csv]
-                                 [--no-flex] [--only 2d56]
+                                 [--no-flex] [--only 2d56] [--isa avx2]
 """
 import argparse
 import csv
@@ -178,11 +178,16 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--only", default=None, help="run only these problems (names, comma-separated)")
     ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--isa", choices=["avx512", "avx2", "generic"], default=None,
+                    help="lower the ISA build of nbhd's fast kernels (NBHD_CPU_ISA; never above the CPU's)")
     args = ap.parse_args()
+    if args.isa:
+        os.environ["NBHD_CPU_ISA"] = args.isa
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     mm = mm_rate(args.reps)
-    print(f"torch {torch.__version__}, threads {args.threads}, torch.mm 2048^2 fp32: {mm:.1f} GFLOP/s")
+    print(f"torch {torch.__version__}, threads {args.threads}, nbhd ISA {os.environ.get('NBHD_CPU_ISA', 'best available')}, "
+          f"torch.mm 2048^2 fp32: {mm:.1f} GFLOP/s")
     rows = []
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
     widths = [len(fmt_row(dict(problem="", dtype="", **{"pass": ""}, ms=0.0, gflops=0.0, pct_mm=0.0,

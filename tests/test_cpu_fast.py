@@ -1,7 +1,7 @@
 """The fast CPU kernels (csrc/cpu/fast_*) against the forced scalar reference
 (nbhd.ops._OPTIONS["use_reference"]) and the float64 reference, on cases chosen to hit their
 branches: several 16-query patches per row and a partial last one, border patches (exact union
-with a per-lane mask) and interior ones (shifted loads), causal starts, stride groups, dilation
+with a per-lane mask) and interior ones (shifted loads), rank-1 runs of chunks sharing key loads, causal starts, stride groups, dilation
 on the patch axis and on the others, GQA, extra keys, head dims that leave 8/4/1-wide tails,
 windows larger than one 512-slot unit, absent tangents, a gradient on the LSE, fp16/bf16,
 non-contiguous inputs, and every ISA build (NBHD_CPU_ISA=avx512|avx2|generic)."""
@@ -18,6 +18,10 @@ CASES = [
     ((37,), (6,), (1,), (2,), (False,), 1, 2, 1, 20, 13, 0),       # dilation on Z, GQA, tails
     ((50,), (9,), (3,), (1,), (True,), 2, 2, 2, 8, 8, 3),          # causal + stride + extra
     ((700,), (600,), (1,), (1,), (False,), 1, 1, 1, 8, 8, 0),      # window > 512 slots
+    # rank 1, windows >= 16: interior chunks run as Z lines sharing key loads (runs of 2-4)
+    ((200,), (33,), (1,), (1,), (False,), 1, 2, 1, 16, 24, 2),     # GQA, Dv != D, extra keys
+    ((300,), (17,), (1,), (2,), (True,), 2, 2, 2, 20, 20, 0),      # causal, two dilation groups
+    ((1100,), (300,), (1,), (1,), (False,), 1, 1, 1, 8, 8, 0),     # one key row per unit
     ((19, 34), (5, 7), (1, 1), (1, 1), (False, False), 1, 2, 2, 16, 16, 0),
     ((12, 33), (3, 4), (2, 1), (2, 1), (True, False), 1, 4, 2, 12, 8, 2),
     ((10, 40), (4, 6), (1, 3), (1, 2), (False, True), 2, 2, 1, 8, 24, 0),
@@ -108,7 +112,10 @@ def test_fast_matches_reference(idx, dtype, isa, monkeypatch):
 
 
 def test_backward_deterministic():
-    case = _case(CASES[5])
+    # a rank-2 case with GQA, stride, dilation, causal and extra keys
+    spec = ((12, 33), (3, 4), (2, 1), (2, 1), (True, False), 1, 4, 2, 12, 8, 2)
+    assert spec in CASES
+    case = _case(spec)
     q, k, v, kx, vx = case.tensors(torch.float32, seed=5)
     d_out = torch.randn(q.shape[:-1] + (case.head_dim_v,))
     runs = []

@@ -84,6 +84,7 @@ typedef struct {
     int64_t *goff, *glen;                     /* [dil] first packed position, length of each group */
     int64_t nchunks;                          /* chunks of 16 in-group queries per (x, y) line */
     int64_t *chunk_g, *chunk_i0;              /* [nchunks] */
+    int64_t nruns, *run_c0, *run_len;         /* work items' runs of chunks (FAST(geo_runs)) */
 } FAST(geo);
 
 static int FAST(geo_init)(FAST(geo) *G, const nbhd_geometry *g) {
@@ -104,9 +105,12 @@ static int FAST(geo_init)(FAST(geo) *G, const nbhd_geometry *g) {
         at += Lg + PAD;
         G->nchunks += (Lg + 15) / 16;
     }
-    G->chunk_g = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)G->nchunks);
+    G->chunk_g = (int64_t *)malloc(sizeof(int64_t) * 4 * (size_t)G->nchunks);
     if (!G->chunk_g) { free(G->goff); return 0; }
     G->chunk_i0 = G->chunk_g + G->nchunks;
+    G->run_c0 = G->chunk_i0 + G->nchunks;
+    G->run_len = G->run_c0 + G->nchunks;
+    G->nruns = 0;
     int64_t c = 0;
     for (int64_t gr = 0; gr < G->dil; ++gr)
         for (int64_t i0 = 0; i0 < G->glen[gr]; i0 += 16) {
@@ -316,6 +320,32 @@ static void FAST(zdesc_inverse)(FAST(zdesc) *zd, const nbhd_axis *az, int64_t gr
         zd->hi[l] = zd->lo[l] + (int32_t)count;
     }
     FAST(zdesc_finish)(zd, nl);
+}
+
+/* Groups the chunks into the runs work items own: up to `zlines` consecutive chunks of one
+ * dilation group whose windows are pure shifts 16 slots apart (interior chunks of a window of
+ * at least 16), so that one shifted load of a key row feeds one FMA per chunk where their
+ * windows overlap; any other chunk is a run of its own. zlines = 1: every chunk alone. */
+static void FAST(geo_runs)(FAST(geo) *G, const nbhd_geometry *g, int zlines) {
+    FAST(zdesc) prev;
+    int open = 0;   /* whether the last run may take the next chunk */
+    G->nruns = 0;
+    for (int64_t ch = 0; ch < G->nchunks; ++ch) {
+        const int64_t gr = G->chunk_g[ch], i0 = G->chunk_i0[ch], Lg = G->glen[gr];
+        FAST(zdesc) zd;
+        FAST(zdesc_window)(&zd, &g->axis[2], i0, (int)(Lg - i0 < 16 ? Lg - i0 : 16), Lg);
+        const int pure = !zd.masked && !zd.bcast && zd.n >= 16 && zd.n <= SMAX;
+        const int64_t last = G->nruns - 1;
+        if (open && pure && G->run_len[last] < zlines && G->chunk_g[ch - 1] == gr && zd.n == prev.n &&
+            zd.base == prev.base + 16) {
+            ++G->run_len[last];
+        } else {
+            G->run_c0[G->nruns] = ch;
+            G->run_len[G->nruns++] = 1;
+            open = pure && zlines > 1;
+        }
+        prev = zd;
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -612,11 +642,13 @@ static void FAST(score_lines)(float *const *S, const float *const *Q, int nr, in
 #undef SCORE_NR
 }
 
-/* One unit's key rows for the value pass: row t has lines [ra[t], rb[t]) and values v[t]. */
+/* One unit's key rows for the value pass: row t has lines [ra[t], rb[t]), values v[t] and
+ * nslots[t] slots (NULL: every row has the unit's n). Line r reads its P in row order. */
 typedef struct {
     int8_t *ra, *rb;
     const float **v;
     int64_t nrows;
+    const int32_t *nslots;
 } FAST(rowset);
 
 /* acc[r][j] += sum over `len` rows and n slots of P_r * opnd(v + j*ld + c), lines RA <= r < RB.
@@ -653,11 +685,14 @@ NBHD_ALWAYS_INLINE void FAST(values_block)(float *const *O, int nl, const float 
     for (int r = 0; r < MAXLINES; ++r) P[r] = r < nl ? S[r] : NULL;
     for (int64_t t0 = 0; t0 < rs->nrows;) {
         const int ra = rs->ra[t0], rb = rs->rb[t0];
+        const int64_t nt = rs->nslots ? rs->nslots[t0] : n;
         int64_t len = 1;
-        while (t0 + len < rs->nrows && rs->ra[t0 + len] == ra && rs->rb[t0 + len] == rb) ++len;
+        while (t0 + len < rs->nrows && rs->ra[t0 + len] == ra && rs->rb[t0 + len] == rb &&
+               (!rs->nslots || rs->nslots[t0 + len] == nt))
+            ++len;
 #define SEG(RA, RB)                                                                           \
     case (RA) * 8 + (RB):                                                                     \
-        FAST(values_seg)(acc, RA, RB, P, rs->v + t0, len, d0, n, ld, bcast, DB);              \
+        FAST(values_seg)(acc, RA, RB, P, rs->v + t0, len, d0, nt, ld, bcast, DB);             \
         break;
         switch (ra * 8 + rb) {
             SEG(0, 1) SEG(0, 2) SEG(0, 3) SEG(0, 4) SEG(1, 2) SEG(1, 3) SEG(1, 4)
@@ -666,7 +701,7 @@ NBHD_ALWAYS_INLINE void FAST(values_block)(float *const *O, int nl, const float 
         }
 #undef SEG
         NBHD_UNROLL
-        for (int r = ra; r < rb; ++r) P[r] += 16 * len * n;
+        for (int r = ra; r < rb; ++r) P[r] += 16 * len * nt;
         t0 += len;
     }
     NBHD_UNROLL
@@ -708,51 +743,94 @@ static int FAST(yblocks_init)(FAST(yblocks) *yb, const nbhd_axis *ay, int lines)
     return 1;
 }
 
-/* A query work item w of a slab (heads innermost, then Z chunks, Y blocks, X; neighbouring items
- * share token rows): head h0 + w % nqh, 16 lanes along Z (zl, the chunk's window descriptor zd),
- * up to `lines` lines y_r along Y whose windows [fy_r, fy_r + cy_r) make union rows u in [0, U)
- * (line r sees [ua[r], ub[r])), and the X window [fx, fx + cx). */
+/* A query work item w of a slab (heads innermost, then runs of Z chunks, Y blocks, X;
+ * neighbouring items share token rows): head h0 + w % nqh and up to MAXLINES lines r of 16 lanes
+ * along Z (zl[r], nl[r] of them live), either
+ *   Y lines (zlines = 0): one chunk (window descriptor zd) on up to `lines` rows y_r along Y
+ *     whose windows [fy_r, fy_r + cy_r) make union rows u in [0, U) (line r sees [ua[r], ub[r])), or
+ *   Z lines (zlines = 1): a run of chunks (FAST(geo_runs)) on one row; line r's slots are the
+ *     key positions zoff[r] + [0, zd.n) of line 0's window (zd: line 0's descriptor),
+ * and the X window [fx, fx + cx). gr, i0: line 0's dilation group and first in-group index. */
 typedef struct {
     int64_t h, x, gr, i0, U, fx, cx;
-    int nl, nly;
-    int64_t zl[NBHD_LANES], ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
+    int nly, zlines;
+    int nl[MAXLINES];
+    int64_t zl[MAXLINES][NBHD_LANES], zoff[MAXLINES];
+    int64_t ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
     FAST(zdesc) zd;
 } FAST(qitem);
 
 static void FAST(qitem_of)(FAST(qitem) *it, const nbhd_geometry *g, const FAST(geo) *G,
                            const FAST(yblocks) *YB, int lines, int64_t w, int64_t nqh, int64_t h0) {
-    const int64_t ch = (w / nqh) % G->nchunks, yb = (w / (nqh * G->nchunks)) % YB->n;
+    const int64_t run = (w / nqh) % G->nruns, yb = (w / (nqh * G->nruns)) % YB->n;
     it->h = h0 + w % nqh;
-    it->x = w / (nqh * G->nchunks * YB->n);
-    it->gr = G->chunk_g[ch];
-    it->i0 = G->chunk_i0[ch];
+    it->x = w / (nqh * G->nruns * YB->n);
+    const int64_t ch0 = G->run_c0[run], nz = G->run_len[run];
+    it->gr = G->chunk_g[ch0];
+    it->i0 = G->chunk_i0[ch0];
     const int64_t Lg = G->glen[it->gr];
-    it->nl = (int)(Lg - it->i0 < 16 ? Lg - it->i0 : 16);
-    for (int l = 0; l < it->nl; ++l) it->zl[l] = it->gr + (it->i0 + l) * G->dil;
-    FAST(zdesc_window)(&it->zd, &g->axis[2], it->i0, it->nl, Lg);
+    it->zlines = nz > 1;
+    for (int64_t r = 0; r < nz; ++r) {
+        const int64_t i0 = G->chunk_i0[ch0 + r];
+        it->nl[r] = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
+        for (int l = 0; l < it->nl[r]; ++l) it->zl[r][l] = it->gr + (i0 + l) * G->dil;
+        it->zoff[r] = i0 - it->i0;
+    }
+    FAST(zdesc_window)(&it->zd, &g->axis[2], it->i0, it->nl[0], Lg);
     const int64_t dy = g->axis[1].dilation, gy = YB->g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
-    it->nly = (int)(Lgy - YB->i0[yb] < lines ? Lgy - YB->i0[yb] : lines);
+    const int ny = it->zlines ? 1 : (int)(Lgy - YB->i0[yb] < lines ? Lgy - YB->i0[yb] : lines);
+    it->nly = it->zlines ? (int)nz : ny;
     for (int r = 0; r < it->nly; ++r) {
-        it->ys[r] = gy + (YB->i0[yb] + r) * dy;
+        const int ry = it->zlines ? 0 : r;
+        it->ys[r] = gy + (YB->i0[yb] + ry) * dy;
         nbhd_window(&g->axis[1], it->ys[r], &it->fy[r], &it->cy[r]);
         it->ua[r] = (it->fy[r] - it->fy[0]) / dy;
         it->ub[r] = it->ua[r] + it->cy[r];
+        if (!it->zlines && r > 0) {   /* Y lines share line 0's chunk */
+            it->nl[r] = it->nl[0];
+            memcpy(it->zl[r], it->zl[0], sizeof it->zl[0]);
+            it->zoff[r] = 0;
+        }
     }
     it->U = it->ub[it->nly - 1];
     nbhd_window(&g->axis[0], it->x, &it->fx, &it->cx);
+}
+
+/* Z lines: the row positions [0, zoff[nly-1] + n) cut where a line's span [zoff[r], zoff[r] + n)
+ * starts or ends; segment i is [p[i], p[i+1]) seen by lines [ra[i], rb[i]). Returns the count. */
+static int FAST(zline_segments)(const FAST(qitem) *it, int64_t n, int64_t *p, int8_t *ra, int8_t *rb) {
+    int64_t cut[2 * MAXLINES];
+    int nc = 0;
+    for (int a = 0, b = 0; a < it->nly || b < it->nly;) {   /* merge the sorted starts and ends */
+        const int64_t x = b >= it->nly || (a < it->nly && it->zoff[a] <= it->zoff[b] + n) ? it->zoff[a++]
+                                                                                           : it->zoff[b++] + n;
+        if (!nc || cut[nc - 1] != x) cut[nc++] = x;
+    }
+    for (int i = 0; i + 1 < nc; ++i) {
+        p[i] = cut[i];
+        int a = 0;
+        while (it->zoff[a] + n <= cut[i]) ++a;
+        int b = a;
+        while (b < it->nly && it->zoff[b] <= cut[i]) ++b;
+        ra[i] = (int8_t)a;
+        rb[i] = (int8_t)b;
+    }
+    p[nc - 1] = cut[nc - 1];
+    return nc - 1;
 }
 
 /* per-thread scratch of the line-blocked forward, one allocation */
 typedef struct {
     float *S[MAXLINES], *Q[MAXLINES], *O[MAXLINES], *m[MAXLINES], *l[MAXLINES];
     int8_t *ra, *rb;
+    int32_t *ns;
     const float **v;
     void *mem;
 } FAST(fwd_scratch);
 
 static int FAST(fwd_scratch_alloc)(FAST(fwd_scratch) *s, int64_t D, int64_t Dv) {
     const size_t per_line = (size_t)SMAX * 16 + (size_t)(D + Dv) * 16 + 32;
-    const size_t bytes = sizeof(float) * MAXLINES * per_line + SMAX * (2 + sizeof(float *)) + 128;
+    const size_t bytes = sizeof(float) * MAXLINES * per_line + SMAX * (2 + sizeof(int32_t) + sizeof(float *)) + 128;
     s->mem = malloc(bytes);
     if (!s->mem) return 0;
     float *f = (float *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
@@ -764,19 +842,32 @@ static int FAST(fwd_scratch_alloc)(FAST(fwd_scratch) *s, int64_t D, int64_t Dv) 
         s->l[r] = f; f += 16;
     }
     s->v = (const float **)f;
-    s->ra = (int8_t *)(s->v + SMAX);
+    s->ns = (int32_t *)(s->v + SMAX);
+    s->ra = (int8_t *)(s->ns + SMAX);
     s->rb = s->ra + SMAX;
     return 1;
 }
 
-/* Query lines per work item: exec.q_tile on Y (kernel axes: fast.c rotates the tiles), else
- * MAXLINES; 0 when exec asks for a patch this kernel does not run (tiles.c lists the ones it
- * does: q 16 on Z, `lines` on Y, 1 on X; key tile 16 on Z, 1 elsewhere). */
-static int FAST(tile_lines)(const nbhd_exec *e, int max_lines) {
+/* Rank 1 (Y extent 1 after fast.c's rotation): a work item's lines are chunks along Z. */
+static inline int FAST(zline_mode)(const nbhd_geometry *g) { return g->axis[1].extent == 1; }
+
+/* Z-line runs pay only where the 4-line x 6-slot score block stays in registers: with fewer
+ * (AVX2, portable) the spills cost more than the shared loads save (AVX2, 1-D window 255:
+ * 52-55 GFLOP/s with runs, ~75 without), so each chunk runs alone there. */
+#define ZLINES_PAY (NBHD_VREGS >= 32)
+
+/* Query lines per work item: exec.q_tile on Y, or on Z / 16 in Z-line mode (kernel axes: fast.c
+ * rotates the tiles), else MAXLINES; 0 when exec asks for a patch this kernel does not run
+ * (tiles.c lists the ones it does: q 16 on Z, `lines` on Y, 1 on X, or 16 * lines on Z in
+ * rank 1; key tile 16 on Z, 1 elsewhere). */
+static int FAST(tile_lines)(const nbhd_exec *e, const nbhd_geometry *g, int max_lines) {
     const int32_t *q = e->q_tile, *kv = e->kv_tile;
-    if ((q[2] && q[2] != 16) || q[0] > 1 || q[1] > max_lines || (kv[2] && kv[2] != 16) ||
-        kv[0] > 1 || kv[1] > 1)
-        return 0;
+    if (q[0] > 1 || (kv[2] && kv[2] != 16) || kv[0] > 1 || kv[1] > 1) return 0;
+    if (FAST(zline_mode)(g)) {
+        if (q[1] > 1 || (q[2] && (q[2] % 16 || q[2] / 16 > max_lines))) return 0;
+        return q[2] ? q[2] / 16 : max_lines;
+    }
+    if ((q[2] && q[2] != 16) || q[1] > max_lines) return 0;
     return q[1] > 0 ? q[1] : max_lines;
 }
 
@@ -786,14 +877,17 @@ static int FAST(tile_lines)(const nbhd_exec *e, int max_lines) {
  * the lines' windows on Y (rows u of the union) times the common window on X. */
 nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forward_args *a,
                                         const nbhd_exec *e) {
-    const int lines = FAST(tile_lines)(e, MAXLINES);
+    const int lines = FAST(tile_lines)(e, g, MAXLINES);
     if (!lines)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED,
                          "exec.q_tile/kv_tile is not a tile of the fast CPU forward (see nbhd_tile_configs)");
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory");
+    const int zmode = FAST(zline_mode)(g), zlines = zmode && ZLINES_PAY ? lines : 1,
+              ylines = zmode ? 1 : lines;
+    FAST(geo_runs)(&G, g, zlines);
     FAST(yblocks) YB;
-    if (!FAST(yblocks_init)(&YB, &g->axis[1], lines)) {
+    if (!FAST(yblocks_init)(&YB, &g->axis[1], ylines)) {
         FAST(geo_free)(&G);
         return nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory");
     }
@@ -833,45 +927,63 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
                 FAST(pack_extra)(VXT + (hk - hk0) * Dv * SP, &G, &a->vx, dt, b, hk, Dv, 1.0f);
             }
         }
-        const int64_t nqh = nh * G.G, work = G.X * YB.n * G.nchunks * nqh;
+        const int64_t nqh = nh * G.G, work = G.X * YB.n * G.nruns * nqh;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
             FAST(qitem) it;
-            FAST(qitem_of)(&it, g, &G, &YB, lines, w, nqh, hk0 * G.G);
+            FAST(qitem_of)(&it, g, &G, &YB, ylines, w, nqh, hk0 * G.G);
             const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, slab_line0 = (hk - hk0) * rows;
             for (int r = 0; r < it.nly; ++r) {
                 /* Q^T * scale * log2(e): scores in log2 units */
-                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, it.ys[r], it.zl, it.nl, h, qmul);
+                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, it.ys[r], it.zl[r], it.nl[r], h, qmul);
                 for (int l = 0; l < 16; ++l) { s.m[r][l] = -INFINITY; s.l[r][l] = 0.0f; }
                 memset(s.O[r], 0, sizeof(float) * 16 * (size_t)Dv);
             }
             const int64_t dims[1] = {Dv};
             const int64_t nrows = it.cx * it.U;
+            /* Z lines: the segments of a key row's positions and the lines that see each */
+            int64_t segp[2 * MAXLINES];
+            int8_t sega[2 * MAXLINES], segb[2 * MAXLINES];
+            const int nseg = it.zlines ? FAST(zline_segments)(&it, it.zd.n, segp, sega, segb) : 0;
             FOR_UNITS(nrows, it.zd.n, q0, nq, c0, nn, {
-                int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+                int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
                 for (int64_t t = 0; t < nq; ++t) {
                     const int64_t q = q0 + t, u = q % it.U, kx = it.fx + (q / it.U) * dx;
+                    const int64_t ln = slab_line0 + kx * G.Y + it.fy[0] + u * dy,
+                                  at = G.goff[gr] + it.zd.base + c0;
+                    float *Sr[MAXLINES];
+                    if (it.zlines) {   /* every line sees the row; line r's slot of position p is p - zoff[r] */
+                        for (int i = 0; i < nseg; ++i, ++ne) {
+                            const int ra = sega[i], rb = segb[i];
+                            for (int r = ra; r < rb; ++r) Sr[r - ra] = s.S[r] + 16 * (nn * cnt[r] + segp[i] - it.zoff[r]);
+                            FAST(score_lines)(Sr, (const float *const *)s.Q + ra, rb - ra, D,
+                                              KT + ln * D * ZP + at + segp[i], ZP, segp[i + 1] - segp[i], 0);
+                            s.ra[ne] = (int8_t)ra;
+                            s.rb[ne] = (int8_t)rb;
+                            s.v[ne] = VT + ln * Dv * ZP + at + segp[i];
+                            s.ns[ne] = (int32_t)(segp[i + 1] - segp[i]);
+                        }
+                        for (int r = 0; r < it.nly; ++r) ++cnt[r];
+                        continue;
+                    }
                     int ra = 0, rb = 0;
                     while (ra < it.nly && it.ub[ra] <= u) ++ra;
                     rb = ra;
                     while (rb < it.nly && it.ua[rb] <= u) ++rb;
-                    const int64_t ln = slab_line0 + kx * G.Y + it.fy[0] + u * dy,
-                                  at = G.goff[gr] + it.zd.base + c0;
-                    float *Sr[MAXLINES];
                     for (int r = ra; r < rb; ++r) Sr[r - ra] = s.S[r] + 16 * nn * cnt[r]++;
                     FAST(score_lines)(Sr, (const float *const *)s.Q + ra, rb - ra, D,
                                       KT + ln * D * ZP + at, ZP, nn, it.zd.bcast);
-                    s.ra[t] = (int8_t)ra;
-                    s.rb[t] = (int8_t)rb;
-                    s.v[t] = VT + ln * Dv * ZP + at;
+                    s.ra[ne] = (int8_t)ra;
+                    s.rb[ne] = (int8_t)rb;
+                    s.v[ne++] = VT + ln * Dv * ZP + at;
                 }
                 for (int r = 0; r < it.nly; ++r) {
                     if (!cnt[r]) continue;
                     if (it.zd.masked) FAST(apply_mask)(s.S[r], cnt[r], nn, &it.zd, it.zd.base + c0, -INFINITY);
                     FAST(softmax_step)(s.S[r], cnt[r] * nn, s.m[r], s.l[r], NULL, &s.O[r], dims, 1);
                 }
-                const FAST(rowset) rs = {s.ra, s.rb, s.v, nq};
+                const FAST(rowset) rs = {s.ra, s.rb, s.v, ne, it.zlines ? s.ns : NULL};
                 FAST(values_lines)(s.O, it.nly, Dv, (const float *const *)s.S, &rs, nn, ZP, it.zd.bcast);
             })
             for (int r = 0; r < it.nly; ++r) {
@@ -888,12 +1000,12 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
                 }
                 /* o = acc / l,  lse = ln2 * (m + log2 l) */
                 float inv[16];
-                for (int l = 0; l < it.nl; ++l) {
+                for (int l = 0; l < it.nl[r]; ++l) {
                     inv[l] = 1.0f / s.l[r][l];
-                    const int64_t o = FAST(off)(&a->lse, b, x, it.ys[r], it.zl[l], h);
+                    const int64_t o = FAST(off)(&a->lse, b, x, it.ys[r], it.zl[r][l], h);
                     ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[r][l] + log2((double)s.l[r][l])));
                 }
-                FAST(store_lanes)(&a->out, dt, Dv, b, x, it.ys[r], it.zl, it.nl, h, s.O[r], inv);
+                FAST(store_lanes)(&a->out, dt, Dv, b, x, it.ys[r], it.zl[r], it.nl[r], h, s.O[r], inv);
             }
         }
         }
@@ -1035,11 +1147,14 @@ NBHD_ALWAYS_INLINE void FAST(jvp_values_block)(float *const *O, float *const *Cc
     for (int r = 0; r < MAXLINES; ++r) { P[r] = r < nl ? S[r] : NULL; PT[r] = r < nl ? T[r] : NULL; }
     for (int64_t t0 = 0; t0 < rs->nrows;) {
         const int ra = rs->ra[t0], rb = rs->rb[t0];
+        const int64_t nt = rs->nslots ? rs->nslots[t0] : n;
         int64_t len = 1;
-        while (t0 + len < rs->nrows && rs->ra[t0 + len] == ra && rs->rb[t0 + len] == rb) ++len;
+        while (t0 + len < rs->nrows && rs->ra[t0 + len] == ra && rs->rb[t0 + len] == rb &&
+               (!rs->nslots || rs->nslots[t0 + len] == nt))
+            ++len;
 #define SEG(RA, RB)                                                                               \
     case (RA) * 8 + (RB):                                                                         \
-        FAST(jvp_values_seg)(ao, ac, RA, RB, P, PT, rs->v + t0, tvrows + t0, len, d0, n, ld,      \
+        FAST(jvp_values_seg)(ao, ac, RA, RB, P, PT, rs->v + t0, tvrows + t0, len, d0, nt, ld,     \
                              bcast, DB, has_tv);                                                  \
         break;
         switch (ra * 8 + rb) {
@@ -1049,7 +1164,7 @@ NBHD_ALWAYS_INLINE void FAST(jvp_values_block)(float *const *O, float *const *Cc
         }
 #undef SEG
         NBHD_UNROLL
-        for (int r = ra; r < rb; ++r) { P[r] += 16 * len * n; PT[r] += 16 * len * n; }
+        for (int r = ra; r < rb; ++r) { P[r] += 16 * len * nt; PT[r] += 16 * len * nt; }
         t0 += len;
     }
     NBHD_UNROLL
@@ -1085,13 +1200,14 @@ typedef struct {
     float *S[MAXLINES], *T[MAXLINES], *Q[MAXLINES], *TQ[MAXLINES], *O[MAXLINES], *C[MAXLINES];
     float *m[MAXLINES], *l[MAXLINES], *r[MAXLINES];
     int8_t *ra, *rb;
+    int32_t *ns;
     const float **v, **tv;
     void *mem;
 } FAST(jvp_scratch);
 
 static int FAST(jvp_scratch_alloc)(FAST(jvp_scratch) *s, int64_t D, int64_t Dv) {
     const size_t per_line = 2 * (size_t)SMAX * 16 + 2 * (size_t)(D + Dv) * 16 + 48;
-    const size_t bytes = sizeof(float) * MAXLINES * per_line + SMAX * (2 + 2 * sizeof(float *)) + 128;
+    const size_t bytes = sizeof(float) * MAXLINES * per_line + SMAX * (2 + sizeof(int32_t) + 2 * sizeof(float *)) + 128;
     s->mem = malloc(bytes);
     if (!s->mem) return 0;
     float *f = (float *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
@@ -1108,7 +1224,8 @@ static int FAST(jvp_scratch_alloc)(FAST(jvp_scratch) *s, int64_t D, int64_t Dv) 
     }
     s->v = (const float **)f;
     s->tv = s->v + SMAX;
-    s->ra = (int8_t *)(s->tv + SMAX);
+    s->ns = (int32_t *)(s->tv + SMAX);
+    s->ra = (int8_t *)(s->ns + SMAX);
     s->rb = s->ra + SMAX;
     return 1;
 }
@@ -1117,14 +1234,17 @@ static int FAST(jvp_scratch_alloc)(FAST(jvp_scratch) *s, int64_t D, int64_t Dv) 
  * t_out like out, t_lse like lse. Work items and slabs as the forward's. */
 nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                             const nbhd_exec *e) {
-    const int lines = FAST(tile_lines)(e, MAXLINES);
+    const int lines = FAST(tile_lines)(e, g, MAXLINES);
     if (!lines)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED,
                          "exec.q_tile/kv_tile is not a tile of the fast CPU forward+JVP (see nbhd_tile_configs)");
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory");
+    const int zmode = FAST(zline_mode)(g), zlines = zmode && ZLINES_PAY ? lines : 1,
+              ylines = zmode ? 1 : lines;
+    FAST(geo_runs)(&G, g, zlines);
     FAST(yblocks) YB;
-    if (!FAST(yblocks_init)(&YB, &g->axis[1], lines)) {
+    if (!FAST(yblocks_init)(&YB, &g->axis[1], ylines)) {
         FAST(geo_free)(&G);
         return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory");
     }
@@ -1171,16 +1291,16 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                 if (has_tvx) FAST(pack_extra)(TVXT + xo * Dv * SP, &G, &a->t_vx, dt, b, hk, Dv, 1.0f);
             }
         }
-        const int64_t nqh = nh * G.G, work = G.X * YB.n * G.nchunks * nqh;
+        const int64_t nqh = nh * G.G, work = G.X * YB.n * G.nruns * nqh;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
             if (!ok) continue;
             FAST(qitem) it;
-            FAST(qitem_of)(&it, g, &G, &YB, lines, w, nqh, hk0 * G.G);
+            FAST(qitem_of)(&it, g, &G, &YB, ylines, w, nqh, hk0 * G.G);
             const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, slab_line0 = (hk - hk0) * rows;
             for (int r = 0; r < it.nly; ++r) {
-                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, it.ys[r], it.zl, it.nl, h, qmul);
-                if (has_tq) FAST(load_lanes)(s.TQ[r], &a->t_q, dt, D, b, x, it.ys[r], it.zl, it.nl, h, tqmul);
+                FAST(load_lanes)(s.Q[r], &a->q, dt, D, b, x, it.ys[r], it.zl[r], it.nl[r], h, qmul);
+                if (has_tq) FAST(load_lanes)(s.TQ[r], &a->t_q, dt, D, b, x, it.ys[r], it.zl[r], it.nl[r], h, tqmul);
                 for (int l = 0; l < 16; ++l) { s.m[r][l] = -INFINITY; s.l[r][l] = 0.0f; s.r[r][l] = 0.0f; }
                 memset(s.O[r], 0, sizeof(float) * 16 * (size_t)Dv);
                 memset(s.C[r], 0, sizeof(float) * 16 * (size_t)Dv);
@@ -1202,17 +1322,40 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
         vf_store(s.r[r_], racc_);                                                             \
     } while (0)
             const int64_t nrows = it.cx * it.U;
+            /* Z lines: the segments of a key row's positions and the lines that see each */
+            int64_t segp[2 * MAXLINES];
+            int8_t sega[2 * MAXLINES], segb[2 * MAXLINES];
+            const int nseg = it.zlines ? FAST(zline_segments)(&it, it.zd.n, segp, sega, segb) : 0;
             FOR_UNITS(nrows, it.zd.n, q0, nq, c0, nn, {
-                int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+                int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
                 for (int64_t t = 0; t < nq; ++t) {
                     const int64_t q = q0 + t, u = q % it.U, kx = it.fx + (q / it.U) * dx;
+                    const int64_t ln = slab_line0 + kx * G.Y + it.fy[0] + u * dy,
+                                  at = G.goff[gr] + it.zd.base + c0;
+                    float *Sr[MAXLINES], *Tr[MAXLINES];
+                    if (it.zlines) {   /* as in the forward */
+                        for (int i = 0; i < nseg; ++i, ++ne) {
+                            const int ra = sega[i], rb = segb[i];
+                            for (int r = ra; r < rb; ++r) {
+                                Sr[r - ra] = s.S[r] + 16 * (nn * cnt[r] + segp[i] - it.zoff[r]);
+                                Tr[r - ra] = s.T[r] + 16 * (nn * cnt[r] + segp[i] - it.zoff[r]);
+                            }
+                            FAST(jvp_scores)(Sr, Tr, (const float *const *)s.Q + ra, (const float *const *)s.TQ + ra,
+                                             rb - ra, D, KT + ln * D * ZP + at + segp[i], TKT + ln * D * ZP + at + segp[i],
+                                             ZP, segp[i + 1] - segp[i], 0, has_tq, has_tk);
+                            s.ra[ne] = (int8_t)ra;
+                            s.rb[ne] = (int8_t)rb;
+                            s.v[ne] = VT + ln * Dv * ZP + at + segp[i];
+                            s.tv[ne] = TVT + ln * Dv * ZP + at + segp[i];
+                            s.ns[ne] = (int32_t)(segp[i + 1] - segp[i]);
+                        }
+                        for (int r = 0; r < it.nly; ++r) ++cnt[r];
+                        continue;
+                    }
                     int ra = 0, rb = 0;
                     while (ra < it.nly && it.ub[ra] <= u) ++ra;
                     rb = ra;
                     while (rb < it.nly && it.ua[rb] <= u) ++rb;
-                    const int64_t ln = slab_line0 + kx * G.Y + it.fy[0] + u * dy,
-                                  at = G.goff[gr] + it.zd.base + c0;
-                    float *Sr[MAXLINES], *Tr[MAXLINES];
                     for (int r = ra; r < rb; ++r) {
                         Sr[r - ra] = s.S[r] + 16 * nn * cnt[r];
                         Tr[r - ra] = s.T[r] + 16 * nn * cnt[r]++;
@@ -1220,14 +1363,14 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                     FAST(jvp_scores)(Sr, Tr, (const float *const *)s.Q + ra, (const float *const *)s.TQ + ra,
                                      rb - ra, D, KT + ln * D * ZP + at, TKT + ln * D * ZP + at, ZP, nn,
                                      it.zd.bcast, has_tq, has_tk);
-                    s.ra[t] = (int8_t)ra;
-                    s.rb[t] = (int8_t)rb;
-                    s.v[t] = VT + ln * Dv * ZP + at;
-                    s.tv[t] = TVT + ln * Dv * ZP + at;
+                    s.ra[ne] = (int8_t)ra;
+                    s.rb[ne] = (int8_t)rb;
+                    s.v[ne] = VT + ln * Dv * ZP + at;
+                    s.tv[ne++] = TVT + ln * Dv * ZP + at;
                 }
                 for (int r = 0; r < it.nly; ++r)
                     if (cnt[r]) JVP_SOFTMAX(r, s.S[r], s.T[r], cnt[r], nn, it.zd.masked, it.zd.base + c0);
-                const FAST(rowset) rs = {s.ra, s.rb, s.v, nq};
+                const FAST(rowset) rs = {s.ra, s.rb, s.v, ne, it.zlines ? s.ns : NULL};
                 FAST(jvp_values)(s.O, s.C, it.nly, Dv, (const float *const *)s.S, (const float *const *)s.T,
                                  &rs, s.tv, nn, ZP, it.zd.bcast, has_tv);
             })
@@ -1243,7 +1386,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                         JVP_SOFTMAX(r, s.S[0], s.T[0], 1, nn, 0, 0);
                         int8_t ra0 = 0, rb0 = 1;
                         const float *vp[1] = {VXT + xo * Dv * SP + c0}, *tvp[1] = {TVXT + xo * Dv * SP + c0};
-                        const FAST(rowset) rs = {&ra0, &rb0, vp, 1};
+                        const FAST(rowset) rs = {&ra0, &rb0, vp, 1, NULL};
                         float *Or[1] = {s.O[r]}, *Cr[1] = {s.C[r]};
                         const float *Sp[1] = {s.S[0]}, *Tp[1] = {s.T[0]};
                         FAST(jvp_values)(Or, Cr, 1, Dv, Sp, Tp, &rs, tvp, nn, SP, 1, has_tvx);
@@ -1251,22 +1394,23 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                 }
                 /* o = O/l, mu = r/l, tO = C/l - mu o, lse = ln2 (m + log2 l), tLSE = mu */
                 float inv[16], mu[16];
-                for (int l = 0; l < it.nl; ++l) {
+                const int nl = it.nl[r];
+                for (int l = 0; l < nl; ++l) {
                     inv[l] = 1.0f / s.l[r][l];
                     mu[l] = s.r[r][l] * inv[l];
-                    const int64_t o = FAST(off)(&a->lse, b, x, it.ys[r], it.zl[l], h);
+                    const int64_t o = FAST(off)(&a->lse, b, x, it.ys[r], it.zl[r][l], h);
                     ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s.m[r][l] + log2((double)s.l[r][l])));
-                    ((float *)a->t_lse.data)[FAST(off)(&a->t_lse, b, x, it.ys[r], it.zl[l], h)] = mu[l];
+                    ((float *)a->t_lse.data)[FAST(off)(&a->t_lse, b, x, it.ys[r], it.zl[r][l], h)] = mu[l];
                 }
                 float *O = s.O[r], *C = s.C[r];
                 for (int64_t d = 0; d < Dv; ++d)
                     for (int l = 0; l < 16; ++l) {
-                        O[16 * d + l] *= inv[l < it.nl ? l : 0];
-                        C[16 * d + l] = C[16 * d + l] * inv[l < it.nl ? l : 0] - mu[l < it.nl ? l : 0] * O[16 * d + l];
+                        O[16 * d + l] *= inv[l < nl ? l : 0];
+                        C[16 * d + l] = C[16 * d + l] * inv[l < nl ? l : 0] - mu[l < nl ? l : 0] * O[16 * d + l];
                     }
                 const float one[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-                FAST(store_lanes)(&a->out, dt, Dv, b, x, it.ys[r], it.zl, it.nl, h, O, one);
-                FAST(store_lanes)(&a->t_out, dt, Dv, b, x, it.ys[r], it.zl, it.nl, h, C, one);
+                FAST(store_lanes)(&a->out, dt, Dv, b, x, it.ys[r], it.zl[r], nl, h, O, one);
+                FAST(store_lanes)(&a->t_out, dt, Dv, b, x, it.ys[r], it.zl[r], nl, h, C, one);
             }
 #undef JVP_SOFTMAX
         }
@@ -1305,13 +1449,14 @@ static void FAST(kv_unit)(FAST(scratch) *s, const float *KA, const float *VA, in
 
 nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
                                          const nbhd_exec *e) {
-    const int lines = FAST(tile_lines)(e, MAXLINES);
+    const int lines = FAST(tile_lines)(e, g, MAXLINES);
     if (!lines)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED,
                          "exec.q_tile/kv_tile is not a tile of the fast CPU backward (see nbhd_tile_configs)");
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory");
     /* blocks of query lines (pass 1) and of key lines (pass 2) along Y */
+    FAST(geo_runs)(&G, g, 1);   /* pass 1 runs one chunk per item */
     FAST(yblocks) YB;
     if (!FAST(yblocks_init)(&YB, &g->axis[1], lines)) {
         FAST(geo_free)(&G);
@@ -1406,15 +1551,15 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
         }
         /* pass 1, query-stationary over blocks of query lines (as the forward's):
          * S = Q.k, T = dO.v, P = exp2(S - L), dS = P (T - D), dQ += dS k */
-        const int64_t work_q = G.X * YB.n * G.nchunks * nqh;
+        const int64_t work_q = G.X * YB.n * G.nruns * nqh;
 #pragma omp for schedule(static) nowait
         for (int64_t w = 0; w < work_q; ++w) {
             if (!run) continue;
             FAST(qitem) it;
             FAST(qitem_of)(&it, g, &G, &YB, lines, w, nqh, h0);
             const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, i0 = it.i0, U = it.U, fx = it.fx,
-                          cx = it.cx, *zl = it.zl, *ys = it.ys, *fy = it.fy, *ua = it.ua, *ub = it.ub;
-            const int nl = it.nl, nly = it.nly;
+                          cx = it.cx, *zl = it.zl[0], *ys = it.ys, *fy = it.fy, *ua = it.ua, *ub = it.ub;
+            const int nl = it.nl[0], nly = it.nly;
             const FAST(zdesc) zd = it.zd;
             vf Lq[MAXLINES], Dq[MAXLINES];
             for (int r = 0; r < nly; ++r) {
@@ -1452,7 +1597,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                     lrb[t] = (int8_t)rb;
                     lv1[t] = krow;
                 }
-                const FAST(rowset) rs = {lra, lrb, lv1, nq};
+                const FAST(rowset) rs = {lra, lrb, lv1, nq, NULL};
                 FAST(values_lines)(lO1, nly, D, (const float *const *)lT, &rs, nn, ZP, zd.bcast);
             })
             float mul[16];
@@ -1550,7 +1695,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                         lv1[t] = orow;
                         lv2[t] = qrow;
                     }
-                    const FAST(rowset) rs_v = {lra, lrb, lv1, nq}, rs_k = {lra, lrb, lv2, nq};
+                    const FAST(rowset) rs_v = {lra, lrb, lv1, nq, NULL}, rs_k = {lra, lrb, lv2, nq, NULL};
                     FAST(values_lines)(lO2, nly, Dv, (const float *const *)lS, &rs_v, nn, ZP, zd.bcast);
                     FAST(values_lines)(lO1, nly, D, (const float *const *)lT, &rs_k, nn, ZP, zd.bcast);
                 })

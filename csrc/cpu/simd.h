@@ -28,6 +28,7 @@ typedef __m512 vf;
 
 /* before a loop over register-held accumulators: unroll it fully, so they stay in registers */
 #define NBHD_UNROLL _Pragma("GCC unroll 16")
+#define NBHD_VREGS 32   /* vf registers */
 
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { _mm512_storeu_ps(p, x); }
@@ -113,8 +114,9 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
 /* lanes 0-7 in lo, 8-15 in hi */
 typedef struct { __m256 lo, hi; } vf;
 
-/* 16 ymm registers: the micro-kernels size their blocks with NBHD_VREGS (fast_impl.h) */
+/* 16 ymm registers: the Z-line runs are off here (ZLINES_PAY, fast_impl.h) */
 #define NBHD_UNROLL _Pragma("GCC unroll 16")
+#define NBHD_VREGS 8    /* vf registers: 16 ymm */
 
 #define VF2_(a_lo, a_hi) ((vf){(a_lo), (a_hi)})
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return VF2_(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
@@ -222,6 +224,7 @@ typedef uint32_t vu_ __attribute__((vector_size(64)));   /* exponent arithmetic,
 /* 4 xmm (or NEON) registers per vf: full unrolls of the accumulator blocks only spill (measured
  * 1.2-1.4x slower on x86-64) */
 #define NBHD_UNROLL
+#define NBHD_VREGS 4    /* vf registers: 16 xmm */
 
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { vf r; memcpy(&r, p, sizeof r); return r; }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { memcpy(p, &x, sizeof x); }

@@ -67,9 +67,10 @@ static void random_geometry(rng_t *r, nbhd_problem *p) {
     p->rank = (int32_t)rng_int(r, 1, 3);
     for (int a = 0; a < p->rank; ++a) {
         const int last = a == p->rank - 1;
-        p->kernel[a] = (int32_t)rng_int(r, 2, p->rank == 3 ? 3 : 5);
+        /* rank 1: windows of 16 slots and more too, so interior chunks form Z-line runs */
+        p->kernel[a] = (int32_t)rng_int(r, 2, p->rank == 3 ? 3 : p->rank == 2 ? 5 : 40);
         p->dilation[a] = (int32_t)(rng_int(r, 0, 2) ? 1 : 2);
-        p->extent[a] = (int64_t)p->kernel[a] * p->dilation[a] + rng_int(r, 0, last ? 30 : 9);
+        p->extent[a] = (int64_t)p->kernel[a] * p->dilation[a] + rng_int(r, 0, last ? (p->rank == 1 ? 90 : 30) : 9);
         p->stride[a] = (int32_t)(rng_int(r, 0, 2) ? 1 : rng_int(r, 1, p->kernel[a]));
         p->causal[a] = rng_int(r, 0, 3) == 0;
     }
