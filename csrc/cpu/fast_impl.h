@@ -16,6 +16,9 @@
  *     rows [dim][ZP], Z in dilation-group-major order, each group followed by PAD zeros (which
  *     are also the left margin of the next group or row); fp16/bf16 are converted there, so
  *     the inner loops are fp32 FMAs on any input type and any strides.
+ *   - Work items block up to MAXLINES query lines so that one shifted key/value load feeds an
+ *     FMA per line: neighbouring rows along Y (same chunk), or, in rank 1, consecutive interior
+ *     chunks of the one row (Z lines: their windows are the same span 16 slots apart).
  *   - Border patches (clamped windows) and strided windows are still shifted loads, over the
  *     few extra slots that cover every lane's window, masked per lane; the zero margins keep
  *     the masked products finite. Only when that is wider than the union of the windows is
