@@ -1459,7 +1459,8 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
     FAST(geo) G;
     if (!FAST(geo_init)(&G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory");
     /* blocks of query lines (pass 1) and of key lines (pass 2) along Y */
-    FAST(geo_runs)(&G, g, 1);   /* pass 1 runs one chunk per item */
+    /* pass 1's work items: rank 1 runs Z lines as the forward does */
+    FAST(geo_runs)(&G, g, FAST(zline_mode)(g) && ZLINES_PAY ? lines : 1);
     FAST(yblocks) YB;
     if (!FAST(yblocks_init)(&YB, &g->axis[1], lines)) {
         FAST(geo_free)(&G);
@@ -1492,10 +1493,11 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
         /* line-blocked scratch of passes 1 and 2 */
         float *lS[MAXLINES], *lT[MAXLINES], *lA1[MAXLINES], *lA2[MAXLINES], *lO1[MAXLINES], *lO2[MAXLINES];
         int8_t *lra = NULL, *lrb = NULL;
+        int32_t *lns = NULL;
         const float **lv1 = NULL, **lv2 = NULL;
         const int64_t wdim = D > Dv ? D : Dv;
         void *lmem = malloc(sizeof(float) * MAXLINES * (2 * (size_t)SMAX * 16 + 4 * (size_t)wdim * 16) +
-                            SMAX * (2 + 2 * sizeof(float *)) + 128);
+                            SMAX * (2 + sizeof(int32_t) + 2 * sizeof(float *)) + 128);
         if (!lmem) {
 #pragma omp atomic write
             failed = 1;
@@ -1508,7 +1510,8 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             }
             lv1 = (const float **)f;
             lv2 = lv1 + SMAX;
-            lra = (int8_t *)(lv2 + SMAX);
+            lns = (int32_t *)(lv2 + SMAX);
+            lra = (int8_t *)(lns + SMAX);
             lrb = lra + SMAX;
         }
         const int run = ok && lmem;
@@ -1561,22 +1564,54 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             FAST(qitem) it;
             FAST(qitem_of)(&it, g, &G, &YB, lines, w, nqh, h0);
             const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, i0 = it.i0, U = it.U, fx = it.fx,
-                          cx = it.cx, *zl = it.zl[0], *ys = it.ys, *fy = it.fy, *ua = it.ua, *ub = it.ub;
-            const int nl = it.nl[0], nly = it.nly;
+                          cx = it.cx, *ys = it.ys, *fy = it.fy, *ua = it.ua, *ub = it.ub;
+            const int nly = it.nly;
             const FAST(zdesc) zd = it.zd;
             vf Lq[MAXLINES], Dq[MAXLINES];
             for (int r = 0; r < nly; ++r) {
-                const int64_t lq = (h - h0) * rows + x * G.Y + ys[r], at_q = G.goff[gr] + i0;
+                const int64_t lq = (h - h0) * rows + x * G.Y + ys[r], at_q = G.goff[gr] + i0 + it.zoff[r];
                 for (int64_t d = 0; d < D; ++d) vf_store(lA1[r] + 16 * d, vf_load(QT + lq * D * ZP + d * ZP + at_q));
                 for (int64_t d = 0; d < Dv; ++d) vf_store(lA2[r] + 16 * d, vf_load(DOT + lq * Dv * ZP + d * ZP + at_q));
                 Lq[r] = vf_load(LR + lq * ZP + at_q);
                 Dq[r] = vf_load(DR + lq * ZP + at_q);
                 memset(lO1[r], 0, sizeof(float) * 16 * (size_t)D);
             }
+            /* Z lines: as in the forward */
+            int64_t segp[2 * MAXLINES];
+            int8_t sega[2 * MAXLINES], segb[2 * MAXLINES];
+            const int nseg = it.zlines ? FAST(zline_segments)(&it, zd.n, segp, sega, segb) : 0;
             FOR_UNITS(cx * U, zd.n, q0, nq, c0, nn, {
-                int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+                int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
                 for (int64_t t = 0; t < nq; ++t) {
                     const int64_t q = q0 + t, u = q % U, kx = fx + (q / U) * dx;
+                    if (it.zlines) {
+                        const int64_t ln = (hk - hk0) * rows + kx * G.Y + fy[0] + u * dy, at = G.goff[gr] + zd.base;
+                        const float *krow = KT + ln * D * ZP + at, *vrow = VT + ln * Dv * ZP + at;
+                        for (int i = 0; i < nseg; ++i, ++ne) {
+                            const int ra = sega[i], rb = segb[i];
+                            float *Sr[MAXLINES], *Tr[MAXLINES];
+                            for (int r = ra; r < rb; ++r) {
+                                Sr[r - ra] = lS[r] + 16 * (nn * cnt[r] + segp[i] - it.zoff[r]);
+                                Tr[r - ra] = lT[r] + 16 * (nn * cnt[r] + segp[i] - it.zoff[r]);
+                            }
+                            FAST(score_lines)(Sr, (const float *const *)lA1 + ra, rb - ra, D, krow + segp[i], ZP,
+                                              segp[i + 1] - segp[i], 0);
+                            FAST(score_lines)(Tr, (const float *const *)lA2 + ra, rb - ra, Dv, vrow + segp[i], ZP,
+                                              segp[i + 1] - segp[i], 0);
+                            lra[ne] = (int8_t)ra;
+                            lrb[ne] = (int8_t)rb;
+                            lv1[ne] = krow + segp[i];
+                            lns[ne] = (int32_t)(segp[i + 1] - segp[i]);
+                        }
+                        for (int r = 0; r < nly; ++r) {   /* pure shifts: nothing masked */
+                            float *S = lS[r] + 16 * nn * cnt[r], *T = lT[r] + 16 * nn * cnt[r]++;
+                            for (int64_t c = 0; c < nn; ++c) {
+                                const vf p = vf_exp2(vf_sub(vf_load(S + 16 * c), Lq[r]));
+                                vf_store(T + 16 * c, vf_mul(p, vf_sub(vf_load(T + 16 * c), Dq[r])));
+                            }
+                        }
+                        continue;
+                    }
                     int ra = 0, rb = 0;
                     while (ra < nly && ub[ra] <= u) ++ra;
                     rb = ra;
@@ -1596,11 +1631,11 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                             vf_store(T + 16 * c, vf_mul(p, vf_sub(vf_load(T + 16 * c), Dq[r])));
                         }
                     }
-                    lra[t] = (int8_t)ra;
-                    lrb[t] = (int8_t)rb;
-                    lv1[t] = krow;
+                    lra[ne] = (int8_t)ra;
+                    lrb[ne] = (int8_t)rb;
+                    lv1[ne++] = krow;
                 }
-                const FAST(rowset) rs = {lra, lrb, lv1, nq, NULL};
+                const FAST(rowset) rs = {lra, lrb, lv1, ne, it.zlines ? lns : NULL};
                 FAST(values_lines)(lO1, nly, D, (const float *const *)lT, &rs, nn, ZP, zd.bcast);
             })
             float mul[16];
@@ -1623,7 +1658,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                         FAST(accum_rows)(dQ, D, s.T, s.p1, 1, nn, SP, 1);
                     })
                 }
-                FAST(store_lanes)(&a->d_q, dt, D, b, x, ys[r], zl, nl, h, dQ, mul);
+                FAST(store_lanes)(&a->d_q, dt, D, b, x, ys[r], it.zl[r], it.nl[r], h, dQ, mul);
             }
         }
 
