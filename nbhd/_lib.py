@@ -232,22 +232,25 @@ def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -
     return d
 
 
+_TOKEN_MAJOR = frozenset({"kx", "vx", "d_kx", "d_vx", "t_kx", "t_vx", "d_t_kx", "d_t_vx"})
+
+
 def run(op: int, problem: Problem, tensors: dict, threads: int = 0, use_reference: bool = False,
         q_tile=None, kv_tile=None, kv_parallel: bool = False) -> None:
     """Calls one entry point. `tensors` maps the C argument names to tensors (or None)."""
-    args = _ARGS[op]()
+    args = _ARGS[op]()   # ctypes structures start zeroed: absent tensors stay NULL
     rank = problem.rank
-    token_major_names = {"kx", "vx", "d_kx", "d_vx", "t_kx", "t_vx", "d_t_kx", "d_t_vx"}
-    for name, _ in args._fields_:
-        t = tensors.get(name)
-        setattr(args, name, _describe(t, rank, token_major=(name in token_major_names) or rank == 0))
+    for name, t in tensors.items():
+        if t is not None:
+            setattr(args, name, _describe(t, rank, token_major=rank == 0 or name in _TOKEN_MAJOR))
     ex = _Exec()
     ex.threads = threads
     ex.use_reference = 1 if use_reference else 0
     ex.kv_parallel = 1 if kv_parallel else 0
-    for a in range(MAX_RANK):
-        ex.q_tile[a] = q_tile[a] if q_tile and a < len(q_tile) else 0
-        ex.kv_tile[a] = kv_tile[a] if kv_tile and a < len(kv_tile) else 0
+    if q_tile:
+        ex.q_tile[:len(q_tile)] = q_tile
+    if kv_tile:
+        ex.kv_tile[:len(kv_tile)] = kv_tile
     dev = problem.device
     if dev.type == "cuda":
         ex.stream = torch.cuda.current_stream(dev).cuda_stream

@@ -21,6 +21,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
+
 from . import ops
 from .reference import na_reference
 
@@ -89,14 +91,30 @@ def _dense(tensors):
 
 
 # ----------------------------------------------------------------------------
+# the Functions' common base
+
+class _Function(torch.autograd.Function):
+    """Function.apply binds the arguments to forward's signature on every call (inspect, about
+    40 us: as much as a small kernel). These forwards take positional arguments without
+    defaults, so binding changes nothing: outside functorch transforms, apply goes straight to
+    the C++ apply that Function.apply ends in (functorch transforms keep PyTorch's path)."""
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))
+
+
+# ----------------------------------------------------------------------------
 # backward as a differentiable function
 
-class _Backward(torch.autograd.Function):
+class _Backward(_Function):
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, kx, vx, out, lse, d_out, d_lse, geometry):
-        return ops.na_backward(q, k, v, kx, vx, out, lse, d_out, d_lse, *geometry.args())
+        return ops.call(ops.na_backward, q, k, v, kx, vx, out, lse, d_out, d_lse, *geometry.args())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -127,12 +145,12 @@ class _Backward(torch.autograd.Function):
 # ----------------------------------------------------------------------------
 # forward + JVP as a differentiable function
 
-class _ForwardJvp(torch.autograd.Function):
+class _ForwardJvp(_Function):
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
-        return ops.na_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geometry.args())
+        return ops.call(ops.na_forward_jvp, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geometry.args())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -180,14 +198,14 @@ def _reference_forward_jvp_backward(*args):
     return vjp_fn(_zeros_for((g_out, g_lse, g_tout, g_tlse), outs))
 
 
-class _ForwardJvpBackward(torch.autograd.Function):
+class _ForwardJvpBackward(_Function):
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out, t_lse,
                 g_out, g_lse, g_tout, g_tlse, geometry):
-        return ops.na_forward_jvp_backward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out,
-                                           t_lse, g_out, g_lse, g_tout, g_tlse, *geometry.args())
+        return ops.call(ops.na_forward_jvp_backward, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse,
+                        t_out, t_lse, g_out, g_lse, g_tout, g_tlse, *geometry.args())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -217,14 +235,14 @@ class _ForwardJvpBackward(torch.autograd.Function):
 # ----------------------------------------------------------------------------
 # the forward
 
-class NeighborhoodAttention(torch.autograd.Function):
+class NeighborhoodAttention(_Function):
     """(out, lse) = na(q, k, v, kx, vx) with fused backward and fused forward-mode AD."""
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, kx, vx, geometry):
-        return ops.na_forward(q, k, v, kx, vx, *geometry.args())
+        return ops.call(ops.na_forward, q, k, v, kx, vx, *geometry.args())
 
     @staticmethod
     def setup_context(ctx, inputs, output):

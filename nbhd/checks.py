@@ -17,6 +17,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def per_axis_ints(name: str, value, rank: int, minimum: int) -> Tuple[int, ...]:
     """int or sequence of `rank` ints -> tuple of `rank` ints >= minimum."""
+    if type(value) is int and value >= minimum:   # the common case, without the ABC checks
+        return (value,) * rank
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, Sequence, torch.Size)):
         raise TypeError(f"{name} must be an int or a tuple of {rank} ints, got {value!r}")
     values = (value,) * rank if isinstance(value, numbers.Integral) else tuple(value)
