@@ -4,13 +4,14 @@ branches: several 16-query patches per row and a partial last one, border patche
 with a per-lane mask) and interior ones (shifted loads), rank-1 runs of chunks sharing key loads, causal starts, stride groups, dilation
 on the patch axis and on the others, GQA, extra keys, head dims that leave 8/4/1-wide tails,
 windows larger than one 512-slot unit, absent tangents, a gradient on the LSE, fp16/bf16,
-non-contiguous inputs, and every ISA build (NBHD_CPU_ISA=avx512|avx2|generic)."""
+non-contiguous inputs, and every ISA build (NBHD_CPU_ISA=avx512|avx2|generic); and the bf16
+forward on AMX tiles where the CPU has them."""
 import pytest
 import torch
 
 import nbhd
-from nbhd import ops
-from utils import Case, TOL, rel_err
+from nbhd import _lib, ops
+from utils import Case, TOL, poison_allocator, rel_err
 
 CASES = [
     # shape, kernel, stride, dilation, causal, B, H, Hk, D, Dv, extra
@@ -131,3 +132,41 @@ def test_backward_deterministic():
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+# The AMX forward (csrc/cpu/amx.c): bf16, D % 32 == 0, Dv % 16 == 0, no extra keys.
+AMX_CASES = [
+    # shape, kernel, stride, dilation, causal, B, H, Hk, D, Dv
+    ((40,), (7,), (1,), (1,), (False,), 1, 2, 2, 32, 32),          # partial last chunk
+    ((37,), (6,), (1,), (2,), (False,), 1, 2, 1, 64, 16),          # dilation on Z, GQA
+    ((50,), (9,), (3,), (1,), (True,), 2, 2, 2, 96, 48),           # causal + stride
+    ((700,), (600,), (1,), (1,), (False,), 1, 1, 1, 32, 32),       # rows over several units
+    ((19, 34), (5, 7), (1, 1), (1, 1), (False, False), 1, 2, 2, 64, 64),
+    ((12, 33), (3, 4), (2, 1), (2, 1), (True, False), 1, 4, 2, 32, 80),   # two dv groups
+    ((30, 30), (23, 23), (1, 1), (1, 1), (False, False), 1, 1, 1, 160, 32),  # Q^T reloaded
+    ((5, 9, 20), (3, 3, 5), (1, 2, 1), (1, 1, 1), (False, False, True), 1, 2, 2, 256, 16),
+    ((6, 8, 24), (2, 3, 5), (1, 1, 2), (2, 1, 1), (False, True, False), 1, 2, 1, 32, 16),
+]
+
+
+@pytest.mark.skipif(_lib.cpu_isa() != "amx", reason="needs a CPU with AMX-BF16 (and Linux's permission)")
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("idx", range(len(AMX_CASES)))
+def test_amx_forward_matches_reference(idx, sliced, monkeypatch):
+    shape, ks, st, dil, causal, B, H, Hk, D, Dv = AMX_CASES[idx]
+    case = Case(shape, ks, st, dil, causal, batch=B, heads=H, kv_heads=Hk, head_dim=D, head_dim_v=Dv)
+    q, k, v, _, _ = case.tensors(torch.bfloat16, seed=200 + idx)
+    if sliced:   # every other head of a wider tensor: strided tokens and heads, contiguous d
+        q, k, v = (torch.cat([t, torch.randn_like(t)], -2)[..., ::2, :] for t in (q, k, v))
+    truth_out, truth_lse = case.reference(q.double(), k.double(), v.double())
+    runs = {}
+    for isa in ("amx", "avx512"):
+        monkeypatch.setenv("NBHD_CPU_ISA", isa)
+        poison_allocator()
+        runs[isa] = case.na()(q, k, v, **case.kwargs(), return_lse=True)
+    for isa, (out, lse) in runs.items():
+        assert torch.isfinite(out.double()).all() and torch.isfinite(lse).all(), isa
+        assert rel_err(out, truth_out) < TOL[torch.bfloat16], (isa, rel_err(out, truth_out))
+        assert rel_err(lse, truth_lse) < 1e-4, (isa, rel_err(lse, truth_lse))
+    # the two kernels agree to bf16 rounding of the output (P is rounded to bf16 on AMX)
+    assert rel_err(runs["amx"][0], runs["avx512"][0]) < TOL[torch.bfloat16]

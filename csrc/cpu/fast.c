@@ -1,14 +1,16 @@
 /*
- * fast.c — run-time choice of the ISA of the fast CPU kernels: AVX-512F, else AVX2+FMA, else
- * the portable build. NBHD_CPU_ISA=generic|avx2|avx512 in the environment can lower the choice
- * (never raise it past what the CPU has), so the fallbacks are testable on any machine.
+ * fast.c — run-time choice of the ISA of the fast CPU kernels: AMX-BF16 (bf16 forward only,
+ * amx.c), else AVX-512F, else AVX2+FMA, else the portable build. NBHD_CPU_ISA=generic|avx2|avx512
+ * in the environment can lower the choice (never raise it past what the CPU has), so the
+ * fallbacks are testable on any machine.
  */
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "fast.h"
 
-typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } fast_isa;
+typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 } fast_isa;
 
 static fast_isa detect(void) {
     fast_isa best = ISA_GENERIC;
@@ -17,18 +19,20 @@ static fast_isa detect(void) {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         best = ISA_AVX2;
     if (best == ISA_AVX2 && __builtin_cpu_supports("avx512f")) best = ISA_AVX512;
+    if (best == ISA_AVX512 && nbhd_cpu_amx_available()) best = ISA_AMX;
 #endif
     const char *env = getenv("NBHD_CPU_ISA");
     fast_isa want = best;
     if (env && strcmp(env, "generic") == 0) want = ISA_GENERIC;
     if (env && strcmp(env, "avx2") == 0) want = ISA_AVX2;
+    if (env && strcmp(env, "avx512") == 0) want = ISA_AVX512;
     return want < best ? want : best;
 }
 
 static fast_isa isa(void) { return detect(); }  /* cheap: a few cpuid bits and a getenv */
 
 const char *nbhd_cpu_fast_isa(void) {
-    static const char *names[] = {"generic", "avx2", "avx512"};
+    static const char *names[] = {"generic", "avx2", "avx512", "amx"};
     return names[isa()];
 }
 
@@ -70,12 +74,16 @@ static void rotate_tensor(nbhd_tensor *t, int shift) {
 
 size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     const nbhd_geometry r = rotated(g, 3 - rank_of(g));
-    return nbhd_cpu_fast_workspace_bytes_generic(&r, op);
+    const size_t simd = nbhd_cpu_fast_workspace_bytes_generic(&r, op);
+    const size_t amx = op == NBHD_OP_FORWARD && g->dtype == NBHD_BF16 && isa() == ISA_AMX
+                           ? nbhd_cpu_amx_workspace_bytes(&r) : 0;
+    return simd > amx ? simd : amx;
 }
 
 #ifdef NBHD_FAST_X86
 #define PICK(fn, ...)                                                     \
     switch (isa()) {                                                      \
+    case ISA_AMX:                                                         \
     case ISA_AVX512: return nbhd_cpu_fast_##fn##_avx512(__VA_ARGS__);     \
     case ISA_AVX2: return nbhd_cpu_fast_##fn##_avx2(__VA_ARGS__);         \
     default: return nbhd_cpu_fast_##fn##_generic(__VA_ARGS__);            \
@@ -92,6 +100,7 @@ nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_ar
     rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
+    if (isa() == ISA_AMX && nbhd_cpu_amx_supports(g, a, &e1)) return nbhd_cpu_amx_forward(g, a, &e1);
     PICK(forward, g, a, &e1)
 }
 

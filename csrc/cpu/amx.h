@@ -1,0 +1,18 @@
+/*
+ * amx.h — the bf16 forward on Intel AMX tiles (amx.c), chosen by fast.c where the CPU and the
+ * OS allow AMX-BF16. Takes the rotated geometry of the fast kernels (chunks along Z).
+ */
+#ifndef NBHD_CPU_AMX_H
+#define NBHD_CPU_AMX_H
+
+#include "internal.h"
+
+/* 1 when the CPU has AMX-TILE, AMX-BF16 and AVX-512BW and Linux grants the tile state */
+int nbhd_cpu_amx_available(void);
+/* 1 when the AMX forward runs this call: bf16, rank >= 1, no extra keys, D % 32 == 0 and <= 256,
+ * Dv % 16 == 0, contiguous head dims of q and k, no tiles asked for */
+int nbhd_cpu_amx_supports(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
+size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g);
+nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
+
+#endif /* NBHD_CPU_AMX_H */
