@@ -43,9 +43,9 @@
 #define LOG2E 1.4426950408889634
 #define LN2 0.6931471805599453
 
-/* Tile registers (the intrinsics take literal numbers): QK phase: tmm0 S^T (C), tmm1 K (A),
- * tmm2..5 Q^T (B, one per 32 d, resident when D <= 128); PV phase: tmm0..3 O^T (C, 64 dv),
- * tmm4 V^T (A), tmm5 P^T (B). */
+/* Tile registers (the intrinsics take literal numbers): QK phase: tmm0, tmm6 S^T (C), K (A) in
+ * the others, Q^T (B, one per 32 d) resident in tmm2.. when D <= 128; PV phase: tmm0..3 O^T (C),
+ * V^T (A) and P^T (B) in tmm4..7. amx_scores and amx_values say which. */
 #define Q_RESIDENT 4
 
 // ----------------------------------------------------------------------------
@@ -223,31 +223,42 @@ typedef struct {
 } amx_ctx;
 
 /* S^T of slots [s0, s1) (multiples of 32) of key row `line` into S (unit slot u0), for the
- * union starting at packed token `zb`; Q^T tiles are in tmm2.. when D <= 128 (else reloaded).
- * Two 16-key tiles at a time (C in tmm0 and tmm6, A in tmm1 and tmm7): each product's latency
- * hides behind the other's. A tile never overruns its packed row: PADZ >= 32. */
+ * union starting at packed token `zb`. Two 16-key tiles at a time (C in tmm0 and tmm6), so
+ * that each product's latency hides behind the other's, and a tile register is never reloaded
+ * while a product still reads it (D <= 64: K in tmm1, tmm7, tmm4, tmm5; Q^T in tmm2, tmm3).
+ * A tile never overruns its packed row: PADZ >= 32. */
 static void amx_scores(const amx_ctx *cx, amx_scratch *sc, int64_t line, int64_t zb, int64_t s0,
                        int64_t s1, int64_t u0) {
     const amx_geo *G = cx->G;
-    const int64_t D = G->D, nd = D / 32;
+    const int64_t D = G->D, nd = D / 32, ld = D * 2;
     const uint16_t *krow = cx->K + line * G->ZP * D;
     for (int64_t s = s0; s < s1; s += 32) {
-        const uint16_t *kt = krow + (zb + s) * D;
+        const uint16_t *ka = krow + (zb + s) * D, *kb = ka + 16 * D;
         _tile_zero(0);
         _tile_zero(6);
-        for (int64_t c = 0; c < nd; ++c) {
-            _tile_loadd(1, kt + 32 * c, D * 2);
-            _tile_loadd(7, kt + 16 * D + 32 * c, D * 2);
-            switch (nd <= Q_RESIDENT ? c : -1) {
-            case 0: _tile_dpbf16ps(0, 1, 2); _tile_dpbf16ps(6, 7, 2); break;
-            case 1: _tile_dpbf16ps(0, 1, 3); _tile_dpbf16ps(6, 7, 3); break;
-            case 2: _tile_dpbf16ps(0, 1, 4); _tile_dpbf16ps(6, 7, 4); break;
-            case 3: _tile_dpbf16ps(0, 1, 5); _tile_dpbf16ps(6, 7, 5); break;
-            default:
-                _tile_loadd(2, sc->qt + c * 16 * 32, 64);
-                _tile_dpbf16ps(0, 1, 2);
-                _tile_dpbf16ps(6, 7, 2);
-                break;
+        if (nd == 1) {
+            _tile_loadd(1, ka, ld); _tile_loadd(7, kb, ld);
+            _tile_dpbf16ps(0, 1, 2); _tile_dpbf16ps(6, 7, 2);
+        } else if (nd == 2) {
+            _tile_loadd(1, ka, ld); _tile_loadd(7, kb, ld);
+            _tile_loadd(4, ka + 32, ld); _tile_loadd(5, kb + 32, ld);
+            _tile_dpbf16ps(0, 1, 2); _tile_dpbf16ps(6, 7, 2);
+            _tile_dpbf16ps(0, 4, 3); _tile_dpbf16ps(6, 5, 3);
+        } else {
+            for (int64_t c = 0; c < nd; ++c) {
+                _tile_loadd(1, ka + 32 * c, ld);
+                _tile_loadd(7, kb + 32 * c, ld);
+                switch (nd <= Q_RESIDENT ? c : -1) {
+                case 0: _tile_dpbf16ps(0, 1, 2); _tile_dpbf16ps(6, 7, 2); break;
+                case 1: _tile_dpbf16ps(0, 1, 3); _tile_dpbf16ps(6, 7, 3); break;
+                case 2: _tile_dpbf16ps(0, 1, 4); _tile_dpbf16ps(6, 7, 4); break;
+                case 3: _tile_dpbf16ps(0, 1, 5); _tile_dpbf16ps(6, 7, 5); break;
+                default:
+                    _tile_loadd(2, sc->qt + c * 16 * 32, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                    _tile_dpbf16ps(6, 7, 2);
+                    break;
+                }
             }
         }
         _tile_stored(0, sc->S + (u0 + s - s0) * 16, 64);
@@ -281,12 +292,17 @@ static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, i
         for (int i = 0; i < nseg; ++i) {
             const uint16_t *vrow = cx->Vt + seg[i].line * Dv * ZP + zb;
             for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32, odd ^= 1) {
-                _tile_loadd(5, sc->P + (seg[i].u0 + s - seg[i].s0) / 2 * 16, 64);
-                _tile_loadd(4, vrow + s, ZP * 2);
-                if (odd) _tile_dpbf16ps(2, 4, 5); else _tile_dpbf16ps(0, 4, 5);
-                if (two) {
-                    _tile_loadd(4, vrow + 16 * ZP + s, ZP * 2);
-                    if (odd) _tile_dpbf16ps(3, 4, 5); else _tile_dpbf16ps(1, 4, 5);
+                const uint32_t *pb = sc->P + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
+                if (odd) {
+                    _tile_loadd(7, pb, 64);
+                    _tile_loadd(6, vrow + s, ZP * 2);
+                    _tile_dpbf16ps(2, 6, 7);
+                    if (two) { _tile_loadd(4, vrow + 16 * ZP + s, ZP * 2); _tile_dpbf16ps(3, 4, 7); }
+                } else {
+                    _tile_loadd(5, pb, 64);
+                    _tile_loadd(4, vrow + s, ZP * 2);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (two) { _tile_loadd(6, vrow + 16 * ZP + s, ZP * 2); _tile_dpbf16ps(1, 6, 5); }
                 }
             }
         }
@@ -296,6 +312,8 @@ static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, i
         for (int64_t d = 0; d < Dv; ++d) vf_store(o + d * 16, vf_add(vf_load(o + d * 16), vf_load(o2 + d * 16)));
         return;
     }
+    /* 64 dv at a time: O^T in tmm0..3, V^T alternating in tmm4 and tmm6, P^T alternating
+     * between tmm5 and tmm7 from one 32-key block to the next */
     for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
         const int nt = (int)((Dv - d0) / 16 < 4 ? (Dv - d0) / 16 : 4);
         float *o = sc->O + d0 * 16;
@@ -303,16 +321,21 @@ static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, i
         if (nt > 1) _tile_loadd(1, o + 1 * 256, 64);
         if (nt > 2) _tile_loadd(2, o + 2 * 256, 64);
         if (nt > 3) _tile_loadd(3, o + 3 * 256, 64);
+        int odd = 0;
         for (int i = 0; i < nseg; ++i) {
             const uint16_t *vrow = cx->Vt + (seg[i].line * Dv + d0) * ZP + zb;
-            for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32) {
-                _tile_loadd(5, sc->P + (seg[i].u0 + s - seg[i].s0) / 2 * 16, 64);
+            for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32, odd ^= 1) {
+                const uint32_t *pb = sc->P + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
                 const uint16_t *vs = vrow + s;
-                _tile_loadd(4, vs + 0 * 16 * ZP, ZP * 2);
-                _tile_dpbf16ps(0, 4, 5);
-                if (nt > 1) { _tile_loadd(4, vs + 1 * 16 * ZP, ZP * 2); _tile_dpbf16ps(1, 4, 5); }
-                if (nt > 2) { _tile_loadd(4, vs + 2 * 16 * ZP, ZP * 2); _tile_dpbf16ps(2, 4, 5); }
-                if (nt > 3) { _tile_loadd(4, vs + 3 * 16 * ZP, ZP * 2); _tile_dpbf16ps(3, 4, 5); }
+#define PV_BLOCK(P)                                                                               \
+    _tile_loadd(P, pb, 64);                                                                       \
+    _tile_loadd(4, vs, ZP * 2);                                                                   \
+    _tile_dpbf16ps(0, 4, P);                                                                      \
+    if (nt > 1) { _tile_loadd(6, vs + 16 * ZP, ZP * 2); _tile_dpbf16ps(1, 6, P); }              \
+    if (nt > 2) { _tile_loadd(4, vs + 32 * ZP, ZP * 2); _tile_dpbf16ps(2, 4, P); }              \
+    if (nt > 3) { _tile_loadd(6, vs + 48 * ZP, ZP * 2); _tile_dpbf16ps(3, 6, P); }
+                if (odd) { PV_BLOCK(7) } else { PV_BLOCK(5) }
+#undef PV_BLOCK
             }
         }
         if (nt > 0) _tile_stored(0, o + 0 * 256, 64);
