@@ -186,7 +186,7 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     mm = mm_rate(args.reps)
-    print(f"torch {torch.__version__}, threads {args.threads}, nbhd ISA {os.environ.get('NBHD_CPU_ISA', 'best available')}, "
+    print(f"torch {torch.__version__}, threads {args.threads}, nbhd ISA {nbhd._lib.cpu_isa()}, "
           f"torch.mm 2048^2 fp32: {mm:.1f} GFLOP/s")
     rows = []
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]

@@ -149,13 +149,13 @@ def has_cuda() -> bool:
     return _HAS_CUDA
 
 
-lib.nbhd_cpu_fast_isa.restype = ctypes.c_char_p
+lib.nbhd_cpu_isa.restype = ctypes.c_char_p
 
 
 def cpu_isa() -> str:
     """The instruction set the fast CPU kernels run with here: "amx" (bf16 forward on AMX tiles,
     the rest AVX-512), "avx512", "avx2" or "generic"; NBHD_CPU_ISA can lower it."""
-    return lib.nbhd_cpu_fast_isa().decode()
+    return lib.nbhd_cpu_isa().decode()
 
 
 class Problem:

@@ -31,7 +31,7 @@ static fast_isa detect(void) {
 
 static fast_isa isa(void) { return detect(); }  /* cheap: a few cpuid bits and a getenv */
 
-const char *nbhd_cpu_fast_isa(void) {
+const char *nbhd_cpu_isa(void) {
     static const char *names[] = {"generic", "avx2", "avx512", "amx"};
     return names[isa()];
 }
@@ -100,7 +100,9 @@ nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_ar
     rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
-    if (isa() == ISA_AMX && nbhd_cpu_amx_supports(g, a, &e1)) return nbhd_cpu_amx_forward(g, a, &e1);
+    const int use_amx = isa() == ISA_AMX && nbhd_cpu_amx_supports(g, a, &e1) &&
+                        e1.workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g);
+    if (use_amx) return nbhd_cpu_amx_forward(g, a, &e1);
     PICK(forward, g, a, &e1)
 }
 

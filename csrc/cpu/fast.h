@@ -1,6 +1,7 @@
 /*
  * fast.h — the fast CPU kernels (fast_impl.h, compiled per ISA by fast_avx512.c, fast_avx2.c,
- * fast_generic.c) and the run-time choice of ISA (fast.c). fp32/fp16/bf16, rank >= 1.
+ * fast_generic.c; the bf16 forward on AMX tiles in amx.c) and the run-time choice of ISA (fast.c).
+ * fp32/fp16/bf16, rank >= 1.
  */
 #ifndef NBHD_CPU_FAST_H
 #define NBHD_CPU_FAST_H
@@ -9,9 +10,6 @@
 
 /* Workspace bytes of the fast kernels (packed fp32 K/V, and Q/dO/LSE/D for the backward). */
 size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
-/* The ISA the fast kernels run with: "avx512", "avx2" or "generic". NBHD_CPU_ISA in the
- * environment can lower it (tests of the fallbacks). */
-const char *nbhd_cpu_fast_isa(void);
 
 nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                   const nbhd_exec *e);
