@@ -170,3 +170,34 @@ def test_amx_forward_matches_reference(idx, sliced, monkeypatch):
         assert rel_err(lse, truth_lse) < 1e-4, (isa, rel_err(lse, truth_lse))
     # the two kernels agree to bf16 rounding of the output (P is rounded to bf16 on AMX)
     assert rel_err(runs["amx"][0], runs["avx512"][0]) < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(_lib.cpu_isa() != "amx", reason="needs a CPU with AMX-BF16 (and Linux's permission)")
+@pytest.mark.parametrize("idx", range(len(AMX_CASES)))
+def test_amx_forward_jvp_matches_reference(idx, monkeypatch):
+    import torch.autograd.forward_ad as fwAD
+    shape, ks, st, dil, causal, B, H, Hk, D, Dv = AMX_CASES[idx]
+    case = Case(shape, ks, st, dil, causal, batch=B, heads=H, kv_heads=Hk, head_dim=D, head_dim_v=Dv)
+    q, k, v, _, _ = case.tensors(torch.bfloat16, seed=300 + idx)
+    g = torch.Generator().manual_seed(400 + idx)
+    rnd = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(torch.bfloat16)  # noqa: E731
+    # one tangent absent (its products are skipped) in three cases of four
+    tangents = [rnd(q), rnd(k), rnd(v)]
+    if idx % 4 < 3:
+        tangents[idx % 4] = None
+    with fwAD.dual_level():
+        dual = [fwAD.make_dual(p.double(), t.double()) if t is not None else p.double()
+                for p, t in zip((q, k, v), tangents)]
+        o, l = case.reference(*dual)
+        truth = [*fwAD.unpack_dual(o), *fwAD.unpack_dual(l)]
+    runs = {}
+    for isa in ("amx", "avx512"):
+        monkeypatch.setenv("NBHD_CPU_ISA", isa)
+        poison_allocator()
+        runs[isa] = case.na_jvp()(q, k, v, *tangents, **case.kwargs(), return_lse=True)
+    for isa, res in runs.items():
+        for name, a, t in zip(("out", "t_out", "lse", "t_lse"), res, truth):
+            assert torch.isfinite(a.double()).all(), (isa, name)
+            assert rel_err(a, t) < TOL[torch.bfloat16], (isa, name, rel_err(a, t))
+    for a, b in zip(runs["amx"], runs["avx512"]):
+        assert rel_err(a, b) < TOL[torch.bfloat16]

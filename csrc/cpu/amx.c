@@ -13,12 +13,15 @@
  *   O^T[dv][q] += sum_key V^T[dv][key] P^T[key][q]  A = 16 dv rows x 32 keys (packed V^T),
  *                                                B = P^T as 16 key-pairs x 16 queries
  *
- * Products of bf16 inputs are exact and accumulate in fp32; only P is rounded to bf16 for the
- * second product (as GPU kernels do). fp16/fp32 inputs never come here (AMX-BF16 would round
+ * Forward+JVP (DESIGN.md §4) adds tS^T = K tQ^T + tK Q^T to the first products, keeps
+ * r = sum P tS beside the softmax sums, and C^T += V^T (P o tS)^T + tV^T P^T beside O^T.
+ *
+ * Products of bf16 inputs are exact and accumulate in fp32; only P (and P o tS) is rounded to
+ * bf16 for the second products (as GPU kernels do). fp16/fp32 inputs never come here (AMX-BF16 would round
  * them). Layouts, per (b, key head) slab, ZP = Z + PADZ*dilation, Z group-major with PADZ zero
  * tokens after each dilation group (a 32-slot block that starts in a group stays in its row):
- *   K   [X, Y, ZP, D]  bf16 rows (token-major: a tile row is one key's 32 d)
- *   V^T [X, Y, Dv, ZP] bf16 (a tile row is one dv over 32 keys)
+ *   K   [X, Y, ZP, D]  bf16 rows (token-major: a tile row is one key's 32 d); tK alike
+ *   V^T [X, Y, Dv, ZP] bf16 (a tile row is one dv over 32 keys); tV^T alike
  * Deterministic: each output element is written by one thread; the split is static.
  */
 #define _GNU_SOURCE   /* syscall() */
@@ -68,12 +71,40 @@ int nbhd_cpu_amx_available(void) {
     return state;
 }
 
-int nbhd_cpu_amx_supports(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e) {
+/* The tensors of one call; tangents (forward+JVP only) with data NULL are zero. */
+typedef struct {
+    const nbhd_tensor *q, *k, *v, *tq, *tk, *tv;
+    const nbhd_tensor *out, *lse, *tout, *tlse;   /* tout, tlse NULL: the forward */
+} amx_io;
+
+static int amx_supports(const nbhd_geometry *g, const amx_io *io, const nbhd_exec *e) {
     for (int j = 0; j < 3; ++j)
         if (e->q_tile[j] || e->kv_tile[j]) return 0;   /* tiles asked for: the SIMD kernels run them */
+    const int d_contiguous = io->q->stride[5] == 1 && io->k->stride[5] == 1 &&
+                             (!io->tq || !io->tq->data || io->tq->stride[5] == 1) &&
+                             (!io->tk || !io->tk->data || io->tk->stride[5] == 1);
     return g->dtype == NBHD_BF16 && g->has_window && g->extra_kv == 0 && g->head_dim % 32 == 0 &&
-           g->head_dim <= AMX_MAX_D &&
-           g->head_dim_v % 16 == 0 && a->q.stride[5] == 1 && a->k.stride[5] == 1;
+           g->head_dim <= AMX_MAX_D && g->head_dim_v % 16 == 0 && d_contiguous;
+}
+
+static amx_io amx_io_forward(const nbhd_forward_args *a) {
+    const amx_io io = {&a->q, &a->k, &a->v, NULL, NULL, NULL, &a->out, &a->lse, NULL, NULL};
+    return io;
+}
+
+static amx_io amx_io_jvp(const nbhd_forward_jvp_args *a) {
+    const amx_io io = {&a->q, &a->k, &a->v, &a->t_q, &a->t_k, &a->t_v, &a->out, &a->lse, &a->t_out, &a->t_lse};
+    return io;
+}
+
+int nbhd_cpu_amx_supports(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e) {
+    const amx_io io = amx_io_forward(a);
+    return amx_supports(g, &io, e);
+}
+
+int nbhd_cpu_amx_supports_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_exec *e) {
+    const amx_io io = amx_io_jvp(a);
+    return amx_supports(g, &io, e);
 }
 
 // ----------------------------------------------------------------------------
@@ -97,10 +128,12 @@ static int amx_geo_init(amx_geo *G, const nbhd_geometry *g) {
     return 1;
 }
 
-size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g) {
+/* packed K and V^T of one slab; forward+JVP: tK and tV^T too */
+size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     amx_geo G;
     if (!g->has_window || !amx_geo_init(&G, g)) return 0;
-    return (size_t)2 * (size_t)G.lines * (size_t)G.ZP * (size_t)(G.D + G.Dv) + 128;
+    const size_t kv = (size_t)2 * (size_t)G.lines * (size_t)G.ZP * (size_t)(G.D + G.Dv);
+    return (op == NBHD_OP_FORWARD_JVP ? 2 : 1) * kv + 128;
 }
 
 // ----------------------------------------------------------------------------
@@ -175,19 +208,32 @@ typedef struct {
     uint32_t *P;     /* [USLOTS/2][16] P^T key pairs (bf16 x 2) */
     float *O;        /* [Dv][16]       O^T accumulator */
     float *O2;       /* [32][16]       the second accumulator set when Dv <= 32 */
+    /* forward+JVP */
+    uint16_t *tqt;   /* [D/2][16][2]   tQ^T */
+    float *T;        /* [USLOTS][16]   score tangents tS */
+    uint32_t *PT;    /* [USLOTS/2][16] (P o tS)^T key pairs */
+    float *C;        /* [Dv][16]       C^T accumulator */
     void *mem;
 } amx_scratch;
 
-static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv) {
-    const size_t bytes = (size_t)D * 32 + (size_t)USLOTS * 64 + (size_t)USLOTS * 32 + (size_t)Dv * 64 + 32 * 64 + 64;
-    s->mem = malloc(bytes);
+static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv, int jvp) {
+    const size_t one = (size_t)D * 32 + (size_t)USLOTS * 64 + (size_t)USLOTS * 32 + (size_t)Dv * 64;
+    memset(s, 0, sizeof *s);
+    s->mem = malloc((jvp ? 2 : 1) * one + 32 * 64 + 64);
     if (!s->mem) return 0;
     uint8_t *p = (uint8_t *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
     s->qt = (uint16_t *)p; p += (size_t)D * 32;
     s->S = (float *)p; p += (size_t)USLOTS * 64;
     s->P = (uint32_t *)p; p += (size_t)USLOTS * 32;
     s->O = (float *)p; p += (size_t)Dv * 64;
-    s->O2 = (float *)p;
+    s->O2 = (float *)p; p += 32 * 64;
+    s->tqt = NULL; s->T = NULL; s->PT = NULL; s->C = NULL;
+    if (jvp) {
+        s->tqt = (uint16_t *)p; p += (size_t)D * 32;
+        s->T = (float *)p; p += (size_t)USLOTS * 64;
+        s->PT = (uint32_t *)p; p += (size_t)USLOTS * 32;
+        s->C = (float *)p;
+    }
     return 1;
 }
 
@@ -200,8 +246,8 @@ static inline __m256i amx_bf16(vf x) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(i, 16));
 }
 
-/* bf16 (round to nearest even) of two fp32 vectors of non-negative finite values, interleaved
- * as key pairs: word l = (bf16(a[l]) low, bf16(b[l]) high) */
+/* bf16 (round to nearest even) of two fp32 vectors of finite values, interleaved as key
+ * pairs: word l = (bf16(a[l]) low, bf16(b[l]) high) */
 static inline __m512i amx_pair_bf16(vf a, vf b) {
     const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
     __m512i ia = _mm512_castps_si512(a), ib = _mm512_castps_si512(b);
@@ -214,12 +260,13 @@ static inline __m512i amx_pair_bf16(vf a, vf b) {
 // one work item: 16 queries of one line against their key rows
 
 typedef struct {
-    const uint16_t *K;   /* packed K of the slab */
-    const uint16_t *Vt;  /* packed V^T of the slab */
+    const uint16_t *K, *Vt;     /* packed K and V^T of the slab */
+    const uint16_t *tK, *tVt;   /* packed tK and tV^T (forward+JVP with those tangents), or NULL */
     const amx_geo *G;
     const nbhd_geometry *g;
-    const nbhd_forward_args *a;
-    float c;             /* scale * log2(e) */
+    const amx_io *io;
+    float c;                    /* scale * log2(e) */
+    int jvp, has_tq;
 } amx_ctx;
 
 /* S^T of slots [s0, s1) (multiples of 32) of key row `line` into S (unit slot u0), for the
@@ -263,6 +310,30 @@ static void amx_scores(const amx_ctx *cx, amx_scratch *sc, int64_t line, int64_t
         }
         _tile_stored(0, sc->S + (u0 + s - s0) * 16, 64);
         _tile_stored(6, sc->S + (u0 + s - s0 + 16) * 16, 64);
+    }
+}
+
+/* Forward+JVP: S^T and the unscaled tS^T = K tQ^T + tK Q^T of slots [s0, s1) of key row
+ * `line`, 16 keys at a time: tmm0 S^T, tmm1 tS^T, K in tmm2, tK in tmm5, the Q^T and tQ^T tiles
+ * of each 32 d reloaded into tmm3 and tmm4 (from L1). */
+static void amx_scores_jvp(const amx_ctx *cx, amx_scratch *sc, int64_t line, int64_t zb, int64_t s0,
+                           int64_t s1, int64_t u0) {
+    const amx_geo *G = cx->G;
+    const int64_t D = G->D, nd = D / 32, ld = D * 2;
+    const uint16_t *krow = cx->K + line * G->ZP * D, *tkrow = cx->tK ? cx->tK + line * G->ZP * D : NULL;
+    for (int64_t s = s0; s < s1; s += 16) {
+        const int64_t z = zb + s;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < nd; ++c) {
+            _tile_loadd(2, krow + z * D + 32 * c, ld);
+            _tile_loadd(3, sc->qt + c * 512, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            if (cx->has_tq) { _tile_loadd(4, sc->tqt + c * 512, 64); _tile_dpbf16ps(1, 2, 4); }
+            if (tkrow) { _tile_loadd(5, tkrow + z * D + 32 * c, ld); _tile_dpbf16ps(1, 5, 3); }
+        }
+        _tile_stored(0, sc->S + (u0 + s - s0) * 16, 64);
+        _tile_stored(1, sc->T + (u0 + s - s0) * 16, 64);
     }
 }
 
@@ -345,10 +416,48 @@ static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, i
     }
 }
 
+/* Forward+JVP: O^T += V^T P^T and C^T += V^T (P o tS)^T + tV^T P^T, 32 dv at a time: O^T in
+ * tmm0..1, C^T in tmm2..3, V^T in tmm4, tV^T in tmm5, P^T in tmm6, (P o tS)^T in tmm7. */
+static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb) {
+    const amx_geo *G = cx->G;
+    const int64_t Dv = G->Dv, ZP = G->ZP;
+    for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+        const int two = Dv - d0 >= 32;
+        float *o = sc->O + d0 * 16, *cc = sc->C + d0 * 16;
+        _tile_loadd(0, o, 64);
+        _tile_loadd(2, cc, 64);
+        if (two) { _tile_loadd(1, o + 256, 64); _tile_loadd(3, cc + 256, 64); }
+        for (int i = 0; i < nseg; ++i) {
+            const uint16_t *vrow = cx->Vt + (seg[i].line * Dv + d0) * ZP + zb;
+            const uint16_t *tvrow = cx->tVt ? cx->tVt + (seg[i].line * Dv + d0) * ZP + zb : NULL;
+            for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32) {
+                const int64_t pairs = (seg[i].u0 + s - seg[i].s0) / 2 * 16;
+                _tile_loadd(6, sc->P + pairs, 64);
+                _tile_loadd(7, sc->PT + pairs, 64);
+                _tile_loadd(4, vrow + s, ZP * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 4, 7);
+                if (tvrow) { _tile_loadd(5, tvrow + s, ZP * 2); _tile_dpbf16ps(2, 5, 6); }
+                if (two) {
+                    _tile_loadd(4, vrow + 16 * ZP + s, ZP * 2);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_dpbf16ps(3, 4, 7);
+                    if (tvrow) { _tile_loadd(5, tvrow + 16 * ZP + s, ZP * 2); _tile_dpbf16ps(3, 5, 6); }
+                }
+            }
+        }
+        _tile_stored(0, o, 64);
+        _tile_stored(2, cc, 64);
+        if (two) { _tile_stored(1, o + 256, 64); _tile_stored(3, cc + 256, 64); }
+    }
+}
+
 /* masked, scaled scores of the unit's n slots -> probabilities (online softmax per lane):
- * m' = max(m, max_s S), O *= exp2(m - m'), l = l exp2(m - m') + sum_s exp2(S - m') */
+ * m' = max(m, max_s S), O *= exp2(m - m'), l = l exp2(m - m') + sum_s exp2(S - m').
+ * Forward+JVP (sc->T): tS = scale * T, 0 where masked (never -inf, NaN otherwise);
+ * C *= exp2(m - m'), r = r exp2(m - m') + sum_s P tS, and (P o tS)^T key pairs into sc->PT. */
 static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t ulo, int64_t nvalid,
-                        __m512i lo, __m512i hi, vf vc, vf *m, vf *l, int64_t Dv) {
+                        __m512i lo, __m512i hi, vf vc, vf vscale, vf *m, vf *l, vf *r, int64_t Dv) {
     const vf ninf = vf_set1(-INFINITY);
     vf mx = ninf;
     /* slots from nvalid on pad a row to 32: masked in every lane, so P = 0 without exp2 for
@@ -369,55 +478,108 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t u
     const vf muse = _mm512_maskz_mov_ps(seen, mnew);
     const vf alpha = vf_exp2(_mm512_sub_ps(_mm512_maskz_mov_ps(seen, *m), muse));
     if (_mm512_cmp_ps_mask(alpha, vf_set1(1.0f), _CMP_NEQ_OQ))
-        for (int64_t d = 0; d < Dv; ++d) vf_store(sc->O + d * 16, vf_mul(vf_load(sc->O + d * 16), alpha));
-    vf sum = vf_zero();
+        for (int64_t d = 0; d < Dv; ++d) {
+            vf_store(sc->O + d * 16, vf_mul(vf_load(sc->O + d * 16), alpha));
+            if (sc->T) vf_store(sc->C + d * 16, vf_mul(vf_load(sc->C + d * 16), alpha));
+        }
+    vf sum = vf_zero(), rsum = vf_zero();
     for (int i = 0; i < nseg; ++i)
         for (int64_t s = seg[i].s0; s < seg[i].s1; s += 2) {
             const int64_t u = seg[i].u0 + s - seg[i].s0;
             if (s >= nvalid) {
                 _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), _mm512_setzero_si512());
+                if (sc->T) _mm512_storeu_si512((void *)(sc->PT + u / 2 * 16), _mm512_setzero_si512());
                 continue;
             }
             const vf pa = vf_exp2(_mm512_sub_ps(vf_load(sc->S + u * 16), muse));
             const vf pb = vf_exp2(_mm512_sub_ps(vf_load(sc->S + (u + 1) * 16), muse));
             sum = vf_add(sum, vf_add(pa, pb));
             _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), amx_pair_bf16(pa, pb));
+            if (sc->T) {
+                const __m512i za = _mm512_set1_epi32((int)(ulo + s)), zb = _mm512_set1_epi32((int)(ulo + s + 1));
+                const __mmask16 ina = _mm512_cmple_epi32_mask(lo, za) & _mm512_cmplt_epi32_mask(za, hi);
+                const __mmask16 inb = _mm512_cmple_epi32_mask(lo, zb) & _mm512_cmplt_epi32_mask(zb, hi);
+                const vf pta = vf_mul(pa, _mm512_maskz_mul_ps(ina, vf_load(sc->T + u * 16), vscale));
+                const vf ptb = vf_mul(pb, _mm512_maskz_mul_ps(inb, vf_load(sc->T + (u + 1) * 16), vscale));
+                rsum = vf_add(rsum, vf_add(pta, ptb));
+                _mm512_storeu_si512((void *)(sc->PT + u / 2 * 16), amx_pair_bf16(pta, ptb));
+            }
         }
     *l = vf_fma(*l, alpha, sum);
+    *r = vf_fma(*r, alpha, rsum);
     *m = mnew;
+}
+
+/* dst[p][l] = (t[l][2p], t[l][2p+1]) for the nl queries of a chunk (others 0): 16 queries x
+ * 16 d-pairs per 32 d, a 16 x 16 transpose of 32-bit words */
+static void amx_pack_qt(uint16_t *dst, const nbhd_tensor *t, int64_t D, int64_t b, int64_t x, int64_t y,
+                        const int64_t *z, int nl, int64_t h) {
+    const uint16_t *tok[16];
+    for (int l = 0; l < nl; ++l) tok[l] = amx_token(t, b, x, y, z[l], h);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        vf r[16];
+        for (int l = 0; l < 16; ++l)
+            r[l] = l < nl ? _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(tok[l] + d0))) : vf_zero();
+        vf_transpose16(r);
+        for (int p = 0; p < 16; ++p) vf_store((float *)dst + (d0 / 2 + p) * 16, r[p]);
+    }
+}
+
+/* t[b, x, y, z_l, h, :] = bf16(A[:][l]) for the nl queries of a chunk, A = [Dv][16] */
+static void amx_store_lanes(const nbhd_tensor *t, const float *A, int64_t Dv, int64_t b, int64_t x,
+                            int64_t y, const int64_t *z, int nl, int64_t h) {
+    uint16_t *row[16];
+    for (int l = 0; l < nl; ++l) row[l] = (uint16_t *)amx_token(t, b, x, y, z[l], h);
+    const int64_t st = t->stride[5];
+    for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
+        vf r[16];
+        for (int j = 0; j < 16; ++j) r[j] = vf_load(A + (d0 + j) * 16);
+        vf_transpose16(r);
+        for (int l = 0; l < nl; ++l) {
+            const __m256i h16 = amx_bf16(r[l]);
+            if (st == 1) _mm256_storeu_si256((__m256i *)(row[l] + d0), h16);
+            else {
+                uint16_t tmp[16];
+                _mm256_storeu_si256((__m256i *)tmp, h16);
+                for (int j = 0; j < 16; ++j) row[l][(d0 + j) * st] = tmp[j];
+            }
+        }
+    }
+}
+
+static inline float *amx_scalar(const nbhd_tensor *t, int64_t b, int64_t x, int64_t y, int64_t z, int64_t h) {
+    return (float *)t->data + b * t->stride[0] + x * t->stride[1] + y * t->stride[2] + z * t->stride[3] +
+           h * t->stride[4];
 }
 
 static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, int64_t x, int64_t y,
                      int64_t gr, int64_t i0) {
     const amx_geo *G = cx->G;
     const nbhd_geometry *g = cx->g;
-    const nbhd_forward_args *a = cx->a;
+    const amx_io *io = cx->io;
     const int64_t D = G->D, Dv = G->Dv, dil = G->dil;
     const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
     const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
     /* Z windows per lane and their union */
     int32_t lo[16], hi[16];
-    int64_t ulo = INT64_MAX, uhi = 0;
+    int64_t z[16], ulo = INT64_MAX, uhi = 0;
     for (int l = 0; l < 16; ++l) {
         int64_t st = 0, en = 0;
-        if (l < nl) nbhd_window_in_group(&g->axis[2], i0 + l, Lg, &st, &en);
+        if (l < nl) {
+            nbhd_window_in_group(&g->axis[2], i0 + l, Lg, &st, &en);
+            z[l] = gr + (i0 + l) * dil;
+            if (st < ulo) ulo = st;
+            if (en > uhi) uhi = en;
+        }
         lo[l] = (int32_t)st; hi[l] = (int32_t)en;
-        if (l < nl) { if (st < ulo) ulo = st; if (en > uhi) uhi = en; }
     }
     const int64_t nslots = (uhi - ulo + 31) / 32 * 32;
-    /* Q^T as d-pairs: qt[p][l] = (q[l][2p], q[l][2p+1]) */
-    const uint16_t *qtok[16];
-    for (int l = 0; l < nl; ++l) qtok[l] = amx_token(&a->q, b, x, y, gr + (i0 + l) * dil, h);
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {   /* 16 queries x 16 d-pairs: a 16 x 16 transpose of words */
-        vf r[16];
-        for (int l = 0; l < 16; ++l)
-            r[l] = l < nl ? _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(qtok[l] + d0))) : vf_zero();
-        vf_transpose16(r);
-        for (int p = 0; p < 16; ++p) vf_store((float *)sc->qt + (d0 / 2 + p) * 16, r[p]);
-    }
+    amx_pack_qt(sc->qt, io->q, D, b, x, y, z, nl, h);
+    if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, y, z, nl, h);
     memset(sc->O, 0, sizeof(float) * 16 * (size_t)Dv);
-    vf m = vf_set1(-INFINITY), lsum = vf_zero();
-    const vf vc = vf_set1(cx->c);
+    if (cx->jvp) memset(sc->C, 0, sizeof(float) * 16 * (size_t)Dv);
+    vf m = vf_set1(-INFINITY), lsum = vf_zero(), r = vf_zero();
+    const vf vc = vf_set1(cx->c), vscale = vf_set1((float)g->scale);
     const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
     /* key rows: X window x Y window, each with the same Z union */
     int64_t fx, cxn, fy, cyn;
@@ -425,81 +587,73 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     nbhd_window(&g->axis[1], y, &fy, &cyn);
     const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation, rows = cxn * cyn;
     const int64_t zb = G->goff[gr] + ulo, total = rows * nslots;
-    amx_load_q_tiles(sc, D / 32);
     for (int64_t g0 = 0; g0 < total; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         int nseg = 0;
-        for (int64_t r = g0 / nslots; r < rows && r * nslots < g0 + USLOTS; ++r) {
-            const int64_t s0 = (g0 > r * nslots ? g0 : r * nslots) - r * nslots;
-            const int64_t e = (g0 + USLOTS < (r + 1) * nslots ? g0 + USLOTS : (r + 1) * nslots) - r * nslots;
-            const int64_t kx = fx + (r / cyn) * dx, ky = fy + (r % cyn) * dy;
+        if (!cx->jvp) amx_load_q_tiles(sc, D / 32);   /* the previous unit's PV phase reused them */
+        for (int64_t rr = g0 / nslots; rr < rows && rr * nslots < g0 + USLOTS; ++rr) {
+            const int64_t s0 = (g0 > rr * nslots ? g0 : rr * nslots) - rr * nslots;
+            const int64_t e = (g0 + USLOTS < (rr + 1) * nslots ? g0 + USLOTS : (rr + 1) * nslots) - rr * nslots;
+            const int64_t kx = fx + (rr / cyn) * dx, ky = fy + (rr % cyn) * dy;
             seg[nseg].line = kx * G->Y + ky;   /* the slab holds one key head */
             seg[nseg].s0 = s0; seg[nseg].s1 = e;
-            seg[nseg].u0 = r * nslots + s0 - g0;
-            amx_scores(cx, sc, seg[nseg].line, zb, s0, e, seg[nseg].u0);
+            seg[nseg].u0 = rr * nslots + s0 - g0;
+            if (cx->jvp) amx_scores_jvp(cx, sc, seg[nseg].line, zb, s0, e, seg[nseg].u0);
+            else amx_scores(cx, sc, seg[nseg].line, zb, s0, e, seg[nseg].u0);
             ++nseg;
         }
-        amx_softmax(sc, seg, nseg, ulo, uhi - ulo, vlo, vhi, vc, &m, &lsum, Dv);
-        amx_values(cx, sc, seg, nseg, zb);
-        if (g0 + USLOTS < total) amx_load_q_tiles(sc, D / 32);   /* the PV phase reused them */
+        amx_softmax(sc, seg, nseg, ulo, uhi - ulo, vlo, vhi, vc, vscale, &m, &lsum, &r, Dv);
+        if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb);
+        else amx_values(cx, sc, seg, nseg, zb);
     }
-    /* o = O / l, lse = ln2 (m + log2 l); O^T is transposed back 16 dv at a time */
-    float mm[16], ll[16];
+    /* o = O / l, lse = ln2 (m + log2 l); JVP: mu = r / l, t_o = C / l - mu o, t_lse = mu */
+    const vf inv = _mm512_div_ps(vf_set1(1.0f), lsum), mu = vf_mul(r, inv);
+    for (int64_t d = 0; d < Dv; ++d) {
+        const vf o = vf_mul(vf_load(sc->O + d * 16), inv);
+        vf_store(sc->O + d * 16, o);
+        if (cx->jvp) vf_store(sc->C + d * 16, _mm512_fnmadd_ps(mu, o, vf_mul(vf_load(sc->C + d * 16), inv)));
+    }
+    float mm[16], ll[16], mus[16];
     vf_store(mm, m);
     vf_store(ll, lsum);
-    const vf inv = _mm512_div_ps(vf_set1(1.0f), lsum);
-    const nbhd_tensor *to = &a->out, *tl = &a->lse;
-    uint16_t *orow[16];
+    vf_store(mus, mu);
     for (int l = 0; l < nl; ++l) {
-        const int64_t z = gr + (i0 + l) * dil;
-        float *lse = (float *)tl->data + b * tl->stride[0] + x * tl->stride[1] + y * tl->stride[2] +
-                     z * tl->stride[3] + h * tl->stride[4];
-        *lse = (float)(LN2 * ((double)mm[l] + (double)log2f(ll[l])));
-        orow[l] = (uint16_t *)to->data + b * to->stride[0] + x * to->stride[1] + y * to->stride[2] +
-                  z * to->stride[3] + h * to->stride[4];
+        *amx_scalar(io->lse, b, x, y, z[l], h) = (float)(LN2 * ((double)mm[l] + (double)log2f(ll[l])));
+        if (cx->jvp) *amx_scalar(io->tlse, b, x, y, z[l], h) = mus[l];
     }
-    const int64_t so = to->stride[5];
-    for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
-        vf r[16];
-        for (int j = 0; j < 16; ++j) r[j] = vf_mul(vf_load(sc->O + (d0 + j) * 16), inv);
-        vf_transpose16(r);
-        for (int l = 0; l < nl; ++l) {
-            const __m256i h16 = amx_bf16(r[l]);
-            if (so == 1) _mm256_storeu_si256((__m256i *)(orow[l] + d0), h16);
-            else {
-                uint16_t tmp[16];
-                _mm256_storeu_si256((__m256i *)tmp, h16);
-                for (int j = 0; j < 16; ++j) orow[l][(d0 + j) * so] = tmp[j];
-            }
-        }
-    }
+    amx_store_lanes(io->out, sc->O, Dv, b, x, y, z, nl, h);
+    if (cx->jvp) amx_store_lanes(io->tout, sc->C, Dv, b, x, y, z, nl, h);
 }
 
 // ----------------------------------------------------------------------------
-// entry point (geometry rotated by fast.c: the 16-query chunks lie along Z)
+// entry points (geometry rotated by fast.c: the 16-query chunks lie along Z)
 
-nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e) {
+static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_exec *e) {
     amx_geo G;
-    if (!amx_geo_init(&G, g)) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx forward: dilation > 64 on the last axis");
-    uint8_t *ws = (uint8_t *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63);
-    uint16_t *Kp = (uint16_t *)ws, *Vt = Kp + G.lines * G.ZP * G.D;
+    if (!amx_geo_init(&G, g)) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx: dilation > 64 on the last axis");
+    const int jvp = io->tout != NULL;
+    const int has_tk = jvp && io->tk->data, has_tv = jvp && io->tv->data;
+    const size_t kn = (size_t)(G.lines * G.ZP * G.D), vn = (size_t)(G.lines * G.Dv * G.ZP);
+    uint16_t *Kp = (uint16_t *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63);
+    uint16_t *Vt = Kp + kn, *tKp = Vt + vn, *tVt = tKp + kn;
     const int64_t B = g->batch, Hk = g->kv_heads, Gq = g->group;
     /* chunks of 16 in-group queries along Z: (group, first index) */
     int64_t nchunks = 0;
     for (int64_t gr = 0; gr < G.dil; ++gr) nchunks += (nbhd_group_len(&g->axis[2], gr) + 15) / 16;
     int64_t *chunk = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)nchunks);
-    if (!chunk) return nbhd_fail(NBHD_ERR_ALLOC, "amx forward: out of host memory");
+    if (!chunk) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
     for (int64_t gr = 0, c = 0; gr < G.dil; ++gr)
         for (int64_t i0 = 0; i0 < nbhd_group_len(&g->axis[2], gr); i0 += 16, ++c) {
             chunk[2 * c] = gr;
             chunk[2 * c + 1] = i0;
         }
-    const amx_ctx cx = {Kp, Vt, &G, g, a, (float)(g->scale * LOG2E)};
+    const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
+                        (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL};
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         amx_scratch sc;
-        const int ok = amx_scratch_alloc(&sc, G.D, G.Dv);
+        const int ok = amx_scratch_alloc(&sc, G.D, G.Dv, jvp);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -514,8 +668,10 @@ nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args
 #pragma omp for schedule(static)
             for (int64_t ln = 0; ln < G.lines; ++ln) {
                 const int64_t x = ln / G.Y, y = ln % G.Y;
-                amx_pack_k(Kp + ln * G.ZP * G.D, &G, g, &a->k, b, hk, x, y);
-                amx_pack_vt(Vt + ln * G.Dv * G.ZP, &G, g, &a->v, b, hk, x, y);
+                amx_pack_k(Kp + ln * G.ZP * G.D, &G, g, io->k, b, hk, x, y);
+                amx_pack_vt(Vt + ln * G.Dv * G.ZP, &G, g, io->v, b, hk, x, y);
+                if (has_tk) amx_pack_k(tKp + ln * G.ZP * G.D, &G, g, io->tk, b, hk, x, y);
+                if (has_tv) amx_pack_vt(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, b, hk, x, y);
             }
             /* heads innermost: neighbouring items share key rows */
             const int64_t work = G.lines * nchunks * Gq;
@@ -530,8 +686,18 @@ nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args
         if (ok) free(sc.mem);
     }
     free(chunk);
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx forward: out of host memory for per-thread scratch")
-                  : NBHD_OK;
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
+}
+
+nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e) {
+    const amx_io io = amx_io_forward(a);
+    return amx_run(g, &io, e);
+}
+
+nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                     const nbhd_exec *e) {
+    const amx_io io = amx_io_jvp(a);
+    return amx_run(g, &io, e);
 }
 
 #else  /* not x86-64 Linux with GCC: never available */
@@ -541,10 +707,19 @@ int nbhd_cpu_amx_supports(const nbhd_geometry *g, const nbhd_forward_args *a, co
     (void)g; (void)a; (void)e;
     return 0;
 }
-size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g) { (void)g; return 0; }
+int nbhd_cpu_amx_supports_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_exec *e) {
+    (void)g; (void)a; (void)e;
+    return 0;
+}
+size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) { (void)g; (void)op; return 0; }
 nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e) {
     (void)g; (void)a; (void)e;
-    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx forward: not built for this platform");
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx: not built for this platform");
+}
+nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                     const nbhd_exec *e) {
+    (void)g; (void)a; (void)e;
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx: not built for this platform");
 }
 
 #endif

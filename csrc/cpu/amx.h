@@ -1,5 +1,5 @@
 /*
- * amx.h — the bf16 forward on Intel AMX tiles (amx.c), chosen by fast.c where the CPU and the
+ * amx.h — the bf16 forward and forward+JVP on Intel AMX tiles (amx.c), chosen by fast.c where the CPU and the
  * OS allow AMX-BF16. Takes the rotated geometry of the fast kernels (chunks along Z).
  */
 #ifndef NBHD_CPU_AMX_H
@@ -12,7 +12,12 @@ int nbhd_cpu_amx_available(void);
 /* 1 when the AMX forward runs this call: bf16, rank >= 1, no extra keys, D % 32 == 0 and <= 256,
  * Dv % 16 == 0, contiguous head dims of q and k, no tiles asked for */
 int nbhd_cpu_amx_supports(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
-size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g);
+/* the same for the forward+JVP (tangents, where given, with contiguous head dims too) */
+int nbhd_cpu_amx_supports_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_exec *e);
+/* op: NBHD_OP_FORWARD or NBHD_OP_FORWARD_JVP */
+size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
 nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
+nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                     const nbhd_exec *e);
 
 #endif /* NBHD_CPU_AMX_H */

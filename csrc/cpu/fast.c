@@ -75,8 +75,8 @@ static void rotate_tensor(nbhd_tensor *t, int shift) {
 size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     const nbhd_geometry r = rotated(g, 3 - rank_of(g));
     const size_t simd = nbhd_cpu_fast_workspace_bytes_generic(&r, op);
-    const size_t amx = op == NBHD_OP_FORWARD && g->dtype == NBHD_BF16 && isa() == ISA_AMX
-                           ? nbhd_cpu_amx_workspace_bytes(&r) : 0;
+    const int amx_op = op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP;
+    const size_t amx = amx_op && g->dtype == NBHD_BF16 && isa() == ISA_AMX ? nbhd_cpu_amx_workspace_bytes(&r, op) : 0;
     return simd > amx ? simd : amx;
 }
 
@@ -101,7 +101,7 @@ nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_ar
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
     const int use_amx = isa() == ISA_AMX && nbhd_cpu_amx_supports(g, a, &e1) &&
-                        e1.workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g);
+                        e1.workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g, NBHD_OP_FORWARD);
     if (use_amx) return nbhd_cpu_amx_forward(g, a, &e1);
     PICK(forward, g, a, &e1)
 }
@@ -129,5 +129,8 @@ nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forwar
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     rotate_tensor(&a1.t_out, shift); rotate_tensor(&a1.t_lse, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
+    const int use_amx = isa() == ISA_AMX && nbhd_cpu_amx_supports_jvp(g, a, &e1) &&
+                        e1.workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g, NBHD_OP_FORWARD_JVP);
+    if (use_amx) return nbhd_cpu_amx_forward_jvp(g, a, &e1);
     PICK(forward_jvp, g, a, &e1)
 }
