@@ -145,52 +145,55 @@ static inline const uint16_t *amx_token(const nbhd_tensor *t, int64_t b, int64_t
            z * t->stride[3] + h * t->stride[4];
 }
 
-/* K row of line (x, y): Kp[(ZP) x D], each group's tokens in order, zero margins */
+/* Packing runs in pieces of PIECE in-group tokens of one line (so that a 1-D problem, one line,
+ * still packs on every thread); the piece holding a group's end zeroes its margin. */
+#define PIECE 256
+
+/* K of line (x, y), in-group tokens [i0, i1) of group gr: Kp[ZP x D] rows */
 static void amx_pack_k(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *k,
-                       int64_t b, int64_t hk, int64_t x, int64_t y) {
-    for (int64_t gr = 0; gr < G->dil; ++gr) {
-        const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
-        uint16_t *dst = Kp + G->goff[gr] * G->D;
-        for (int64_t i = 0; i < Lg; ++i) {
-            const uint16_t *src = amx_token(k, b, x, y, gr + i * G->dil, hk);
-            for (int64_t d = 0; d < G->D; d += 32)   /* D % 32 == 0 */
-                _mm512_storeu_si512((void *)(dst + i * G->D + d), _mm512_loadu_si512((const void *)(src + d)));
-        }
-        memset(dst + Lg * G->D, 0, sizeof(uint16_t) * PADZ * G->D);
+                       int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0, int64_t i1) {
+    const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
+    uint16_t *dst = Kp + G->goff[gr] * G->D;
+    for (int64_t i = i0; i < i1; ++i) {
+        const uint16_t *src = amx_token(k, b, x, y, gr + i * G->dil, hk);
+        for (int64_t d = 0; d < G->D; d += 32)   /* D % 32 == 0 */
+            _mm512_storeu_si512((void *)(dst + i * G->D + d), _mm512_loadu_si512((const void *)(src + d)));
     }
+    if (i1 == Lg) memset(dst + Lg * G->D, 0, sizeof(uint16_t) * PADZ * G->D);
 }
 
-/* V^T of line (x, y): Vt[Dv x ZP]; 16 tokens x 16 dv at a time through a register transpose */
+/* V^T of line (x, y), in-group tokens [i0, i1) (i0 % 16 == 0) of group gr: Vt[Dv x ZP]; 16
+ * tokens x 16 dv at a time through a register transpose (a last partial block writes zeros into
+ * the margin) */
 static void amx_pack_vt(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *v,
-                        int64_t b, int64_t hk, int64_t x, int64_t y) {
+                        int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0, int64_t i1) {
     const int64_t Dv = G->Dv, ZP = G->ZP, sv = v->stride[5];
-    for (int64_t gr = 0; gr < G->dil; ++gr) {
-        const int64_t Lg = nbhd_group_len(&g->axis[2], gr), at = G->goff[gr];
-        for (int64_t i0 = 0; i0 < Lg; i0 += 16) {
-            const int nz = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
-            const uint16_t *tok[16];
-            for (int l = 0; l < nz; ++l) tok[l] = amx_token(v, b, x, y, gr + (i0 + l) * G->dil, hk);
-            for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
-                vf r[16];
-                for (int l = 0; l < 16; ++l) {
-                    if (l >= nz) r[l] = vf_zero();
-                    else if (sv == 1) r[l] = vf_load_bf16(tok[l] + d0);
-                    else {
-                        uint16_t tmp[16];
-                        for (int j = 0; j < 16; ++j) tmp[j] = tok[l][(d0 + j) * sv];
-                        r[l] = vf_load_bf16(tmp);
-                    }
-                }
-                vf_transpose16(r);
-                /* fp32 that came from bf16: the high halves are the bf16 values again */
-                for (int j = 0; j < 16; ++j) {
-                    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r[j]), 16));
-                    _mm256_storeu_si256((__m256i *)(Vt + (d0 + j) * ZP + at + i0), h);
+    const int64_t Lg = nbhd_group_len(&g->axis[2], gr), at = G->goff[gr];
+    for (int64_t ib = i0; ib < i1; ib += 16) {
+        const int nz = (int)(i1 - ib < 16 ? i1 - ib : 16);
+        const uint16_t *tok[16];
+        for (int l = 0; l < nz; ++l) tok[l] = amx_token(v, b, x, y, gr + (ib + l) * G->dil, hk);
+        for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
+            vf r[16];
+            for (int l = 0; l < 16; ++l) {
+                if (l >= nz) r[l] = vf_zero();
+                else if (sv == 1) r[l] = vf_load_bf16(tok[l] + d0);
+                else {
+                    uint16_t tmp[16];
+                    for (int j = 0; j < 16; ++j) tmp[j] = tok[l][(d0 + j) * sv];
+                    r[l] = vf_load_bf16(tmp);
                 }
             }
+            vf_transpose16(r);
+            /* fp32 that came from bf16: the high halves are the bf16 values again */
+            for (int j = 0; j < 16; ++j) {
+                const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r[j]), 16));
+                _mm256_storeu_si256((__m256i *)(Vt + (d0 + j) * ZP + at + ib), h);
+            }
         }
-        for (int64_t d = 0; d < Dv; ++d) memset(Vt + d * ZP + at + Lg, 0, sizeof(uint16_t) * PADZ);
     }
+    if (i1 == Lg)
+        for (int64_t d = 0; d < Dv; ++d) memset(Vt + d * ZP + at + Lg, 0, sizeof(uint16_t) * PADZ);
 }
 
 // ----------------------------------------------------------------------------
@@ -640,13 +643,17 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     /* chunks of 16 in-group queries along Z: (group, first index) */
     int64_t nchunks = 0;
     for (int64_t gr = 0; gr < G.dil; ++gr) nchunks += (nbhd_group_len(&g->axis[2], gr) + 15) / 16;
-    int64_t *chunk = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)nchunks);
+    int64_t *chunk = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)nchunks);   /* + pieces */
     if (!chunk) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
     for (int64_t gr = 0, c = 0; gr < G.dil; ++gr)
         for (int64_t i0 = 0; i0 < nbhd_group_len(&g->axis[2], gr); i0 += 16, ++c) {
             chunk[2 * c] = gr;
             chunk[2 * c + 1] = i0;
         }
+    /* packing pieces: every PIECE-th chunk starts one */
+    int64_t npieces = 0, *piece = chunk + 2 * nchunks;
+    for (int64_t c = 0; c < nchunks; ++c)
+        if (chunk[2 * c + 1] % PIECE == 0) piece[npieces++] = c;
     const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
                         (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL};
     int failed = 0;
@@ -666,12 +673,14 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
         for (int64_t slab = 0; slab < B * Hk; ++slab) {
             const int64_t b = slab / Hk, hk = slab % Hk;
 #pragma omp for schedule(static)
-            for (int64_t ln = 0; ln < G.lines; ++ln) {
-                const int64_t x = ln / G.Y, y = ln % G.Y;
-                amx_pack_k(Kp + ln * G.ZP * G.D, &G, g, io->k, b, hk, x, y);
-                amx_pack_vt(Vt + ln * G.Dv * G.ZP, &G, g, io->v, b, hk, x, y);
-                if (has_tk) amx_pack_k(tKp + ln * G.ZP * G.D, &G, g, io->tk, b, hk, x, y);
-                if (has_tv) amx_pack_vt(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, b, hk, x, y);
+            for (int64_t it = 0; it < G.lines * npieces; ++it) {
+                const int64_t ln = it / npieces, x = ln / G.Y, y = ln % G.Y, c = piece[it % npieces];
+                const int64_t gr = chunk[2 * c], i0 = chunk[2 * c + 1], Lg = nbhd_group_len(&g->axis[2], gr);
+                const int64_t i1 = i0 + PIECE < Lg ? i0 + PIECE : Lg;
+                amx_pack_k(Kp + ln * G.ZP * G.D, &G, g, io->k, b, hk, x, y, gr, i0, i1);
+                amx_pack_vt(Vt + ln * G.Dv * G.ZP, &G, g, io->v, b, hk, x, y, gr, i0, i1);
+                if (has_tk) amx_pack_k(tKp + ln * G.ZP * G.D, &G, g, io->tk, b, hk, x, y, gr, i0, i1);
+                if (has_tv) amx_pack_vt(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, b, hk, x, y, gr, i0, i1);
             }
             /* heads innermost: neighbouring items share key rows */
             const int64_t work = G.lines * nchunks * Gq;
