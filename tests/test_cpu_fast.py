@@ -201,3 +201,41 @@ def test_amx_forward_jvp_matches_reference(idx, monkeypatch):
             assert rel_err(a, t) < TOL[torch.bfloat16], (isa, name, rel_err(a, t))
     for a, b in zip(runs["amx"], runs["avx512"]):
         assert rel_err(a, b) < TOL[torch.bfloat16]
+
+
+# The AMX backward also needs Dv % 32 == 0.
+AMX_BWD_CASES = [c for c in AMX_CASES if c[-1] % 32 == 0] + [
+    ((37,), (6,), (1,), (2,), (False,), 1, 4, 1, 64, 32),          # MQA: 4 query heads, dilation
+    ((50,), (9,), (3,), (1,), (True,), 2, 2, 2, 96, 64),           # causal + stride
+    ((12, 33), (3, 4), (2, 1), (2, 1), (True, False), 1, 4, 2, 32, 96),
+    ((5, 9, 20), (3, 3, 5), (1, 2, 1), (1, 1, 1), (False, False, True), 1, 2, 2, 256, 32),
+]
+
+
+@pytest.mark.skipif(_lib.cpu_isa() != "amx", reason="needs a CPU with AMX-BF16 (and Linux's permission)")
+@pytest.mark.parametrize("idx", range(len(AMX_BWD_CASES)))
+def test_amx_backward_matches_reference(idx, monkeypatch):
+    shape, ks, st, dil, causal, B, H, Hk, D, Dv = AMX_BWD_CASES[idx]
+    case = Case(shape, ks, st, dil, causal, batch=B, heads=H, kv_heads=Hk, head_dim=D, head_dim_v=Dv)
+    q, k, v, _, _ = case.tensors(torch.bfloat16, seed=500 + idx)
+    g = torch.Generator().manual_seed(600 + idx)
+    d_out = torch.randn(q.shape[:-1] + (Dv,), generator=g, dtype=torch.float64).to(torch.bfloat16)
+    d_lse = torch.randn(q.shape[:-1], generator=g, dtype=torch.float64).float() if idx % 2 else None
+    prim = [t.double().requires_grad_() for t in (q, k, v)]
+    out, lse = case.reference(*prim)
+    truth = torch.autograd.grad((out, lse), prim, (d_out.double(), d_lse.double() if d_lse is not None
+                                                   else torch.zeros_like(lse)))
+    runs = {}
+    for isa in ("amx", "avx512"):
+        monkeypatch.setenv("NBHD_CPU_ISA", isa)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o, l = case.na()(*leaves, **case.kwargs(), return_lse=True)
+        poison_allocator()
+        runs[isa] = torch.autograd.grad((o, l) if d_lse is not None else (o,), leaves,
+                                        (d_out, d_lse) if d_lse is not None else (d_out,))
+    for isa, grads in runs.items():
+        for name, a, t in zip(("dq", "dk", "dv"), grads, truth):
+            assert torch.isfinite(a.double()).all(), (isa, name)
+            assert rel_err(a, t) < TOL[torch.bfloat16], (isa, name, rel_err(a, t))
+    for a, b in zip(runs["amx"], runs["avx512"]):
+        assert rel_err(a, b) < TOL[torch.bfloat16]

@@ -149,25 +149,29 @@ static inline const uint16_t *amx_token(const nbhd_tensor *t, int64_t b, int64_t
  * still packs on every thread); the piece holding a group's end zeroes its margin. */
 #define PIECE 256
 
-/* K of line (x, y), in-group tokens [i0, i1) of group gr: Kp[ZP x D] rows */
-static void amx_pack_k(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *k,
-                       int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0, int64_t i1) {
+/* rows of line (x, y) (K, tK; Q, dO, V in the backward), in-group tokens [i0, i1) of group gr:
+ * Kp[ZP x dim] */
+static void amx_pack_rows(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *k,
+                          int64_t dim, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
+                          int64_t i1) {
     const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
-    uint16_t *dst = Kp + G->goff[gr] * G->D;
+    uint16_t *dst = Kp + G->goff[gr] * dim;
     for (int64_t i = i0; i < i1; ++i) {
         const uint16_t *src = amx_token(k, b, x, y, gr + i * G->dil, hk);
-        for (int64_t d = 0; d < G->D; d += 32)   /* D % 32 == 0 */
-            _mm512_storeu_si512((void *)(dst + i * G->D + d), _mm512_loadu_si512((const void *)(src + d)));
+        for (int64_t d = 0; d < dim; d += 32)   /* dim % 32 == 0 */
+            _mm512_storeu_si512((void *)(dst + i * dim + d), _mm512_loadu_si512((const void *)(src + d)));
     }
-    if (i1 == Lg) memset(dst + Lg * G->D, 0, sizeof(uint16_t) * PADZ * G->D);
+    if (i1 == Lg) memset(dst + Lg * dim, 0, sizeof(uint16_t) * PADZ * dim);
 }
 
-/* V^T of line (x, y), in-group tokens [i0, i1) (i0 % 16 == 0) of group gr: Vt[Dv x ZP]; 16
+/* columns (V^T, tV^T; K^T, Q^T, dO^T in the backward) of line (x, y), in-group tokens [i0, i1)
+ * (i0 % 16 == 0) of group gr: Vt[Dv x ZP]; 16
  * tokens x 16 dv at a time through a register transpose (a last partial block writes zeros into
  * the margin) */
-static void amx_pack_vt(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *v,
-                        int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0, int64_t i1) {
-    const int64_t Dv = G->Dv, ZP = G->ZP, sv = v->stride[5];
+static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *v,
+                          int64_t Dv, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
+                          int64_t i1) {
+    const int64_t ZP = G->ZP, sv = v->stride[5];
     const int64_t Lg = nbhd_group_len(&g->axis[2], gr), at = G->goff[gr];
     for (int64_t ib = i0; ib < i1; ib += 16) {
         const int nz = (int)(i1 - ib < 16 ? i1 - ib : 16);
@@ -348,25 +352,25 @@ static void amx_load_q_tiles(const amx_scratch *sc, int64_t nd) {
     if (nd > 3) _tile_loadd(5, sc->qt + 3 * 512, 64);
 }
 
-/* O^T[dv][q] += V^T[dv][keys] P^T[keys][q] over the unit's rows, 64 dv (tmm0..3) at a time.
+/* acc^T[dv][q] += A^T[dv][keys] P^T[keys][q] over the unit's rows (forward: O^T += V^T P^T),
+ * 64 dv (tmm0..3) at a time.
  * With Dv <= 32 the even and odd 32-key blocks go to separate accumulators (tmm0..1, tmm2..3),
  * so that consecutive products do not wait on each other; their sum is added at the end. */
 typedef struct { int64_t line, s0, s1, u0; } amx_seg;
 
-static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb) {
-    const amx_geo *G = cx->G;
-    const int64_t Dv = G->Dv, ZP = G->ZP;
+static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, float *acc2, const uint32_t *Pb,
+                      const amx_seg *seg, int nseg, int64_t zb) {
     if (Dv <= 32) {
         const int two = Dv == 32;
-        float *o = sc->O, *o2 = sc->O2;
+        float *o = acc, *o2 = acc2;
         _tile_loadd(0, o, 64);
         _tile_zero(2);
         if (two) { _tile_loadd(1, o + 256, 64); _tile_zero(3); }
         int odd = 0;
         for (int i = 0; i < nseg; ++i) {
-            const uint16_t *vrow = cx->Vt + seg[i].line * Dv * ZP + zb;
+            const uint16_t *vrow = At + seg[i].line * Dv * ZP + zb;
             for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32, odd ^= 1) {
-                const uint32_t *pb = sc->P + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
+                const uint32_t *pb = Pb + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
                 if (odd) {
                     _tile_loadd(7, pb, 64);
                     _tile_loadd(6, vrow + s, ZP * 2);
@@ -390,16 +394,16 @@ static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, i
      * between tmm5 and tmm7 from one 32-key block to the next */
     for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
         const int nt = (int)((Dv - d0) / 16 < 4 ? (Dv - d0) / 16 : 4);
-        float *o = sc->O + d0 * 16;
+        float *o = acc + d0 * 16;
         if (nt > 0) _tile_loadd(0, o + 0 * 256, 64);
         if (nt > 1) _tile_loadd(1, o + 1 * 256, 64);
         if (nt > 2) _tile_loadd(2, o + 2 * 256, 64);
         if (nt > 3) _tile_loadd(3, o + 3 * 256, 64);
         int odd = 0;
         for (int i = 0; i < nseg; ++i) {
-            const uint16_t *vrow = cx->Vt + (seg[i].line * Dv + d0) * ZP + zb;
+            const uint16_t *vrow = At + (seg[i].line * Dv + d0) * ZP + zb;
             for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32, odd ^= 1) {
-                const uint32_t *pb = sc->P + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
+                const uint32_t *pb = Pb + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
                 const uint16_t *vs = vrow + s;
 #define PV_BLOCK(P)                                                                               \
     _tile_loadd(P, pb, 64);                                                                       \
@@ -417,6 +421,10 @@ static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, i
         if (nt > 2) _tile_stored(2, o + 2 * 256, 64);
         if (nt > 3) _tile_stored(3, o + 3 * 256, 64);
     }
+}
+
+static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb) {
+    amx_accum(cx->Vt, cx->G->Dv, cx->G->ZP, sc->O, sc->O2, sc->P, seg, nseg, zb);
 }
 
 /* Forward+JVP: O^T += V^T P^T and C^T += V^T (P o tS)^T + tV^T P^T, 32 dv at a time: O^T in
@@ -677,10 +685,10 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
                 const int64_t ln = it / npieces, x = ln / G.Y, y = ln % G.Y, c = piece[it % npieces];
                 const int64_t gr = chunk[2 * c], i0 = chunk[2 * c + 1], Lg = nbhd_group_len(&g->axis[2], gr);
                 const int64_t i1 = i0 + PIECE < Lg ? i0 + PIECE : Lg;
-                amx_pack_k(Kp + ln * G.ZP * G.D, &G, g, io->k, b, hk, x, y, gr, i0, i1);
-                amx_pack_vt(Vt + ln * G.Dv * G.ZP, &G, g, io->v, b, hk, x, y, gr, i0, i1);
-                if (has_tk) amx_pack_k(tKp + ln * G.ZP * G.D, &G, g, io->tk, b, hk, x, y, gr, i0, i1);
-                if (has_tv) amx_pack_vt(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, b, hk, x, y, gr, i0, i1);
+                amx_pack_rows(Kp + ln * G.ZP * G.D, &G, g, io->k, G.D, b, hk, x, y, gr, i0, i1);
+                amx_pack_cols(Vt + ln * G.Dv * G.ZP, &G, g, io->v, G.Dv, b, hk, x, y, gr, i0, i1);
+                if (has_tk) amx_pack_rows(tKp + ln * G.ZP * G.D, &G, g, io->tk, G.D, b, hk, x, y, gr, i0, i1);
+                if (has_tv) amx_pack_cols(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, G.Dv, b, hk, x, y, gr, i0, i1);
             }
             /* heads innermost: neighbouring items share key rows */
             const int64_t work = G.lines * nchunks * Gq;
@@ -709,6 +717,338 @@ nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_
     return amx_run(g, &io, e);
 }
 
+// ----------------------------------------------------------------------------
+// backward (DESIGN.md §4): D_i = dO_i.O_i - dlse_i, P = exp(S - LSE), dS = P (dO V^T - D),
+// dQ = s dS K (pass 1, query-stationary, items like the forward's), dK = s dS^T Q and
+// dV = P^T dO (pass 2, key-stationary over each 16-key chunk's inverse windows, every query head
+// of the key head in turn). dS and P are rounded to bf16 for the second products.
+//
+// Per slab (b, hk), ZP positions as above:
+//   K [lines][ZP][D], K^T [lines][D][ZP], V [lines][ZP][Dv]                  (pass 1)
+//   per query head: Q, dO rows, Q^T, dO^T columns, L = LSE log2(e) and D per position (pass 2)
+
+int nbhd_cpu_amx_supports_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
+    for (int j = 0; j < 3; ++j)
+        if (e->q_tile[j] || e->kv_tile[j]) return 0;
+    const int d_contiguous = a->q.stride[5] == 1 && a->k.stride[5] == 1 && a->v.stride[5] == 1 &&
+                             a->out.stride[5] == 1 && a->d_out.stride[5] == 1;
+    return g->dtype == NBHD_BF16 && g->has_window && g->extra_kv == 0 && g->head_dim % 32 == 0 &&
+           g->head_dim <= AMX_MAX_D && g->head_dim_v % 32 == 0 && g->head_dim_v <= AMX_MAX_D && d_contiguous;
+}
+
+size_t nbhd_cpu_amx_backward_workspace_bytes(const nbhd_geometry *g) {
+    amx_geo G;
+    if (!g->has_window || !amx_geo_init(&G, g)) return 0;
+    const size_t per = (size_t)G.lines * (size_t)G.ZP;
+    return per * 2 * (size_t)(2 * G.D + G.Dv) + (size_t)g->group * per * (2 * 2 * (size_t)(G.D + G.Dv) + 8) + 128;
+}
+
+typedef struct {
+    const nbhd_backward_args *a;
+    const amx_geo *G;
+    const nbhd_geometry *g;
+    const uint16_t *K, *Kt, *V;          /* slab */
+    const uint16_t *Q, *Qt, *dO, *dOt;   /* slab, [group heads] */
+    float *L, *Dd;                       /* slab, [group heads][lines][ZP] */
+    float c;
+} amx_bctx;
+
+typedef struct {
+    uint16_t *bt1, *bt2;   /* [dim/2][16][2] B operands of the item: Q^T and dO^T, or K^T and V^T */
+    float *S, *dP;         /* [USLOTS][16] */
+    uint32_t *P, *dS;      /* [USLOTS/2][16] bf16 pairs */
+    float *acc1, *acc2, *tmp;   /* [dim][16] dQ^T, or dK^T and dV^T; tmp [32][16] */
+    void *mem;
+} amx_bscratch;
+
+static int amx_bscratch_alloc(amx_bscratch *s, int64_t D, int64_t Dv) {
+    const int64_t W = D > Dv ? D : Dv;
+    memset(s, 0, sizeof *s);
+    s->mem = malloc((size_t)W * 32 * 2 + (size_t)USLOTS * 64 * 2 + (size_t)USLOTS * 32 * 2 + (size_t)W * 64 * 2 + 32 * 64 + 64);
+    if (!s->mem) return 0;
+    uint8_t *p = (uint8_t *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
+    s->bt1 = (uint16_t *)p; p += (size_t)W * 32;
+    s->bt2 = (uint16_t *)p; p += (size_t)W * 32;
+    s->S = (float *)p; p += (size_t)USLOTS * 64;
+    s->dP = (float *)p; p += (size_t)USLOTS * 64;
+    s->P = (uint32_t *)p; p += (size_t)USLOTS * 32;
+    s->dS = (uint32_t *)p; p += (size_t)USLOTS * 32;
+    s->acc1 = (float *)p; p += (size_t)W * 64;
+    s->acc2 = (float *)p; p += (size_t)W * 64;
+    s->tmp = (float *)p;
+    return 1;
+}
+
+/* out1^T = A1 B1 and out2^T = A2 B2 for slots [s0, s1) (16 at a time) of packed rows A1 [ZP][d1]
+ * and A2 [ZP][d2] of one line, from position zb; B operands per item (d-pairs x 16 lanes):
+ * tmm0/tmm1 C, tmm2/tmm4 A, tmm3/tmm5 B */
+static void amx_two_scores(const uint16_t *A1, int64_t d1, const uint16_t *B1, const uint16_t *A2, int64_t d2,
+                           const uint16_t *B2, int64_t zb, int64_t s0, int64_t s1, float *out1, float *out2) {
+    for (int64_t s = s0; s < s1; s += 16) {
+        const int64_t z = zb + s;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < d1 / 32; ++c) {
+            _tile_loadd(2, A1 + z * d1 + 32 * c, d1 * 2);
+            _tile_loadd(3, B1 + c * 512, 64);
+            _tile_dpbf16ps(0, 2, 3);
+        }
+        for (int64_t c = 0; c < d2 / 32; ++c) {
+            _tile_loadd(4, A2 + z * d2 + 32 * c, d2 * 2);
+            _tile_loadd(5, B2 + c * 512, 64);
+            _tile_dpbf16ps(1, 4, 5);
+        }
+        _tile_stored(0, out1 + (s - s0) * 16, 64);
+        _tile_stored(1, out2 + (s - s0) * 16, 64);
+    }
+}
+
+/* P = exp2(c S - L), dS = P (dP - D) for the unit's slots, 0 where masked (lane l sees slot
+ * position ulo + s iff lo_l <= ulo + s < hi_l); L, D per lane (vL, vD) or, when Ls is given, per
+ * slot position (Ls[s], Ds[s]; the segments then lie in one row). Both into bf16 pairs. */
+static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t ulo, int64_t nvalid,
+                         __m512i lo, __m512i hi, vf vc, vf vL, vf vD, const float *Ls, const float *Ds) {
+    nvalid += nvalid & 1;
+    for (int i = 0; i < nseg; ++i) {
+        for (int64_t s = seg[i].s0; s < seg[i].s1; s += 2) {
+            const int64_t u = seg[i].u0 + s - seg[i].s0;
+            if (s >= nvalid) {
+                _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), _mm512_setzero_si512());
+                _mm512_storeu_si512((void *)(sc->dS + u / 2 * 16), _mm512_setzero_si512());
+                continue;
+            }
+            vf p[2], ds[2];
+            for (int j = 0; j < 2; ++j) {
+                const __m512i z = _mm512_set1_epi32((int)(ulo + s + j));
+                const __mmask16 in = _mm512_cmple_epi32_mask(lo, z) & _mm512_cmplt_epi32_mask(z, hi);
+                /* a slot past the window's end may read L, D of a margin position: masked */
+                const vf L = Ls ? vf_set1(Ls[s + j]) : vL, Dd = Ds ? vf_set1(Ds[s + j]) : vD;
+                const vf x = _mm512_fmsub_ps(vf_load(sc->S + (u + j) * 16), vc, L);
+                p[j] = _mm512_maskz_mov_ps(in, vf_exp2(x));
+                ds[j] = _mm512_maskz_mul_ps(in, p[j], _mm512_sub_ps(vf_load(sc->dP + (u + j) * 16), Dd));
+            }
+            _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), amx_pair_bf16(p[0], p[1]));
+            _mm512_storeu_si512((void *)(sc->dS + u / 2 * 16), amx_pair_bf16(ds[0], ds[1]));
+        }
+    }
+}
+
+/* [dim][16] fp32 (x mul) into t[b, x, y, z_l, h, :] bf16 */
+static void amx_store_scaled(const nbhd_tensor *t, float *A, int64_t dim, float mul, int64_t b, int64_t x,
+                             int64_t y, const int64_t *z, int nl, int64_t h) {
+    if (mul != 1.0f)
+        for (int64_t d = 0; d < dim; ++d) vf_store(A + d * 16, vf_mul(vf_load(A + d * 16), vf_set1(mul)));
+    amx_store_lanes(t, A, dim, b, x, y, z, nl, h);
+}
+
+/* in-group windows of the chunk's lanes (forward windows, or inverse windows when inverse) */
+static int amx_lanes(const nbhd_axis *az, int64_t gr, int64_t i0, int64_t Lg, int inverse, int32_t *lo,
+                     int32_t *hi, int64_t *z, int64_t *ulo, int64_t *uhi) {
+    const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
+    *ulo = INT64_MAX; *uhi = 0;
+    for (int l = 0; l < 16; ++l) {
+        int64_t st = 0, en = 0;
+        if (l < nl) {
+            z[l] = gr + (i0 + l) * az->dilation;
+            if (inverse) {
+                int64_t first, count;
+                nbhd_inverse_window(az, z[l], &first, &count);
+                st = (first - gr) / az->dilation;
+                en = st + count;
+            } else {
+                nbhd_window_in_group(az, i0 + l, Lg, &st, &en);
+            }
+            if (en > st) { if (st < *ulo) *ulo = st; if (en > *uhi) *uhi = en; }
+        }
+        lo[l] = (int32_t)st; hi[l] = (int32_t)en;
+    }
+    if (*ulo == INT64_MAX) *ulo = *uhi = 0;
+    return nl;
+}
+
+/* pass 1: dQ of the 16 queries of chunk (gr, i0) of line (x, y), head h; also L and D there */
+static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t h, int64_t hq, int64_t x,
+                       int64_t y, int64_t gr, int64_t i0) {
+    const amx_geo *G = cx->G;
+    const nbhd_geometry *g = cx->g;
+    const nbhd_backward_args *a = cx->a;
+    const int64_t D = G->D, Dv = G->Dv, Lg = nbhd_group_len(&g->axis[2], gr);
+    int32_t lo[16], hi[16];
+    int64_t z[16], ulo, uhi;
+    const int nl = amx_lanes(&g->axis[2], gr, i0, Lg, 0, lo, hi, z, &ulo, &uhi);
+    amx_pack_qt(sc->bt1, &a->q, D, b, x, y, z, nl, h);
+    amx_pack_qt(sc->bt2, &a->d_out, Dv, b, x, y, z, nl, h);
+    /* L = lse log2(e), D = dO.O - dlse, per lane; kept for pass 2 */
+    float Ll[16] = {0}, Dl[16] = {0};
+    const int64_t pos = (x * G->Y + y) * G->ZP + G->goff[gr] + i0;
+    for (int l = 0; l < nl; ++l) {
+        const uint16_t *o = amx_token(&a->out, b, x, y, z[l], h), *dO = amx_token(&a->d_out, b, x, y, z[l], h);
+        vf acc = vf_zero();
+        for (int64_t d = 0; d < Dv; d += 16) acc = vf_fma(vf_load_bf16(o + d), vf_load_bf16(dO + d), acc);
+        Dl[l] = _mm512_reduce_add_ps(acc);
+        if (a->d_lse.data) Dl[l] -= *amx_scalar(&a->d_lse, b, x, y, z[l], h);
+        Ll[l] = (float)(*amx_scalar(&a->lse, b, x, y, z[l], h) * LOG2E);
+        cx->L[hq * G->lines * G->ZP + pos + l] = Ll[l];
+        cx->Dd[hq * G->lines * G->ZP + pos + l] = Dl[l];
+    }
+    const vf vL = vf_load(Ll), vD = vf_load(Dl), vc = vf_set1(cx->c);
+    const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
+    memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);
+    int64_t fx, cxn, fy, cyn;
+    nbhd_window(&g->axis[0], x, &fx, &cxn);
+    nbhd_window(&g->axis[1], y, &fy, &cyn);
+    const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation, rows = cxn * cyn;
+    const int64_t nslots = (uhi - ulo + 31) / 32 * 32, zb = G->goff[gr] + ulo, total = rows * nslots;
+    for (int64_t g0 = 0; g0 < total; g0 += USLOTS) {
+        amx_seg seg[USLOTS / 32];
+        int nseg = 0;
+        for (int64_t rr = g0 / nslots; rr < rows && rr * nslots < g0 + USLOTS; ++rr) {
+            const int64_t s0 = (g0 > rr * nslots ? g0 : rr * nslots) - rr * nslots;
+            const int64_t e = (g0 + USLOTS < (rr + 1) * nslots ? g0 + USLOTS : (rr + 1) * nslots) - rr * nslots;
+            const int64_t line = (fx + (rr / cyn) * dx) * G->Y + fy + (rr % cyn) * dy;
+            seg[nseg] = (amx_seg){line, s0, e, rr * nslots + s0 - g0};
+            /* S^T = K Q^T, dP^T = V dO^T */
+            amx_two_scores(cx->K + line * G->ZP * D, D, sc->bt1, cx->V + line * G->ZP * Dv, Dv, sc->bt2, zb, s0, e,
+                           sc->S + seg[nseg].u0 * 16, sc->dP + seg[nseg].u0 * 16);
+            ++nseg;
+        }
+        amx_dsoftmax(sc, seg, nseg, ulo, uhi - ulo, vlo, vhi, vc, vL, vD, NULL, NULL);
+        /* dQ^T += K^T dS^T */
+        amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb);
+    }
+    amx_store_scaled(&a->d_q, sc->acc1, D, (float)g->scale, b, x, y, z, nl, h);
+}
+
+/* pass 2: dK and dV of the 16 keys of chunk (gr, i0) of line (x, y), key head hk */
+static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t hk, int64_t x, int64_t y,
+                         int64_t gr, int64_t i0) {
+    const amx_geo *G = cx->G;
+    const nbhd_geometry *g = cx->g;
+    const nbhd_backward_args *a = cx->a;
+    const int64_t D = G->D, Dv = G->Dv, Lg = nbhd_group_len(&g->axis[2], gr), ZP = G->ZP;
+    int32_t lo[16], hi[16];
+    int64_t z[16], ulo, uhi;
+    const int nl = amx_lanes(&g->axis[2], gr, i0, Lg, 1, lo, hi, z, &ulo, &uhi);
+    amx_pack_qt(sc->bt1, &a->k, D, b, x, y, z, nl, hk);
+    amx_pack_qt(sc->bt2, &a->v, Dv, b, x, y, z, nl, hk);
+    const vf vc = vf_set1(cx->c);
+    const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
+    memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);    /* dK^T */
+    memset(sc->acc2, 0, sizeof(float) * 16 * (size_t)Dv);   /* dV^T */
+    int64_t fx, cxn, fy, cyn;
+    nbhd_inverse_window(&g->axis[0], x, &fx, &cxn);
+    nbhd_inverse_window(&g->axis[1], y, &fy, &cyn);
+    const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation, rows = cxn * cyn;
+    const int64_t nslots = (uhi - ulo + 31) / 32 * 32, zb = G->goff[gr] + ulo, total = rows * nslots;
+    for (int64_t hq = 0; hq < g->group; ++hq) {
+        const uint16_t *Q = cx->Q + hq * G->lines * ZP * D, *dO = cx->dO + hq * G->lines * ZP * Dv;
+        const uint16_t *Qt = cx->Qt + hq * G->lines * D * ZP, *dOt = cx->dOt + hq * G->lines * Dv * ZP;
+        const float *L = cx->L + hq * G->lines * ZP, *Dd = cx->Dd + hq * G->lines * ZP;
+        for (int64_t g0 = 0; g0 < total; g0 += USLOTS) {
+            amx_seg seg[USLOTS / 32];
+            int nseg = 0;
+            for (int64_t rr = g0 / nslots; rr < rows && rr * nslots < g0 + USLOTS; ++rr) {
+                const int64_t s0 = (g0 > rr * nslots ? g0 : rr * nslots) - rr * nslots;
+                const int64_t e = (g0 + USLOTS < (rr + 1) * nslots ? g0 + USLOTS : (rr + 1) * nslots) - rr * nslots;
+                const int64_t line = (fx + (rr / cyn) * dx) * G->Y + fy + (rr % cyn) * dy;
+                seg[nseg] = (amx_seg){line, s0, e, rr * nslots + s0 - g0};
+                /* S = Q K^T, dP = dO V^T: slots are queries, lanes are keys */
+                amx_two_scores(Q + line * ZP * D, D, sc->bt1, dO + line * ZP * Dv, Dv, sc->bt2, zb, s0, e,
+                               sc->S + seg[nseg].u0 * 16, sc->dP + seg[nseg].u0 * 16);
+                /* this row's L and D, by slot */
+                amx_dsoftmax(sc, &seg[nseg], 1, ulo, uhi - ulo, vlo, vhi, vc, vf_zero(), vf_zero(),
+                             L + line * ZP + zb, Dd + line * ZP + zb);
+                ++nseg;
+            }
+            /* dV^T += dO^T P, dK^T += Q^T dS */
+            amx_accum(dOt, Dv, ZP, sc->acc2, sc->tmp, sc->P, seg, nseg, zb);
+            amx_accum(Qt, D, ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb);
+        }
+    }
+    amx_store_scaled(&a->d_k, sc->acc1, D, (float)g->scale, b, x, y, z, nl, hk);
+    amx_store_scaled(&a->d_v, sc->acc2, Dv, 1.0f, b, x, y, z, nl, hk);
+}
+
+nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
+    amx_geo G;
+    if (!amx_geo_init(&G, g)) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx: dilation > 64 on the last axis");
+    const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, per = G.lines * ZP, Gq = g->group;
+    uint16_t *K = (uint16_t *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63);
+    uint16_t *Kt = K + per * D, *V = Kt + per * D, *Q = V + per * Dv, *Qt = Q + Gq * per * D;
+    uint16_t *dO = Qt + Gq * per * D, *dOt = dO + Gq * per * Dv;
+    float *L = (float *)(dOt + Gq * per * Dv), *Dd = L + Gq * per;
+    const int64_t B = g->batch, Hk = g->kv_heads;
+    int64_t nchunks = 0;
+    for (int64_t gr = 0; gr < G.dil; ++gr) nchunks += (nbhd_group_len(&g->axis[2], gr) + 15) / 16;
+    int64_t *chunk = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)nchunks);
+    if (!chunk) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    for (int64_t gr = 0, c = 0; gr < G.dil; ++gr)
+        for (int64_t i0 = 0; i0 < nbhd_group_len(&g->axis[2], gr); i0 += 16, ++c) {
+            chunk[2 * c] = gr;
+            chunk[2 * c + 1] = i0;
+        }
+    int64_t npieces = 0, *piece = chunk + 2 * nchunks;
+    for (int64_t c = 0; c < nchunks; ++c)
+        if (chunk[2 * c + 1] % PIECE == 0) piece[npieces++] = c;
+    const amx_bctx cx = {a, &G, g, K, Kt, V, Q, Qt, dO, dOt, L, Dd, (float)(g->scale * LOG2E)};
+    int failed = 0;
+#pragma omp parallel num_threads(nbhd_cpu_threads(e))
+    {
+        amx_bscratch sc;
+        const int ok = amx_bscratch_alloc(&sc, D, Dv);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        amx_tilecfg cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        _tile_loadconfig(&cfg);
+        for (int64_t slab = 0; slab < B * Hk; ++slab) {
+            const int64_t b = slab / Hk, hk = slab % Hk;
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < G.lines * npieces * (1 + Gq); ++it) {
+                const int64_t which = it / (G.lines * npieces), rest = it % (G.lines * npieces);
+                const int64_t ln = rest / npieces, x = ln / G.Y, y = ln % G.Y, c = piece[rest % npieces];
+                const int64_t gr = chunk[2 * c], i0 = chunk[2 * c + 1], Lg = nbhd_group_len(&g->axis[2], gr);
+                const int64_t i1 = i0 + PIECE < Lg ? i0 + PIECE : Lg;
+                if (which == 0) {   /* the key head */
+                    amx_pack_rows(K + ln * ZP * D, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
+                    amx_pack_cols(Kt + ln * D * ZP, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
+                    amx_pack_rows(V + ln * ZP * Dv, &G, g, &a->v, Dv, b, hk, x, y, gr, i0, i1);
+                } else {            /* query head hq of its group */
+                    const int64_t hq = which - 1, h = hk * Gq + hq;
+                    amx_pack_rows(Q + (hq * G.lines + ln) * ZP * D, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
+                    amx_pack_cols(Qt + (hq * G.lines + ln) * D * ZP, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
+                    amx_pack_rows(dO + (hq * G.lines + ln) * ZP * Dv, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
+                    amx_pack_cols(dOt + (hq * G.lines + ln) * Dv * ZP, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
+                }
+            }
+            /* pass 1: dQ (and L, D) of every query chunk of the slab's query heads */
+            const int64_t work1 = G.lines * nchunks * Gq;
+#pragma omp for schedule(static)
+            for (int64_t w = 0; w < work1; ++w) {
+                if (!ok) continue;
+                const int64_t hq = w % Gq, c = (w / Gq) % nchunks, ln = w / (Gq * nchunks);
+                amx_bwd_dq(&cx, &sc, b, hk * Gq + hq, hq, ln / G.Y, ln % G.Y, chunk[2 * c], chunk[2 * c + 1]);
+            }
+            /* pass 2: dK, dV of every key chunk */
+            const int64_t work2 = G.lines * nchunks;
+#pragma omp for schedule(static)
+            for (int64_t w = 0; w < work2; ++w) {
+                if (!ok) continue;
+                const int64_t c = w % nchunks, ln = w / nchunks;
+                amx_bwd_dkdv(&cx, &sc, b, hk, ln / G.Y, ln % G.Y, chunk[2 * c], chunk[2 * c + 1]);
+            }
+        }
+        _tile_release();
+        if (ok) free(sc.mem);
+    }
+    free(chunk);
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
+}
+
 #else  /* not x86-64 Linux with GCC: never available */
 
 int nbhd_cpu_amx_available(void) { return 0; }
@@ -727,6 +1067,15 @@ nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args
 }
 nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                      const nbhd_exec *e) {
+    (void)g; (void)a; (void)e;
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx: not built for this platform");
+}
+int nbhd_cpu_amx_supports_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
+    (void)g; (void)a; (void)e;
+    return 0;
+}
+size_t nbhd_cpu_amx_backward_workspace_bytes(const nbhd_geometry *g) { (void)g; return 0; }
+nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
     (void)g; (void)a; (void)e;
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx: not built for this platform");
 }

@@ -19,5 +19,9 @@ size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
 nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
 nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                      const nbhd_exec *e);
+/* the backward: bf16, D and Dv multiples of 32 (<= 256), contiguous head dims, no extra keys */
+int nbhd_cpu_amx_supports_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e);
+size_t nbhd_cpu_amx_backward_workspace_bytes(const nbhd_geometry *g);
+nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e);
 
 #endif /* NBHD_CPU_AMX_H */

@@ -76,7 +76,8 @@ size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     const nbhd_geometry r = rotated(g, 3 - rank_of(g));
     const size_t simd = nbhd_cpu_fast_workspace_bytes_generic(&r, op);
     const int amx_op = op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP;
-    const size_t amx = amx_op && g->dtype == NBHD_BF16 && isa() == ISA_AMX ? nbhd_cpu_amx_workspace_bytes(&r, op) : 0;
+    size_t amx = amx_op && g->dtype == NBHD_BF16 && isa() == ISA_AMX ? nbhd_cpu_amx_workspace_bytes(&r, op) : 0;
+    if (op == NBHD_OP_BACKWARD && g->dtype == NBHD_BF16 && isa() == ISA_AMX) amx = nbhd_cpu_amx_backward_workspace_bytes(&r);
     return simd > amx ? simd : amx;
 }
 
@@ -116,6 +117,9 @@ nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g0, const nbhd_backward_
     rotate_tensor(&a1.d_out, shift); rotate_tensor(&a1.d_lse, shift);
     rotate_tensor(&a1.d_q, shift); rotate_tensor(&a1.d_k, shift); rotate_tensor(&a1.d_v, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
+    const int use_amx = isa() == ISA_AMX && nbhd_cpu_amx_supports_backward(g, a, &e1) &&
+                        e1.workspace_bytes >= nbhd_cpu_amx_backward_workspace_bytes(g);
+    if (use_amx) return nbhd_cpu_amx_backward(g, a, &e1);
     PICK(backward, g, a, &e1)
 }
 
