@@ -28,6 +28,9 @@ static void describe(const nbhd_problem *p, uint64_t seed) {
             p->head_dim, p->head_dim_v, (long long)p->extra_kv, p->scale, dtype_name[p->dtype]);
 }
 
+/* 1: bf16 problems with head dims that the AMX kernels take (32 or 64; Dv also 16) */
+static int amx_shapes = 0;
+
 static void random_problem(rng_t *r, nbhd_problem *p) {
     for (;;) {
         memset(p, 0, sizeof *p);
@@ -55,6 +58,12 @@ static void random_problem(rng_t *r, nbhd_problem *p) {
         p->extra_kv = p->rank == 0 ? rng_int(r, 1, 6) : (rng_int(r, 0, 1) ? 0 : rng_int(r, 1, 4));
         p->scale = rng_int(r, 0, 1) ? 1.0 / sqrt((double)p->head_dim) : 0.1 + 2.0 * rng_unit(r);
         p->dtype = (nbhd_dtype)rng_int(r, 0, 3);
+        if (amx_shapes) {
+            p->dtype = NBHD_BF16;
+            p->head_dim = (int32_t)(32 * rng_int(r, 1, 2));
+            p->head_dim_v = (int32_t)(rng_int(r, 0, 2) ? 32 * rng_int(r, 1, 2) : 16);
+            if (p->rank > 0 && rng_int(r, 0, 3)) p->extra_kv = 0;   /* the AMX kernels take no extra keys */
+        }
         p->device = NBHD_CPU;
         return;
     }
@@ -377,6 +386,11 @@ int main(int argc, char **argv) {
     if (check_naive_examples()) passed++; else failed++;
     for (int c = first; c < first + cases; ++c) {
         if (run_case((uint64_t)c)) passed++;
+        else failed++;
+    }
+    amx_shapes = 1;   /* then a tenth as many for the AMX kernels (the SIMD ones where no AMX) */
+    for (int c = first; c < first + (cases + 9) / 10; ++c) {
+        if (run_case((uint64_t)c + 1000000)) passed++;
         else failed++;
     }
     printf("%d passed, %d failed\n", passed, failed);
