@@ -153,8 +153,7 @@ AMX_CASES = [
 @pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("idx", range(len(AMX_CASES)))
 def test_amx_forward_matches_reference(idx, sliced, monkeypatch):
-    shape, ks, st, dil, causal, B, H, Hk, D, Dv = AMX_CASES[idx]
-    case = Case(shape, ks, st, dil, causal, batch=B, heads=H, kv_heads=Hk, head_dim=D, head_dim_v=Dv)
+    case = _case(AMX_CASES[idx] + (0,))   # no extra keys
     q, k, v, _, _ = case.tensors(torch.bfloat16, seed=200 + idx)
     if sliced:   # every other head of a wider tensor: strided tokens and heads, contiguous d
         q, k, v = (torch.cat([t, torch.randn_like(t)], -2)[..., ::2, :] for t in (q, k, v))
@@ -176,8 +175,7 @@ def test_amx_forward_matches_reference(idx, sliced, monkeypatch):
 @pytest.mark.parametrize("idx", range(len(AMX_CASES)))
 def test_amx_forward_jvp_matches_reference(idx, monkeypatch):
     import torch.autograd.forward_ad as fwAD
-    shape, ks, st, dil, causal, B, H, Hk, D, Dv = AMX_CASES[idx]
-    case = Case(shape, ks, st, dil, causal, batch=B, heads=H, kv_heads=Hk, head_dim=D, head_dim_v=Dv)
+    case = _case(AMX_CASES[idx] + (0,))   # no extra keys
     q, k, v, _, _ = case.tensors(torch.bfloat16, seed=300 + idx)
     g = torch.Generator().manual_seed(400 + idx)
     rnd = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(torch.bfloat16)  # noqa: E731
@@ -215,11 +213,10 @@ AMX_BWD_CASES = [c for c in AMX_CASES if c[-1] % 32 == 0] + [
 @pytest.mark.skipif(_lib.cpu_isa() != "amx", reason="needs a CPU with AMX-BF16 (and Linux's permission)")
 @pytest.mark.parametrize("idx", range(len(AMX_BWD_CASES)))
 def test_amx_backward_matches_reference(idx, monkeypatch):
-    shape, ks, st, dil, causal, B, H, Hk, D, Dv = AMX_BWD_CASES[idx]
-    case = Case(shape, ks, st, dil, causal, batch=B, heads=H, kv_heads=Hk, head_dim=D, head_dim_v=Dv)
+    case = _case(AMX_BWD_CASES[idx] + (0,))   # no extra keys
     q, k, v, _, _ = case.tensors(torch.bfloat16, seed=500 + idx)
     g = torch.Generator().manual_seed(600 + idx)
-    d_out = torch.randn(q.shape[:-1] + (Dv,), generator=g, dtype=torch.float64).to(torch.bfloat16)
+    d_out = torch.randn(q.shape[:-1] + (case.head_dim_v,), generator=g, dtype=torch.float64).to(torch.bfloat16)
     d_lse = torch.randn(q.shape[:-1], generator=g, dtype=torch.float64).float() if idx % 2 else None
     prim = [t.double().requires_grad_() for t in (q, k, v)]
     out, lse = case.reference(*prim)

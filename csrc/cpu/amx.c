@@ -521,6 +521,41 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t u
     *m = mnew;
 }
 
+/* The rows of a work item's windows (X window x Y window, or their inverse windows) as one slot
+ * space of `rows` x `nslots`; a unit is USLOTS consecutive slots of it, cut into one segment per
+ * row it touches (line: the row's packed line; [s0, s1): its slots; u0: where they sit in the
+ * unit's buffers). */
+typedef struct {
+    int64_t fx, cx, fy, cy, dx, dy, rows, nslots;
+} amx_rows;
+
+static amx_rows amx_rows_of(const nbhd_geometry *g, int64_t x, int64_t y, int64_t nslots, int inverse) {
+    amx_rows R;
+    if (inverse) {
+        nbhd_inverse_window(&g->axis[0], x, &R.fx, &R.cx);
+        nbhd_inverse_window(&g->axis[1], y, &R.fy, &R.cy);
+    } else {
+        nbhd_window(&g->axis[0], x, &R.fx, &R.cx);
+        nbhd_window(&g->axis[1], y, &R.fy, &R.cy);
+    }
+    R.dx = g->axis[0].dilation; R.dy = g->axis[1].dilation;
+    R.rows = R.cx * R.cy;
+    R.nslots = nslots;
+    return R;
+}
+
+static int amx_unit(const amx_rows *R, int64_t Y, int64_t g0, amx_seg *seg) {
+    int nseg = 0;
+    const int64_t n = R->nslots;
+    for (int64_t rr = g0 / n; rr < R->rows && rr * n < g0 + USLOTS; ++rr) {
+        const int64_t s0 = (g0 > rr * n ? g0 : rr * n) - rr * n;
+        const int64_t s1 = (g0 + USLOTS < (rr + 1) * n ? g0 + USLOTS : (rr + 1) * n) - rr * n;
+        const int64_t line = (R->fx + (rr / R->cy) * R->dx) * Y + R->fy + (rr % R->cy) * R->dy;
+        seg[nseg++] = (amx_seg){line, s0, s1, rr * n + s0 - g0};
+    }
+    return nseg;
+}
+
 /* dst[p][l] = (t[l][2p], t[l][2p+1]) for the nl queries of a chunk (others 0): 16 queries x
  * 16 d-pairs per 32 d, a 16 x 16 transpose of 32-bit words */
 static void amx_pack_qt(uint16_t *dst, const nbhd_tensor *t, int64_t D, int64_t b, int64_t x, int64_t y,
@@ -593,25 +628,15 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     const vf vc = vf_set1(cx->c), vscale = vf_set1((float)g->scale);
     const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
     /* key rows: X window x Y window, each with the same Z union */
-    int64_t fx, cxn, fy, cyn;
-    nbhd_window(&g->axis[0], x, &fx, &cxn);
-    nbhd_window(&g->axis[1], y, &fy, &cyn);
-    const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation, rows = cxn * cyn;
-    const int64_t zb = G->goff[gr] + ulo, total = rows * nslots;
-    for (int64_t g0 = 0; g0 < total; g0 += USLOTS) {
+    const amx_rows R = amx_rows_of(g, x, y, nslots, 0);
+    const int64_t zb = G->goff[gr] + ulo;
+    for (int64_t g0 = 0; g0 < R.rows * nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
-        int nseg = 0;
+        const int nseg = amx_unit(&R, G->Y, g0, seg);
         if (!cx->jvp) amx_load_q_tiles(sc, D / 32);   /* the previous unit's PV phase reused them */
-        for (int64_t rr = g0 / nslots; rr < rows && rr * nslots < g0 + USLOTS; ++rr) {
-            const int64_t s0 = (g0 > rr * nslots ? g0 : rr * nslots) - rr * nslots;
-            const int64_t e = (g0 + USLOTS < (rr + 1) * nslots ? g0 + USLOTS : (rr + 1) * nslots) - rr * nslots;
-            const int64_t kx = fx + (rr / cyn) * dx, ky = fy + (rr % cyn) * dy;
-            seg[nseg].line = kx * G->Y + ky;   /* the slab holds one key head */
-            seg[nseg].s0 = s0; seg[nseg].s1 = e;
-            seg[nseg].u0 = rr * nslots + s0 - g0;
-            if (cx->jvp) amx_scores_jvp(cx, sc, seg[nseg].line, zb, s0, e, seg[nseg].u0);
-            else amx_scores(cx, sc, seg[nseg].line, zb, s0, e, seg[nseg].u0);
-            ++nseg;
+        for (int i = 0; i < nseg; ++i) {
+            if (cx->jvp) amx_scores_jvp(cx, sc, seg[i].line, zb, seg[i].s0, seg[i].s1, seg[i].u0);
+            else amx_scores(cx, sc, seg[i].line, zb, seg[i].s0, seg[i].s1, seg[i].u0);
         }
         amx_softmax(sc, seg, nseg, ulo, uhi - ulo, vlo, vhi, vc, vscale, &m, &lsum, &r, Dv);
         if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb);
@@ -637,6 +662,50 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
 }
 
 // ----------------------------------------------------------------------------
+// the drivers' common parts
+
+/* chunks of 16 in-group queries (or keys) along Z, chunk c = (group chunk[2c], first index
+ * chunk[2c+1]); packing pieces start at every PIECE-th in-group index (piece[i]: its chunk) */
+typedef struct {
+    int64_t nchunks, npieces, *chunk, *piece;
+} amx_work;
+
+static int amx_work_init(amx_work *W, const amx_geo *G, const nbhd_geometry *g) {
+    W->nchunks = 0;
+    for (int64_t gr = 0; gr < G->dil; ++gr) W->nchunks += (nbhd_group_len(&g->axis[2], gr) + 15) / 16;
+    W->chunk = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)W->nchunks);
+    if (!W->chunk) return 0;
+    W->piece = W->chunk + 2 * W->nchunks;
+    W->npieces = 0;
+    for (int64_t gr = 0, c = 0; gr < G->dil; ++gr)
+        for (int64_t i0 = 0; i0 < nbhd_group_len(&g->axis[2], gr); i0 += 16, ++c) {
+            W->chunk[2 * c] = gr;
+            W->chunk[2 * c + 1] = i0;
+            if (i0 % PIECE == 0) W->piece[W->npieces++] = c;
+        }
+    return 1;
+}
+
+/* packing task `it` of a slab: line ln, group gr, in-group tokens [i0, i1) */
+static void amx_piece(const amx_work *W, const nbhd_geometry *g, int64_t it, int64_t *ln, int64_t *gr,
+                      int64_t *i0, int64_t *i1) {
+    const int64_t c = W->piece[it % W->npieces], Lg = nbhd_group_len(&g->axis[2], W->chunk[2 * c]);
+    *ln = it / W->npieces;
+    *gr = W->chunk[2 * c];
+    *i0 = W->chunk[2 * c + 1];
+    *i1 = *i0 + PIECE < Lg ? *i0 + PIECE : Lg;
+}
+
+/* every tile register 16 rows x 64 bytes, for this thread */
+static void amx_thread_tiles(void) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+// ----------------------------------------------------------------------------
 // entry points (geometry rotated by fast.c: the 16-query chunks lie along Z)
 
 static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_exec *e) {
@@ -648,20 +717,9 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     uint16_t *Kp = (uint16_t *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63);
     uint16_t *Vt = Kp + kn, *tKp = Vt + vn, *tVt = tKp + kn;
     const int64_t B = g->batch, Hk = g->kv_heads, Gq = g->group;
-    /* chunks of 16 in-group queries along Z: (group, first index) */
-    int64_t nchunks = 0;
-    for (int64_t gr = 0; gr < G.dil; ++gr) nchunks += (nbhd_group_len(&g->axis[2], gr) + 15) / 16;
-    int64_t *chunk = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)nchunks);   /* + pieces */
-    if (!chunk) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
-    for (int64_t gr = 0, c = 0; gr < G.dil; ++gr)
-        for (int64_t i0 = 0; i0 < nbhd_group_len(&g->axis[2], gr); i0 += 16, ++c) {
-            chunk[2 * c] = gr;
-            chunk[2 * c + 1] = i0;
-        }
-    /* packing pieces: every PIECE-th chunk starts one */
-    int64_t npieces = 0, *piece = chunk + 2 * nchunks;
-    for (int64_t c = 0; c < nchunks; ++c)
-        if (chunk[2 * c + 1] % PIECE == 0) piece[npieces++] = c;
+    amx_work W;
+    if (!amx_work_init(&W, &G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    const int64_t nchunks = W.nchunks, npieces = W.npieces, *chunk = W.chunk;
     const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
                         (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL};
     int failed = 0;
@@ -673,18 +731,14 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
 #pragma omp atomic write
             failed = 1;
         }
-        amx_tilecfg cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-        _tile_loadconfig(&cfg);
+        amx_thread_tiles();
         for (int64_t slab = 0; slab < B * Hk; ++slab) {
             const int64_t b = slab / Hk, hk = slab % Hk;
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < G.lines * npieces; ++it) {
-                const int64_t ln = it / npieces, x = ln / G.Y, y = ln % G.Y, c = piece[it % npieces];
-                const int64_t gr = chunk[2 * c], i0 = chunk[2 * c + 1], Lg = nbhd_group_len(&g->axis[2], gr);
-                const int64_t i1 = i0 + PIECE < Lg ? i0 + PIECE : Lg;
+                int64_t ln, gr, i0, i1;
+                amx_piece(&W, g, it, &ln, &gr, &i0, &i1);
+                const int64_t x = ln / G.Y, y = ln % G.Y;
                 amx_pack_rows(Kp + ln * G.ZP * G.D, &G, g, io->k, G.D, b, hk, x, y, gr, i0, i1);
                 amx_pack_cols(Vt + ln * G.Dv * G.ZP, &G, g, io->v, G.Dv, b, hk, x, y, gr, i0, i1);
                 if (has_tk) amx_pack_rows(tKp + ln * G.ZP * G.D, &G, g, io->tk, G.D, b, hk, x, y, gr, i0, i1);
@@ -702,7 +756,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
         _tile_release();
         if (ok) free(sc.mem);
     }
-    free(chunk);
+    free(W.chunk);
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
 }
 
@@ -894,24 +948,14 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     const vf vL = vf_load(Ll), vD = vf_load(Dl), vc = vf_set1(cx->c);
     const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);
-    int64_t fx, cxn, fy, cyn;
-    nbhd_window(&g->axis[0], x, &fx, &cxn);
-    nbhd_window(&g->axis[1], y, &fy, &cyn);
-    const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation, rows = cxn * cyn;
-    const int64_t nslots = (uhi - ulo + 31) / 32 * 32, zb = G->goff[gr] + ulo, total = rows * nslots;
-    for (int64_t g0 = 0; g0 < total; g0 += USLOTS) {
+    const amx_rows R = amx_rows_of(g, x, y, (uhi - ulo + 31) / 32 * 32, 0);
+    const int64_t zb = G->goff[gr] + ulo;
+    for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
-        int nseg = 0;
-        for (int64_t rr = g0 / nslots; rr < rows && rr * nslots < g0 + USLOTS; ++rr) {
-            const int64_t s0 = (g0 > rr * nslots ? g0 : rr * nslots) - rr * nslots;
-            const int64_t e = (g0 + USLOTS < (rr + 1) * nslots ? g0 + USLOTS : (rr + 1) * nslots) - rr * nslots;
-            const int64_t line = (fx + (rr / cyn) * dx) * G->Y + fy + (rr % cyn) * dy;
-            seg[nseg] = (amx_seg){line, s0, e, rr * nslots + s0 - g0};
-            /* S^T = K Q^T, dP^T = V dO^T */
-            amx_two_scores(cx->K + line * G->ZP * D, D, sc->bt1, cx->V + line * G->ZP * Dv, Dv, sc->bt2, zb, s0, e,
-                           sc->S + seg[nseg].u0 * 16, sc->dP + seg[nseg].u0 * 16);
-            ++nseg;
-        }
+        const int nseg = amx_unit(&R, G->Y, g0, seg);
+        for (int i = 0; i < nseg; ++i)   /* S^T = K Q^T, dP^T = V dO^T */
+            amx_two_scores(cx->K + seg[i].line * G->ZP * D, D, sc->bt1, cx->V + seg[i].line * G->ZP * Dv, Dv,
+                           sc->bt2, zb, seg[i].s0, seg[i].s1, sc->S + seg[i].u0 * 16, sc->dP + seg[i].u0 * 16);
         amx_dsoftmax(sc, seg, nseg, ulo, uhi - ulo, vlo, vhi, vc, vL, vD, NULL, NULL);
         /* dQ^T += K^T dS^T */
         amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb);
@@ -935,30 +979,23 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
     const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);    /* dK^T */
     memset(sc->acc2, 0, sizeof(float) * 16 * (size_t)Dv);   /* dV^T */
-    int64_t fx, cxn, fy, cyn;
-    nbhd_inverse_window(&g->axis[0], x, &fx, &cxn);
-    nbhd_inverse_window(&g->axis[1], y, &fy, &cyn);
-    const int64_t dx = g->axis[0].dilation, dy = g->axis[1].dilation, rows = cxn * cyn;
-    const int64_t nslots = (uhi - ulo + 31) / 32 * 32, zb = G->goff[gr] + ulo, total = rows * nslots;
+    const amx_rows R = amx_rows_of(g, x, y, (uhi - ulo + 31) / 32 * 32, 1);
+    const int64_t zb = G->goff[gr] + ulo;
     for (int64_t hq = 0; hq < g->group; ++hq) {
         const uint16_t *Q = cx->Q + hq * G->lines * ZP * D, *dO = cx->dO + hq * G->lines * ZP * Dv;
         const uint16_t *Qt = cx->Qt + hq * G->lines * D * ZP, *dOt = cx->dOt + hq * G->lines * Dv * ZP;
         const float *L = cx->L + hq * G->lines * ZP, *Dd = cx->Dd + hq * G->lines * ZP;
-        for (int64_t g0 = 0; g0 < total; g0 += USLOTS) {
+        for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
             amx_seg seg[USLOTS / 32];
-            int nseg = 0;
-            for (int64_t rr = g0 / nslots; rr < rows && rr * nslots < g0 + USLOTS; ++rr) {
-                const int64_t s0 = (g0 > rr * nslots ? g0 : rr * nslots) - rr * nslots;
-                const int64_t e = (g0 + USLOTS < (rr + 1) * nslots ? g0 + USLOTS : (rr + 1) * nslots) - rr * nslots;
-                const int64_t line = (fx + (rr / cyn) * dx) * G->Y + fy + (rr % cyn) * dy;
-                seg[nseg] = (amx_seg){line, s0, e, rr * nslots + s0 - g0};
+            const int nseg = amx_unit(&R, G->Y, g0, seg);
+            for (int i = 0; i < nseg; ++i) {
+                const int64_t line = seg[i].line;
                 /* S = Q K^T, dP = dO V^T: slots are queries, lanes are keys */
-                amx_two_scores(Q + line * ZP * D, D, sc->bt1, dO + line * ZP * Dv, Dv, sc->bt2, zb, s0, e,
-                               sc->S + seg[nseg].u0 * 16, sc->dP + seg[nseg].u0 * 16);
+                amx_two_scores(Q + line * ZP * D, D, sc->bt1, dO + line * ZP * Dv, Dv, sc->bt2, zb, seg[i].s0,
+                               seg[i].s1, sc->S + seg[i].u0 * 16, sc->dP + seg[i].u0 * 16);
                 /* this row's L and D, by slot */
-                amx_dsoftmax(sc, &seg[nseg], 1, ulo, uhi - ulo, vlo, vhi, vc, vf_zero(), vf_zero(),
+                amx_dsoftmax(sc, &seg[i], 1, ulo, uhi - ulo, vlo, vhi, vc, vf_zero(), vf_zero(),
                              L + line * ZP + zb, Dd + line * ZP + zb);
-                ++nseg;
             }
             /* dV^T += dO^T P, dK^T += Q^T dS */
             amx_accum(dOt, Dv, ZP, sc->acc2, sc->tmp, sc->P, seg, nseg, zb);
@@ -978,18 +1015,9 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     uint16_t *dO = Qt + Gq * per * D, *dOt = dO + Gq * per * Dv;
     float *L = (float *)(dOt + Gq * per * Dv), *Dd = L + Gq * per;
     const int64_t B = g->batch, Hk = g->kv_heads;
-    int64_t nchunks = 0;
-    for (int64_t gr = 0; gr < G.dil; ++gr) nchunks += (nbhd_group_len(&g->axis[2], gr) + 15) / 16;
-    int64_t *chunk = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)nchunks);
-    if (!chunk) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
-    for (int64_t gr = 0, c = 0; gr < G.dil; ++gr)
-        for (int64_t i0 = 0; i0 < nbhd_group_len(&g->axis[2], gr); i0 += 16, ++c) {
-            chunk[2 * c] = gr;
-            chunk[2 * c + 1] = i0;
-        }
-    int64_t npieces = 0, *piece = chunk + 2 * nchunks;
-    for (int64_t c = 0; c < nchunks; ++c)
-        if (chunk[2 * c + 1] % PIECE == 0) piece[npieces++] = c;
+    amx_work W;
+    if (!amx_work_init(&W, &G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    const int64_t nchunks = W.nchunks, npieces = W.npieces, *chunk = W.chunk;
     const amx_bctx cx = {a, &G, g, K, Kt, V, Q, Qt, dO, dOt, L, Dd, (float)(g->scale * LOG2E)};
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
@@ -1000,19 +1028,15 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
 #pragma omp atomic write
             failed = 1;
         }
-        amx_tilecfg cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-        _tile_loadconfig(&cfg);
+        amx_thread_tiles();
         for (int64_t slab = 0; slab < B * Hk; ++slab) {
             const int64_t b = slab / Hk, hk = slab % Hk;
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < G.lines * npieces * (1 + Gq); ++it) {
-                const int64_t which = it / (G.lines * npieces), rest = it % (G.lines * npieces);
-                const int64_t ln = rest / npieces, x = ln / G.Y, y = ln % G.Y, c = piece[rest % npieces];
-                const int64_t gr = chunk[2 * c], i0 = chunk[2 * c + 1], Lg = nbhd_group_len(&g->axis[2], gr);
-                const int64_t i1 = i0 + PIECE < Lg ? i0 + PIECE : Lg;
+                const int64_t which = it / (G.lines * npieces);
+                int64_t ln, gr, i0, i1;
+                amx_piece(&W, g, it % (G.lines * npieces), &ln, &gr, &i0, &i1);
+                const int64_t x = ln / G.Y, y = ln % G.Y;
                 if (which == 0) {   /* the key head */
                     amx_pack_rows(K + ln * ZP * D, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
                     amx_pack_cols(Kt + ln * D * ZP, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
@@ -1045,7 +1069,7 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
         _tile_release();
         if (ok) free(sc.mem);
     }
-    free(chunk);
+    free(W.chunk);
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
 }
 
