@@ -112,26 +112,28 @@ int nbhd_cpu_amx_supports_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_arg
 
 typedef struct {
     int64_t X, Y, Z, D, Dv, dil, ZP, lines;   /* lines: X*Y rows of one slab */
-    int64_t goff[64];                          /* first packed token of each dilation group */
 } amx_geo;
 
-static int amx_geo_init(amx_geo *G, const nbhd_geometry *g) {
-    G->X = g->axis[0].extent; G->Y = g->axis[1].extent; G->Z = g->axis[2].extent;
-    G->D = g->head_dim; G->Dv = g->head_dim_v; G->dil = g->axis[2].dilation;
-    if (G->dil > 64) return 0;
-    G->ZP = G->Z + PADZ * G->dil;
-    G->lines = G->X * G->Y;
-    for (int64_t gr = 0, at = 0; gr < G->dil; ++gr) {
-        G->goff[gr] = at;
-        at += nbhd_group_len(&g->axis[2], gr) + PADZ;
-    }
-    return 1;
+static amx_geo amx_geo_of(const nbhd_geometry *g) {
+    amx_geo G;
+    G.X = g->axis[0].extent; G.Y = g->axis[1].extent; G.Z = g->axis[2].extent;
+    G.D = g->head_dim; G.Dv = g->head_dim_v; G.dil = g->axis[2].dilation;
+    G.ZP = G.Z + PADZ * G.dil;
+    G.lines = G.X * G.Y;
+    return G;
+}
+
+/* first packed position of dilation group gr: the groups before it are Z / dil long, and one
+ * longer for the first Z % dil of them, each followed by PADZ */
+static inline int64_t amx_goff(const amx_geo *G, int64_t gr) {
+    const int64_t q = G->Z / G->dil, r = G->Z % G->dil;
+    return gr * (q + PADZ) + (gr < r ? gr : r);
 }
 
 /* packed K and V^T of one slab; forward+JVP: tK and tV^T too */
 size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
-    amx_geo G;
-    if (!g->has_window || !amx_geo_init(&G, g)) return 0;
+    if (!g->has_window) return 0;
+    const amx_geo G = amx_geo_of(g);
     const size_t kv = (size_t)2 * (size_t)G.lines * (size_t)G.ZP * (size_t)(G.D + G.Dv);
     return (op == NBHD_OP_FORWARD_JVP ? 2 : 1) * kv + 128;
 }
@@ -155,7 +157,7 @@ static void amx_pack_rows(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g
                           int64_t dim, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
                           int64_t i1) {
     const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
-    uint16_t *dst = Kp + G->goff[gr] * dim;
+    uint16_t *dst = Kp + amx_goff(G, gr) * dim;
     for (int64_t i = i0; i < i1; ++i) {
         const uint16_t *src = amx_token(k, b, x, y, gr + i * G->dil, hk);
         for (int64_t d = 0; d < dim; d += 32)   /* dim % 32 == 0 */
@@ -172,7 +174,7 @@ static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g
                           int64_t Dv, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
                           int64_t i1) {
     const int64_t ZP = G->ZP, sv = v->stride[5];
-    const int64_t Lg = nbhd_group_len(&g->axis[2], gr), at = G->goff[gr];
+    const int64_t Lg = nbhd_group_len(&g->axis[2], gr), at = amx_goff(G, gr);
     for (int64_t ib = i0; ib < i1; ib += 16) {
         const int nz = (int)(i1 - ib < 16 ? i1 - ib : 16);
         const uint16_t *tok[16];
@@ -629,7 +631,7 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
     /* key rows: X window x Y window, each with the same Z union */
     const amx_rows R = amx_rows_of(g, x, y, nslots, 0);
-    const int64_t zb = G->goff[gr] + ulo;
+    const int64_t zb = amx_goff(G, gr) + ulo;
     for (int64_t g0 = 0; g0 < R.rows * nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         const int nseg = amx_unit(&R, G->Y, g0, seg);
@@ -709,8 +711,7 @@ static void amx_thread_tiles(void) {
 // entry points (geometry rotated by fast.c: the 16-query chunks lie along Z)
 
 static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_exec *e) {
-    amx_geo G;
-    if (!amx_geo_init(&G, g)) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx: dilation > 64 on the last axis");
+    const amx_geo G = amx_geo_of(g);
     const int jvp = io->tout != NULL;
     const int has_tk = jvp && io->tk->data, has_tv = jvp && io->tv->data;
     const size_t kn = (size_t)(G.lines * G.ZP * G.D), vn = (size_t)(G.lines * G.Dv * G.ZP);
@@ -791,8 +792,8 @@ int nbhd_cpu_amx_supports_backward(const nbhd_geometry *g, const nbhd_backward_a
 }
 
 size_t nbhd_cpu_amx_backward_workspace_bytes(const nbhd_geometry *g) {
-    amx_geo G;
-    if (!g->has_window || !amx_geo_init(&G, g)) return 0;
+    if (!g->has_window) return 0;
+    const amx_geo G = amx_geo_of(g);
     const size_t per = (size_t)G.lines * (size_t)G.ZP;
     return per * 2 * (size_t)(2 * G.D + G.Dv) + (size_t)g->group * per * (2 * 2 * (size_t)(G.D + G.Dv) + 8) + 128;
 }
@@ -934,7 +935,7 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     amx_pack_qt(sc->bt2, &a->d_out, Dv, b, x, y, z, nl, h);
     /* L = lse log2(e), D = dO.O - dlse, per lane; kept for pass 2 */
     float Ll[16] = {0}, Dl[16] = {0};
-    const int64_t pos = (x * G->Y + y) * G->ZP + G->goff[gr] + i0;
+    const int64_t pos = (x * G->Y + y) * G->ZP + amx_goff(G, gr) + i0;
     for (int l = 0; l < nl; ++l) {
         const uint16_t *o = amx_token(&a->out, b, x, y, z[l], h), *dO = amx_token(&a->d_out, b, x, y, z[l], h);
         vf acc = vf_zero();
@@ -949,7 +950,7 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);
     const amx_rows R = amx_rows_of(g, x, y, (uhi - ulo + 31) / 32 * 32, 0);
-    const int64_t zb = G->goff[gr] + ulo;
+    const int64_t zb = amx_goff(G, gr) + ulo;
     for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         const int nseg = amx_unit(&R, G->Y, g0, seg);
@@ -980,7 +981,7 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);    /* dK^T */
     memset(sc->acc2, 0, sizeof(float) * 16 * (size_t)Dv);   /* dV^T */
     const amx_rows R = amx_rows_of(g, x, y, (uhi - ulo + 31) / 32 * 32, 1);
-    const int64_t zb = G->goff[gr] + ulo;
+    const int64_t zb = amx_goff(G, gr) + ulo;
     for (int64_t hq = 0; hq < g->group; ++hq) {
         const uint16_t *Q = cx->Q + hq * G->lines * ZP * D, *dO = cx->dO + hq * G->lines * ZP * Dv;
         const uint16_t *Qt = cx->Qt + hq * G->lines * D * ZP, *dOt = cx->dOt + hq * G->lines * Dv * ZP;
@@ -1007,8 +1008,7 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
 }
 
 nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
-    amx_geo G;
-    if (!amx_geo_init(&G, g)) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx: dilation > 64 on the last axis");
+    const amx_geo G = amx_geo_of(g);
     const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, per = G.lines * ZP, Gq = g->group;
     uint16_t *K = (uint16_t *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63);
     uint16_t *Kt = K + per * D, *V = Kt + per * D, *Q = V + per * Dv, *Qt = Q + Gq * per * D;
