@@ -153,8 +153,8 @@ lib.nbhd_cpu_isa.restype = ctypes.c_char_p
 
 
 def cpu_isa() -> str:
-    """The instruction set the fast CPU kernels run with here: "amx" (bf16 forward on AMX tiles,
-    the rest AVX-512), "avx512", "avx2" or "generic"; NBHD_CPU_ISA can lower it."""
+    """The instruction set the fast CPU kernels run with here: "amx" (the bf16 kernels on AMX
+    tiles, the rest AVX-512), "avx512", "avx2" or "generic"; NBHD_CPU_ISA can lower it."""
     return lib.nbhd_cpu_isa().decode()
 
 

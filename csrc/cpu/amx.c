@@ -1,6 +1,7 @@
 /*
- * amx.c — the bf16 forward on Intel AMX tiles (DESIGN.md §4 forward; KERNELS.md §3 design (a),
- * the exact-union micro-GEMM), chosen by fast.c on CPUs with AMX-BF16 for bf16 inputs.
+ * amx.c — the bf16 forward, forward+JVP and backward on Intel AMX tiles (DESIGN.md §4;
+ * KERNELS.md §3 design (a), the exact-union micro-GEMM), chosen by fast.c on CPUs with AMX-BF16
+ * for bf16 inputs.
  *
  * A work item is a chunk of 16 consecutive in-group queries along Z (one line: same b, h, x, y).
  * They share their X and Y windows exactly, so the item visits the key rows (kx, ky) of those
@@ -17,8 +18,8 @@
  * r = sum P tS beside the softmax sums, and C^T += V^T (P o tS)^T + tV^T P^T beside O^T.
  *
  * Products of bf16 inputs are exact and accumulate in fp32; only P (and P o tS) is rounded to
- * bf16 for the second products (as GPU kernels do). fp16/fp32 inputs never come here (AMX-BF16 would round
- * them). Layouts, per (b, key head) slab, ZP = Z + PADZ*dilation, Z group-major with PADZ zero
+ * bf16 for the second products (as GPU kernels do). fp16/fp32 inputs never come here (AMX-BF16
+ * would round them). Layouts, per (b, key head) slab, ZP = Z + PADZ*dilation, Z group-major with PADZ zero
  * tokens after each dilation group (a 32-slot block that starts in a group stays in its row):
  *   K   [X, Y, ZP, D]  bf16 rows (token-major: a tile row is one key's 32 d); tK alike
  *   V^T [X, Y, Dv, ZP] bf16 (a tile row is one dv over 32 keys); tV^T alike
@@ -77,14 +78,17 @@ typedef struct {
     const nbhd_tensor *out, *lse, *tout, *tlse;   /* tout, tlse NULL: the forward */
 } amx_io;
 
-static int amx_supports(const nbhd_geometry *g, const amx_io *io, const nbhd_exec *e) {
+/* The AMX kernels run a call when it is bf16 with head dims they tile (D % 32 == 0 and <= 256;
+ * Dv % dv_multiple == 0 and <= dv_max), no extra keys and no tile asked for (the SIMD kernels run
+ * those), and every tensor of `rows` that is given has a contiguous head dim. */
+static int amx_takes(const nbhd_geometry *g, const nbhd_exec *e, int dv_multiple, int64_t dv_max,
+                     const nbhd_tensor *const *rows, int nrows) {
     for (int j = 0; j < 3; ++j)
-        if (e->q_tile[j] || e->kv_tile[j]) return 0;   /* tiles asked for: the SIMD kernels run them */
-    const int d_contiguous = io->q->stride[5] == 1 && io->k->stride[5] == 1 &&
-                             (!io->tq || !io->tq->data || io->tq->stride[5] == 1) &&
-                             (!io->tk || !io->tk->data || io->tk->stride[5] == 1);
+        if (e->q_tile[j] || e->kv_tile[j]) return 0;
+    for (int i = 0; i < nrows; ++i)
+        if (rows[i]->data && rows[i]->stride[5] != 1) return 0;
     return g->dtype == NBHD_BF16 && g->has_window && g->extra_kv == 0 && g->head_dim % 32 == 0 &&
-           g->head_dim <= AMX_MAX_D && g->head_dim_v % 16 == 0 && d_contiguous;
+           g->head_dim <= AMX_MAX_D && g->head_dim_v % dv_multiple == 0 && g->head_dim_v <= dv_max;
 }
 
 static amx_io amx_io_forward(const nbhd_forward_args *a) {
@@ -98,13 +102,18 @@ static amx_io amx_io_jvp(const nbhd_forward_jvp_args *a) {
 }
 
 int nbhd_cpu_amx_supports(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e) {
-    const amx_io io = amx_io_forward(a);
-    return amx_supports(g, &io, e);
+    const nbhd_tensor *rows[] = {&a->q, &a->k};
+    return amx_takes(g, e, 16, INT64_MAX, rows, 2);
 }
 
 int nbhd_cpu_amx_supports_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_exec *e) {
-    const amx_io io = amx_io_jvp(a);
-    return amx_supports(g, &io, e);
+    const nbhd_tensor *rows[] = {&a->q, &a->k, &a->t_q, &a->t_k};
+    return amx_takes(g, e, 16, INT64_MAX, rows, 4);
+}
+
+int nbhd_cpu_amx_supports_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
+    const nbhd_tensor *rows[] = {&a->q, &a->k, &a->v, &a->out, &a->d_out};
+    return amx_takes(g, e, 32, AMX_MAX_D, rows, 5);
 }
 
 // ----------------------------------------------------------------------------
@@ -130,12 +139,18 @@ static inline int64_t amx_goff(const amx_geo *G, int64_t gr) {
     return gr * (q + PADZ) + (gr < r ? gr : r);
 }
 
-/* packed K and V^T of one slab; forward+JVP: tK and tV^T too */
+/* Bytes per slab: forward K and V^T (forward+JVP: tK and tV^T too); backward K, K^T, V and, per
+ * query head of the group, Q, Q^T, dO, dO^T and fp32 L, D per position. 0: no AMX kernel. */
 size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     if (!g->has_window) return 0;
     const amx_geo G = amx_geo_of(g);
-    const size_t kv = (size_t)2 * (size_t)G.lines * (size_t)G.ZP * (size_t)(G.D + G.Dv);
-    return (op == NBHD_OP_FORWARD_JVP ? 2 : 1) * kv + 128;
+    const size_t per = (size_t)G.lines * (size_t)G.ZP, D = (size_t)G.D, Dv = (size_t)G.Dv;
+    switch (op) {
+    case NBHD_OP_FORWARD: return per * 2 * (D + Dv) + 128;
+    case NBHD_OP_FORWARD_JVP: return 2 * per * 2 * (D + Dv) + 128;
+    case NBHD_OP_BACKWARD: return per * 2 * (2 * D + Dv) + (size_t)g->group * per * (2 * 2 * (D + Dv) + 8) + 128;
+    default: return 0;
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -236,7 +251,6 @@ static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv, int jvp) {
     s->P = (uint32_t *)p; p += (size_t)USLOTS * 32;
     s->O = (float *)p; p += (size_t)Dv * 64;
     s->O2 = (float *)p; p += 32 * 64;
-    s->tqt = NULL; s->T = NULL; s->PT = NULL; s->C = NULL;
     if (jvp) {
         s->tqt = (uint16_t *)p; p += (size_t)D * 32;
         s->T = (float *)p; p += (size_t)USLOTS * 64;
@@ -246,23 +260,27 @@ static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv, int jvp) {
     return 1;
 }
 
+/* lanes whose window [lo_l, hi_l) holds in-group position pos */
+static inline __mmask16 amx_in(__m512i lo, __m512i hi, int64_t pos) {
+    const __m512i z = _mm512_set1_epi32((int)pos);
+    return _mm512_cmple_epi32_mask(lo, z) & _mm512_cmplt_epi32_mask(z, hi);
+}
+
 /* bf16 of 16 fp32 values, round to nearest even (NaN from arithmetic stays NaN: its quiet bit
  * is in the high half) */
-static inline __m256i amx_bf16(vf x) {
-    __m512i i = _mm512_castps_si512(x);
-    i = _mm512_add_epi32(i, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                             _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1))));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(i, 16));
+static inline __m512i amx_round_bf16(vf x) {   /* the bf16 in the high half of each lane */
+    const __m512i i = _mm512_castps_si512(x);
+    return _mm512_add_epi32(i, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1))));
 }
+
+static inline __m256i amx_bf16(vf x) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(amx_round_bf16(x), 16)); }
 
 /* bf16 (round to nearest even) of two fp32 vectors of finite values, interleaved as key
  * pairs: word l = (bf16(a[l]) low, bf16(b[l]) high) */
 static inline __m512i amx_pair_bf16(vf a, vf b) {
-    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-    __m512i ia = _mm512_castps_si512(a), ib = _mm512_castps_si512(b);
-    ia = _mm512_add_epi32(ia, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ia, 16), one)));
-    ib = _mm512_add_epi32(ib, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ib, 16), one)));
-    return _mm512_or_si512(_mm512_srli_epi32(ia, 16), _mm512_and_si512(ib, _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_or_si512(_mm512_srli_epi32(amx_round_bf16(a), 16),
+                           _mm512_and_si512(amx_round_bf16(b), _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 // ----------------------------------------------------------------------------
@@ -479,11 +497,14 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t u
     for (int i = 0; i < nseg; ++i)
         for (int64_t s = seg[i].s0; s < seg[i].s1 && s < nvalid; ++s) {
             float *p = sc->S + (seg[i].u0 + s - seg[i].s0) * 16;
-            const __m512i z = _mm512_set1_epi32((int)(ulo + s));
-            const __mmask16 in = _mm512_cmple_epi32_mask(lo, z) & _mm512_cmplt_epi32_mask(z, hi);
+            const __mmask16 in = amx_in(lo, hi, ulo + s);
             const vf x = _mm512_mask_mul_ps(ninf, in, _mm512_loadu_ps(p), vc);
             _mm512_storeu_ps(p, x);
             mx = _mm512_max_ps(mx, x);
+            if (sc->T) {   /* tS = scale T, 0 where masked */
+                float *t = sc->T + (seg[i].u0 + s - seg[i].s0) * 16;
+                _mm512_storeu_ps(t, _mm512_maskz_mul_ps(in, _mm512_loadu_ps(t), vscale));
+            }
         }
     const vf mnew = _mm512_max_ps(*m, mx);
     /* lanes that have seen no key yet keep m = -inf: use 0 there so exp2 gives 0, not NaN */
@@ -509,11 +530,7 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t u
             sum = vf_add(sum, vf_add(pa, pb));
             _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), amx_pair_bf16(pa, pb));
             if (sc->T) {
-                const __m512i za = _mm512_set1_epi32((int)(ulo + s)), zb = _mm512_set1_epi32((int)(ulo + s + 1));
-                const __mmask16 ina = _mm512_cmple_epi32_mask(lo, za) & _mm512_cmplt_epi32_mask(za, hi);
-                const __mmask16 inb = _mm512_cmple_epi32_mask(lo, zb) & _mm512_cmplt_epi32_mask(zb, hi);
-                const vf pta = vf_mul(pa, _mm512_maskz_mul_ps(ina, vf_load(sc->T + u * 16), vscale));
-                const vf ptb = vf_mul(pb, _mm512_maskz_mul_ps(inb, vf_load(sc->T + (u + 1) * 16), vscale));
+                const vf pta = vf_mul(pa, vf_load(sc->T + u * 16)), ptb = vf_mul(pb, vf_load(sc->T + (u + 1) * 16));
                 rsum = vf_add(rsum, vf_add(pta, ptb));
                 _mm512_storeu_si512((void *)(sc->PT + u / 2 * 16), amx_pair_bf16(pta, ptb));
             }
@@ -556,6 +573,31 @@ static int amx_unit(const amx_rows *R, int64_t Y, int64_t g0, amx_seg *seg) {
         seg[nseg++] = (amx_seg){line, s0, s1, rr * n + s0 - g0};
     }
     return nseg;
+}
+
+/* in-group windows of the chunk's lanes (forward windows, or inverse windows when inverse) */
+static int amx_lanes(const nbhd_axis *az, int64_t gr, int64_t i0, int64_t Lg, int inverse, int32_t *lo,
+                     int32_t *hi, int64_t *z, int64_t *ulo, int64_t *uhi) {
+    const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
+    *ulo = INT64_MAX; *uhi = 0;
+    for (int l = 0; l < 16; ++l) {
+        int64_t st = 0, en = 0;
+        if (l < nl) {
+            z[l] = gr + (i0 + l) * az->dilation;
+            if (inverse) {
+                int64_t first, count;
+                nbhd_inverse_window(az, z[l], &first, &count);
+                st = (first - gr) / az->dilation;
+                en = st + count;
+            } else {
+                nbhd_window_in_group(az, i0 + l, Lg, &st, &en);
+            }
+            if (en > st) { if (st < *ulo) *ulo = st; if (en > *uhi) *uhi = en; }
+        }
+        lo[l] = (int32_t)st; hi[l] = (int32_t)en;
+    }
+    if (*ulo == INT64_MAX) *ulo = *uhi = 0;
+    return nl;
 }
 
 /* dst[p][l] = (t[l][2p], t[l][2p+1]) for the nl queries of a chunk (others 0): 16 queries x
@@ -605,22 +647,11 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     const amx_geo *G = cx->G;
     const nbhd_geometry *g = cx->g;
     const amx_io *io = cx->io;
-    const int64_t D = G->D, Dv = G->Dv, dil = G->dil;
-    const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
-    const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
+    const int64_t D = G->D, Dv = G->Dv, Lg = nbhd_group_len(&g->axis[2], gr);
     /* Z windows per lane and their union */
     int32_t lo[16], hi[16];
-    int64_t z[16], ulo = INT64_MAX, uhi = 0;
-    for (int l = 0; l < 16; ++l) {
-        int64_t st = 0, en = 0;
-        if (l < nl) {
-            nbhd_window_in_group(&g->axis[2], i0 + l, Lg, &st, &en);
-            z[l] = gr + (i0 + l) * dil;
-            if (st < ulo) ulo = st;
-            if (en > uhi) uhi = en;
-        }
-        lo[l] = (int32_t)st; hi[l] = (int32_t)en;
-    }
+    int64_t z[16], ulo, uhi;
+    const int nl = amx_lanes(&g->axis[2], gr, i0, Lg, 0, lo, hi, z, &ulo, &uhi);
     const int64_t nslots = (uhi - ulo + 31) / 32 * 32;
     amx_pack_qt(sc->qt, io->q, D, b, x, y, z, nl, h);
     if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, y, z, nl, h);
@@ -782,21 +813,7 @@ nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_
 //   K [lines][ZP][D], K^T [lines][D][ZP], V [lines][ZP][Dv]                  (pass 1)
 //   per query head: Q, dO rows, Q^T, dO^T columns, L = LSE log2(e) and D per position (pass 2)
 
-int nbhd_cpu_amx_supports_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
-    for (int j = 0; j < 3; ++j)
-        if (e->q_tile[j] || e->kv_tile[j]) return 0;
-    const int d_contiguous = a->q.stride[5] == 1 && a->k.stride[5] == 1 && a->v.stride[5] == 1 &&
-                             a->out.stride[5] == 1 && a->d_out.stride[5] == 1;
-    return g->dtype == NBHD_BF16 && g->has_window && g->extra_kv == 0 && g->head_dim % 32 == 0 &&
-           g->head_dim <= AMX_MAX_D && g->head_dim_v % 32 == 0 && g->head_dim_v <= AMX_MAX_D && d_contiguous;
-}
 
-size_t nbhd_cpu_amx_backward_workspace_bytes(const nbhd_geometry *g) {
-    if (!g->has_window) return 0;
-    const amx_geo G = amx_geo_of(g);
-    const size_t per = (size_t)G.lines * (size_t)G.ZP;
-    return per * 2 * (size_t)(2 * G.D + G.Dv) + (size_t)g->group * per * (2 * 2 * (size_t)(G.D + G.Dv) + 8) + 128;
-}
 
 typedef struct {
     const nbhd_backward_args *a;
@@ -874,8 +891,7 @@ static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t
             }
             vf p[2], ds[2];
             for (int j = 0; j < 2; ++j) {
-                const __m512i z = _mm512_set1_epi32((int)(ulo + s + j));
-                const __mmask16 in = _mm512_cmple_epi32_mask(lo, z) & _mm512_cmplt_epi32_mask(z, hi);
+                const __mmask16 in = amx_in(lo, hi, ulo + s + j);
                 /* a slot past the window's end may read L, D of a margin position: masked */
                 const vf L = Ls ? vf_set1(Ls[s + j]) : vL, Dd = Ds ? vf_set1(Ds[s + j]) : vD;
                 const vf x = _mm512_fmsub_ps(vf_load(sc->S + (u + j) * 16), vc, L);
@@ -894,31 +910,6 @@ static void amx_store_scaled(const nbhd_tensor *t, float *A, int64_t dim, float 
     if (mul != 1.0f)
         for (int64_t d = 0; d < dim; ++d) vf_store(A + d * 16, vf_mul(vf_load(A + d * 16), vf_set1(mul)));
     amx_store_lanes(t, A, dim, b, x, y, z, nl, h);
-}
-
-/* in-group windows of the chunk's lanes (forward windows, or inverse windows when inverse) */
-static int amx_lanes(const nbhd_axis *az, int64_t gr, int64_t i0, int64_t Lg, int inverse, int32_t *lo,
-                     int32_t *hi, int64_t *z, int64_t *ulo, int64_t *uhi) {
-    const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
-    *ulo = INT64_MAX; *uhi = 0;
-    for (int l = 0; l < 16; ++l) {
-        int64_t st = 0, en = 0;
-        if (l < nl) {
-            z[l] = gr + (i0 + l) * az->dilation;
-            if (inverse) {
-                int64_t first, count;
-                nbhd_inverse_window(az, z[l], &first, &count);
-                st = (first - gr) / az->dilation;
-                en = st + count;
-            } else {
-                nbhd_window_in_group(az, i0 + l, Lg, &st, &en);
-            }
-            if (en > st) { if (st < *ulo) *ulo = st; if (en > *uhi) *uhi = en; }
-        }
-        lo[l] = (int32_t)st; hi[l] = (int32_t)en;
-    }
-    if (*ulo == INT64_MAX) *ulo = *uhi = 0;
-    return nl;
 }
 
 /* pass 1: dQ of the 16 queries of chunk (gr, i0) of line (x, y), head h; also L and D there */
@@ -1098,7 +1089,6 @@ int nbhd_cpu_amx_supports_backward(const nbhd_geometry *g, const nbhd_backward_a
     (void)g; (void)a; (void)e;
     return 0;
 }
-size_t nbhd_cpu_amx_backward_workspace_bytes(const nbhd_geometry *g) { (void)g; return 0; }
 nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
     (void)g; (void)a; (void)e;
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "amx: not built for this platform");

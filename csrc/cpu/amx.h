@@ -1,6 +1,7 @@
 /*
- * amx.h — the bf16 forward and forward+JVP on Intel AMX tiles (amx.c), chosen by fast.c where the CPU and the
- * OS allow AMX-BF16. Takes the rotated geometry of the fast kernels (chunks along Z).
+ * amx.h — the bf16 forward, forward+JVP and backward on Intel AMX tiles (amx.c), chosen by
+ * fast.c where the CPU and the OS allow AMX-BF16. Takes the rotated geometry of the fast kernels
+ * (chunks along Z).
  */
 #ifndef NBHD_CPU_AMX_H
 #define NBHD_CPU_AMX_H
@@ -14,14 +15,13 @@ int nbhd_cpu_amx_available(void);
 int nbhd_cpu_amx_supports(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
 /* the same for the forward+JVP (tangents, where given, with contiguous head dims too) */
 int nbhd_cpu_amx_supports_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_exec *e);
-/* op: NBHD_OP_FORWARD or NBHD_OP_FORWARD_JVP */
+/* the workspace of the op's AMX kernel (forward, forward+JVP, backward; 0 for the others) */
 size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
 nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
 nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                      const nbhd_exec *e);
-/* the backward: bf16, D and Dv multiples of 32 (<= 256), contiguous head dims, no extra keys */
+/* the backward: Dv % 32 == 0 and <= 256 too, contiguous head dims of q, k, v, out, d_out */
 int nbhd_cpu_amx_supports_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e);
-size_t nbhd_cpu_amx_backward_workspace_bytes(const nbhd_geometry *g);
 nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e);
 
 #endif /* NBHD_CPU_AMX_H */

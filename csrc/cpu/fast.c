@@ -1,6 +1,6 @@
 /*
- * fast.c — run-time choice of the ISA of the fast CPU kernels: AMX-BF16 (bf16 forward only,
- * amx.c), else AVX-512F, else AVX2+FMA, else the portable build. NBHD_CPU_ISA=generic|avx2|avx512
+ * fast.c — run-time choice of the ISA of the fast CPU kernels: AMX-BF16 (bf16 forward,
+ * forward+JVP and backward, amx.c), else AVX-512F, else AVX2+FMA, else the portable build. NBHD_CPU_ISA=generic|avx2|avx512
  * in the environment can lower the choice (never raise it past what the CPU has), so the
  * fallbacks are testable on any machine.
  */
@@ -75,10 +75,14 @@ static void rotate_tensor(nbhd_tensor *t, int shift) {
 size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     const nbhd_geometry r = rotated(g, 3 - rank_of(g));
     const size_t simd = nbhd_cpu_fast_workspace_bytes_generic(&r, op);
-    const int amx_op = op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP;
-    size_t amx = amx_op && g->dtype == NBHD_BF16 && isa() == ISA_AMX ? nbhd_cpu_amx_workspace_bytes(&r, op) : 0;
-    if (op == NBHD_OP_BACKWARD && g->dtype == NBHD_BF16 && isa() == ISA_AMX) amx = nbhd_cpu_amx_backward_workspace_bytes(&r);
+    const size_t amx = g->dtype == NBHD_BF16 && isa() == ISA_AMX ? nbhd_cpu_amx_workspace_bytes(&r, op) : 0;
     return simd > amx ? simd : amx;
+}
+
+/* the op's AMX kernel may run: AMX chosen, and the caller's workspace holds its packed tensors
+ * (sized by nbhd_cpu_fast_workspace_bytes while the same ISA was chosen) */
+static int use_amx(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
+    return isa() == ISA_AMX && e->workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g, op);
 }
 
 #ifdef NBHD_FAST_X86
@@ -101,9 +105,7 @@ nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_ar
     rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
-    const int use_amx = isa() == ISA_AMX && nbhd_cpu_amx_supports(g, a, &e1) &&
-                        e1.workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g, NBHD_OP_FORWARD);
-    if (use_amx) return nbhd_cpu_amx_forward(g, a, &e1);
+    if (use_amx(g, NBHD_OP_FORWARD, &e1) && nbhd_cpu_amx_supports(g, a, &e1)) return nbhd_cpu_amx_forward(g, a, &e1);
     PICK(forward, g, a, &e1)
 }
 
@@ -117,9 +119,7 @@ nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g0, const nbhd_backward_
     rotate_tensor(&a1.d_out, shift); rotate_tensor(&a1.d_lse, shift);
     rotate_tensor(&a1.d_q, shift); rotate_tensor(&a1.d_k, shift); rotate_tensor(&a1.d_v, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
-    const int use_amx = isa() == ISA_AMX && nbhd_cpu_amx_supports_backward(g, a, &e1) &&
-                        e1.workspace_bytes >= nbhd_cpu_amx_backward_workspace_bytes(g);
-    if (use_amx) return nbhd_cpu_amx_backward(g, a, &e1);
+    if (use_amx(g, NBHD_OP_BACKWARD, &e1) && nbhd_cpu_amx_supports_backward(g, a, &e1)) return nbhd_cpu_amx_backward(g, a, &e1);
     PICK(backward, g, a, &e1)
 }
 
@@ -133,8 +133,6 @@ nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forwar
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     rotate_tensor(&a1.t_out, shift); rotate_tensor(&a1.t_lse, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
-    const int use_amx = isa() == ISA_AMX && nbhd_cpu_amx_supports_jvp(g, a, &e1) &&
-                        e1.workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g, NBHD_OP_FORWARD_JVP);
-    if (use_amx) return nbhd_cpu_amx_forward_jvp(g, a, &e1);
+    if (use_amx(g, NBHD_OP_FORWARD_JVP, &e1) && nbhd_cpu_amx_supports_jvp(g, a, &e1)) return nbhd_cpu_amx_forward_jvp(g, a, &e1);
     PICK(forward_jvp, g, a, &e1)
 }

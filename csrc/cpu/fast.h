@@ -1,6 +1,6 @@
 /*
  * fast.h — the fast CPU kernels (fast_impl.h, compiled per ISA by fast_avx512.c, fast_avx2.c,
- * fast_generic.c; the bf16 forward on AMX tiles in amx.c) and the run-time choice of ISA (fast.c).
+ * fast_generic.c; the bf16 kernels on AMX tiles in amx.c) and the run-time choice of ISA (fast.c).
  * fp32/fp16/bf16, rank >= 1.
  */
 #ifndef NBHD_CPU_FAST_H

@@ -174,7 +174,7 @@ NBHD_API const char *nbhd_last_error(void);
 /* 1 when the library was built with CUDA kernels. */
 NBHD_API int nbhd_has_cuda(void);
 /* The instruction set the fast CPU kernels run with on this machine: "amx" (AVX-512, and AMX-BF16
- * tiles for the bf16 forward), "avx512", "avx2" or "generic". NBHD_CPU_ISA=avx512|avx2|generic
+ * tiles for the bf16 forward, forward+JVP and backward), "avx512", "avx2" or "generic". NBHD_CPU_ISA=avx512|avx2|generic
  * in the environment lowers it (never past what the CPU has). */
 NBHD_API const char *nbhd_cpu_isa(void);
 
