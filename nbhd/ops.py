@@ -103,8 +103,8 @@ def _extra(kx: Tensor, vx: Tensor) -> dict:
 # forward
 
 def _na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, kernel_size: List[int],
-               stride: List[int], dilation: List[int], is_causal: List[bool],
-               scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor]:
+                stride: List[int], dilation: List[int], is_causal: List[bool],
+                scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor]:
     """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention."""
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
@@ -125,9 +125,9 @@ def _(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale, tiles):
 # backward
 
 def _na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, out: Tensor, lse: Tensor,
-                d_out: Tensor, d_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
-                dilation: List[int], is_causal: List[bool],
-                scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 d_out: Tensor, d_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
+                 dilation: List[int], is_causal: List[bool],
+                 scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dkx, dvx), shaped like (q, k, v, kx, vx)."""
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
     p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
@@ -152,10 +152,10 @@ def _(q, k, v, kx, vx, out, lse, d_out, d_lse, kernel_size, stride, dilation, is
 # forward + JVP
 
 def _na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, t_q: Optional[Tensor],
-                   t_k: Optional[Tensor], t_v: Optional[Tensor], t_kx: Optional[Tensor],
-                   t_vx: Optional[Tensor], kernel_size: List[int], stride: List[int],
-                   dilation: List[int], is_causal: List[bool],
-                   scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                    t_k: Optional[Tensor], t_v: Optional[Tensor], t_kx: Optional[Tensor],
+                    t_vx: Optional[Tensor], kernel_size: List[int], stride: List[int],
+                    dilation: List[int], is_causal: List[bool],
+                    scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, tangent_out, tangent_lse) in one pass; a None tangent is zero."""
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     t_out, t_lse = torch.empty_like(out), torch.empty_like(lse)
@@ -185,14 +185,14 @@ FUSED_JVP_BACKWARD_DEVICES = ("cpu",)
 
 
 def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor,
-                            t_q: Optional[Tensor], t_k: Optional[Tensor], t_v: Optional[Tensor],
-                            t_kx: Optional[Tensor], t_vx: Optional[Tensor], out: Tensor, lse: Tensor,
-                            t_out: Tensor, t_lse: Tensor, d_out: Optional[Tensor],
-                            d_lse: Optional[Tensor], d_t_out: Optional[Tensor],
-                            d_t_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
-                            dilation: List[int], is_causal: List[bool],
-                            scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                   Tensor, Tensor, Tensor, Tensor, Tensor]:
+                             t_q: Optional[Tensor], t_k: Optional[Tensor], t_v: Optional[Tensor],
+                             t_kx: Optional[Tensor], t_vx: Optional[Tensor], out: Tensor, lse: Tensor,
+                             t_out: Tensor, t_lse: Tensor, d_out: Optional[Tensor],
+                             d_lse: Optional[Tensor], d_t_out: Optional[Tensor],
+                             d_t_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
+                             dilation: List[int], is_causal: List[bool],
+                             scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                    Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx), shaped like (q, k, v, kx, vx) twice."""
     new = torch.zeros_like if q.shape[-2] == 0 else torch.empty_like  # no heads: zero gradients
     grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx) * 2)
