@@ -1,7 +1,7 @@
 """A/B of the tensor-core forward's variants in one process, configurations interleaved.
 
 The variants are picked per launch by environment switches read in csrc/cuda/fna_mma.cu
-(NBHD_MMA_FWD_BN). Each timing is a
+(NBHD_MMA_FWD_BN, NBHD_MMA_FWD_MB). Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
@@ -18,9 +18,11 @@ from nbhd import ops
 
 CONFIGS = {
     "default": {},
-    "bn64": {"NBHD_MMA_FWD_BN": "64"},
+    "mb1": {"NBHD_MMA_FWD_MB": "1"},
+    "mb2-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "64"},
+    "mb2-bn32": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "32"},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN",)
+SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB")
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
@@ -42,10 +44,11 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--loop", type=int, default=10)
+    ap.add_argument("--jvp", action="store_true", help="time the forward+JVP kernel instead")
     args = ap.parse_args()
     dev = "cuda"
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"(ms per forward, loop of {args.loop}, median of {args.rounds}; TF/s useful)")
+          f"({'forward+JVP' if args.jvp else 'forward'}: ms per call, loop of {args.loop}, median of {args.rounds}; TF/s useful)")
     names = list(CONFIGS)
     print(f"{'problem':18s} {'D':>4s} " + " ".join(f"{n:>22s}" for n in names))
     for D in [int(x) for x in args.dims.split(",")]:
@@ -57,11 +60,11 @@ def main():
             empty = torch.empty(B, 0, H, D, device=dev, dtype=torch.bfloat16)
             geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
             flop = 4.0 * B * H * math.prod(ext) * math.prod(ks) * D
-            fn = lambda: ops.na_forward(q, k, v, empty, empty, *geo)
-            try:
-                fn()
-            except Exception:  # an ops.na_forward without the tiles argument
-                geo = geo[:5]
+            if args.jvp:
+                tq, tk, tv = (torch.randn_like(x) for x in (q, k, v))
+                fn = lambda: ops.na_forward_jvp(q, k, v, empty, empty, tq, tk, tv, empty, empty, *geo)
+            else:
+                fn = lambda: ops.na_forward(q, k, v, empty, empty, *geo)
             ref = None
             times = {n: [] for n in names}
             for n in names:  # warm-up, and every variant gives the same output

@@ -236,6 +236,14 @@ TILE_CASES = [
     (2, (13, 11), (5, 3), (2, 1), (1, 2), (False, True), 1, 2, 1, 32, 32, 3, "contig"),
     (3, (6, 7, 9), (3, 3, 5), (1, 2, 1), (2, 1, 1), (False, False, True), 1, 2, 2, 128, 128, 0,
      "contig"),
+    # at D >= 64 the forward and forward+JVP also list 128-query patches
+    (1, (50,), (6,), (2,), (1,), (True,), 2, 2, 1, 64, 64, 0, "heads_major"),
+    (1, (600,), (520,), (3,), (1,), (False,), 1, 2, 1, 64, 64, 3, "contig"),
+    (2, (12, 17), (4, 6), (2, 3), (2, 1), (True, False), 1, 2, 1, 64, 64, 3, "contig"),
+    (2, (15, 14), (5, 4), (5, 2), (1, 2), (False, True), 2, 2, 2, 128, 128, 0, "contig"),
+    (3, (5, 8, 8), (5, 4, 4), (5, 4, 4), (1, 1, 1), (False, False, False), 2, 2, 1, 128, 128, 0,
+     "heads_major"),
+    (3, (9, 6, 9), (4, 3, 5), (2, 1, 3), (2, 2, 1), (True, False, True), 1, 4, 2, 64, 64, 4, "contig"),
 ]
 
 
@@ -248,6 +256,7 @@ def test_tile_configs(case):
     fwd = configs.get_configs_for_cuda_fna(q, k, v, ks, st, dil, causal)
     bwd = configs.get_bwd_configs_for_cuda_fna(q, k, v, ks, st, dil, causal)
     assert fwd and bwd, "the tensor-core kernels list no configuration"
+    assert len(fwd) == (2 if case[9] >= 64 else 1), fwd  # 64- and 128-query patches at D >= 64
     gen = torch.Generator(device="cuda").manual_seed(9)
     ref_in = [t.double().requires_grad_() for t in inputs]
     ref_out, ref_lse = reference(ref_in, geo, rank)

@@ -172,6 +172,10 @@ size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, const nbhd
 /* fna_mma_jvp.cu: tensor-core forward + JVP */
 int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forward_jvp_args *a);
 nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                      cudaStream_t stream);
+                                      const nbhd_exec *e, cudaStream_t stream);
+
+/* tiles.cu: the query patch of the forward and forward+JVP kernels, in 16-row m-blocks per warp
+ * (1: 64 queries, 2: 128): the requested tile's, else the library's choice */
+int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e);
 
 #endif /* NBHD_CUDA_COMMON_CUH */

@@ -62,7 +62,7 @@ nbhd_status nbhd_cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp
                                   const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     const bool use_mma = !e->use_reference && nbhd_cuda_mma_forward_jvp_supported(g, a);
-    if (use_mma) return nbhd_cuda_mma_forward_jvp(g, a, stream);
+    if (use_mma) return nbhd_cuda_mma_forward_jvp(g, a, e, stream);
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward+JVP");
     return nbhd_cuda_simple_forward_jvp(g, a, stream);
 }

@@ -24,18 +24,19 @@
 
 #define MMA_WARPS 4
 #define MMA_THREADS (MMA_WARPS * 32)
-#define BM 64  /* queries per CTA */
 
 // ----------------------------------------------------------------------------
 // the kernel
 
 template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windows */,
           int RANK /* patch shape: 1, 2 or 3 (mma_rank_of) */,
+          int MB /* 16-row m-blocks per warp: 1 (64-query patches) or 2 (128) */,
           int MINB /* CTAs per SM the registers are budgeted for */,
           bool QREG /* Q fragments held in registers (else re-read from shared memory per tile,
-                       32 registers fewer at D = 128) */>
+                       32 registers fewer per m-block at D = 128) */>
 __global__ void __launch_bounds__(MMA_THREADS, MINB)
 fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
+    constexpr int BM = 64 * MB;  /* queries per CTA */
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)smem_raw;                          /* [BM][HD]; O staged here at the end */
     T *Ks = Qs + BM * HD;                           /* [2][BN][HD] */
@@ -43,8 +44,8 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     int *kc = (int *)(Vs + 2 * BN * HD);            /* [2][RANK][BN] in-group key coordinates */
 
     constexpr int WT[3] = {patch_wt(RANK, 0), patch_wt(RANK, 1), patch_wt(RANK, 2)};
-    constexpr int WC1 = patch_wc(RANK, 1), WC2 = patch_wc(RANK, 2);
-    const int ct[3] = {patch_ct(RANK, 0), patch_ct(RANK, 1), patch_ct(RANK, 2)};
+    constexpr int WC1 = patch_wc(RANK, 1, MB), WC2 = patch_wc(RANK, 2, MB);
+    const int ct[3] = {patch_ct(RANK, 0, MB), patch_ct(RANK, 1, MB), patch_ct(RANK, 2, MB)};
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
     // CTA -> (b, head, patch), in 32 bits (the grid has < 2^31 CTAs); neighbouring CTAs take
@@ -78,7 +79,8 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, b, grp, hk);
     const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, b, grp, hk);
 
-    // query row qr = w*16 + r of the CTA -> in-group coordinates; valid if inside every axis
+    // query row qr of the CTA (m-block qr / 16; warp w owns m-blocks w*MB ..) -> in-group
+    // coordinates; valid if inside every axis
     auto row_coords = [&](int qr, int iq[3]) -> bool {
         const int ww = qr >> 4, r = qr & 15;
         const int w2 = ww % WC2, w1 = (ww / WC2) % WC1, w0 = ww / (WC1 * WC2);
@@ -141,40 +143,44 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         }
     };
 
-    // this thread's two rows (r, r+8 of the warp): validity and in-group windows per axis;
-    // invalid rows get empty windows
+    // this thread's rows (r, r+8 of each of the warp's m-blocks): validity and in-group
+    // windows per axis; invalid rows get empty windows
     const int rq = lane >> 2, cq = lane & 3;
-    int wst[2][RANK], wen[2][RANK];
-    bool rvalid[2];
+    auto my_row = [&](int mb, int hrow) { return (w * MB + mb) * 16 + rq + 8 * hrow; };
+    int wst[MB][2][RANK], wen[MB][2][RANK];
+    bool rvalid[MB][2];
 #pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        int iq[3];
-        rvalid[hrow] = row_coords(w * 16 + rq + 8 * hrow, iq);
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) {
-            int64_t st = 0, en = 0;
-            if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], Lg[ax], &st, &en);
-            wst[hrow][ax] = (int)st;
-            wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int iq[3];
+            rvalid[mb][hrow] = row_coords(my_row(mb, hrow), iq);
+#pragma unroll
+            for (int ax = 0; ax < RANK; ++ax) {
+                int64_t st = 0, en = 0;
+                if (rvalid[mb][hrow]) window32(&g.axis[ax], iq[ax], Lg[ax], &st, &en);
+                wst[mb][hrow][ax] = (int)st;
+                wen[mb][hrow][ax] = rvalid[mb][hrow] ? (int)en : 0;
+            }
         }
-    }
-    // The warp's rows are a box: per axis its first and last valid coordinates f, l. Their
-    // key union (for skipping tiles) is [start(f), end(l)); the intersection of their windows
-    // (a tile inside it needs no mask) is [start(l), end(f)) when every row is valid
-    // (starts and ends never decrease along an axis).
+    // The warp's rows are a box (its m-blocks stacked along axis 0): per axis its first and
+    // last valid coordinates f, l. Their key union (for skipping tiles) is [start(f), end(l));
+    // the intersection of their windows (a tile inside it needs no mask) is [start(l), end(f))
+    // when every row is valid (starts and ends never decrease along an axis).
     int ulo[RANK], uhi[RANK], ilo[RANK], ihi[RANK];
     bool warp_has_rows = true, all_rows = true;
     {
+        constexpr int WX[3] = {WT[0] * MB, WT[1], WT[2]};  /* the warp's box */
         int wq[3];
-        row_coords(w * 16, wq);  /* the warp's first row */
+        row_coords(w * MB * 16, wq);  /* the warp's first row */
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
             warp_has_rows &= wq[ax] < Lg[ax];
-            all_rows &= wq[ax] + WT[ax] <= Lg[ax];
+            all_rows &= wq[ax] + WX[ax] <= Lg[ax];
         }
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
-            const int f = min(wq[ax], Lg[ax] - 1), l = min(wq[ax] + WT[ax], Lg[ax]) - 1;
+            const int f = min(wq[ax], Lg[ax] - 1), l = min(wq[ax] + WX[ax], Lg[ax]) - 1;
             int64_t sf, ef, sl, el;
             window32(&g.axis[ax], f, Lg[ax], &sf, &ef);
             window32(&g.axis[ax], l, Lg[ax], &sl, &el);
@@ -190,11 +196,15 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                          a.out.stride[1] % 8 == 0 && a.out.stride[2] % 8 == 0 &&
                          a.out.stride[3] % 8 == 0 && a.out.stride[4] % 8 == 0;
 
-    float o[HD / 8][4];
+    float o[MB][HD / 8][4];
 #pragma unroll
-    for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    uint32_t qf[HD / 16][4];
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) o[mb][i][0] = o[mb][i][1] = o[mb][i][2] = o[mb][i][3] = 0.f;
+    float m[MB][2], l[MB][2];
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) m[mb][0] = m[mb][1] = -INFINITY, l[mb][0] = l[mb][1] = 0.f;
+    uint32_t qf[QREG ? MB : 1][HD / 16][4];
     const float sl2 = P.scale_log2;
 
     if (tiles > 0) load_tile(0, 0);
@@ -206,14 +216,16 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        auto load_qf = [&](int kk, uint32_t f[4]) {
-            const int row = w * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+        auto load_qf = [&](int mb, int kk, uint32_t f[4]) {
+            const int row = (w * MB + mb) * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
             const int col = kk * 16 + (lane >> 4) * 8;
             ldmatrix_x4(f, smem_u32(Qs + swz<HD>(row, col)));
         };
         if (QREG && t == 0) {
 #pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk) load_qf(kk, qf[kk]);
+            for (int mb = 0; mb < (QREG ? MB : 0); ++mb)
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; ++kk) load_qf(mb, kk, qf[mb][kk]);
         }
         const T *Kt = Ks + s * BN * HD, *Vt = Vs + s * BN * HD;
         const int *kct = kc + s * RANK * BN;
@@ -243,17 +255,23 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         }
 
         if (any) {
-            // S = Q K^T
-            float sc[BN / 8][4];
+            // S = Q K^T: each K fragment feeds the warp's MB m-blocks
+            float sc[MB][BN / 8][4];
 #pragma unroll
-            for (int k = 0; k < BN / 8; ++k) sc[k][0] = sc[k][1] = sc[k][2] = sc[k][3] = 0.f;
+            for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+                for (int k = 0; k < BN / 8; ++k) sc[mb][k][0] = sc[mb][k][1] = sc[mb][k][2] = sc[mb][k][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
-                uint32_t qk[4];
-                if (QREG) {
-                    qk[0] = qf[kk][0]; qk[1] = qf[kk][1]; qk[2] = qf[kk][2]; qk[3] = qf[kk][3];
-                } else {
-                    load_qf(kk, qk);
+                uint32_t qk[MB][4];
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) {
+                    if (QREG) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) qk[mb][i] = qf[QREG ? mb : 0][kk][i];
+                    } else {
+                        load_qf(mb, kk, qk[mb]);
+                    }
                 }
 #pragma unroll
                 for (int nb2 = 0; nb2 < BN / 16; ++nb2) {
@@ -262,20 +280,27 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                     const int row = nb2 * 16 + (mat >> 1) * 8 + (lane & 7);
                     const int col = kk * 16 + (mat & 1) * 8;
                     ldmatrix_x4(kf, smem_u32(Kt + swz<HD>(row, col)));
-                    mma16816<T>(sc[2 * nb2], qk, kf[0], kf[1]);
-                    mma16816<T>(sc[2 * nb2 + 1], qk, kf[2], kf[3]);
+#pragma unroll
+                    for (int mb = 0; mb < MB; ++mb) {
+                        mma16816<T>(sc[mb][2 * nb2], qk[mb], kf[0], kf[1]);
+                        mma16816<T>(sc[mb][2 * nb2 + 1], qk[mb], kf[2], kf[3]);
+                    }
                 }
             }
             // scale to base 2 and mask: key column nb*8 + 2*cq + e
-            float mx[2] = {-INFINITY, -INFINITY};
+            float mx[MB][2];
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) mx[mb][0] = mx[mb][1] = -INFINITY;
             if (full) {  /* every key of the tile is in every row's window */
 #pragma unroll
-                for (int nb = 0; nb < BN / 8; ++nb)
+                for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        sc[nb][e] *= sl2;
-                        mx[e >> 1] = fmaxf(mx[e >> 1], sc[nb][e]);
-                    }
+                    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            sc[mb][nb][e] *= sl2;
+                            mx[mb][e >> 1] = fmaxf(mx[mb][e >> 1], sc[mb][nb][e]);
+                        }
             } else {
 #pragma unroll
                 for (int nb = 0; nb < BN / 8; ++nb) {
@@ -286,68 +311,82 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
 #pragma unroll
                         for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
 #pragma unroll
-                        for (int hrow = 0; hrow < 2; ++hrow) {
-                            bool ok;
-                            if (win) {
-                                ok = true;
+                        for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-                                for (int ax = 0; ax < RANK; ++ax)
-                                    ok = ok && j[ax] >= wst[hrow][ax] && j[ax] < wen[hrow][ax];
-                            } else {
-                                ok = rvalid[hrow] && j[0] != KEY_NONE;
+                            for (int hrow = 0; hrow < 2; ++hrow) {
+                                bool ok;
+                                if (win) {
+                                    ok = true;
+#pragma unroll
+                                    for (int ax = 0; ax < RANK; ++ax)
+                                        ok = ok && j[ax] >= wst[mb][hrow][ax] && j[ax] < wen[mb][hrow][ax];
+                                } else {
+                                    ok = rvalid[mb][hrow] && j[0] != KEY_NONE;
+                                }
+                                float &x = sc[mb][nb][2 * hrow + e];
+                                x = ok ? x * sl2 : -INFINITY;
+                                mx[mb][hrow] = fmaxf(mx[mb][hrow], x);
                             }
-                            float &x = sc[nb][2 * hrow + e];
-                            x = ok ? x * sl2 : -INFINITY;
-                            mx[hrow] = fmaxf(mx[hrow], x);
-                        }
                     }
                 }
             }
-            float mu[2];
+            float mu[MB][2];
             bool moved = false;
 #pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow) {
-                mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 1));
-                mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 2));
-                const float m_new = fmaxf(m[hrow], mx[hrow]);
-                mu[hrow] = m_new == -INFINITY ? 0.f : m_new;  /* a row with no key yet */
-                moved |= m_new != m[hrow];
-            }
-            // O = O 2^(m_old - m), skipped while no row max of the warp moves
-            if (__any_sync(0xffffffffu, moved)) {
-                float corr[2];
+            for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
-                    corr[hrow] = fast_exp2(m[hrow] - mu[hrow]);
-                    l[hrow] *= corr[hrow];
+                    float &x = mx[mb][hrow];
+                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                    const float m_new = fmaxf(m[mb][hrow], x);
+                    mu[mb][hrow] = m_new == -INFINITY ? 0.f : m_new;  /* a row with no key yet */
+                    moved |= m_new != m[mb][hrow];
                 }
+            // O = O 2^(m_old - m), skipped while no row max of the warp moves
+            if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-                for (int nd = 0; nd < HD / 8; ++nd) {
-                    o[nd][0] *= corr[0];
-                    o[nd][1] *= corr[0];
-                    o[nd][2] *= corr[1];
-                    o[nd][3] *= corr[1];
+                for (int mb = 0; mb < MB; ++mb) {
+                    float corr[2];
+#pragma unroll
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        corr[hrow] = fast_exp2(m[mb][hrow] - mu[mb][hrow]);
+                        l[mb][hrow] *= corr[hrow];
+                    }
+#pragma unroll
+                    for (int nd = 0; nd < HD / 8; ++nd) {
+                        o[mb][nd][0] *= corr[0];
+                        o[mb][nd][1] *= corr[0];
+                        o[mb][nd][2] *= corr[1];
+                        o[mb][nd][3] *= corr[1];
+                    }
                 }
             }
-            m[0] = fmaxf(m[0], mx[0]);
-            m[1] = fmaxf(m[1], mx[1]);
 #pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb) {
+            for (int mb = 0; mb < MB; ++mb) {
+                m[mb][0] = fmaxf(m[mb][0], mx[mb][0]);
+                m[mb][1] = fmaxf(m[mb][1], mx[mb][1]);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = fast_exp2(sc[nb][e] - mu[e >> 1]);
-                    sc[nb][e] = p;
-                    l[e >> 1] += p;
+                for (int nb = 0; nb < BN / 8; ++nb) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = fast_exp2(sc[mb][nb][e] - mu[mb][e >> 1]);
+                        sc[mb][nb][e] = p;
+                        l[mb][e >> 1] += p;
+                    }
                 }
             }
-            // O += P V
+            // O += P V: each V fragment feeds the warp's MB m-blocks
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
-                uint32_t pf[4];
-                pf[0] = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
-                pf[1] = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
-                pf[2] = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-                pf[3] = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+                uint32_t pf[MB][4];
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) {
+                    pf[mb][0] = pack2<T>(sc[mb][2 * kk][0], sc[mb][2 * kk][1]);
+                    pf[mb][1] = pack2<T>(sc[mb][2 * kk][2], sc[mb][2 * kk][3]);
+                    pf[mb][2] = pack2<T>(sc[mb][2 * kk + 1][0], sc[mb][2 * kk + 1][1]);
+                    pf[mb][3] = pack2<T>(sc[mb][2 * kk + 1][2], sc[mb][2 * kk + 1][3]);
+                }
 #pragma unroll
                 for (int nd2 = 0; nd2 < HD / 16; ++nd2) {
                     uint32_t vf[4];
@@ -355,8 +394,11 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                     const int row = kk * 16 + (mat & 1) * 8 + (lane & 7);
                     const int col = nd2 * 16 + (mat >> 1) * 8;
                     ldmatrix_x4_trans(vf, smem_u32(Vt + swz<HD>(row, col)));
-                    mma16816<T>(o[2 * nd2], pf, vf[0], vf[1]);
-                    mma16816<T>(o[2 * nd2 + 1], pf, vf[2], vf[3]);
+#pragma unroll
+                    for (int mb = 0; mb < MB; ++mb) {
+                        mma16816<T>(o[mb][2 * nd2], pf[mb], vf[0], vf[1]);
+                        mma16816<T>(o[mb][2 * nd2 + 1], pf[mb], vf[2], vf[3]);
+                    }
                 }
             }
         }
@@ -366,59 +408,63 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     if (tiles == 0) __syncthreads();  /* every thread's Q copies landed before Qs is reused */
 
     // O /= l, LSE = (m + log2 l) ln 2
-    {
-        const group_ptr<T> op = group_ptr_of<T>(a.out, g, b, grp, h);
-        float inv[2];
+    const group_ptr<T> op = group_ptr_of<T>(a.out, g, b, grp, h);
+    float inv[MB][2];
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
         for (int hrow = 0; hrow < 2; ++hrow) {
-            float lt = l[hrow];
+            float lt = l[mb][hrow];
             lt += __shfl_xor_sync(0xffffffffu, lt, 1);
             lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-            inv[hrow] = 1.f / lt;
+            inv[mb][hrow] = 1.f / lt;
             int iq[3];
-            if (row_coords(w * 16 + rq + 8 * hrow, iq) && cq == 0) {
+            if (row_coords(my_row(mb, hrow), iq) && cq == 0) {
                 const int64_t x = grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
                               y = grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
                               z = grp[2] + (int64_t)iq[2] * g.axis[2].dilation;
                 ((float *)a.lse.data)[offset_of(a.lse, b, x, y, z, h)] =
-                    (m[hrow] + log2f(lt)) * 0.69314718055994531f;
+                    (m[mb][hrow] + log2f(lt)) * 0.69314718055994531f;
             }
         }
-        if (out_vec) {
-            // the warp's 16 x HD block through its own rows of Qs (its Q is in registers): one
-            // 16-byte store per chunk instead of 4-byte stores per pair
-            T *St = Qs;
+    if (out_vec) {
+        // the warp's 16*MB x HD block through its own rows of Qs (read by no other warp): one
+        // 16-byte store per chunk instead of 4-byte stores per pair
+        T *St = Qs;
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
             for (int hrow = 0; hrow < 2; ++hrow)
 #pragma unroll
                 for (int nd = 0; nd < HD / 8; ++nd)
-                    *(uint32_t *)(St + swz<HD>(w * 16 + rq + 8 * hrow, nd * 8 + 2 * cq)) =
-                        pack2<T>(o[nd][2 * hrow] * inv[hrow], o[nd][2 * hrow + 1] * inv[hrow]);
-            __syncwarp();
-            constexpr int CH = HD / 8;
+                    *(uint32_t *)(St + swz<HD>(my_row(mb, hrow), nd * 8 + 2 * cq)) =
+                        pack2<T>(o[mb][nd][2 * hrow] * inv[mb][hrow], o[mb][nd][2 * hrow + 1] * inv[mb][hrow]);
+        __syncwarp();
+        constexpr int CH = HD / 8;
 #pragma unroll
-            for (int k = 0; k < 16 * CH / 32; ++k) {
-                const int c = k * 32 + lane, r = c / CH, ch = c % CH;
-                int iq[3];
-                if (row_coords(w * 16 + r, iq)) {
-                    const uint4 v = *(const uint4 *)(St + swz<HD>(w * 16 + r, ch * 8));
-                    *(uint4 *)(op.at(iq[0], iq[1], iq[2]) + ch * 8) = v;
-                }
+        for (int k = 0; k < 16 * MB * CH / 32; ++k) {
+            const int c = k * 32 + lane, r = w * MB * 16 + c / CH, ch = c % CH;
+            int iq[3];
+            if (row_coords(r, iq)) {
+                const uint4 v = *(const uint4 *)(St + swz<HD>(r, ch * 8));
+                *(uint4 *)(op.at(iq[0], iq[1], iq[2]) + ch * 8) = v;
             }
-        } else {
+        }
+    } else {
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
             for (int hrow = 0; hrow < 2; ++hrow) {
                 int iq[3];
-                if (!row_coords(w * 16 + rq + 8 * hrow, iq)) continue;
+                if (!row_coords(my_row(mb, hrow), iq)) continue;
                 T *out = op.at(iq[0], iq[1], iq[2]);
 #pragma unroll
                 for (int nd = 0; nd < HD / 8; ++nd) {
                     const int col = nd * 8 + 2 * cq;
                     *(uint32_t *)(out + col) =
-                        pack2<T>(o[nd][2 * hrow] * inv[hrow], o[nd][2 * hrow + 1] * inv[hrow]);
+                        pack2<T>(o[mb][nd][2 * hrow] * inv[mb][hrow], o[mb][nd][2 * hrow + 1] * inv[mb][hrow]);
                 }
             }
-        }
     }
 }
 
@@ -441,13 +487,13 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
-template <typename T, int HD, int BN, int RANK, int MINB, bool QREG>
+template <typename T, int HD, int BN, int RANK, int MB, int MINB, bool QREG>
 static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                              cudaStream_t st) {
-    const size_t smem = sizeof(T) * (size_t)(BM * HD + 4 * BN * HD) + sizeof(int) * 2 * RANK * BN;
+    const size_t smem = sizeof(T) * (size_t)(64 * MB * HD + 4 * BN * HD) + sizeof(int) * 2 * RANK * BN;
+    auto kernel = fna_mma_forward_kernel<T, HD, BN, RANK, MB, MINB, QREG>;
     /* per device and cheap: set on every launch (legal during stream capture) */
-    if (cudaFuncSetAttribute(fna_mma_forward_kernel<T, HD, BN, RANK, MINB, QREG>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
         return nbhd_fail(NBHD_ERR_DEVICE, "mma forward: cannot reserve %zu bytes of shared memory: %s",
                          smem, cudaGetErrorString(err));
@@ -456,49 +502,60 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a,
     if (ctas > 0x7fffffff)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward: %lld CTAs exceed the grid limit",
                          (long long)ctas);
-    fna_mma_forward_kernel<T, HD, BN, RANK, MINB, QREG><<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
+    kernel<<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward");
     return NBHD_OK;
 }
 
-template <typename T, int HD, int BN, int MINB, bool QREG>
+template <typename T, int HD, int BN, int MB, int MINB, bool QREG>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
-    const mma_plan P = mma_plan_of(g);
+    const mma_plan P = mma_plan_of(g, MB);
     switch (P.rank) {
-    case 1: return launch_bn<T, HD, BN, 1, MINB, QREG>(g, a, P, st);
-    case 2: return launch_bn<T, HD, BN, 2, MINB, QREG>(g, a, P, st);
-    default: return launch_bn<T, HD, BN, 3, MINB, QREG>(g, a, P, st);
+    case 1: return launch_bn<T, HD, BN, 1, MB, MINB, QREG>(g, a, P, st);
+    case 2: return launch_bn<T, HD, BN, 2, MB, MINB, QREG>(g, a, P, st);
+    default: return launch_bn<T, HD, BN, 3, MB, MINB, QREG>(g, a, P, st);
     }
 }
 
-/* Small windows (|window| < 512 keys) take 32-key tiles: finer per-warp tile skipping and
- * less padding of the union; large ones 64-key tiles (more work per barrier). The loop is
- * latency-bound, so registers are budgeted for as many CTAs per SM as spill little: at D <= 64
- * 4 CTAs (32-key tiles) or 3 (64-key), at D = 128 3 or 2 (H200, bench/ab_fwd.py: at D = 64 one
- * more CTA per SM was 5-9 % faster on the 2-D/3-D small windows and 10 % on strided 3-D, 2 %
- * slower on 1-D 2048; at D = 128 it spilled and was 12-18 % slower on the large windows). The
- * D = 128 32-key kernels re-read Q from shared memory each tile (equal on the 2-D problems, 5 %
- * faster on 3-D 7^3); the 64-key ones keep Q in registers (re-reading was 16 % slower on 1-D).
- * NBHD_MMA_FWD_BN=32|64 forces the key tile (A/B runs, bench/ab_fwd.py; read per launch). */
+/* Small windows (|window| < 512 keys) take 64-query patches and 32-key tiles: finer per-warp
+ * tile skipping and less padding of the union. Large ones (at D >= 64) take 128-query patches:
+ * two m-blocks per warp, so each K and V fragment read from shared memory feeds two MMAs (H200,
+ * bench/ab_fwd.py: 1-D 32768 w2048 145 -> 233 TF/s at D = 128, 198 -> 212 at D = 64; strided
+ * 3-D 139 -> 230 and 184 -> 231; 2-D/3-D small windows 13-25 % slower, so they keep 64), with
+ * 32-key tiles at D = 128 and on 1-D (fewer spills: 233 against 190 TF/s on 1-D D = 128), else
+ * 64-key ones (strided 3-D D = 64: 231 against 211). The loop is latency-bound, so registers are
+ * budgeted for as many CTAs per SM as spill little: 64-query patches at D <= 64 4 CTAs (32-key
+ * tiles), at D = 128 3 (at D = 64 one more CTA per SM was 5-9 % faster on the 2-D/3-D small
+ * windows; the D = 128 32-key kernels re-read Q from shared memory each tile, equal on the 2-D
+ * problems and 5 % faster on 3-D 7^3). NBHD_MMA_FWD_BN=32|64 forces the key tile (A/B runs,
+ * bench/ab_fwd.py; read per launch). */
 template <typename T, int HD>
-static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e,
+                          cudaStream_t st) {
     const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
-    bool small_window = g->has_window && window < 512;
+    const bool small_window = g->has_window && window < 512;
+    const int mb = nbhd_cuda_mma_patch_mb(g, e);
+    bool bn32 = small_window || (mb == 2 && (HD == 128 || mma_rank_of(g) == 1));
     const char *bn = getenv("NBHD_MMA_FWD_BN");
-    if (bn && bn[0]) small_window = bn[0] == '3';
+    if (bn && bn[0]) bn32 = bn[0] == '3';
     constexpr int extra_cta = HD <= 64 ? 1 : 0;
-    if (!small_window) return launch_rank<T, HD, 64, 2 + extra_cta, true>(g, a, st);
-    return launch_rank<T, HD, 32, 3 + extra_cta, HD != 128>(g, a, st);
+    if constexpr (HD >= 64) {  /* tiles.cu: 128-query patches at D >= 64 only */
+        if (mb == 2) {
+            if (bn32) return launch_rank<T, HD, 32, 2, 2, HD != 128>(g, a, st);
+            return launch_rank<T, HD, 64, 2, 2, HD != 128>(g, a, st);
+        }
+    }
+    if (bn32) return launch_rank<T, HD, 32, 1, 3 + extra_cta, HD != 128>(g, a, st);
+    return launch_rank<T, HD, 64, 1, 2 + extra_cta, true>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                   const nbhd_exec *e, cudaStream_t st) {
-    (void)e;
     const bool bf = g->dtype == NBHD_BF16;
     switch (g->head_dim) {
-    case 32: return bf ? launch<__nv_bfloat16, 32>(g, a, st) : launch<__half, 32>(g, a, st);
-    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, st) : launch<__half, 64>(g, a, st);
-    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, st) : launch<__half, 128>(g, a, st);
+    case 32: return bf ? launch<__nv_bfloat16, 32>(g, a, e, st) : launch<__half, 32>(g, a, e, st);
+    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, e, st) : launch<__half, 64>(g, a, e, st);
+    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, e, st) : launch<__half, 128>(g, a, e, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward: head_dim %d", g->head_dim);
 }

@@ -13,15 +13,87 @@
  */
 #include "mma_util.cuh"
 
-#define JV_THREADS 128
 
+/* S += Q K^T and tS += tQ K^T + Q tK^T for one warp's 16 rows, in one pass over the head dim:
+ * each Q/tQ fragment and each K/tK fragment is read from shared memory once for all three
+ * products (absent tangents skipped) */
 template <typename T, int HD>
-__global__ void __launch_bounds__(JV_THREADS, 2)
+__device__ __forceinline__ void jvp_scores(float sc[BC / 8][4], float ts[BC / 8][4], const T *Qs,
+                                           const T *tQs, int row0, const T *Kt, const T *tKt,
+                                           bool has_tq, bool has_tk, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t qf[4], tqf[4];
+        const int arow = row0 + ((lane >> 3) & 1) * 8 + (lane & 7), acol = kk * 16 + (lane >> 4) * 8;
+        ldmatrix_x4(qf, smem_u32(Qs + swz<HD>(arow, acol)));
+        if (has_tq) ldmatrix_x4(tqf, smem_u32(tQs + swz<HD>(arow, acol)));
+#pragma unroll
+        for (int nb2 = 0; nb2 < BC / 16; ++nb2) {
+            const int mat = lane >> 3;
+            const int brow = nb2 * 16 + (mat >> 1) * 8 + (lane & 7), bcol = kk * 16 + (mat & 1) * 8;
+            uint32_t kf[4];
+            ldmatrix_x4(kf, smem_u32(Kt + swz<HD>(brow, bcol)));
+            mma16816<T>(sc[2 * nb2], qf, kf[0], kf[1]);
+            mma16816<T>(sc[2 * nb2 + 1], qf, kf[2], kf[3]);
+            if (has_tq) {
+                mma16816<T>(ts[2 * nb2], tqf, kf[0], kf[1]);
+                mma16816<T>(ts[2 * nb2 + 1], tqf, kf[2], kf[3]);
+            }
+            if (has_tk) {
+                ldmatrix_x4(kf, smem_u32(tKt + swz<HD>(brow, bcol)));
+                mma16816<T>(ts[2 * nb2], qf, kf[0], kf[1]);
+                mma16816<T>(ts[2 * nb2 + 1], qf, kf[2], kf[3]);
+            }
+        }
+    }
+}
+
+/* O += P V and C += (P tS) V + P tV in one pass: each V/tV fragment read once */
+template <typename T, int HD>
+__device__ __forceinline__ void jvp_outputs(float o[HD / 8][4], float ct[HD / 8][4],
+                                            const float p[BC / 8][4], const float pts[BC / 8][4],
+                                            const T *Vt, const T *tVt, bool has_tv, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+        uint32_t pf[4], tf[4];
+        pf[0] = pack2<T>(p[2 * kk][0], p[2 * kk][1]);
+        pf[1] = pack2<T>(p[2 * kk][2], p[2 * kk][3]);
+        pf[2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        pf[3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        tf[0] = pack2<T>(pts[2 * kk][0], pts[2 * kk][1]);
+        tf[1] = pack2<T>(pts[2 * kk][2], pts[2 * kk][3]);
+        tf[2] = pack2<T>(pts[2 * kk + 1][0], pts[2 * kk + 1][1]);
+        tf[3] = pack2<T>(pts[2 * kk + 1][2], pts[2 * kk + 1][3]);
+#pragma unroll
+        for (int nd2 = 0; nd2 < HD / 16; ++nd2) {
+            const int mat = lane >> 3;
+            const int row = kk * 16 + (mat & 1) * 8 + (lane & 7), col = nd2 * 16 + (mat >> 1) * 8;
+            uint32_t vf[4];
+            ldmatrix_x4_trans(vf, smem_u32(Vt + swz<HD>(row, col)));
+            mma16816<T>(o[2 * nd2], pf, vf[0], vf[1]);
+            mma16816<T>(o[2 * nd2 + 1], pf, vf[2], vf[3]);
+            mma16816<T>(ct[2 * nd2], tf, vf[0], vf[1]);
+            mma16816<T>(ct[2 * nd2 + 1], tf, vf[2], vf[3]);
+            if (has_tv) {
+                ldmatrix_x4_trans(vf, smem_u32(tVt + swz<HD>(row, col)));
+                mma16816<T>(ct[2 * nd2], pf, vf[0], vf[1]);
+                mma16816<T>(ct[2 * nd2 + 1], pf, vf[2], vf[3]);
+            }
+        }
+    }
+}
+
+/* WARPS = 4: 64-query patches, two CTAs per SM; WARPS = 8: 128-query patches (mma_plan_of's
+ * mb = 2), one CTA per SM, each K/V/tK/tV tile read once for twice the queries */
+template <typename T, int HD, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? 2 : 1)
 fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const mma_plan P) {
+    constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
+    static_assert(THREADS / BC <= HD / 8, "a key row needs a 16-byte chunk per thread");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T *Qs = (T *)smem_raw;            /* [BR][HD] */
-    T *tQs = Qs + BR * HD;            /* [BR][HD] */
-    T *Ks = tQs + BR * HD;            /* [2][BC][HD] each: K, V, tK, tV */
+    T *Qs = (T *)smem_raw;            /* [ROWS][HD] */
+    T *tQs = Qs + ROWS * HD;            /* [ROWS][HD] */
+    T *Ks = tQs + ROWS * HD;            /* [2][BC][HD] each: K, V, tK, tV */
     T *Vs = Ks + 2 * BC * HD;
     T *tKs = Vs + 2 * BC * HD;
     T *tVs = tKs + 2 * BC * HD;
@@ -52,7 +124,7 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
 
     {   // Q and tQ rows
         constexpr int CH = HD / 8;
-        constexpr int TPR = JV_THREADS / BR, CPT = CH / TPR;  /* threads per row, chunks each */
+        constexpr int TPR = THREADS / ROWS, CPT = CH / TPR;  /* threads per row, chunks each */
         const int row = tid / TPR;
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
@@ -84,8 +156,8 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
         const bool win = t < win_tiles;
         const bool has_tk = (win ? a.t_k.data : a.t_kx.data) != nullptr;
         const bool has_tv = (win ? a.t_v.data : a.t_vx.data) != nullptr;
-        // JV_THREADS / BC threads per row, each a run of chunks: one coordinate computation
-        constexpr int TPR = JV_THREADS / BC, CPT = CH / TPR;
+        // THREADS / BC threads per row, each a run of chunks: one coordinate computation
+        constexpr int TPR = THREADS / BC, CPT = CH / TPR;
         const int kr = tid / TPR;
         int j[3] = {0, 0, 0};
         bool ok;
@@ -201,9 +273,7 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
 #pragma unroll
             for (int i = 0; i < BC / 8; ++i)
                 sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = ts[i][0] = ts[i][1] = ts[i][2] = ts[i][3] = 0.f;
-            tile_abt<T, HD>(sc, Qs, w * 16, Kt, lane);                // S = Q K^T
-            if (has_tq) tile_abt<T, HD>(ts, tQs, w * 16, Kt, lane);   // tS = tQ K^T
-            if (has_tk) tile_abt<T, HD>(ts, Qs, w * 16, tKt, lane);   //    + Q tK^T
+            jvp_scores<T, HD>(sc, ts, Qs, tQs, w * 16, Kt, tKt, has_tq, has_tk, lane);
             float mx[2] = {-INFINITY, -INFINITY};
             if (full) {
 #pragma unroll
@@ -267,9 +337,7 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
                     ct[nd][0] *= corr[0]; ct[nd][1] *= corr[0]; ct[nd][2] *= corr[1]; ct[nd][3] *= corr[1];
                 }
             }
-            tile_xb<T, HD>(o, sc, Vt, lane);               // O += P V
-            tile_xb<T, HD>(ct, ts, Vt, lane);              // C += (P tS) V
-            if (has_tv) tile_xb<T, HD>(ct, sc, tVt, lane); //    + P tV
+            jvp_outputs<T, HD>(o, ct, sc, ts, Vt, tVt, has_tv, lane);
         }
         __syncthreads();
     }
@@ -331,31 +399,40 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
-template <typename T, int HD>
-static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
-    const mma_plan P = mma_plan_of(g);
-    const size_t smem = sizeof(T) * (size_t)(2 * BR * HD + 8 * BC * HD) + sizeof(int) * 6 * BC +
+template <typename T, int HD, int WARPS>
+static nbhd_status launch_warps(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g, WARPS / 4);
+    const size_t smem = sizeof(T) * (size_t)(2 * 16 * WARPS * HD + 8 * BC * HD) + sizeof(int) * 6 * BC +
                         4 * sizeof(group_ptr<const T>) + sizeof(key_box);
-    if (cudaFuncSetAttribute(fna_mma_jvp_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)smem) != cudaSuccess) {
+    auto kernel = fna_mma_jvp_kernel<T, HD, WARPS>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
         return nbhd_fail(NBHD_ERR_DEVICE, "mma forward_jvp: cannot reserve %zu bytes of shared memory: %s",
                          smem, cudaGetErrorString(err));
     }
     const int64_t ctas = g->batch * g->heads * P.patches;
     if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward_jvp: grid too large");
-    fna_mma_jvp_kernel<T, HD><<<(unsigned)ctas, JV_THREADS, smem, st>>>(*g, *a, P);
+    kernel<<<(unsigned)ctas, 32 * WARPS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward_jvp");
     return NBHD_OK;
 }
 
+/* The patch is the forward's (tiles.cu nbhd_cuda_mma_patch_mb): 128 queries on 8 warps, or 64 on 4 */
+template <typename T, int HD>
+static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                              const nbhd_exec *e, cudaStream_t st) {
+    if constexpr (HD >= 64)
+        if (nbhd_cuda_mma_patch_mb(g, e) == 2) return launch_warps<T, HD, 8>(g, a, st);
+    return launch_warps<T, HD, 4>(g, a, st);
+}
+
 nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                      cudaStream_t st) {
+                                      const nbhd_exec *e, cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;
     switch (g->head_dim) {
-    case 32: return bf ? launch_jvp<__nv_bfloat16, 32>(g, a, st) : launch_jvp<__half, 32>(g, a, st);
-    case 64: return bf ? launch_jvp<__nv_bfloat16, 64>(g, a, st) : launch_jvp<__half, 64>(g, a, st);
-    case 128: return bf ? launch_jvp<__nv_bfloat16, 128>(g, a, st) : launch_jvp<__half, 128>(g, a, st);
+    case 32: return bf ? launch_jvp<__nv_bfloat16, 32>(g, a, e, st) : launch_jvp<__half, 32>(g, a, e, st);
+    case 64: return bf ? launch_jvp<__nv_bfloat16, 64>(g, a, e, st) : launch_jvp<__half, 64>(g, a, e, st);
+    case 128: return bf ? launch_jvp<__nv_bfloat16, 128>(g, a, e, st) : launch_jvp<__half, 128>(g, a, e, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward_jvp: head_dim %d", g->head_dim);
 }

@@ -12,29 +12,30 @@
 
 #define KEY_NONE (-(1 << 30))
 
-/* Patch shapes per rank (rank 0, dense over extra keys, takes rank 1's): a warp owns
- * patch_wt(rank, axis) queries per axis (16 in all), a CTA patch_wc(rank, axis) warps per axis
- * (4 in all): 1-D 64, 2-D 8x8 (warps 2x8 each), 3-D 4x4x4 (warps 1x4x4 each). The warps are
- * stacked along the slowest axis and span the CTA's patch on the others, so that the keys a
- * warp needs form one contiguous run of the CTA's row-major walk of its union box (2-D 7x7:
- * 8 x 14 = 112 walk positions per warp, against 10 rows x 14 = 140 for warps of 4x4). */
+/* Patch shapes per rank (rank 0, dense over extra keys, takes rank 1's): a 16-row m-block owns
+ * patch_wt(rank, axis) queries per axis (16 in all), a CTA patch_wc(rank, axis, mb) m-blocks per
+ * axis (4 * mb in all, mb per warp): at mb = 1, 1-D 64, 2-D 8x8 (m-blocks 2x8 each), 3-D 4x4x4
+ * (1x4x4 each); at mb = 2 (the forward on large windows) 1-D 128, 2-D 16x8, 3-D 8x4x4. The
+ * m-blocks are stacked along the slowest axis and span the CTA's patch on the others, so that
+ * the keys a warp needs form one contiguous run of the CTA's row-major walk of its union box
+ * (2-D 7x7: 8 x 14 = 112 walk positions per m-block, against 10 rows x 14 = 140 for 4x4). */
 __host__ __device__ constexpr int patch_wt(int rank, int ax) {
     return rank <= 1 ? (ax == 0 ? 16 : 1) : rank == 2 ? (ax == 0 ? 2 : ax == 1 ? 8 : 1)
                                                       : (ax == 0 ? 1 : 4);
 }
-__host__ __device__ constexpr int patch_wc(int rank, int ax) {
+__host__ __device__ constexpr int patch_wc(int rank, int ax, int mb = 1) {
     (void)rank;
-    return ax == 0 ? 4 : 1;
+    return ax == 0 ? 4 * mb : 1;
 }
-__host__ __device__ constexpr int patch_ct(int rank, int ax) {
-    return patch_wt(rank, ax) * patch_wc(rank, ax);
+__host__ __device__ constexpr int patch_ct(int rank, int ax, int mb = 1) {
+    return patch_wt(rank, ax) * patch_wc(rank, ax, mb);
 }
 
 /* tile shapes and the CTA -> (b, head, patch) map, computed on the host */
 struct mma_plan {
     int rank;         /* 1..3: the axes that are not padding */
-    int wt[3];        /* warp patch per axis, product 16 */
-    int wc[3];        /* warps per axis, product 4 */
+    int wt[3];        /* m-block patch per axis, product 16 */
+    int wc[3];        /* m-blocks per axis, product 4 * mb */
     int ct[3];        /* CTA patch = wt * wc */
     int64_t slots[3]; /* patch slots per axis: dilation * ceil(ceil(L/d) / ct) */
     int64_t patches;  /* product of slots */
@@ -46,13 +47,14 @@ static inline int mma_rank_of(const nbhd_geometry *g) {
                               : g->axis[1].extent > 1 || g->axis[1].kernel > 1 ? 2 : 1;
 }
 
-static inline mma_plan mma_plan_of(const nbhd_geometry *g) {
+/* mb: 16-row m-blocks per warp (4 warps per CTA) */
+static inline mma_plan mma_plan_of(const nbhd_geometry *g, int mb = 1) {
     mma_plan P;
     P.rank = mma_rank_of(g);
     P.patches = 1;
     for (int ax = 0; ax < 3; ++ax) {
         P.wt[ax] = patch_wt(P.rank, ax);
-        P.wc[ax] = patch_wc(P.rank, ax);
+        P.wc[ax] = patch_wc(P.rank, ax, mb);
         P.ct[ax] = P.wt[ax] * P.wc[ax];
         const int64_t d = g->axis[ax].dilation, L = g->axis[ax].extent;
         const int64_t lg = (L + d - 1) / d;

@@ -1,11 +1,36 @@
 /*
  * tiles.cu — the tile configurations the CUDA tensor-core kernels accept (nbhd_tile_configs),
- * per problem axis. The mma kernels are built for one patch of 64 queries per CTA (1-D 64,
- * 2-D 8x8, 3-D 4x4x4: mma_util.cuh patch_*); the listed kv tile names that patch, whose exact
- * union of windows the kernels walk in row-major runs of 32 or 64 keys. The simple kernels
- * have no tiles (dispatch.cu refuses exec tiles for problems that would run on them).
+ * per problem axis, and the patch the forward kernels run. The mma kernels take patches of 64
+ * queries per CTA (1-D 64, 2-D 8x8, 3-D 4x4x4: mma_util.cuh patch_*); the forward and
+ * forward+JVP kernels at D >= 64 also take 128 (1-D 128, 2-D 16x8, 3-D 8x4x4), their default on
+ * windows of 512 keys or more. The listed kv tile names the patch, whose exact union of windows
+ * the kernels walk in row-major runs of 32 or 64 keys; the first listed is the default. The
+ * simple kernels have no tiles (dispatch.cu refuses exec tiles for problems that would run on
+ * them).
  */
+#include <stdlib.h>
+
 #include "cuda_common.cuh"
+
+static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
+    return (op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP) && g->head_dim >= 64;
+}
+
+static bool large_patch_default(const nbhd_geometry *g) {
+    const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
+    return g->has_window && window >= 512;
+}
+
+int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e) {
+    if (g->head_dim < 64) return 1;
+    int64_t requested = 1;  /* queries in the requested patch (entry points checked it is listed) */
+    for (int ax = 0; ax < NBHD_MAX_RANK; ++ax)
+        if (e->q_tile[ax] > 0) requested *= e->q_tile[ax];
+    if (requested > 1) return requested == 128 ? 2 : 1;
+    const char *forced = getenv("NBHD_MMA_FWD_MB");  /* A/B runs: bench/ab_fwd.py */
+    if (forced && forced[0]) return forced[0] == '2' ? 2 : 1;
+    return large_patch_default(g) ? 2 : 1;
+}
 
 int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
                                nbhd_tile_config *out, int32_t max) {
@@ -14,8 +39,14 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
     const bool head_dim_ok = D == g->head_dim_v && (D == 32 || D == 64 || D == 128);
     const bool mma_op = op != NBHD_OP_FORWARD_JVP_BACKWARD;
     if (!half_type || !head_dim_ok || !mma_op || !g->has_window) return 0;
-    static const int32_t patch[3][3] = {{64, 0, 0}, {8, 8, 0}, {4, 4, 4}};
-    if (max > 0)
-        for (int a = 0; a < rank; ++a) out[0].q_tile[a] = out[0].kv_tile[a] = patch[rank - 1][a];
-    return 1;
+    static const int32_t patch[2][3][3] = {{{64, 0, 0}, {8, 8, 0}, {4, 4, 4}},
+                                           {{128, 0, 0}, {16, 8, 0}, {8, 4, 4}}};
+    const bool two = large_patch_allowed(g, op);
+    const int first = two && large_patch_default(g) ? 1 : 0;
+    const int32_t count = two ? 2 : 1;
+    for (int i = 0; i < count && i < max; ++i) {
+        const int which = i == 0 ? first : 1 - first;
+        for (int a = 0; a < rank; ++a) out[i].q_tile[a] = out[i].kv_tile[a] = patch[which][rank - 1][a];
+    }
+    return count;
 }
