@@ -1,11 +1,13 @@
-"""A/B of the tensor-core forward's variants in one process, configurations interleaved.
+"""A/B of the tensor-core forward's (or, with --jvp, forward+JVP's) variants in one process,
+configurations interleaved.
 
 The variants are picked per launch by environment switches read in csrc/cuda/fna_mma.cu
-(NBHD_MMA_FWD_BN, NBHD_MMA_FWD_MB). Each timing is a
+(NBHD_MMA_FWD_BN: key tile) and csrc/cuda/tiles.cu (NBHD_MMA_FWD_MB: 64- or 128-query patches
+of both kernels). Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
-    python bench/ab_fwd.py [--dims 128,64] [--rounds 7] [--loop 10]
+    python bench/ab_fwd.py [--dims 128,64] [--rounds 7] [--loop 10] [--jvp]
 """
 import argparse
 import math
@@ -18,11 +20,16 @@ from nbhd import ops
 
 CONFIGS = {
     "default": {},
-    "mb1": {"NBHD_MMA_FWD_MB": "1"},
+    "st2": {"NBHD_MMA_FWD_STAGES": "2"},
     "mb2-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "64"},
-    "mb2-bn32": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "32"},
+    "mb2-bn64-st2": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "64", "NBHD_MMA_FWD_STAGES": "2"},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB")
+JVP_CONFIGS = {
+    "default": {},
+    "mb1": {"NBHD_MMA_FWD_MB": "1"},
+    "mb2": {"NBHD_MMA_FWD_MB": "2"},
+}
+SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB", "NBHD_MMA_FWD_STAGES")
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
@@ -49,7 +56,8 @@ def main():
     dev = "cuda"
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"({'forward+JVP' if args.jvp else 'forward'}: ms per call, loop of {args.loop}, median of {args.rounds}; TF/s useful)")
-    names = list(CONFIGS)
+    configs = JVP_CONFIGS if args.jvp else CONFIGS
+    names = list(configs)
     print(f"{'problem':18s} {'D':>4s} " + " ".join(f"{n:>22s}" for n in names))
     for D in [int(x) for x in args.dims.split(",")]:
         for name, B, ext, ks, st in PROBLEMS:
@@ -68,7 +76,7 @@ def main():
             ref = None
             times = {n: [] for n in names}
             for n in names:  # warm-up, and every variant gives the same output
-                set_config(CONFIGS[n])
+                set_config(configs[n])
                 out = fn()[0]
                 if ref is None:
                     ref = out
@@ -77,7 +85,7 @@ def main():
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(args.rounds):
                 for n in names:
-                    set_config(CONFIGS[n])
+                    set_config(configs[n])
                     fn()
                     torch.cuda.synchronize()
                     s.record()

@@ -174,8 +174,8 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
 nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                       const nbhd_exec *e, cudaStream_t stream);
 
-/* tiles.cu: the query patch of the forward and forward+JVP kernels, in 16-row m-blocks per warp
- * (1: 64 queries, 2: 128): the requested tile's, else the library's choice */
-int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e);
+/* tiles.cu: the query patch of the forward (op NBHD_OP_FORWARD) or forward+JVP kernel, as
+ * mma_plan_of's mb (1: 64 queries, 2: 128): the requested tile's, else the library's choice */
+int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op);
 
 #endif /* NBHD_CUDA_COMMON_CUH */

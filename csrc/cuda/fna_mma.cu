@@ -31,6 +31,7 @@
 template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windows */,
           int RANK /* patch shape: 1, 2 or 3 (mma_rank_of) */,
           int MB /* 16-row m-blocks per warp: 1 (64-query patches) or 2 (128) */,
+          int ST /* K/V pipeline stages */,
           int MINB /* CTAs per SM the registers are budgeted for */,
           bool QREG /* Q fragments held in registers (else re-read from shared memory per tile,
                        32 registers fewer per m-block at D = 128) */>
@@ -39,9 +40,9 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     constexpr int BM = 64 * MB;  /* queries per CTA */
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)smem_raw;                          /* [BM][HD]; O staged here at the end */
-    T *Ks = Qs + BM * HD;                           /* [2][BN][HD] */
-    T *Vs = Ks + 2 * BN * HD;                       /* [2][BN][HD] */
-    int *kc = (int *)(Vs + 2 * BN * HD);            /* [2][RANK][BN] in-group key coordinates */
+    T *Ks = Qs + BM * HD;                           /* [ST][BN][HD] */
+    T *Vs = Ks + ST * BN * HD;                      /* [ST][BN][HD] */
+    int *kc = (int *)(Vs + ST * BN * HD);           /* [ST][RANK][BN] in-group key coordinates */
 
     constexpr int WT[3] = {patch_wt(RANK, 0), patch_wt(RANK, 1), patch_wt(RANK, 2)};
     constexpr int WC1 = patch_wc(RANK, 1, MB), WC2 = patch_wc(RANK, 2, MB);
@@ -207,15 +208,20 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     uint32_t qf[QREG ? MB : 1][HD / 16][4];
     const float sl2 = P.scale_log2;
 
-    if (tiles > 0) load_tile(0, 0);
-    cp_async_commit();
+    // ST-stage ring: tiles t+1 .. t+ST-1 are in flight while tile t is computed; the one
+    // barrier per tile both publishes tile t and frees stage (t-1) % ST for tile t+ST-1
+#pragma unroll
+    for (int i = 0; i < ST - 1; ++i) {
+        if (i < tiles) load_tile(i, i);
+        cp_async_commit();  /* Q rides with tile 0's group */
+    }
 
     for (int t = 0; t < tiles; ++t) {
-        const int s = t & 1;
-        if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
+        const int s = t % ST;
+        cp_async_wait<ST - 2>();
         __syncthreads();
+        if (t + ST - 1 < tiles) load_tile(t + ST - 1, (t + ST - 1) % ST);
+        cp_async_commit();
         auto load_qf = [&](int mb, int kk, uint32_t f[4]) {
             const int row = (w * MB + mb) * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
             const int col = kk * 16 + (lane >> 4) * 8;
@@ -402,7 +408,6 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                 }
             }
         }
-        __syncthreads();  /* stage s is free for tile t + 2 */
     }
     cp_async_wait<0>();
     if (tiles == 0) __syncthreads();  /* every thread's Q copies landed before Qs is reused */
@@ -487,11 +492,11 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
-template <typename T, int HD, int BN, int RANK, int MB, int MINB, bool QREG>
-static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
+template <typename T, int HD, int BN, int RANK, int MB, int ST, int MINB, bool QREG>
+static nbhd_status launch_st(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                              cudaStream_t st) {
-    const size_t smem = sizeof(T) * (size_t)(64 * MB * HD + 4 * BN * HD) + sizeof(int) * 2 * RANK * BN;
-    auto kernel = fna_mma_forward_kernel<T, HD, BN, RANK, MB, MINB, QREG>;
+    const size_t smem = sizeof(T) * (size_t)(64 * MB * HD + 2 * ST * BN * HD) + sizeof(int) * ST * RANK * BN;
+    auto kernel = fna_mma_forward_kernel<T, HD, BN, RANK, MB, ST, MINB, QREG>;
     /* per device and cheap: set on every launch (legal during stream capture) */
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
@@ -505,6 +510,14 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a,
     kernel<<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward");
     return NBHD_OK;
+}
+
+template <typename T, int HD, int BN, int RANK, int MB, int MINB, bool QREG>
+static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
+                             cudaStream_t st) {
+    const char *stages = getenv("NBHD_MMA_FWD_STAGES");
+    if (stages && stages[0] == '2') return launch_st<T, HD, BN, RANK, MB, 2, MINB, QREG>(g, a, P, st);
+    return launch_st<T, HD, BN, RANK, MB, 3, MINB, QREG>(g, a, P, st);
 }
 
 template <typename T, int HD, int BN, int MB, int MINB, bool QREG>
@@ -534,7 +547,7 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, co
                           cudaStream_t st) {
     const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
     const bool small_window = g->has_window && window < 512;
-    const int mb = nbhd_cuda_mma_patch_mb(g, e);
+    const int mb = nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD);
     bool bn32 = small_window || (mb == 2 && (HD == 128 || mma_rank_of(g) == 1));
     const char *bn = getenv("NBHD_MMA_FWD_BN");
     if (bn && bn[0]) bn32 = bn[0] == '3';

@@ -1,7 +1,7 @@
 /*
  * fna_mma_jvp.cu — tensor-core forward + JVP (O, LSE, tO, mu) for f16/bf16 with
- * D = Dv in {32, 64, 128}, in one pass (DESIGN.md §4). Tiles as the forward (64-query patch,
- * exact union of its windows, then the extra keys) with 32-key tiles and K, V, tK, tV
+ * D = Dv in {32, 64, 128}, in one pass (DESIGN.md §4). Tiles as the forward (64- or 128-query
+ * patch, exact union of its windows, then the extra keys) with 32-key tiles and K, V, tK, tV
  * double-buffered by cp.async. Per tile and warp (16 queries x 32 keys):
  *
  *   S  = Q K^T,  tS = s (tQ K^T + Q tK^T)            (absent tangents skipped)
@@ -12,76 +12,6 @@
  * and at the end o = O/l, mu = r/l, tO = C/l - mu o, lse = (m + log2 l) ln 2, tLSE = mu.
  */
 #include "mma_util.cuh"
-
-
-/* S += Q K^T and tS += tQ K^T + Q tK^T for one warp's 16 rows, in one pass over the head dim:
- * each Q/tQ fragment and each K/tK fragment is read from shared memory once for all three
- * products (absent tangents skipped) */
-template <typename T, int HD>
-__device__ __forceinline__ void jvp_scores(float sc[BC / 8][4], float ts[BC / 8][4], const T *Qs,
-                                           const T *tQs, int row0, const T *Kt, const T *tKt,
-                                           bool has_tq, bool has_tk, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-        uint32_t qf[4], tqf[4];
-        const int arow = row0 + ((lane >> 3) & 1) * 8 + (lane & 7), acol = kk * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(qf, smem_u32(Qs + swz<HD>(arow, acol)));
-        if (has_tq) ldmatrix_x4(tqf, smem_u32(tQs + swz<HD>(arow, acol)));
-#pragma unroll
-        for (int nb2 = 0; nb2 < BC / 16; ++nb2) {
-            const int mat = lane >> 3;
-            const int brow = nb2 * 16 + (mat >> 1) * 8 + (lane & 7), bcol = kk * 16 + (mat & 1) * 8;
-            uint32_t kf[4];
-            ldmatrix_x4(kf, smem_u32(Kt + swz<HD>(brow, bcol)));
-            mma16816<T>(sc[2 * nb2], qf, kf[0], kf[1]);
-            mma16816<T>(sc[2 * nb2 + 1], qf, kf[2], kf[3]);
-            if (has_tq) {
-                mma16816<T>(ts[2 * nb2], tqf, kf[0], kf[1]);
-                mma16816<T>(ts[2 * nb2 + 1], tqf, kf[2], kf[3]);
-            }
-            if (has_tk) {
-                ldmatrix_x4(kf, smem_u32(tKt + swz<HD>(brow, bcol)));
-                mma16816<T>(ts[2 * nb2], qf, kf[0], kf[1]);
-                mma16816<T>(ts[2 * nb2 + 1], qf, kf[2], kf[3]);
-            }
-        }
-    }
-}
-
-/* O += P V and C += (P tS) V + P tV in one pass: each V/tV fragment read once */
-template <typename T, int HD>
-__device__ __forceinline__ void jvp_outputs(float o[HD / 8][4], float ct[HD / 8][4],
-                                            const float p[BC / 8][4], const float pts[BC / 8][4],
-                                            const T *Vt, const T *tVt, bool has_tv, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-        uint32_t pf[4], tf[4];
-        pf[0] = pack2<T>(p[2 * kk][0], p[2 * kk][1]);
-        pf[1] = pack2<T>(p[2 * kk][2], p[2 * kk][3]);
-        pf[2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        pf[3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-        tf[0] = pack2<T>(pts[2 * kk][0], pts[2 * kk][1]);
-        tf[1] = pack2<T>(pts[2 * kk][2], pts[2 * kk][3]);
-        tf[2] = pack2<T>(pts[2 * kk + 1][0], pts[2 * kk + 1][1]);
-        tf[3] = pack2<T>(pts[2 * kk + 1][2], pts[2 * kk + 1][3]);
-#pragma unroll
-        for (int nd2 = 0; nd2 < HD / 16; ++nd2) {
-            const int mat = lane >> 3;
-            const int row = kk * 16 + (mat & 1) * 8 + (lane & 7), col = nd2 * 16 + (mat >> 1) * 8;
-            uint32_t vf[4];
-            ldmatrix_x4_trans(vf, smem_u32(Vt + swz<HD>(row, col)));
-            mma16816<T>(o[2 * nd2], pf, vf[0], vf[1]);
-            mma16816<T>(o[2 * nd2 + 1], pf, vf[2], vf[3]);
-            mma16816<T>(ct[2 * nd2], tf, vf[0], vf[1]);
-            mma16816<T>(ct[2 * nd2 + 1], tf, vf[2], vf[3]);
-            if (has_tv) {
-                ldmatrix_x4_trans(vf, smem_u32(tVt + swz<HD>(row, col)));
-                mma16816<T>(ct[2 * nd2], pf, vf[0], vf[1]);
-                mma16816<T>(ct[2 * nd2 + 1], pf, vf[2], vf[3]);
-            }
-        }
-    }
-}
 
 /* WARPS = 4: 64-query patches, two CTAs per SM; WARPS = 8: 128-query patches (mma_plan_of's
  * mb = 2), one CTA per SM, each K/V/tK/tV tile read once for twice the queries */
@@ -273,7 +203,11 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
 #pragma unroll
             for (int i = 0; i < BC / 8; ++i)
                 sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = ts[i][0] = ts[i][1] = ts[i][2] = ts[i][3] = 0.f;
-            jvp_scores<T, HD>(sc, ts, Qs, tQs, w * 16, Kt, tKt, has_tq, has_tk, lane);
+            /* three passes over the shared tiles: fusing them (each fragment read once) was
+             * 5-10 % slower (H200, bench/ab_fwd.py --jvp: registers) */
+            tile_abt<T, HD>(sc, Qs, w * 16, Kt, lane);                // S = Q K^T
+            if (has_tq) tile_abt<T, HD>(ts, tQs, w * 16, Kt, lane);   // tS = tQ K^T
+            if (has_tk) tile_abt<T, HD>(ts, Qs, w * 16, tKt, lane);   //    + Q tK^T
             float mx[2] = {-INFINITY, -INFINITY};
             if (full) {
 #pragma unroll
@@ -337,7 +271,9 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
                     ct[nd][0] *= corr[0]; ct[nd][1] *= corr[0]; ct[nd][2] *= corr[1]; ct[nd][3] *= corr[1];
                 }
             }
-            jvp_outputs<T, HD>(o, ct, sc, ts, Vt, tVt, has_tv, lane);
+            tile_xb<T, HD>(o, sc, Vt, lane);               // O += P V
+            tile_xb<T, HD>(ct, ts, Vt, lane);              // C += (P tS) V
+            if (has_tv) tile_xb<T, HD>(ct, sc, tVt, lane); //    + P tV
         }
         __syncthreads();
     }
@@ -417,12 +353,12 @@ static nbhd_status launch_warps(const nbhd_geometry *g, const nbhd_forward_jvp_a
     return NBHD_OK;
 }
 
-/* The patch is the forward's (tiles.cu nbhd_cuda_mma_patch_mb): 128 queries on 8 warps, or 64 on 4 */
+/* The patch (tiles.cu nbhd_cuda_mma_patch_mb): 128 queries on 8 warps, or 64 on 4 */
 template <typename T, int HD>
 static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                               const nbhd_exec *e, cudaStream_t st) {
     if constexpr (HD >= 64)
-        if (nbhd_cuda_mma_patch_mb(g, e) == 2) return launch_warps<T, HD, 8>(g, a, st);
+        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2) return launch_warps<T, HD, 8>(g, a, st);
     return launch_warps<T, HD, 4>(g, a, st);
 }
 

@@ -2,8 +2,11 @@
  * tiles.cu — the tile configurations the CUDA tensor-core kernels accept (nbhd_tile_configs),
  * per problem axis, and the patch the forward kernels run. The mma kernels take patches of 64
  * queries per CTA (1-D 64, 2-D 8x8, 3-D 4x4x4: mma_util.cuh patch_*); the forward and
- * forward+JVP kernels at D >= 64 also take 128 (1-D 128, 2-D 16x8, 3-D 8x4x4), their default on
- * windows of 512 keys or more. The listed kv tile names the patch, whose exact union of windows
+ * forward+JVP kernels at D >= 64 also take 128 (1-D 128, 2-D 16x8, 3-D 8x4x4), the default on
+ * windows of 512 keys or more of the forward and of the D = 128 forward+JVP (H200,
+ * bench/ab_fwd.py: the forward 1.2-1.6x faster on 1-D 32768 w2048 and strided 3-D, 13-25 %
+ * slower on small windows; the forward+JVP 6-9 % faster at D = 128, 4-7 % slower at D = 64).
+ * The listed kv tile names the patch, whose exact union of windows
  * the kernels walk in row-major runs of 32 or 64 keys; the first listed is the default. The
  * simple kernels have no tiles (dispatch.cu refuses exec tiles for problems that would run on
  * them).
@@ -16,12 +19,12 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
     return (op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP) && g->head_dim >= 64;
 }
 
-static bool large_patch_default(const nbhd_geometry *g) {
+static bool large_patch_default(const nbhd_geometry *g, nbhd_op op) {
     const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
-    return g->has_window && window >= 512;
+    return g->has_window && window >= 512 && (op == NBHD_OP_FORWARD || g->head_dim >= 128);
 }
 
-int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e) {
+int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op) {
     if (g->head_dim < 64) return 1;
     int64_t requested = 1;  /* queries in the requested patch (entry points checked it is listed) */
     for (int ax = 0; ax < NBHD_MAX_RANK; ++ax)
@@ -29,7 +32,7 @@ int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e) {
     if (requested > 1) return requested == 128 ? 2 : 1;
     const char *forced = getenv("NBHD_MMA_FWD_MB");  /* A/B runs: bench/ab_fwd.py */
     if (forced && forced[0]) return forced[0] == '2' ? 2 : 1;
-    return large_patch_default(g) ? 2 : 1;
+    return large_patch_default(g, op) ? 2 : 1;
 }
 
 int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
@@ -42,7 +45,7 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
     static const int32_t patch[2][3][3] = {{{64, 0, 0}, {8, 8, 0}, {4, 4, 4}},
                                            {{128, 0, 0}, {16, 8, 0}, {8, 4, 4}}};
     const bool two = large_patch_allowed(g, op);
-    const int first = two && large_patch_default(g) ? 1 : 0;
+    const int first = two && large_patch_default(g, op) ? 1 : 0;
     const int32_t count = two ? 2 : 1;
     for (int i = 0; i < count && i < max; ++i) {
         const int which = i == 0 ? first : 1 - first;
