@@ -20,16 +20,16 @@ from nbhd import ops
 
 CONFIGS = {
     "default": {},
-    "st2": {"NBHD_MMA_FWD_STAGES": "2"},
+    "mb1": {"NBHD_MMA_FWD_MB": "1"},
     "mb2-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "64"},
-    "mb2-bn64-st2": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "64", "NBHD_MMA_FWD_STAGES": "2"},
+    "mb2-bn32": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "32"},
 }
 JVP_CONFIGS = {
     "default": {},
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
     "mb2": {"NBHD_MMA_FWD_MB": "2"},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB", "NBHD_MMA_FWD_STAGES")
+SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB")
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),

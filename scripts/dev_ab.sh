@@ -10,7 +10,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >$OUT/build.log 2>
 echo "build $((SECONDS-t0)) s"
 t0=$SECONDS
 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -2
-NBHD_MMA_FWD_STAGES=2 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "test_forward and not jvp" 2>&1 | tail -1
+NBHD_MMA_FWD_MB=2 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k test_forward 2>&1 | tail -1
 echo "tests $((SECONDS-t0)) s"
 python3 bench/ab_fwd.py --rounds 3 ${AB_ARGS:-} 2>&1 | tee $OUT/ab.log
 [ -n "${AB_JVP:-}" ] && python3 bench/ab_fwd.py --rounds 3 --jvp ${AB_ARGS:-} 2>&1 | tee $OUT/ab_jvp.log

@@ -2,19 +2,22 @@
  * fna_mma.cu — tensor-core forward (O, LSE) for f16/bf16 with D = Dv in {32, 64, 128}:
  * mma.sync m16n8k16 with fp32 accumulation, through inline PTX (DESIGN.md §4, KERNELS.md §1-2).
  *
- * Tiles. A CTA of 4 warps owns a multi-dimensional patch of 64 queries of one (batch, head),
- * taken in one dilation group per axis (so every window of the patch lies in that group):
- *   1-D 64, 2-D 8x8 (warps 2x8 each), 3-D 4x4x4 (warps 1x4x4 each)   (mma_util.cuh patch_*)
- * The patch shape is a template argument (RANK), so row and key coordinates need no run-time
+ * Tiles. A CTA of 4 warps owns a multi-dimensional patch of 64 queries (one 16-row m-block per
+ * warp) or, on large windows, 128 (two m-blocks per warp, so that each K/V fragment read from
+ * shared memory feeds two MMAs) of one (batch, head), taken in one dilation group per axis (so
+ * every window of the patch lies in that group):
+ *   64:  1-D 64,  2-D 8x8  (m-blocks 2x8 each), 3-D 4x4x4 (m-blocks 1x4x4 each)
+ *   128: 1-D 128, 2-D 16x8,                     3-D 8x4x4          (mma_util.cuh patch_*)
+ * The patch shape is a template argument (RANK, MB), so row and key coordinates need no run-time
  * division but two multiply-highs per key (key_box). Its keys are the exact union of the
  * patch's windows: per axis the in-group range [start(first query), end(last query)), walked
- * row-major in tiles of 64 keys (32 for windows under 512 keys), then the extra keys. K and V
- * tiles are double-buffered in XOR-swizzled shared memory by cp.async (zero-filled past the
- * end), addressed per CTA base + 32-bit in-group steps; Q stays in registers. Each warp first
- * asks (one ballot) whether the tile holds any key of its own union and skips the tile if not;
- * a tile inside every row's window takes the mask-free path, any other is masked per element.
+ * row-major in tiles of 32 or 64 keys, then the extra keys. K and V tiles are double-buffered in
+ * XOR-swizzled shared memory by cp.async (zero-filled past the end), addressed per CTA base +
+ * 32-bit in-group steps; Q stays in registers or is re-read from shared memory (QREG). Each warp
+ * first asks (one ballot) whether the tile holds any key of its own union and skips the tile if
+ * not; a tile inside every row's window takes the mask-free path, any other is masked per element.
  *
- *   S = (scale*log2 e) Q K^T     (ldmatrix K, mma)          16 x BN per warp
+ *   S = (scale*log2 e) Q K^T     (ldmatrix K, mma)          16*MB x BN per warp
  *   online softmax in base 2: m, l per row (quad shuffles); O *= 2^(m_old - m) only when a
  *   row max of the warp moved
  *   O += P V                      (P from the S registers, ldmatrix.trans V, mma)
@@ -24,6 +27,7 @@
 
 #define MMA_WARPS 4
 #define MMA_THREADS (MMA_WARPS * 32)
+#define FWD_STAGES 2  /* K/V tiles in the cp.async ring */
 
 // ----------------------------------------------------------------------------
 // the kernel
@@ -31,13 +35,13 @@
 template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windows */,
           int RANK /* patch shape: 1, 2 or 3 (mma_rank_of) */,
           int MB /* 16-row m-blocks per warp: 1 (64-query patches) or 2 (128) */,
-          int ST /* K/V pipeline stages */,
           int MINB /* CTAs per SM the registers are budgeted for */,
           bool QREG /* Q fragments held in registers (else re-read from shared memory per tile,
                        32 registers fewer per m-block at D = 128) */>
 __global__ void __launch_bounds__(MMA_THREADS, MINB)
 fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
     constexpr int BM = 64 * MB;  /* queries per CTA */
+    constexpr int ST = FWD_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)smem_raw;                          /* [BM][HD]; O staged here at the end */
     T *Ks = Qs + BM * HD;                           /* [ST][BN][HD] */
@@ -210,6 +214,7 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
 
     // ST-stage ring: tiles t+1 .. t+ST-1 are in flight while tile t is computed; the one
     // barrier per tile both publishes tile t and frees stage (t-1) % ST for tile t+ST-1
+    // (3 stages were no faster than 2 on H200 and spilled more: bench/ab_fwd.py)
 #pragma unroll
     for (int i = 0; i < ST - 1; ++i) {
         if (i < tiles) load_tile(i, i);
@@ -492,11 +497,12 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
-template <typename T, int HD, int BN, int RANK, int MB, int ST, int MINB, bool QREG>
-static nbhd_status launch_st(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
+template <typename T, int HD, int BN, int RANK, int MB, int MINB, bool QREG>
+static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                              cudaStream_t st) {
+    constexpr int ST = FWD_STAGES;
     const size_t smem = sizeof(T) * (size_t)(64 * MB * HD + 2 * ST * BN * HD) + sizeof(int) * ST * RANK * BN;
-    auto kernel = fna_mma_forward_kernel<T, HD, BN, RANK, MB, ST, MINB, QREG>;
+    auto kernel = fna_mma_forward_kernel<T, HD, BN, RANK, MB, MINB, QREG>;
     /* per device and cheap: set on every launch (legal during stream capture) */
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
@@ -510,14 +516,6 @@ static nbhd_status launch_st(const nbhd_geometry *g, const nbhd_forward_args *a,
     kernel<<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward");
     return NBHD_OK;
-}
-
-template <typename T, int HD, int BN, int RANK, int MB, int MINB, bool QREG>
-static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
-                             cudaStream_t st) {
-    const char *stages = getenv("NBHD_MMA_FWD_STAGES");
-    if (stages && stages[0] == '2') return launch_st<T, HD, BN, RANK, MB, 2, MINB, QREG>(g, a, P, st);
-    return launch_st<T, HD, BN, RANK, MB, 3, MINB, QREG>(g, a, P, st);
 }
 
 template <typename T, int HD, int BN, int MB, int MINB, bool QREG>
