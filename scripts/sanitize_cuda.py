@@ -13,7 +13,9 @@ CASES = [
     (3, (5, 6, 7), (3, 3, 4), (1, 1, 2), (1, 2, 1), (True, False, False), 2, 1, 128, 5, torch.bfloat16),
     (2, (7, 8), (3, 4), (1, 1), (1, 1), (False, False), 2, 2, 24, 2, torch.float32),
     (0, (9,), (), (), (), (), 2, 1, 64, 17, torch.bfloat16),
-    (1, (600,), (520,), (1,), (1,), (False,), 1, 1, 128, 0, torch.bfloat16),  # 64-key tiles
+    # windows of 512+ keys: 128-query patches of the forward (32- and 64-key tiles) and JVP
+    (1, (600,), (520,), (1,), (1,), (False,), 1, 1, 128, 0, torch.bfloat16),
+    (3, (9, 10, 12), (8, 8, 8), (2, 1, 3), (1, 1, 1), (False, True, False), 2, 1, 64, 3, torch.float16),
 ]
 
 for use_ref, kv_parallel in ((False, True), (False, False), (True, False)):
