@@ -439,8 +439,10 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         }
     if (out_vec) {
         // the warp's 16*MB x HD block through its own rows of Qs (read by no other warp): one
-        // 16-byte store per chunk instead of 4-byte stores per pair
+        // 16-byte store per chunk instead of 4-byte stores per pair. The warp's ldmatrix reads
+        // of those rows come first (with a single tile no barrier follows them).
         T *St = Qs;
+        __syncwarp();
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
