@@ -4,7 +4,7 @@
  * queries per CTA (1-D 64, 2-D 8x8, 3-D 4x4x4: mma_util.cuh patch_*); the forward and
  * forward+JVP kernels at D >= 64 also take 128 (1-D 128, 2-D 16x8, 3-D 8x4x4), the default on
  * windows of 512 keys or more of the forward and of the D = 128 forward+JVP (H200,
- * bench/ab_fwd.py: the forward 1.2-1.6x faster on 1-D 32768 w2048 and strided 3-D, 13-25 %
+ * bench/ab_fwd.py: the forward 1.07-1.66x faster on 1-D 32768 w2048 and strided 3-D, 13-25 %
  * slower on small windows; the forward+JVP 6-9 % faster at D = 128, 4-7 % slower at D = 64).
  * The listed kv tile names the patch, whose exact union of windows
  * the kernels walk in row-major runs of 32 or 64 keys; the first listed is the default. The
@@ -15,17 +15,31 @@
 
 #include "cuda_common.cuh"
 
-static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
-    return (op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP) && g->head_dim >= 64;
+/* the 8-warp forward+JVP with 128-query patches needs 128 KiB of shared memory per CTA at
+ * D = 128: sm_80 and sm_90 have 163 and 227 KiB per block, sm_86/89 only 99 */
+static bool jvp_patch_fits(const nbhd_geometry *g) {
+    int dev = 0, optin = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+    }
+    return optin >= 2 * 128 * g->head_dim * 2 + 8 * 32 * g->head_dim * 2 + 1024;
 }
 
+static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
+    if (g->head_dim < 64) return false;
+    return op == NBHD_OP_FORWARD || (op == NBHD_OP_FORWARD_JVP && jvp_patch_fits(g));
+}
+
+/* given large_patch_allowed */
 static bool large_patch_default(const nbhd_geometry *g, nbhd_op op) {
     const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
     return g->has_window && window >= 512 && (op == NBHD_OP_FORWARD || g->head_dim >= 128);
 }
 
 int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op) {
-    if (g->head_dim < 64) return 1;
+    if (!large_patch_allowed(g, op)) return 1;
     int64_t requested = 1;  /* queries in the requested patch (entry points checked it is listed) */
     for (int ax = 0; ax < NBHD_MAX_RANK; ++ax)
         if (e->q_tile[ax] > 0) requested *= e->q_tile[ax];
