@@ -12,9 +12,9 @@
  *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu) under the forward's conditions plus aligned
  *                tangents (absent ones skipped); else the simple kernel
  * exec.use_reference forces the simple kernels. Tiles in exec (q_tile/kv_tile, already checked
- * against tiles.cu's list by the entry points) are honoured by the mma kernels, whose only
- * configuration is the listed one; a problem that would fall back to a simple kernel (a layout
- * the mma kernels do not take) refuses them.
+ * against tiles.cu's list by the entry points) are honoured by the mma kernels (the forward and
+ * forward+JVP run the 64- or 128-query patch given; tiles.cu nbhd_cuda_mma_patch_mb); a problem
+ * that would fall back to a simple kernel (a layout the mma kernels do not take) refuses them.
  */
 #include "cuda_common.cuh"
 
