@@ -2,7 +2,9 @@
 # One run on the GPU machine: build nbhd with nvcc for sm_90a, run the CUDA test suite,
 # compute-sanitizer (memcheck, racecheck) on a small sweep, then the benchmark.
 # Logs go to $OUT (or ./out); the summary table prints last.
-#   STAGES="build test sanitize bench" (default all)  BENCH_ARGS="..."  PYTEST_ARGS="..."
+#   STAGES="build test sanitize bench" (the default; "ab" adds the forward/JVP sweep with
+#   128-query patches forced and the A/B of the kernel variants, bench/ab_fwd.py)
+#   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -42,6 +44,14 @@ if has sanitize; then
         tail -5 "$OUT/sanitize_$tool.log"
         summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|INITCHECK' "$OUT/sanitize_$tool.log" | tail -1) ($((SECONDS - t0)) s)")
     done
+fi
+
+if has ab; then
+    NBHD_MMA_FWD_MB=2 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k test_forward \
+        >"$OUT/test_mb2.log" 2>&1
+    summary+=("tests/test_cuda.py -k test_forward, 128-query patches forced: rc=$?, $(grep -E '[0-9]+ (passed|failed)' "$OUT/test_mb2.log" | tail -1)")
+    $PY bench/ab_fwd.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log"
+    $PY bench/ab_fwd.py --jvp ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_jvp.log"
 fi
 
 if has bench; then

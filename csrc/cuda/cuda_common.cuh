@@ -174,8 +174,16 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
 nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                       const nbhd_exec *e, cudaStream_t stream);
 
+/* fna_mma_jvp.cu: shared memory of the forward+JVP kernel on `warps` warps (4 or 8) */
+size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps);
+
 /* tiles.cu: the query patch of the forward (op NBHD_OP_FORWARD) or forward+JVP kernel, as
  * mma_plan_of's mb (1: 64 queries, 2: 128): the requested tile's, else the library's choice */
 int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op);
+
+/* windows of 512 keys or more: the tensor-core forward's large-window tiles (tiles.cu, fna_mma.cu) */
+static inline bool nbhd_cuda_mma_large_window(const nbhd_geometry *g) {
+    return (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel >= 512;
+}
 
 #endif /* NBHD_CUDA_COMMON_CUH */

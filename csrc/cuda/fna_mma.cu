@@ -232,11 +232,13 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
             const int col = kk * 16 + (lane >> 4) * 8;
             ldmatrix_x4(f, smem_u32(Qs + swz<HD>(row, col)));
         };
-        if (QREG && t == 0) {
+        if constexpr (QREG) {
+            if (t == 0) {
 #pragma unroll
-            for (int mb = 0; mb < (QREG ? MB : 0); ++mb)
+                for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-                for (int kk = 0; kk < HD / 16; ++kk) load_qf(mb, kk, qf[mb][kk]);
+                    for (int kk = 0; kk < HD / 16; ++kk) load_qf(mb, kk, qf[mb][kk]);
+            }
         }
         const T *Kt = Ks + s * BN * HD, *Vt = Vs + s * BN * HD;
         const int *kct = kc + s * RANK * BN;
@@ -277,9 +279,9 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                 uint32_t qk[MB][4];
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb) {
-                    if (QREG) {
+                    if constexpr (QREG) {
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) qk[mb][i] = qf[QREG ? mb : 0][kk][i];
+                        for (int i = 0; i < 4; ++i) qk[mb][i] = qf[mb][kk][i];
                     } else {
                         load_qf(mb, kk, qk[mb]);
                     }
@@ -545,8 +547,7 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e,
                           cudaStream_t st) {
-    const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
-    const bool small_window = g->has_window && window < 512;
+    const bool small_window = g->has_window && !nbhd_cuda_mma_large_window(g);
     const int mb = nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD);
     bool bn32 = small_window || (mb == 2 && (HD == 128 || mma_rank_of(g) == 1));
     const char *bn = getenv("NBHD_MMA_FWD_BN");

@@ -335,11 +335,18 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
+/* Q, tQ [16 * warps][D]; K, V, tK, tV [2][BC][D]; key coordinates; the CTA's addressing */
+size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps) {
+    const size_t D = (size_t)g->head_dim;
+    return 2 * (2 * 16 * (size_t)warps * D + 8 * BC * D) + sizeof(int) * 6 * BC +
+           4 * sizeof(group_ptr<const __half>) + sizeof(key_box);
+}
+
 template <typename T, int HD, int WARPS>
 static nbhd_status launch_warps(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+    static_assert(sizeof(T) == 2, "f16/bf16 tiles");
     const mma_plan P = mma_plan_of(g, WARPS / 4);
-    const size_t smem = sizeof(T) * (size_t)(2 * 16 * WARPS * HD + 8 * BC * HD) + sizeof(int) * 6 * BC +
-                        4 * sizeof(group_ptr<const T>) + sizeof(key_box);
+    const size_t smem = nbhd_cuda_mma_jvp_smem_bytes(g, WARPS);
     auto kernel = fna_mma_jvp_kernel<T, HD, WARPS>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();

@@ -15,7 +15,7 @@
 
 #include "cuda_common.cuh"
 
-/* the 8-warp forward+JVP with 128-query patches needs 128 KiB of shared memory per CTA at
+/* the 8-warp forward+JVP with 128-query patches needs about 128 KiB of shared memory per CTA at
  * D = 128: sm_80 and sm_90 have 163 and 227 KiB per block, sm_86/89 only 99 */
 static bool jvp_patch_fits(const nbhd_geometry *g) {
     int dev = 0, optin = 0;
@@ -24,7 +24,7 @@ static bool jvp_patch_fits(const nbhd_geometry *g) {
         cudaGetLastError();
         return false;
     }
-    return optin >= 2 * 128 * g->head_dim * 2 + 8 * 32 * g->head_dim * 2 + 1024;
+    return (size_t)optin >= nbhd_cuda_mma_jvp_smem_bytes(g, 8);
 }
 
 static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
@@ -32,21 +32,19 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
     return op == NBHD_OP_FORWARD || (op == NBHD_OP_FORWARD_JVP && jvp_patch_fits(g));
 }
 
-/* given large_patch_allowed */
+/* the default where allowed: cheap, so it is asked before large_patch_allowed's device query */
 static bool large_patch_default(const nbhd_geometry *g, nbhd_op op) {
-    const int64_t window = (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
-    return g->has_window && window >= 512 && (op == NBHD_OP_FORWARD || g->head_dim >= 128);
+    return g->has_window && nbhd_cuda_mma_large_window(g) && (op == NBHD_OP_FORWARD || g->head_dim >= 128);
 }
 
 int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op) {
-    if (!large_patch_allowed(g, op)) return 1;
     int64_t requested = 1;  /* queries in the requested patch (entry points checked it is listed) */
     for (int ax = 0; ax < NBHD_MAX_RANK; ++ax)
         if (e->q_tile[ax] > 0) requested *= e->q_tile[ax];
     if (requested > 1) return requested == 128 ? 2 : 1;
     const char *forced = getenv("NBHD_MMA_FWD_MB");  /* A/B runs: bench/ab_fwd.py */
-    if (forced && forced[0]) return forced[0] == '2' ? 2 : 1;
-    return large_patch_default(g, op) ? 2 : 1;
+    const bool large = forced && forced[0] ? forced[0] == '2' : large_patch_default(g, op);
+    return large && large_patch_allowed(g, op) ? 2 : 1;
 }
 
 int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
