@@ -244,6 +244,8 @@ TILE_CASES = [
     (3, (5, 8, 8), (5, 4, 4), (5, 4, 4), (1, 1, 1), (False, False, False), 2, 2, 1, 128, 128, 0,
      "heads_major"),
     (3, (9, 6, 9), (4, 3, 5), (2, 1, 3), (2, 2, 1), (True, False, True), 1, 4, 2, 64, 64, 4, "contig"),
+    # D = 128 with a window of 512+ keys: the 8-warp forward+JVP and tiles inside every window
+    (1, (700,), (560,), (1,), (1,), (False,), 1, 2, 1, 128, 128, 0, "contig"),
 ]
 
 

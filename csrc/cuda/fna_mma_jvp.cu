@@ -14,23 +14,25 @@
 #include "mma_util.cuh"
 
 /* WARPS = 4: 64-query patches, two CTAs per SM; WARPS = 8: 128-query patches (mma_plan_of's
- * mb = 2), one CTA per SM, each K/V/tK/tV tile read once for twice the queries */
-template <typename T, int HD, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? 2 : 1)
+ * mb = 2), each K/V/tK/tV tile read once for twice the queries. ST: K/V/tK/tV tiles in the
+ * cp.async ring. MINB: CTAs per SM the registers are budgeted for. FULL: the mask-free path for
+ * tiles inside every row's window (at D = 128 it costs registers). */
+template <typename T, int HD, int WARPS, int ST, int MINB, bool FULL>
+__global__ void __launch_bounds__(32 * WARPS, MINB)
 fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const mma_plan P) {
     constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
     static_assert(THREADS / BC <= HD / 8, "a key row needs a 16-byte chunk per thread");
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)smem_raw;            /* [ROWS][HD] */
     T *tQs = Qs + ROWS * HD;            /* [ROWS][HD] */
-    T *Ks = tQs + ROWS * HD;            /* [2][BC][HD] each: K, V, tK, tV */
-    T *Vs = Ks + 2 * BC * HD;
-    T *tKs = Vs + 2 * BC * HD;
-    T *tVs = tKs + 2 * BC * HD;
-    int *kc = (int *)(tVs + 2 * BC * HD); /* [2][3][BC] */
+    T *Ks = tQs + ROWS * HD;            /* [ST][BC][HD] each: K, V, tK, tV */
+    T *Vs = Ks + ST * BC * HD;
+    T *tKs = Vs + ST * BC * HD;
+    T *tVs = tKs + ST * BC * HD;
+    int *kc = (int *)(tVs + ST * BC * HD); /* [ST][3][BC] */
     /* K, V, tK, tV addressing of this CTA, kept in shared memory: in registers they would
      * push the D = 128 kernel (two accumulators of 64 registers) into spills */
-    group_ptr<const T> *kvp = (group_ptr<const T> *)(kc + 6 * BC);  /* [4] */
+    group_ptr<const T> *kvp = (group_ptr<const T> *)(kc + ST * 3 * BC);  /* [4] */
     key_box *kbs = (key_box *)(kvp + 4);  /* the union box, likewise */
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
@@ -171,14 +173,19 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, r[2] = {0.f, 0.f};
     const float scale = P.scale_log2 * 0.69314718055994531f;
 
-    if (tiles > 0) load_tile(0, 0);
-    cp_async_commit();
+    // ST-stage ring as the forward's: tiles t+1 .. t+ST-1 are in flight while tile t is
+    // computed; the one barrier per tile both publishes tile t and frees stage (t-1) % ST
+#pragma unroll
+    for (int i = 0; i < ST - 1; ++i) {
+        if (i < tiles) load_tile(i, i);
+        cp_async_commit();  /* Q, tQ ride with tile 0's group */
+    }
     for (int t = 0; t < tiles; ++t) {
-        const int s = t & 1;
-        if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
+        const int s = t % ST;
+        cp_async_wait<ST - 2>();
         __syncthreads();
+        if (t + ST - 1 < tiles) load_tile(t + ST - 1, (t + ST - 1) % ST);
+        cp_async_commit();
         const T *Kt = Ks + s * BC * HD, *Vt = Vs + s * BC * HD, *tKt = tKs + s * BC * HD,
                 *tVt = tVs + s * BC * HD;
         const int *kct = kc + s * 3 * BC;
@@ -196,8 +203,8 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
             mine = ulo[0] < uhi[0];
             inside = false;
         }
-        /* every key in every row's window (D = 128 keeps the masked path: registers) */
-        const bool full = HD <= 64 && __all_sync(0xffffffffu, inside);
+        /* every key in every row's window */
+        const bool full = FULL && __all_sync(0xffffffffu, inside);
         if (__any_sync(0xffffffffu, mine)) {
             float sc[BC / 8][4], ts[BC / 8][4];
 #pragma unroll
@@ -275,7 +282,6 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
             tile_xb<T, HD>(ct, ts, Vt, lane);              // C += (P tS) V
             if (has_tv) tile_xb<T, HD>(ct, sc, tVt, lane); //    + P tV
         }
-        __syncthreads();
     }
     cp_async_wait<0>();
 
@@ -335,19 +341,24 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
-/* Q, tQ [16 * warps][D]; K, V, tK, tV [2][BC][D]; key coordinates; the CTA's addressing */
-size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps) {
+/* Q, tQ [16 * warps][D]; K, V, tK, tV [stages][BC][D]; key coordinates; the CTA's addressing */
+size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps, int stages) {
     const size_t D = (size_t)g->head_dim;
-    return 2 * (2 * 16 * (size_t)warps * D + 8 * BC * D) + sizeof(int) * 6 * BC +
+    return 2 * (2 * 16 * (size_t)warps * D + 4 * (size_t)stages * BC * D) + sizeof(int) * 3 * stages * BC +
            4 * sizeof(group_ptr<const __half>) + sizeof(key_box);
 }
 
-template <typename T, int HD, int WARPS>
-static nbhd_status launch_warps(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+static bool env_is(const char *name, char c) {
+    const char *v = getenv(name);
+    return v && v[0] == c;
+}
+
+template <typename T, int HD, int WARPS, int ST, int MINB, bool FULL>
+static nbhd_status launch_kernel(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
     static_assert(sizeof(T) == 2, "f16/bf16 tiles");
     const mma_plan P = mma_plan_of(g, WARPS / 4);
-    const size_t smem = nbhd_cuda_mma_jvp_smem_bytes(g, WARPS);
-    auto kernel = fna_mma_jvp_kernel<T, HD, WARPS>;
+    const size_t smem = nbhd_cuda_mma_jvp_smem_bytes(g, WARPS, ST);
+    auto kernel = fna_mma_jvp_kernel<T, HD, WARPS, ST, MINB, FULL>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
         return nbhd_fail(NBHD_ERR_DEVICE, "mma forward_jvp: cannot reserve %zu bytes of shared memory: %s",
@@ -360,13 +371,36 @@ static nbhd_status launch_warps(const nbhd_geometry *g, const nbhd_forward_jvp_a
     return NBHD_OK;
 }
 
+/* A/B switches (bench/ab_fwd.py --jvp; read per launch): NBHD_MMA_JVP_ST=3 three-stage ring
+ * where the device has the shared memory, NBHD_MMA_JVP_FULL=1 the mask-free path at D = 128,
+ * NBHD_MMA_JVP_MINB=3 the 4-warp kernel budgeted for three CTAs per SM at D = 64 */
+template <typename T, int HD, int WARPS, int MINB, bool FULL>
+static nbhd_status launch_stages(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+    if (env_is("NBHD_MMA_JVP_ST", '3')) {
+        int dev = 0, optin = 0;
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if ((size_t)optin >= nbhd_cuda_mma_jvp_smem_bytes(g, WARPS, 3))
+            return launch_kernel<T, HD, WARPS, 3, MINB, FULL>(g, a, st);
+    }
+    return launch_kernel<T, HD, WARPS, 2, MINB, FULL>(g, a, st);
+}
+
 /* The patch (tiles.cu nbhd_cuda_mma_patch_mb): 128 queries on 8 warps, or 64 on 4 */
 template <typename T, int HD>
 static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                               const nbhd_exec *e, cudaStream_t st) {
-    if constexpr (HD >= 64)
-        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2) return launch_warps<T, HD, 8>(g, a, st);
-    return launch_warps<T, HD, 4>(g, a, st);
+    if constexpr (HD == 128) {
+        const bool full = env_is("NBHD_MMA_JVP_FULL", '1');
+        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2)
+            return full ? launch_stages<T, HD, 8, 1, true>(g, a, st) : launch_stages<T, HD, 8, 1, false>(g, a, st);
+        return full ? launch_stages<T, HD, 4, 2, true>(g, a, st) : launch_stages<T, HD, 4, 2, false>(g, a, st);
+    }
+    if constexpr (HD == 64) {
+        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2) return launch_stages<T, HD, 8, 1, true>(g, a, st);
+        if (env_is("NBHD_MMA_JVP_MINB", '3')) return launch_stages<T, HD, 4, 3, true>(g, a, st);
+    }
+    return launch_stages<T, HD, 4, 2, true>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
