@@ -2,8 +2,8 @@
 configurations interleaved.
 
 The variants are picked per launch by environment switches read in csrc/cuda/fna_mma.cu
-(NBHD_MMA_FWD_BN: key tile), csrc/cuda/tiles.cu (NBHD_MMA_FWD_MB: 64- or 128-query patches
-of both kernels) and csrc/cuda/fna_mma_jvp.cu (NBHD_MMA_JVP_ST, _FULL, _MINB). Each timing is a
+(NBHD_MMA_FWD_BN: key tile) and csrc/cuda/tiles.cu (NBHD_MMA_FWD_MB: 64- or 128-query patches
+of both kernels). Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
@@ -28,12 +28,8 @@ JVP_CONFIGS = {
     "default": {},
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
     "mb2": {"NBHD_MMA_FWD_MB": "2"},
-    "st3": {"NBHD_MMA_JVP_ST": "3"},
-    "full": {"NBHD_MMA_JVP_FULL": "1"},
-    "st3-full": {"NBHD_MMA_JVP_ST": "3", "NBHD_MMA_JVP_FULL": "1"},
-    "minb3": {"NBHD_MMA_JVP_MINB": "3"},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB", "NBHD_MMA_JVP_ST", "NBHD_MMA_JVP_FULL", "NBHD_MMA_JVP_MINB")
+SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB")
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),

@@ -2,8 +2,8 @@
 # One run on the GPU machine: build nbhd with nvcc for sm_90a, run the CUDA test suite,
 # compute-sanitizer (memcheck, racecheck) on a small sweep, then the benchmark.
 # Logs go to $OUT (or ./out); the summary table prints last.
-#   STAGES="build test sanitize bench" (the default; "ab" adds the forward/JVP sweeps with the
-#   kernels' A/B switches forced and the A/B of the kernel variants, bench/ab_fwd.py)
+#   STAGES="build test sanitize bench" (the default; "ab" adds the forward sweep with 128-query
+#   patches forced and the A/B of the forward and forward+JVP variants, bench/ab_fwd.py)
 #   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."  AB_KINDS="fwd jvp" (which A/Bs)
 set -u
 OUT=${OUT:-out}
@@ -55,13 +55,6 @@ if has ab; then
         $PY bench/ab_fwd.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log"
     fi
     if ab_kind jvp; then
-        # the forward+JVP's A/B switches (fna_mma_jvp.cu), each against the float64 reference
-        for sw in "NBHD_MMA_JVP_ST=3 NBHD_MMA_JVP_FULL=1" "NBHD_MMA_JVP_MINB=3" \
-                  "NBHD_MMA_FWD_MB=2 NBHD_MMA_JVP_ST=3 NBHD_MMA_JVP_FULL=1"; do
-            env $sw $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "(jvp and not simple) or tile_configs" \
-                >"$OUT/test_jvp_switch.log" 2>&1
-            summary+=("tests/test_cuda.py jvp + tile_configs with $sw: rc=$?, $(grep -E '[0-9]+ (passed|failed)' "$OUT/test_jvp_switch.log" | tail -1)")
-        done
         $PY bench/ab_fwd.py --jvp ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_jvp.log"
     fi
 fi

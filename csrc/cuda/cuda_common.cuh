@@ -175,7 +175,7 @@ nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward
                                       const nbhd_exec *e, cudaStream_t stream);
 
 /* fna_mma_jvp.cu: shared memory of the forward+JVP kernel on `warps` warps (4 or 8) */
-size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps, int stages);
+size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps);
 
 /* tiles.cu: the query patch of the forward (op NBHD_OP_FORWARD) or forward+JVP kernel, as
  * mma_plan_of's mb (1: 64 queries, 2: 128): the requested tile's, else the library's choice */

@@ -2,7 +2,7 @@
  * fna_mma_jvp.cu — tensor-core forward + JVP (O, LSE, tO, mu) for f16/bf16 with
  * D = Dv in {32, 64, 128}, in one pass (DESIGN.md §4). Tiles as the forward (64- or 128-query
  * patch, exact union of its windows, then the extra keys) with 32-key tiles and K, V, tK, tV
- * double-buffered by cp.async. Per tile and warp (16 queries x 32 keys):
+ * double-buffered by cp.async (one barrier per tile). Per tile and warp (16 queries x 32 keys):
  *
  *   S  = Q K^T,  tS = s (tQ K^T + Q tK^T)            (absent tangents skipped)
  *   m, l online in base 2; p = 2^(S s log2e - m)
@@ -13,14 +13,18 @@
  */
 #include "mma_util.cuh"
 
-/* WARPS = 4: 64-query patches, two CTAs per SM; WARPS = 8: 128-query patches (mma_plan_of's
- * mb = 2), each K/V/tK/tV tile read once for twice the queries. ST: K/V/tK/tV tiles in the
- * cp.async ring. MINB: CTAs per SM the registers are budgeted for. FULL: the mask-free path for
- * tiles inside every row's window (at D = 128 it costs registers). */
-template <typename T, int HD, int WARPS, int ST, int MINB, bool FULL>
+/* K/V/tK/tV tiles in the cp.async ring (H200, bench/ab_fwd.py --jvp: 3 stages within 3 % at
+ * D = 64 and up to 1.45x slower on small windows at D = 128, where a CTA then fits once per SM) */
+#define JVP_STAGES 2
+
+/* WARPS = 4: 64-query patches; WARPS = 8: 128-query patches (mma_plan_of's mb = 2), each
+ * K/V/tK/tV tile read once for twice the queries. MINB: CTAs per SM the registers are budgeted
+ * for (H200, bench/ab_fwd.py --jvp: at D = 64 three CTAs of 4 warps, 168 registers and ~116
+ * spilled bytes, were 5-8 % faster than two) */
+template <typename T, int HD, int WARPS, int MINB>
 __global__ void __launch_bounds__(32 * WARPS, MINB)
 fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const mma_plan P) {
-    constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
+    constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS, ST = JVP_STAGES;
     static_assert(THREADS / BC <= HD / 8, "a key row needs a 16-byte chunk per thread");
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)smem_raw;            /* [ROWS][HD] */
@@ -203,8 +207,9 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
             mine = ulo[0] < uhi[0];
             inside = false;
         }
-        /* every key in every row's window */
-        const bool full = FULL && __all_sync(0xffffffffu, inside);
+        /* every key in every row's window: no mask (at D = 128 this path spills a little more
+         * but was 11-13 % faster on 1-D w2048 and strided 3-D, H200) */
+        const bool full = __all_sync(0xffffffffu, inside);
         if (__any_sync(0xffffffffu, mine)) {
             float sc[BC / 8][4], ts[BC / 8][4];
 #pragma unroll
@@ -341,24 +346,19 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
     return half_type && head_dim_ok && inputs_aligned && out_aligned && small_axes && small_steps;
 }
 
-/* Q, tQ [16 * warps][D]; K, V, tK, tV [stages][BC][D]; key coordinates; the CTA's addressing */
-size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps, int stages) {
-    const size_t D = (size_t)g->head_dim;
-    return 2 * (2 * 16 * (size_t)warps * D + 4 * (size_t)stages * BC * D) + sizeof(int) * 3 * stages * BC +
+/* Q, tQ [16 * warps][D]; K, V, tK, tV [JVP_STAGES][BC][D]; key coordinates; the CTA's addressing */
+size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps) {
+    const size_t D = (size_t)g->head_dim, stages = JVP_STAGES;
+    return 2 * (2 * 16 * (size_t)warps * D + 4 * stages * BC * D) + sizeof(int) * 3 * stages * BC +
            4 * sizeof(group_ptr<const __half>) + sizeof(key_box);
 }
 
-static bool env_is(const char *name, char c) {
-    const char *v = getenv(name);
-    return v && v[0] == c;
-}
-
-template <typename T, int HD, int WARPS, int ST, int MINB, bool FULL>
+template <typename T, int HD, int WARPS, int MINB>
 static nbhd_status launch_kernel(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
     static_assert(sizeof(T) == 2, "f16/bf16 tiles");
     const mma_plan P = mma_plan_of(g, WARPS / 4);
-    const size_t smem = nbhd_cuda_mma_jvp_smem_bytes(g, WARPS, ST);
-    auto kernel = fna_mma_jvp_kernel<T, HD, WARPS, ST, MINB, FULL>;
+    const size_t smem = nbhd_cuda_mma_jvp_smem_bytes(g, WARPS);
+    auto kernel = fna_mma_jvp_kernel<T, HD, WARPS, MINB>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
         return nbhd_fail(NBHD_ERR_DEVICE, "mma forward_jvp: cannot reserve %zu bytes of shared memory: %s",
@@ -371,36 +371,14 @@ static nbhd_status launch_kernel(const nbhd_geometry *g, const nbhd_forward_jvp_
     return NBHD_OK;
 }
 
-/* A/B switches (bench/ab_fwd.py --jvp; read per launch): NBHD_MMA_JVP_ST=3 three-stage ring
- * where the device has the shared memory, NBHD_MMA_JVP_FULL=1 the mask-free path at D = 128,
- * NBHD_MMA_JVP_MINB=3 the 4-warp kernel budgeted for three CTAs per SM at D = 64 */
-template <typename T, int HD, int WARPS, int MINB, bool FULL>
-static nbhd_status launch_stages(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
-    if (env_is("NBHD_MMA_JVP_ST", '3')) {
-        int dev = 0, optin = 0;
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-        if ((size_t)optin >= nbhd_cuda_mma_jvp_smem_bytes(g, WARPS, 3))
-            return launch_kernel<T, HD, WARPS, 3, MINB, FULL>(g, a, st);
-    }
-    return launch_kernel<T, HD, WARPS, 2, MINB, FULL>(g, a, st);
-}
-
-/* The patch (tiles.cu nbhd_cuda_mma_patch_mb): 128 queries on 8 warps, or 64 on 4 */
+/* The patch (tiles.cu nbhd_cuda_mma_patch_mb): 128 queries on 8 warps (one CTA per SM), or 64
+ * on 4 (three CTAs per SM at D = 64, else two) */
 template <typename T, int HD>
 static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                               const nbhd_exec *e, cudaStream_t st) {
-    if constexpr (HD == 128) {
-        const bool full = env_is("NBHD_MMA_JVP_FULL", '1');
-        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2)
-            return full ? launch_stages<T, HD, 8, 1, true>(g, a, st) : launch_stages<T, HD, 8, 1, false>(g, a, st);
-        return full ? launch_stages<T, HD, 4, 2, true>(g, a, st) : launch_stages<T, HD, 4, 2, false>(g, a, st);
-    }
-    if constexpr (HD == 64) {
-        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2) return launch_stages<T, HD, 8, 1, true>(g, a, st);
-        if (env_is("NBHD_MMA_JVP_MINB", '3')) return launch_stages<T, HD, 4, 3, true>(g, a, st);
-    }
-    return launch_stages<T, HD, 4, 2, true>(g, a, st);
+    if constexpr (HD >= 64)
+        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2) return launch_kernel<T, HD, 8, 1>(g, a, st);
+    return launch_kernel<T, HD, 4, HD == 64 ? 3 : 2>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,

@@ -24,7 +24,7 @@ static bool jvp_patch_fits(const nbhd_geometry *g) {
         cudaGetLastError();
         return false;
     }
-    return (size_t)optin >= nbhd_cuda_mma_jvp_smem_bytes(g, 8, 2);
+    return (size_t)optin >= nbhd_cuda_mma_jvp_smem_bytes(g, 8);
 }
 
 static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
