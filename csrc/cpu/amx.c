@@ -284,7 +284,119 @@ static inline __m512i amx_pair_bf16(vf a, vf b) {
 }
 
 // ----------------------------------------------------------------------------
-// one work item: 16 queries of one line against their key rows
+// work items: blocks of queries (or keys), their windows and the key rows they visit
+
+/* A work item's 16 lanes: ny in-group rows iy0.. of Y group gy times nz = 16 / ny in-group
+ * positions iz0.. of Z group gz, all at one x; lane l holds row l / nz, position l % nz. A block
+ * never leaves its Y group (the last rows of a group take smaller blocks); positions past the
+ * end of the Z group leave their lanes idle. */
+typedef struct {
+    int64_t gy, iy0, gz, iz0;
+    int ny;
+} amx_block;
+
+/* The lanes of an item: each lane's in-group Y and Z windows [lo, hi) (Z empty on an idle
+ * lane), full coordinates, the lanes that hold a token (live), the union of the Z windows
+ * [ulo, uhi) and of the Y windows (in-group rows iyu.., cy of them; first full coordinate fy). */
+typedef struct {
+    int32_t ylo[16], yhi[16], zlo[16], zhi[16];
+    int64_t y[16], z[16];
+    unsigned live;
+    int64_t ulo, uhi, iyu, fy, cy;
+} amx_lanes;
+
+/* in-group windows [st, en) of the n in-group indices i0.. of group gr (forward windows, or the
+ * inverse windows when inverse); empty past the group's end */
+static void amx_spans(const nbhd_axis *a, int64_t gr, int64_t i0, int n, int inverse, int64_t *st, int64_t *en) {
+    const int64_t Lg = nbhd_group_len(a, gr);
+    for (int j = 0; j < n; ++j) {
+        st[j] = en[j] = 0;
+        if (i0 + j >= Lg) continue;
+        if (inverse) {
+            int64_t first, count;
+            nbhd_inverse_window(a, gr + (i0 + j) * a->dilation, &first, &count);
+            st[j] = (first - gr) / a->dilation;
+            en[j] = st[j] + count;
+        } else {
+            nbhd_window_in_group(a, i0 + j, Lg, &st[j], &en[j]);
+        }
+    }
+}
+
+/* Windows start and end monotonically along an axis and neighbouring windows touch (stride <=
+ * kernel; causal ends at i + 1), so the unions are contiguous. */
+static void amx_lanes_of(const nbhd_geometry *g, const amx_block *B, int inverse, amx_lanes *L) {
+    const nbhd_axis *ay = &g->axis[1], *az = &g->axis[2];
+    const int ny = B->ny, nz = 16 / ny;
+    int64_t yst[16], yen[16], zst[16], zen[16];
+    amx_spans(ay, B->gy, B->iy0, ny, inverse, yst, yen);
+    amx_spans(az, B->gz, B->iz0, nz, inverse, zst, zen);
+    const int64_t Lgz = nbhd_group_len(az, B->gz);
+    int64_t ylo = INT64_MAX, yhi = 0;
+    L->live = 0;
+    L->ulo = INT64_MAX; L->uhi = 0;
+    for (int l = 0; l < 16; ++l) {
+        const int r = l / nz, j = l % nz;
+        const int on = zen[j] > zst[j] && yen[r] > yst[r];
+        L->ylo[l] = (int32_t)yst[r]; L->yhi[l] = (int32_t)yen[r];
+        L->zlo[l] = on ? (int32_t)zst[j] : 0; L->zhi[l] = on ? (int32_t)zen[j] : 0;
+        L->y[l] = B->gy + (B->iy0 + r) * ay->dilation;
+        L->z[l] = B->gz + (B->iz0 + j) * az->dilation;
+        if (B->iz0 + j < Lgz) L->live |= 1u << l;
+        if (on) {
+            if (zst[j] < L->ulo) L->ulo = zst[j];
+            if (zen[j] > L->uhi) L->uhi = zen[j];
+            if (yst[r] < ylo) ylo = yst[r];
+            if (yen[r] > yhi) yhi = yen[r];
+        }
+    }
+    if (L->ulo == INT64_MAX) { L->ulo = L->uhi = 0; ylo = yhi = 0; }
+    L->iyu = ylo;
+    L->cy = yhi - ylo;
+    L->fy = B->gy + ylo * ay->dilation;
+}
+
+/* The key rows of an item (X window, or inverse window, of its x times the Y union of its lanes)
+ * as one slot space of `rows` x `nslots` (nslots a multiple of 32); a unit is USLOTS consecutive
+ * slots of it, cut into one segment per row it touches (line: the row's packed line; [s0, s1): its
+ * slots; u0: where they sit in the unit's buffers; ymask: the lanes whose Y window holds the row). */
+typedef struct {
+    int64_t fx, cx, fy, cy, iyu, dx, dy, rows, nslots;
+    __m512i ylo, yhi;
+} amx_rows;
+
+typedef struct {
+    int64_t line, s0, s1, u0;
+    __mmask16 ymask;
+} amx_seg;
+
+static amx_rows amx_rows_of(const nbhd_geometry *g, int64_t x, const amx_lanes *L, int64_t nslots, int inverse) {
+    amx_rows R;
+    if (inverse) nbhd_inverse_window(&g->axis[0], x, &R.fx, &R.cx);
+    else nbhd_window(&g->axis[0], x, &R.fx, &R.cx);
+    R.fy = L->fy; R.cy = L->cy; R.iyu = L->iyu;
+    R.dx = g->axis[0].dilation; R.dy = g->axis[1].dilation;
+    R.rows = R.cx * R.cy;
+    R.nslots = nslots;
+    R.ylo = _mm512_loadu_si512(L->ylo);
+    R.yhi = _mm512_loadu_si512(L->yhi);
+    return R;
+}
+
+static int amx_unit(const amx_rows *R, int64_t Y, int64_t g0, amx_seg *seg) {
+    int nseg = 0;
+    const int64_t n = R->nslots;
+    for (int64_t rr = g0 / n; rr < R->rows && rr * n < g0 + USLOTS; ++rr) {
+        const int64_t s0 = (g0 > rr * n ? g0 : rr * n) - rr * n;
+        const int64_t s1 = (g0 + USLOTS < (rr + 1) * n ? g0 + USLOTS : (rr + 1) * n) - rr * n;
+        const int64_t r = rr % R->cy, line = (R->fx + (rr / R->cy) * R->dx) * Y + R->fy + r * R->dy;
+        seg[nseg++] = (amx_seg){line, s0, s1, rr * n + s0 - g0, amx_in(R->ylo, R->yhi, R->iyu + r)};
+    }
+    return nseg;
+}
+
+// ----------------------------------------------------------------------------
+// one work item: 16 queries against their key rows
 
 typedef struct {
     const uint16_t *K, *Vt;     /* packed K and V^T of the slab */
@@ -296,18 +408,27 @@ typedef struct {
     int jvp, has_tq;
 } amx_ctx;
 
-/* S^T of slots [s0, s1) (multiples of 32) of key row `line` into S (unit slot u0), for the
- * union starting at packed token `zb`. Two 16-key tiles at a time (C in tmm0 and tmm6), so
- * that each product's latency hides behind the other's, and a tile register is never reloaded
- * while a product still reads it (D <= 64: K in tmm1, tmm7, tmm4, tmm5; Q^T in tmm2, tmm3).
+/* S^T of the unit's computed slots (the first n16 of each row, a multiple of 16 covering the Z
+ * union; the others are masked everywhere) into S, for the union starting at packed token `zb`.
+ * 16-key tiles of any of the unit's rows, two at a time (C in tmm0 and tmm6), so that each
+ * product's latency hides behind the other's, and a tile register is never reloaded while a
+ * product still reads it (D <= 64: K in tmm1, tmm7, tmm4, tmm5; Q^T in tmm2, tmm3).
  * A tile never overruns its packed row: PADZ >= 32. */
-static void amx_scores(const amx_ctx *cx, amx_scratch *sc, int64_t line, int64_t zb, int64_t s0,
-                       int64_t s1, int64_t u0) {
+static void amx_scores(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb, int64_t n16) {
     const amx_geo *G = cx->G;
     const int64_t D = G->D, nd = D / 32, ld = D * 2;
-    const uint16_t *krow = cx->K + line * G->ZP * D;
-    for (int64_t s = s0; s < s1; s += 32) {
-        const uint16_t *ka = krow + (zb + s) * D, *kb = ka + 16 * D;
+    const uint16_t *kt[USLOTS / 16];
+    float *st[USLOTS / 16];
+    int nt = 0;
+    for (int i = 0; i < nseg; ++i)
+        for (int64_t s = seg[i].s0; s < seg[i].s1 && s < n16; s += 16) {
+            kt[nt] = cx->K + (seg[i].line * G->ZP + zb + s) * D;
+            st[nt++] = sc->S + (seg[i].u0 + s - seg[i].s0) * 16;
+        }
+    for (int t = 0; t < nt; t += 2) {
+        /* an odd last tile is computed twice and stored once */
+        const int two = t + 1 < nt;
+        const uint16_t *ka = kt[t], *kb = kt[two ? t + 1 : t];
         _tile_zero(0);
         _tile_zero(6);
         if (nd == 1) {
@@ -335,32 +456,35 @@ static void amx_scores(const amx_ctx *cx, amx_scratch *sc, int64_t line, int64_t
                 }
             }
         }
-        _tile_stored(0, sc->S + (u0 + s - s0) * 16, 64);
-        _tile_stored(6, sc->S + (u0 + s - s0 + 16) * 16, 64);
+        _tile_stored(0, st[t], 64);
+        if (two) _tile_stored(6, st[t + 1], 64);
     }
 }
 
-/* Forward+JVP: S^T and the unscaled tS^T = K tQ^T + tK Q^T of slots [s0, s1) of key row
- * `line`, 16 keys at a time: tmm0 S^T, tmm1 tS^T, K in tmm2, tK in tmm5, the Q^T and tQ^T tiles
- * of each 32 d reloaded into tmm3 and tmm4 (from L1). */
-static void amx_scores_jvp(const amx_ctx *cx, amx_scratch *sc, int64_t line, int64_t zb, int64_t s0,
-                           int64_t s1, int64_t u0) {
+/* Forward+JVP: S^T and the unscaled tS^T = K tQ^T + tK Q^T of the unit's computed slots (as
+ * amx_scores), 16 keys at a time: tmm0 S^T, tmm1 tS^T, K in tmm2, tK in tmm5, the Q^T and tQ^T
+ * tiles of each 32 d reloaded into tmm3 and tmm4 (from L1). */
+static void amx_scores_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb,
+                           int64_t n16) {
     const amx_geo *G = cx->G;
     const int64_t D = G->D, nd = D / 32, ld = D * 2;
-    const uint16_t *krow = cx->K + line * G->ZP * D, *tkrow = cx->tK ? cx->tK + line * G->ZP * D : NULL;
-    for (int64_t s = s0; s < s1; s += 16) {
-        const int64_t z = zb + s;
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int64_t c = 0; c < nd; ++c) {
-            _tile_loadd(2, krow + z * D + 32 * c, ld);
-            _tile_loadd(3, sc->qt + c * 512, 64);
-            _tile_dpbf16ps(0, 2, 3);
-            if (cx->has_tq) { _tile_loadd(4, sc->tqt + c * 512, 64); _tile_dpbf16ps(1, 2, 4); }
-            if (tkrow) { _tile_loadd(5, tkrow + z * D + 32 * c, ld); _tile_dpbf16ps(1, 5, 3); }
+    for (int i = 0; i < nseg; ++i) {
+        const uint16_t *krow = cx->K + seg[i].line * G->ZP * D;
+        const uint16_t *tkrow = cx->tK ? cx->tK + seg[i].line * G->ZP * D : NULL;
+        for (int64_t s = seg[i].s0; s < seg[i].s1 && s < n16; s += 16) {
+            const int64_t z = zb + s, u = seg[i].u0 + s - seg[i].s0;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t c = 0; c < nd; ++c) {
+                _tile_loadd(2, krow + z * D + 32 * c, ld);
+                _tile_loadd(3, sc->qt + c * 512, 64);
+                _tile_dpbf16ps(0, 2, 3);
+                if (cx->has_tq) { _tile_loadd(4, sc->tqt + c * 512, 64); _tile_dpbf16ps(1, 2, 4); }
+                if (tkrow) { _tile_loadd(5, tkrow + z * D + 32 * c, ld); _tile_dpbf16ps(1, 5, 3); }
+            }
+            _tile_stored(0, sc->S + u * 16, 64);
+            _tile_stored(1, sc->T + u * 16, 64);
         }
-        _tile_stored(0, sc->S + (u0 + s - s0) * 16, 64);
-        _tile_stored(1, sc->T + (u0 + s - s0) * 16, 64);
     }
 }
 
@@ -376,8 +500,6 @@ static void amx_load_q_tiles(const amx_scratch *sc, int64_t nd) {
  * 64 dv (tmm0..3) at a time.
  * With Dv <= 32 the even and odd 32-key blocks go to separate accumulators (tmm0..1, tmm2..3),
  * so that consecutive products do not wait on each other; their sum is added at the end. */
-typedef struct { int64_t line, s0, s1, u0; } amx_seg;
-
 static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, float *acc2, const uint32_t *Pb,
                       const amx_seg *seg, int nseg, int64_t zb) {
     if (Dv <= 32) {
@@ -483,7 +605,8 @@ static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *se
     }
 }
 
-/* masked, scaled scores of the unit's n slots -> probabilities (online softmax per lane):
+/* masked (lane l sees slot s of a segment iff its Z window holds ulo + s and its Y window the
+ * segment's row), scaled scores of the unit's slots -> probabilities (online softmax per lane):
  * m' = max(m, max_s S), O *= exp2(m - m'), l = l exp2(m - m') + sum_s exp2(S - m').
  * Forward+JVP (sc->T): tS = scale * T, 0 where masked (never -inf, NaN otherwise);
  * C *= exp2(m - m'), r = r exp2(m - m') + sum_s P tS, and (P o tS)^T key pairs into sc->PT. */
@@ -497,7 +620,7 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t u
     for (int i = 0; i < nseg; ++i)
         for (int64_t s = seg[i].s0; s < seg[i].s1 && s < nvalid; ++s) {
             float *p = sc->S + (seg[i].u0 + s - seg[i].s0) * 16;
-            const __mmask16 in = amx_in(lo, hi, ulo + s);
+            const __mmask16 in = amx_in(lo, hi, ulo + s) & seg[i].ymask;
             const vf x = _mm512_mask_mul_ps(ninf, in, _mm512_loadu_ps(p), vc);
             _mm512_storeu_ps(p, x);
             mx = _mm512_max_ps(mx, x);
@@ -540,92 +663,33 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t u
     *m = mnew;
 }
 
-/* The rows of a work item's windows (X window x Y window, or their inverse windows) as one slot
- * space of `rows` x `nslots`; a unit is USLOTS consecutive slots of it, cut into one segment per
- * row it touches (line: the row's packed line; [s0, s1): its slots; u0: where they sit in the
- * unit's buffers). */
-typedef struct {
-    int64_t fx, cx, fy, cy, dx, dy, rows, nslots;
-} amx_rows;
-
-static amx_rows amx_rows_of(const nbhd_geometry *g, int64_t x, int64_t y, int64_t nslots, int inverse) {
-    amx_rows R;
-    if (inverse) {
-        nbhd_inverse_window(&g->axis[0], x, &R.fx, &R.cx);
-        nbhd_inverse_window(&g->axis[1], y, &R.fy, &R.cy);
-    } else {
-        nbhd_window(&g->axis[0], x, &R.fx, &R.cx);
-        nbhd_window(&g->axis[1], y, &R.fy, &R.cy);
-    }
-    R.dx = g->axis[0].dilation; R.dy = g->axis[1].dilation;
-    R.rows = R.cx * R.cy;
-    R.nslots = nslots;
-    return R;
-}
-
-static int amx_unit(const amx_rows *R, int64_t Y, int64_t g0, amx_seg *seg) {
-    int nseg = 0;
-    const int64_t n = R->nslots;
-    for (int64_t rr = g0 / n; rr < R->rows && rr * n < g0 + USLOTS; ++rr) {
-        const int64_t s0 = (g0 > rr * n ? g0 : rr * n) - rr * n;
-        const int64_t s1 = (g0 + USLOTS < (rr + 1) * n ? g0 + USLOTS : (rr + 1) * n) - rr * n;
-        const int64_t line = (R->fx + (rr / R->cy) * R->dx) * Y + R->fy + (rr % R->cy) * R->dy;
-        seg[nseg++] = (amx_seg){line, s0, s1, rr * n + s0 - g0};
-    }
-    return nseg;
-}
-
-/* in-group windows of the chunk's lanes (forward windows, or inverse windows when inverse) */
-static int amx_lanes(const nbhd_axis *az, int64_t gr, int64_t i0, int64_t Lg, int inverse, int32_t *lo,
-                     int32_t *hi, int64_t *z, int64_t *ulo, int64_t *uhi) {
-    const int nl = (int)(Lg - i0 < 16 ? Lg - i0 : 16);
-    *ulo = INT64_MAX; *uhi = 0;
-    for (int l = 0; l < 16; ++l) {
-        int64_t st = 0, en = 0;
-        if (l < nl) {
-            z[l] = gr + (i0 + l) * az->dilation;
-            if (inverse) {
-                int64_t first, count;
-                nbhd_inverse_window(az, z[l], &first, &count);
-                st = (first - gr) / az->dilation;
-                en = st + count;
-            } else {
-                nbhd_window_in_group(az, i0 + l, Lg, &st, &en);
-            }
-            if (en > st) { if (st < *ulo) *ulo = st; if (en > *uhi) *uhi = en; }
-        }
-        lo[l] = (int32_t)st; hi[l] = (int32_t)en;
-    }
-    if (*ulo == INT64_MAX) *ulo = *uhi = 0;
-    return nl;
-}
-
-/* dst[p][l] = (t[l][2p], t[l][2p+1]) for the nl queries of a chunk (others 0): 16 queries x
+/* dst[p][l] = (t[l][2p], t[l][2p+1]) for the live lanes' tokens (others 0): 16 tokens x
  * 16 d-pairs per 32 d, a 16 x 16 transpose of 32-bit words */
-static void amx_pack_qt(uint16_t *dst, const nbhd_tensor *t, int64_t D, int64_t b, int64_t x, int64_t y,
-                        const int64_t *z, int nl, int64_t h) {
+static void amx_pack_qt(uint16_t *dst, const nbhd_tensor *t, int64_t D, int64_t b, int64_t x, const amx_lanes *L,
+                        int64_t h) {
     const uint16_t *tok[16];
-    for (int l = 0; l < nl; ++l) tok[l] = amx_token(t, b, x, y, z[l], h);
+    for (int l = 0; l < 16; ++l) tok[l] = L->live >> l & 1 ? amx_token(t, b, x, L->y[l], L->z[l], h) : NULL;
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         vf r[16];
         for (int l = 0; l < 16; ++l)
-            r[l] = l < nl ? _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(tok[l] + d0))) : vf_zero();
+            r[l] = tok[l] ? _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(tok[l] + d0))) : vf_zero();
         vf_transpose16(r);
         for (int p = 0; p < 16; ++p) vf_store((float *)dst + (d0 / 2 + p) * 16, r[p]);
     }
 }
 
-/* t[b, x, y, z_l, h, :] = bf16(A[:][l]) for the nl queries of a chunk, A = [Dv][16] */
+/* t[b, x, y_l, z_l, h, :] = bf16(A[:][l]) for the live lanes, A = [Dv][16] */
 static void amx_store_lanes(const nbhd_tensor *t, const float *A, int64_t Dv, int64_t b, int64_t x,
-                            int64_t y, const int64_t *z, int nl, int64_t h) {
+                            const amx_lanes *L, int64_t h) {
     uint16_t *row[16];
-    for (int l = 0; l < nl; ++l) row[l] = (uint16_t *)amx_token(t, b, x, y, z[l], h);
+    for (int l = 0; l < 16; ++l) row[l] = L->live >> l & 1 ? (uint16_t *)amx_token(t, b, x, L->y[l], L->z[l], h) : NULL;
     const int64_t st = t->stride[5];
     for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
         vf r[16];
         for (int j = 0; j < 16; ++j) r[j] = vf_load(A + (d0 + j) * 16);
         vf_transpose16(r);
-        for (int l = 0; l < nl; ++l) {
+        for (int l = 0; l < 16; ++l) {
+            if (!row[l]) continue;
             const __m256i h16 = amx_bf16(r[l]);
             if (st == 1) _mm256_storeu_si256((__m256i *)(row[l] + d0), h16);
             else {
@@ -642,36 +706,34 @@ static inline float *amx_scalar(const nbhd_tensor *t, int64_t b, int64_t x, int6
            h * t->stride[4];
 }
 
-static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, int64_t x, int64_t y,
-                     int64_t gr, int64_t i0) {
+static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, int64_t x, const amx_block *B) {
     const amx_geo *G = cx->G;
     const nbhd_geometry *g = cx->g;
     const amx_io *io = cx->io;
-    const int64_t D = G->D, Dv = G->Dv, Lg = nbhd_group_len(&g->axis[2], gr);
-    /* Z windows per lane and their union */
-    int32_t lo[16], hi[16];
-    int64_t z[16], ulo, uhi;
-    const int nl = amx_lanes(&g->axis[2], gr, i0, Lg, 0, lo, hi, z, &ulo, &uhi);
-    const int64_t nslots = (uhi - ulo + 31) / 32 * 32;
-    amx_pack_qt(sc->qt, io->q, D, b, x, y, z, nl, h);
-    if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, y, z, nl, h);
+    const int64_t D = G->D, Dv = G->Dv;
+    amx_lanes L;
+    amx_lanes_of(g, B, 0, &L);
+    /* each row: the Z union, its first n16 slots computed, nslots in the PV phase's 32-key tiles */
+    const int64_t nvalid = L.uhi - L.ulo, n16 = (nvalid + 15) / 16 * 16, nslots = (nvalid + 31) / 32 * 32;
+    amx_pack_qt(sc->qt, io->q, D, b, x, &L, h);
+    if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, &L, h);
     memset(sc->O, 0, sizeof(float) * 16 * (size_t)Dv);
     if (cx->jvp) memset(sc->C, 0, sizeof(float) * 16 * (size_t)Dv);
     vf m = vf_set1(-INFINITY), lsum = vf_zero(), r = vf_zero();
     const vf vc = vf_set1(cx->c), vscale = vf_set1((float)g->scale);
-    const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
-    /* key rows: X window x Y window, each with the same Z union */
-    const amx_rows R = amx_rows_of(g, x, y, nslots, 0);
-    const int64_t zb = amx_goff(G, gr) + ulo;
+    const __m512i vlo = _mm512_loadu_si512(L.zlo), vhi = _mm512_loadu_si512(L.zhi);
+    /* key rows: X window x Y union, each with the same Z union */
+    const amx_rows R = amx_rows_of(g, x, &L, nslots, 0);
+    const int64_t zb = amx_goff(G, B->gz) + L.ulo;
     for (int64_t g0 = 0; g0 < R.rows * nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         const int nseg = amx_unit(&R, G->Y, g0, seg);
-        if (!cx->jvp) amx_load_q_tiles(sc, D / 32);   /* the previous unit's PV phase reused them */
-        for (int i = 0; i < nseg; ++i) {
-            if (cx->jvp) amx_scores_jvp(cx, sc, seg[i].line, zb, seg[i].s0, seg[i].s1, seg[i].u0);
-            else amx_scores(cx, sc, seg[i].line, zb, seg[i].s0, seg[i].s1, seg[i].u0);
+        if (cx->jvp) amx_scores_jvp(cx, sc, seg, nseg, zb, n16);
+        else {
+            amx_load_q_tiles(sc, D / 32);   /* the previous unit's PV phase reused them */
+            amx_scores(cx, sc, seg, nseg, zb, n16);
         }
-        amx_softmax(sc, seg, nseg, ulo, uhi - ulo, vlo, vhi, vc, vscale, &m, &lsum, &r, Dv);
+        amx_softmax(sc, seg, nseg, L.ulo, nvalid, vlo, vhi, vc, vscale, &m, &lsum, &r, Dv);
         if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb);
         else amx_values(cx, sc, seg, nseg, zb);
     }
@@ -686,46 +748,112 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     vf_store(mm, m);
     vf_store(ll, lsum);
     vf_store(mus, mu);
-    for (int l = 0; l < nl; ++l) {
-        *amx_scalar(io->lse, b, x, y, z[l], h) = (float)(LN2 * ((double)mm[l] + (double)log2f(ll[l])));
-        if (cx->jvp) *amx_scalar(io->tlse, b, x, y, z[l], h) = mus[l];
+    for (int l = 0; l < 16; ++l) {
+        if (!(L.live >> l & 1)) continue;
+        *amx_scalar(io->lse, b, x, L.y[l], L.z[l], h) = (float)(LN2 * ((double)mm[l] + (double)log2f(ll[l])));
+        if (cx->jvp) *amx_scalar(io->tlse, b, x, L.y[l], L.z[l], h) = mus[l];
     }
-    amx_store_lanes(io->out, sc->O, Dv, b, x, y, z, nl, h);
-    if (cx->jvp) amx_store_lanes(io->tout, sc->C, Dv, b, x, y, z, nl, h);
+    amx_store_lanes(io->out, sc->O, Dv, b, x, &L, h);
+    if (cx->jvp) amx_store_lanes(io->tout, sc->C, Dv, b, x, &L, h);
 }
 
 // ----------------------------------------------------------------------------
 // the drivers' common parts
 
-/* chunks of 16 in-group queries (or keys) along Z, chunk c = (group chunk[2c], first index
- * chunk[2c+1]); packing pieces start at every PIECE-th in-group index (piece[i]: its chunk) */
+/* rows of the Y block at an in-group row with `left` rows left in its group, when blocks take up
+ * to ny rows: the largest power of two <= ny that fits */
+static int amx_block_rows(int ny, int64_t left) {
+    while (ny > left) ny /= 2;
+    return ny;
+}
+
+/* Y rows per item (1, 2, 4, 8 or 16; 16 / that many Z positions): the one whose items cost the
+ * least, counting per key row one for each 16 computed slots (S^T tiles, softmax) and one for each
+ * 32-key PV tile, times the rows (X kernel x Y union), plus AMX_ITEM_COST per item (Q^T packing,
+ * output transposes). The unions are exact (borders, stride, causal, dilation groups), and the
+ * cost is a sum over Y blocks of (Y union x a Z term), so one pass per axis gives it.
+ * 2-D window 7: 2 rows (one 16-slot tile per key row instead of 32 slots); window 13: 4 rows;
+ * windows of ~32 and more along Z, and rank 1: 1 row. */
+#define AMX_ITEM_COST 4
+static int amx_choose_ny(const nbhd_geometry *g) {
+    const nbhd_axis *ax = &g->axis[0], *ay = &g->axis[1], *az = &g->axis[2];
+    int64_t zcost[5] = {0}, zitems[5] = {0};   /* [log2 rows]: Z chunks of 16 / rows positions */
+    for (int k = 0; k < 5; ++k)
+        for (int64_t gz = 0; gz < az->dilation; ++gz) {
+            const int64_t Lg = nbhd_group_len(az, gz);
+            for (int64_t i0 = 0; i0 < Lg; i0 += 16 >> k) {
+                int64_t st, en, st2, en2;
+                nbhd_window_in_group(az, i0, Lg, &st, &en);
+                nbhd_window_in_group(az, (i0 + (16 >> k) < Lg ? i0 + (16 >> k) : Lg) - 1, Lg, &st2, &en2);
+                zcost[k] += (en2 - st + 15) / 16 + (en2 - st + 31) / 32;
+                zitems[k] += 1;
+            }
+        }
+    int best = 1;
+    int64_t best_cost = INT64_MAX;
+    for (int ny = 1; ny <= 16; ny *= 2) {
+        int64_t cost = 0;
+        for (int64_t gy = 0; gy < ay->dilation; ++gy) {
+            const int64_t Lg = nbhd_group_len(ay, gy);
+            for (int64_t iy = 0, n; iy < Lg; iy += n) {
+                n = amx_block_rows(ny, Lg - iy);
+                const int k = __builtin_ctz((unsigned)n);
+                int64_t st, en, st2, en2;
+                nbhd_window_in_group(ay, iy, Lg, &st, &en);
+                nbhd_window_in_group(ay, iy + n - 1, Lg, &st2, &en2);
+                cost += ax->kernel * (en2 - st) * zcost[k] + AMX_ITEM_COST * zitems[k];
+            }
+        }
+        if (cost < best_cost) { best = ny; best_cost = cost; }
+    }
+    return best;
+}
+
+/* The work of one x: its items (Y blocks of up to ny rows, each with the Z chunks of 16 / rows
+ * positions of every Z group), and the packing pieces of one line (PIECE in-group tokens of a Z
+ * group, so that a 1-D problem, one line, still packs on every thread). */
 typedef struct {
-    int64_t nchunks, npieces, *chunk, *piece;
+    int64_t nblocks, npieces;
+    amx_block *blk;
+    int64_t *piece;   /* piece i: Z group piece[2i], first in-group token piece[2i + 1] */
 } amx_work;
 
-static int amx_work_init(amx_work *W, const amx_geo *G, const nbhd_geometry *g) {
-    W->nchunks = 0;
-    for (int64_t gr = 0; gr < G->dil; ++gr) W->nchunks += (nbhd_group_len(&g->axis[2], gr) + 15) / 16;
-    W->chunk = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)W->nchunks);
-    if (!W->chunk) return 0;
-    W->piece = W->chunk + 2 * W->nchunks;
-    W->npieces = 0;
-    for (int64_t gr = 0, c = 0; gr < G->dil; ++gr)
-        for (int64_t i0 = 0; i0 < nbhd_group_len(&g->axis[2], gr); i0 += 16, ++c) {
-            W->chunk[2 * c] = gr;
-            W->chunk[2 * c + 1] = i0;
-            if (i0 % PIECE == 0) W->piece[W->npieces++] = c;
+static int amx_work_init(amx_work *W, const nbhd_geometry *g, int ny) {
+    const nbhd_axis *ay = &g->axis[1], *az = &g->axis[2];
+    W->blk = NULL;
+    W->piece = NULL;
+    for (int fill = 0; fill < 2; ++fill) {   /* count, then fill */
+        int64_t nb = 0, np = 0;
+        for (int64_t gy = 0; gy < ay->dilation; ++gy) {
+            const int64_t Lgy = nbhd_group_len(ay, gy);
+            for (int64_t iy = 0, n; iy < Lgy; iy += n) {
+                n = amx_block_rows(ny, Lgy - iy);
+                for (int64_t gz = 0; gz < az->dilation; ++gz)
+                    for (int64_t iz = 0; iz < nbhd_group_len(az, gz); iz += 16 / n, ++nb)
+                        if (fill) W->blk[nb] = (amx_block){gy, iy, gz, iz, (int)n};
+            }
         }
+        for (int64_t gz = 0; gz < az->dilation; ++gz)
+            for (int64_t i0 = 0; i0 < nbhd_group_len(az, gz); i0 += PIECE, ++np)
+                if (fill) { W->piece[2 * np] = gz; W->piece[2 * np + 1] = i0; }
+        W->nblocks = nb;
+        W->npieces = np;
+        if (!fill) {
+            W->blk = (amx_block *)malloc(sizeof(amx_block) * (size_t)nb + sizeof(int64_t) * 2 * (size_t)np);
+            if (!W->blk) return 0;
+            W->piece = (int64_t *)(W->blk + nb);
+        }
+    }
     return 1;
 }
 
 /* packing task `it` of a slab: line ln, group gr, in-group tokens [i0, i1) */
 static void amx_piece(const amx_work *W, const nbhd_geometry *g, int64_t it, int64_t *ln, int64_t *gr,
                       int64_t *i0, int64_t *i1) {
-    const int64_t c = W->piece[it % W->npieces], Lg = nbhd_group_len(&g->axis[2], W->chunk[2 * c]);
+    const int64_t p = it % W->npieces, Lg = nbhd_group_len(&g->axis[2], W->piece[2 * p]);
     *ln = it / W->npieces;
-    *gr = W->chunk[2 * c];
-    *i0 = W->chunk[2 * c + 1];
+    *gr = W->piece[2 * p];
+    *i0 = W->piece[2 * p + 1];
     *i1 = *i0 + PIECE < Lg ? *i0 + PIECE : Lg;
 }
 
@@ -750,8 +878,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     uint16_t *Vt = Kp + kn, *tKp = Vt + vn, *tVt = tKp + kn;
     const int64_t B = g->batch, Hk = g->kv_heads, Gq = g->group;
     amx_work W;
-    if (!amx_work_init(&W, &G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
-    const int64_t nchunks = W.nchunks, npieces = W.npieces, *chunk = W.chunk;
+    if (!amx_work_init(&W, g, amx_choose_ny(g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
     const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
                         (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL};
     int failed = 0;
@@ -767,7 +894,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
         for (int64_t slab = 0; slab < B * Hk; ++slab) {
             const int64_t b = slab / Hk, hk = slab % Hk;
 #pragma omp for schedule(static)
-            for (int64_t it = 0; it < G.lines * npieces; ++it) {
+            for (int64_t it = 0; it < G.lines * W.npieces; ++it) {
                 int64_t ln, gr, i0, i1;
                 amx_piece(&W, g, it, &ln, &gr, &i0, &i1);
                 const int64_t x = ln / G.Y, y = ln % G.Y;
@@ -777,18 +904,18 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
                 if (has_tv) amx_pack_cols(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, G.Dv, b, hk, x, y, gr, i0, i1);
             }
             /* heads innermost: neighbouring items share key rows */
-            const int64_t work = G.lines * nchunks * Gq;
+            const int64_t work = G.X * W.nblocks * Gq;
 #pragma omp for schedule(static)
             for (int64_t w = 0; w < work; ++w) {
                 if (!ok) continue;
-                const int64_t h = hk * Gq + w % Gq, c = (w / Gq) % nchunks, ln = w / (Gq * nchunks);
-                amx_item(&cx, &sc, b, h, ln / G.Y, ln % G.Y, chunk[2 * c], chunk[2 * c + 1]);
+                const int64_t h = hk * Gq + w % Gq, c = (w / Gq) % W.nblocks, x = w / (Gq * W.nblocks);
+                amx_item(&cx, &sc, b, h, x, &W.blk[c]);
             }
         }
         _tile_release();
         if (ok) free(sc.mem);
     }
-    free(W.chunk);
+    free(W.blk);
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
 }
 
@@ -891,7 +1018,7 @@ static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t
             }
             vf p[2], ds[2];
             for (int j = 0; j < 2; ++j) {
-                const __mmask16 in = amx_in(lo, hi, ulo + s + j);
+                const __mmask16 in = amx_in(lo, hi, ulo + s + j) & seg[i].ymask;
                 /* a slot past the window's end may read L, D of a margin position: masked */
                 const vf L = Ls ? vf_set1(Ls[s + j]) : vL, Dd = Ds ? vf_set1(Ds[s + j]) : vD;
                 const vf x = _mm512_fmsub_ps(vf_load(sc->S + (u + j) * 16), vc, L);
@@ -906,28 +1033,30 @@ static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t
 
 /* [dim][16] fp32 (x mul) into t[b, x, y, z_l, h, :] bf16 */
 static void amx_store_scaled(const nbhd_tensor *t, float *A, int64_t dim, float mul, int64_t b, int64_t x,
-                             int64_t y, const int64_t *z, int nl, int64_t h) {
+                             const amx_lanes *L, int64_t h) {
     if (mul != 1.0f)
         for (int64_t d = 0; d < dim; ++d) vf_store(A + d * 16, vf_mul(vf_load(A + d * 16), vf_set1(mul)));
-    amx_store_lanes(t, A, dim, b, x, y, z, nl, h);
+    amx_store_lanes(t, A, dim, b, x, L, h);
 }
 
-/* pass 1: dQ of the 16 queries of chunk (gr, i0) of line (x, y), head h; also L and D there */
+/* pass 1: dQ of the 16 queries of block Bk (one row: lane l at Z position iz0 + l), head h; also
+ * L and D there */
 static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t h, int64_t hq, int64_t x,
-                       int64_t y, int64_t gr, int64_t i0) {
+                       const amx_block *Bk) {
     const amx_geo *G = cx->G;
     const nbhd_geometry *g = cx->g;
     const nbhd_backward_args *a = cx->a;
-    const int64_t D = G->D, Dv = G->Dv, Lg = nbhd_group_len(&g->axis[2], gr);
-    int32_t lo[16], hi[16];
-    int64_t z[16], ulo, uhi;
-    const int nl = amx_lanes(&g->axis[2], gr, i0, Lg, 0, lo, hi, z, &ulo, &uhi);
-    amx_pack_qt(sc->bt1, &a->q, D, b, x, y, z, nl, h);
-    amx_pack_qt(sc->bt2, &a->d_out, Dv, b, x, y, z, nl, h);
+    const int64_t D = G->D, Dv = G->Dv;
+    amx_lanes Ln;
+    amx_lanes_of(g, Bk, 0, &Ln);
+    const int64_t y = Ln.y[0], *z = Ln.z, ulo = Ln.ulo, uhi = Ln.uhi;
+    amx_pack_qt(sc->bt1, &a->q, D, b, x, &Ln, h);
+    amx_pack_qt(sc->bt2, &a->d_out, Dv, b, x, &Ln, h);
     /* L = lse log2(e), D = dO.O - dlse, per lane; kept for pass 2 */
     float Ll[16] = {0}, Dl[16] = {0};
-    const int64_t pos = (x * G->Y + y) * G->ZP + amx_goff(G, gr) + i0;
-    for (int l = 0; l < nl; ++l) {
+    const int64_t pos = (x * G->Y + y) * G->ZP + amx_goff(G, Bk->gz) + Bk->iz0;
+    for (int l = 0; l < 16; ++l) {
+        if (!(Ln.live >> l & 1)) continue;
         const uint16_t *o = amx_token(&a->out, b, x, y, z[l], h), *dO = amx_token(&a->d_out, b, x, y, z[l], h);
         vf acc = vf_zero();
         for (int64_t d = 0; d < Dv; d += 16) acc = vf_fma(vf_load_bf16(o + d), vf_load_bf16(dO + d), acc);
@@ -938,10 +1067,10 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
         cx->Dd[hq * G->lines * G->ZP + pos + l] = Dl[l];
     }
     const vf vL = vf_load(Ll), vD = vf_load(Dl), vc = vf_set1(cx->c);
-    const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
+    const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);
-    const amx_rows R = amx_rows_of(g, x, y, (uhi - ulo + 31) / 32 * 32, 0);
-    const int64_t zb = amx_goff(G, gr) + ulo;
+    const amx_rows R = amx_rows_of(g, x, &Ln, (uhi - ulo + 31) / 32 * 32, 0);
+    const int64_t zb = amx_goff(G, Bk->gz) + ulo;
     for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         const int nseg = amx_unit(&R, G->Y, g0, seg);
@@ -952,27 +1081,27 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
         /* dQ^T += K^T dS^T */
         amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb);
     }
-    amx_store_scaled(&a->d_q, sc->acc1, D, (float)g->scale, b, x, y, z, nl, h);
+    amx_store_scaled(&a->d_q, sc->acc1, D, (float)g->scale, b, x, &Ln, h);
 }
 
-/* pass 2: dK and dV of the 16 keys of chunk (gr, i0) of line (x, y), key head hk */
-static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t hk, int64_t x, int64_t y,
-                         int64_t gr, int64_t i0) {
+/* pass 2: dK and dV of the 16 keys of block Bk (one row), key head hk */
+static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t hk, int64_t x,
+                         const amx_block *Bk) {
     const amx_geo *G = cx->G;
     const nbhd_geometry *g = cx->g;
     const nbhd_backward_args *a = cx->a;
-    const int64_t D = G->D, Dv = G->Dv, Lg = nbhd_group_len(&g->axis[2], gr), ZP = G->ZP;
-    int32_t lo[16], hi[16];
-    int64_t z[16], ulo, uhi;
-    const int nl = amx_lanes(&g->axis[2], gr, i0, Lg, 1, lo, hi, z, &ulo, &uhi);
-    amx_pack_qt(sc->bt1, &a->k, D, b, x, y, z, nl, hk);
-    amx_pack_qt(sc->bt2, &a->v, Dv, b, x, y, z, nl, hk);
+    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP;
+    amx_lanes Ln;
+    amx_lanes_of(g, Bk, 1, &Ln);
+    const int64_t ulo = Ln.ulo, uhi = Ln.uhi;
+    amx_pack_qt(sc->bt1, &a->k, D, b, x, &Ln, hk);
+    amx_pack_qt(sc->bt2, &a->v, Dv, b, x, &Ln, hk);
     const vf vc = vf_set1(cx->c);
-    const __m512i vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
+    const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);    /* dK^T */
     memset(sc->acc2, 0, sizeof(float) * 16 * (size_t)Dv);   /* dV^T */
-    const amx_rows R = amx_rows_of(g, x, y, (uhi - ulo + 31) / 32 * 32, 1);
-    const int64_t zb = amx_goff(G, gr) + ulo;
+    const amx_rows R = amx_rows_of(g, x, &Ln, (uhi - ulo + 31) / 32 * 32, 1);
+    const int64_t zb = amx_goff(G, Bk->gz) + ulo;
     for (int64_t hq = 0; hq < g->group; ++hq) {
         const uint16_t *Q = cx->Q + hq * G->lines * ZP * D, *dO = cx->dO + hq * G->lines * ZP * Dv;
         const uint16_t *Qt = cx->Qt + hq * G->lines * D * ZP, *dOt = cx->dOt + hq * G->lines * Dv * ZP;
@@ -994,8 +1123,8 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
             amx_accum(Qt, D, ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb);
         }
     }
-    amx_store_scaled(&a->d_k, sc->acc1, D, (float)g->scale, b, x, y, z, nl, hk);
-    amx_store_scaled(&a->d_v, sc->acc2, Dv, 1.0f, b, x, y, z, nl, hk);
+    amx_store_scaled(&a->d_k, sc->acc1, D, (float)g->scale, b, x, &Ln, hk);
+    amx_store_scaled(&a->d_v, sc->acc2, Dv, 1.0f, b, x, &Ln, hk);
 }
 
 nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
@@ -1007,8 +1136,8 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     float *L = (float *)(dOt + Gq * per * Dv), *Dd = L + Gq * per;
     const int64_t B = g->batch, Hk = g->kv_heads;
     amx_work W;
-    if (!amx_work_init(&W, &G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
-    const int64_t nchunks = W.nchunks, npieces = W.npieces, *chunk = W.chunk;
+    if (!amx_work_init(&W, g, 1)) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    const int64_t nblocks = W.nblocks, npieces = W.npieces;
     const amx_bctx cx = {a, &G, g, K, Kt, V, Q, Qt, dO, dOt, L, Dd, (float)(g->scale * LOG2E)};
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
@@ -1041,26 +1170,26 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
                 }
             }
             /* pass 1: dQ (and L, D) of every query chunk of the slab's query heads */
-            const int64_t work1 = G.lines * nchunks * Gq;
+            const int64_t work1 = G.X * nblocks * Gq;
 #pragma omp for schedule(static)
             for (int64_t w = 0; w < work1; ++w) {
                 if (!ok) continue;
-                const int64_t hq = w % Gq, c = (w / Gq) % nchunks, ln = w / (Gq * nchunks);
-                amx_bwd_dq(&cx, &sc, b, hk * Gq + hq, hq, ln / G.Y, ln % G.Y, chunk[2 * c], chunk[2 * c + 1]);
+                const int64_t hq = w % Gq, c = (w / Gq) % nblocks, x = w / (Gq * nblocks);
+                amx_bwd_dq(&cx, &sc, b, hk * Gq + hq, hq, x, &W.blk[c]);
             }
             /* pass 2: dK, dV of every key chunk */
-            const int64_t work2 = G.lines * nchunks;
+            const int64_t work2 = G.X * nblocks;
 #pragma omp for schedule(static)
             for (int64_t w = 0; w < work2; ++w) {
                 if (!ok) continue;
-                const int64_t c = w % nchunks, ln = w / nchunks;
-                amx_bwd_dkdv(&cx, &sc, b, hk, ln / G.Y, ln % G.Y, chunk[2 * c], chunk[2 * c + 1]);
+                const int64_t c = w % nblocks, x = w / nblocks;
+                amx_bwd_dkdv(&cx, &sc, b, hk, x, &W.blk[c]);
             }
         }
         _tile_release();
         if (ok) free(sc.mem);
     }
-    free(W.chunk);
+    free(W.blk);
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
 }
 
