@@ -127,7 +127,9 @@ static amx_geo amx_geo_of(const nbhd_geometry *g) {
     amx_geo G;
     G.X = g->axis[0].extent; G.Y = g->axis[1].extent; G.Z = g->axis[2].extent;
     G.D = g->head_dim; G.Dv = g->head_dim_v; G.dil = g->axis[2].dilation;
-    G.ZP = G.Z + PADZ * G.dil;
+    /* a multiple of 32: every packed V^T row starts 64-byte aligned, and so do the PV phase's
+     * tiles (keys from a multiple of 32), which never split a cache line */
+    G.ZP = (G.Z + PADZ * G.dil + 31) / 32 * 32;
     G.lines = G.X * G.Y;
     return G;
 }
@@ -226,6 +228,8 @@ typedef struct {
     uint8_t rows[16];
 } amx_tilecfg;
 
+/* S and T hold USLOTS + 16 slots: a unit's last 16-key score tile may run up to 15 slots past
+ * its end (amx_scores) */
 typedef struct {
     uint16_t *qt;    /* [D/2][16][2]   Q^T of the item, d-pairs */
     float *S;        /* [USLOTS][16]   scores, then probabilities */
@@ -241,19 +245,19 @@ typedef struct {
 } amx_scratch;
 
 static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv, int jvp) {
-    const size_t one = (size_t)D * 32 + (size_t)USLOTS * 64 + (size_t)USLOTS * 32 + (size_t)Dv * 64;
+    const size_t one = (size_t)D * 32 + (size_t)(USLOTS + 16) * 64 + (size_t)USLOTS * 32 + (size_t)Dv * 64;
     memset(s, 0, sizeof *s);
     s->mem = malloc((jvp ? 2 : 1) * one + 32 * 64 + 64);
     if (!s->mem) return 0;
     uint8_t *p = (uint8_t *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
     s->qt = (uint16_t *)p; p += (size_t)D * 32;
-    s->S = (float *)p; p += (size_t)USLOTS * 64;
+    s->S = (float *)p; p += (size_t)(USLOTS + 16) * 64;
     s->P = (uint32_t *)p; p += (size_t)USLOTS * 32;
     s->O = (float *)p; p += (size_t)Dv * 64;
     s->O2 = (float *)p; p += 32 * 64;
     if (jvp) {
         s->tqt = (uint16_t *)p; p += (size_t)D * 32;
-        s->T = (float *)p; p += (size_t)USLOTS * 64;
+        s->T = (float *)p; p += (size_t)(USLOTS + 16) * 64;
         s->PT = (uint32_t *)p; p += (size_t)USLOTS * 32;
         s->C = (float *)p;
     }
@@ -359,7 +363,10 @@ static void amx_lanes_of(const nbhd_geometry *g, const amx_block *B, int inverse
 /* The key rows of an item (X window, or inverse window, of its x times the Y union of its lanes)
  * as one slot space of `rows` x `nslots` (nslots a multiple of 32); a unit is USLOTS consecutive
  * slots of it, cut into one segment per row it touches (line: the row's packed line; [s0, s1): its
- * slots; u0: where they sit in the unit's buffers; ymask: the lanes whose Y window holds the row). */
+ * slots; u0: where they sit in the unit's buffers; ymask: the lanes whose Y window holds the row).
+ * The forward's rows are frames of 32-key PV tiles: slot f is packed key zb - delta + f, the Z
+ * union [ulo, uhi) sits at slots delta.. (zb: its packed start, delta = zb % 32), and only the
+ * union's slots are computed; the backward's rows start at the union (delta = 0). */
 typedef struct {
     int64_t fx, cx, fy, cy, iyu, dx, dy, rows, nslots;
     __m512i ylo, yhi;
@@ -381,6 +388,12 @@ static amx_rows amx_rows_of(const nbhd_geometry *g, int64_t x, const amx_lanes *
     R.ylo = _mm512_loadu_si512(L->ylo);
     R.yhi = _mm512_loadu_si512(L->yhi);
     return R;
+}
+
+/* the union slots [a, b) (0 = the union's first) that segment sg holds, at its slots a + delta.. */
+static inline void amx_seg_union(const amx_seg *sg, int64_t delta, int64_t nvalid, int64_t *a, int64_t *b) {
+    *a = sg->s0 - delta > 0 ? sg->s0 - delta : 0;
+    *b = sg->s1 - delta < nvalid ? sg->s1 - delta : nvalid;
 }
 
 static int amx_unit(const amx_rows *R, int64_t Y, int64_t g0, amx_seg *seg) {
@@ -408,23 +421,28 @@ typedef struct {
     int jvp, has_tq;
 } amx_ctx;
 
-/* S^T of the unit's computed slots (the first n16 of each row, a multiple of 16 covering the Z
- * union; the others are masked everywhere) into S, for the union starting at packed token `zb`.
- * 16-key tiles of any of the unit's rows, two at a time (C in tmm0 and tmm6), so that each
- * product's latency hides behind the other's, and a tile register is never reloaded while a
+/* S^T of the union slots of the unit's segments into S (at their frame slots; the union starts at
+ * packed token zb), 16-key tiles from each segment's first union slot: the last may run up to 15
+ * slots past the segment, over slots that are outside the union or that a later tile (stored
+ * after it) rewrites. Tiles of any of the unit's rows, two at a time (C in tmm0 and tmm6), so that
+ * each product's latency hides behind the other's, and a tile register is never reloaded while a
  * product still reads it (D <= 64: K in tmm1, tmm7, tmm4, tmm5; Q^T in tmm2, tmm3).
- * A tile never overruns its packed row: PADZ >= 32. */
-static void amx_scores(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb, int64_t n16) {
+ * A tile never overruns its packed row: PADZ >= 16. */
+static void amx_scores(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb,
+                       int64_t delta, int64_t nvalid) {
     const amx_geo *G = cx->G;
     const int64_t D = G->D, nd = D / 32, ld = D * 2;
-    const uint16_t *kt[USLOTS / 16];
-    float *st[USLOTS / 16];
+    const uint16_t *kt[USLOTS / 16 + USLOTS / 32];
+    float *st[USLOTS / 16 + USLOTS / 32];
     int nt = 0;
-    for (int i = 0; i < nseg; ++i)
-        for (int64_t s = seg[i].s0; s < seg[i].s1 && s < n16; s += 16) {
+    for (int i = 0; i < nseg; ++i) {
+        int64_t a, b;
+        amx_seg_union(&seg[i], delta, nvalid, &a, &b);
+        for (int64_t s = a; s < b; s += 16) {
             kt[nt] = cx->K + (seg[i].line * G->ZP + zb + s) * D;
-            st[nt++] = sc->S + (seg[i].u0 + s - seg[i].s0) * 16;
+            st[nt++] = sc->S + (seg[i].u0 + delta + s - seg[i].s0) * 16;
         }
+    }
     for (int t = 0; t < nt; t += 2) {
         /* an odd last tile is computed twice and stored once */
         const int two = t + 1 < nt;
@@ -461,18 +479,20 @@ static void amx_scores(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, i
     }
 }
 
-/* Forward+JVP: S^T and the unscaled tS^T = K tQ^T + tK Q^T of the unit's computed slots (as
+/* Forward+JVP: S^T and the unscaled tS^T = K tQ^T + tK Q^T of the unit's union slots (as
  * amx_scores), 16 keys at a time: tmm0 S^T, tmm1 tS^T, K in tmm2, tK in tmm5, the Q^T and tQ^T
  * tiles of each 32 d reloaded into tmm3 and tmm4 (from L1). */
 static void amx_scores_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb,
-                           int64_t n16) {
+                           int64_t delta, int64_t nvalid) {
     const amx_geo *G = cx->G;
     const int64_t D = G->D, nd = D / 32, ld = D * 2;
     for (int i = 0; i < nseg; ++i) {
         const uint16_t *krow = cx->K + seg[i].line * G->ZP * D;
         const uint16_t *tkrow = cx->tK ? cx->tK + seg[i].line * G->ZP * D : NULL;
-        for (int64_t s = seg[i].s0; s < seg[i].s1 && s < n16; s += 16) {
-            const int64_t z = zb + s, u = seg[i].u0 + s - seg[i].s0;
+        int64_t a, b;
+        amx_seg_union(&seg[i], delta, nvalid, &a, &b);
+        for (int64_t s = a; s < b; s += 16) {
+            const int64_t z = zb + s, u = seg[i].u0 + delta + s - seg[i].s0;
             _tile_zero(0);
             _tile_zero(1);
             for (int64_t c = 0; c < nd; ++c) {
@@ -605,30 +625,36 @@ static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *se
     }
 }
 
-/* masked (lane l sees slot s of a segment iff its Z window holds ulo + s and its Y window the
- * segment's row), scaled scores of the unit's slots -> probabilities (online softmax per lane):
+/* masked (lane l sees union slot s of a segment iff its Z window holds ulo + s and its Y window
+ * the segment's row), scaled scores of the unit's union slots -> probabilities of all its slots
+ * (online softmax per lane, 0 outside the union):
  * m' = max(m, max_s S), O *= exp2(m - m'), l = l exp2(m - m') + sum_s exp2(S - m').
  * Forward+JVP (sc->T): tS = scale * T, 0 where masked (never -inf, NaN otherwise);
  * C *= exp2(m - m'), r = r exp2(m - m') + sum_s P tS, and (P o tS)^T key pairs into sc->PT. */
-static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t ulo, int64_t nvalid,
+static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t ulo, int64_t delta, int64_t nvalid,
                         __m512i lo, __m512i hi, vf vc, vf vscale, vf *m, vf *l, vf *r, int64_t Dv) {
     const vf ninf = vf_set1(-INFINITY);
     vf mx = ninf;
-    /* slots from nvalid on pad a row to 32: masked in every lane, so P = 0 without exp2 for
-     * whole pairs of them (the pair holding slot nvalid - 1 is masked below like the rest) */
-    nvalid += nvalid & 1;
-    for (int i = 0; i < nseg; ++i)
-        for (int64_t s = seg[i].s0; s < seg[i].s1 && s < nvalid; ++s) {
-            float *p = sc->S + (seg[i].u0 + s - seg[i].s0) * 16;
-            const __mmask16 in = amx_in(lo, hi, ulo + s) & seg[i].ymask;
+    /* each segment's union slots widened to whole key pairs [fa, fb): a slot added at either end
+     * lies outside every lane's window, so it is masked (whatever S held there) */
+    int64_t fa[USLOTS / 32], fb[USLOTS / 32];
+    for (int i = 0; i < nseg; ++i) {
+        int64_t a, b;
+        amx_seg_union(&seg[i], delta, nvalid, &a, &b);
+        fa[i] = a < b ? (a + delta) & ~(int64_t)1 : seg[i].s0;
+        fb[i] = a < b ? (b + delta + 1) & ~(int64_t)1 : seg[i].s0;
+        for (int64_t f = fa[i]; f < fb[i]; ++f) {
+            float *p = sc->S + (seg[i].u0 + f - seg[i].s0) * 16;
+            const __mmask16 in = amx_in(lo, hi, ulo + f - delta) & seg[i].ymask;
             const vf x = _mm512_mask_mul_ps(ninf, in, _mm512_loadu_ps(p), vc);
             _mm512_storeu_ps(p, x);
             mx = _mm512_max_ps(mx, x);
             if (sc->T) {   /* tS = scale T, 0 where masked */
-                float *t = sc->T + (seg[i].u0 + s - seg[i].s0) * 16;
+                float *t = sc->T + (seg[i].u0 + f - seg[i].s0) * 16;
                 _mm512_storeu_ps(t, _mm512_maskz_mul_ps(in, _mm512_loadu_ps(t), vscale));
             }
         }
+    }
     const vf mnew = _mm512_max_ps(*m, mx);
     /* lanes that have seen no key yet keep m = -inf: use 0 there so exp2 gives 0, not NaN */
     const __mmask16 seen = _mm512_cmp_ps_mask(mnew, ninf, _CMP_NEQ_OQ);
@@ -641,9 +667,9 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t u
         }
     vf sum = vf_zero(), rsum = vf_zero();
     for (int i = 0; i < nseg; ++i)
-        for (int64_t s = seg[i].s0; s < seg[i].s1; s += 2) {
-            const int64_t u = seg[i].u0 + s - seg[i].s0;
-            if (s >= nvalid) {
+        for (int64_t f = seg[i].s0; f < seg[i].s1; f += 2) {
+            const int64_t u = seg[i].u0 + f - seg[i].s0;
+            if (f < fa[i] || f >= fb[i]) {
                 _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), _mm512_setzero_si512());
                 if (sc->T) _mm512_storeu_si512((void *)(sc->PT + u / 2 * 16), _mm512_setzero_si512());
                 continue;
@@ -713,8 +739,10 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     const int64_t D = G->D, Dv = G->Dv;
     amx_lanes L;
     amx_lanes_of(g, B, 0, &L);
-    /* each row: the Z union, its first n16 slots computed, nslots in the PV phase's 32-key tiles */
-    const int64_t nvalid = L.uhi - L.ulo, n16 = (nvalid + 15) / 16 * 16, nslots = (nvalid + 31) / 32 * 32;
+    /* each row: the Z union (nvalid keys from packed token zb) in a frame of 32-key PV tiles from
+     * zb rounded down to a multiple of 32 */
+    const int64_t nvalid = L.uhi - L.ulo, zb = amx_goff(G, B->gz) + L.ulo;
+    const int64_t delta = zb % 32, nslots = (delta + nvalid + 31) / 32 * 32;
     amx_pack_qt(sc->qt, io->q, D, b, x, &L, h);
     if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, &L, h);
     memset(sc->O, 0, sizeof(float) * 16 * (size_t)Dv);
@@ -724,18 +752,17 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     const __m512i vlo = _mm512_loadu_si512(L.zlo), vhi = _mm512_loadu_si512(L.zhi);
     /* key rows: X window x Y union, each with the same Z union */
     const amx_rows R = amx_rows_of(g, x, &L, nslots, 0);
-    const int64_t zb = amx_goff(G, B->gz) + L.ulo;
     for (int64_t g0 = 0; g0 < R.rows * nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         const int nseg = amx_unit(&R, G->Y, g0, seg);
-        if (cx->jvp) amx_scores_jvp(cx, sc, seg, nseg, zb, n16);
+        if (cx->jvp) amx_scores_jvp(cx, sc, seg, nseg, zb, delta, nvalid);
         else {
             amx_load_q_tiles(sc, D / 32);   /* the previous unit's PV phase reused them */
-            amx_scores(cx, sc, seg, nseg, zb, n16);
+            amx_scores(cx, sc, seg, nseg, zb, delta, nvalid);
         }
-        amx_softmax(sc, seg, nseg, L.ulo, nvalid, vlo, vhi, vc, vscale, &m, &lsum, &r, Dv);
-        if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb);
-        else amx_values(cx, sc, seg, nseg, zb);
+        amx_softmax(sc, seg, nseg, L.ulo, delta, nvalid, vlo, vhi, vc, vscale, &m, &lsum, &r, Dv);
+        if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb - delta);
+        else amx_values(cx, sc, seg, nseg, zb - delta);
     }
     /* o = O / l, lse = ln2 (m + log2 l); JVP: mu = r / l, t_o = C / l - mu o, t_lse = mu */
     const vf inv = _mm512_div_ps(vf_set1(1.0f), lsum), mu = vf_mul(r, inv);
