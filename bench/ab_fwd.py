@@ -1,13 +1,13 @@
-"""A/B of the tensor-core forward's (or, with --jvp, forward+JVP's) variants in one process,
-configurations interleaved.
+"""A/B of the tensor-core forward's (or, with --jvp, forward+JVP's; with --bwd, the backward's)
+variants in one process, configurations interleaved.
 
 The variants are picked per launch by environment switches read in csrc/cuda/fna_mma.cu
-(NBHD_MMA_FWD_BN: key tile) and csrc/cuda/tiles.cu (NBHD_MMA_FWD_MB: 64- or 128-query patches
-of both kernels). Each timing is a
+(NBHD_MMA_FWD_BN: key tile), csrc/cuda/tiles.cu (NBHD_MMA_FWD_MB: 64- or 128-query patches
+of both forward kernels) and csrc/cuda/fna_mma_bwd.cu (NBHD_MMA_BWD_MINB). Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
-    python bench/ab_fwd.py [--dims 128,64] [--rounds 7] [--loop 10] [--jvp]
+    python bench/ab_fwd.py [--dims 128,64] [--rounds 7] [--loop 10] [--jvp | --bwd]
 """
 import argparse
 import math
@@ -29,7 +29,11 @@ JVP_CONFIGS = {
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
     "mb2": {"NBHD_MMA_FWD_MB": "2"},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB")
+BWD_CONFIGS = {
+    "default": {},
+    "minb3": {"NBHD_MMA_BWD_MINB": "3"},
+}
+SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB", "NBHD_MMA_BWD_MINB")
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
@@ -51,12 +55,15 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--loop", type=int, default=10)
-    ap.add_argument("--jvp", action="store_true", help="time the forward+JVP kernel instead")
+    kind = ap.add_mutually_exclusive_group()
+    kind.add_argument("--jvp", action="store_true", help="time the forward+JVP kernel instead")
+    kind.add_argument("--bwd", action="store_true", help="time the backward kernels instead")
     args = ap.parse_args()
     dev = "cuda"
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"({'forward+JVP' if args.jvp else 'forward'}: ms per call, loop of {args.loop}, median of {args.rounds}; TF/s useful)")
-    configs = JVP_CONFIGS if args.jvp else CONFIGS
+          f"({'backward' if args.bwd else 'forward+JVP' if args.jvp else 'forward'}: ms per call, "
+          f"loop of {args.loop}, median of {args.rounds}; TF/s useful, the backward's counted as 2.5x)")
+    configs = BWD_CONFIGS if args.bwd else JVP_CONFIGS if args.jvp else CONFIGS
     names = list(configs)
     print(f"{'problem':18s} {'D':>4s} " + " ".join(f"{n:>22s}" for n in names))
     for D in [int(x) for x in args.dims.split(",")]:
@@ -68,7 +75,12 @@ def main():
             empty = torch.empty(B, 0, H, D, device=dev, dtype=torch.bfloat16)
             geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
             flop = 4.0 * B * H * math.prod(ext) * math.prod(ks) * D
-            if args.jvp:
+            if args.bwd:
+                out, lse = ops.na_forward(q, k, v, empty, empty, *geo)
+                d_out = torch.randn_like(out)
+                flop *= 2.5
+                fn = lambda: ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *geo)
+            elif args.jvp:
                 tq, tk, tv = (torch.randn_like(x) for x in (q, k, v))
                 fn = lambda: ops.na_forward_jvp(q, k, v, empty, empty, tq, tk, tv, empty, empty, *geo)
             else:
@@ -77,11 +89,11 @@ def main():
             times = {n: [] for n in names}
             for n in names:  # warm-up, and every variant gives the same output
                 set_config(configs[n])
-                out = fn()[0]
+                res = fn()[0]
                 if ref is None:
-                    ref = out
-                elif not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
-                    print(f"  MISMATCH {name} D={D} {n}: {(out.float() - ref.float()).abs().max()}")
+                    ref = res
+                elif not torch.allclose(res.float(), ref.float(), atol=2e-2, rtol=2e-2):
+                    print(f"  MISMATCH {name} D={D} {n}: {(res.float() - ref.float()).abs().max()}")
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(args.rounds):
                 for n in names:

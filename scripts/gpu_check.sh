@@ -4,7 +4,7 @@
 # Logs go to $OUT (or ./out); the summary table prints last.
 #   STAGES="build test sanitize bench" (the default; "ab" adds the forward sweep with 128-query
 #   patches forced and the A/B of the forward and forward+JVP variants, bench/ab_fwd.py)
-#   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."  AB_KINDS="fwd jvp" (which A/Bs)
+#   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."  AB_KINDS="fwd jvp" (which A/Bs: fwd, jvp, bwd)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -56,6 +56,12 @@ if has ab; then
     fi
     if ab_kind jvp; then
         $PY bench/ab_fwd.py --jvp ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_jvp.log"
+    fi
+    if ab_kind bwd; then
+        NBHD_MMA_BWD_MINB=3 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "(backward and not simple) or tile_configs" \
+            >"$OUT/test_bwd_switch.log" 2>&1
+        summary+=("tests/test_cuda.py backward + tile_configs, NBHD_MMA_BWD_MINB=3: rc=$?, $(grep -E '[0-9]+ (passed|failed)' "$OUT/test_bwd_switch.log" | tail -1)")
+        $PY bench/ab_fwd.py --bwd ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_bwd.log"
     fi
 fi
 

@@ -336,8 +336,8 @@ static __host__ __device__ inline nbhd_tensor dq_accumulator(const nbhd_geometry
     return t;
 }
 
-template <typename T, int HD, bool EXTRA, bool KVP>
-__global__ void __launch_bounds__(BW_THREADS, 2)
+template <typename T, int HD, bool EXTRA, bool KVP, int MINB = 2>
+__global__ void __launch_bounds__(BW_THREADS, MINB)
 fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
                     float *dq_acc, const mma_plan P) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -648,9 +648,13 @@ static nbhd_status launch_dkdv(const nbhd_geometry *g, const nbhd_backward_args 
                            sizeof(float) * 4 * BC +
                            (KVP ? sizeof(T) * BR * DS_LD + sizeof(int) * BW_WARPS : 0);
     if (g->has_window) {
-        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, false, KVP>, smem_kv)) != NBHD_OK) return s;
-        fna_mma_dkdv_kernel<T, HD, false, KVP><<<(unsigned)(g->batch * g->kv_heads * P.patches),
-                                                 BW_THREADS, smem_kv, st>>>(*g, *a, Dws, dq_acc, P);
+        auto kernel = fna_mma_dkdv_kernel<T, HD, false, KVP, 2>;
+        if constexpr (HD == 64) {
+            const char *minb = getenv("NBHD_MMA_BWD_MINB");  /* A/B: bench/ab_fwd.py --bwd */
+            if (minb && minb[0] == '3') kernel = fna_mma_dkdv_kernel<T, HD, false, KVP, 3>;
+        }
+        if ((s = reserve_smem(kernel, smem_kv)) != NBHD_OK) return s;
+        kernel<<<(unsigned)(g->batch * g->kv_heads * P.patches), BW_THREADS, smem_kv, st>>>(*g, *a, Dws, dq_acc, P);
         NBHD_CUDA_CHECK_LAUNCH("mma backward (dk, dv)");
     }
     if (g->extra_kv > 0) {
