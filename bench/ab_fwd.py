@@ -3,7 +3,7 @@ variants in one process, configurations interleaved.
 
 The variants are picked per launch by environment switches read in csrc/cuda/fna_mma.cu
 (NBHD_MMA_FWD_BN: key tile), csrc/cuda/tiles.cu (NBHD_MMA_FWD_MB: 64- or 128-query patches
-of both forward kernels) and csrc/cuda/fna_mma_bwd.cu (NBHD_MMA_BWD_MINB). Each timing is a
+of both forward kernels); the backward has none at present. Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
@@ -29,11 +29,10 @@ JVP_CONFIGS = {
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
     "mb2": {"NBHD_MMA_FWD_MB": "2"},
 }
-BWD_CONFIGS = {
+BWD_CONFIGS = {  # variants under test go here, each with its switch (SWITCHES)
     "default": {},
-    "minb3": {"NBHD_MMA_BWD_MINB": "3"},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB", "NBHD_MMA_BWD_MINB")
+SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB")
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),

@@ -58,9 +58,6 @@ if has ab; then
         $PY bench/ab_fwd.py --jvp ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_jvp.log"
     fi
     if ab_kind bwd; then
-        NBHD_MMA_BWD_MINB=3 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "(backward and not simple) or tile_configs" \
-            >"$OUT/test_bwd_switch.log" 2>&1
-        summary+=("tests/test_cuda.py backward + tile_configs, NBHD_MMA_BWD_MINB=3: rc=$?, $(grep -E '[0-9]+ (passed|failed)' "$OUT/test_bwd_switch.log" | tail -1)")
         $PY bench/ab_fwd.py --bwd ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_bwd.log"
     fi
 fi

@@ -648,13 +648,12 @@ static nbhd_status launch_dkdv(const nbhd_geometry *g, const nbhd_backward_args 
                            sizeof(float) * 4 * BC +
                            (KVP ? sizeof(T) * BR * DS_LD + sizeof(int) * BW_WARPS : 0);
     if (g->has_window) {
-        auto kernel = fna_mma_dkdv_kernel<T, HD, false, KVP, 2>;
-        if constexpr (HD == 64) {
-            const char *minb = getenv("NBHD_MMA_BWD_MINB");  /* A/B: bench/ab_fwd.py --bwd */
-            if (minb && minb[0] == '3') kernel = fna_mma_dkdv_kernel<T, HD, false, KVP, 3>;
-        }
-        if ((s = reserve_smem(kernel, smem_kv)) != NBHD_OK) return s;
-        kernel<<<(unsigned)(g->batch * g->kv_heads * P.patches), BW_THREADS, smem_kv, st>>>(*g, *a, Dws, dq_acc, P);
+        /* at D = 64 registers for three CTAs per SM (168, ~135 bytes spilled): 3-8 % faster
+         * than two on the bench problems (H200, bench/ab_fwd.py --bwd) */
+        constexpr int minb = HD == 64 ? 3 : 2;
+        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, false, KVP, minb>, smem_kv)) != NBHD_OK) return s;
+        fna_mma_dkdv_kernel<T, HD, false, KVP, minb><<<(unsigned)(g->batch * g->kv_heads * P.patches),
+                                                       BW_THREADS, smem_kv, st>>>(*g, *a, Dws, dq_acc, P);
         NBHD_CUDA_CHECK_LAUNCH("mma backward (dk, dv)");
     }
     if (g->extra_kv > 0) {
