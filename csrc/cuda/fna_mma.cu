@@ -553,12 +553,21 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, co
     const char *bn = getenv("NBHD_MMA_FWD_BN");
     if (bn && bn[0]) bn32 = bn[0] == '3';
     constexpr int extra_cta = HD <= 64 ? 1 : 0;
+    const char *more = getenv("NBHD_MMA_MORE");  /* A/B: one more CTA per SM */
+    const bool more_ctas = more && more[0] == '1';
     if constexpr (HD >= 64) {  /* tiles.cu: 128-query patches at D >= 64 only */
         if (mb == 2) {
+            if constexpr (HD == 64)
+                if (more_ctas) {
+                    if (bn32) return launch_rank<T, HD, 32, 2, 3, true>(g, a, st);
+                    return launch_rank<T, HD, 64, 2, 3, true>(g, a, st);
+                }
             if (bn32) return launch_rank<T, HD, 32, 2, 2, HD != 128>(g, a, st);
             return launch_rank<T, HD, 64, 2, 2, HD != 128>(g, a, st);
         }
     }
+    if constexpr (HD == 128)
+        if (more_ctas && bn32) return launch_rank<T, HD, 32, 1, 4, false>(g, a, st);
     if (bn32) return launch_rank<T, HD, 32, 1, 3 + extra_cta, HD != 128>(g, a, st);
     return launch_rank<T, HD, 64, 1, 2 + extra_cta, true>(g, a, st);
 }
