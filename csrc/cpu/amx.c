@@ -29,7 +29,7 @@
 #include "amx.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")
 #include <cpuid.h>
 #include <math.h>
 #include <stdlib.h>
@@ -63,6 +63,7 @@ static int amx_probe(void) {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
     const int tile = (d >> 24) & 1, bf16 = (d >> 22) & 1, avx512 = (b >> 16) & 1, bw = (b >> 30) & 1;
     if (!(tile && bf16 && avx512 && bw)) return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) return 0;   /* AVX512-BF16 */
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
@@ -236,6 +237,7 @@ typedef struct {
     uint32_t *P;     /* [USLOTS/2][16] P^T key pairs (bf16 x 2) */
     float *O;        /* [Dv][16]       O^T accumulator */
     float *O2;       /* [32][16]       the second accumulator set when Dv <= 32 */
+    __mmask16 *zm;   /* [Z + 2]        lanes whose Z window holds union slot s, at s + 1 */
     /* forward+JVP */
     uint16_t *tqt;   /* [D/2][16][2]   tQ^T */
     float *T;        /* [USLOTS][16]   score tangents tS */
@@ -244,10 +246,11 @@ typedef struct {
     void *mem;
 } amx_scratch;
 
-static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv, int jvp) {
+static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv, int64_t Z, int jvp) {
     const size_t one = (size_t)D * 32 + (size_t)(USLOTS + 16) * 64 + (size_t)USLOTS * 32 + (size_t)Dv * 64;
+    const size_t zm = ((size_t)Z + 2) * sizeof(__mmask16) + 63;
     memset(s, 0, sizeof *s);
-    s->mem = malloc((jvp ? 2 : 1) * one + 32 * 64 + 64);
+    s->mem = malloc((jvp ? 2 : 1) * one + 32 * 64 + zm + 64);
     if (!s->mem) return 0;
     uint8_t *p = (uint8_t *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
     s->qt = (uint16_t *)p; p += (size_t)D * 32;
@@ -255,6 +258,7 @@ static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv, int jvp) {
     s->P = (uint32_t *)p; p += (size_t)USLOTS * 32;
     s->O = (float *)p; p += (size_t)Dv * 64;
     s->O2 = (float *)p; p += 32 * 64;
+    s->zm = (__mmask16 *)p; p += zm / 64 * 64;
     if (jvp) {
         s->tqt = (uint16_t *)p; p += (size_t)D * 32;
         s->T = (float *)p; p += (size_t)(USLOTS + 16) * 64;
@@ -270,21 +274,31 @@ static inline __mmask16 amx_in(__m512i lo, __m512i hi, int64_t pos) {
     return _mm512_cmple_epi32_mask(lo, z) & _mm512_cmplt_epi32_mask(z, hi);
 }
 
-/* bf16 of 16 fp32 values, round to nearest even (NaN from arithmetic stays NaN: its quiet bit
- * is in the high half) */
-static inline __m512i amx_round_bf16(vf x) {   /* the bf16 in the high half of each lane */
-    const __m512i i = _mm512_castps_si512(x);
-    return _mm512_add_epi32(i, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1))));
+/* bf16 of 16 fp32 values, round to nearest even (VCVTNEPS2BF16: NaN stays NaN, denormals
+ * become 0) */
+static inline __m256i amx_bf16(vf x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+
+/* the same for two vectors, interleaved as key pairs: word l = (bf16(a[l]) low, bf16(b[l]) high) */
+static inline __m512i amx_pair_bf16(vf a, vf b) {
+    const __m512i lo_hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);   /* words 0..15 from a, 16..31 from b */
+    const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(mix, lo_hi);
 }
 
-static inline __m256i amx_bf16(vf x) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(amx_round_bf16(x), 16)); }
-
-/* bf16 (round to nearest even) of two fp32 vectors of finite values, interleaved as key
- * pairs: word l = (bf16(a[l]) low, bf16(b[l]) high) */
-static inline __m512i amx_pair_bf16(vf a, vf b) {
-    return _mm512_or_si512(_mm512_srli_epi32(amx_round_bf16(a), 16),
-                           _mm512_and_si512(amx_round_bf16(b), _mm512_set1_epi32((int)0xffff0000u)));
+/* 2^x on the lanes of `in` (0 on the others) to the accuracy that probabilities rounded to bf16
+ * need: a degree-4 minimax polynomial on [-1/2, 1/2] (relative error 2.7e-6); x < -150 gives 0;
+ * NaN stays NaN (MAXPS returns its second operand when either is NaN), as in SDPA. */
+static inline vf amx_exp2(__mmask16 in, vf x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
+    const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf f = _mm512_sub_ps(x, n);
+    vf p = _mm512_set1_ps(9.570082649588585e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591784417629242e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40247443318367e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217908859253e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847442627e-1f));
+    return _mm512_maskz_scalef_ps(in, p, n);
 }
 
 // ----------------------------------------------------------------------------
@@ -625,67 +639,87 @@ static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *se
     }
 }
 
-/* masked (lane l sees union slot s of a segment iff its Z window holds ulo + s and its Y window
- * the segment's row), scaled scores of the unit's union slots -> probabilities of all its slots
- * (online softmax per lane, 0 outside the union):
- * m' = max(m, max_s S), O *= exp2(m - m'), l = l exp2(m - m') + sum_s exp2(S - m').
+/* The online softmax per lane over the unit's union slots, P = 0 on its other slots: lane l sees
+ * union slot s of a segment iff its Z window holds ulo + s (sc->zm) and its Y window the segment's
+ * row (ymask). Scores x = c S (c = scale log2 e):
+ *   m' = max(m, max_s x), O *= 2^(m - m'), l = l 2^(m - m') + sum_s 2^(x - m'), P = 2^(x - m').
  * Forward+JVP (sc->T): tS = scale * T, 0 where masked (never -inf, NaN otherwise);
- * C *= exp2(m - m'), r = r exp2(m - m') + sum_s P tS, and (P o tS)^T key pairs into sc->PT. */
-static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t ulo, int64_t delta, int64_t nvalid,
-                        __m512i lo, __m512i hi, vf vc, vf vscale, vf *m, vf *l, vf *r, int64_t Dv) {
+ * C *= 2^(m - m'), r = r 2^(m - m') + sum_s P tS, and (P o tS)^T key pairs into sc->PT. */
+static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t delta, int64_t nvalid, vf vc,
+                        vf vscale, vf *m, vf *l, vf *r, int64_t Dv) {
     const vf ninf = vf_set1(-INFINITY);
-    vf mx = ninf;
-    /* each segment's union slots widened to whole key pairs [fa, fb): a slot added at either end
-     * lies outside every lane's window, so it is masked (whatever S held there) */
+    const int jvp = sc->T != NULL;
+    /* each segment's union slots widened to whole key pairs [fa, fb) (frame slots; a slot added
+     * at either end lies outside every lane's window, so it is masked whatever S holds there) */
     int64_t fa[USLOTS / 32], fb[USLOTS / 32];
+    /* two running maxima and sums (even and odd slots), so that no chain of dependent maxima or
+     * adds (4 cycles each) sets the pace */
+    vf mx0 = ninf, mx1 = ninf;
     for (int i = 0; i < nseg; ++i) {
         int64_t a, b;
         amx_seg_union(&seg[i], delta, nvalid, &a, &b);
         fa[i] = a < b ? (a + delta) & ~(int64_t)1 : seg[i].s0;
         fb[i] = a < b ? (b + delta + 1) & ~(int64_t)1 : seg[i].s0;
-        for (int64_t f = fa[i]; f < fb[i]; ++f) {
-            float *p = sc->S + (seg[i].u0 + f - seg[i].s0) * 16;
-            const __mmask16 in = amx_in(lo, hi, ulo + f - delta) & seg[i].ymask;
-            const vf x = _mm512_mask_mul_ps(ninf, in, _mm512_loadu_ps(p), vc);
-            _mm512_storeu_ps(p, x);
-            mx = _mm512_max_ps(mx, x);
-            if (sc->T) {   /* tS = scale T, 0 where masked */
-                float *t = sc->T + (seg[i].u0 + f - seg[i].s0) * 16;
-                _mm512_storeu_ps(t, _mm512_maskz_mul_ps(in, _mm512_loadu_ps(t), vscale));
+        const int64_t o = seg[i].u0 - seg[i].s0;   /* buffer slot of frame slot 0 */
+        const __mmask16 ym = seg[i].ymask, *zm = sc->zm + 1 - delta + fa[i];   /* zm[s + 1]: union slot s */
+        const float *S = sc->S + (o + fa[i]) * 16;
+        float *T = jvp ? sc->T + (o + fa[i]) * 16 : NULL;
+        for (int64_t n = (fb[i] - fa[i]) / 2; n > 0; --n, zm += 2, S += 32) {
+            const __mmask16 in0 = zm[0] & ym, in1 = zm[1] & ym;
+            mx0 = _mm512_max_ps(mx0, _mm512_mask_mul_ps(ninf, in0, _mm512_loadu_ps(S), vc));
+            mx1 = _mm512_max_ps(mx1, _mm512_mask_mul_ps(ninf, in1, _mm512_loadu_ps(S + 16), vc));
+            if (jvp) {   /* tS = scale T, 0 where masked */
+                _mm512_storeu_ps(T, _mm512_maskz_mul_ps(in0, _mm512_loadu_ps(T), vscale));
+                _mm512_storeu_ps(T + 16, _mm512_maskz_mul_ps(in1, _mm512_loadu_ps(T + 16), vscale));
+                T += 32;
             }
         }
     }
-    const vf mnew = _mm512_max_ps(*m, mx);
+    const vf mnew = _mm512_max_ps(*m, _mm512_max_ps(mx0, mx1));
     /* lanes that have seen no key yet keep m = -inf: use 0 there so exp2 gives 0, not NaN */
     const __mmask16 seen = _mm512_cmp_ps_mask(mnew, ninf, _CMP_NEQ_OQ);
     const vf muse = _mm512_maskz_mov_ps(seen, mnew);
-    const vf alpha = vf_exp2(_mm512_sub_ps(_mm512_maskz_mov_ps(seen, *m), muse));
+    const vf alpha = amx_exp2(0xffff, _mm512_sub_ps(_mm512_maskz_mov_ps(seen, *m), muse));
     if (_mm512_cmp_ps_mask(alpha, vf_set1(1.0f), _CMP_NEQ_OQ))
         for (int64_t d = 0; d < Dv; ++d) {
             vf_store(sc->O + d * 16, vf_mul(vf_load(sc->O + d * 16), alpha));
-            if (sc->T) vf_store(sc->C + d * 16, vf_mul(vf_load(sc->C + d * 16), alpha));
+            if (jvp) vf_store(sc->C + d * 16, vf_mul(vf_load(sc->C + d * 16), alpha));
         }
-    vf sum = vf_zero(), rsum = vf_zero();
-    for (int i = 0; i < nseg; ++i)
-        for (int64_t f = seg[i].s0; f < seg[i].s1; f += 2) {
-            const int64_t u = seg[i].u0 + f - seg[i].s0;
-            if (f < fa[i] || f >= fb[i]) {
-                _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), _mm512_setzero_si512());
-                if (sc->T) _mm512_storeu_si512((void *)(sc->PT + u / 2 * 16), _mm512_setzero_si512());
-                continue;
-            }
-            const vf pa = vf_exp2(_mm512_sub_ps(vf_load(sc->S + u * 16), muse));
-            const vf pb = vf_exp2(_mm512_sub_ps(vf_load(sc->S + (u + 1) * 16), muse));
-            sum = vf_add(sum, vf_add(pa, pb));
-            _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), amx_pair_bf16(pa, pb));
-            if (sc->T) {
-                const vf pta = vf_mul(pa, vf_load(sc->T + u * 16)), ptb = vf_mul(pb, vf_load(sc->T + (u + 1) * 16));
-                rsum = vf_add(rsum, vf_add(pta, ptb));
-                _mm512_storeu_si512((void *)(sc->PT + u / 2 * 16), amx_pair_bf16(pta, ptb));
+    vf sum0 = vf_zero(), sum1 = vf_zero(), rsum0 = vf_zero(), rsum1 = vf_zero();
+    const __m512i zero = _mm512_setzero_si512();
+    for (int i = 0; i < nseg; ++i) {
+        const int64_t o = seg[i].u0 - seg[i].s0;
+        uint32_t *P = sc->P + (o + seg[i].s0) / 2 * 16, *PT = jvp ? sc->PT + (o + seg[i].s0) / 2 * 16 : NULL;
+        /* P = 0 on the pairs before and after [fa, fb) */
+        for (int64_t f = seg[i].s0; f < fa[i]; f += 2, P += 16) {
+            _mm512_storeu_si512((void *)P, zero);
+            if (jvp) { _mm512_storeu_si512((void *)PT, zero); PT += 16; }
+        }
+        const __mmask16 ym = seg[i].ymask, *zm = sc->zm + 1 - delta + fa[i];
+        const float *S = sc->S + (o + fa[i]) * 16, *T = jvp ? sc->T + (o + fa[i]) * 16 : NULL;
+        for (int64_t n = (fb[i] - fa[i]) / 2; n > 0; --n, zm += 2, S += 32, P += 16) {
+            /* P = 2^(c S - m'), recomputed from S (masked lanes: 0, whatever S holds) */
+            const vf pa = amx_exp2(zm[0] & ym, _mm512_fmsub_ps(_mm512_loadu_ps(S), vc, muse));
+            const vf pb = amx_exp2(zm[1] & ym, _mm512_fmsub_ps(_mm512_loadu_ps(S + 16), vc, muse));
+            sum0 = vf_add(sum0, pa);
+            sum1 = vf_add(sum1, pb);
+            _mm512_storeu_si512((void *)P, amx_pair_bf16(pa, pb));
+            if (jvp) {
+                const vf pta = vf_mul(pa, _mm512_loadu_ps(T)), ptb = vf_mul(pb, _mm512_loadu_ps(T + 16));
+                rsum0 = vf_add(rsum0, pta);
+                rsum1 = vf_add(rsum1, ptb);
+                _mm512_storeu_si512((void *)PT, amx_pair_bf16(pta, ptb));
+                T += 32;
+                PT += 16;
             }
         }
-    *l = vf_fma(*l, alpha, sum);
-    *r = vf_fma(*r, alpha, rsum);
+        for (int64_t f = fb[i]; f < seg[i].s1; f += 2, P += 16) {
+            _mm512_storeu_si512((void *)P, zero);
+            if (jvp) { _mm512_storeu_si512((void *)PT, zero); PT += 16; }
+        }
+    }
+    *l = vf_fma(*l, alpha, vf_add(sum0, sum1));
+    *r = vf_fma(*r, alpha, vf_add(rsum0, rsum1));
     *m = mnew;
 }
 
@@ -749,7 +783,9 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     if (cx->jvp) memset(sc->C, 0, sizeof(float) * 16 * (size_t)Dv);
     vf m = vf_set1(-INFINITY), lsum = vf_zero(), r = vf_zero();
     const vf vc = vf_set1(cx->c), vscale = vf_set1((float)g->scale);
+    /* the lanes that see each union slot s (and none at s = -1, nvalid), at zm[s + 1] */
     const __m512i vlo = _mm512_loadu_si512(L.zlo), vhi = _mm512_loadu_si512(L.zhi);
+    for (int64_t s = -1; s <= nvalid; ++s) sc->zm[s + 1] = amx_in(vlo, vhi, L.ulo + s);
     /* key rows: X window x Y union, each with the same Z union */
     const amx_rows R = amx_rows_of(g, x, &L, nslots, 0);
     for (int64_t g0 = 0; g0 < R.rows * nslots; g0 += USLOTS) {
@@ -760,7 +796,7 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
             amx_load_q_tiles(sc, D / 32);   /* the previous unit's PV phase reused them */
             amx_scores(cx, sc, seg, nseg, zb, delta, nvalid);
         }
-        amx_softmax(sc, seg, nseg, L.ulo, delta, nvalid, vlo, vhi, vc, vscale, &m, &lsum, &r, Dv);
+        amx_softmax(sc, seg, nseg, delta, nvalid, vc, vscale, &m, &lsum, &r, Dv);
         if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb - delta);
         else amx_values(cx, sc, seg, nseg, zb - delta);
     }
@@ -912,7 +948,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         amx_scratch sc;
-        const int ok = amx_scratch_alloc(&sc, G.D, G.Dv, jvp);
+        const int ok = amx_scratch_alloc(&sc, G.D, G.Dv, G.Z, jvp);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
