@@ -23,7 +23,6 @@ CONFIGS = {
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
     "mb2-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "64"},
     "mb2-bn32": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "32"},
-    "more": {"NBHD_MMA_MORE": "1"},
 }
 JVP_CONFIGS = {
     "default": {},
@@ -32,9 +31,8 @@ JVP_CONFIGS = {
 }
 BWD_CONFIGS = {  # variants under test go here, each with its switch (SWITCHES)
     "default": {},
-    "more": {"NBHD_MMA_MORE": "1"},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB", "NBHD_MMA_MORE")
+SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB")
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),

@@ -542,8 +542,10 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *
  * budgeted for as many CTAs per SM as spill little: 64-query patches at D <= 64 4 CTAs (32-key
  * tiles), at D = 128 3 (at D = 64 one more CTA per SM was 5-9 % faster on the 2-D/3-D small
  * windows; the D = 128 32-key kernels re-read Q from shared memory each tile, equal on the 2-D
- * problems and 5 % faster on 3-D 7^3). NBHD_MMA_FWD_BN=32|64 forces the key tile (A/B runs,
- * bench/ab_fwd.py; read per launch). */
+ * problems and 5 % faster on 3-D 7^3; one more CTA per SM than that, tried later, was equal on
+ * 2-D and 8 % slower on 3-D 7^3 at D = 128, and 1.3x slower on strided 3-D with 128-query patches
+ * at D = 64). NBHD_MMA_FWD_BN=32|64 forces the key tile (A/B runs, bench/ab_fwd.py; read per
+ * launch). */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e,
                           cudaStream_t st) {
@@ -553,21 +555,12 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, co
     const char *bn = getenv("NBHD_MMA_FWD_BN");
     if (bn && bn[0]) bn32 = bn[0] == '3';
     constexpr int extra_cta = HD <= 64 ? 1 : 0;
-    const char *more = getenv("NBHD_MMA_MORE");  /* A/B: one more CTA per SM */
-    const bool more_ctas = more && more[0] == '1';
     if constexpr (HD >= 64) {  /* tiles.cu: 128-query patches at D >= 64 only */
         if (mb == 2) {
-            if constexpr (HD == 64)
-                if (more_ctas) {
-                    if (bn32) return launch_rank<T, HD, 32, 2, 3, true>(g, a, st);
-                    return launch_rank<T, HD, 64, 2, 3, true>(g, a, st);
-                }
             if (bn32) return launch_rank<T, HD, 32, 2, 2, HD != 128>(g, a, st);
             return launch_rank<T, HD, 64, 2, 2, HD != 128>(g, a, st);
         }
     }
-    if constexpr (HD == 128)
-        if (more_ctas && bn32) return launch_rank<T, HD, 32, 1, 4, false>(g, a, st);
     if (bn32) return launch_rank<T, HD, 32, 1, 3 + extra_cta, HD != 128>(g, a, st);
     return launch_rank<T, HD, 64, 1, 2 + extra_cta, true>(g, a, st);
 }

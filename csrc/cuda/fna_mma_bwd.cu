@@ -48,9 +48,10 @@ __global__ void __launch_bounds__(128) di_kernel(const nbhd_geometry g, const nb
 // ----------------------------------------------------------------------------
 // 2. dQ, query-stationary
 
-/* MINB: 3 CTAs per SM at D <= 64 (168 registers, 20 bytes spilled at D = 64), else 2 */
-template <typename T, int HD, int MINB>
-__global__ void __launch_bounds__(BW_THREADS, MINB)
+/* 3 CTAs per SM (168 registers; 20 bytes spilled at D = 64, 168 at D = 128, where three
+ * were 1-7 % faster than two on the bench problems: H200, bench/ab_fwd.py --bwd) */
+template <typename T, int HD>
+__global__ void __launch_bounds__(BW_THREADS, 3)
 fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
                   const mma_plan P) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -695,13 +696,8 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     }
 
     const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
-    auto dq_kernel = fna_mma_dq_kernel<T, HD, HD <= 64 ? 3 : 2>;
-    if constexpr (HD == 128) {
-        const char *more = getenv("NBHD_MMA_MORE");  /* A/B: bench/ab_fwd.py --bwd */
-        if (more && more[0] == '1') dq_kernel = fna_mma_dq_kernel<T, HD, 3>;
-    }
-    if ((s = reserve_smem(dq_kernel, smem_dq)) != NBHD_OK) return s;
-    dq_kernel<<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
+    if ((s = reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq)) != NBHD_OK) return s;
+    fna_mma_dq_kernel<T, HD><<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (dq)");
     return launch_dkdv<T, HD, false>(g, a, Dws, nullptr, P, st);
 }
