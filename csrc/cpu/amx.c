@@ -274,11 +274,8 @@ static inline __mmask16 amx_in(__m512i lo, __m512i hi, int64_t pos) {
     return _mm512_cmple_epi32_mask(lo, z) & _mm512_cmplt_epi32_mask(z, hi);
 }
 
-/* bf16 of 16 fp32 values, round to nearest even (VCVTNEPS2BF16: NaN stays NaN, denormals
- * become 0) */
-static inline __m256i amx_bf16(vf x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-
-/* the same for two vectors, interleaved as key pairs: word l = (bf16(a[l]) low, bf16(b[l]) high) */
+/* bf16 (round to nearest even; VCVTNE2PS2BF16: NaN stays NaN, denormals become 0) of two fp32
+ * vectors, interleaved as pairs: word l = (bf16(a[l]) low, bf16(b[l]) high) */
 static inline __m512i amx_pair_bf16(vf a, vf b) {
     const __m512i lo_hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);   /* words 0..15 from a, 16..31 from b */
     const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -738,24 +735,29 @@ static void amx_pack_qt(uint16_t *dst, const nbhd_tensor *t, int64_t D, int64_t 
     }
 }
 
-/* t[b, x, y_l, z_l, h, :] = bf16(A[:][l]) for the live lanes, A = [Dv][16] */
+/* t[b, x, y_l, z_l, h, :] = bf16(A[:][l]) for the live lanes, A = [Dv][16] (Dv % 16 == 0): per
+ * 32 dv, bf16 pairs of neighbouring dv, then one 16 x 16 transpose of 32-bit words (row l: the
+ * 32 dv of lane l) */
 static void amx_store_lanes(const nbhd_tensor *t, const float *A, int64_t Dv, int64_t b, int64_t x,
                             const amx_lanes *L, int64_t h) {
     uint16_t *row[16];
     for (int l = 0; l < 16; ++l) row[l] = L->live >> l & 1 ? (uint16_t *)amx_token(t, b, x, L->y[l], L->z[l], h) : NULL;
     const int64_t st = t->stride[5];
-    for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
+    for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+        const int np = Dv - d0 >= 32 ? 16 : 8;   /* dv pairs */
         vf r[16];
-        for (int j = 0; j < 16; ++j) r[j] = vf_load(A + (d0 + j) * 16);
+        for (int p = 0; p < 16; ++p)
+            r[p] = p < np ? _mm512_castsi512_ps(amx_pair_bf16(vf_load(A + (d0 + 2 * p) * 16), vf_load(A + (d0 + 2 * p + 1) * 16)))
+                          : vf_zero();
         vf_transpose16(r);
         for (int l = 0; l < 16; ++l) {
             if (!row[l]) continue;
-            const __m256i h16 = amx_bf16(r[l]);
-            if (st == 1) _mm256_storeu_si256((__m256i *)(row[l] + d0), h16);
+            const __m512i w = _mm512_castps_si512(r[l]);
+            if (st == 1) _mm512_mask_storeu_epi16(row[l] + d0, np == 16 ? 0xffffffffu : 0xffffu, w);
             else {
-                uint16_t tmp[16];
-                _mm256_storeu_si256((__m256i *)tmp, h16);
-                for (int j = 0; j < 16; ++j) row[l][(d0 + j) * st] = tmp[j];
+                uint16_t tmp[32];
+                _mm512_storeu_si512((void *)tmp, w);
+                for (int j = 0; j < 2 * np; ++j) row[l][(d0 + j) * st] = tmp[j];
             }
         }
     }
