@@ -124,22 +124,21 @@ typedef struct {
     int64_t X, Y, Z, D, Dv, dil, ZP, lines;   /* lines: X*Y rows of one slab */
 } amx_geo;
 
+/* first packed position of dilation group gr: the groups before it are Z / dil tokens long, and
+ * one longer for the first Z % dil of them, each followed by PADZ zeros and rounded up to a
+ * multiple of 32 (the frames of 32 keys, amx_rows, start in their group) */
+static inline int64_t amx_goff(const amx_geo *G, int64_t gr) {
+    const int64_t q = G->Z / G->dil, r = G->Z % G->dil, lr = gr < r ? gr : r;
+    return lr * ((q + 1 + PADZ + 31) / 32 * 32) + (gr - lr) * ((q + PADZ + 31) / 32 * 32);
+}
+
 static amx_geo amx_geo_of(const nbhd_geometry *g) {
     amx_geo G;
     G.X = g->axis[0].extent; G.Y = g->axis[1].extent; G.Z = g->axis[2].extent;
     G.D = g->head_dim; G.Dv = g->head_dim_v; G.dil = g->axis[2].dilation;
-    /* a multiple of 32: every packed V^T row starts 64-byte aligned, and so do the PV phase's
-     * tiles (keys from a multiple of 32), which never split a cache line */
-    G.ZP = (G.Z + PADZ * G.dil + 31) / 32 * 32;
     G.lines = G.X * G.Y;
+    G.ZP = amx_goff(&G, G.dil);
     return G;
-}
-
-/* first packed position of dilation group gr: the groups before it are Z / dil long, and one
- * longer for the first Z % dil of them, each followed by PADZ */
-static inline int64_t amx_goff(const amx_geo *G, int64_t gr) {
-    const int64_t q = G->Z / G->dil, r = G->Z % G->dil;
-    return gr * (q + PADZ) + (gr < r ? gr : r);
 }
 
 /* Bytes per slab: forward K and V^T (forward+JVP: tK and tV^T too); backward K, K^T, V and, per
@@ -184,14 +183,17 @@ static void amx_pack_rows(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g
     if (i1 == Lg) memset(dst + Lg * dim, 0, sizeof(uint16_t) * PADZ * dim);
 }
 
-/* columns (V^T, tV^T; K^T, Q^T, dO^T in the backward) of line (x, y), in-group tokens [i0, i1)
- * (i0 % 16 == 0) of group gr: Vt[Dv x ZP]; 16
- * tokens x 16 dv at a time through a register transpose (a last partial block writes zeros into
- * the margin) */
+/* The column layout of a line (V^T, tV^T; K^T, Q^T, dO^T in the backward), in blocks of 32 packed
+ * positions: Vt[ZP / 32][Dv][32], so that the 32 keys x Dv of a frame (amx_rows) are one
+ * contiguous run and a tile of 16 dv is 1 KiB of it. Element (dv d, position p): */
+static inline int64_t amx_col(int64_t Dv, int64_t d, int64_t p) { return (p / 32 * Dv + d) * 32 + p % 32; }
+
+/* columns of line (x, y), in-group tokens [i0, i1) (i0 % 16 == 0) of group gr; 16 tokens x 16 dv
+ * at a time through a register transpose (a last partial block writes zeros into the margin) */
 static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *v,
                           int64_t Dv, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
                           int64_t i1) {
-    const int64_t ZP = G->ZP, sv = v->stride[5];
+    const int64_t sv = v->stride[5];
     const int64_t Lg = nbhd_group_len(&g->axis[2], gr), at = amx_goff(G, gr);
     for (int64_t ib = i0; ib < i1; ib += 16) {
         const int nz = (int)(i1 - ib < 16 ? i1 - ib : 16);
@@ -212,12 +214,15 @@ static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g
             /* fp32 that came from bf16: the high halves are the bf16 values again */
             for (int j = 0; j < 16; ++j) {
                 const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r[j]), 16));
-                _mm256_storeu_si256((__m256i *)(Vt + (d0 + j) * ZP + at + ib), h);
+                _mm256_storeu_si256((__m256i *)(Vt + amx_col(Dv, d0 + j, at + ib)), h);   /* at % 32 == 0 */
             }
         }
     }
-    if (i1 == Lg)
-        for (int64_t d = 0; d < Dv; ++d) memset(Vt + d * ZP + at + Lg, 0, sizeof(uint16_t) * PADZ);
+    if (i1 == Lg)   /* the margin, per 32-position block */
+        for (int64_t p = at + Lg, e; p < at + Lg + PADZ; p = e) {
+            e = (p / 32 + 1) * 32 < at + Lg + PADZ ? (p / 32 + 1) * 32 : at + Lg + PADZ;
+            for (int64_t d = 0; d < Dv; ++d) memset(Vt + amx_col(Dv, d, p), 0, sizeof(uint16_t) * (size_t)(e - p));
+        }
 }
 
 // ----------------------------------------------------------------------------
@@ -527,12 +532,12 @@ static void amx_load_q_tiles(const amx_scratch *sc, int64_t nd) {
     if (nd > 3) _tile_loadd(5, sc->qt + 3 * 512, 64);
 }
 
-/* acc^T[dv][q] += A^T[dv][keys] P^T[keys][q] over the unit's rows (forward: O^T += V^T P^T),
- * 64 dv (tmm0..3) at a time.
+/* acc^T[dv][q] += A^T[dv][keys] P^T[keys][q] over the unit's rows (forward: O^T += V^T P^T), the
+ * frame of each row from packed position zf (a multiple of 32), 64 dv (tmm0..3) at a time.
  * With Dv <= 32 the even and odd 32-key blocks go to separate accumulators (tmm0..1, tmm2..3),
  * so that consecutive products do not wait on each other; their sum is added at the end. */
 static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, float *acc2, const uint32_t *Pb,
-                      const amx_seg *seg, int nseg, int64_t zb) {
+                      const amx_seg *seg, int nseg, int64_t zf) {
     if (Dv <= 32) {
         const int two = Dv == 32;
         float *o = acc, *o2 = acc2;
@@ -541,19 +546,20 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
         if (two) { _tile_loadd(1, o + 256, 64); _tile_zero(3); }
         int odd = 0;
         for (int i = 0; i < nseg; ++i) {
-            const uint16_t *vrow = At + seg[i].line * Dv * ZP + zb;
+            const uint16_t *vrow = At + seg[i].line * Dv * ZP;
             for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32, odd ^= 1) {
                 const uint32_t *pb = Pb + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
+                const uint16_t *vs = vrow + amx_col(Dv, 0, zf + s);
                 if (odd) {
                     _tile_loadd(7, pb, 64);
-                    _tile_loadd(6, vrow + s, ZP * 2);
+                    _tile_loadd(6, vs, 64);
                     _tile_dpbf16ps(2, 6, 7);
-                    if (two) { _tile_loadd(4, vrow + 16 * ZP + s, ZP * 2); _tile_dpbf16ps(3, 4, 7); }
+                    if (two) { _tile_loadd(4, vs + 16 * 32, 64); _tile_dpbf16ps(3, 4, 7); }
                 } else {
                     _tile_loadd(5, pb, 64);
-                    _tile_loadd(4, vrow + s, ZP * 2);
+                    _tile_loadd(4, vs, 64);
                     _tile_dpbf16ps(0, 4, 5);
-                    if (two) { _tile_loadd(6, vrow + 16 * ZP + s, ZP * 2); _tile_dpbf16ps(1, 6, 5); }
+                    if (two) { _tile_loadd(6, vs + 16 * 32, 64); _tile_dpbf16ps(1, 6, 5); }
                 }
             }
         }
@@ -574,17 +580,17 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
         if (nt > 3) _tile_loadd(3, o + 3 * 256, 64);
         int odd = 0;
         for (int i = 0; i < nseg; ++i) {
-            const uint16_t *vrow = At + (seg[i].line * Dv + d0) * ZP + zb;
+            const uint16_t *vrow = At + seg[i].line * Dv * ZP;
             for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32, odd ^= 1) {
                 const uint32_t *pb = Pb + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
-                const uint16_t *vs = vrow + s;
+                const uint16_t *vs = vrow + amx_col(Dv, d0, zf + s);
 #define PV_BLOCK(P)                                                                               \
     _tile_loadd(P, pb, 64);                                                                       \
-    _tile_loadd(4, vs, ZP * 2);                                                                   \
+    _tile_loadd(4, vs, 64);                                                                       \
     _tile_dpbf16ps(0, 4, P);                                                                      \
-    if (nt > 1) { _tile_loadd(6, vs + 16 * ZP, ZP * 2); _tile_dpbf16ps(1, 6, P); }              \
-    if (nt > 2) { _tile_loadd(4, vs + 32 * ZP, ZP * 2); _tile_dpbf16ps(2, 4, P); }              \
-    if (nt > 3) { _tile_loadd(6, vs + 48 * ZP, ZP * 2); _tile_dpbf16ps(3, 6, P); }
+    if (nt > 1) { _tile_loadd(6, vs + 16 * 32, 64); _tile_dpbf16ps(1, 6, P); }                   \
+    if (nt > 2) { _tile_loadd(4, vs + 32 * 32, 64); _tile_dpbf16ps(2, 4, P); }                   \
+    if (nt > 3) { _tile_loadd(6, vs + 48 * 32, 64); _tile_dpbf16ps(3, 6, P); }
                 if (odd) { PV_BLOCK(7) } else { PV_BLOCK(5) }
 #undef PV_BLOCK
             }
@@ -596,13 +602,13 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
     }
 }
 
-static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb) {
-    amx_accum(cx->Vt, cx->G->Dv, cx->G->ZP, sc->O, sc->O2, sc->P, seg, nseg, zb);
+static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf) {
+    amx_accum(cx->Vt, cx->G->Dv, cx->G->ZP, sc->O, sc->O2, sc->P, seg, nseg, zf);
 }
 
 /* Forward+JVP: O^T += V^T P^T and C^T += V^T (P o tS)^T + tV^T P^T, 32 dv at a time: O^T in
  * tmm0..1, C^T in tmm2..3, V^T in tmm4, tV^T in tmm5, P^T in tmm6, (P o tS)^T in tmm7. */
-static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb) {
+static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf) {
     const amx_geo *G = cx->G;
     const int64_t Dv = G->Dv, ZP = G->ZP;
     for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
@@ -612,21 +618,21 @@ static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *se
         _tile_loadd(2, cc, 64);
         if (two) { _tile_loadd(1, o + 256, 64); _tile_loadd(3, cc + 256, 64); }
         for (int i = 0; i < nseg; ++i) {
-            const uint16_t *vrow = cx->Vt + (seg[i].line * Dv + d0) * ZP + zb;
-            const uint16_t *tvrow = cx->tVt ? cx->tVt + (seg[i].line * Dv + d0) * ZP + zb : NULL;
+            const uint16_t *vrow = cx->Vt + seg[i].line * Dv * ZP;
+            const uint16_t *tvrow = cx->tVt ? cx->tVt + seg[i].line * Dv * ZP : NULL;
             for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32) {
-                const int64_t pairs = (seg[i].u0 + s - seg[i].s0) / 2 * 16;
+                const int64_t pairs = (seg[i].u0 + s - seg[i].s0) / 2 * 16, col = amx_col(Dv, d0, zf + s);
                 _tile_loadd(6, sc->P + pairs, 64);
                 _tile_loadd(7, sc->PT + pairs, 64);
-                _tile_loadd(4, vrow + s, ZP * 2);
+                _tile_loadd(4, vrow + col, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(2, 4, 7);
-                if (tvrow) { _tile_loadd(5, tvrow + s, ZP * 2); _tile_dpbf16ps(2, 5, 6); }
+                if (tvrow) { _tile_loadd(5, tvrow + col, 64); _tile_dpbf16ps(2, 5, 6); }
                 if (two) {
-                    _tile_loadd(4, vrow + 16 * ZP + s, ZP * 2);
+                    _tile_loadd(4, vrow + col + 16 * 32, 64);
                     _tile_dpbf16ps(1, 4, 6);
                     _tile_dpbf16ps(3, 4, 7);
-                    if (tvrow) { _tile_loadd(5, tvrow + 16 * ZP + s, ZP * 2); _tile_dpbf16ps(3, 5, 6); }
+                    if (tvrow) { _tile_loadd(5, tvrow + col + 16 * 32, 64); _tile_dpbf16ps(3, 5, 6); }
                 }
             }
         }
@@ -1019,7 +1025,7 @@ typedef struct {
 
 typedef struct {
     uint16_t *bt1, *bt2;   /* [dim/2][16][2] B operands of the item: Q^T and dO^T, or K^T and V^T */
-    float *S, *dP;         /* [USLOTS][16] */
+    float *S, *dP;         /* [USLOTS + 16][16] */
     uint32_t *P, *dS;      /* [USLOTS/2][16] bf16 pairs */
     float *acc1, *acc2, *tmp;   /* [dim][16] dQ^T, or dK^T and dV^T; tmp [32][16] */
     void *mem;
@@ -1028,13 +1034,13 @@ typedef struct {
 static int amx_bscratch_alloc(amx_bscratch *s, int64_t D, int64_t Dv) {
     const int64_t W = D > Dv ? D : Dv;
     memset(s, 0, sizeof *s);
-    s->mem = malloc((size_t)W * 32 * 2 + (size_t)USLOTS * 64 * 2 + (size_t)USLOTS * 32 * 2 + (size_t)W * 64 * 2 + 32 * 64 + 64);
+    s->mem = malloc((size_t)W * 32 * 2 + (size_t)(USLOTS + 16) * 64 * 2 + (size_t)USLOTS * 32 * 2 + (size_t)W * 64 * 2 + 32 * 64 + 64);
     if (!s->mem) return 0;
     uint8_t *p = (uint8_t *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
     s->bt1 = (uint16_t *)p; p += (size_t)W * 32;
     s->bt2 = (uint16_t *)p; p += (size_t)W * 32;
-    s->S = (float *)p; p += (size_t)USLOTS * 64;
-    s->dP = (float *)p; p += (size_t)USLOTS * 64;
+    s->S = (float *)p; p += (size_t)(USLOTS + 16) * 64;   /* + 16: a score tile may run past a unit */
+    s->dP = (float *)p; p += (size_t)(USLOTS + 16) * 64;
     s->P = (uint32_t *)p; p += (size_t)USLOTS * 32;
     s->dS = (uint32_t *)p; p += (size_t)USLOTS * 32;
     s->acc1 = (float *)p; p += (size_t)W * 64;
@@ -1043,9 +1049,9 @@ static int amx_bscratch_alloc(amx_bscratch *s, int64_t D, int64_t Dv) {
     return 1;
 }
 
-/* out1^T = A1 B1 and out2^T = A2 B2 for slots [s0, s1) (16 at a time) of packed rows A1 [ZP][d1]
- * and A2 [ZP][d2] of one line, from position zb; B operands per item (d-pairs x 16 lanes):
- * tmm0/tmm1 C, tmm2/tmm4 A, tmm3/tmm5 B */
+/* out1^T = A1 B1 and out2^T = A2 B2 for union slots [s0, s1) (16 at a time: the last tile may run
+ * up to 15 slots past s1) of packed rows A1 [ZP][d1] and A2 [ZP][d2] of one line, the union from
+ * position zb; B operands per item (d-pairs x 16 lanes): tmm0/tmm1 C, tmm2/tmm4 A, tmm3/tmm5 B */
 static void amx_two_scores(const uint16_t *A1, int64_t d1, const uint16_t *B1, const uint16_t *A2, int64_t d2,
                            const uint16_t *B2, int64_t zb, int64_t s0, int64_t s1, float *out1, float *out2) {
     for (int64_t s = s0; s < s1; s += 16) {
@@ -1067,25 +1073,32 @@ static void amx_two_scores(const uint16_t *A1, int64_t d1, const uint16_t *B1, c
     }
 }
 
-/* P = exp2(c S - L), dS = P (dP - D) for the unit's slots, 0 where masked (lane l sees slot
- * position ulo + s iff lo_l <= ulo + s < hi_l); L, D per lane (vL, vD) or, when Ls is given, per
- * slot position (Ls[s], Ds[s]; the segments then lie in one row). Both into bf16 pairs. */
-static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t ulo, int64_t nvalid,
+/* P = exp2(c S - L), dS = P (dP - D) for the unit's union slots (frames as amx_rows: slot f of a
+ * segment is union slot f - delta), 0 on its other slots and where masked (lane l sees union slot
+ * s iff lo_l <= ulo + s < hi_l and its Y window holds the row); L, D per lane (vL, vD) or, when Ls
+ * is given, per union slot (Ls[s], Ds[s]; the segments then lie in one row). Both into bf16 pairs. */
+static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t ulo, int64_t delta, int64_t nvalid,
                          __m512i lo, __m512i hi, vf vc, vf vL, vf vD, const float *Ls, const float *Ds) {
-    nvalid += nvalid & 1;
+    const __m512i zero = _mm512_setzero_si512();
     for (int i = 0; i < nseg; ++i) {
-        for (int64_t s = seg[i].s0; s < seg[i].s1; s += 2) {
-            const int64_t u = seg[i].u0 + s - seg[i].s0;
-            if (s >= nvalid) {
-                _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), _mm512_setzero_si512());
-                _mm512_storeu_si512((void *)(sc->dS + u / 2 * 16), _mm512_setzero_si512());
+        /* the union slots widened to whole pairs [fa, fb), as in amx_softmax */
+        int64_t a, b;
+        amx_seg_union(&seg[i], delta, nvalid, &a, &b);
+        const int64_t fa = a < b ? (a + delta) & ~(int64_t)1 : seg[i].s0, fb = a < b ? (b + delta + 1) & ~(int64_t)1 : seg[i].s0;
+        for (int64_t f = seg[i].s0; f < seg[i].s1; f += 2) {
+            const int64_t u = seg[i].u0 + f - seg[i].s0;
+            if (f < fa || f >= fb) {
+                _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), zero);
+                _mm512_storeu_si512((void *)(sc->dS + u / 2 * 16), zero);
                 continue;
             }
             vf p[2], ds[2];
             for (int j = 0; j < 2; ++j) {
-                const __mmask16 in = amx_in(lo, hi, ulo + s + j) & seg[i].ymask;
-                /* a slot past the window's end may read L, D of a margin position: masked */
-                const vf L = Ls ? vf_set1(Ls[s + j]) : vL, Dd = Ds ? vf_set1(Ds[s + j]) : vD;
+                const int64_t s = f + j - delta;
+                const __mmask16 in = amx_in(lo, hi, ulo + s) & seg[i].ymask;
+                /* a widening slot (s = -1 or nvalid) is masked: L, D read at the nearest union slot */
+                const int64_t sl = s < 0 ? 0 : s < nvalid ? s : nvalid - 1;
+                const vf L = Ls ? vf_set1(Ls[sl]) : vL, Dd = Ds ? vf_set1(Ds[sl]) : vD;
                 const vf x = _mm512_fmsub_ps(vf_load(sc->S + (u + j) * 16), vc, L);
                 p[j] = _mm512_maskz_mov_ps(in, vf_exp2(x));
                 ds[j] = _mm512_maskz_mul_ps(in, p[j], _mm512_sub_ps(vf_load(sc->dP + (u + j) * 16), Dd));
@@ -1134,17 +1147,22 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     const vf vL = vf_load(Ll), vD = vf_load(Dl), vc = vf_set1(cx->c);
     const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);
-    const amx_rows R = amx_rows_of(g, x, &Ln, (uhi - ulo + 31) / 32 * 32, 0);
-    const int64_t zb = amx_goff(G, Bk->gz) + ulo;
+    /* frames of 32 keys as in the forward (amx_rows) */
+    const int64_t nvalid = uhi - ulo, zb = amx_goff(G, Bk->gz) + ulo, delta = zb % 32;
+    const amx_rows R = amx_rows_of(g, x, &Ln, (delta + nvalid + 31) / 32 * 32, 0);
     for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         const int nseg = amx_unit(&R, G->Y, g0, seg);
-        for (int i = 0; i < nseg; ++i)   /* S^T = K Q^T, dP^T = V dO^T */
+        for (int i = 0; i < nseg; ++i) {   /* S^T = K Q^T, dP^T = V dO^T */
+            int64_t a, b;
+            amx_seg_union(&seg[i], delta, nvalid, &a, &b);
+            const int64_t u = seg[i].u0 - seg[i].s0 + delta + a;
             amx_two_scores(cx->K + seg[i].line * G->ZP * D, D, sc->bt1, cx->V + seg[i].line * G->ZP * Dv, Dv,
-                           sc->bt2, zb, seg[i].s0, seg[i].s1, sc->S + seg[i].u0 * 16, sc->dP + seg[i].u0 * 16);
-        amx_dsoftmax(sc, seg, nseg, ulo, uhi - ulo, vlo, vhi, vc, vL, vD, NULL, NULL);
+                           sc->bt2, zb, a, b, sc->S + u * 16, sc->dP + u * 16);
+        }
+        amx_dsoftmax(sc, seg, nseg, ulo, delta, nvalid, vlo, vhi, vc, vL, vD, NULL, NULL);
         /* dQ^T += K^T dS^T */
-        amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb);
+        amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta);
     }
     amx_store_scaled(&a->d_q, sc->acc1, D, (float)g->scale, b, x, &Ln, h);
 }
@@ -1165,8 +1183,8 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
     const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);    /* dK^T */
     memset(sc->acc2, 0, sizeof(float) * 16 * (size_t)Dv);   /* dV^T */
-    const amx_rows R = amx_rows_of(g, x, &Ln, (uhi - ulo + 31) / 32 * 32, 1);
-    const int64_t zb = amx_goff(G, Bk->gz) + ulo;
+    const int64_t nvalid = uhi - ulo, zb = amx_goff(G, Bk->gz) + ulo, delta = zb % 32;
+    const amx_rows R = amx_rows_of(g, x, &Ln, (delta + nvalid + 31) / 32 * 32, 1);
     for (int64_t hq = 0; hq < g->group; ++hq) {
         const uint16_t *Q = cx->Q + hq * G->lines * ZP * D, *dO = cx->dO + hq * G->lines * ZP * Dv;
         const uint16_t *Qt = cx->Qt + hq * G->lines * D * ZP, *dOt = cx->dOt + hq * G->lines * Dv * ZP;
@@ -1177,15 +1195,18 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
             for (int i = 0; i < nseg; ++i) {
                 const int64_t line = seg[i].line;
                 /* S = Q K^T, dP = dO V^T: slots are queries, lanes are keys */
-                amx_two_scores(Q + line * ZP * D, D, sc->bt1, dO + line * ZP * Dv, Dv, sc->bt2, zb, seg[i].s0,
-                               seg[i].s1, sc->S + seg[i].u0 * 16, sc->dP + seg[i].u0 * 16);
-                /* this row's L and D, by slot */
-                amx_dsoftmax(sc, &seg[i], 1, ulo, uhi - ulo, vlo, vhi, vc, vf_zero(), vf_zero(),
+                int64_t a, b;
+                amx_seg_union(&seg[i], delta, nvalid, &a, &b);
+                const int64_t u = seg[i].u0 - seg[i].s0 + delta + a;
+                amx_two_scores(Q + line * ZP * D, D, sc->bt1, dO + line * ZP * Dv, Dv, sc->bt2, zb, a, b,
+                               sc->S + u * 16, sc->dP + u * 16);
+                /* this row's L and D, by union slot */
+                amx_dsoftmax(sc, &seg[i], 1, ulo, delta, nvalid, vlo, vhi, vc, vf_zero(), vf_zero(),
                              L + line * ZP + zb, Dd + line * ZP + zb);
             }
             /* dV^T += dO^T P, dK^T += Q^T dS */
-            amx_accum(dOt, Dv, ZP, sc->acc2, sc->tmp, sc->P, seg, nseg, zb);
-            amx_accum(Qt, D, ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb);
+            amx_accum(dOt, Dv, ZP, sc->acc2, sc->tmp, sc->P, seg, nseg, zb - delta);
+            amx_accum(Qt, D, ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta);
         }
     }
     amx_store_scaled(&a->d_k, sc->acc1, D, (float)g->scale, b, x, &Ln, hk);
