@@ -147,6 +147,16 @@ AMX_CASES = [
     ((5, 9, 20), (3, 3, 5), (1, 2, 1), (1, 1, 1), (False, False, True), 1, 2, 2, 256, 16),
     ((6, 8, 24), (2, 3, 5), (1, 1, 2), (2, 1, 1), (False, True, False), 1, 2, 1, 32, 16),
     ((140,), (2,), (1,), (65,), (False,), 1, 1, 1, 32, 32),       # 65 dilation groups, 2-3 long
+    # Items of ny Y rows x 16/ny Z positions (the cost model picks ny; the comment says which):
+    # per-lane Y masks, leftover rows of a Y group in smaller blocks, partial Z chunks, borders
+    ((15, 29), (7, 5), (1, 1), (1, 1), (False, False), 1, 2, 2, 32, 32),   # ny 2: 7 pairs + 1 row
+    ((20, 30), (13, 13), (1, 1), (1, 1), (False, False), 1, 1, 1, 32, 32),  # ny 4, Z chunks 7x4 + 2
+    ((17, 20), (3, 5), (1, 1), (2, 1), (False, False), 2, 2, 2, 32, 64),    # ny 2 in Y groups of 9, 8
+    ((13, 18), (5, 4), (2, 3), (1, 1), (True, False), 1, 4, 2, 32, 32),     # ny 2, causal + stride Y
+    ((10, 19), (3, 6), (1, 2), (1, 1), (False, True), 1, 2, 2, 32, 16),     # ny 2, causal + stride Z
+    ((4, 13, 9), (3, 5, 3), (1, 2, 1), (1, 2, 1), (False, False, True), 1, 2, 1, 32, 32),  # ny 4
+    ((5, 9, 11), (3, 5, 5), (1, 1, 1), (1, 1, 2), (False, False, False), 1, 4, 2, 64, 48),  # ny 2
+    ((6, 7, 20), (2, 3, 3), (1, 1, 1), (1, 1, 1), (True, True, False), 1, 2, 2, 32, 16),   # ny 2
 ]
 
 
