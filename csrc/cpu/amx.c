@@ -41,7 +41,7 @@
 #define NBHD_SIMD_FMA
 #include "simd.h"
 
-#define PADZ 32           /* zero tokens after each dilation group of a packed row */
+#define TAIL (16 * AMX_MAX_D * 2)   /* workspace bytes past the packed tensors (amx_scores) */
 #define AMX_MAX_D 256     /* head dim (Q^T of an item is 16 x D) */
 #define USLOTS 512        /* slots per unit of the online softmax (32 KiB of scores) */
 #define LOG2E 1.4426950408889634
@@ -125,12 +125,15 @@ typedef struct {
 } amx_geo;
 
 /* first packed position of dilation group gr: the groups before it are Z / dil tokens long, and
- * one longer for the first Z % dil of them, each followed by PADZ zeros and rounded up to a
- * multiple of 32 (the frames of 32 keys, amx_rows, start in their group) */
+ * one longer for the first Z % dil of them, each padded with zeros to a multiple of 32 (the frames
+ * of 32 keys, amx_rows, then lie in their group) */
 static inline int64_t amx_goff(const amx_geo *G, int64_t gr) {
     const int64_t q = G->Z / G->dil, r = G->Z % G->dil, lr = gr < r ? gr : r;
-    return lr * ((q + 1 + PADZ + 31) / 32 * 32) + (gr - lr) * ((q + PADZ + 31) / 32 * 32);
+    return lr * ((q + 1 + 31) / 32 * 32) + (gr - lr) * ((q + 31) / 32 * 32);
 }
+
+/* a group's zero padding */
+static inline int64_t amx_gpad(int64_t Lg) { return (Lg + 31) / 32 * 32 - Lg; }
 
 static amx_geo amx_geo_of(const nbhd_geometry *g) {
     amx_geo G;
@@ -148,9 +151,9 @@ size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     const amx_geo G = amx_geo_of(g);
     const size_t per = (size_t)G.lines * (size_t)G.ZP, D = (size_t)G.D, Dv = (size_t)G.Dv;
     switch (op) {
-    case NBHD_OP_FORWARD: return per * 2 * (D + Dv) + 128;
-    case NBHD_OP_FORWARD_JVP: return 2 * per * 2 * (D + Dv) + 128;
-    case NBHD_OP_BACKWARD: return per * 2 * (2 * D + Dv) + (size_t)g->group * per * (2 * 2 * (D + Dv) + 8) + 128;
+    case NBHD_OP_FORWARD: return per * 2 * (D + Dv) + TAIL + 128;
+    case NBHD_OP_FORWARD_JVP: return 2 * per * 2 * (D + Dv) + TAIL + 128;
+    case NBHD_OP_BACKWARD: return per * 2 * (2 * D + Dv) + (size_t)g->group * per * (2 * 2 * (D + Dv) + 8) + TAIL + 128;
     default: return 0;
     }
 }
@@ -180,7 +183,7 @@ static void amx_pack_rows(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g
         for (int64_t d = 0; d < dim; d += 32)   /* dim % 32 == 0 */
             _mm512_storeu_si512((void *)(dst + i * dim + d), _mm512_loadu_si512((const void *)(src + d)));
     }
-    if (i1 == Lg) memset(dst + Lg * dim, 0, sizeof(uint16_t) * PADZ * dim);
+    if (i1 == Lg) memset(dst + Lg * dim, 0, sizeof(uint16_t) * (size_t)(amx_gpad(Lg) * dim));
 }
 
 /* The column layout of a line (V^T, tV^T; K^T, Q^T, dO^T in the backward), in blocks of 32 packed
@@ -189,7 +192,7 @@ static void amx_pack_rows(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g
 static inline int64_t amx_col(int64_t Dv, int64_t d, int64_t p) { return (p / 32 * Dv + d) * 32 + p % 32; }
 
 /* columns of line (x, y), in-group tokens [i0, i1) (i0 % 16 == 0) of group gr; 16 tokens x 16 dv
- * at a time through a register transpose (a last partial block writes zeros into the margin) */
+ * at a time through a register transpose (a last partial block writes zeros into the padding) */
 static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *v,
                           int64_t Dv, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
                           int64_t i1) {
@@ -218,11 +221,8 @@ static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g
             }
         }
     }
-    if (i1 == Lg)   /* the margin, per 32-position block */
-        for (int64_t p = at + Lg, e; p < at + Lg + PADZ; p = e) {
-            e = (p / 32 + 1) * 32 < at + Lg + PADZ ? (p / 32 + 1) * 32 : at + Lg + PADZ;
-            for (int64_t d = 0; d < Dv; ++d) memset(Vt + amx_col(Dv, d, p), 0, sizeof(uint16_t) * (size_t)(e - p));
-        }
+    if (i1 == Lg && amx_gpad(Lg))   /* the padding: the rest of the group's last block */
+        for (int64_t d = 0; d < Dv; ++d) memset(Vt + amx_col(Dv, d, at + Lg), 0, sizeof(uint16_t) * (size_t)amx_gpad(Lg));
 }
 
 // ----------------------------------------------------------------------------
@@ -440,10 +440,11 @@ typedef struct {
 /* S^T of the union slots of the unit's segments into S (at their frame slots; the union starts at
  * packed token zb), 16-key tiles from each segment's first union slot: the last may run up to 15
  * slots past the segment, over slots that are outside the union or that a later tile (stored
- * after it) rewrites. Tiles of any of the unit's rows, two at a time (C in tmm0 and tmm6), so that
- * each product's latency hides behind the other's, and a tile register is never reloaded while a
- * product still reads it (D <= 64: K in tmm1, tmm7, tmm4, tmm5; Q^T in tmm2, tmm3).
- * A tile never overruns its packed row: PADZ >= 16. */
+ * after it) rewrites, and over up to 15 packed rows past the group (the next group's, line's or
+ * tensor's, or the workspace's TAIL: masked scores whatever they hold). Tiles of any of the unit's
+ * rows, two at a time (C in tmm0 and tmm6), so that each product's latency hides behind the
+ * other's, and a tile register is never reloaded while a product still reads it (D <= 64: K in
+ * tmm1, tmm7, tmm4, tmm5; Q^T in tmm2, tmm3). */
 static void amx_scores(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb,
                        int64_t delta, int64_t nvalid) {
     const amx_geo *G = cx->G;
