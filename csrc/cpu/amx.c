@@ -1,28 +1,38 @@
 /*
  * amx.c — the bf16 forward, forward+JVP and backward on Intel AMX tiles (DESIGN.md §4;
  * KERNELS.md §3 design (a), the exact-union micro-GEMM), chosen by fast.c on CPUs with AMX-BF16
- * for bf16 inputs.
+ * (and AVX512-BF16) for bf16 inputs.
  *
- * A work item is a chunk of 16 consecutive in-group queries along Z (one line: same b, h, x, y).
- * They share their X and Y windows exactly, so the item visits the key rows (kx, ky) of those
- * windows; along Z it takes the union [ulo, uhi) of the 16 windows, padded to a multiple of 32
- * slots, and masks each query's own window. Per key row:
+ * A work item is 16 queries of one (b, h, x): ny neighbouring in-group Y rows times nz = 16 / ny
+ * consecutive in-group Z positions (one Y and one Z dilation group), lane l = (l / nz, l % nz).
+ * The 16 share their X window, so the item visits the key rows (kx, ky) of the X window times
+ * the union of the ny Y windows; along Z it takes the union [ulo, uhi) of the nz Z windows; each
+ * lane masks its own Y window (per key row) and Z window (per slot). ny is chosen per geometry
+ * (amx_choose_ny) to minimise the computed slots over the exact unions: 2-D window 7: ny 2 (a Z
+ * union of 14 keys, one 16-key score tile per key row, 8 Y rows, instead of 22 keys in 32 slots
+ * on 7 rows); window 13: ny 4; large Z windows and rank 1: ny 1. The last rows of a Y group that
+ * do not fill a block take smaller ones. Per unit of key rows (amx_unit):
  *
  *   S^T[key][q] = sum_d K[key][d] Q[q][d]        TDPBF16PS, A = 16 key rows x 32 d (packed K),
- *                                                B = Q^T as 16 d-pairs x 16 queries (per item)
- *   online softmax over the slots, per query lane (scores x scale*log2(e), exp2)
+ *                                                B = Q^T as 16 d-pairs x 16 queries (per item);
+ *                                                16-key tiles over the union only
+ *   online softmax over the union slots, per query lane (scores x scale*log2(e), exp2)
  *   O^T[dv][q] += sum_key V^T[dv][key] P^T[key][q]  A = 16 dv rows x 32 keys (packed V^T),
  *                                                B = P^T as 16 key-pairs x 16 queries
+ *
+ * The second products run on frames of 32 keys from the union's packed start rounded down to a
+ * multiple of 32 (P = 0 outside the union), so that their V^T tiles are aligned, contiguous runs.
  *
  * Forward+JVP (DESIGN.md §4) adds tS^T = K tQ^T + tK Q^T to the first products, keeps
  * r = sum P tS beside the softmax sums, and C^T += V^T (P o tS)^T + tV^T P^T beside O^T.
  *
  * Products of bf16 inputs are exact and accumulate in fp32; only P (and P o tS) is rounded to
  * bf16 for the second products (as GPU kernels do). fp16/fp32 inputs never come here (AMX-BF16
- * would round them). Layouts, per (b, key head) slab, ZP = Z + PADZ*dilation, Z group-major with PADZ zero
- * tokens after each dilation group (a 32-slot block that starts in a group stays in its row):
- *   K   [X, Y, ZP, D]  bf16 rows (token-major: a tile row is one key's 32 d); tK alike
- *   V^T [X, Y, Dv, ZP] bf16 (a tile row is one dv over 32 keys); tV^T alike
+ * would round them). Layouts, per (b, key head) slab: Z group-major, each dilation group padded
+ * with zeros to a multiple of 32 positions (ZP per line, amx_goff):
+ *   K   [X, Y, ZP, D]            bf16 rows (token-major: a tile row is one key's 32 d); tK alike
+ *   V^T [X, Y, ZP / 32, Dv, 32]  bf16 columns in blocks of 32 positions (amx_col: a tile row is one
+ *                                dv over a frame's 32 keys, a tile 1 KiB); tV^T alike
  * Deterministic: each output element is written by one thread; the split is static.
  */
 #define _GNU_SOURCE   /* syscall() */
@@ -939,7 +949,7 @@ static void amx_thread_tiles(void) {
 }
 
 // ----------------------------------------------------------------------------
-// entry points (geometry rotated by fast.c: the 16-query chunks lie along Z)
+// entry points (geometry rotated by fast.c: Z is the last real axis, Y the one before)
 
 static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_exec *e) {
     const amx_geo G = amx_geo_of(g);
@@ -1004,15 +1014,14 @@ nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_
 
 // ----------------------------------------------------------------------------
 // backward (DESIGN.md §4): D_i = dO_i.O_i - dlse_i, P = exp(S - LSE), dS = P (dO V^T - D),
-// dQ = s dS K (pass 1, query-stationary, items like the forward's), dK = s dS^T Q and
+// dQ = s dS K (pass 1, query-stationary, items like the forward's with ny = 1), dK = s dS^T Q and
 // dV = P^T dO (pass 2, key-stationary over each 16-key chunk's inverse windows, every query head
-// of the key head in turn). dS and P are rounded to bf16 for the second products.
+// of the key head in turn). dS and P are rounded to bf16 for the second products, which run on
+// 32-key frames as in the forward.
 //
-// Per slab (b, hk), ZP positions as above:
-//   K [lines][ZP][D], K^T [lines][D][ZP], V [lines][ZP][Dv]                  (pass 1)
+// Per slab (b, hk), ZP positions as above (rows token-major, columns in blocks of 32 positions):
+//   K rows, K^T columns, V rows                                                (pass 1)
 //   per query head: Q, dO rows, Q^T, dO^T columns, L = LSE log2(e) and D per position (pass 2)
-
-
 
 typedef struct {
     const nbhd_backward_args *a;
