@@ -8,7 +8,7 @@
 
 #include "internal.h"
 
-/* 1 when the CPU has AMX-TILE, AMX-BF16 and AVX-512BW and Linux grants the tile state */
+/* 1 when the CPU has AMX-TILE, AMX-BF16, AVX-512BW and AVX512-BF16 and Linux grants the tile state */
 int nbhd_cpu_amx_available(void);
 /* 1 when the AMX forward runs this call: bf16, rank >= 1, no extra keys, D % 32 == 0 and <= 256,
  * Dv % 16 == 0, contiguous head dims of q and k, no tiles asked for */
