@@ -51,8 +51,8 @@
 #define NBHD_SIMD_FMA
 #include "simd.h"
 
-#define TAIL (16 * AMX_MAX_D * 2)   /* workspace bytes past the packed tensors (amx_scores) */
 #define AMX_MAX_D 256     /* head dim (Q^T of an item is 16 x D) */
+#define TAIL (16 * AMX_MAX_D * 2)   /* workspace bytes past the packed tensors (amx_scores) */
 #define USLOTS 512        /* slots per unit of the online softmax (32 KiB of scores) */
 #define LOG2E 1.4426950408889634
 #define LN2 0.6931471805599453
@@ -248,14 +248,14 @@ typedef struct {
  * its end (amx_scores) */
 typedef struct {
     uint16_t *qt;    /* [D/2][16][2]   Q^T of the item, d-pairs */
-    float *S;        /* [USLOTS][16]   scores, then probabilities */
+    float *S;        /* [USLOTS + 16][16] scores */
     uint32_t *P;     /* [USLOTS/2][16] P^T key pairs (bf16 x 2) */
     float *O;        /* [Dv][16]       O^T accumulator */
     float *O2;       /* [32][16]       the second accumulator set when Dv <= 32 */
     __mmask16 *zm;   /* [Z + 2]        lanes whose Z window holds union slot s, at s + 1 */
     /* forward+JVP */
     uint16_t *tqt;   /* [D/2][16][2]   tQ^T */
-    float *T;        /* [USLOTS][16]   score tangents tS */
+    float *T;        /* [USLOTS + 16][16] score tangents tS */
     uint32_t *PT;    /* [USLOTS/2][16] (P o tS)^T key pairs */
     float *C;        /* [Dv][16]       C^T accumulator */
     void *mem;
@@ -390,9 +390,9 @@ static void amx_lanes_of(const nbhd_geometry *g, const amx_block *B, int inverse
  * as one slot space of `rows` x `nslots` (nslots a multiple of 32); a unit is USLOTS consecutive
  * slots of it, cut into one segment per row it touches (line: the row's packed line; [s0, s1): its
  * slots; u0: where they sit in the unit's buffers; ymask: the lanes whose Y window holds the row).
- * The forward's rows are frames of 32-key PV tiles: slot f is packed key zb - delta + f, the Z
- * union [ulo, uhi) sits at slots delta.. (zb: its packed start, delta = zb % 32), and only the
- * union's slots are computed; the backward's rows start at the union (delta = 0). */
+ * A row is a frame of 32-key tiles for the second products: slot f is packed key zb - delta + f,
+ * the Z union [ulo, uhi) sits at slots delta.. (zb: its packed start, delta = zb % 32), and only
+ * the union's slots are computed (the others get P = 0). */
 typedef struct {
     int64_t fx, cx, fy, cy, iyu, dx, dy, rows, nslots;
     __m512i ylo, yhi;
@@ -851,13 +851,14 @@ static int amx_block_rows(int ny, int64_t left) {
 
 /* Y rows per item (1, 2, 4, 8 or 16; 16 / that many Z positions): the one whose items cost the
  * least, counting per key row one for each 16 computed slots (S^T tiles, softmax) and one for each
- * 32-key PV tile, times the rows (X kernel x Y union), plus AMX_ITEM_COST per item (Q^T packing,
- * output transposes). The unions are exact (borders, stride, causal, dilation groups), and the
- * cost is a sum over Y blocks of (Y union x a Z term), so one pass per axis gives it.
+ * 32-key tile of its frame (PV), times the rows (X kernel x Y union), plus AMX_ITEM_COST per item
+ * (Q^T packing, output transposes). The unions are exact (borders, stride, causal, dilation
+ * groups), and the cost is a sum over Y blocks of (Y union x a Z term), so one pass per axis
+ * gives it.
  * 2-D window 7: 2 rows (one 16-slot tile per key row instead of 32 slots); window 13: 4 rows;
  * windows of ~32 and more along Z, and rank 1: 1 row. */
 #define AMX_ITEM_COST 4
-static int amx_choose_ny(const nbhd_geometry *g) {
+static int amx_choose_ny(const amx_geo *G, const nbhd_geometry *g) {
     const nbhd_axis *ax = &g->axis[0], *ay = &g->axis[1], *az = &g->axis[2];
     int64_t zcost[5] = {0}, zitems[5] = {0};   /* [log2 rows]: Z chunks of 16 / rows positions */
     for (int k = 0; k < 5; ++k)
@@ -867,7 +868,8 @@ static int amx_choose_ny(const nbhd_geometry *g) {
                 int64_t st, en, st2, en2;
                 nbhd_window_in_group(az, i0, Lg, &st, &en);
                 nbhd_window_in_group(az, (i0 + (16 >> k) < Lg ? i0 + (16 >> k) : Lg) - 1, Lg, &st2, &en2);
-                zcost[k] += (en2 - st + 15) / 16 + (en2 - st + 31) / 32;
+                const int64_t u = en2 - st, delta = (amx_goff(G, gz) + st) % 32;
+                zcost[k] += (u + 15) / 16 + (delta + u + 31) / 32;
                 zitems[k] += 1;
             }
         }
@@ -960,7 +962,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     uint16_t *Vt = Kp + kn, *tKp = Vt + vn, *tVt = tKp + kn;
     const int64_t B = g->batch, Hk = g->kv_heads, Gq = g->group;
     amx_work W;
-    if (!amx_work_init(&W, g, amx_choose_ny(g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    if (!amx_work_init(&W, g, amx_choose_ny(&G, g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
     const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
                         (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL};
     int failed = 0;
