@@ -183,6 +183,20 @@ def test_amx_forward_matches_reference(idx, sliced, monkeypatch):
 
 
 @pytest.mark.skipif(_lib.cpu_isa() != "amx", reason="needs a CPU with AMX-BF16 (and Linux's permission)")
+def test_amx_forward_huge_scores():
+    # scores near 2^100: the softmax must subtract the maximum from c*S rounded as when the
+    # maximum was taken (an unrounded c*S can exceed it by 2^-24 |c S| and overflow exp2)
+    case = _case(((15, 29), (7, 5), (1, 1), (1, 1), (False, False), 1, 2, 2, 32, 32, 0))
+    q, k, v, _, _ = case.tensors(torch.bfloat16, seed=7)
+    q, k = ((t.float() * 2.0 ** 50).bfloat16() for t in (q, k))
+    truth_out, truth_lse = case.reference(q.double(), k.double(), v.double())
+    out, lse = case.na()(q, k, v, **case.kwargs(), return_lse=True)
+    assert torch.isfinite(out.double()).all() and torch.isfinite(lse).all()
+    assert rel_err(out, truth_out) < TOL[torch.bfloat16], rel_err(out, truth_out)
+    assert rel_err(lse, truth_lse) < 1e-4, rel_err(lse, truth_lse)
+
+
+@pytest.mark.skipif(_lib.cpu_isa() != "amx", reason="needs a CPU with AMX-BF16 (and Linux's permission)")
 @pytest.mark.parametrize("idx", range(len(AMX_CASES)))
 def test_amx_forward_jvp_matches_reference(idx, monkeypatch):
     import torch.autograd.forward_ad as fwAD

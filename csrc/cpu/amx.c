@@ -712,9 +712,11 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t d
         const __mmask16 ym = seg[i].ymask, *zm = sc->zm + 1 - delta + fa[i];
         const float *S = sc->S + (o + fa[i]) * 16, *T = jvp ? sc->T + (o + fa[i]) * 16 : NULL;
         for (int64_t n = (fb[i] - fa[i]) / 2; n > 0; --n, zm += 2, S += 32, P += 16) {
-            /* P = 2^(c S - m'), recomputed from S (masked lanes: 0, whatever S holds) */
-            const vf pa = amx_exp2(zm[0] & ym, _mm512_fmsub_ps(_mm512_loadu_ps(S), vc, muse));
-            const vf pb = amx_exp2(zm[1] & ym, _mm512_fmsub_ps(_mm512_loadu_ps(S + 16), vc, muse));
+            /* P = 2^(c S - m'), recomputed from S (masked lanes: 0, whatever S holds); c S rounded
+             * as in the max pass (an FMA's exact product can exceed m' by its rounding error,
+             * 2^-24 |c S|, which overflows 2^x for huge scores) */
+            const vf pa = amx_exp2(zm[0] & ym, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(S), vc), muse));
+            const vf pb = amx_exp2(zm[1] & ym, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(S + 16), vc), muse));
             sum0 = vf_add(sum0, pa);
             sum1 = vf_add(sum1, pb);
             _mm512_storeu_si512((void *)P, amx_pair_bf16(pa, pb));
