@@ -212,22 +212,26 @@ static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g
         const int nz = (int)(i1 - ib < 16 ? i1 - ib : 16);
         const uint16_t *tok[16];
         for (int l = 0; l < nz; ++l) tok[l] = amx_token(v, b, x, y, gr + (ib + l) * G->dil, hk);
-        for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
+        /* 32 dv (16 at the end) at a time as 32-bit dv pairs: one 16 x 16 transpose, then each
+         * pair's low and high words are two dv rows */
+        for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+            const int np = Dv - d0 >= 32 ? 16 : 8;
             vf r[16];
             for (int l = 0; l < 16; ++l) {
                 if (l >= nz) r[l] = vf_zero();
-                else if (sv == 1) r[l] = vf_load_bf16(tok[l] + d0);
+                else if (sv == 1) r[l] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(np == 16 ? ~0u : 0xffffu, tok[l] + d0));
                 else {
-                    uint16_t tmp[16];
-                    for (int j = 0; j < 16; ++j) tmp[j] = tok[l][(d0 + j) * sv];
-                    r[l] = vf_load_bf16(tmp);
+                    uint16_t tmp[32] = {0};
+                    for (int j = 0; j < 2 * np; ++j) tmp[j] = tok[l][(d0 + j) * sv];
+                    r[l] = _mm512_castsi512_ps(_mm512_loadu_si512((const void *)tmp));
                 }
             }
             vf_transpose16(r);
-            /* fp32 that came from bf16: the high halves are the bf16 values again */
-            for (int j = 0; j < 16; ++j) {
-                const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r[j]), 16));
-                _mm256_storeu_si256((__m256i *)(Vt + amx_col(Dv, d0 + j, at + ib)), h);   /* at % 32 == 0 */
+            for (int p = 0; p < np; ++p) {   /* at % 32 == 0: 16 tokens stay in one block */
+                const __m512i w = _mm512_castps_si512(r[p]);
+                _mm256_storeu_si256((__m256i *)(Vt + amx_col(Dv, d0 + 2 * p, at + ib)), _mm512_cvtepi32_epi16(w));
+                _mm256_storeu_si256((__m256i *)(Vt + amx_col(Dv, d0 + 2 * p + 1, at + ib)),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
             }
         }
     }
