@@ -140,7 +140,7 @@ AMX_CASES = [
     ((40,), (7,), (1,), (1,), (False,), 1, 2, 2, 32, 32),          # partial last chunk
     ((37,), (6,), (1,), (2,), (False,), 1, 2, 1, 64, 16),          # dilation on Z, GQA
     ((50,), (9,), (3,), (1,), (True,), 2, 2, 2, 96, 48),           # causal + stride
-    ((700,), (600,), (1,), (1,), (False,), 1, 1, 1, 32, 32),       # rows over several units
+    ((1400,), (1100,), (1,), (1,), (False,), 1, 1, 1, 32, 32),     # a row over two units
     ((19, 34), (5, 7), (1, 1), (1, 1), (False, False), 1, 2, 2, 64, 64),
     ((12, 33), (3, 4), (2, 1), (2, 1), (True, False), 1, 4, 2, 32, 80),   # two dv groups
     ((30, 30), (23, 23), (1, 1), (1, 1), (False, False), 1, 1, 1, 160, 32),  # Q^T reloaded

@@ -53,7 +53,8 @@
 
 #define AMX_MAX_D 256     /* head dim (Q^T of an item is 16 x D) */
 #define TAIL (16 * AMX_MAX_D * 2)   /* workspace bytes past the packed tensors (amx_scores) */
-#define USLOTS 512        /* slots per unit of the online softmax (32 KiB of scores) */
+#define USLOTS 1024       /* frame slots per unit of the online softmax (up to 64 KiB of scores; 3-D
+                             8x24x24 window 5: one unit per item, 5 % faster than 512) */
 #define LOG2E 1.4426950408889634
 #define LN2 0.6931471805599453
 
