@@ -166,7 +166,8 @@ size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     switch (op) {
     case NBHD_OP_FORWARD: return per * 2 * Dv + 128;
     case NBHD_OP_FORWARD_JVP: return 2 * per * 2 * Dv + 128;
-    case NBHD_OP_BACKWARD: return per * 2 * (2 * D + Dv) + (size_t)g->group * per * (2 * 2 * (D + Dv) + 8) + TAIL + 128;
+    case NBHD_OP_BACKWARD:
+        return per * 2 * (2 * D + Dv) + (size_t)g->group * per * (2 * 2 * (D + Dv) + 8) + TAIL + 128;
     default: return 0;
     }
 }
@@ -222,7 +223,8 @@ static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g
             vf r[16];
             for (int l = 0; l < 16; ++l) {
                 if (l >= nz) r[l] = vf_zero();
-                else if (sv == 1) r[l] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(np == 16 ? ~0u : 0xffffu, tok[l] + d0));
+                else if (sv == 1)
+                    r[l] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(np == 16 ? ~0u : 0xffffu, tok[l] + d0));
                 else {
                     uint16_t tmp[32] = {0};
                     for (int j = 0; j < 2 * np; ++j) tmp[j] = tok[l][(d0 + j) * sv];
@@ -239,7 +241,8 @@ static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g
         }
     }
     if (i1 == Lg && amx_gpad(Lg))   /* the padding: the rest of the group's last block */
-        for (int64_t d = 0; d < Dv; ++d) memset(Vt + amx_col(Dv, d, at + Lg), 0, sizeof(uint16_t) * (size_t)amx_gpad(Lg));
+        for (int64_t d = 0; d < Dv; ++d)
+            memset(Vt + amx_col(Dv, d, at + Lg), 0, sizeof(uint16_t) * (size_t)amx_gpad(Lg));
 }
 
 // ----------------------------------------------------------------------------
@@ -810,13 +813,15 @@ static void amx_pack_qt(uint16_t *dst, const nbhd_tensor *t, int64_t D, int64_t 
 static void amx_store_lanes(const nbhd_tensor *t, const float *A, int64_t Dv, int64_t b, int64_t x,
                             const amx_lanes *L, int64_t h) {
     uint16_t *row[16];
-    for (int l = 0; l < 16; ++l) row[l] = L->live >> l & 1 ? (uint16_t *)amx_token(t, b, x, L->y[l], L->z[l], h) : NULL;
+    for (int l = 0; l < 16; ++l)
+        row[l] = L->live >> l & 1 ? (uint16_t *)amx_token(t, b, x, L->y[l], L->z[l], h) : NULL;
     const int64_t st = t->stride[5];
     for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
         const int np = Dv - d0 >= 32 ? 16 : 8;   /* dv pairs */
         vf r[16];
         for (int p = 0; p < 16; ++p)
-            r[p] = p < np ? _mm512_castsi512_ps(amx_pair_bf16(vf_load(A + (d0 + 2 * p) * 16), vf_load(A + (d0 + 2 * p + 1) * 16)))
+            r[p] = p < np ? _mm512_castsi512_ps(amx_pair_bf16(vf_load(A + (d0 + 2 * p) * 16),
+                                                              vf_load(A + (d0 + 2 * p + 1) * 16)))
                           : vf_zero();
         vf_transpose16(r);
         for (int l = 0; l < 16; ++l) {
@@ -837,17 +842,17 @@ static inline float *amx_scalar(const nbhd_tensor *t, int64_t b, int64_t x, int6
            h * t->stride[4];
 }
 
-static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, int64_t x, const amx_block *B) {
+static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t h, int64_t x, const amx_block *B) {
     const amx_geo *G = cx->G;
     const nbhd_geometry *g = cx->g;
     const amx_io *io = cx->io;
-    const int64_t D = G->D, Dv = G->Dv;
+    const int64_t D = G->D, Dv = G->Dv, b = cx->b;
     amx_lanes L;
     amx_lanes_of(g, B, 0, &L);
     /* each row: the Z union (nvalid keys from packed token zb) in a frame of 32-key PV tiles from
      * zb rounded down to a multiple of 32 */
-    const int64_t nvalid = L.uhi - L.ulo, zb = amx_goff(G, B->gz) + L.ulo, Lgz = nbhd_group_len(&g->axis[2], B->gz);
-    const int64_t delta = zb % 32, nslots = (delta + nvalid + 31) / 32 * 32;
+    const int64_t nvalid = L.uhi - L.ulo, zb = amx_goff(G, B->gz) + L.ulo, delta = zb % 32;
+    const int64_t nslots = (delta + nvalid + 31) / 32 * 32, Lgz = nbhd_group_len(&g->axis[2], B->gz);
     amx_pack_qt(sc->qt, io->q, D, b, x, &L, h);
     if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, &L, h);
     memset(sc->O, 0, sizeof(float) * 16 * (size_t)Dv);
@@ -1046,7 +1051,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
             for (int64_t w = 0; w < work; ++w) {
                 if (!ok) continue;
                 const int64_t h = hk * Gq + w % Gq, c = (w / Gq) % W.nblocks, x = w / (Gq * W.nblocks);
-                amx_item(&cx, &sc, b, h, x, &W.blk[c]);
+                amx_item(&cx, &sc, h, x, &W.blk[c]);
             }
         }
         _tile_release();
@@ -1099,7 +1104,8 @@ typedef struct {
 static int amx_bscratch_alloc(amx_bscratch *s, int64_t D, int64_t Dv) {
     const int64_t W = D > Dv ? D : Dv;
     memset(s, 0, sizeof *s);
-    s->mem = malloc((size_t)W * 32 * 2 + (size_t)(USLOTS + 16) * 64 * 2 + (size_t)USLOTS * 32 * 2 + (size_t)W * 64 * 2 + 32 * 64 + 64);
+    s->mem = malloc((size_t)W * 32 * 2 + (size_t)(USLOTS + 16) * 64 * 2 + (size_t)USLOTS * 32 * 2 + (size_t)W * 64 * 2 +
+                    32 * 64 + 64);
     if (!s->mem) return 0;
     uint8_t *p = (uint8_t *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
     s->bt1 = (uint16_t *)p; p += (size_t)W * 32;
@@ -1149,7 +1155,8 @@ static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t
         /* the union slots widened to whole pairs [fa, fb), as in amx_softmax */
         int64_t a, b;
         amx_seg_union(&seg[i], delta, nvalid, &a, &b);
-        const int64_t fa = a < b ? (a + delta) & ~(int64_t)1 : seg[i].s0, fb = a < b ? (b + delta + 1) & ~(int64_t)1 : seg[i].s0;
+        const int64_t fa = a < b ? (a + delta) & ~(int64_t)1 : seg[i].s0;
+        const int64_t fb = a < b ? (b + delta + 1) & ~(int64_t)1 : seg[i].s0;
         for (int64_t f = seg[i].s0; f < seg[i].s1; f += 2) {
             const int64_t u = seg[i].u0 + f - seg[i].s0;
             if (f < fa || f >= fb) {
