@@ -13,7 +13,7 @@
  * on 7 rows); window 13: ny 4; large Z windows and rank 1: ny 1. The last rows of a Y group that
  * do not fill a block take smaller ones. Per unit of key rows (amx_unit):
  *
- *   S^T[key][q] = sum_d K[key][d] Q[q][d]        TDPBF16PS, A = 16 key rows x 32 d (K in place),
+ *   S^T[key][q] = sum_d K[key][d] Q[q][d]        TDPBF16PS, A = 16 key rows x 32 d (packed K),
  *                                                B = Q^T as 16 d-pairs x 16 queries (per item);
  *                                                16-key tiles over the union only
  *   online softmax over the union slots, per query lane (scores x scale*log2(e), exp2)
@@ -28,10 +28,9 @@
  *
  * Products of bf16 inputs are exact and accumulate in fp32; only P (and P o tS) is rounded to
  * bf16 for the second products (as GPU kernels do). fp16/fp32 inputs never come here (AMX-BF16
- * would round them). The first products read K (and tK) in place: a tile row is one key's 32 d,
- * rows a Z stride apart (amx_krows_at). The second products read a packed copy, per (b, key head)
- * slab, Z group-major, each dilation group padded with zeros to a multiple of 32 positions (ZP per
- * line, amx_goff):
+ * would round them). Layouts, per (b, key head) slab: Z group-major, each dilation group padded
+ * with zeros to a multiple of 32 positions (ZP per line, amx_goff):
+ *   K   [X, Y, ZP, D]            bf16 rows (token-major: a tile row is one key's 32 d); tK alike
  *   V^T [X, Y, ZP / 32, Dv, 32]  bf16 columns in blocks of 32 positions (amx_col: a tile row is one
  *                                dv over a frame's 32 keys, a tile 1 KiB); tV^T alike
  * Deterministic: each output element is written by one thread; the split is static.
@@ -53,7 +52,7 @@
 #include "simd.h"
 
 #define AMX_MAX_D 256     /* head dim (Q^T of an item is 16 x D) */
-#define TAIL (16 * AMX_MAX_D * 2)   /* workspace bytes past the backward's packed tensors (amx_two_scores) */
+#define TAIL (16 * AMX_MAX_D * 2)   /* workspace bytes past the packed tensors (amx_scores) */
 #define USLOTS 1024       /* frame slots per unit of the online softmax (up to 64 KiB of scores; 3-D
                              8x24x24 window 5: one unit per item, 5 % faster than 512) */
 #define LOG2E 1.4426950408889634
@@ -156,16 +155,15 @@ static amx_geo amx_geo_of(const nbhd_geometry *g) {
     return G;
 }
 
-/* Bytes per slab: forward V^T (forward+JVP: tV^T too; K and tK are read in place); backward K,
- * K^T, V and, per query head of the group, Q, Q^T, dO, dO^T and fp32 L, D per position. 0: no
- * AMX kernel. */
+/* Bytes per slab: forward K and V^T (forward+JVP: tK and tV^T too); backward K, K^T, V and, per
+ * query head of the group, Q, Q^T, dO, dO^T and fp32 L, D per position. 0: no AMX kernel. */
 size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     if (!g->has_window) return 0;
     const amx_geo G = amx_geo_of(g);
     const size_t per = (size_t)G.lines * (size_t)G.ZP, D = (size_t)G.D, Dv = (size_t)G.Dv;
     switch (op) {
-    case NBHD_OP_FORWARD: return per * 2 * Dv + 128;
-    case NBHD_OP_FORWARD_JVP: return 2 * per * 2 * Dv + 128;
+    case NBHD_OP_FORWARD: return per * 2 * (D + Dv) + TAIL + 128;
+    case NBHD_OP_FORWARD_JVP: return 2 * per * 2 * (D + Dv) + TAIL + 128;
     case NBHD_OP_BACKWARD:
         return per * 2 * (2 * D + Dv) + (size_t)g->group * per * (2 * 2 * (D + Dv) + 8) + TAIL + 128;
     default: return 0;
@@ -263,7 +261,6 @@ typedef struct {
     float *O;        /* [Dv][16]       O^T accumulator */
     float *O2;       /* [32][16]       the second accumulator set when Dv <= 32 */
     __mmask16 *zm;   /* [Z + 2]        lanes whose Z window holds union slot s, at s + 1 */
-    uint16_t *kb;    /* [2][16][D]     key rows of score tiles past a group's end (amx_krows_at) */
     /* forward+JVP */
     uint16_t *tqt;   /* [D/2][16][2]   tQ^T */
     float *T;        /* [USLOTS + 16][16] score tangents tS */
@@ -276,7 +273,7 @@ static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv, int64_t Z, i
     const size_t one = (size_t)D * 32 + (size_t)(USLOTS + 16) * 64 + (size_t)USLOTS * 32 + (size_t)Dv * 64;
     const size_t zm = ((size_t)Z + 2) * sizeof(__mmask16) + 63;
     memset(s, 0, sizeof *s);
-    s->mem = malloc((jvp ? 2 : 1) * one + 32 * 64 + zm + (size_t)D * 64 + 64);
+    s->mem = malloc((jvp ? 2 : 1) * one + 32 * 64 + zm + 64);
     if (!s->mem) return 0;
     uint8_t *p = (uint8_t *)(((uintptr_t)s->mem + 63) & ~(uintptr_t)63);
     s->qt = (uint16_t *)p; p += (size_t)D * 32;
@@ -285,7 +282,6 @@ static int amx_scratch_alloc(amx_scratch *s, int64_t D, int64_t Dv, int64_t Z, i
     s->O = (float *)p; p += (size_t)Dv * 64;
     s->O2 = (float *)p; p += 32 * 64;
     s->zm = (__mmask16 *)p; p += zm / 64 * 64;
-    s->kb = (uint16_t *)p; p += (size_t)D * 64;
     if (jvp) {
         s->tqt = (uint16_t *)p; p += (size_t)D * 32;
         s->T = (float *)p; p += (size_t)(USLOTS + 16) * 64;
@@ -450,9 +446,8 @@ static int amx_unit(const amx_rows *R, int64_t Y, int64_t g0, amx_seg *seg) {
 // one work item: 16 queries against their key rows
 
 typedef struct {
-    const uint16_t *Vt, *tVt;   /* packed V^T and tV^T (forward+JVP with that tangent, else NULL) */
-    const nbhd_tensor *tk;      /* tK (forward+JVP with that tangent), or NULL */
-    int64_t b, hk;              /* the slab */
+    const uint16_t *K, *Vt;     /* packed K and V^T of the slab */
+    const uint16_t *tK, *tVt;   /* packed tK and tV^T (forward+JVP with those tangents), or NULL */
     const amx_geo *G;
     const nbhd_geometry *g;
     const amx_io *io;
@@ -460,85 +455,47 @@ typedef struct {
     int jvp, has_tq;
 } amx_ctx;
 
-/* The 16 key rows of a score tile: the forward reads K (and tK) in place, rows = keys of one
- * line and Z group (stride: Z stride x dilation) from in-group key z. A tile that would run past
- * the group starts at the group's last 16 keys instead when those lie in its segment's frame
- * (a tile rewrites the slots it shares with the one before with the same values), or else its
- * n < 16 keys are copied to a zero-padded buffer (amx_krows_at). */
-typedef struct {
-    int64_t x, y, z, n, f;      /* line, first in-group key, keys in the group, frame slot of key z */
-} amx_ktile;
-
-static amx_ktile amx_ktile_of(const amx_seg *sg, int64_t Y, int64_t Lg, int64_t ulo, int64_t delta, int64_t s) {
-    amx_ktile t = {sg->line / Y, sg->line % Y, ulo + s, 16, s + delta};
-    if (t.z + 16 > Lg) {
-        if (Lg - 16 >= 0 && Lg - 16 - ulo + delta >= sg->s0) { t.f += Lg - 16 - t.z; t.z = Lg - 16; }
-        else t.n = Lg - t.z;
-    }
-    return t;
-}
-
-/* the rows of tile t of tensor k (slab b, hk; group gz) and their stride in bytes: in place, or
- * copied into bounce [16][D] */
-static const uint16_t *amx_krows_at(const amx_ctx *cx, const nbhd_tensor *k, const amx_ktile *t, int64_t gz,
-                                    uint16_t *bounce, int64_t *ld) {
-    const int64_t dil = cx->g->axis[2].dilation, D = cx->G->D;
-    const uint16_t *p = amx_token(k, cx->b, t->x, t->y, gz + t->z * dil, cx->hk);
-    *ld = k->stride[3] * dil * 2;
-    if (t->n == 16) return p;
-    for (int64_t i = 0; i < 16; ++i)
-        for (int64_t d = 0; d < D; d += 32)
-            _mm512_storeu_si512((void *)(bounce + i * D + d),
-                                i < t->n ? _mm512_loadu_si512((const void *)(p + i * k->stride[3] * dil + d))
-                                         : _mm512_setzero_si512());
-    *ld = D * 2;
-    return bounce;
-}
-
-/* S^T of the union slots of the unit's segments into S (at their frame slots; the union is
- * in-group keys [ulo, ulo + nvalid) of Z group gz, Lg long), 16-key tiles (amx_ktile_of) from each
- * segment's first union slot: the last may run up to 15 slots past the segment's union, over slots
- * outside the union (masked) or that a later tile (stored after it) rewrites. Tiles of any of the
- * unit's rows, two at a time (C in tmm0 and tmm6), so that each product's latency hides behind the
+/* S^T of the union slots of the unit's segments into S (at their frame slots; the union starts at
+ * packed token zb), 16-key tiles from each segment's first union slot: the last may run up to 15
+ * slots past the segment, over slots that are outside the union or that a later tile (stored
+ * after it) rewrites, and over up to 15 packed rows past the group (the next group's, line's or
+ * tensor's, or the workspace's TAIL: masked scores whatever they hold). Tiles of any of the unit's
+ * rows, two at a time (C in tmm0 and tmm6), so that each product's latency hides behind the
  * other's, and a tile register is never reloaded while a product still reads it (D <= 64: K in
  * tmm1, tmm7, tmm4, tmm5; Q^T in tmm2, tmm3). */
-static void amx_scores(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t gz, int64_t Lg,
-                       int64_t ulo, int64_t delta, int64_t nvalid) {
+static void amx_scores(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb,
+                       int64_t delta, int64_t nvalid) {
     const amx_geo *G = cx->G;
-    const int64_t D = G->D, nd = D / 32;
-    amx_ktile kt[USLOTS / 16 + USLOTS / 32];
+    const int64_t D = G->D, nd = D / 32, ld = D * 2;
+    const uint16_t *kt[USLOTS / 16 + USLOTS / 32];
     float *st[USLOTS / 16 + USLOTS / 32];
     int nt = 0;
     for (int i = 0; i < nseg; ++i) {
         int64_t a, b;
         amx_seg_union(&seg[i], delta, nvalid, &a, &b);
         for (int64_t s = a; s < b; s += 16) {
-            kt[nt] = amx_ktile_of(&seg[i], G->Y, Lg, ulo, delta, s);
-            st[nt] = sc->S + (seg[i].u0 + kt[nt].f - seg[i].s0) * 16;
-            ++nt;
+            kt[nt] = cx->K + (seg[i].line * G->ZP + zb + s) * D;
+            st[nt++] = sc->S + (seg[i].u0 + delta + s - seg[i].s0) * 16;
         }
     }
     for (int t = 0; t < nt; t += 2) {
         /* an odd last tile is computed twice and stored once */
         const int two = t + 1 < nt;
-        int64_t lda, ldb;
-        const uint16_t *ka = amx_krows_at(cx, cx->io->k, &kt[t], gz, sc->kb, &lda);
-        const uint16_t *kb = two ? amx_krows_at(cx, cx->io->k, &kt[t + 1], gz, sc->kb + 16 * D, &ldb) : ka;
-        if (!two) ldb = lda;
+        const uint16_t *ka = kt[t], *kb = kt[two ? t + 1 : t];
         _tile_zero(0);
         _tile_zero(6);
         if (nd == 1) {
-            _tile_loadd(1, ka, lda); _tile_loadd(7, kb, ldb);
+            _tile_loadd(1, ka, ld); _tile_loadd(7, kb, ld);
             _tile_dpbf16ps(0, 1, 2); _tile_dpbf16ps(6, 7, 2);
         } else if (nd == 2) {
-            _tile_loadd(1, ka, lda); _tile_loadd(7, kb, ldb);
-            _tile_loadd(4, ka + 32, lda); _tile_loadd(5, kb + 32, ldb);
+            _tile_loadd(1, ka, ld); _tile_loadd(7, kb, ld);
+            _tile_loadd(4, ka + 32, ld); _tile_loadd(5, kb + 32, ld);
             _tile_dpbf16ps(0, 1, 2); _tile_dpbf16ps(6, 7, 2);
             _tile_dpbf16ps(0, 4, 3); _tile_dpbf16ps(6, 5, 3);
         } else {
             for (int64_t c = 0; c < nd; ++c) {
-                _tile_loadd(1, ka + 32 * c, lda);
-                _tile_loadd(7, kb + 32 * c, ldb);
+                _tile_loadd(1, ka + 32 * c, ld);
+                _tile_loadd(7, kb + 32 * c, ld);
                 switch (nd <= Q_RESIDENT ? c : -1) {
                 case 0: _tile_dpbf16ps(0, 1, 2); _tile_dpbf16ps(6, 7, 2); break;
                 case 1: _tile_dpbf16ps(0, 1, 3); _tile_dpbf16ps(6, 7, 3); break;
@@ -560,27 +517,25 @@ static void amx_scores(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, i
 /* Forward+JVP: S^T and the unscaled tS^T = K tQ^T + tK Q^T of the unit's union slots (as
  * amx_scores), 16 keys at a time: tmm0 S^T, tmm1 tS^T, K in tmm2, tK in tmm5, the Q^T and tQ^T
  * tiles of each 32 d reloaded into tmm3 and tmm4 (from L1). */
-static void amx_scores_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t gz,
-                           int64_t Lg, int64_t ulo, int64_t delta, int64_t nvalid) {
+static void amx_scores_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zb,
+                           int64_t delta, int64_t nvalid) {
     const amx_geo *G = cx->G;
-    const int64_t D = G->D, nd = D / 32;
+    const int64_t D = G->D, nd = D / 32, ld = D * 2;
     for (int i = 0; i < nseg; ++i) {
+        const uint16_t *krow = cx->K + seg[i].line * G->ZP * D;
+        const uint16_t *tkrow = cx->tK ? cx->tK + seg[i].line * G->ZP * D : NULL;
         int64_t a, b;
         amx_seg_union(&seg[i], delta, nvalid, &a, &b);
         for (int64_t s = a; s < b; s += 16) {
-            const amx_ktile t = amx_ktile_of(&seg[i], G->Y, Lg, ulo, delta, s);
-            const int64_t u = seg[i].u0 + t.f - seg[i].s0;
-            int64_t ld, tld = 0;
-            const uint16_t *krow = amx_krows_at(cx, cx->io->k, &t, gz, sc->kb, &ld);
-            const uint16_t *tkrow = cx->tk ? amx_krows_at(cx, cx->tk, &t, gz, sc->kb + 16 * D, &tld) : NULL;
+            const int64_t z = zb + s, u = seg[i].u0 + delta + s - seg[i].s0;
             _tile_zero(0);
             _tile_zero(1);
             for (int64_t c = 0; c < nd; ++c) {
-                _tile_loadd(2, krow + 32 * c, ld);
+                _tile_loadd(2, krow + z * D + 32 * c, ld);
                 _tile_loadd(3, sc->qt + c * 512, 64);
                 _tile_dpbf16ps(0, 2, 3);
                 if (cx->has_tq) { _tile_loadd(4, sc->tqt + c * 512, 64); _tile_dpbf16ps(1, 2, 4); }
-                if (tkrow) { _tile_loadd(5, tkrow + 32 * c, tld); _tile_dpbf16ps(1, 5, 3); }
+                if (tkrow) { _tile_loadd(5, tkrow + z * D + 32 * c, ld); _tile_dpbf16ps(1, 5, 3); }
             }
             _tile_stored(0, sc->S + u * 16, 64);
             _tile_stored(1, sc->T + u * 16, 64);
@@ -842,17 +797,17 @@ static inline float *amx_scalar(const nbhd_tensor *t, int64_t b, int64_t x, int6
            h * t->stride[4];
 }
 
-static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t h, int64_t x, const amx_block *B) {
+static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, int64_t x, const amx_block *B) {
     const amx_geo *G = cx->G;
     const nbhd_geometry *g = cx->g;
     const amx_io *io = cx->io;
-    const int64_t D = G->D, Dv = G->Dv, b = cx->b;
+    const int64_t D = G->D, Dv = G->Dv;
     amx_lanes L;
     amx_lanes_of(g, B, 0, &L);
     /* each row: the Z union (nvalid keys from packed token zb) in a frame of 32-key PV tiles from
      * zb rounded down to a multiple of 32 */
-    const int64_t nvalid = L.uhi - L.ulo, zb = amx_goff(G, B->gz) + L.ulo, delta = zb % 32;
-    const int64_t nslots = (delta + nvalid + 31) / 32 * 32, Lgz = nbhd_group_len(&g->axis[2], B->gz);
+    const int64_t nvalid = L.uhi - L.ulo, zb = amx_goff(G, B->gz) + L.ulo;
+    const int64_t delta = zb % 32, nslots = (delta + nvalid + 31) / 32 * 32;
     amx_pack_qt(sc->qt, io->q, D, b, x, &L, h);
     if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, &L, h);
     memset(sc->O, 0, sizeof(float) * 16 * (size_t)Dv);
@@ -867,10 +822,10 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t h, int64_t x, c
     for (int64_t g0 = 0; g0 < R.rows * nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         const int nseg = amx_unit(&R, G->Y, g0, seg);
-        if (cx->jvp) amx_scores_jvp(cx, sc, seg, nseg, B->gz, Lgz, L.ulo, delta, nvalid);
+        if (cx->jvp) amx_scores_jvp(cx, sc, seg, nseg, zb, delta, nvalid);
         else {
             amx_load_q_tiles(sc, D / 32);   /* the previous unit's PV phase reused them */
-            amx_scores(cx, sc, seg, nseg, B->gz, Lgz, L.ulo, delta, nvalid);
+            amx_scores(cx, sc, seg, nseg, zb, delta, nvalid);
         }
         amx_softmax(sc, seg, nseg, delta, nvalid, vc, vscale, &m, &lsum, &r, Dv);
         if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb - delta);
@@ -1014,13 +969,14 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     const amx_geo G = amx_geo_of(g);
     const int jvp = io->tout != NULL;
     const int has_tk = jvp && io->tk->data, has_tv = jvp && io->tv->data;
-    const size_t vn = (size_t)(G.lines * G.Dv * G.ZP);
-    uint16_t *Vt = (uint16_t *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63), *tVt = Vt + vn;
+    const size_t kn = (size_t)(G.lines * G.ZP * G.D), vn = (size_t)(G.lines * G.Dv * G.ZP);
+    uint16_t *Kp = (uint16_t *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63);
+    uint16_t *Vt = Kp + kn, *tKp = Vt + vn, *tVt = tKp + kn;
     const int64_t B = g->batch, Hk = g->kv_heads, Gq = g->group;
     amx_work W;
     if (!amx_work_init(&W, g, amx_choose_ny(&G, g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
-    const amx_ctx cx0 = {Vt, has_tv ? tVt : NULL, has_tk ? io->tk : NULL, 0, 0, &G, g, io,
-                         (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL};
+    const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
+                        (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL};
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -1033,16 +989,14 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
         amx_thread_tiles();
         for (int64_t slab = 0; slab < B * Hk; ++slab) {
             const int64_t b = slab / Hk, hk = slab % Hk;
-            amx_ctx cx = cx0;
-            cx.b = b;
-            cx.hk = hk;
-            /* V^T (and tV^T) packed; K and tK are read in place (amx_krows_at) */
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < G.lines * W.npieces; ++it) {
                 int64_t ln, gr, i0, i1;
                 amx_piece(&W, g, it, &ln, &gr, &i0, &i1);
                 const int64_t x = ln / G.Y, y = ln % G.Y;
+                amx_pack_rows(Kp + ln * G.ZP * G.D, &G, g, io->k, G.D, b, hk, x, y, gr, i0, i1);
                 amx_pack_cols(Vt + ln * G.Dv * G.ZP, &G, g, io->v, G.Dv, b, hk, x, y, gr, i0, i1);
+                if (has_tk) amx_pack_rows(tKp + ln * G.ZP * G.D, &G, g, io->tk, G.D, b, hk, x, y, gr, i0, i1);
                 if (has_tv) amx_pack_cols(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, G.Dv, b, hk, x, y, gr, i0, i1);
             }
             /* heads innermost: neighbouring items share key rows */
@@ -1051,7 +1005,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
             for (int64_t w = 0; w < work; ++w) {
                 if (!ok) continue;
                 const int64_t h = hk * Gq + w % Gq, c = (w / Gq) % W.nblocks, x = w / (Gq * W.nblocks);
-                amx_item(&cx, &sc, h, x, &W.blk[c]);
+                amx_item(&cx, &sc, b, h, x, &W.blk[c]);
             }
         }
         _tile_release();
