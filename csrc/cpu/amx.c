@@ -552,17 +552,23 @@ static void amx_load_q_tiles(const amx_scratch *sc, int64_t nd) {
 }
 
 /* acc^T[dv][q] += A^T[dv][keys] P^T[keys][q] over the unit's rows (forward: O^T += V^T P^T), the
- * frame of each row from packed position zf (a multiple of 32), 64 dv (tmm0..3) at a time.
+ * frame of each row from packed position zf (a multiple of 32), 64 dv (tmm0..3) at a time; fresh:
+ * acc^T starts from 0 (not read).
  * With Dv <= 32 the even and odd 32-key blocks go to separate accumulators (tmm0..1, tmm2..3),
  * so that consecutive products do not wait on each other; their sum is added at the end. */
 static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, float *acc2, const uint32_t *Pb,
-                      const amx_seg *seg, int nseg, int64_t zf) {
+                      const amx_seg *seg, int nseg, int64_t zf, int fresh) {
     if (Dv <= 32) {
         const int two = Dv == 32;
         float *o = acc, *o2 = acc2;
-        _tile_loadd(0, o, 64);
+        if (fresh) _tile_zero(0);
+        else _tile_loadd(0, o, 64);
         _tile_zero(2);
-        if (two) { _tile_loadd(1, o + 256, 64); _tile_zero(3); }
+        if (two) {
+            if (fresh) _tile_zero(1);
+            else _tile_loadd(1, o + 256, 64);
+            _tile_zero(3);
+        }
         int odd = 0;
         for (int i = 0; i < nseg; ++i) {
             const uint16_t *vrow = At + seg[i].line * Dv * ZP;
@@ -593,10 +599,14 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
     for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
         const int nt = (int)((Dv - d0) / 16 < 4 ? (Dv - d0) / 16 : 4);
         float *o = acc + d0 * 16;
-        if (nt > 0) _tile_loadd(0, o + 0 * 256, 64);
-        if (nt > 1) _tile_loadd(1, o + 1 * 256, 64);
-        if (nt > 2) _tile_loadd(2, o + 2 * 256, 64);
-        if (nt > 3) _tile_loadd(3, o + 3 * 256, 64);
+        if (fresh) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        } else {
+            if (nt > 0) _tile_loadd(0, o + 0 * 256, 64);
+            if (nt > 1) _tile_loadd(1, o + 1 * 256, 64);
+            if (nt > 2) _tile_loadd(2, o + 2 * 256, 64);
+            if (nt > 3) _tile_loadd(3, o + 3 * 256, 64);
+        }
         int odd = 0;
         for (int i = 0; i < nseg; ++i) {
             const uint16_t *vrow = At + seg[i].line * Dv * ZP;
@@ -621,21 +631,25 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
     }
 }
 
-static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf) {
-    amx_accum(cx->Vt, cx->G->Dv, cx->G->ZP, sc->O, sc->O2, sc->P, seg, nseg, zf);
+static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf, int fresh) {
+    amx_accum(cx->Vt, cx->G->Dv, cx->G->ZP, sc->O, sc->O2, sc->P, seg, nseg, zf, fresh);
 }
 
 /* Forward+JVP: O^T += V^T P^T and C^T += V^T (P o tS)^T + tV^T P^T, 32 dv at a time: O^T in
  * tmm0..1, C^T in tmm2..3, V^T in tmm4, tV^T in tmm5, P^T in tmm6, (P o tS)^T in tmm7. */
-static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf) {
+static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf, int fresh) {
     const amx_geo *G = cx->G;
     const int64_t Dv = G->Dv, ZP = G->ZP;
     for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
         const int two = Dv - d0 >= 32;
         float *o = sc->O + d0 * 16, *cc = sc->C + d0 * 16;
-        _tile_loadd(0, o, 64);
-        _tile_loadd(2, cc, 64);
-        if (two) { _tile_loadd(1, o + 256, 64); _tile_loadd(3, cc + 256, 64); }
+        if (fresh) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        } else {
+            _tile_loadd(0, o, 64);
+            _tile_loadd(2, cc, 64);
+            if (two) { _tile_loadd(1, o + 256, 64); _tile_loadd(3, cc + 256, 64); }
+        }
         for (int i = 0; i < nseg; ++i) {
             const uint16_t *vrow = cx->Vt + seg[i].line * Dv * ZP;
             const uint16_t *tvrow = cx->tVt ? cx->tVt + seg[i].line * Dv * ZP : NULL;
@@ -666,9 +680,10 @@ static void amx_values_jvp(const amx_ctx *cx, amx_scratch *sc, const amx_seg *se
  * row (ymask). Scores x = c S (c = scale log2 e):
  *   m' = max(m, max_s x), O *= 2^(m - m'), l = l 2^(m - m') + sum_s 2^(x - m'), P = 2^(x - m').
  * Forward+JVP (sc->T): tS = scale * T, 0 where masked (never -inf, NaN otherwise);
- * C *= 2^(m - m'), r = r 2^(m - m') + sum_s P tS, and (P o tS)^T key pairs into sc->PT. */
+ * C *= 2^(m - m'), r = r 2^(m - m') + sum_s P tS, and (P o tS)^T key pairs into sc->PT.
+ * fresh: the item's first unit, O and C not written yet (its PV phase starts them at 0). */
 static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t delta, int64_t nvalid, vf vc,
-                        vf vscale, vf *m, vf *l, vf *r, int64_t Dv) {
+                        vf vscale, vf *m, vf *l, vf *r, int64_t Dv, int fresh) {
     const vf ninf = vf_set1(-INFINITY);
     const int jvp = sc->T != NULL;
     /* each segment's union slots widened to whole key pairs [fa, fb) (frame slots; a slot added
@@ -702,7 +717,7 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t d
     const __mmask16 seen = _mm512_cmp_ps_mask(mnew, ninf, _CMP_NEQ_OQ);
     const vf muse = _mm512_maskz_mov_ps(seen, mnew);
     const vf alpha = amx_exp2(0xffff, _mm512_sub_ps(_mm512_maskz_mov_ps(seen, *m), muse));
-    if (_mm512_cmp_ps_mask(alpha, vf_set1(1.0f), _CMP_NEQ_OQ))
+    if (!fresh && _mm512_cmp_ps_mask(alpha, vf_set1(1.0f), _CMP_NEQ_OQ))   /* fresh: no O, C yet */
         for (int64_t d = 0; d < Dv; ++d) {
             vf_store(sc->O + d * 16, vf_mul(vf_load(sc->O + d * 16), alpha));
             if (jvp) vf_store(sc->C + d * 16, vf_mul(vf_load(sc->C + d * 16), alpha));
@@ -810,14 +825,13 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     const int64_t delta = zb % 32, nslots = (delta + nvalid + 31) / 32 * 32;
     amx_pack_qt(sc->qt, io->q, D, b, x, &L, h);
     if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, &L, h);
-    memset(sc->O, 0, sizeof(float) * 16 * (size_t)Dv);
-    if (cx->jvp) memset(sc->C, 0, sizeof(float) * 16 * (size_t)Dv);
     vf m = vf_set1(-INFINITY), lsum = vf_zero(), r = vf_zero();
     const vf vc = vf_set1(cx->c), vscale = vf_set1((float)g->scale);
     /* the lanes that see each union slot s (and none at s = -1, nvalid), at zm[s + 1] */
     const __m512i vlo = _mm512_loadu_si512(L.zlo), vhi = _mm512_loadu_si512(L.zhi);
     for (int64_t s = -1; s <= nvalid; ++s) sc->zm[s + 1] = amx_in(vlo, vhi, L.ulo + s);
-    /* key rows: X window x Y union, each with the same Z union */
+    /* key rows: X window x Y union, each with the same Z union (at least one: no window is empty,
+     * so the first unit, which starts O and C, always runs) */
     const amx_rows R = amx_rows_of(g, x, &L, nslots, 0);
     for (int64_t g0 = 0; g0 < R.rows * nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
@@ -827,9 +841,9 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
             amx_load_q_tiles(sc, D / 32);   /* the previous unit's PV phase reused them */
             amx_scores(cx, sc, seg, nseg, zb, delta, nvalid);
         }
-        amx_softmax(sc, seg, nseg, delta, nvalid, vc, vscale, &m, &lsum, &r, Dv);
-        if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb - delta);
-        else amx_values(cx, sc, seg, nseg, zb - delta);
+        amx_softmax(sc, seg, nseg, delta, nvalid, vc, vscale, &m, &lsum, &r, Dv, g0 == 0);
+        if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb - delta, g0 == 0);
+        else amx_values(cx, sc, seg, nseg, zb - delta, g0 == 0);
     }
     /* o = O / l, lse = ln2 (m + log2 l); JVP: mu = r / l, t_o = C / l - mu o, t_lse = mu */
     const vf inv = _mm512_div_ps(vf_set1(1.0f), lsum), mu = vf_mul(r, inv);
@@ -1188,7 +1202,7 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
         }
         amx_dsoftmax(sc, seg, nseg, ulo, delta, nvalid, vlo, vhi, vc, vL, vD, NULL, NULL);
         /* dQ^T += K^T dS^T */
-        amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta);
+        amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta, 0);
     }
     amx_store_scaled(&a->d_q, sc->acc1, D, (float)g->scale, b, x, &Ln, h);
 }
@@ -1231,8 +1245,8 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
                              L + line * ZP + zb, Dd + line * ZP + zb);
             }
             /* dV^T += dO^T P, dK^T += Q^T dS */
-            amx_accum(dOt, Dv, ZP, sc->acc2, sc->tmp, sc->P, seg, nseg, zb - delta);
-            amx_accum(Qt, D, ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta);
+            amx_accum(dOt, Dv, ZP, sc->acc2, sc->tmp, sc->P, seg, nseg, zb - delta, 0);
+            amx_accum(Qt, D, ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta, 0);
         }
     }
     amx_store_scaled(&a->d_k, sc->acc1, D, (float)g->scale, b, x, &Ln, hk);
