@@ -212,21 +212,10 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     uint32_t qf[QREG ? MB : 1][HD / 16][4];
     const float sl2 = P.scale_log2;
 
-    // ST-stage ring: tiles t+1 .. t+ST-1 are in flight while tile t is computed; the one
-    // barrier per tile both publishes tile t and frees stage (t-1) % ST for tile t+ST-1
     // (3 stages were no faster than 2 on H200 and spilled more: bench/ab_fwd.py)
-#pragma unroll
-    for (int i = 0; i < ST - 1; ++i) {
-        if (i < tiles) load_tile(i, i);
-        cp_async_commit();  /* Q rides with tile 0's group */
-    }
-
+    tile_ring_start<ST>(tiles, load_tile);  /* Q rides with tile 0's group */
     for (int t = 0; t < tiles; ++t) {
-        const int s = t % ST;
-        cp_async_wait<ST - 2>();
-        __syncthreads();
-        if (t + ST - 1 < tiles) load_tile(t + ST - 1, (t + ST - 1) % ST);
-        cp_async_commit();
+        const int s = tile_ring_next<ST>(t, tiles, load_tile);
         auto load_qf = [&](int mb, int kk, uint32_t f[4]) {
             const int row = (w * MB + mb) * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
             const int col = kk * 16 + (lane >> 4) * 8;

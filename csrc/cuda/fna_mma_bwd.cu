@@ -185,16 +185,9 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
 
-    // two-stage ring: the one barrier per tile publishes tile t and frees the other stage
-    // (every warp has finished tile t-1) for tile t+1, loaded while tile t is computed
-    if (tiles > 0) load_tile(0, 0);
-    cp_async_commit();
+    tile_ring_start<2>(tiles, load_tile);
     for (int t = 0; t < tiles; ++t) {
-        const int s = t & 1;
-        cp_async_wait<0>();
-        __syncthreads();
-        if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
-        cp_async_commit();
+        const int s = tile_ring_next<2>(t, tiles, load_tile);
         const T *Kt = Ks + s * BC * HD, *Vt = Vs + s * BC * HD;
         const int *kct = kc + s * 3 * BC;
         const bool win = t < win_tiles;
@@ -524,16 +517,9 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     for (int i = 0; i < HD / 8; ++i)
         dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
 
-    // two-stage ring: the one barrier per tile publishes tile t and frees the other stage
-    // (every warp has finished tile t-1) for tile t+1, loaded while tile t is computed
-    if (tiles > 0) load_tile(0, 0);
-    cp_async_commit();
+    tile_ring_start<2>(tiles, load_tile);
     for (int t = 0; t < tiles; ++t) {
-        const int s = t & 1;
-        cp_async_wait<0>();
-        __syncthreads();
-        if (t + 1 < tiles) load_tile(t + 1, s ^ 1);
-        cp_async_commit();
+        const int s = tile_ring_next<2>(t, tiles, load_tile);
         const T *Qt = Qs + s * BC * HD, *dOt = dOs + s * BC * HD;
         const int *qct = qc + s * 3 * BC;
         const float *qlt = ql + s * BC, *qdt = qd + s * BC;

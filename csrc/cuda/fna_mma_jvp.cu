@@ -177,19 +177,9 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, r[2] = {0.f, 0.f};
     const float scale = P.scale_log2 * 0.69314718055994531f;
 
-    // ST-stage ring as the forward's: tiles t+1 .. t+ST-1 are in flight while tile t is
-    // computed; the one barrier per tile both publishes tile t and frees stage (t-1) % ST
-#pragma unroll
-    for (int i = 0; i < ST - 1; ++i) {
-        if (i < tiles) load_tile(i, i);
-        cp_async_commit();  /* Q, tQ ride with tile 0's group */
-    }
+    tile_ring_start<ST>(tiles, load_tile);  /* Q, tQ ride with tile 0's group */
     for (int t = 0; t < tiles; ++t) {
-        const int s = t % ST;
-        cp_async_wait<ST - 2>();
-        __syncthreads();
-        if (t + ST - 1 < tiles) load_tile(t + ST - 1, (t + ST - 1) % ST);
-        cp_async_commit();
+        const int s = tile_ring_next<ST>(t, tiles, load_tile);
         const T *Kt = Ks + s * BC * HD, *Vt = Vs + s * BC * HD, *tKt = tKs + s * BC * HD,
                 *tVt = tVs + s * BC * HD;
         const int *kct = kc + s * 3 * BC;

@@ -98,6 +98,28 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+/* The ring of ST cp.async stages every tile loop runs: tiles t+1 .. t+ST-1 are in flight while
+ * tile t is computed, and one barrier per tile both publishes tile t and frees stage (t-1) % ST,
+ * into which tile t+ST-1 is then loaded. load(tile, stage) issues one tile's copies. */
+template <int ST, typename Load>
+__device__ __forceinline__ void tile_ring_start(int tiles, Load &&load) {
+#pragma unroll
+    for (int i = 0; i < ST - 1; ++i) {
+        if (i < tiles) load(i, i);
+        cp_async_commit();  /* copies issued before (the CTA's own rows) ride with tile 0's group */
+    }
+}
+
+/* called before computing tile t; returns its stage */
+template <int ST, typename Load>
+__device__ __forceinline__ int tile_ring_next(int t, int tiles, Load &&load) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();
+    if (t + ST - 1 < tiles) load(t + ST - 1, (t + ST - 1) % ST);
+    cp_async_commit();
+    return t % ST;
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
