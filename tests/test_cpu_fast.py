@@ -134,6 +134,31 @@ def test_backward_deterministic():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("scale", [2.0 ** 16, 2.0 ** 50])
+@pytest.mark.parametrize("isa", ["amx"] + ISAS)
+def test_backward_huge_scores_finite(isa, scale, monkeypatch):
+    # Scores of 2^32 to 2^100: P = 2^(c S - L) recomputed from the fp32 LSE, where c S can round
+    # an ulp above L and 2^ulp overflowed (inf, then inf * 0 = NaN in dS). Gradients must stay
+    # finite and P <= 1: each key's dV is at most the sum of |dO| over the queries that see it.
+    # (Accuracy is out of fp32's reach here: an ulp of L exceeds the whole softmax's spread.)
+    if isa == "amx" and _lib.cpu_isa() != "amx":
+        pytest.skip("needs a CPU with AMX-BF16 (and Linux's permission)")
+    monkeypatch.setenv("NBHD_CPU_ISA", isa)
+    case = _case(((15, 29), (7, 5), (1, 1), (1, 1), (False, False), 1, 2, 2, 32, 32, 0))
+    q, k, v, _, _ = case.tensors(torch.bfloat16, seed=11)
+    q, k = ((t.float() * scale).bfloat16() for t in (q, k))
+    d_out = torch.randn(q.shape[:-1] + (case.head_dim_v,), generator=torch.Generator().manual_seed(12))
+    d_out = d_out.bfloat16()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = case.na()(*leaves, **case.kwargs())
+    poison_allocator()
+    dq, dk, dv = torch.autograd.grad(out, leaves, d_out)
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(t.double()).all(), name
+    bound = d_out.double().abs().sum(dim=(1, 2)).amax()   # all of a head's queries, per d
+    assert (dv.double().abs() <= bound).all()
+
+
 # The AMX forward (csrc/cpu/amx.c): bf16, D % 32 == 0, Dv % 16 == 0, no extra keys.
 AMX_CASES = [
     # shape, kernel, stride, dilation, causal, B, H, Hk, D, Dv

@@ -196,6 +196,27 @@ def test_backward_determinism(dtype):
             check(name, g, g_det.double(), dtype, case)
 
 
+@pytest.mark.parametrize("scale", [2.0 ** 16, 2.0 ** 50])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_backward_huge_scores_finite(dtype, scale, use_reference, kv_parallel):
+    """Scores of 2^32 to 2^100: the backward recomputes P = 2^(c S - L) from the fp32 LSE, where
+    c S can round an ulp above L and 2^ulp overflows (inf, then NaN in dS). Gradients stay finite
+    and P <= 1: a key's dV is at most the sum of |dO| over a head's queries. (Accuracy is out of
+    fp32's reach here: an ulp of L exceeds the softmax's whole spread.)"""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = (torch.randn(1, 15, 29, 2, 64, generator=gen, device="cuda") for _ in range(3))
+    q, k = (t * scale for t in (q, k))
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    d_out = torch.randn(1, 15, 29, 2, 64, generator=gen, device="cuda").to(dtype)
+    out = nbhd.na2d(q, k, v, kernel_size=(7, 5), backend="cuda-fna")
+    poison()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), d_out)
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(t.double()).all(), name
+    bound = d_out.double().abs().sum(dim=(1, 2)).amax()
+    assert (dv.double().abs() <= bound).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=ids)
 @pytest.mark.parametrize("absent", ["none", "tq", "tkv"])

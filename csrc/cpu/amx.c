@@ -1139,7 +1139,8 @@ static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t
                 /* a widening slot (s = -1 or nvalid) is masked: L, D read at the nearest union slot */
                 const int64_t sl = s < 0 ? 0 : s < nvalid ? s : nvalid - 1;
                 const vf L = Ls ? vf_set1(Ls[sl]) : vL, Dd = Ds ? vf_set1(Ds[sl]) : vD;
-                const vf x = _mm512_fmsub_ps(vf_load(sc->S + (u + j) * 16), vc, L);
+                /* 2^min(c S - L, 0): P <= 1, but a huge c S can round past L (FAST(prob)) */
+                const vf x = _mm512_min_ps(_mm512_setzero_ps(), _mm512_fmsub_ps(vf_load(sc->S + (u + j) * 16), vc, L));
                 p[j] = _mm512_maskz_mov_ps(in, vf_exp2(x));
                 ds[j] = _mm512_maskz_mul_ps(in, p[j], _mm512_sub_ps(vf_load(sc->dP + (u + j) * 16), Dd));
             }

@@ -39,7 +39,9 @@ NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c)
 NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 NBHD_ALWAYS_INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 NBHD_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+/* max and min: b on lanes where a or b is NaN (as MAXPS and MINPS), on every ISA */
 NBHD_ALWAYS_INLINE vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+NBHD_ALWAYS_INLINE vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
 /* 1 when some lane of a is greater than the same lane of b */
 NBHD_ALWAYS_INLINE int vf_any_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
 
@@ -131,6 +133,7 @@ NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return VF2_(_mm256_mul_ps(a.lo, b.lo)
 NBHD_ALWAYS_INLINE vf vf_add(vf a, vf b) { return VF2_(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
 NBHD_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return VF2_(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
 NBHD_ALWAYS_INLINE vf vf_max(vf a, vf b) { return VF2_(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+NBHD_ALWAYS_INLINE vf vf_min(vf a, vf b) { return VF2_(_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)); }
 /* 1 when some lane of a is greater than the same lane of b */
 NBHD_ALWAYS_INLINE int vf_any_gt(vf a, vf b) {
     return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ),
@@ -238,6 +241,7 @@ NBHD_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return a - b; }
 /* lanes of m: a where -1, b where 0 */
 NBHD_ALWAYS_INLINE vf vf_select_(vi_ m, vf a, vf b) { return (vf)((m & (vi_)a) | (~m & (vi_)b)); }
 NBHD_ALWAYS_INLINE vf vf_max(vf a, vf b) { return vf_select_(a > b, a, b); }
+NBHD_ALWAYS_INLINE vf vf_min(vf a, vf b) { return vf_select_(a < b, a, b); }
 NBHD_ALWAYS_INLINE int vf_any_gt(vf a, vf b) {
     const vi_ m = a > b;
     int32_t any = 0;

@@ -220,7 +220,7 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
                                                   j2 >= wst[hrow][2] && j2 < wen[hrow][2]
                                             : rvalid[hrow] && j0 != KEY_NONE;
                         // P = exp(S - lse), dS = P (dP - D)
-                        const float p = ok ? fast_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lse2[hrow]) : 0.f;
+                        const float p = ok ? prob_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lse2[hrow]) : 0.f;
                         sc[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - Di[hrow]);
                     }
                 }
@@ -555,7 +555,7 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
                                                     j1 >= ist[hrow][1] && j1 < ien[hrow][1] &&
                                                     j2 >= ist[hrow][2] && j2 < ien[hrow][2];
                         // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)
-                        const float p = ok ? fast_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lv) : 0.f;
+                        const float p = ok ? prob_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lv) : 0.f;
                         sc[nb][2 * hrow + e] = p;
                         dp[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - dv_i);
                     }

@@ -168,6 +168,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+/* the backward's P = 2^x, x = c S - L: at most 1, as L >= every c S of its row, but a huge c S
+ * can round an ulp above L (which went through the fp32 LSE) and 2^ulp overflows; the exponent
+ * is clamped to 0 (a NaN stays NaN: the comparison is false) */
+__device__ __forceinline__ float prob_exp2(float x) { return fast_exp2(x > 0.f ? 0.f : x); }
+
 /* element offset of (row, col) in a [rows][HD] tile, 16-byte chunks XOR-swizzled by row */
 template <int HD> __device__ __forceinline__ int swz(int row, int col) {
     constexpr int CH = HD / 8, MASK = (CH < 8 ? CH : 8) - 1;

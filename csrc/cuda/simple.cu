@@ -26,6 +26,8 @@
 template <typename A> __device__ __forceinline__ A exp_acc(A x);
 template <> __device__ __forceinline__ float exp_acc<float>(float x) { return expf(x); }
 template <> __device__ __forceinline__ double exp_acc<double>(double x) { return exp(x); }
+/* the backward's P = exp(x), x = s - lse <= 0 but for rounding: clamped as prob_exp2 (mma_util.cuh) */
+template <typename A> __device__ __forceinline__ A prob_acc(A x) { return exp_acc<A>(x > A(0) ? A(0) : x); }
 template <typename A> __device__ __forceinline__ A log_acc(A x);
 template <> __device__ __forceinline__ float log_acc<float>(float x) { return logf(x); }
 template <> __device__ __forceinline__ double log_acc<double>(double x) { return log(x); }
@@ -156,7 +158,7 @@ simple_backward_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, A *
             k_off = member_offset(ks, n, a.k, a.kx, ri.b, hk);
             const A s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, k_off, q, D);
             const int64_t v_off = member_offset(ks, n, a.v, a.vx, ri.b, hk);
-            const A p = exp_acc<A>(s - lse);
+            const A p = prob_acc<A>(s - lse);
             ds = p * (dot_row<T, A>(n < ks.box ? a.v : a.vx, v_off, dout, Dv) - Di);
         }
         for (int j = 0; j < cnt; ++j) {
@@ -221,7 +223,7 @@ simple_backward_dkv_kernel(const nbhd_geometry g, const nbhd_backward_args a, co
             const int64_t tok = (qc[0] * g.axis[1].extent + qc[1]) * g.axis[2].extent + qc[2];
             const A lse = ((const A *)a.lse.data)[offset_of(a.lse, ri.b, qc[0], qc[1], qc[2], h)];
             const A Di = Dws[(ri.b * g.tokens + tok) * g.heads + h];
-            p = exp_acc<A>(scale * dot_row<T, A>(a.q, q_off, k, D) - lse);
+            p = prob_acc<A>(scale * dot_row<T, A>(a.q, q_off, k, D) - lse);
             ds = p * (dot_row<T, A>(a.d_out, do_off, v, Dv) - Di);
         }
         for (int j = 0; j < cnt; ++j) {
