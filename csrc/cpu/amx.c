@@ -1042,7 +1042,7 @@ nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_
 
 // ----------------------------------------------------------------------------
 // backward (DESIGN.md §4): D_i = dO_i.O_i - dlse_i, P = exp(S - LSE), dS = P (dO V^T - D),
-// dQ = s dS K (pass 1, query-stationary, items like the forward's with ny = 1), dK = s dS^T Q and
+// dQ = s dS K (pass 1, query-stationary, items of ny rows as the forward's), dK = s dS^T Q and
 // dV = P^T dO (pass 2, key-stationary over each 16-key chunk's inverse windows, every query head
 // of the key head in turn). dS and P are rounded to bf16 for the second products, which run on
 // 32-key frames as in the forward.
@@ -1158,8 +1158,8 @@ static void amx_store_scaled(const nbhd_tensor *t, float *A, int64_t dim, float 
     amx_store_lanes(t, A, dim, b, x, L, h);
 }
 
-/* pass 1: dQ of the 16 queries of block Bk (one row: lane l at Z position iz0 + l), head h; also
- * L and D there */
+/* pass 1: dQ of the 16 queries of block Bk (lane l at row iy0 + l / nz, Z position iz0 + l % nz
+ * of its groups, as in the forward), head h; also L and D there */
 static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t h, int64_t hq, int64_t x,
                        const amx_block *Bk) {
     const amx_geo *G = cx->G;
@@ -1168,22 +1168,23 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     const int64_t D = G->D, Dv = G->Dv;
     amx_lanes Ln;
     amx_lanes_of(g, Bk, 0, &Ln);
-    const int64_t y = Ln.y[0], *z = Ln.z, ulo = Ln.ulo, uhi = Ln.uhi;
+    const int64_t ulo = Ln.ulo, uhi = Ln.uhi, nz = 16 / Bk->ny;
     amx_pack_qt(sc->bt1, &a->q, D, b, x, &Ln, h);
     amx_pack_qt(sc->bt2, &a->d_out, Dv, b, x, &Ln, h);
     /* L = lse log2(e), D = dO.O - dlse, per lane; kept for pass 2 */
     float Ll[16] = {0}, Dl[16] = {0};
-    const int64_t pos = (x * G->Y + y) * G->ZP + amx_goff(G, Bk->gz) + Bk->iz0;
     for (int l = 0; l < 16; ++l) {
         if (!(Ln.live >> l & 1)) continue;
-        const uint16_t *o = amx_token(&a->out, b, x, y, z[l], h), *dO = amx_token(&a->d_out, b, x, y, z[l], h);
+        const int64_t y = Ln.y[l], z = Ln.z[l];
+        const uint16_t *o = amx_token(&a->out, b, x, y, z, h), *dO = amx_token(&a->d_out, b, x, y, z, h);
         vf acc = vf_zero();
         for (int64_t d = 0; d < Dv; d += 16) acc = vf_fma(vf_load_bf16(o + d), vf_load_bf16(dO + d), acc);
         Dl[l] = _mm512_reduce_add_ps(acc);
-        if (a->d_lse.data) Dl[l] -= *amx_scalar(&a->d_lse, b, x, y, z[l], h);
-        Ll[l] = (float)(*amx_scalar(&a->lse, b, x, y, z[l], h) * LOG2E);
-        cx->L[hq * G->lines * G->ZP + pos + l] = Ll[l];
-        cx->Dd[hq * G->lines * G->ZP + pos + l] = Dl[l];
+        if (a->d_lse.data) Dl[l] -= *amx_scalar(&a->d_lse, b, x, y, z, h);
+        Ll[l] = (float)(*amx_scalar(&a->lse, b, x, y, z, h) * LOG2E);
+        const int64_t pos = (x * G->Y + y) * G->ZP + amx_goff(G, Bk->gz) + Bk->iz0 + l % nz;
+        cx->L[hq * G->lines * G->ZP + pos] = Ll[l];
+        cx->Dd[hq * G->lines * G->ZP + pos] = Dl[l];
     }
     const vf vL = vf_load(Ll), vD = vf_load(Dl), vc = vf_set1(cx->c);
     const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
@@ -1208,7 +1209,7 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     amx_store_scaled(&a->d_q, sc->acc1, D, (float)g->scale, b, x, &Ln, h);
 }
 
-/* pass 2: dK and dV of the 16 keys of block Bk (one row), key head hk */
+/* pass 2: dK and dV of the 16 keys of block Bk (rows and Z positions as in pass 1), key head hk */
 static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t hk, int64_t x,
                          const amx_block *Bk) {
     const amx_geo *G = cx->G;
@@ -1263,7 +1264,7 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     float *L = (float *)(dOt + Gq * per * Dv), *Dd = L + Gq * per;
     const int64_t B = g->batch, Hk = g->kv_heads;
     amx_work W;
-    if (!amx_work_init(&W, g, 1)) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    if (!amx_work_init(&W, g, amx_choose_ny(&G, g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
     const int64_t nblocks = W.nblocks, npieces = W.npieces;
     const amx_bctx cx = {a, &G, g, K, Kt, V, Q, Qt, dO, dOt, L, Dd, (float)(g->scale * LOG2E)};
     int failed = 0;
