@@ -1,0 +1,67 @@
+"""Interleaved A/B of two builds of the C library in one process, for CPU kernel changes whose
+effect is smaller than this machine's run-to-run noise.
+
+    python bench/ab_cpu.py A.so B.so [problem] [fp32|bf16] [fwd|bwd|jvp] [rounds]
+
+problem: 1d (4096 tokens, window 255, H 4, D 64), 2d56 (56x56, window 7, B 4, H 8, D 32), 2d128
+(128x128, window 13, H 4, D 64) or 3d (8x24x24, window 5, H 4, D 64), as bench/bench_cpu.py.
+Each round times both libraries (best of 3 calls each); prints best and median per library,
+their ratios, and the largest relative difference of the first two outputs (a sanity check).
+Build a library with `make build/c/libnbhd.so` and copy it aside before changing the sources.
+"""
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+os.environ["NBHD_LIBRARY"] = sys.argv[1]
+from nbhd import _lib, ops  # noqa: E402
+
+libs = [_lib.lib]
+os.environ["NBHD_LIBRARY"] = sys.argv[2]
+libs.append(_lib._load())
+name = sys.argv[3] if len(sys.argv) > 3 else "1d"
+dname = sys.argv[4] if len(sys.argv) > 4 else "fp32"
+kind = sys.argv[5] if len(sys.argv) > 5 else "fwd"
+rounds = int(sys.argv[6]) if len(sys.argv) > 6 else 15
+dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dname]
+PROBLEMS = {"1d": ((4096,), 255, 1, 4, 64), "2d56": ((56, 56), 7, 4, 8, 32),
+            "2d128": ((128, 128), 13, 1, 4, 64), "3d": ((8, 24, 24), 5, 1, 4, 64)}
+ext, W, B, H, D = PROBLEMS[name]
+r = len(ext)
+torch.manual_seed(0)
+q, k, v = (torch.randn(B, *ext, H, D, dtype=dt) for _ in range(3))
+empty = torch.empty(B, 0, H, D, dtype=dt)
+geo = ([W] * r, [1] * r, [1] * r, [False] * r, D ** -0.5, [0] * (4 * r))
+out, lse = ops.na_forward(q, k, v, empty, empty, *geo)
+d_out = torch.randn_like(out)
+if kind == "fwd":
+    def fn(): return ops.na_forward(q, k, v, empty, empty, *geo)
+elif kind == "bwd":
+    def fn(): return ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *geo)
+else:
+    def fn(): return ops.na_forward_jvp(q, k, v, empty, empty, q, k, v, empty, empty, *geo)
+results = []
+for lib in libs:
+    _lib.lib = lib
+    results.append([t.float() for t in fn()[:2]])
+diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))
+times = [[], []]
+for _ in range(rounds):
+    for i, lib in enumerate(libs):
+        _lib.lib = lib
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        times[i].append(best)
+flop = 4 * B * H * torch.tensor(ext).prod().item() * W ** r * D * {"fwd": 1, "bwd": 2.5, "jvp": 3}[kind]
+for i in range(2):
+    b, m = min(times[i]), statistics.median(times[i])
+    print(f"{'AB'[i]}: {name} {dname} {kind}  best {b * 1e3:8.3f} ms ({flop / b / 1e9:6.1f} GF/s)  "
+          f"median {m * 1e3:8.3f} ms")
+print(f"B/A best {min(times[1]) / min(times[0]):.3f}  median "
+      f"{statistics.median(times[1]) / statistics.median(times[0]):.3f}   max rel diff {diff:.2e}")
