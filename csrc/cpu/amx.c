@@ -395,14 +395,16 @@ static void amx_lanes_of(const nbhd_geometry *g, const amx_block *B, int inverse
 }
 
 /* The key rows of an item (X window, or inverse window, of its x times the Y union of its lanes)
- * as one slot space of `rows` x `nslots` (nslots a multiple of 32); a unit is USLOTS consecutive
- * slots of it, cut into one segment per row it touches (line: the row's packed line; [s0, s1): its
- * slots; u0: where they sit in the unit's buffers; ymask: the lanes whose Y window holds the row).
+ * as one slot space of `rows` x `nslots` (delta + nvalid rounded up to 32); a unit is USLOTS
+ * consecutive slots of it, cut into one segment per row it touches (line: the row's packed line;
+ * [s0, s1): its slots; u0: where they sit in the unit's buffers; ymask: the lanes whose Y window
+ * holds the row).
  * A row is a frame of 32-key tiles for the second products: slot f is packed key zb - delta + f,
  * the Z union [ulo, uhi) sits at slots delta.. (zb: its packed start, delta = zb % 32), and only
  * the union's slots are computed (the others get P = 0). */
 typedef struct {
     int64_t fx, cx, fy, cy, iyu, dx, dy, rows, nslots;
+    int64_t zb, delta, nvalid;   /* the Z union's packed start, zb % 32, its length */
     __m512i ylo, yhi;
 } amx_rows;
 
@@ -411,14 +413,18 @@ typedef struct {
     __mmask16 ymask;
 } amx_seg;
 
-static amx_rows amx_rows_of(const nbhd_geometry *g, int64_t x, const amx_lanes *L, int64_t nslots, int inverse) {
+static amx_rows amx_rows_of(const amx_geo *G, const nbhd_geometry *g, int64_t x, int64_t gz, const amx_lanes *L,
+                            int inverse) {
     amx_rows R;
+    R.nvalid = L->uhi - L->ulo;
+    R.zb = amx_goff(G, gz) + L->ulo;
+    R.delta = R.zb % 32;
+    R.nslots = (R.delta + R.nvalid + 31) / 32 * 32;
     if (inverse) nbhd_inverse_window(&g->axis[0], x, &R.fx, &R.cx);
     else nbhd_window(&g->axis[0], x, &R.fx, &R.cx);
     R.fy = L->fy; R.cy = L->cy; R.iyu = L->iyu;
     R.dx = g->axis[0].dilation; R.dy = g->axis[1].dilation;
     R.rows = R.cx * R.cy;
-    R.nslots = nslots;
     R.ylo = _mm512_loadu_si512(L->ylo);
     R.yhi = _mm512_loadu_si512(L->yhi);
     return R;
@@ -428,6 +434,16 @@ static amx_rows amx_rows_of(const nbhd_geometry *g, int64_t x, const amx_lanes *
 static inline void amx_seg_union(const amx_seg *sg, int64_t delta, int64_t nvalid, int64_t *a, int64_t *b) {
     *a = sg->s0 - delta > 0 ? sg->s0 - delta : 0;
     *b = sg->s1 - delta < nvalid ? sg->s1 - delta : nvalid;
+}
+
+/* the segment's union slots widened to whole key pairs, as frame slots [fa, fb) (empty at s0
+ * when it holds none); a slot added at either end lies outside every lane's window, so it is
+ * masked whatever S holds there */
+static inline void amx_seg_pairs(const amx_seg *sg, int64_t delta, int64_t nvalid, int64_t *fa, int64_t *fb) {
+    int64_t a, b;
+    amx_seg_union(sg, delta, nvalid, &a, &b);
+    *fa = a < b ? (a + delta) & ~(int64_t)1 : sg->s0;
+    *fb = a < b ? (b + delta + 1) & ~(int64_t)1 : sg->s0;
 }
 
 static int amx_unit(const amx_rows *R, int64_t Y, int64_t g0, amx_seg *seg) {
@@ -686,17 +702,12 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t d
                         vf vscale, vf *m, vf *l, vf *r, int64_t Dv, int fresh) {
     const vf ninf = vf_set1(-INFINITY);
     const int jvp = sc->T != NULL;
-    /* each segment's union slots widened to whole key pairs [fa, fb) (frame slots; a slot added
-     * at either end lies outside every lane's window, so it is masked whatever S holds there) */
-    int64_t fa[USLOTS / 32], fb[USLOTS / 32];
+    int64_t fa[USLOTS / 32], fb[USLOTS / 32];   /* amx_seg_pairs */
     /* two running maxima and sums (even and odd slots), so that no chain of dependent maxima or
      * adds (4 cycles each) sets the pace */
     vf mx0 = ninf, mx1 = ninf;
     for (int i = 0; i < nseg; ++i) {
-        int64_t a, b;
-        amx_seg_union(&seg[i], delta, nvalid, &a, &b);
-        fa[i] = a < b ? (a + delta) & ~(int64_t)1 : seg[i].s0;
-        fb[i] = a < b ? (b + delta + 1) & ~(int64_t)1 : seg[i].s0;
+        amx_seg_pairs(&seg[i], delta, nvalid, &fa[i], &fb[i]);
         const int64_t o = seg[i].u0 - seg[i].s0;   /* buffer slot of frame slot 0 */
         const __mmask16 ym = seg[i].ymask, *zm = sc->zm + 1 - delta + fa[i];   /* zm[s + 1]: union slot s */
         const float *S = sc->S + (o + fa[i]) * 16;
@@ -819,10 +830,11 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     const int64_t D = G->D, Dv = G->Dv;
     amx_lanes L;
     amx_lanes_of(g, B, 0, &L);
-    /* each row: the Z union (nvalid keys from packed token zb) in a frame of 32-key PV tiles from
-     * zb rounded down to a multiple of 32 */
-    const int64_t nvalid = L.uhi - L.ulo, zb = amx_goff(G, B->gz) + L.ulo;
-    const int64_t delta = zb % 32, nslots = (delta + nvalid + 31) / 32 * 32;
+    /* key rows: X window x Y union, each with the same Z union (nvalid keys from packed token zb)
+     * in a frame of 32-key PV tiles from zb rounded down to a multiple of 32 (at least one row: no
+     * window is empty, so the first unit, which starts O and C, always runs) */
+    const amx_rows R = amx_rows_of(G, g, x, B->gz, &L, 0);
+    const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     amx_pack_qt(sc->qt, io->q, D, b, x, &L, h);
     if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, &L, h);
     vf m = vf_set1(-INFINITY), lsum = vf_zero(), r = vf_zero();
@@ -830,10 +842,7 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     /* the lanes that see each union slot s (and none at s = -1, nvalid), at zm[s + 1] */
     const __m512i vlo = _mm512_loadu_si512(L.zlo), vhi = _mm512_loadu_si512(L.zhi);
     for (int64_t s = -1; s <= nvalid; ++s) sc->zm[s + 1] = amx_in(vlo, vhi, L.ulo + s);
-    /* key rows: X window x Y union, each with the same Z union (at least one: no window is empty,
-     * so the first unit, which starts O and C, always runs) */
-    const amx_rows R = amx_rows_of(g, x, &L, nslots, 0);
-    for (int64_t g0 = 0; g0 < R.rows * nslots; g0 += USLOTS) {
+    for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         const int nseg = amx_unit(&R, G->Y, g0, seg);
         if (cx->jvp) amx_scores_jvp(cx, sc, seg, nseg, zb, delta, nvalid);
@@ -1120,11 +1129,8 @@ static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t
                          __m512i lo, __m512i hi, vf vc, vf vL, vf vD, const float *Ls, const float *Ds) {
     const __m512i zero = _mm512_setzero_si512();
     for (int i = 0; i < nseg; ++i) {
-        /* the union slots widened to whole pairs [fa, fb), as in amx_softmax */
-        int64_t a, b;
-        amx_seg_union(&seg[i], delta, nvalid, &a, &b);
-        const int64_t fa = a < b ? (a + delta) & ~(int64_t)1 : seg[i].s0;
-        const int64_t fb = a < b ? (b + delta + 1) & ~(int64_t)1 : seg[i].s0;
+        int64_t fa, fb;
+        amx_seg_pairs(&seg[i], delta, nvalid, &fa, &fb);
         for (int64_t f = seg[i].s0; f < seg[i].s1; f += 2) {
             const int64_t u = seg[i].u0 + f - seg[i].s0;
             if (f < fa || f >= fb) {
@@ -1139,9 +1145,8 @@ static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t
                 /* a widening slot (s = -1 or nvalid) is masked: L, D read at the nearest union slot */
                 const int64_t sl = s < 0 ? 0 : s < nvalid ? s : nvalid - 1;
                 const vf L = Ls ? vf_set1(Ls[sl]) : vL, Dd = Ds ? vf_set1(Ds[sl]) : vD;
-                /* 2^min(c S - L, 0): P <= 1, but a huge c S can round past L (FAST(prob)) */
-                const vf x = _mm512_min_ps(_mm512_setzero_ps(), _mm512_fmsub_ps(vf_load(sc->S + (u + j) * 16), vc, L));
-                p[j] = _mm512_maskz_mov_ps(in, vf_exp2(x));
+                const vf x = _mm512_fmsub_ps(vf_load(sc->S + (u + j) * 16), vc, L);
+                p[j] = _mm512_maskz_mov_ps(in, vf_prob_exp2(x));
                 ds[j] = _mm512_maskz_mul_ps(in, p[j], _mm512_sub_ps(vf_load(sc->dP + (u + j) * 16), Dd));
             }
             _mm512_storeu_si512((void *)(sc->P + u / 2 * 16), amx_pair_bf16(p[0], p[1]));
@@ -1168,7 +1173,7 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     const int64_t D = G->D, Dv = G->Dv;
     amx_lanes Ln;
     amx_lanes_of(g, Bk, 0, &Ln);
-    const int64_t ulo = Ln.ulo, uhi = Ln.uhi, nz = 16 / Bk->ny;
+    const int64_t ulo = Ln.ulo, nz = 16 / Bk->ny;
     amx_pack_qt(sc->bt1, &a->q, D, b, x, &Ln, h);
     amx_pack_qt(sc->bt2, &a->d_out, Dv, b, x, &Ln, h);
     /* L = lse log2(e), D = dO.O - dlse, per lane; kept for pass 2 */
@@ -1190,8 +1195,8 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);
     /* frames of 32 keys as in the forward (amx_rows) */
-    const int64_t nvalid = uhi - ulo, zb = amx_goff(G, Bk->gz) + ulo, delta = zb % 32;
-    const amx_rows R = amx_rows_of(g, x, &Ln, (delta + nvalid + 31) / 32 * 32, 0);
+    const amx_rows R = amx_rows_of(G, g, x, Bk->gz, &Ln, 0);
+    const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 32];
         const int nseg = amx_unit(&R, G->Y, g0, seg);
@@ -1218,15 +1223,15 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
     const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP;
     amx_lanes Ln;
     amx_lanes_of(g, Bk, 1, &Ln);
-    const int64_t ulo = Ln.ulo, uhi = Ln.uhi;
+    const int64_t ulo = Ln.ulo;
     amx_pack_qt(sc->bt1, &a->k, D, b, x, &Ln, hk);
     amx_pack_qt(sc->bt2, &a->v, Dv, b, x, &Ln, hk);
     const vf vc = vf_set1(cx->c);
     const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);    /* dK^T */
     memset(sc->acc2, 0, sizeof(float) * 16 * (size_t)Dv);   /* dV^T */
-    const int64_t nvalid = uhi - ulo, zb = amx_goff(G, Bk->gz) + ulo, delta = zb % 32;
-    const amx_rows R = amx_rows_of(g, x, &Ln, (delta + nvalid + 31) / 32 * 32, 1);
+    const amx_rows R = amx_rows_of(G, g, x, Bk->gz, &Ln, 1);
+    const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     for (int64_t hq = 0; hq < g->group; ++hq) {
         const uint16_t *Q = cx->Q + hq * G->lines * ZP * D, *dO = cx->dO + hq * G->lines * ZP * Dv;
         const uint16_t *Qt = cx->Qt + hq * G->lines * D * ZP, *dOt = cx->dOt + hq * G->lines * Dv * ZP;

@@ -1429,11 +1429,6 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
 // ----------------------------------------------------------------------------
 // backward (DESIGN.md §4): D_i = dO_i.O_i - dLSE_i, P = exp(S - LSE), dS = P (dO.v - D)
 
-/* P = 2^(S - L), S and L in log2 units. L >= every S of its row, so P <= 1; but for huge scores
- * S can round an ulp above L (L went through the LSE's natural-log fp32 storage) and 2^ulp
- * overflows: clamp the exponent to 0. NaN stays NaN (vf_min returns its second operand). */
-NBHD_ALWAYS_INLINE vf FAST(prob)(vf S, vf L) { return vf_exp2(vf_min(vf_zero(), vf_sub(S, L))); }
-
 /* Key-stationary unit: keys in lanes (A: K^T, V^T chunks), queries in slots (rows p1: Q^T
  * scaled by scale*log2e, p2: dO^T, p3: LSE*log2e, p4: D, all [.][ZP] rows at the unit's first
  * slot).  P^T = exp2(S^T - L), dS^T = P^T (V.dO - D), dV += P^T dO, dK += dS^T Q. */
@@ -1447,7 +1442,7 @@ static void FAST(kv_unit)(FAST(scratch) *s, const float *KA, const float *VA, in
         for (int64_t c = 0; c < nn; ++c) {
             float *S = s->S + 16 * (r * nn + c), *T = s->T + 16 * (r * nn + c);
             const vf L = FAST(opnd)(s->p3[r] + c, bcast), Dd = FAST(opnd)(s->p4[r] + c, bcast);
-            const vf p = FAST(prob)(vf_load(S), L);
+            const vf p = vf_prob_exp2(vf_sub(vf_load(S), L));
             vf_store(S, p);
             vf_store(T, vf_mul(p, vf_sub(vf_load(T), Dd)));
         }
@@ -1611,7 +1606,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                         for (int r = 0; r < nly; ++r) {   /* pure shifts: nothing masked */
                             float *S = lS[r] + 16 * nn * cnt[r], *T = lT[r] + 16 * nn * cnt[r]++;
                             for (int64_t c = 0; c < nn; ++c) {
-                                const vf p = FAST(prob)(vf_load(S + 16 * c), Lq[r]);
+                                const vf p = vf_prob_exp2(vf_sub(vf_load(S + 16 * c), Lq[r]));
                                 vf_store(T + 16 * c, vf_mul(p, vf_sub(vf_load(T + 16 * c), Dq[r])));
                             }
                         }
@@ -1632,7 +1627,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                         float *S = Sr[r - ra], *T = Tr[r - ra];
                         if (zd.masked) FAST(apply_mask)(S, 1, nn, &zd, zd.base + c0, -INFINITY);
                         for (int64_t c = 0; c < nn; ++c) {
-                            const vf p = FAST(prob)(vf_load(S + 16 * c), Lq[r]);
+                            const vf p = vf_prob_exp2(vf_sub(vf_load(S + 16 * c), Lq[r]));
                             vf_store(T + 16 * c, vf_mul(p, vf_sub(vf_load(T + 16 * c), Dq[r])));
                         }
                     }
@@ -1657,7 +1652,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                         FAST(score_rows)(s.S, Q, D, s.p1, 1, nn, SP, 1, 0);
                         FAST(score_rows)(s.T, dO, Dv, s.p2, 1, nn, SP, 1, 0);
                         for (int64_t c = 0; c < nn; ++c) {
-                            const vf p = FAST(prob)(vf_load(s.S + 16 * c), Lqr);
+                            const vf p = vf_prob_exp2(vf_sub(vf_load(s.S + 16 * c), Lqr));
                             vf_store(s.T + 16 * c, vf_mul(p, vf_sub(vf_load(s.T + 16 * c), Dqr)));
                         }
                         FAST(accum_rows)(dQ, D, s.T, s.p1, 1, nn, SP, 1);
@@ -1728,7 +1723,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                             if (zd.masked) FAST(apply_mask)(S, 1, nn, &zd, zd.base + c0, -INFINITY);
                             for (int64_t c = 0; c < nn; ++c) {
                                 const vf Lv = FAST(opnd)(lrow + c, zd.bcast), Dd = FAST(opnd)(drow + c, zd.bcast);
-                                const vf p = FAST(prob)(vf_load(S + 16 * c), Lv);
+                                const vf p = vf_prob_exp2(vf_sub(vf_load(S + 16 * c), Lv));
                                 vf_store(S + 16 * c, p);
                                 vf_store(T + 16 * c, vf_mul(p, vf_sub(vf_load(T + 16 * c), Dd)));
                             }

@@ -294,3 +294,9 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
     return vf_select_(live, y, vf_select_(x != x, x, vf_zero()));
 }
 #endif
+
+/* The backward's probability P = 2^x, x = S - L in log2 units: L >= every S of its row, so
+ * P <= 1; but for huge scores S can round an ulp above L (which went through the LSE's
+ * natural-log fp32 storage) and 2^ulp overflows, so x is clamped to 0. NaN stays NaN (vf_min
+ * returns its second operand). */
+NBHD_ALWAYS_INLINE vf vf_prob_exp2(vf x) { return vf_exp2(vf_min(vf_zero(), x)); }
