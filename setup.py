@@ -32,6 +32,8 @@ def cuda_gencode_flags():
     flags = []
     for arch in os.environ.get("NBHD_CUDA_ARCH", "80;90a").replace(",", ";").split(";"):
         arch = arch.strip()
+        if arch == "90":  # the Hopper kernels (fna_wgmma.cu) need the arch-specific target
+            arch = "90a"
         if arch:
             flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
     return flags

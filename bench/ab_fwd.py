@@ -2,12 +2,14 @@
 variants in one process, configurations interleaved.
 
 The variants are picked per launch by environment switches read in csrc/cuda/fna_mma.cu
-(NBHD_MMA_FWD_BN: key tile), csrc/cuda/tiles.cu (NBHD_MMA_FWD_MB: 64- or 128-query patches
-of both forward kernels); the backward has none at present. Each timing is a
+(NBHD_MMA_FWD_BN: key tile of the mma.sync forward), csrc/cuda/tiles.cu (NBHD_MMA_FWD_MB: 64- or
+128-query patches of both forward kernels), csrc/cuda/fna_wgmma.cu (NBHD_WGMMA=0: the mma.sync
+forward instead of the Hopper one on 128-query patches; NBHD_WGMMA_BN: the Hopper one's key
+tile); the backward has none at present. Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
-    python bench/ab_fwd.py [--dims 128,64] [--rounds 7] [--loop 10] [--jvp | --bwd]
+    python bench/ab_fwd.py [--dims 128,64] [--problems 1d,3d-30] [--rounds 7] [--loop 10] [--jvp | --bwd]
 """
 import argparse
 import math
@@ -21,8 +23,9 @@ from nbhd import ops
 CONFIGS = {
     "default": {},
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
-    "mb2-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "64"},
-    "mb2-bn32": {"NBHD_MMA_FWD_MB": "2", "NBHD_MMA_FWD_BN": "32"},
+    "mma-mb2": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA": "0"},
+    "wgmma-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "64"},
+    "wgmma-bn128": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "128"},
 }
 JVP_CONFIGS = {
     "default": {},
@@ -32,7 +35,7 @@ JVP_CONFIGS = {
 BWD_CONFIGS = {  # variants under test go here, each with its switch (SWITCHES)
     "default": {},
 }
-SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB")
+SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB", "NBHD_WGMMA", "NBHD_WGMMA_BN")
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
@@ -52,6 +55,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--problems", default="", help="comma-separated name prefixes (default: all)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--loop", type=int, default=10)
     kind = ap.add_mutually_exclusive_group()
@@ -67,6 +71,8 @@ def main():
     print(f"{'problem':18s} {'D':>4s} " + " ".join(f"{n:>22s}" for n in names))
     for D in [int(x) for x in args.dims.split(",")]:
         for name, B, ext, ks, st in PROBLEMS:
+            if args.problems and not any(name.startswith(p) for p in args.problems.split(",")):
+                continue
             H = args.heads
             gen = torch.Generator(device=dev).manual_seed(0)
             q, k, v = (torch.randn(B, *ext, H, D, generator=gen, device=dev, dtype=torch.bfloat16)

@@ -20,6 +20,11 @@ if has build; then
     t0=$SECONDS
     if $PY -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
         summary+=("build: ok ($((SECONDS - t0)) s)")
+        # the Hopper forward must run on wgmma (HGMMA in its SASS), not on HMMA
+        obj=$(ls nbhd/_nbhd*.so 2>/dev/null | head -1)
+        if [ -n "$obj" ] && command -v cuobjdump >/dev/null; then
+            summary+=("library SASS: $(cuobjdump -sass "$obj" | grep -c HGMMA) HGMMA (fna_wgmma.cu), $(cuobjdump -sass "$obj" | grep -c 'HMMA') HMMA")
+        fi
     else
         tail -40 "$OUT/build.log"; summary+=("build: FAILED (see build.log)")
         printf '%s\n' "${summary[@]}"; exit 1

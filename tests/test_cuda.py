@@ -141,6 +141,31 @@ def test_forward(case, dtype, use_reference):
     check("lse", lse, ref_lse, dtype, case)
 
 
+HOPPER_CASES = [c for c in CASES if c[0] > 0 and c[9] == c[10] and c[9] in (64, 128)] + [
+    # several key tiles of 64 and 128, tiles inside every window, a partial last patch
+    (2, (40, 37), (23, 23), (1, 1), (1, 1), (False, False), 1, 2, 2, 64, 64, 0, "contig"),
+    (3, (9, 20, 20), (5, 11, 11), (2, 1, 1), (1, 1, 1), (False, False, True), 1, 2, 1, 128, 128, 7,
+     "heads_major"),
+]
+
+
+@pytest.mark.parametrize("key_tile", ["64", "128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=ids)
+def test_forward_128_query_patches(case, dtype, key_tile, monkeypatch):
+    """The forward on 128-query patches (on Hopper the wgmma kernel, csrc/cuda/fna_wgmma.cu),
+    with both key tiles, against the reference; on other GPUs the mma.sync kernel."""
+    monkeypatch.setenv("NBHD_MMA_FWD_MB", "2")
+    monkeypatch.setenv("NBHD_WGMMA_BN", key_tile)
+    inputs, geo = build(case, dtype, 11 + zlib.crc32(ids(case).encode()) % 1000)
+    ref_out, ref_lse = reference(inputs, geo, case[0])
+    poison()
+    out, lse = ops.na_forward(*inputs, *geo)
+    torch.cuda.synchronize()
+    check("out", out, ref_out, dtype, case)
+    check("lse", lse, ref_lse, dtype, case)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=ids)
 def test_backward(case, dtype, use_reference, kv_parallel):

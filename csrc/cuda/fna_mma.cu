@@ -196,11 +196,6 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
         }
     }
 
-    // output: 16-byte row chunks staged through shared memory when out rows allow it
-    const bool out_vec = ((uintptr_t)a.out.data & 15) == 0 && a.out.stride[0] % 8 == 0 &&
-                         a.out.stride[1] % 8 == 0 && a.out.stride[2] % 8 == 0 &&
-                         a.out.stride[3] % 8 == 0 && a.out.stride[4] % 8 == 0;
-
     float o[MB][HD / 8][4];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
@@ -289,95 +284,9 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                     }
                 }
             }
-            // scale to base 2 and mask: key column nb*8 + 2*cq + e
-            float mx[MB][2];
-#pragma unroll
-            for (int mb = 0; mb < MB; ++mb) mx[mb][0] = mx[mb][1] = -INFINITY;
-            if (full) {  /* every key of the tile is in every row's window */
-#pragma unroll
-                for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-                    for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            sc[mb][nb][e] *= sl2;
-                            mx[mb][e >> 1] = fmaxf(mx[mb][e >> 1], sc[mb][nb][e]);
-                        }
-            } else {
-#pragma unroll
-                for (int nb = 0; nb < BN / 8; ++nb) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int kr = nb * 8 + 2 * cq + e;
-                        int j[RANK];
-#pragma unroll
-                        for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
-#pragma unroll
-                        for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-                            for (int hrow = 0; hrow < 2; ++hrow) {
-                                bool ok;
-                                if (win) {
-                                    ok = true;
-#pragma unroll
-                                    for (int ax = 0; ax < RANK; ++ax)
-                                        ok = ok && j[ax] >= wst[mb][hrow][ax] && j[ax] < wen[mb][hrow][ax];
-                                } else {
-                                    ok = rvalid[mb][hrow] && j[0] != KEY_NONE;
-                                }
-                                float &x = sc[mb][nb][2 * hrow + e];
-                                x = ok ? x * sl2 : -INFINITY;
-                                mx[mb][hrow] = fmaxf(mx[mb][hrow], x);
-                            }
-                    }
-                }
-            }
-            float mu[MB][2];
-            bool moved = false;
-#pragma unroll
-            for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-                for (int hrow = 0; hrow < 2; ++hrow) {
-                    float &x = mx[mb][hrow];
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-                    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-                    const float m_new = fmaxf(m[mb][hrow], x);
-                    mu[mb][hrow] = m_new == -INFINITY ? 0.f : m_new;  /* a row with no key yet */
-                    moved |= m_new != m[mb][hrow];
-                }
-            // O = O 2^(m_old - m), skipped while no row max of the warp moves
-            if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-                for (int mb = 0; mb < MB; ++mb) {
-                    float corr[2];
-#pragma unroll
-                    for (int hrow = 0; hrow < 2; ++hrow) {
-                        corr[hrow] = fast_exp2(m[mb][hrow] - mu[mb][hrow]);
-                        l[mb][hrow] *= corr[hrow];
-                    }
-#pragma unroll
-                    for (int nd = 0; nd < HD / 8; ++nd) {
-                        o[mb][nd][0] *= corr[0];
-                        o[mb][nd][1] *= corr[0];
-                        o[mb][nd][2] *= corr[1];
-                        o[mb][nd][3] *= corr[1];
-                    }
-                }
-            }
-#pragma unroll
-            for (int mb = 0; mb < MB; ++mb) {
-                m[mb][0] = fmaxf(m[mb][0], mx[mb][0]);
-                m[mb][1] = fmaxf(m[mb][1], mx[mb][1]);
-#pragma unroll
-                for (int nb = 0; nb < BN / 8; ++nb) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float p = fast_exp2(sc[mb][nb][e] - mu[mb][e >> 1]);
-                        sc[mb][nb][e] = p;
-                        l[mb][e >> 1] += p;
-                    }
-                }
-            }
+            float corr[MB][2];
+            if (fwd_softmax_tile<MB, BN, RANK>(sc, m, l, corr, full, win, kct, wst, wen, rvalid, sl2, cq))
+                fwd_rescale<MB, HD>(o, corr);
             // O += P V: each V fragment feeds the warp's MB m-blocks
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
@@ -408,67 +317,9 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     cp_async_wait<0>();
     if (tiles == 0) __syncthreads();  /* every thread's Q copies landed before Qs is reused */
 
-    // O /= l, LSE = (m + log2 l) ln 2
-    const group_ptr<T> op = group_ptr_of<T>(a.out, g, b, grp, h);
-    float inv[MB][2];
-#pragma unroll
-    for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            float lt = l[mb][hrow];
-            lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-            lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-            inv[mb][hrow] = 1.f / lt;
-            int iq[3];
-            if (row_coords(my_row(mb, hrow), iq) && cq == 0) {
-                const int64_t x = grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
-                              y = grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
-                              z = grp[2] + (int64_t)iq[2] * g.axis[2].dilation;
-                ((float *)a.lse.data)[offset_of(a.lse, b, x, y, z, h)] =
-                    (m[mb][hrow] + log2f(lt)) * 0.69314718055994531f;
-            }
-        }
-    if (out_vec) {
-        // the warp's 16*MB x HD block through its own rows of Qs (read by no other warp): one
-        // 16-byte store per chunk instead of 4-byte stores per pair. The warp's ldmatrix reads
-        // of those rows come first (with a single tile no barrier follows them).
-        T *St = Qs;
-        __syncwarp();
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow)
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; ++nd)
-                    *(uint32_t *)(St + swz<HD>(my_row(mb, hrow), nd * 8 + 2 * cq)) =
-                        pack2<T>(o[mb][nd][2 * hrow] * inv[mb][hrow], o[mb][nd][2 * hrow + 1] * inv[mb][hrow]);
-        __syncwarp();
-        constexpr int CH = HD / 8;
-#pragma unroll
-        for (int k = 0; k < 16 * MB * CH / 32; ++k) {
-            const int c = k * 32 + lane, r = w * MB * 16 + c / CH, ch = c % CH;
-            int iq[3];
-            if (row_coords(r, iq)) {
-                const uint4 v = *(const uint4 *)(St + swz<HD>(r, ch * 8));
-                *(uint4 *)(op.at(iq[0], iq[1], iq[2]) + ch * 8) = v;
-            }
-        }
-    } else {
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow) {
-                int iq[3];
-                if (!row_coords(my_row(mb, hrow), iq)) continue;
-                T *out = op.at(iq[0], iq[1], iq[2]);
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; ++nd) {
-                    const int col = nd * 8 + 2 * cq;
-                    *(uint32_t *)(out + col) =
-                        pack2<T>(o[mb][nd][2 * hrow] * inv[mb][hrow], o[mb][nd][2 * hrow + 1] * inv[mb][hrow]);
-                }
-            }
-    }
+    // O /= l, LSE, O out (the warp's ldmatrix reads of its Qs rows come first: with a single
+    // tile no barrier follows them)
+    fwd_store<T, MB, HD>(g, a, grp, b, h, o, m, l, Qs, w * MB * 16, lane, row_coords, my_row);
 }
 
 // ----------------------------------------------------------------------------
@@ -545,6 +396,7 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, co
     if (bn && bn[0]) bn32 = bn[0] == '3';
     constexpr int extra_cta = HD <= 64 ? 1 : 0;
     if constexpr (HD >= 64) {  /* tiles.cu: 128-query patches at D >= 64 only */
+        if (mb == 2 && nbhd_cuda_wgmma_ready()) return nbhd_cuda_wgmma_forward(g, a, st);
         if (mb == 2) {
             if (bn32) return launch_rank<T, HD, 32, 2, 2, HD != 128>(g, a, st);
             return launch_rank<T, HD, 64, 2, 2, HD != 128>(g, a, st);

@@ -98,24 +98,30 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-/* The ring of ST cp.async stages every tile loop runs: tiles t+1 .. t+ST-1 are in flight while
- * tile t is computed, and one barrier per tile both publishes tile t and frees stage (t-1) % ST,
- * into which tile t+ST-1 is then loaded. load(tile, stage) issues one tile's copies. */
-template <int ST, typename Load>
+/* The ring of ST cp.async stages every tile loop runs: tiles t+1 .. t+DIST are in flight while
+ * tile t is computed, and one barrier per tile both publishes tile t and frees stage
+ * (t+DIST) % ST, into which tile t+DIST is then loaded. DIST = ST - 1 frees the stage of tile
+ * t-1, whose readers all passed the barrier; a loop that still reads tile t-1 while computing
+ * tile t (the Hopper forward's P V of the previous tile) takes DIST = ST - 2. load(tile, stage)
+ * issues one tile's copies. */
+template <int ST, int DIST = ST - 1, typename Load>
 __device__ __forceinline__ void tile_ring_start(int tiles, Load &&load) {
 #pragma unroll
-    for (int i = 0; i < ST - 1; ++i) {
+    for (int i = 0; i < DIST; ++i) {
         if (i < tiles) load(i, i);
         cp_async_commit();  /* copies issued before (the CTA's own rows) ride with tile 0's group */
     }
 }
 
-/* called before computing tile t; returns its stage */
-template <int ST, typename Load>
+/* called before computing tile t; returns its stage. ASYNC_READERS: the tile is read by the
+ * tensor cores' asynchronous proxy (wgmma), which sees the copies only after a proxy fence */
+template <int ST, int DIST = ST - 1, bool ASYNC_READERS = false, typename Load>
 __device__ __forceinline__ int tile_ring_next(int t, int tiles, Load &&load) {
-    cp_async_wait<ST - 2>();
+    static_assert(DIST >= 1 && DIST <= ST - 1, "tile ring: 1 <= DIST < ST");
+    cp_async_wait<DIST - 1>();
+    if (ASYNC_READERS) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-    if (t + ST - 1 < tiles) load(t + ST - 1, (t + ST - 1) % ST);
+    if (t + DIST < tiles) load(t + DIST, (t + DIST) % ST);
     cp_async_commit();
     return t % ST;
 }
@@ -400,6 +406,192 @@ template <typename T> __device__ __forceinline__ void store_pairs(T *dst, const 
     for (int nd = 0; nd < n8; ++nd)
         *(uint32_t *)(dst + nd * 8 + 2 * cq) =
             pack2<T>(acc[nd][2 * hrow] * mul, acc[nd][2 * hrow + 1] * mul);
+}
+
+// ----------------------------------------------------------------------------
+// the forward kernels' per-tile softmax and epilogue (fna_mma.cu, fna_wgmma.cu): a warp's MB
+// 16-row m-blocks in mma.sync accumulator fragments (a thread holds rows rq, rq + 8 of each,
+// key / head-dim columns nb * 8 + 2 cq + e)
+
+/* One key tile of the online softmax in base 2: scale the scores, mask them (unless full: every
+ * key of the tile inside every row's window; win: a window tile, else extra keys, kept for valid
+ * rows and real keys), update the row max m and sum l, and leave P = 2^(S - m) in sc. Returns
+ * whether a row max of the warp moved; then O must be rescaled by corr (fwd_rescale) before
+ * P V is added. kct: the tile's in-group key coordinates [RANK][BN]. */
+template <int MB, int BN, int RANK>
+__device__ __forceinline__ bool fwd_softmax_tile(float (&sc)[MB][BN / 8][4], float (&m)[MB][2],
+                                                 float (&l)[MB][2], float (&corr)[MB][2], bool full,
+                                                 bool win, const int *kct,
+                                                 const int (&wst)[MB][2][RANK],
+                                                 const int (&wen)[MB][2][RANK],
+                                                 const bool (&rvalid)[MB][2], float sl2, int cq) {
+    float mx[MB][2];
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) mx[mb][0] = mx[mb][1] = -INFINITY;
+    if (full) {
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    sc[mb][nb][e] *= sl2;
+                    mx[mb][e >> 1] = fmaxf(mx[mb][e >> 1], sc[mb][nb][e]);
+                }
+    } else {
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int kr = nb * 8 + 2 * cq + e;
+                int j[RANK];
+#pragma unroll
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        bool ok;
+                        if (win) {
+                            ok = true;
+#pragma unroll
+                            for (int ax = 0; ax < RANK; ++ax)
+                                ok = ok && j[ax] >= wst[mb][hrow][ax] && j[ax] < wen[mb][hrow][ax];
+                        } else {
+                            ok = rvalid[mb][hrow] && j[0] != KEY_NONE;
+                        }
+                        float &x = sc[mb][nb][2 * hrow + e];
+                        x = ok ? x * sl2 : -INFINITY;
+                        mx[mb][hrow] = fmaxf(mx[mb][hrow], x);
+                    }
+            }
+        }
+    }
+    float mu[MB][2];
+    bool moved = false;
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            float &x = mx[mb][hrow];
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+            const float m_new = fmaxf(m[mb][hrow], x);
+            mu[mb][hrow] = m_new == -INFINITY ? 0.f : m_new;  /* a row with no key yet */
+            moved |= m_new != m[mb][hrow];
+        }
+    // l (and O, by the caller: fwd_rescale) times 2^(m_old - m), skipped while no row max of
+    // the warp moves
+    const bool rescale = __any_sync(0xffffffffu, moved);
+    if (rescale) {
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                corr[mb][hrow] = fast_exp2(m[mb][hrow] - mu[mb][hrow]);
+                l[mb][hrow] *= corr[mb][hrow];
+            }
+    }
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+        m[mb][0] = fmaxf(m[mb][0], mx[mb][0]);
+        m[mb][1] = fmaxf(m[mb][1], mx[mb][1]);
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = fast_exp2(sc[mb][nb][e] - mu[mb][e >> 1]);
+                sc[mb][nb][e] = p;
+                l[mb][e >> 1] += p;
+            }
+        }
+    }
+    return rescale;
+}
+
+template <int MB, int HD>
+__device__ __forceinline__ void fwd_rescale(float (&o)[MB][HD / 8][4], const float (&corr)[MB][2]) {
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; ++nd) {
+            o[mb][nd][0] *= corr[mb][0];
+            o[mb][nd][1] *= corr[mb][0];
+            o[mb][nd][2] *= corr[mb][1];
+            o[mb][nd][3] *= corr[mb][1];
+        }
+}
+
+/* The end of a forward: O /= l, LSE = (m + log2 l) ln 2, for rows my_row(mb, hrow) of the CTA
+ * whose in-group coordinates row_coords gives (false: outside the grid). The warp's output goes
+ * out in 16-byte row chunks staged through its own rows of St (the swz<HD> layout, rows
+ * row0 .. row0 + 16 MB, which no other warp touches) when the output allows it. */
+template <typename T, int MB, int HD, typename RowCoords, typename MyRow>
+__device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_forward_args &a,
+                                          const int64_t grp[3], int64_t b, int h,
+                                          const float (&o)[MB][HD / 8][4], const float (&m)[MB][2],
+                                          const float (&l)[MB][2], T *St, int row0, int lane,
+                                          RowCoords &&row_coords, MyRow &&my_row) {
+    const int cq = lane & 3;
+    const bool out_vec = ((uintptr_t)a.out.data & 15) == 0 && a.out.stride[0] % 8 == 0 &&
+                         a.out.stride[1] % 8 == 0 && a.out.stride[2] % 8 == 0 &&
+                         a.out.stride[3] % 8 == 0 && a.out.stride[4] % 8 == 0;
+    const group_ptr<T> op = group_ptr_of<T>(a.out, g, b, grp, h);
+    float inv[MB][2];
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            float lt = l[mb][hrow];
+            lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+            lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+            inv[mb][hrow] = 1.f / lt;
+            int iq[3];
+            if (row_coords(my_row(mb, hrow), iq) && cq == 0) {
+                const int64_t x = grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
+                              y = grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
+                              z = grp[2] + (int64_t)iq[2] * g.axis[2].dilation;
+                ((float *)a.lse.data)[offset_of(a.lse, b, x, y, z, h)] =
+                    (m[mb][hrow] + log2f(lt)) * 0.69314718055994531f;
+            }
+        }
+    if (out_vec) {
+        __syncwarp();
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow)
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; ++nd)
+                    *(uint32_t *)(St + swz<HD>(my_row(mb, hrow), nd * 8 + 2 * cq)) =
+                        pack2<T>(o[mb][nd][2 * hrow] * inv[mb][hrow], o[mb][nd][2 * hrow + 1] * inv[mb][hrow]);
+        __syncwarp();
+        constexpr int CH = HD / 8;
+#pragma unroll
+        for (int k = 0; k < 16 * MB * CH / 32; ++k) {
+            const int c = k * 32 + lane, r = row0 + c / CH, ch = c % CH;
+            int iq[3];
+            if (row_coords(r, iq)) {
+                const uint4 v = *(const uint4 *)(St + swz<HD>(r, ch * 8));
+                *(uint4 *)(op.at(iq[0], iq[1], iq[2]) + ch * 8) = v;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                int iq[3];
+                if (!row_coords(my_row(mb, hrow), iq)) continue;
+                T *out = op.at(iq[0], iq[1], iq[2]);
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; ++nd) {
+                    const int col = nd * 8 + 2 * cq;
+                    *(uint32_t *)(out + col) =
+                        pack2<T>(o[mb][nd][2 * hrow] * inv[mb][hrow], o[mb][nd][2 * hrow + 1] * inv[mb][hrow]);
+                }
+            }
+    }
 }
 
 #endif /* NBHD_CUDA_MMA_UTIL_CUH */

@@ -1,0 +1,180 @@
+/*
+ * wgmma.cuh — inline-PTX helpers of the Hopper (sm_90a) kernels (fna_wgmma.cu): warpgroup MMA
+ * (wgmma.mma_async, m64nNk16, f16/bf16 -> f32) with B, and A when it is not in registers, read
+ * from shared memory through 64-bit matrix descriptors (PTX ISA, "Matrix Descriptor Format").
+ *
+ * Shared-memory layout of every tile: rows of HD elements split into 64-element (128-byte)
+ * column blocks stored one after another, [HD/64][rows][64], each block's 16-byte chunks
+ * XOR-swizzled by row % 8 (the 128-byte swizzle; blocks 1024-byte aligned). Then:
+ *  - a K-major operand (Q as A, K as B of S = Q K^T) is addressed per k-step of 16 columns at
+ *    block (k / 64) + 32 bytes * ((k % 64) / 16), 8-row groups 1024 bytes apart (the stride
+ *    byte offset); the leading byte offset is unused;
+ *  - an MN-major B (V in O += P V, keys along k, head dim along n; "transposed") is addressed
+ *    per k-step at row 16 k-step: 8-key groups 1024 bytes apart (stride byte offset), 64-column
+ *    blocks rows * 128 bytes apart (leading byte offset).
+ * The accumulator fragment of m64nN is, per warp of the warpgroup, that of mma.sync m16n8 for
+ * rows 16 * (warp % 4) .. + 15, n-block i in d[4i .. 4i+3]; an A fragment in registers is that of
+ * mma.sync m16n8k16 — so the softmax code of the mma.sync kernels carries over unchanged.
+ *
+ * Compiled only for sm_90a (NBHD_HAS_WGMMA); the host asks nbhd_cuda_wgmma_ready first.
+ */
+#ifndef NBHD_CUDA_WGMMA_CUH
+#define NBHD_CUDA_WGMMA_CUH
+
+#include "mma_util.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define NBHD_HAS_WGMMA 1
+#else
+#define NBHD_HAS_WGMMA 0
+#endif
+
+/* element offset of 8-element chunk ch of row `row` in a [ROWS][HD] tile of the layout above */
+template <int ROWS>
+__device__ __forceinline__ int gmma_off(int row, int ch) {
+    return (ch >> 3) * ROWS * 64 + row * 64 + (((ch & 7) ^ (row & 7)) << 3);
+}
+
+/* a shared-memory matrix descriptor, 128-byte swizzle */
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lead_bytes >> 4) << 16) |
+           ((uint64_t)(stride_bytes >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+#if NBHD_HAS_WGMMA
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* the compiler does not know wgmma reads and writes registers after the instruction issues:
+ * an empty asm that "modifies" them keeps them from being moved across the wait */
+__device__ __forceinline__ void fence_reg(float &x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void fence_reg(uint32_t &x) { asm volatile("" : "+r"(x)::"memory"); }
+
+/* d (64 x N per warpgroup) (+)= A (64 x 16, descriptor) B (16 x N, descriptor); accumulate 0
+ * overwrites d */
+template <typename T, int N> struct wgmma_op;
+
+/* the instructions: D registers, then descriptors or A registers, then the scale-d predicate */
+#define NBHD_WGMMA_SS_N64(TY)                                                                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                    \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+                     "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),      \
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),    \
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),             \
+                       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),             \
+                       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),             \
+                       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])              \
+                     : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+
+#define NBHD_WGMMA_RS_N64(TY)                                                                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                       \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                    \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                  \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),      \
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),    \
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),             \
+                       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),             \
+                       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),             \
+                       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])              \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
+
+#define NBHD_WGMMA_SS_N128(TY)                                                                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                       \
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                   \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
+                     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
+                     "%62, %63}, "                                                                  \
+                     "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),      \
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),    \
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),             \
+                       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),             \
+                       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),             \
+                       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),             \
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),             \
+                       "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),             \
+                       "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]),             \
+                       "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),             \
+                       "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),             \
+                       "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),             \
+                       "+f"(d[62]), "+f"(d[63])                                                     \
+                     : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+
+#define NBHD_WGMMA_RS_N128(TY)                                                                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                       \
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                   \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
+                     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
+                     "%62, %63}, "                                                                  \
+                     "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                  \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),      \
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),    \
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),             \
+                       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),             \
+                       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),             \
+                       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),             \
+                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),             \
+                       "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),             \
+                       "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]),             \
+                       "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),             \
+                       "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),             \
+                       "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),             \
+                       "+f"(d[62]), "+f"(d[63])                                                     \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
+
+
+template <> struct wgmma_op<__nv_bfloat16, 64> {
+    static __device__ __forceinline__ void ss(float d[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N64("bf16");
+    }
+    /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
+    static __device__ __forceinline__ void rs_bt(float d[32], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N64("bf16");
+    }
+};
+template <> struct wgmma_op<__half, 64> {
+    static __device__ __forceinline__ void ss(float d[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N64("f16");
+    }
+    /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
+    static __device__ __forceinline__ void rs_bt(float d[32], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N64("f16");
+    }
+};
+template <> struct wgmma_op<__nv_bfloat16, 128> {
+    static __device__ __forceinline__ void ss(float d[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N128("bf16");
+    }
+    /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
+    static __device__ __forceinline__ void rs_bt(float d[64], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N128("bf16");
+    }
+};
+template <> struct wgmma_op<__half, 128> {
+    static __device__ __forceinline__ void ss(float d[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N128("f16");
+    }
+    /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
+    static __device__ __forceinline__ void rs_bt(float d[64], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N128("f16");
+    }
+};
+
+#undef NBHD_WGMMA_SS_N64
+#undef NBHD_WGMMA_RS_N64
+#undef NBHD_WGMMA_SS_N128
+#undef NBHD_WGMMA_RS_N128
+#endif /* NBHD_HAS_WGMMA */
+
+#endif /* NBHD_CUDA_WGMMA_CUH */
