@@ -11,7 +11,7 @@
  * columns are those of the mma.sync forward (fna_mma.cu) with one m-block per warp, and its
  * softmax and epilogue are the same functions (mma_util.cuh fwd_softmax_tile, fwd_store). The
  * CTA walks the exact union of its windows in tiles of BN keys (then the extra keys), K and V
- * in a ring of three shared-memory stages filled by cp.async in the layout of wgmma.cuh; per
+ * in a ring of shared-memory stages filled by cp.async in the layout of wgmma.cuh; per
  * tile each warpgroup issues
  *   S = Q K^T          HD/16 wgmma m64nBNk16, Q and K from shared memory
  *   O += P' V'         BN/16 wgmma m64nHDk16 of the previous tile, P' from registers
@@ -21,20 +21,23 @@
 #include "wgmma.cuh"
 
 #define WGMMA_THREADS 256 /* two warpgroups */
-#define WGMMA_STAGES 3    /* K/V tiles in the cp.async ring, loaded one ahead */
+/* The ring loads one tile ahead. K (and the key coordinates) of tile t are read only while
+ * tile t is computed: two stages. V of tile t is read until tile t+1's softmax is done: three. */
+#define WGMMA_K_STAGES 2
+#define WGMMA_V_STAGES 3
 #define WGMMA_BM 128      /* queries per CTA */
 
 template <typename T, int HD, int BN, int RANK, int MINB>
 __global__ void __launch_bounds__(WGMMA_THREADS, MINB)
 fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    constexpr int BM = WGMMA_BM, ST = WGMMA_STAGES;
+    constexpr int BM = WGMMA_BM, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     /* the 128-byte swizzle works on address bits: every tile 1024-byte aligned */
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD]; O staged here */
-    T *Ks = Qs + BM * HD;                          /* [ST][BN][HD] */
-    T *Vs = Ks + ST * BN * HD;                     /* [ST][BN][HD] */
-    int *kc = (int *)(Vs + ST * BN * HD);          /* [ST][RANK][BN] in-group key coordinates */
+    T *Ks = Qs + BM * HD;                          /* [KST][BN][HD] */
+    T *Vs = Ks + KST * BN * HD;                    /* [VST][BN][HD] */
+    int *kc = (int *)(Vs + VST * BN * HD);         /* [KST][RANK][BN] in-group key coordinates */
 
     constexpr int WT[3] = {patch_wt(RANK, 0), patch_wt(RANK, 1), patch_wt(RANK, 2)};
     const int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
@@ -94,11 +97,11 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
         }
     }
 
-    // K, V (and key coordinates) of tile t into stage s: one key per TPR threads
-    auto load_tile = [&](int t, int s) {
+    // K, V (and key coordinates) of tile t into their stages: one key per TPR threads
+    auto load_tile = [&](int t, int) {
         constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BN, CPT = CH / TPR;
-        T *Kd = Ks + s * BN * HD, *Vd = Vs + s * BN * HD;
-        int *kcd = kc + s * RANK * BN;
+        T *Kd = Ks + (t % KST) * BN * HD, *Vd = Vs + (t % VST) * BN * HD;
+        int *kcd = kc + (t % KST) * RANK * BN;
         const int kr = tid / TPR;
         const T *ksrc, *vsrc;
         bool ok;
@@ -202,11 +205,12 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
             for (int e = 0; e < 4; ++e) fence_reg(o[0][nd][e]);
     };
 
-    tile_ring_start<ST, 1>(tiles, load_tile);  /* Q rides with tile 0's group */
+    constexpr int RING = KST * VST;  /* the ring's stage index is unused: K and V have their own */
+    tile_ring_start<RING, 1>(tiles, load_tile);  /* Q rides with tile 0's group */
     for (int t = 0; t < tiles; ++t) {
-        const int s = tile_ring_next<ST, 1, true>(t, tiles, load_tile);
-        const uint32_t k_base = smem_u32(Ks + s * BN * HD), v_base = smem_u32(Vs + s * BN * HD);
-        const int *kct = kc + s * RANK * BN;
+        tile_ring_next<RING, 1, true>(t, tiles, load_tile);
+        const uint32_t k_base = smem_u32(Ks + (t % KST) * BN * HD), v_base = smem_u32(Vs + (t % VST) * BN * HD);
+        const int *kct = kc + (t % KST) * RANK * BN;
         const bool win = t < win_tiles;
 
         // S = Q K^T, then the previous tile's O += P V behind it
@@ -295,8 +299,8 @@ int nbhd_cuda_wgmma_ready(void) {
 template <typename T, int HD, int BN, int RANK, int MINB>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                                cudaStream_t st) {
-    const size_t smem = 1024 + sizeof(T) * (size_t)(WGMMA_BM * HD + 2 * WGMMA_STAGES * BN * HD) +
-                        sizeof(int) * WGMMA_STAGES * RANK * BN;
+    const size_t smem = 1024 + sizeof(T) * (size_t)(WGMMA_BM + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
+                        sizeof(int) * WGMMA_K_STAGES * RANK * BN;
     auto kernel = fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         const cudaError_t err = cudaGetLastError();
@@ -322,17 +326,15 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a,
     }
 }
 
-/* Key tiles of 64 (at D = 128: 131 KiB of shared memory, one CTA per SM; at D = 64 two CTAs per
- * SM in 128 registers). NBHD_WGMMA_BN=128 forces 128-key tiles at D = 64 (A/B runs,
- * bench/ab_fwd.py; at D = 128 three stages of them do not fit). */
+/* Key tiles of 64: at D = 128 115 KiB of shared memory and one CTA per SM (H200, bench/ab_fwd.py:
+ * 128-key tiles 1.27x slower on 1-D 32768 w2048 and strided 3-D), at D = 64 two CTAs per SM in
+ * 128 registers (128-key tiles 1.27x slower). NBHD_WGMMA_BN=64|128 forces the key tile (A/B
+ * runs). */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
-    if constexpr (HD == 64) {
-        const char *forced = getenv("NBHD_WGMMA_BN");
-        if (forced && forced[0] == '1') return launch_bn<T, HD, 128, 1>(g, a, st);
-        return launch_bn<T, HD, 64, 2>(g, a, st);
-    }
-    return launch_bn<T, HD, 64, 1>(g, a, st);
+    const char *forced = getenv("NBHD_WGMMA_BN");
+    if (forced && forced[0] == '1') return launch_bn<T, HD, 128, 1>(g, a, st);
+    return launch_bn<T, HD, 64, HD == 64 ? 2 : 1>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
