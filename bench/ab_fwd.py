@@ -30,7 +30,9 @@ CONFIGS = {
 JVP_CONFIGS = {
     "default": {},
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
-    "mb2": {"NBHD_MMA_FWD_MB": "2"},
+    "mma-mb2": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA": "0"},
+    "wgmma-bn32": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "32"},
+    "wgmma-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "64"},
 }
 BWD_CONFIGS = {  # variants under test go here, each with its switch (SWITCHES)
     "default": {},

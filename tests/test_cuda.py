@@ -246,6 +246,22 @@ def test_backward_huge_scores_finite(dtype, scale, use_reference, kv_parallel):
 @pytest.mark.parametrize("case", CASES, ids=ids)
 @pytest.mark.parametrize("absent", ["none", "tq", "tkv"])
 def test_forward_jvp(case, dtype, absent, use_reference):
+    check_forward_jvp(case, dtype, absent)
+
+
+@pytest.mark.parametrize("key_tile", ["32", "64"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=ids)
+@pytest.mark.parametrize("absent", ["none", "tq", "tkv"])
+def test_forward_jvp_128_query_patches(case, dtype, absent, key_tile, monkeypatch):
+    """The forward+JVP on 128-query patches (on Hopper the wgmma kernel,
+    csrc/cuda/fna_wgmma_jvp.cu), with both key tiles and absent tangents."""
+    monkeypatch.setenv("NBHD_MMA_FWD_MB", "2")
+    monkeypatch.setenv("NBHD_WGMMA_BN", key_tile)
+    check_forward_jvp(case, dtype, absent)
+
+
+def check_forward_jvp(case, dtype, absent):
     rank = case[0]
     inputs, geo = build(case, dtype, 2 + zlib.crc32(ids(case).encode()) % 1000)
     gen = torch.Generator(device="cuda").manual_seed(11)

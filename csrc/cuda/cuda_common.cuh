@@ -168,6 +168,10 @@ nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_arg
 int nbhd_cuda_wgmma_ready(void);
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                     cudaStream_t stream);
+/* fna_wgmma_jvp.cu: the Hopper forward+JVP on 128-query patches, D = Dv in {64, 128}, on the
+ * mma.sync forward+JVP's conditions */
+nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                        cudaStream_t stream);
 
 /* fna_mma_bwd.cu: tensor-core backward (D_i, dQ query-stationary, dK/dV key-stationary) */
 int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward_args *a);

@@ -210,63 +210,9 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
             tile_abt<T, HD>(sc, Qs, w * 16, Kt, lane);                // S = Q K^T
             if (has_tq) tile_abt<T, HD>(ts, tQs, w * 16, Kt, lane);   // tS = tQ K^T
             if (has_tk) tile_abt<T, HD>(ts, Qs, w * 16, tKt, lane);   //    + Q tK^T
-            float mx[2] = {-INFINITY, -INFINITY};
-            if (full) {
-#pragma unroll
-                for (int nb = 0; nb < BC / 8; ++nb)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        sc[nb][e] *= P.scale_log2;
-                        ts[nb][e] *= scale;
-                        mx[e >> 1] = fmaxf(mx[e >> 1], sc[nb][e]);
-                    }
-            } else {
-#pragma unroll
-            for (int nb = 0; nb < BC / 8; ++nb)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int kr = nb * 8 + 2 * cq + e;
-                    const int j0 = kct[kr], j1 = kct[BC + kr], j2 = kct[2 * BC + kr];
-#pragma unroll
-                    for (int hrow = 0; hrow < 2; ++hrow) {
-                        const bool ok = win ? j0 >= wst[hrow][0] && j0 < wen[hrow][0] &&
-                                                  j1 >= wst[hrow][1] && j1 < wen[hrow][1] &&
-                                                  j2 >= wst[hrow][2] && j2 < wen[hrow][2]
-                                            : rvalid[hrow] && j0 != KEY_NONE;
-                        float &x = sc[nb][2 * hrow + e];
-                        x = ok ? x * P.scale_log2 : -INFINITY;
-                        // masked scores contribute tS = 0, never -inf
-                        ts[nb][2 * hrow + e] = ok ? ts[nb][2 * hrow + e] * scale : 0.f;
-                        mx[hrow] = fmaxf(mx[hrow], x);
-                    }
-                }
-            }
-            float corr[2], mu[2];
-            bool moved = false;
-#pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow) {
-                mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 1));
-                mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 2));
-                const float m_new = fmaxf(m[hrow], mx[hrow]);
-                mu[hrow] = m_new == -INFINITY ? 0.f : m_new;
-                corr[hrow] = fast_exp2(m[hrow] - mu[hrow]);
-                moved |= m_new != m[hrow];
-                m[hrow] = m_new;
-                l[hrow] *= corr[hrow];
-                r[hrow] *= corr[hrow];
-            }
-            const bool rescale = __any_sync(0xffffffffu, moved);  /* else corr = 1 */
-#pragma unroll
-            for (int nb = 0; nb < BC / 8; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = fast_exp2(sc[nb][e] - mu[e >> 1]);
-                    sc[nb][e] = p;
-                    l[e >> 1] += p;
-                    ts[nb][e] *= p;  // p tS
-                    r[e >> 1] += ts[nb][e];
-                }
-            if (rescale) {
+            float corr[2];
+            if (jvp_softmax_tile<BC, 3>(sc, ts, m, l, r, corr, full, win, kct, wst, wen, rvalid,
+                                        P.scale_log2, scale, cq)) {
 #pragma unroll
                 for (int nd = 0; nd < HD / 8; ++nd) {
                     o[nd][0] *= corr[0]; o[nd][1] *= corr[0]; o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
@@ -280,35 +226,13 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
     }
     cp_async_wait<0>();
 
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        float lt = l[hrow], rt = r[hrow];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        rt += __shfl_xor_sync(0xffffffffu, rt, 1);
-        rt += __shfl_xor_sync(0xffffffffu, rt, 2);
-        if (!rvalid[hrow]) continue;
-        const float inv = 1.f / lt, mu_t = rt * inv;
-        int64_t iq[3], c[3];
+    jvp_store<T, HD>(a, b, h, o, ct, m, l, r, cq, [&](int hrow, int64_t c[3]) {
+        if (!rvalid[hrow]) return false;
+        int64_t iq[3];
         patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
         for (int ax = 0; ax < 3; ++ax) c[ax] = pr.grp[ax] + iq[ax] * dil[ax];
-        T *out = (T *)a.out.data + offset_of(a.out, b, c[0], c[1], c[2], h);
-        T *tout = (T *)a.t_out.data + offset_of(a.t_out, b, c[0], c[1], c[2], h);
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; ++nd) {
-            const int col = nd * 8 + 2 * cq;
-            const float o0 = o[nd][2 * hrow] * inv, o1 = o[nd][2 * hrow + 1] * inv;
-            *(uint32_t *)(out + col) = pack2<T>(o0, o1);
-            // tO = C/l - mu o
-            *(uint32_t *)(tout + col) = pack2<T>(ct[nd][2 * hrow] * inv - mu_t * o0,
-                                                 ct[nd][2 * hrow + 1] * inv - mu_t * o1);
-        }
-        if (cq == 0) {
-            ((float *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)] =
-                (m[hrow] + log2f(lt)) * 0.69314718055994531f;
-            ((float *)a.t_lse.data)[offset_of(a.t_lse, b, c[0], c[1], c[2], h)] = mu_t;
-        }
-    }
+        return true;
+    });
 }
 
 // ----------------------------------------------------------------------------
@@ -361,13 +285,15 @@ static nbhd_status launch_kernel(const nbhd_geometry *g, const nbhd_forward_jvp_
     return NBHD_OK;
 }
 
-/* The patch (tiles.cu nbhd_cuda_mma_patch_mb): 128 queries on 8 warps (one CTA per SM), or 64
- * on 4 (three CTAs per SM at D = 64, else two) */
+/* The patch (tiles.cu nbhd_cuda_mma_patch_mb): 128 queries on 8 warps (one CTA per SM; on
+ * Hopper the wgmma kernel, fna_wgmma_jvp.cu), or 64 on 4 (three CTAs per SM at D = 64, else two) */
 template <typename T, int HD>
 static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                               const nbhd_exec *e, cudaStream_t st) {
     if constexpr (HD >= 64)
-        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2) return launch_kernel<T, HD, 8, 1>(g, a, st);
+        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2)
+            return nbhd_cuda_wgmma_ready() ? nbhd_cuda_wgmma_forward_jvp(g, a, st)
+                                           : launch_kernel<T, HD, 8, 1>(g, a, st);
     return launch_kernel<T, HD, 4, HD == 64 ? 3 : 2>(g, a, st);
 }
 

@@ -594,5 +594,120 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
     }
 }
 
+// ----------------------------------------------------------------------------
+// the forward+JVP kernels' per-tile softmax and epilogue (fna_mma_jvp.cu, fna_wgmma_jvp.cu): one
+// 16-row m-block per warp, fragments as above
+
+/* One key tile of the forward+JVP's online softmax: sc (S) scaled to base 2 and masked as in
+ * fwd_softmax_tile, ts (tS) scaled by the natural-log scale (masked keys: 0, never -inf); m, l
+ * and r (the running sum of p tS) updated; leaves p in sc and p tS in ts. Returns whether a row
+ * max of the warp moved: then O and C must be rescaled by corr before the tile's P V is added. */
+template <int BN, int RANK>
+__device__ __forceinline__ bool jvp_softmax_tile(float (&sc)[BN / 8][4], float (&ts)[BN / 8][4],
+                                                 float (&m)[2], float (&l)[2], float (&r)[2],
+                                                 float (&corr)[2], bool full, bool win,
+                                                 const int *kct, const int (&wst)[2][RANK],
+                                                 const int (&wen)[2][RANK], const bool (&rvalid)[2],
+                                                 float sl2, float scale, int cq) {
+    float mx[2] = {-INFINITY, -INFINITY};
+    if (full) {
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                sc[nb][e] *= sl2;
+                ts[nb][e] *= scale;
+                mx[e >> 1] = fmaxf(mx[e >> 1], sc[nb][e]);
+            }
+    } else {
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int kr = nb * 8 + 2 * cq + e;
+                int j[RANK];
+#pragma unroll
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
+#pragma unroll
+                for (int hrow = 0; hrow < 2; ++hrow) {
+                    bool ok;
+                    if (win) {
+                        ok = true;
+#pragma unroll
+                        for (int ax = 0; ax < RANK; ++ax)
+                            ok = ok && j[ax] >= wst[hrow][ax] && j[ax] < wen[hrow][ax];
+                    } else {
+                        ok = rvalid[hrow] && j[0] != KEY_NONE;
+                    }
+                    float &x = sc[nb][2 * hrow + e];
+                    x = ok ? x * sl2 : -INFINITY;
+                    ts[nb][2 * hrow + e] = ok ? ts[nb][2 * hrow + e] * scale : 0.f;
+                    mx[hrow] = fmaxf(mx[hrow], x);
+                }
+            }
+    }
+    float mu[2];
+    bool moved = false;
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 1));
+        mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 2));
+        const float m_new = fmaxf(m[hrow], mx[hrow]);
+        mu[hrow] = m_new == -INFINITY ? 0.f : m_new;
+        corr[hrow] = fast_exp2(m[hrow] - mu[hrow]);
+        moved |= m_new != m[hrow];
+        m[hrow] = m_new;
+        l[hrow] *= corr[hrow];
+        r[hrow] *= corr[hrow];
+    }
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = fast_exp2(sc[nb][e] - mu[e >> 1]);
+            sc[nb][e] = p;
+            l[e >> 1] += p;
+            ts[nb][e] *= p;
+            r[e >> 1] += ts[nb][e];
+        }
+    return __any_sync(0xffffffffu, moved);  /* else corr = 1 */
+}
+
+/* The end of a forward+JVP for the thread's rows hrow = 0, 1: o = O/l, mu = r/l, tO = C/l - mu o,
+ * lse = (m + log2 l) ln 2, tLSE = mu. coords(hrow, c): the row's full-axis coordinates, false
+ * outside the grid. */
+template <typename T, int HD, typename Coords>
+__device__ __forceinline__ void jvp_store(const nbhd_forward_jvp_args &a, int64_t b, int h,
+                                          const float (&o)[HD / 8][4], const float (&ct)[HD / 8][4],
+                                          const float (&m)[2], const float (&l)[2],
+                                          const float (&r)[2], int cq, Coords &&coords) {
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        float lt = l[hrow], rt = r[hrow];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        rt += __shfl_xor_sync(0xffffffffu, rt, 1);
+        rt += __shfl_xor_sync(0xffffffffu, rt, 2);
+        int64_t c[3];
+        if (!coords(hrow, c)) continue;
+        const float inv = 1.f / lt, mu_t = rt * inv;
+        T *out = (T *)a.out.data + offset_of(a.out, b, c[0], c[1], c[2], h);
+        T *tout = (T *)a.t_out.data + offset_of(a.t_out, b, c[0], c[1], c[2], h);
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; ++nd) {
+            const int col = nd * 8 + 2 * cq;
+            const float o0 = o[nd][2 * hrow] * inv, o1 = o[nd][2 * hrow + 1] * inv;
+            *(uint32_t *)(out + col) = pack2<T>(o0, o1);
+            *(uint32_t *)(tout + col) = pack2<T>(ct[nd][2 * hrow] * inv - mu_t * o0,
+                                                 ct[nd][2 * hrow + 1] * inv - mu_t * o1);
+        }
+        if (cq == 0) {
+            ((float *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)] =
+                (m[hrow] + log2f(lt)) * 0.69314718055994531f;
+            ((float *)a.t_lse.data)[offset_of(a.t_lse, b, c[0], c[1], c[2], h)] = mu_t;
+        }
+    }
+}
+
 #endif /* NBHD_CUDA_MMA_UTIL_CUH */
 

@@ -2,10 +2,8 @@
  * tiles.cu — the tile configurations the CUDA tensor-core kernels accept (nbhd_tile_configs),
  * per problem axis, and the patch the forward kernels run. The mma kernels take patches of 64
  * queries per CTA (1-D 64, 2-D 8x8, 3-D 4x4x4: mma_util.cuh patch_*); the forward and
- * forward+JVP kernels at D >= 64 also take 128 (1-D 128, 2-D 16x8, 3-D 8x4x4), the default on
- * windows of 512 keys or more of the forward and of the D = 128 forward+JVP (H200,
- * bench/ab_fwd.py: the forward 1.07-1.66x faster on 1-D 32768 w2048 and strided 3-D, 13-25 %
- * slower on small windows; the forward+JVP 6-9 % faster at D = 128, 4-7 % slower at D = 64).
+ * forward+JVP kernels at D >= 64 also take 128 (1-D 128, 2-D 16x8, 3-D 8x4x4; on Hopper the
+ * wgmma kernels, fna_wgmma.cu and fna_wgmma_jvp.cu), the default where large_patch_default says.
  * The listed kv tile names the patch, whose exact union of windows
  * the kernels walk in row-major runs of 32 or 64 keys; the first listed is the default. The
  * simple kernels have no tiles (dispatch.cu refuses exec tiles for problems that would run on
@@ -32,9 +30,17 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
     return op == NBHD_OP_FORWARD || (op == NBHD_OP_FORWARD_JVP && jvp_patch_fits(g));
 }
 
-/* the default where allowed: cheap, so it is asked before large_patch_allowed's device query */
+/* the default where allowed. The forward: windows of 512+ keys. The forward+JVP: those at
+ * D = 128; on Hopper (the wgmma kernel, fna_wgmma_jvp.cu) every window at D = 128 and windows of
+ * 512+ keys at D = 64 (H200, bench/ab_fwd.py --jvp: 1.06-1.17x faster than 64-query patches on
+ * the 2-D/3-D small windows at D = 128, 1.06-1.11x slower at D = 64; 1.3-1.5x faster on 1-D
+ * 32768 w2048 and strided 3-D at D = 64). */
 static bool large_patch_default(const nbhd_geometry *g, nbhd_op op) {
-    return g->has_window && nbhd_cuda_mma_large_window(g) && (op == NBHD_OP_FORWARD || g->head_dim >= 128);
+    if (!g->has_window) return false;
+    const bool large = nbhd_cuda_mma_large_window(g);
+    if (op == NBHD_OP_FORWARD) return large;
+    if (nbhd_cuda_wgmma_ready()) return large || g->head_dim >= 128;
+    return large && g->head_dim >= 128;
 }
 
 int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op) {

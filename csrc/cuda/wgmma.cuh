@@ -41,6 +41,125 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lead_bytes
            ((uint64_t)(stride_bytes >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
+
+/* The CTA of the Hopper kernels: two warpgroups on a 128-query patch (mma_plan_of(g, 2): its
+ * m-blocks stacked along axis 0, warp w owning m-block w, warpgroup wg the box of m-blocks
+ * 4 wg .. 4 wg + 3), walking the exact union of the patch's windows in tiles of BN keys, then
+ * the extra keys. */
+template <int RANK>
+struct wg_cta {
+    int64_t b, hk;
+    int h;
+    int64_t grp[3];       /* dilation group per axis */
+    int i0[3], Lg[3];     /* first in-group query of the patch, group length */
+    key_box kb;
+    int win_tiles, tiles;
+
+    /* false: an empty slot (uniform over the CTA) */
+    __device__ __forceinline__ bool init(const nbhd_geometry &g, const mma_plan &P, int bn) {
+        uint32_t idx = blockIdx.x;  /* neighbouring CTAs take neighbouring patches of one head */
+        const uint32_t patches = (uint32_t)P.patches, heads = (uint32_t)g.heads;
+        uint32_t patch = idx % patches;
+        idx /= patches;
+        h = (int)(idx % heads);
+        b = idx / heads;
+        hk = g.group == 1 ? h : h / g.group;
+        const int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
+#pragma unroll
+        for (int ax = 0; ax < 3; ++ax) grp[ax] = 0, i0[ax] = 0, Lg[ax] = 1;
+#pragma unroll
+        for (int ax = RANK - 1; ax >= 0; --ax) {
+            const uint32_t ns = (uint32_t)P.slots[ax], slot = patch % ns;
+            patch /= ns;
+            const int d = g.axis[ax].dilation;
+            grp[ax] = d == 1 ? 0 : (int)(slot % (uint32_t)d);
+            i0[ax] = (d == 1 ? (int)slot : (int)(slot / (uint32_t)d)) * ct[ax];
+            Lg[ax] = d == 1 ? (int)g.axis[ax].extent : ((int)g.axis[ax].extent - (int)grp[ax] + d - 1) / d;
+            if (i0[ax] >= Lg[ax]) return false;
+        }
+        kb = key_box_of(g, i0, ct, Lg);
+        win_tiles = (kb.total + bn - 1) / bn;
+        tiles = win_tiles + (int)((g.extra_kv + bn - 1) / bn);
+        return true;
+    }
+
+    /* query row qr of the CTA -> in-group coordinates; false outside the grid */
+    __device__ __forceinline__ bool row(int qr, int iq[3]) const {
+        constexpr int WT[3] = {patch_wt(RANK, 0), patch_wt(RANK, 1), patch_wt(RANK, 2)};
+        const int mblock = qr >> 4, r = qr & 15;
+        const int r2 = r % WT[2], r1 = (r / WT[2]) % WT[1], r0 = r / (WT[1] * WT[2]);
+        iq[0] = i0[0] + mblock * WT[0] + r0;
+        iq[1] = i0[1] + r1;
+        iq[2] = i0[2] + r2;
+        return iq[0] < Lg[0] && iq[1] < Lg[1] && iq[2] < Lg[2];
+    }
+
+    /* a thread's rows qr(hrow) = 16 w + lane / 4 + 8 hrow: validity and in-group windows
+     * (invalid rows: empty) */
+    __device__ __forceinline__ void thread_rows(const nbhd_geometry &g, int w, int lane,
+                                                int (&wst)[2][RANK], int (&wen)[2][RANK],
+                                                bool (&rvalid)[2]) const {
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int iq[3];
+            rvalid[hrow] = row(w * 16 + (lane >> 2) + 8 * hrow, iq);
+#pragma unroll
+            for (int ax = 0; ax < RANK; ++ax) {
+                int64_t st = 0, en = 0;
+                if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], Lg[ax], &st, &en);
+                wst[hrow][ax] = (int)st;
+                wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
+            }
+        }
+    }
+
+    /* the intersection of the windows of warpgroup wg's box (empty unless all its rows are in
+     * the grid): a tile inside it needs no mask. Starts and ends never decrease along an axis,
+     * so it is [start(last), end(first)). */
+    __device__ __forceinline__ void box_inside(const nbhd_geometry &g, int wg, int (&ilo)[RANK],
+                                               int (&ihi)[RANK]) const {
+        constexpr int WX[3] = {patch_wt(RANK, 0) * 4, patch_wt(RANK, 1), patch_wt(RANK, 2)};
+        int wq[3];
+        row(wg * 64, wq);
+        bool all_rows = true;
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) all_rows &= wq[ax] + WX[ax] <= Lg[ax];
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
+            const int f = min(wq[ax], Lg[ax] - 1), l = min(wq[ax] + WX[ax], Lg[ax]) - 1;
+            int64_t sf, ef, sl, el;
+            window32(&g.axis[ax], f, Lg[ax], &sf, &ef);
+            window32(&g.axis[ax], l, Lg[ax], &sl, &el);
+            ilo[ax] = all_rows ? (int)sl : 1 << 30;
+            ihi[ax] = all_rows ? (int)ef : -(1 << 30);
+        }
+    }
+
+    /* key kr of tile t: a window key's in-group coordinates j, or an extra key's row e;
+     * false past the end (then j = 0, e = 0: a valid address, copied as zeros) */
+    __device__ __forceinline__ bool key(const nbhd_geometry &g, int t, int kr, int bn, int j[3],
+                                        int64_t &e) const {
+        j[0] = j[1] = j[2] = 0;
+        e = 0;
+        if (t < win_tiles) {
+            const int n = t * bn + kr;
+            if (n >= kb.total) return false;
+            key_box_at<RANK>(kb, n, j);
+            return true;
+        }
+        const int64_t x = (int64_t)(t - win_tiles) * bn + kr;
+        if (x >= g.extra_kv) return false;
+        e = x;
+        return true;
+    }
+
+    /* row e of an extra-key tensor [B, S, Hkv, D] */
+    template <typename T>
+    __device__ __forceinline__ const T *extra_row(const nbhd_tensor &x, int64_t e) const {
+        return (const T *)x.data + b * x.stride[0] + e * x.stride[1] + hk * x.stride[4];
+    }
+};
+
 #if NBHD_HAS_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -57,6 +176,26 @@ __device__ __forceinline__ void fence_reg(uint32_t &x) { asm volatile("" : "+r"(
 template <typename T, int N> struct wgmma_op;
 
 /* the instructions: D registers, then descriptors or A registers, then the scale-d predicate */
+#define NBHD_WGMMA_SS_N32(TY)                                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                    \
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                 \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "  \
+                     "%16, %17, p, 1, 1, 0, 0;\n}\n"                                             \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),   \
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                        \
+                     : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+
+#define NBHD_WGMMA_RS_N32(TY)                                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                    \
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                 \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "  \
+                     "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"                               \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),   \
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                        \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
+
 #define NBHD_WGMMA_SS_N64(TY)                                                                   \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                    \
@@ -134,6 +273,24 @@ template <typename T, int N> struct wgmma_op;
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
 
 
+template <> struct wgmma_op<__nv_bfloat16, 32> {
+    static __device__ __forceinline__ void ss(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N32("bf16");
+    }
+    /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
+    static __device__ __forceinline__ void rs_bt(float d[16], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N32("bf16");
+    }
+};
+template <> struct wgmma_op<__half, 32> {
+    static __device__ __forceinline__ void ss(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N32("f16");
+    }
+    /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
+    static __device__ __forceinline__ void rs_bt(float d[16], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N32("f16");
+    }
+};
 template <> struct wgmma_op<__nv_bfloat16, 64> {
     static __device__ __forceinline__ void ss(float d[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
         NBHD_WGMMA_SS_N64("bf16");
@@ -171,6 +328,8 @@ template <> struct wgmma_op<__half, 128> {
     }
 };
 
+#undef NBHD_WGMMA_SS_N32
+#undef NBHD_WGMMA_RS_N32
 #undef NBHD_WGMMA_SS_N64
 #undef NBHD_WGMMA_RS_N64
 #undef NBHD_WGMMA_SS_N128

@@ -1,0 +1,280 @@
+/*
+ * fna_wgmma_jvp.cu — the Hopper forward+JVP (O, LSE, tO, mu) on 128-query patches: warpgroup
+ * MMA (wgmma, sm_90a) for f16/bf16 with D = Dv in {64, 128}. The math is fna_mma_jvp.cu's:
+ *
+ *   S  = Q K^T,  tS = s (tQ K^T + Q tK^T)
+ *   m, l online in base 2; p = 2^(S s log2e - m);  r = r 2^(m_old-m) + sum p tS
+ *   O  = O 2^(m_old-m) + P V
+ *   C  = C 2^(m_old-m) + (P . tS) V + P tV
+ *   o = O/l, mu = r/l, tO = C/l - mu o
+ *
+ * the tiles and pipeline those of fna_wgmma.cu (two warpgroups of 64 queries; per tile S and tS
+ * by wgmma from shared memory, then the previous tile's three value products from registers
+ * while this tile's softmax runs). Absent tangents are loaded as zeros, so that every wgmma is
+ * issued unconditionally (ptxas serialises wgmma under branches it cannot prove uniform).
+ */
+#include "wgmma.cuh"
+
+#define WGJ_THREADS 256
+#define WGJ_BM 128
+#define WGJ_K_STAGES 2 /* K, tK and key coordinates: read while their tile is computed */
+#define WGJ_V_STAGES 3 /* V, tV: read until the next tile's softmax is done */
+
+template <int HD, int BN>
+static constexpr size_t wgj_smem_bytes(int rank) {
+    return 1024 + 2 * (size_t)(2 * WGJ_BM * HD + 2 * (WGJ_K_STAGES + WGJ_V_STAGES) * BN * HD) +
+           sizeof(int) * WGJ_K_STAGES * rank * BN;
+}
+
+template <typename T, int HD, int BN, int RANK>
+__global__ void __launch_bounds__(WGJ_THREADS, 1)
+fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const mma_plan P) {
+#if NBHD_HAS_WGMMA
+    constexpr int BM = WGJ_BM, KST = WGJ_K_STAGES, VST = WGJ_V_STAGES, TILE = BN * HD;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
+    T *tQs = Qs + BM * HD;                  /* [BM][HD] */
+    T *Ks = tQs + BM * HD;                  /* [KST][BN][HD] */
+    T *tKs = Ks + KST * TILE;               /* [KST][BN][HD] */
+    T *Vs = tKs + KST * TILE;               /* [VST][BN][HD] */
+    T *tVs = Vs + VST * TILE;               /* [VST][BN][HD] */
+    int *kc = (int *)(tVs + VST * TILE);    /* [KST][RANK][BN] in-group key coordinates */
+
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
+    wg_cta<RANK> C;
+    if (!C.init(g, P, BN)) return;
+    const int win_tiles = C.win_tiles, tiles = C.tiles;
+
+    // Q and tQ (zero rows outside the grid; tQ zero when absent)
+    {
+        constexpr int CH = HD / 8, TPR = WGJ_THREADS / BM, CPT = CH / TPR;
+        const int row = tid / TPR;
+        int iq[3];
+        const bool ok = C.row(row, iq);
+        const bool has_tq = a.t_q.data != nullptr;
+        const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, C.b, C.grp, C.h);
+        const group_ptr<const T> tqp = group_ptr_of<const T>(has_tq ? a.t_q : a.q, g, C.b, C.grp, C.h);
+        const T *src = ok ? qp.at(iq[0], iq[1], iq[2]) : qp.base;
+        const T *tsrc = ok ? tqp.at(iq[0], iq[1], iq[2]) : tqp.base;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc;
+            cp_async16(smem_u32(Qs + gmma_off<BM>(row, ch)), src + ch * 8, ok);
+            cp_async16(smem_u32(tQs + gmma_off<BM>(row, ch)), tsrc + ch * 8, ok && has_tq);
+        }
+    }
+
+    // K, tK, V, tV (and key coordinates) of tile t: one key per TPR threads
+    auto load_tile = [&](int t, int) {
+        constexpr int CH = HD / 8, TPR = WGJ_THREADS / BN, CPT = CH / TPR;
+        const int kr = tid / TPR;
+        int j[3];
+        int64_t e;
+        const bool ok = C.key(g, t, kr, BN, j, e);
+        const bool win = t < win_tiles;
+        const nbhd_tensor &k = win ? a.k : a.kx, &v = win ? a.v : a.vx;
+        const nbhd_tensor &tk = win ? a.t_k : a.t_kx, &tv = win ? a.t_v : a.t_vx;
+        const bool has_tk = tk.data != nullptr, has_tv = tv.data != nullptr;
+        auto src = [&](const nbhd_tensor &x) -> const T * {
+            if (!x.data) return (const T *)k.data;  /* absent: a valid address, copied as zeros */
+            if (!win) return C.template extra_row<T>(x, e);
+            return group_ptr_of<const T>(x, g, C.b, C.grp, C.hk).at(j[0], j[1], j[2]);
+        };
+        const T *ks = src(k), *vs = src(v), *tks = src(tk), *tvs = src(tv);
+        T *Kd = Ks + (t % KST) * TILE, *tKd = tKs + (t % KST) * TILE;
+        T *Vd = Vs + (t % VST) * TILE, *tVd = tVs + (t % VST) * TILE;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BN>(kr, ch);
+            cp_async16(smem_u32(Kd + off), ks + ch * 8, ok);
+            cp_async16(smem_u32(Vd + off), vs + ch * 8, ok);
+            cp_async16(smem_u32(tKd + off), tks + ch * 8, ok && has_tk);
+            cp_async16(smem_u32(tVd + off), tvs + ch * 8, ok && has_tv);
+        }
+        if (tid % TPR == 0) {
+            int *kcd = kc + (t % KST) * RANK * BN;
+            kcd[kr] = ok ? j[0] : KEY_NONE;
+#pragma unroll
+            for (int ax = 1; ax < RANK; ++ax) kcd[ax * BN + kr] = j[ax];
+        }
+    };
+
+    const int cq = lane & 3;
+    int wst[2][RANK], wen[2][RANK];
+    bool rvalid[2];
+    C.thread_rows(g, w, lane, wst, wen, rvalid);
+    int ilo[RANK], ihi[RANK];
+    C.box_inside(g, wg, ilo, ihi);
+
+    float o[HD / 8][4], ct[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[i][e] = ct[i][e] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, r[2] = {0.f, 0.f};
+    const float sl2 = P.scale_log2, scale = P.scale_log2 * 0.69314718055994531f;
+    const uint32_t q_base = smem_u32(Qs) + wg * 64 * 128, tq_base = smem_u32(tQs) + wg * 64 * 128;
+
+    // the previous tile's value products, in flight during this tile's softmax: P and P . tS in
+    // registers (zero before the first tile), V and tV in that tile's stages
+    uint32_t pf[BN / 16][4], ptf[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pf[kk][i] = ptf[kk][i] = 0u;
+    uint32_t pv_v = smem_u32(Vs), pv_tv = smem_u32(tVs);
+    auto issue_pv = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const uint64_t vd = gmma_desc(pv_v + kk * 16 * 128, BN * 128, 1024);
+            const uint64_t tvd = gmma_desc(pv_tv + kk * 16 * 128, BN * 128, 1024);
+            wgmma_op<T, HD>::rs_bt(&o[0][0], pf[kk], vd, 1);     // O += P V
+            wgmma_op<T, HD>::rs_bt(&ct[0][0], ptf[kk], vd, 1);   // C += (P . tS) V
+            wgmma_op<T, HD>::rs_bt(&ct[0][0], pf[kk], tvd, 1);   //    + P tV
+        }
+        wgmma_commit();
+    };
+    auto pv_done = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) fence_reg(pf[kk][i]), fence_reg(ptf[kk][i]);
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_reg(o[nd][e]), fence_reg(ct[nd][e]);
+    };
+
+    constexpr int RING = KST * VST;  /* the ring's stage index is unused: K and V have their own */
+    tile_ring_start<RING, 1>(tiles, load_tile);  /* Q, tQ ride with tile 0's group */
+    for (int t = 0; t < tiles; ++t) {
+        tile_ring_next<RING, 1, true>(t, tiles, load_tile);
+        const uint32_t k_base = smem_u32(Ks + (t % KST) * TILE), tk_base = smem_u32(tKs + (t % KST) * TILE);
+        const int *kct = kc + (t % KST) * RANK * BN;
+        const bool win = t < win_tiles;
+
+        // S = Q K^T, tS = tQ K^T + Q tK^T, then the previous tile's value products
+        float sc[BN / 8][4], ts[BN / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const uint32_t at = (kk >> 2) * BM * 128 + (kk & 3) * 32, bt = (kk >> 2) * BN * 128 + (kk & 3) * 32;
+            const uint64_t qd = gmma_desc(q_base + at, 16, 1024), tqd = gmma_desc(tq_base + at, 16, 1024);
+            const uint64_t kd = gmma_desc(k_base + bt, 16, 1024), tkd = gmma_desc(tk_base + bt, 16, 1024);
+            wgmma_op<T, BN>::ss(&sc[0][0], qd, kd, kk > 0);
+            wgmma_op<T, BN>::ss(&ts[0][0], tqd, kd, kk > 0);
+            wgmma_op<T, BN>::ss(&ts[0][0], qd, tkd, 1);
+        }
+        wgmma_commit();
+        issue_pv();
+
+        bool full = false;  /* the tile inside every row's window of the warpgroup: no mask */
+        if (win) {
+            bool inside = true;
+#pragma unroll
+            for (int kr = lane; kr < BN; kr += 32)
+#pragma unroll
+                for (int ax = 0; ax < RANK; ++ax) {
+                    const int j = kct[ax * BN + kr];
+                    inside = inside && j >= ilo[ax] && j < ihi[ax];
+                }
+            full = __all_sync(0xffffffffu, inside);
+        }
+        wgmma_wait<1>();  /* S and tS are done; the value products may still run */
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_reg(sc[nb][e]), fence_reg(ts[nb][e]);
+
+        float corr[2];
+        const bool rescale = jvp_softmax_tile<BN, RANK>(sc, ts, m, l, r, corr, full, win, kct, wst,
+                                                        wen, rvalid, sl2, scale, cq);
+        wgmma_wait<0>();
+        pv_done();
+        if (rescale) {
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; ++nd) {
+                o[nd][0] *= corr[0]; o[nd][1] *= corr[0]; o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
+                ct[nd][0] *= corr[0]; ct[nd][1] *= corr[0]; ct[nd][2] *= corr[1]; ct[nd][3] *= corr[1];
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pf[kk][0] = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
+            pf[kk][1] = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
+            pf[kk][2] = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pf[kk][3] = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            ptf[kk][0] = pack2<T>(ts[2 * kk][0], ts[2 * kk][1]);
+            ptf[kk][1] = pack2<T>(ts[2 * kk][2], ts[2 * kk][3]);
+            ptf[kk][2] = pack2<T>(ts[2 * kk + 1][0], ts[2 * kk + 1][1]);
+            ptf[kk][3] = pack2<T>(ts[2 * kk + 1][2], ts[2 * kk + 1][3]);
+        }
+        pv_v = smem_u32(Vs + (t % VST) * TILE);
+        pv_tv = smem_u32(tVs + (t % VST) * TILE);
+    }
+    wgmma_fence();
+    issue_pv();  /* the last tile's (with no tile, P = 0) */
+    wgmma_wait<0>();
+    pv_done();
+    cp_async_wait<0>();
+
+    const int64_t dil[3] = {g.axis[0].dilation, g.axis[1].dilation, g.axis[2].dilation};
+    jvp_store<T, HD>(a, C.b, C.h, o, ct, m, l, r, cq, [&](int hrow, int64_t c[3]) {
+        int iq[3];
+        if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, iq)) return false;
+        for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + (int64_t)iq[ax] * dil[ax];
+        return true;
+    });
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// launch (on the mma.sync forward+JVP's conditions, fna_mma_jvp.cu, when nbhd_cuda_wgmma_ready)
+
+template <typename T, int HD, int BN, int RANK>
+static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const mma_plan &P,
+                               cudaStream_t st) {
+    constexpr size_t smem = wgj_smem_bytes<HD, BN>(RANK);
+    static_assert(smem <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
+    auto kernel = fna_wgmma_jvp_kernel<T, HD, BN, RANK>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
+        const cudaError_t err = cudaGetLastError();
+        return nbhd_fail(NBHD_ERR_DEVICE, "wgmma forward_jvp: cannot reserve %zu bytes of shared memory: %s",
+                         smem, cudaGetErrorString(err));
+    }
+    const int64_t ctas = g->batch * g->heads * P.patches;
+    if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward_jvp: grid too large");
+    kernel<<<(unsigned)ctas, WGJ_THREADS, smem, st>>>(*g, *a, P);
+    NBHD_CUDA_CHECK_LAUNCH("wgmma forward_jvp");
+    return NBHD_OK;
+}
+
+template <typename T, int HD, int BN>
+static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g, 2);
+    switch (P.rank) {
+    case 1: return launch_rank<T, HD, BN, 1>(g, a, P, st);
+    case 2: return launch_rank<T, HD, BN, 2>(g, a, P, st);
+    default: return launch_rank<T, HD, BN, 3>(g, a, P, st);
+    }
+}
+
+/* Key tiles of 64 (H200, bench/ab_fwd.py --jvp: 32-key tiles 1.15x slower on 1-D 32768 w2048 at
+ * D = 128, 1.29x at D = 64; at D = 128 the 64-key kernel spills 128 bytes and takes 227 KiB of
+ * shared memory, one CTA per SM). NBHD_WGMMA_BN=32|64 forces the key tile (A/B runs). */
+template <typename T, int HD>
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+    const char *forced = getenv("NBHD_WGMMA_BN");
+    if (forced && forced[0] == '3') return launch_bn<T, HD, 32>(g, a, st);
+    return launch_bn<T, HD, 64>(g, a, st);
+}
+
+nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                        cudaStream_t st) {
+    const bool bf = g->dtype == NBHD_BF16;
+    switch (g->head_dim) {
+    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, st) : launch<__half, 64>(g, a, st);
+    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, st) : launch<__half, 128>(g, a, st);
+    }
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward_jvp: head_dim %d", g->head_dim);
+}
