@@ -413,21 +413,6 @@ template <typename T> __device__ __forceinline__ void store_pairs(T *dst, const 
 // 16-row m-blocks in mma.sync accumulator fragments (a thread holds rows rq, rq + 8 of each,
 // key / head-dim columns nb * 8 + 2 cq + e)
 
-/* Is key kr of a tile (in-group coordinates kct[ax * BN + kr]) in a row's window [st, en) per
- * axis? Extra-key tiles (win false): any real key, for a row inside the grid. */
-template <int BN, int RANK>
-__device__ __forceinline__ bool key_in_row(const int *kct, int kr, bool win, const int (&st)[RANK],
-                                           const int (&en)[RANK], bool row_valid) {
-    if (!win) return row_valid && kct[kr] != KEY_NONE;
-    bool ok = true;
-#pragma unroll
-    for (int ax = 0; ax < RANK; ++ax) {
-        const int j = kct[ax * BN + kr];
-        ok = ok && j >= st[ax] && j < en[ax];
-    }
-    return ok;
-}
-
 /* One key tile of the online softmax in base 2: scale the scores, mask them (unless full: every
  * key of the tile inside every row's window; win: a window tile, else extra keys, kept for valid
  * rows and real keys), update the row max m and sum l, and leave P = 2^(S - m) in sc. Returns
@@ -459,12 +444,22 @@ __device__ __forceinline__ bool fwd_softmax_tile(float (&sc)[MB][BN / 8][4], flo
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int kr = nb * 8 + 2 * cq + e;
+                int j[RANK];
+#pragma unroll
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
                     for (int hrow = 0; hrow < 2; ++hrow) {
-                        const bool ok = key_in_row<BN, RANK>(kct, kr, win, wst[mb][hrow], wen[mb][hrow],
-                                                             rvalid[mb][hrow]);
+                        bool ok;
+                        if (win) {
+                            ok = true;
+#pragma unroll
+                            for (int ax = 0; ax < RANK; ++ax)
+                                ok = ok && j[ax] >= wst[mb][hrow][ax] && j[ax] < wen[mb][hrow][ax];
+                        } else {
+                            ok = rvalid[mb][hrow] && j[0] != KEY_NONE;
+                        }
                         float &x = sc[mb][nb][2 * hrow + e];
                         x = ok ? x * sl2 : -INFINITY;
                         mx[mb][hrow] = fmaxf(mx[mb][hrow], x);
@@ -630,9 +625,20 @@ __device__ __forceinline__ bool jvp_softmax_tile(float (&sc)[BN / 8][4], float (
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int kr = nb * 8 + 2 * cq + e;
+                int j[RANK];
+#pragma unroll
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
-                    const bool ok = key_in_row<BN, RANK>(kct, kr, win, wst[hrow], wen[hrow], rvalid[hrow]);
+                    bool ok;
+                    if (win) {
+                        ok = true;
+#pragma unroll
+                        for (int ax = 0; ax < RANK; ++ax)
+                            ok = ok && j[ax] >= wst[hrow][ax] && j[ax] < wen[hrow][ax];
+                    } else {
+                        ok = rvalid[hrow] && j[0] != KEY_NONE;
+                    }
                     float &x = sc[nb][2 * hrow + e];
                     x = ok ? x * sl2 : -INFINITY;
                     ts[nb][2 * hrow + e] = ok ? ts[nb][2 * hrow + e] * scale : 0.f;
