@@ -44,8 +44,8 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
 
     // CTA -> (b, head, patch), as fna_mma.cu. (Written out here rather than through wgmma.cuh
-    // wg_cta, which the forward+JVP uses: on wg_cta this kernel measured 4-12 % slower, H200 run 6
-    // of bench/RESULTS_GPU.md, ninth session.)
+    // wg_cta, which the forward+JVP uses: on wg_cta this kernel measured 4-7 % slower on the large
+    // windows, H200 runs 3 and 4 of bench/RESULTS_GPU.md, ninth session.)
     uint32_t idx = blockIdx.x;
     const uint32_t patches = (uint32_t)P.patches, heads = (uint32_t)g.heads;
     uint32_t patch = idx % patches;
