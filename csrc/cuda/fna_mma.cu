@@ -293,10 +293,7 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
                 uint32_t pf[MB][4];
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb) {
-                    pf[mb][0] = pack2<T>(sc[mb][2 * kk][0], sc[mb][2 * kk][1]);
-                    pf[mb][1] = pack2<T>(sc[mb][2 * kk][2], sc[mb][2 * kk][3]);
-                    pf[mb][2] = pack2<T>(sc[mb][2 * kk + 1][0], sc[mb][2 * kk + 1][1]);
-                    pf[mb][3] = pack2<T>(sc[mb][2 * kk + 1][2], sc[mb][2 * kk + 1][3]);
+                    a_frag_of<T>(pf[mb], sc[mb][2 * kk], sc[mb][2 * kk + 1]);
                 }
 #pragma unroll
                 for (int nd2 = 0; nd2 < HD / 16; ++nd2) {

@@ -20,20 +20,12 @@
  */
 #include "wgmma.cuh"
 
-#define WGMMA_THREADS 256 /* two warpgroups */
-/* The ring loads one tile ahead. K (and the key coordinates) of tile t are read only while
- * tile t is computed: two stages. V of tile t is read until tile t+1's softmax is done: three. */
-#define WGMMA_K_STAGES 2
-#define WGMMA_V_STAGES 3
-#define WGMMA_BM 128      /* queries per CTA */
-
 template <typename T, int HD, int BN, int RANK, int MINB>
 __global__ void __launch_bounds__(WGMMA_THREADS, MINB)
 fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     constexpr int BM = WGMMA_BM, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    /* the 128-byte swizzle works on address bits: every tile 1024-byte aligned */
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD]; O staged here */
     T *Ks = Qs + BM * HD;                          /* [KST][BN][HD] */
     T *Vs = Ks + KST * BN * HD;                    /* [VST][BN][HD] */
@@ -230,18 +222,7 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
 
         // meanwhile: is the tile inside every row's window of the warpgroup (no mask)?
         bool full = false;
-        if (win) {
-            bool inside = true;
-#pragma unroll
-            for (int kr = lane; kr < BN; kr += 32) {
-#pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) {
-                    const int j = kct[ax * BN + kr];
-                    inside = inside && j >= ilo[ax] && j < ihi[ax];
-                }
-            }
-            full = __all_sync(0xffffffffu, inside);
-        }
+        if (win) full = tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S is done; P V may still run */
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
@@ -255,12 +236,7 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
         pv_done();
         if (rescale) fwd_rescale<1, HD>(o, corr);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pf[kk][0] = pack2<T>(sc[0][2 * kk][0], sc[0][2 * kk][1]);
-            pf[kk][1] = pack2<T>(sc[0][2 * kk][2], sc[0][2 * kk][3]);
-            pf[kk][2] = pack2<T>(sc[0][2 * kk + 1][0], sc[0][2 * kk + 1][1]);
-            pf[kk][3] = pack2<T>(sc[0][2 * kk + 1][2], sc[0][2 * kk + 1][3]);
-        }
+        for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(pf[kk], sc[0][2 * kk], sc[0][2 * kk + 1]);
         pv_stage = v_base;
     }
     wgmma_fence();

@@ -15,22 +15,17 @@
  */
 #include "wgmma.cuh"
 
-#define WGJ_THREADS 256
-#define WGJ_BM 128
-#define WGJ_K_STAGES 2 /* K, tK and key coordinates: read while their tile is computed */
-#define WGJ_V_STAGES 3 /* V, tV: read until the next tile's softmax is done */
-
 template <int HD, int BN>
 static constexpr size_t wgj_smem_bytes(int rank) {
-    return 1024 + 2 * (size_t)(2 * WGJ_BM * HD + 2 * (WGJ_K_STAGES + WGJ_V_STAGES) * BN * HD) +
-           sizeof(int) * WGJ_K_STAGES * rank * BN;
+    return 1024 + 2 * (size_t)(2 * WGMMA_BM * HD + 2 * (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN * HD) +
+           sizeof(int) * WGMMA_K_STAGES * rank * BN;
 }
 
 template <typename T, int HD, int BN, int RANK>
-__global__ void __launch_bounds__(WGJ_THREADS, 1)
+__global__ void __launch_bounds__(WGMMA_THREADS, 1)
 fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    constexpr int BM = WGJ_BM, KST = WGJ_K_STAGES, VST = WGJ_V_STAGES, TILE = BN * HD;
+    constexpr int BM = WGMMA_BM, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES, TILE = BN * HD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
     T *tQs = Qs + BM * HD;                  /* [BM][HD] */
@@ -47,7 +42,7 @@ fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const
 
     // Q and tQ (zero rows outside the grid; tQ zero when absent)
     {
-        constexpr int CH = HD / 8, TPR = WGJ_THREADS / BM, CPT = CH / TPR;
+        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BM, CPT = CH / TPR;
         const int row = tid / TPR;
         int iq[3];
         const bool ok = C.row(row, iq);
@@ -66,7 +61,7 @@ fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const
 
     // K, tK, V, tV (and key coordinates) of tile t: one key per TPR threads
     auto load_tile = [&](int t, int) {
-        constexpr int CH = HD / 8, TPR = WGJ_THREADS / BN, CPT = CH / TPR;
+        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BN, CPT = CH / TPR;
         const int kr = tid / TPR;
         int j[3];
         int64_t e;
@@ -169,17 +164,7 @@ fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const
         issue_pv();
 
         bool full = false;  /* the tile inside every row's window of the warpgroup: no mask */
-        if (win) {
-            bool inside = true;
-#pragma unroll
-            for (int kr = lane; kr < BN; kr += 32)
-#pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) {
-                    const int j = kct[ax * BN + kr];
-                    inside = inside && j >= ilo[ax] && j < ihi[ax];
-                }
-            full = __all_sync(0xffffffffu, inside);
-        }
+        if (win) full = tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S and tS are done; the value products may still run */
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
@@ -200,14 +185,8 @@ fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const
         }
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            pf[kk][0] = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
-            pf[kk][1] = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
-            pf[kk][2] = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            pf[kk][3] = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-            ptf[kk][0] = pack2<T>(ts[2 * kk][0], ts[2 * kk][1]);
-            ptf[kk][1] = pack2<T>(ts[2 * kk][2], ts[2 * kk][3]);
-            ptf[kk][2] = pack2<T>(ts[2 * kk + 1][0], ts[2 * kk + 1][1]);
-            ptf[kk][3] = pack2<T>(ts[2 * kk + 1][2], ts[2 * kk + 1][3]);
+            a_frag_of<T>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
+            a_frag_of<T>(ptf[kk], ts[2 * kk], ts[2 * kk + 1]);
         }
         pv_v = smem_u32(Vs + (t % VST) * TILE);
         pv_tv = smem_u32(tVs + (t % VST) * TILE);
@@ -244,7 +223,7 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_ar
     }
     const int64_t ctas = g->batch * g->heads * P.patches;
     if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward_jvp: grid too large");
-    kernel<<<(unsigned)ctas, WGJ_THREADS, smem, st>>>(*g, *a, P);
+    kernel<<<(unsigned)ctas, WGMMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("wgmma forward_jvp");
     return NBHD_OK;
 }

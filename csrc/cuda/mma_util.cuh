@@ -168,6 +168,16 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
 }
 
 /* 2^x by the special function unit: one MUFU.EX2 (exp2f adds range fix-ups); 2^-inf = 0 */
+/* an m16n8k16 A fragment (16 rows x 16 columns, as wgmma's A in registers) from the fp32
+ * accumulators of two 8-column n-blocks, lo (columns 0-7) and hi (8-15), packed to T */
+template <typename T>
+__device__ __forceinline__ void a_frag_of(uint32_t f[4], const float lo[4], const float hi[4]) {
+    f[0] = pack2<T>(lo[0], lo[1]);
+    f[1] = pack2<T>(lo[2], lo[3]);
+    f[2] = pack2<T>(hi[0], hi[1]);
+    f[3] = pack2<T>(hi[2], hi[3]);
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -350,10 +360,7 @@ __device__ __forceinline__ void tile_xb(float acc[HD / 8][4], const float x[BC /
 #pragma unroll
     for (int kk = 0; kk < BC / 16; ++kk) {
         uint32_t pf[4];
-        pf[0] = pack2<T>(x[2 * kk][0], x[2 * kk][1]);
-        pf[1] = pack2<T>(x[2 * kk][2], x[2 * kk][3]);
-        pf[2] = pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-        pf[3] = pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+        a_frag_of<T>(pf, x[2 * kk], x[2 * kk + 1]);
 #pragma unroll
         for (int nd2 = 0; nd2 < HD / 16; ++nd2) {
             uint32_t bf[4];

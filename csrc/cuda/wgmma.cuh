@@ -29,6 +29,14 @@
 #define NBHD_HAS_WGMMA 0
 #endif
 
+/* The Hopper kernels' CTA: two warpgroups of 64 queries on a 128-query patch; K/V tiles loaded one
+ * ahead by cp.async. K (and key coordinates) of tile t are read only while tile t is computed:
+ * two stages; V of tile t is read until tile t+1's softmax is done (its P V runs then): three. */
+#define WGMMA_THREADS 256
+#define WGMMA_BM 128
+#define WGMMA_K_STAGES 2
+#define WGMMA_V_STAGES 3
+
 /* element offset of 8-element chunk ch of row `row` in a [ROWS][HD] tile of the layout above */
 template <int ROWS>
 __device__ __forceinline__ int gmma_off(int row, int ch) {
@@ -42,7 +50,8 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lead_bytes
 }
 
 
-/* The CTA of the Hopper kernels: two warpgroups on a 128-query patch (mma_plan_of(g, 2): its
+/* The CTA setup of the Hopper forward+JVP (fna_wgmma.cu writes its own out: measured faster
+ * there): two warpgroups on a 128-query patch (mma_plan_of(g, 2): its
  * m-blocks stacked along axis 0, warp w owning m-block w, warpgroup wg the box of m-blocks
  * 4 wg .. 4 wg + 3), walking the exact union of the patch's windows in tiles of BN keys, then
  * the extra keys. */
@@ -160,6 +169,23 @@ struct wg_cta {
     }
 };
 
+/* Is every key of a tile (in-group coordinates kct[ax * BN + kr]) inside [ilo, ihi) per axis,
+ * a warpgroup's intersection of windows (then no key needs a mask)? Each warp reads all BN
+ * keys, so the four warps of a warpgroup agree. */
+template <int BN, int RANK>
+__device__ __forceinline__ bool tile_inside(const int *kct, int lane, const int (&ilo)[RANK],
+                                            const int (&ihi)[RANK]) {
+    bool inside = true;
+#pragma unroll
+    for (int kr = lane; kr < BN; kr += 32)
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
+            const int j = kct[ax * BN + kr];
+            inside = inside && j >= ilo[ax] && j < ihi[ax];
+        }
+    return __all_sync(0xffffffffu, inside);
+}
+
 #if NBHD_HAS_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -172,7 +198,7 @@ __device__ __forceinline__ void fence_reg(float &x) { asm volatile("" : "+f"(x):
 __device__ __forceinline__ void fence_reg(uint32_t &x) { asm volatile("" : "+r"(x)::"memory"); }
 
 /* d (64 x N per warpgroup) (+)= A (64 x 16, descriptor) B (16 x N, descriptor); accumulate 0
- * overwrites d */
+ * overwrites d. N = 32 serves only as the S tiles of the forward+JVP's 32-key variant: no rs_bt */
 template <typename T, int N> struct wgmma_op;
 
 /* the instructions: D registers, then descriptors or A registers, then the scale-d predicate */
@@ -185,16 +211,6 @@ template <typename T, int N> struct wgmma_op;
                        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
                        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                        \
                      : "l"(a_desc), "l"(b_desc), "r"(accumulate))
-
-#define NBHD_WGMMA_RS_N32(TY)                                                                \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                    \
-                     "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                 \
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "  \
-                     "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"                               \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),   \
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                        \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
 
 #define NBHD_WGMMA_SS_N64(TY)                                                                   \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
@@ -277,18 +293,10 @@ template <> struct wgmma_op<__nv_bfloat16, 32> {
     static __device__ __forceinline__ void ss(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
         NBHD_WGMMA_SS_N32("bf16");
     }
-    /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
-    static __device__ __forceinline__ void rs_bt(float d[16], const uint32_t a[4], uint64_t b_desc, int accumulate) {
-        NBHD_WGMMA_RS_N32("bf16");
-    }
 };
 template <> struct wgmma_op<__half, 32> {
     static __device__ __forceinline__ void ss(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
         NBHD_WGMMA_SS_N32("f16");
-    }
-    /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
-    static __device__ __forceinline__ void rs_bt(float d[16], const uint32_t a[4], uint64_t b_desc, int accumulate) {
-        NBHD_WGMMA_RS_N32("f16");
     }
 };
 template <> struct wgmma_op<__nv_bfloat16, 64> {
@@ -329,7 +337,6 @@ template <> struct wgmma_op<__half, 128> {
 };
 
 #undef NBHD_WGMMA_SS_N32
-#undef NBHD_WGMMA_RS_N32
 #undef NBHD_WGMMA_SS_N64
 #undef NBHD_WGMMA_RS_N64
 #undef NBHD_WGMMA_SS_N128
