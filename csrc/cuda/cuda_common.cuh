@@ -173,6 +173,11 @@ nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_a
 nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                         cudaStream_t stream);
 
+/* fna_wgmma_bwd.cu: the Hopper backward's dQ and window-key dK/dV on 128-row patches, D = Dv in
+ * {64, 128}, given D_i in Dws (fna_mma_bwd.cu runs it on the mma.sync backward's conditions) */
+nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                     const float *Dws, cudaStream_t stream);
+
 /* fna_mma_bwd.cu: tensor-core backward (D_i, dQ query-stationary, dK/dV key-stationary) */
 int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward_args *a);
 nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
@@ -187,8 +192,8 @@ nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward
 /* fna_mma_jvp.cu: shared memory of the forward+JVP kernel on `warps` warps (4 or 8) */
 size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps);
 
-/* tiles.cu: the query patch of the forward (op NBHD_OP_FORWARD) or forward+JVP kernel, as
- * mma_plan_of's mb (1: 64 queries, 2: 128): the requested tile's, else the library's choice */
+/* tiles.cu: the patch of the forward, forward+JVP or backward kernels (op), as mma_plan_of's
+ * mb (1: 64 rows, 2: 128): the requested tile's, else the library's choice */
 int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op);
 
 /* windows of 512 keys or more: the tensor-core forward's large-window tiles (tiles.cu, fna_mma.cu) */

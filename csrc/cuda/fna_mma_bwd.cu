@@ -14,6 +14,8 @@
  *   dQ += dS K per tile (dS staged in shared memory) and add it with fp32 atomics into a zeroed
  *   workspace, which dq_convert_kernel scales into dQ: one pass over S and dP instead of two,
  *   summation order left to the hardware.
+ * 128-row patches (on Hopper, D >= 64; tiles.cu): steps 2 and 3 for the window keys run on
+ *   wgmma instead (fna_wgmma_bwd.cu, deterministic either way), the extra keys' dK/dV here.
  */
 #include "mma_util.cuh"
 
@@ -420,14 +422,7 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     }
     // column addressing: in-group (EXTRA: full-axis) coordinates of query head hk * group
     const int64_t cgrp[3] = {EXTRA ? 0 : pr.grp[0], EXTRA ? 0 : pr.grp[1], EXTRA ? 0 : pr.grp[2]};
-    nbhd_tensor dws_t;  /* D_i: [B, X, Y, Z, H] contiguous */
-    dws_t.data = (void *)Dws;
-    dws_t.stride[4] = 1;
-    dws_t.stride[3] = g.heads;
-    dws_t.stride[2] = dws_t.stride[3] * g.axis[2].extent;
-    dws_t.stride[1] = dws_t.stride[2] * g.axis[1].extent;
-    dws_t.stride[0] = dws_t.stride[1] * g.axis[0].extent;
-    dws_t.stride[5] = 0;
+    const nbhd_tensor dws_t = di_tensor(g, Dws);
     const int64_t h0 = (int64_t)hk * g.group;
     const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, b, cgrp, h0, EXTRA);
     const group_ptr<const T> dop = group_ptr_of<const T>(a.d_out, g, b, cgrp, h0, EXTRA);
@@ -627,14 +622,15 @@ static size_t dq_accumulator_bytes(const nbhd_geometry *g) {
     return (size_t)(g->batch * g->tokens * g->heads) * (size_t)g->head_dim * sizeof(float);
 }
 
+/* window: the window keys' dK/dV too (the Hopper path has its own) */
 template <typename T, int HD, bool KVP>
 static nbhd_status launch_dkdv(const nbhd_geometry *g, const nbhd_backward_args *a, float *Dws,
-                               float *dq_acc, const mma_plan &P, cudaStream_t st) {
+                               float *dq_acc, const mma_plan &P, cudaStream_t st, bool window = true) {
     nbhd_status s;
     const size_t smem_kv = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC +
                            sizeof(float) * 4 * BC +
                            (KVP ? sizeof(T) * BR * DS_LD + sizeof(int) * BW_WARPS : 0);
-    if (g->has_window) {
+    if (g->has_window && window) {
         /* at D = 64 registers for three CTAs per SM (168, ~135 bytes spilled): 3-8 % faster
          * than two on the bench problems (H200, bench/ab_fwd.py --bwd) */
         constexpr int minb = HD == 64 ? 3 : 2;
@@ -656,7 +652,7 @@ static nbhd_status launch_dkdv(const nbhd_geometry *g, const nbhd_backward_args 
 
 template <typename T, int HD>
 static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *a, void *workspace,
-                              bool kv_parallel, cudaStream_t st) {
+                              bool kv_parallel, int mb, cudaStream_t st) {
     const mma_plan P = mma_plan_of(g);
     float *Dws = (float *)workspace;
     nbhd_status s;
@@ -665,6 +661,11 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: grid too large");
     di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
+
+    if (mb == 2) {  /* 128-row patches: tiles.cu lists them for the backward only on Hopper, D >= 64 */
+        if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, st)) != NBHD_OK) return s;
+        return launch_dkdv<T, HD, false>(g, a, Dws, nullptr, P, st, false);  /* the extra keys' */
+    }
 
     if constexpr (HD <= 64) if (kv_parallel) {  /* kv_parallel_applies: D <= 64 only */
         float *dq_acc = (float *)((unsigned char *)workspace + di_bytes(g));
@@ -706,12 +707,13 @@ nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_a
                                    const nbhd_exec *e, cudaStream_t st) {
     /* the accumulator is read as float4: a workspace not 16-byte aligned takes the two passes */
     const bool kvp = kv_parallel_applies(g, e) && (uintptr_t)e->workspace % 16 == 0;
+    const int mb = nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_BACKWARD);
     const bool bf = g->dtype == NBHD_BF16;
     void *ws = e->workspace;
     switch (g->head_dim) {
-    case 32: return bf ? launch_bwd<__nv_bfloat16, 32>(g, a, ws, kvp, st) : launch_bwd<__half, 32>(g, a, ws, kvp, st);
-    case 64: return bf ? launch_bwd<__nv_bfloat16, 64>(g, a, ws, kvp, st) : launch_bwd<__half, 64>(g, a, ws, kvp, st);
-    case 128: return bf ? launch_bwd<__nv_bfloat16, 128>(g, a, ws, kvp, st) : launch_bwd<__half, 128>(g, a, ws, kvp, st);
+    case 32: return bf ? launch_bwd<__nv_bfloat16, 32>(g, a, ws, kvp, mb, st) : launch_bwd<__half, 32>(g, a, ws, kvp, mb, st);
+    case 64: return bf ? launch_bwd<__nv_bfloat16, 64>(g, a, ws, kvp, mb, st) : launch_bwd<__half, 64>(g, a, ws, kvp, mb, st);
+    case 128: return bf ? launch_bwd<__nv_bfloat16, 128>(g, a, ws, kvp, mb, st) : launch_bwd<__half, 128>(g, a, ws, kvp, mb, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: head_dim %d", g->head_dim);
 }

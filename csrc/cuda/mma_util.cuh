@@ -322,6 +322,20 @@ __device__ __forceinline__ group_ptr<T> group_ptr_of(const nbhd_tensor &t, const
     return p;
 }
 
+/* the backward's D_i workspace (fna_mma_bwd.cu di_kernel) as a tensor: float [B, X, Y, Z, H],
+ * contiguous, indexed like lse */
+__device__ __forceinline__ nbhd_tensor di_tensor(const nbhd_geometry &g, const float *Dws) {
+    nbhd_tensor t;
+    t.data = (void *)Dws;
+    t.stride[4] = 1;
+    t.stride[3] = g.heads;
+    t.stride[2] = t.stride[3] * g.axis[2].extent;
+    t.stride[1] = t.stride[2] * g.axis[1].extent;
+    t.stride[0] = t.stride[1] * g.axis[0].extent;
+    t.stride[5] = 0;
+    return t;
+}
+
 #define BR 64  /* rows per CTA of the backward and JVP kernels (4 warps x 16) */
 #define BC 32  /* columns per tile of the backward and JVP kernels */
 

@@ -3,7 +3,8 @@
  * per problem axis, and the patch the forward kernels run. The mma kernels take patches of 64
  * queries per CTA (1-D 64, 2-D 8x8, 3-D 4x4x4: mma_util.cuh patch_*); the forward and
  * forward+JVP kernels at D >= 64 also take 128 (1-D 128, 2-D 16x8, 3-D 8x4x4; on Hopper the
- * wgmma kernels, fna_wgmma.cu and fna_wgmma_jvp.cu), the default where large_patch_default says.
+ * wgmma kernels, fna_wgmma.cu and fna_wgmma_jvp.cu), and on Hopper the backward too
+ * (fna_wgmma_bwd.cu), the default where large_patch_default says.
  * The listed kv tile names the patch, whose exact union of windows
  * the kernels walk in row-major runs of 32 or 64 keys; the first listed is the default. The
  * simple kernels have no tiles (dispatch.cu refuses exec tiles for problems that would run on
@@ -25,9 +26,11 @@ static bool jvp_patch_fits(const nbhd_geometry *g) {
     return (size_t)optin >= nbhd_cuda_mma_jvp_smem_bytes(g, 8);
 }
 
+/* the backward's 128-row patches exist only on wgmma (fna_wgmma_bwd.cu) */
 static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
     if (g->head_dim < 64) return false;
-    return op == NBHD_OP_FORWARD || (op == NBHD_OP_FORWARD_JVP && jvp_patch_fits(g));
+    return op == NBHD_OP_FORWARD || (op == NBHD_OP_FORWARD_JVP && jvp_patch_fits(g)) ||
+           (op == NBHD_OP_BACKWARD && nbhd_cuda_wgmma_ready());
 }
 
 /* the default where allowed. The forward: windows of 512+ keys. The forward+JVP: those at
@@ -38,7 +41,7 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
 static bool large_patch_default(const nbhd_geometry *g, nbhd_op op) {
     if (!g->has_window) return false;
     const bool large = nbhd_cuda_mma_large_window(g);
-    if (op == NBHD_OP_FORWARD) return large;
+    if (op == NBHD_OP_FORWARD || op == NBHD_OP_BACKWARD) return large;
     if (nbhd_cuda_wgmma_ready()) return large || g->head_dim >= 128;
     return large && g->head_dim >= 128;
 }

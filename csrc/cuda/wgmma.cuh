@@ -50,11 +50,11 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lead_bytes
 }
 
 
-/* The CTA setup of the Hopper forward+JVP (fna_wgmma.cu writes its own out: measured faster
- * there): two warpgroups on a 128-query patch (mma_plan_of(g, 2): its
- * m-blocks stacked along axis 0, warp w owning m-block w, warpgroup wg the box of m-blocks
- * 4 wg .. 4 wg + 3), walking the exact union of the patch's windows in tiles of BN keys, then
- * the extra keys. */
+/* The CTA setup of the Hopper forward+JVP and backward (fna_wgmma.cu writes its own out:
+ * measured faster there): two warpgroups on a 128-row patch (mma_plan_of(g, 2): its m-blocks
+ * stacked along axis 0, warp w owning m-block w, warpgroup wg the box of m-blocks
+ * 4 wg .. 4 wg + 3). A query patch (init) walks the exact union of its windows in tiles of BN
+ * keys, then the extra keys; the dK/dV kernel's patch is one of keys (place, h the key head). */
 template <int RANK>
 struct wg_cta {
     int64_t b, hk;
@@ -64,15 +64,15 @@ struct wg_cta {
     key_box kb;
     int win_tiles, tiles;
 
-    /* false: an empty slot (uniform over the CTA) */
-    __device__ __forceinline__ bool init(const nbhd_geometry &g, const mma_plan &P, int bn) {
+    /* CTA -> (b, head h of `heads`, patch): the patch's dilation group, first in-group index
+     * and group length per axis; false: an empty slot (uniform over the CTA) */
+    __device__ __forceinline__ bool place(const nbhd_geometry &g, const mma_plan &P, uint32_t heads) {
         uint32_t idx = blockIdx.x;  /* neighbouring CTAs take neighbouring patches of one head */
-        const uint32_t patches = (uint32_t)P.patches, heads = (uint32_t)g.heads;
+        const uint32_t patches = (uint32_t)P.patches;
         uint32_t patch = idx % patches;
         idx /= patches;
         h = (int)(idx % heads);
         b = idx / heads;
-        hk = g.group == 1 ? h : h / g.group;
         const int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
 #pragma unroll
         for (int ax = 0; ax < 3; ++ax) grp[ax] = 0, i0[ax] = 0, Lg[ax] = 1;
@@ -86,6 +86,14 @@ struct wg_cta {
             Lg[ax] = d == 1 ? (int)g.axis[ax].extent : ((int)g.axis[ax].extent - (int)grp[ax] + d - 1) / d;
             if (i0[ax] >= Lg[ax]) return false;
         }
+        return true;
+    }
+
+    /* a query patch (h: the query head); false: an empty slot (uniform over the CTA) */
+    __device__ __forceinline__ bool init(const nbhd_geometry &g, const mma_plan &P, int bn) {
+        if (!place(g, P, (uint32_t)g.heads)) return false;
+        hk = g.group == 1 ? h : h / g.group;
+        const int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
         kb = key_box_of(g, i0, ct, Lg);
         win_tiles = (kb.total + bn - 1) / bn;
         tiles = win_tiles + (int)((g.extra_kv + bn - 1) / bn);

@@ -1,0 +1,526 @@
+/*
+ * fna_wgmma_bwd.cu — the Hopper backward (dQ, dK, dV) on 128-row patches: warpgroup MMA
+ * (wgmma, sm_90a), f16/bf16, D = Dv in {64, 128}. The two deterministic passes of
+ * fna_mma_bwd.cu (which keeps D_i and the extra keys' dK/dV) on wgmma:
+ *
+ *   dq kernel    query-stationary: a 128-query patch (two warpgroups of 64 queries) walks the
+ *                exact union of its windows, then the extra keys, in tiles of 64 keys:
+ *                  S = Q K^T, dP = dO V^T            Q, dO, K, V from shared memory
+ *                  P = 2^(S s log2e - lse log2e), dS = P (dP - D_i)
+ *                  dQ += dS K                        dS from registers, K MN-major
+ *   dkdv kernel  key-stationary: a 128-key patch walks the exact union of its keys' inverse
+ *                neighbourhoods in tiles of 64 queries, for every query head of its key head:
+ *                  S^T = K Q^T, dP^T = V dO^T
+ *                  dV += P^T dO, dK += dS^T Q        P^T, dS^T from registers
+ *
+ * Each output element is written once by one thread: deterministic. A tile inside every row's
+ * window of a warpgroup skips the mask (wgmma.cuh tile_inside). Every wgmma is issued on every
+ * tile outside any branch (ptxas serialises wgmma it cannot prove warpgroup-uniform). The dq
+ * kernel leaves the previous tile's dQ product running during this tile's P and dS, as the
+ * forward does its P V; the dkdv kernel's two accumulators (128 registers at D = 128) leave no
+ * room for a second tile's scores, so it waits for its products, and the other warpgroup's
+ * work fills the tensor cores while this one computes P and dS. (Left running into the next
+ * tile's barrier, they made ptxas serialise every wgmma of the kernel, warning C7515.)
+ */
+#include "wgmma.cuh"
+
+#define WGB_TILE 64  /* keys per tile of the dq kernel, queries per tile of the dkdv kernel */
+
+/* Stages: an operand of a product still running after its tile's barrier (K of dQ += dS K; Q,
+ * dO of dK, dV) needs three in a ring loaded one tile ahead, one read only by the scores two. */
+#define WGB_DQ_K_STAGES 3
+#define WGB_DQ_V_STAGES 2
+#define WGB_KV_STAGES 3
+
+template <int HD, int RANK>
+static constexpr size_t dq_smem_bytes() {
+    return 1024 + 2 * (size_t)(2 * WGMMA_BM + (WGB_DQ_K_STAGES + WGB_DQ_V_STAGES) * WGB_TILE) * HD +
+           sizeof(int) * WGB_DQ_V_STAGES * RANK * WGB_TILE;
+}
+template <int HD, int RANK>
+static constexpr size_t dkdv_smem_bytes() {
+    return 1024 + 2 * (size_t)(2 * WGMMA_BM + 2 * WGB_KV_STAGES * WGB_TILE) * HD +
+           sizeof(int) * WGB_KV_STAGES * (RANK + 2) * WGB_TILE;
+}
+
+// ----------------------------------------------------------------------------
+// dQ, query-stationary
+
+template <typename T, int HD, int RANK>
+__global__ void __launch_bounds__(WGMMA_THREADS, 1)
+fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+                    const mma_plan P) {
+#if NBHD_HAS_WGMMA
+    constexpr int BM = WGMMA_BM, BN = WGB_TILE, KST = WGB_DQ_K_STAGES, VST = WGB_DQ_V_STAGES;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
+    T *dOs = Qs + BM * HD;                   /* [BM][HD] */
+    T *Ks = dOs + BM * HD;                   /* [KST][BN][HD] */
+    T *Vs = Ks + KST * BN * HD;              /* [VST][BN][HD] */
+    int *kc = (int *)(Vs + VST * BN * HD);   /* [VST][RANK][BN] in-group key coordinates */
+
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
+    wg_cta<RANK> C;
+    if (!C.init(g, P, BN)) return;
+    const int win_tiles = C.win_tiles, tiles = C.tiles;
+
+    // Q and dO (zero rows outside the grid)
+    {
+        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BM, CPT = CH / TPR;
+        const int row = tid / TPR;
+        int iq[3];
+        const bool ok = C.row(row, iq);
+        const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, C.b, C.grp, C.h);
+        const group_ptr<const T> dop = group_ptr_of<const T>(a.d_out, g, C.b, C.grp, C.h);
+        const T *qs = ok ? qp.at(iq[0], iq[1], iq[2]) : qp.base;
+        const T *ds = ok ? dop.at(iq[0], iq[1], iq[2]) : dop.base;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BM>(row, ch);
+            cp_async16(smem_u32(Qs + off), qs + ch * 8, ok);
+            cp_async16(smem_u32(dOs + off), ds + ch * 8, ok);
+        }
+    }
+
+    // K, V (and key coordinates) of tile t: one key per TPR threads
+    const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
+    const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
+    auto load_tile = [&](int t, int) {
+        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BN, CPT = CH / TPR;
+        const int kr = tid / TPR;
+        int j[3];
+        int64_t e;
+        const bool ok = C.key(g, t, kr, BN, j, e);
+        const bool win = t < win_tiles;
+        const T *ks = win ? kp.at(j[0], j[1], j[2]) : C.template extra_row<T>(a.kx, e);
+        const T *vs = win ? vp.at(j[0], j[1], j[2]) : C.template extra_row<T>(a.vx, e);
+        T *Kd = Ks + (t % KST) * BN * HD, *Vd = Vs + (t % VST) * BN * HD;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BN>(kr, ch);
+            cp_async16(smem_u32(Kd + off), ks + ch * 8, ok);
+            cp_async16(smem_u32(Vd + off), vs + ch * 8, ok);
+        }
+        if (tid % TPR == 0) {
+            int *kcd = kc + (t % VST) * RANK * BN;
+            kcd[kr] = ok ? j[0] : KEY_NONE;
+#pragma unroll
+            for (int ax = 1; ax < RANK; ++ax) kcd[ax * BN + kr] = j[ax];
+        }
+    };
+
+    // this thread's rows: windows, lse (base 2), D_i
+    const int cq = lane & 3;
+    int wst[2][RANK], wen[2][RANK];
+    bool rvalid[2];
+    C.thread_rows(g, w, lane, wst, wen, rvalid);
+    int ilo[RANK], ihi[RANK];
+    C.box_inside(g, wg, ilo, ihi);
+    float lse2[2], Di[2];
+    {
+        const group_ptr<const float> lp = group_ptr_of<const float>(a.lse, g, C.b, C.grp, C.h);
+        const group_ptr<const float> dp = group_ptr_of<const float>(di_tensor(g, Dws), g, C.b, C.grp, C.h);
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int iq[3];
+            C.row(w * 16 + (lane >> 2) + 8 * hrow, iq);
+            lse2[hrow] = rvalid[hrow] ? *lp.at(iq[0], iq[1], iq[2]) * 1.4426950408889634f : 0.f;
+            Di[hrow] = rvalid[hrow] ? *dp.at(iq[0], iq[1], iq[2]) : 0.f;
+        }
+    }
+
+    float dq[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+    const float sl2 = P.scale_log2;
+    const uint32_t q_base = smem_u32(Qs) + wg * 64 * 128, do_base = smem_u32(dOs) + wg * 64 * 128;
+
+    // dQ += dS K of the previous tile runs during this tile's P and dS: dS in registers (zero
+    // before the first tile), K in that tile's stage
+    uint32_t df[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) df[kk][0] = df[kk][1] = df[kk][2] = df[kk][3] = 0u;
+    uint32_t dq_k = smem_u32(Ks);
+    auto issue_dq = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_op<T, HD>::rs_bt(&dq[0][0], df[kk], gmma_desc(dq_k + kk * 16 * 128, BN * 128, 1024), 1);
+        wgmma_commit();
+    };
+    auto dq_done = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) fence_reg(df[kk][i]);
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_reg(dq[nd][e]);
+    };
+
+    constexpr int RING = KST * VST;  /* the ring's stage index is unused: K and V have their own */
+    tile_ring_start<RING, 1>(tiles, load_tile);  /* Q and dO ride with tile 0's group */
+    for (int t = 0; t < tiles; ++t) {
+        tile_ring_next<RING, 1, true>(t, tiles, load_tile);
+        const uint32_t k_base = smem_u32(Ks + (t % KST) * BN * HD), v_base = smem_u32(Vs + (t % VST) * BN * HD);
+        const int *kct = kc + (t % VST) * RANK * BN;
+        const bool win = t < win_tiles;
+
+        // S = Q K^T and dP = dO V^T, then the previous tile's dQ += dS K behind them
+        float sc[BN / 8][4], dpt[BN / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const uint32_t step = (kk >> 2) * BM * 128 + (kk & 3) * 32, kstep = (kk >> 2) * BN * 128 + (kk & 3) * 32;
+            wgmma_op<T, BN>::ss(&sc[0][0], gmma_desc(q_base + step, 16, 1024),
+                                gmma_desc(k_base + kstep, 16, 1024), kk > 0);
+            wgmma_op<T, BN>::ss(&dpt[0][0], gmma_desc(do_base + step, 16, 1024),
+                                gmma_desc(v_base + kstep, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        issue_dq();
+
+        const bool full = win && tile_inside<BN, RANK>(kct, lane, ilo, ihi);
+        wgmma_wait<1>();  /* S and dP are done; dQ may still run */
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_reg(sc[nb][e]), fence_reg(dpt[nb][e]);
+
+        // P = 2^(S s log2e - lse), masked unless full; dS = P (dP - D_i), left in sc
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int kr = nb * 8 + 2 * cq + e;
+                int j[RANK];
+#pragma unroll
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : kct[ax * BN + kr];
+#pragma unroll
+                for (int hrow = 0; hrow < 2; ++hrow) {
+                    bool ok = full;
+                    if (!full) {
+                        if (win) {
+                            ok = true;
+#pragma unroll
+                            for (int ax = 0; ax < RANK; ++ax)
+                                ok = ok && j[ax] >= wst[hrow][ax] && j[ax] < wen[hrow][ax];
+                        } else {
+                            ok = rvalid[hrow] && j[0] != KEY_NONE;
+                        }
+                    }
+                    float &x = sc[nb][2 * hrow + e];
+                    const float p = ok ? prob_exp2(x * sl2 - lse2[hrow]) : 0.f;
+                    x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);
+                }
+            }
+        wgmma_wait<0>();
+        dq_done();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(df[kk], sc[2 * kk], sc[2 * kk + 1]);
+        dq_k = k_base;
+    }
+    wgmma_fence();
+    issue_dq();  /* the last tile's */
+    wgmma_wait<0>();
+    dq_done();
+    cp_async_wait<0>();
+
+    const float scale = sl2 * 0.69314718055994531f;
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        int iq[3];
+        if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, iq)) continue;
+        const int64_t x = C.grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
+                      y = C.grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
+                      z = C.grp[2] + (int64_t)iq[2] * g.axis[2].dilation;
+        store_pairs<T>((T *)a.d_q.data + offset_of(a.d_q, C.b, x, y, z, C.h), dq, HD / 8, hrow, cq, scale);
+    }
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// dK, dV of the window keys, key-stationary
+
+template <typename T, int HD, int RANK>
+__global__ void __launch_bounds__(WGMMA_THREADS, 1)
+fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+                      const mma_plan P) {
+#if NBHD_HAS_WGMMA
+    constexpr int BM = WGMMA_BM, BN = WGB_TILE, ST = WGB_KV_STAGES;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *Ks = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
+    T *Vs = Ks + BM * HD;                       /* [BM][HD] */
+    T *Qs = Vs + BM * HD;                       /* [ST][BN][HD] */
+    T *dOs = Qs + ST * BN * HD;                 /* [ST][BN][HD] */
+    int *qc = (int *)(dOs + ST * BN * HD);      /* [ST][RANK][BN] in-group query coordinates */
+    float *ql = (float *)(qc + ST * RANK * BN); /* [ST][BN] lse log2 e */
+    float *qd = ql + ST * BN;                   /* [ST][BN] D_i */
+
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
+    wg_cta<RANK> C;  /* rows: the patch's keys; C.h the key head */
+    if (!C.place(g, P, (uint32_t)g.kv_heads)) return;
+    const int hk = C.h;
+    constexpr int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
+
+    // columns: the union of the rows' inverse neighbourhoods, in-group, walked row-major
+    key_box qb;
+    int64_t ncol = 1;
+#pragma unroll
+    for (int ax = 0; ax < 3; ++ax) {
+        qb.lo[ax] = 0;
+        qb.cnt[ax] = 1;
+        if (ax < RANK) {
+            const int d = g.axis[ax].dilation;
+            const int last = min(C.i0[ax] + ct[ax], C.Lg[ax]) - 1;
+            int64_t f0, c0, f1, c1;
+            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)C.i0[ax] * d, &f0, &c0);
+            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)last * d, &f1, &c1);
+            qb.lo[ax] = (int)(f0 / d);
+            qb.cnt[ax] = (int)max(f1 / d + c1 - f0 / d, (int64_t)0);
+        }
+        ncol *= qb.cnt[ax];
+    }
+    qb.d1 = udiv32_of((uint32_t)max(qb.cnt[1], 1));
+    qb.d2 = udiv32_of((uint32_t)max(qb.cnt[2], 1));
+    qb.total = (int)ncol;
+    const int tiles_per_head = (qb.total + BN - 1) / BN;
+    const int tiles = tiles_per_head * g.group;
+
+    // K and V rows (zero outside the grid)
+    {
+        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BM, CPT = CH / TPR;
+        const int row = tid / TPR;
+        int ik[3];
+        const bool ok = C.row(row, ik);
+        const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, hk);
+        const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, hk);
+        const T *ks = ok ? kp.at(ik[0], ik[1], ik[2]) : kp.base;
+        const T *vs = ok ? vp.at(ik[0], ik[1], ik[2]) : vp.base;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BM>(row, ch);
+            cp_async16(smem_u32(Ks + off), ks + ch * 8, ok);
+            cp_async16(smem_u32(Vs + off), vs + ch * 8, ok);
+        }
+    }
+
+    // Q, dO (and query coordinates, lse, D_i) of tile t: query head hk * group + t / tiles_per_head
+    const int64_t h0 = (int64_t)hk * g.group;
+    const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, C.b, C.grp, h0);
+    const group_ptr<const T> dop = group_ptr_of<const T>(a.d_out, g, C.b, C.grp, h0);
+    const group_ptr<const float> lp = group_ptr_of<const float>(a.lse, g, C.b, C.grp, h0);
+    const group_ptr<const float> dwp = group_ptr_of<const float>(di_tensor(g, Dws), g, C.b, C.grp, h0);
+    auto load_tile = [&](int t, int s) {
+        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BN, CPT = CH / TPR;
+        const int hh = t / tiles_per_head;
+        const int cr = tid / TPR, n = (t - hh * tiles_per_head) * BN + cr;
+        const bool ok = n < qb.total;
+        int j[3] = {0, 0, 0};
+        if (ok) key_box_at<RANK>(qb, n, j);
+        const T *qs = qp.at(j[0], j[1], j[2]) + (int64_t)hh * a.q.stride[4];
+        const T *ds = dop.at(j[0], j[1], j[2]) + (int64_t)hh * a.d_out.stride[4];
+        T *Qd = Qs + s * BN * HD, *dOd = dOs + s * BN * HD;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BN>(cr, ch);
+            cp_async16(smem_u32(Qd + off), qs + ch * 8, ok);
+            cp_async16(smem_u32(dOd + off), ds + ch * 8, ok);
+        }
+        if (tid % TPR == 0) {
+            int *qcd = qc + s * RANK * BN;
+            qcd[cr] = ok ? j[0] : KEY_NONE;
+#pragma unroll
+            for (int ax = 1; ax < RANK; ++ax) qcd[ax * BN + cr] = j[ax];
+            ql[s * BN + cr] = ok ? *(lp.at(j[0], j[1], j[2]) + (int64_t)hh * a.lse.stride[4]) * 1.4426950408889634f : 0.f;
+            qd[s * BN + cr] = ok ? *(dwp.at(j[0], j[1], j[2]) + hh) : 0.f;
+        }
+    };
+
+    // this thread's rows (keys): inverse windows per axis, in-group (invalid rows: empty); the
+    // intersection over the warpgroup's box, [first(last key), end(first key)) as both ends
+    // never decrease along an axis (empty unless all its keys are in the grid)
+    const int cq = lane & 3;
+    int ist[2][RANK], ien[2][RANK];
+    bool rvalid[2];
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        int ik[3];
+        rvalid[hrow] = C.row(w * 16 + (lane >> 2) + 8 * hrow, ik);
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
+            const int d = g.axis[ax].dilation;
+            int64_t f = 0, c = 0;
+            if (rvalid[hrow]) inverse32(&g.axis[ax], C.grp[ax] + (int64_t)ik[ax] * d, &f, &c);
+            ist[hrow][ax] = (int)(f / d);
+            ien[hrow][ax] = rvalid[hrow] ? (int)(f / d + c) : 0;
+        }
+    }
+    int ilo[RANK], ihi[RANK];
+    {
+        constexpr int WX[3] = {patch_wt(RANK, 0) * 4, patch_wt(RANK, 1), patch_wt(RANK, 2)};
+        int wk[3];
+        C.row(wg * 64, wk);
+        bool all_rows = true;
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) all_rows &= wk[ax] + WX[ax] <= C.Lg[ax];
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
+            const int d = g.axis[ax].dilation;
+            const int f = min(wk[ax], C.Lg[ax] - 1), l = min(wk[ax] + WX[ax], C.Lg[ax]) - 1;
+            int64_t ff, fc, lf, lc;
+            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)f * d, &ff, &fc);
+            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)l * d, &lf, &lc);
+            ilo[ax] = all_rows ? (int)(lf / d) : 1 << 30;
+            ihi[ax] = all_rows ? (int)(ff / d + fc) : -(1 << 30);
+        }
+    }
+
+    float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+    const float sl2 = P.scale_log2;
+    const uint32_t k_base = smem_u32(Ks) + wg * 64 * 128, v_base = smem_u32(Vs) + wg * 64 * 128;
+
+    tile_ring_start<ST, 1>(tiles, load_tile);  /* K and V ride with tile 0's group */
+    for (int t = 0; t < tiles; ++t) {
+        const int s = tile_ring_next<ST, 1, true>(t, tiles, load_tile);
+        const uint32_t q_st = smem_u32(Qs + s * BN * HD), do_st = smem_u32(dOs + s * BN * HD);
+        const int *qct = qc + s * RANK * BN;
+        const float *qlt = ql + s * BN, *qdt = qd + s * BN;
+
+        // S^T = K Q^T, dP^T = V dO^T
+        float sc[BN / 8][4], dpt[BN / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const uint32_t step = (kk >> 2) * BM * 128 + (kk & 3) * 32, qstep = (kk >> 2) * BN * 128 + (kk & 3) * 32;
+            wgmma_op<T, BN>::ss(&sc[0][0], gmma_desc(k_base + step, 16, 1024),
+                                gmma_desc(q_st + qstep, 16, 1024), kk > 0);
+            wgmma_op<T, BN>::ss(&dpt[0][0], gmma_desc(v_base + step, 16, 1024),
+                                gmma_desc(do_st + qstep, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        const bool full = tile_inside<BN, RANK>(qct, lane, ilo, ihi);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_reg(sc[nb][e]), fence_reg(dpt[nb][e]);
+
+        // P^T = 2^(S^T s log2e - lse), masked unless full; dS^T = P^T (dP^T - D_i)
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int cr = nb * 8 + 2 * cq + e;
+                const float lv = qlt[cr], dvi = qdt[cr];
+                int j[RANK];
+#pragma unroll
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
+#pragma unroll
+                for (int hrow = 0; hrow < 2; ++hrow) {
+                    bool ok = true;
+                    if (!full)
+#pragma unroll
+                        for (int ax = 0; ax < RANK; ++ax)
+                            ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
+                    float &x = sc[nb][2 * hrow + e], &y = dpt[nb][2 * hrow + e];
+                    const float p = ok ? prob_exp2(x * sl2 - lv) : 0.f;
+                    x = p;
+                    y = p * (y - dvi);
+                }
+            }
+        uint32_t pf[BN / 16][4], df[BN / 16][4];  /* P^T, dS^T as wgmma A fragments */
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            a_frag_of<T>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
+            a_frag_of<T>(df[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+        }
+
+        // dV += P^T dO, dK += dS^T Q
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            wgmma_op<T, HD>::rs_bt(&dv[0][0], pf[kk], gmma_desc(do_st + kk * 16 * 128, BN * 128, 1024), 1);
+            wgmma_op<T, HD>::rs_bt(&dk[0][0], df[kk], gmma_desc(q_st + kk * 16 * 128, BN * 128, 1024), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) fence_reg(pf[kk][i]), fence_reg(df[kk][i]);
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_reg(dk[nd][e]), fence_reg(dv[nd][e]);
+    }
+    cp_async_wait<0>();
+
+    const float scale = sl2 * 0.69314718055994531f;
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        int ik[3];
+        if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, ik)) continue;
+        const int64_t x = C.grp[0] + (int64_t)ik[0] * g.axis[0].dilation,
+                      y = C.grp[1] + (int64_t)ik[1] * g.axis[1].dilation,
+                      z = C.grp[2] + (int64_t)ik[2] * g.axis[2].dilation;
+        store_pairs<T>((T *)a.d_k.data + offset_of(a.d_k, C.b, x, y, z, hk), dk, HD / 8, hrow, cq, scale);
+        store_pairs<T>((T *)a.d_v.data + offset_of(a.d_v, C.b, x, y, z, hk), dv, HD / 8, hrow, cq, 1.f);
+    }
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// launch
+
+template <typename K> static nbhd_status reserve(K kernel, size_t smem, const char *what) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
+        const cudaError_t err = cudaGetLastError();
+        return nbhd_fail(NBHD_ERR_DEVICE, "wgmma backward (%s): cannot reserve %zu bytes of shared memory: %s",
+                         what, smem, cudaGetErrorString(err));
+    }
+    return NBHD_OK;
+}
+
+template <typename T, int HD, int RANK>
+static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
+                               const mma_plan &P, cudaStream_t st) {
+    const int64_t q_ctas = g->batch * g->heads * P.patches, kv_ctas = g->batch * g->kv_heads * P.patches;
+    if (q_ctas > 0x7fffffff)
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: %lld CTAs exceed the grid limit",
+                         (long long)q_ctas);
+    nbhd_status s;
+    constexpr size_t smem_dq = dq_smem_bytes<HD, RANK>(), smem_kv = dkdv_smem_bytes<HD, RANK>();
+    if ((s = reserve(fna_wgmma_dq_kernel<T, HD, RANK>, smem_dq, "dq")) != NBHD_OK) return s;
+    fna_wgmma_dq_kernel<T, HD, RANK><<<(unsigned)q_ctas, WGMMA_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
+    NBHD_CUDA_CHECK_LAUNCH("wgmma backward (dq)");
+    if ((s = reserve(fna_wgmma_dkdv_kernel<T, HD, RANK>, smem_kv, "dk, dv")) != NBHD_OK) return s;
+    fna_wgmma_dkdv_kernel<T, HD, RANK><<<(unsigned)kv_ctas, WGMMA_THREADS, smem_kv, st>>>(*g, *a, Dws, P);
+    NBHD_CUDA_CHECK_LAUNCH("wgmma backward (dk, dv)");
+    return NBHD_OK;
+}
+
+template <typename T, int HD>
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
+                          cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g, 2);
+    switch (P.rank) {
+    case 1: return launch_rank<T, HD, 1>(g, a, Dws, P, st);
+    case 2: return launch_rank<T, HD, 2>(g, a, Dws, P, st);
+    default: return launch_rank<T, HD, 3>(g, a, Dws, P, st);
+    }
+}
+
+nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                     const float *Dws, cudaStream_t st) {
+    const bool bf = g->dtype == NBHD_BF16;
+    switch (g->head_dim) {
+    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, Dws, st) : launch<__half, 64>(g, a, Dws, st);
+    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, Dws, st) : launch<__half, 128>(g, a, Dws, st);
+    }
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: head_dim %d", g->head_dim);
+}
