@@ -365,6 +365,8 @@ static void FAST(geo_runs)(FAST(geo) *G, const nbhd_geometry *g, int zlines) {
 // where row_r already points at the first slot of the unit.
 
 NBHD_ALWAYS_INLINE vf FAST(opnd)(const float *p, int bcast) { return bcast ? vf_set1(*p) : vf_load(p); }
+/* the same, loaded once into a register for the several lines it feeds */
+NBHD_ALWAYS_INLINE vf FAST(opnd_reg)(const float *p, int bcast) { return vf_in_reg(FAST(opnd)(p, bcast)); }
 
 /* S[c] (+)= sum_d A[d] * opnd(b + d*ld + c), c < CB (CB a constant after inlining) */
 NBHD_ALWAYS_INLINE void FAST(score_block)(float *S, const float *A, int64_t dim, const float *b,
@@ -605,7 +607,7 @@ NBHD_ALWAYS_INLINE void FAST(score_lines_block)(float *const *S, const float *co
         const float *kd = k + d * ld;
         NBHD_UNROLL
         for (int j = 0; j < C; ++j) {
-            const vf kj = FAST(opnd)(kd + j, bcast);
+            const vf kj = FAST(opnd_reg)(kd + j, bcast);
             NBHD_UNROLL
             for (int r = 0; r < NR; ++r) acc[r][j] = vf_fma(q[r], kj, acc[r][j]);
         }
@@ -672,7 +674,7 @@ NBHD_ALWAYS_INLINE void FAST(values_seg)(vf (*acc)[4], int RA, int RB, const flo
             for (int r = RA; r < RB; ++r) p[r] = vf_load(P[r] + 16 * (t * n + c));
             NBHD_UNROLL
             for (int j = 0; j < DB; ++j) {
-                const vf vj = FAST(opnd)(vb + j * ld + c, bcast);
+                const vf vj = FAST(opnd_reg)(vb + j * ld + c, bcast);
                 NBHD_UNROLL
                 for (int r = RA; r < RB; ++r) acc[r][j] = vf_fma(p[r], vj, acc[r][j]);
             }

@@ -34,6 +34,9 @@ NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { _mm512_storeu_ps(p, x); }
 NBHD_ALWAYS_INLINE vf vf_set1(float x) { return _mm512_set1_ps(x); }
 NBHD_ALWAYS_INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+/* x, held in a register: GCC otherwise folds a load that feeds 2 or 3 FMAs into each of them,
+ * loading it 2-3 times (the line-blocked kernels with 2-3 lines ran at half the 4-line rate) */
+NBHD_ALWAYS_INLINE vf vf_in_reg(vf x) { __asm__("" : "+v"(x)); return x; }
 /* a*b + c */
 NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -125,6 +128,8 @@ NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return VF2_(_mm256_loadu_ps(p), 
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { _mm256_storeu_ps(p, x.lo); _mm256_storeu_ps(p + 8, x.hi); }
 NBHD_ALWAYS_INLINE vf vf_set1(float x) { const __m256 b = _mm256_set1_ps(x); return VF2_(b, b); }
 NBHD_ALWAYS_INLINE vf vf_zero(void) { const __m256 z = _mm256_setzero_ps(); return VF2_(z, z); }
+/* x, held in registers (see the AVX-512 vf_in_reg) */
+NBHD_ALWAYS_INLINE vf vf_in_reg(vf x) { __asm__("" : "+x"(x.lo), "+x"(x.hi)); return x; }
 /* a*b + c */
 NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) {
     return VF2_(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
@@ -233,6 +238,8 @@ NBHD_ALWAYS_INLINE vf vf_load(const float *p) { vf r; memcpy(&r, p, sizeof r); r
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { memcpy(p, &x, sizeof x); }
 NBHD_ALWAYS_INLINE vf vf_set1(float x) { return (vf){0} + x; }
 NBHD_ALWAYS_INLINE vf vf_zero(void) { return (vf){0}; }
+/* (the register hint of the intrinsic builds; 4 registers per vf here) */
+NBHD_ALWAYS_INLINE vf vf_in_reg(vf x) { return x; }
 /* a*b + c (contracted to one FMA only where the compiler may) */
 NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { return a * b + c; }
 NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return a * b; }
