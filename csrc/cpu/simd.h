@@ -32,6 +32,10 @@ typedef __m512 vf;
 
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { _mm512_storeu_ps(p, x); }
+/* store that bypasses the caches (p 64-byte aligned): no read of the line first; vf_fence()
+ * before another thread reads it */
+NBHD_ALWAYS_INLINE void vf_stream(float *p, vf x) { _mm512_stream_ps(p, x); }
+NBHD_ALWAYS_INLINE void vf_fence(void) { _mm_sfence(); }
 NBHD_ALWAYS_INLINE vf vf_set1(float x) { return _mm512_set1_ps(x); }
 NBHD_ALWAYS_INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
 /* x, held in a register: GCC otherwise folds a load that feeds 2 or 3 FMAs into each of them,
@@ -126,6 +130,8 @@ typedef struct { __m256 lo, hi; } vf;
 #define VF2_(a_lo, a_hi) ((vf){(a_lo), (a_hi)})
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return VF2_(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { _mm256_storeu_ps(p, x.lo); _mm256_storeu_ps(p + 8, x.hi); }
+NBHD_ALWAYS_INLINE void vf_stream(float *p, vf x) { _mm256_stream_ps(p, x.lo); _mm256_stream_ps(p + 8, x.hi); }
+NBHD_ALWAYS_INLINE void vf_fence(void) { _mm_sfence(); }
 NBHD_ALWAYS_INLINE vf vf_set1(float x) { const __m256 b = _mm256_set1_ps(x); return VF2_(b, b); }
 NBHD_ALWAYS_INLINE vf vf_zero(void) { const __m256 z = _mm256_setzero_ps(); return VF2_(z, z); }
 /* x, held in registers (see the AVX-512 vf_in_reg) */
@@ -236,6 +242,8 @@ typedef uint32_t vu_ __attribute__((vector_size(64)));   /* exponent arithmetic,
 
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { vf r; memcpy(&r, p, sizeof r); return r; }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { memcpy(p, &x, sizeof x); }
+NBHD_ALWAYS_INLINE void vf_stream(float *p, vf x) { memcpy(p, &x, sizeof x); }
+NBHD_ALWAYS_INLINE void vf_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 NBHD_ALWAYS_INLINE vf vf_set1(float x) { return (vf){0} + x; }
 NBHD_ALWAYS_INLINE vf vf_zero(void) { return (vf){0}; }
 /* (the register hint of the intrinsic builds; 4 registers per vf here) */
