@@ -5,7 +5,8 @@ The variants are picked per launch by environment switches read in csrc/cuda/fna
 (NBHD_MMA_FWD_BN: key tile of the mma.sync forward), csrc/cuda/tiles.cu (NBHD_MMA_FWD_MB: 64- or
 128-query patches of both forward kernels), csrc/cuda/fna_wgmma.cu (NBHD_WGMMA=0: the mma.sync
 forward instead of the Hopper one on 128-query patches; NBHD_WGMMA_BN: the Hopper one's key
-tile); the backward's NBHD_MMA_FWD_MB (2: on Hopper the wgmma backward). Each timing is a
+tile); the backward's NBHD_MMA_FWD_MB (2: on Hopper the wgmma backward) and, at D = 64,
+NBHD_WGMMA_BN (64: its key and query tiles, else 128). Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
@@ -25,7 +26,7 @@ CONFIGS = {
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
     "mma-mb2": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA": "0"},
     "wgmma-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "64"},
-    "wgmma-bn128": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "128"},
+    "wgmma-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "64"},
 }
 JVP_CONFIGS = {
     "default": {},
@@ -38,6 +39,7 @@ BWD_CONFIGS = {
     "default": {},
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
     "wgmma-mb2": {"NBHD_MMA_FWD_MB": "2"},
+    "wgmma-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "64"},
 }
 SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB", "NBHD_WGMMA", "NBHD_WGMMA_BN")
 PROBLEMS = [

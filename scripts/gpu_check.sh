@@ -33,7 +33,8 @@ fi
 
 if has test; then
     t0=$SECONDS
-    $PY -m pytest -q -x --timeout=900 -p no:cacheprovider tests/test_cuda.py tests/test_attention_merge.py::test_merge_kernel_cuda ${PYTEST_ARGS:-} \
+    eval "set -- ${PYTEST_ARGS:-}"  # quoted arguments, e.g. PYTEST_ARGS="-k 'backward or tiles'"
+    $PY -m pytest -q -x --timeout=900 -p no:cacheprovider tests/test_cuda.py tests/test_attention_merge.py::test_merge_kernel_cuda "$@" \
         >"$OUT/test.log" 2>&1
     rc=$?
     tail -25 "$OUT/test.log"

@@ -173,12 +173,16 @@ def test_backward(case, dtype, use_reference, kv_parallel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", HOPPER_CASES, ids=ids)
-def test_backward_128_query_patches(case, dtype, kv_parallel, monkeypatch):
+@pytest.mark.parametrize("case,tile", [(c, t) for c in HOPPER_CASES for t in ("64", "128")
+                                       if t == "64" or c[9] == 64],  # 128: at D = 64 only
+                         ids=lambda x: ids(x) if isinstance(x, tuple) else f"tile{x}")
+def test_backward_128_query_patches(case, tile, dtype, kv_parallel, monkeypatch):
     """The backward on 128-row patches (on Hopper the wgmma kernels, csrc/cuda/fna_wgmma_bwd.cu,
-    with the extra keys' dK/dV on mma.sync; elsewhere the 64-row mma.sync kernels, the only ones
-    listed) against the reference, and deterministic: bitwise-equal on a second call."""
+    with key/query tiles of 64 or, at D = 64, 128; the extra keys' dK/dV on mma.sync; elsewhere
+    the 64-row mma.sync kernels, the only ones listed) against the reference, and deterministic:
+    bitwise-equal on a second call."""
     monkeypatch.setenv("NBHD_MMA_FWD_MB", "2")
+    monkeypatch.setenv("NBHD_WGMMA_BN", tile)
     grads = check_backward(case, dtype)
     if not kv_parallel:
         again = check_backward(case, dtype)

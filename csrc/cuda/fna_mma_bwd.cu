@@ -342,7 +342,7 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     T *Qs = Vs + BR * HD;             /* [2][BC][HD] */
     T *dOs = Qs + 2 * BC * HD;        /* [2][BC][HD] */
     int *qc = (int *)(dOs + 2 * BC * HD); /* [2][3][BC] in-group query coordinates */
-    float *ql = (float *)(qc + 6 * BC);   /* [2][BC] lse log2 e */
+    float *ql = (float *)(qc + 6 * BC);   /* [2][BC] lse */
     float *qd = ql + 2 * BC;              /* [2][BC] D_i */
     T *dST = (T *)(qd + 2 * BC);          /* KVP: [BR][DS_LD] dS^T of the tile */
     int *warp_active = (int *)(dST + BR * DS_LD); /* KVP: [BW_WARPS] warps with rows in the tile */
@@ -462,13 +462,8 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
             qcd[cr] = ok ? j[0] : KEY_NONE;
             qcd[BC + cr] = j[1];
             qcd[2 * BC + cr] = j[2];
-            float lv = 0.f, dv = 0.f;
-            if (ok) {
-                lv = *(lsep.at(j[0], j[1], j[2]) + (int64_t)hh * a.lse.stride[4]) * 1.4426950408889634f;
-                dv = *(dwp.at(j[0], j[1], j[2]) + hh);
-            }
-            ql[s * BC + cr] = lv;
-            qd[s * BC + cr] = dv;
+            cp_async4(smem_u32(ql + s * BC + cr), lsep.at(j[0], j[1], j[2]) + (int64_t)hh * a.lse.stride[4], ok);
+            cp_async4(smem_u32(qd + s * BC + cr), dwp.at(j[0], j[1], j[2]) + hh, ok);
         }
     };
 
@@ -542,7 +537,7 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
                 for (int e = 0; e < 2; ++e) {
                     const int cr = nb * 8 + 2 * cq + e;
                     const int j0 = qct[cr], j1 = qct[BC + cr], j2 = qct[2 * BC + cr];
-                    const float lv = qlt[cr], dv_i = qdt[cr];
+                    const float lv = qlt[cr] * 1.4426950408889634f, dv_i = qdt[cr];
 #pragma unroll
                     for (int hrow = 0; hrow < 2; ++hrow) {
                         const bool ok = EXTRA ? rvalid[hrow] && j0 != KEY_NONE

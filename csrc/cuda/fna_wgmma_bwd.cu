@@ -4,12 +4,12 @@
  * fna_mma_bwd.cu (which keeps D_i and the extra keys' dK/dV) on wgmma:
  *
  *   dq kernel    query-stationary: a 128-query patch (two warpgroups of 64 queries) walks the
- *                exact union of its windows, then the extra keys, in tiles of 64 keys:
+ *                exact union of its windows, then the extra keys, in tiles of BN keys:
  *                  S = Q K^T, dP = dO V^T            Q, dO, K, V from shared memory
  *                  P = 2^(S s log2e - lse log2e), dS = P (dP - D_i)
  *                  dQ += dS K                        dS from registers, K MN-major
  *   dkdv kernel  key-stationary: a 128-key patch walks the exact union of its keys' inverse
- *                neighbourhoods in tiles of 64 queries, for every query head of its key head:
+ *                neighbourhoods in tiles of BN queries, for every query head of its key head:
  *                  S^T = K Q^T, dP^T = V dO^T
  *                  dV += P^T dO, dK += dS^T Q        P^T, dS^T from registers
  *
@@ -18,13 +18,15 @@
  * tile outside any branch (ptxas serialises wgmma it cannot prove warpgroup-uniform). The dq
  * kernel leaves the previous tile's dQ product running during this tile's P and dS, as the
  * forward does its P V; the dkdv kernel's two accumulators (128 registers at D = 128) leave no
- * room for a second tile's scores, so it waits for its products, and the other warpgroup's
- * work fills the tensor cores while this one computes P and dS. (Left running into the next
- * tile's barrier, they made ptxas serialise every wgmma of the kernel, warning C7515.)
+ * room for a second tile's scores, so its dV product runs while dS^T is formed, and it waits
+ * for dK before the next tile (left running into the next tile's barrier, the products made
+ * ptxas serialise every wgmma of the kernel, warning C7515); the other warpgroup's work fills
+ * the tensor cores while this one computes P^T. Splitting S^T and dP^T into two groups, to form
+ * P^T while dP^T runs, measured no faster (H200, bench/ab_fwd.py --bwd, within 0.6 %).
  */
-#include "wgmma.cuh"
+#include <stdlib.h>
 
-#define WGB_TILE 64  /* keys per tile of the dq kernel, queries per tile of the dkdv kernel */
+#include "wgmma.cuh"
 
 /* Stages: an operand of a product still running after its tile's barrier (K of dQ += dS K; Q,
  * dO of dK, dV) needs three in a ring loaded one tile ahead, one read only by the scores two. */
@@ -32,26 +34,27 @@
 #define WGB_DQ_V_STAGES 2
 #define WGB_KV_STAGES 3
 
-template <int HD, int RANK>
+template <int HD, int BN, int RANK>
 static constexpr size_t dq_smem_bytes() {
-    return 1024 + 2 * (size_t)(2 * WGMMA_BM + (WGB_DQ_K_STAGES + WGB_DQ_V_STAGES) * WGB_TILE) * HD +
-           sizeof(int) * WGB_DQ_V_STAGES * RANK * WGB_TILE;
+    return 1024 + 2 * (size_t)(2 * WGMMA_BM + (WGB_DQ_K_STAGES + WGB_DQ_V_STAGES) * BN) * HD +
+           sizeof(int) * WGB_DQ_V_STAGES * RANK * BN;
 }
-template <int HD, int RANK>
+template <int HD, int BN, int RANK>
 static constexpr size_t dkdv_smem_bytes() {
-    return 1024 + 2 * (size_t)(2 * WGMMA_BM + 2 * WGB_KV_STAGES * WGB_TILE) * HD +
-           sizeof(int) * WGB_KV_STAGES * (RANK + 2) * WGB_TILE;
+    return 1024 + 2 * (size_t)(2 * WGMMA_BM + 2 * WGB_KV_STAGES * BN) * HD +
+           sizeof(int) * WGB_KV_STAGES * (RANK + 2) * BN;
 }
 
 // ----------------------------------------------------------------------------
 // dQ, query-stationary
 
-template <typename T, int HD, int RANK>
+/* one CTA per SM: at two (128 registers) ptxas serialises the wgmma (C7512) even at D = 64 */
+template <typename T, int HD, int BN, int RANK>
 __global__ void __launch_bounds__(WGMMA_THREADS, 1)
 fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
                     const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    constexpr int BM = WGMMA_BM, BN = WGB_TILE, KST = WGB_DQ_K_STAGES, VST = WGB_DQ_V_STAGES;
+    constexpr int BM = WGMMA_BM, KST = WGB_DQ_K_STAGES, VST = WGB_DQ_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
     T *dOs = Qs + BM * HD;                   /* [BM][HD] */
@@ -242,19 +245,19 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
 // ----------------------------------------------------------------------------
 // dK, dV of the window keys, key-stationary
 
-template <typename T, int HD, int RANK>
+template <typename T, int HD, int BN, int RANK>
 __global__ void __launch_bounds__(WGMMA_THREADS, 1)
 fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
                       const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    constexpr int BM = WGMMA_BM, BN = WGB_TILE, ST = WGB_KV_STAGES;
+    constexpr int BM = WGMMA_BM, ST = WGB_KV_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Ks = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
     T *Vs = Ks + BM * HD;                       /* [BM][HD] */
     T *Qs = Vs + BM * HD;                       /* [ST][BN][HD] */
     T *dOs = Qs + ST * BN * HD;                 /* [ST][BN][HD] */
     int *qc = (int *)(dOs + ST * BN * HD);      /* [ST][RANK][BN] in-group query coordinates */
-    float *ql = (float *)(qc + ST * RANK * BN); /* [ST][BN] lse log2 e */
+    float *ql = (float *)(qc + ST * RANK * BN); /* [ST][BN] lse */
     float *qd = ql + ST * BN;                   /* [ST][BN] D_i */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
@@ -332,8 +335,8 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
             qcd[cr] = ok ? j[0] : KEY_NONE;
 #pragma unroll
             for (int ax = 1; ax < RANK; ++ax) qcd[ax * BN + cr] = j[ax];
-            ql[s * BN + cr] = ok ? *(lp.at(j[0], j[1], j[2]) + (int64_t)hh * a.lse.stride[4]) * 1.4426950408889634f : 0.f;
-            qd[s * BN + cr] = ok ? *(dwp.at(j[0], j[1], j[2]) + hh) : 0.f;
+            cp_async4(smem_u32(ql + s * BN + cr), lp.at(j[0], j[1], j[2]) + (int64_t)hh * a.lse.stride[4], ok);
+            cp_async4(smem_u32(qd + s * BN + cr), dwp.at(j[0], j[1], j[2]) + hh, ok);
         }
     };
 
@@ -410,13 +413,13 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
 #pragma unroll
             for (int e = 0; e < 4; ++e) fence_reg(sc[nb][e]), fence_reg(dpt[nb][e]);
 
-        // P^T = 2^(S^T s log2e - lse), masked unless full; dS^T = P^T (dP^T - D_i)
+        // P^T = 2^(S^T s log2e - lse), masked unless full
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int cr = nb * 8 + 2 * cq + e;
-                const float lv = qlt[cr], dvi = qdt[cr];
+                const float lv = qlt[cr] * 1.4426950408889634f;
                 int j[RANK];
 #pragma unroll
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
@@ -427,26 +430,30 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
 #pragma unroll
                         for (int ax = 0; ax < RANK; ++ax)
                             ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
-                    float &x = sc[nb][2 * hrow + e], &y = dpt[nb][2 * hrow + e];
-                    const float p = ok ? prob_exp2(x * sl2 - lv) : 0.f;
-                    x = p;
-                    y = p * (y - dvi);
+                    float &x = sc[nb][2 * hrow + e];
+                    x = ok ? prob_exp2(x * sl2 - lv) : 0.f;
                 }
             }
         uint32_t pf[BN / 16][4], df[BN / 16][4];  /* P^T, dS^T as wgmma A fragments */
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            a_frag_of<T>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
-            a_frag_of<T>(df[kk], dpt[2 * kk], dpt[2 * kk + 1]);
-        }
+        for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
 
-        // dV += P^T dO, dK += dS^T Q
+        // dV += P^T dO, running while dS^T = P^T (dP^T - D_i) is formed; then dK += dS^T Q
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
+        for (int kk = 0; kk < BN / 16; ++kk)
             wgmma_op<T, HD>::rs_bt(&dv[0][0], pf[kk], gmma_desc(do_st + kk * 16 * 128, BN * 128, 1024), 1);
+        wgmma_commit();
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[nb][e] = sc[nb][e] * (dpt[nb][e] - qdt[nb * 8 + 2 * cq + (e & 1)]);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(df[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
             wgmma_op<T, HD>::rs_bt(&dk[0][0], df[kk], gmma_desc(q_st + kk * 16 * 128, BN * 128, 1024), 1);
-        }
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll
@@ -486,7 +493,7 @@ template <typename K> static nbhd_status reserve(K kernel, size_t smem, const ch
     return NBHD_OK;
 }
 
-template <typename T, int HD, int RANK>
+template <typename T, int HD, int BN, int RANK>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                const mma_plan &P, cudaStream_t st) {
     const int64_t q_ctas = g->batch * g->heads * P.patches, kv_ctas = g->batch * g->kv_heads * P.patches;
@@ -494,25 +501,41 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: %lld CTAs exceed the grid limit",
                          (long long)q_ctas);
     nbhd_status s;
-    constexpr size_t smem_dq = dq_smem_bytes<HD, RANK>(), smem_kv = dkdv_smem_bytes<HD, RANK>();
-    if ((s = reserve(fna_wgmma_dq_kernel<T, HD, RANK>, smem_dq, "dq")) != NBHD_OK) return s;
-    fna_wgmma_dq_kernel<T, HD, RANK><<<(unsigned)q_ctas, WGMMA_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
+    constexpr size_t smem_dq = dq_smem_bytes<HD, BN, RANK>(), smem_kv = dkdv_smem_bytes<HD, BN, RANK>();
+    auto dq_kernel = fna_wgmma_dq_kernel<T, HD, BN, RANK>;
+    auto dkdv_kernel = fna_wgmma_dkdv_kernel<T, HD, BN, RANK>;
+    if ((s = reserve(dq_kernel, smem_dq, "dq")) != NBHD_OK) return s;
+    dq_kernel<<<(unsigned)q_ctas, WGMMA_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
     NBHD_CUDA_CHECK_LAUNCH("wgmma backward (dq)");
-    if ((s = reserve(fna_wgmma_dkdv_kernel<T, HD, RANK>, smem_kv, "dk, dv")) != NBHD_OK) return s;
-    fna_wgmma_dkdv_kernel<T, HD, RANK><<<(unsigned)kv_ctas, WGMMA_THREADS, smem_kv, st>>>(*g, *a, Dws, P);
+    if ((s = reserve(dkdv_kernel, smem_kv, "dk, dv")) != NBHD_OK) return s;
+    dkdv_kernel<<<(unsigned)kv_ctas, WGMMA_THREADS, smem_kv, st>>>(*g, *a, Dws, P);
     NBHD_CUDA_CHECK_LAUNCH("wgmma backward (dk, dv)");
     return NBHD_OK;
 }
 
+template <typename T, int HD, int BN>
+static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
+                             cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g, 2);
+    switch (P.rank) {
+    case 1: return launch_rank<T, HD, BN, 1>(g, a, Dws, P, st);
+    case 2: return launch_rank<T, HD, BN, 2>(g, a, Dws, P, st);
+    default: return launch_rank<T, HD, BN, 3>(g, a, Dws, P, st);
+    }
+}
+
+/* Tiles (keys of dQ, queries of dK/dV) of 64 at D = 128, of 128 at D = 64: twice the products
+ * per barrier and softmax pass there (H200, bench/ab_fwd.py --bwd: 1.02x on 1-D 32768 w2048,
+ * 1.04x on strided 3-D). NBHD_WGMMA_BN=64 forces 64 at D = 64 (A/B runs). */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                           cudaStream_t st) {
-    const mma_plan P = mma_plan_of(g, 2);
-    switch (P.rank) {
-    case 1: return launch_rank<T, HD, 1>(g, a, Dws, P, st);
-    case 2: return launch_rank<T, HD, 2>(g, a, Dws, P, st);
-    default: return launch_rank<T, HD, 3>(g, a, Dws, P, st);
+    const char *forced = getenv("NBHD_WGMMA_BN");
+    if constexpr (HD == 64) {
+        if (forced && forced[0] == '6') return launch_bn<T, HD, 64>(g, a, Dws, st);
+        return launch_bn<T, HD, 128>(g, a, Dws, st);
     }
+    return launch_bn<T, HD, 64>(g, a, Dws, st);
 }
 
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,

@@ -93,6 +93,12 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool v
     const int n = valid ? 16 : 0;  /* 0 source bytes: the 16 bytes are zero-filled */
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
+/* 4 bytes (a per-row scalar riding with its tile: a plain load would stall the loading warp on
+ * global memory latency every tile) */
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, bool valid) {
+    const int n = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

@@ -1,0 +1,60 @@
+"""CUDA time per kernel of one nbhd op on the GPU benchmark's problems (torch.profiler), to see
+which kernel of a multi-kernel op (the backward: D_i, dQ, dK/dV, extra keys) to work on.
+
+    python bench/profile_kernels.py [--op bwd|fwd|jvp] [--dims 128,64] [--problems 1d,3d-30] [--loop 5]
+"""
+import argparse
+import math
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nbhd import ops
+from ab_fwd import PROBLEMS
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--op", choices=["bwd", "fwd", "jvp"], default="bwd")
+    ap.add_argument("--dims", default="128,64")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--problems", default="")
+    ap.add_argument("--loop", type=int, default=5)
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}  op {args.op}: CUDA ms per call by kernel")
+    for D in [int(x) for x in args.dims.split(",")]:
+        for name, B, ext, ks, st in PROBLEMS:
+            if args.problems and not any(name.startswith(p) for p in args.problems.split(",")):
+                continue
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(B, *ext, args.heads, D, generator=gen, device="cuda",
+                                   dtype=torch.bfloat16) for _ in range(3))
+            empty = torch.empty(B, 0, args.heads, D, device="cuda", dtype=torch.bfloat16)
+            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
+            if args.op == "bwd":
+                out, lse = ops.na_forward(q, k, v, empty, empty, *geo)
+                d_out = torch.randn_like(out)
+                fn = lambda: ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *geo)
+            elif args.op == "jvp":
+                tq, tk, tv = (torch.randn_like(x) for x in (q, k, v))
+                fn = lambda: ops.na_forward_jvp(q, k, v, empty, empty, tq, tk, tv, empty, empty, *geo)
+            else:
+                fn = lambda: ops.na_forward(q, k, v, empty, empty, *geo)
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.loop):
+                    fn()
+                torch.cuda.synchronize()
+            rows = [(e.key, e.device_time_total / 1e3 / args.loop) for e in prof.key_averages()
+                    if e.device_time_total > 0]
+            total = sum(t for _, t in rows)
+            print(f"{name} D={D}: {total:.3f} ms")
+            for key, t in sorted(rows, key=lambda r: -r[1])[:6]:
+                print(f"   {t:8.3f} ms  {100 * t / total:5.1f}%  {key[:90]}")
+            del q, k, v
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
