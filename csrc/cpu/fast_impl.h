@@ -666,7 +666,7 @@ typedef struct {
 
 /* acc[r][j] += sum over `len` rows and n slots of P_r * opnd(v + j*ld + c), lines RA <= r < RB.
  * P_r of row t, slot c is P[r] + 16*(t*n + c). */
-NBHD_ALWAYS_INLINE void FAST(values_seg)(vf (*acc)[4], int RA, int RB, const float *const *P,
+NBHD_ALWAYS_INLINE void FAST(values_seg)(vf (*acc)[6], int RA, int RB, const float *const *P,
                                          const float *const *v, int64_t len, int64_t d0,
                                          int64_t n, int64_t ld, int bcast, int DB) {
     for (int64_t t = 0; t < len; ++t) {
@@ -688,7 +688,7 @@ NBHD_ALWAYS_INLINE void FAST(values_seg)(vf (*acc)[4], int RA, int RB, const flo
 NBHD_ALWAYS_INLINE void FAST(values_block)(float *const *O, int nl, const float *const *S,
                                            const FAST(rowset) *rs, int64_t d0, int64_t n,
                                            int64_t ld, int bcast, int DB) {
-    vf acc[MAXLINES][4];
+    vf acc[MAXLINES][6];
     NBHD_UNROLL
     for (int r = 0; r < MAXLINES; ++r)
         NBHD_UNROLL
@@ -731,6 +731,11 @@ static void FAST(values_lines)(float *const *O, int nl, int64_t dim, const float
         for (; d0 + 4 <= dim; d0 += 4) FAST(values_block)(O, nl, S, rs, d0, n, ld, 1, 4);
         for (; d0 < dim; ++d0) FAST(values_block)(O, nl, S, rs, d0, n, ld, 1, 1);
     } else {
+        /* 6 dims per pass where the rest splits into 4s (32 = 4*6 + 2*4): each P vector loaded
+         * feeds 6 FMAs per line, not 4 */
+        int64_t n6 = dim / 6;
+        while (n6 > 0 && (dim - 6 * n6) % 4) --n6;
+        for (; d0 < 6 * n6; d0 += 6) FAST(values_block)(O, nl, S, rs, d0, n, ld, 0, 6);
         for (; d0 + 4 <= dim; d0 += 4) FAST(values_block)(O, nl, S, rs, d0, n, ld, 0, 4);
         for (; d0 < dim; ++d0) FAST(values_block)(O, nl, S, rs, d0, n, ld, 0, 1);
     }
