@@ -172,15 +172,7 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
         // S = Q K^T and dP = dO V^T, then the previous tile's dQ += dS K behind them
         float sc[BN / 8][4], dpt[BN / 8][4];
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            const uint32_t step = (kk >> 2) * BM * 128 + (kk & 3) * 32, kstep = (kk >> 2) * BN * 128 + (kk & 3) * 32;
-            wgmma_op<T, BN>::ss(&sc[0][0], gmma_desc(q_base + step, 16, 1024),
-                                gmma_desc(k_base + kstep, 16, 1024), kk > 0);
-            wgmma_op<T, BN>::ss(&dpt[0][0], gmma_desc(do_base + step, 16, 1024),
-                                gmma_desc(v_base + kstep, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
+        wgmma_score_pair<T, HD, BN, BM>(sc, q_base, k_base, dpt, do_base, v_base);
         issue_dq();
 
         const bool full = win && tile_inside<BN, RANK>(kct, lane, ilo, ihi);
@@ -397,15 +389,7 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
         // S^T = K Q^T, dP^T = V dO^T
         float sc[BN / 8][4], dpt[BN / 8][4];
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            const uint32_t step = (kk >> 2) * BM * 128 + (kk & 3) * 32, qstep = (kk >> 2) * BN * 128 + (kk & 3) * 32;
-            wgmma_op<T, BN>::ss(&sc[0][0], gmma_desc(k_base + step, 16, 1024),
-                                gmma_desc(q_st + qstep, 16, 1024), kk > 0);
-            wgmma_op<T, BN>::ss(&dpt[0][0], gmma_desc(v_base + step, 16, 1024),
-                                gmma_desc(do_st + qstep, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
+        wgmma_score_pair<T, HD, BN, BM>(sc, k_base, q_st, dpt, v_base, do_st);
         const bool full = tile_inside<BN, RANK>(qct, lane, ilo, ihi);
         wgmma_wait<0>();
 #pragma unroll

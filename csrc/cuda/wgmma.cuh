@@ -344,6 +344,21 @@ template <> struct wgmma_op<__half, 128> {
     }
 };
 
+/* The backward's score pair, d1 = A1 B1^T and d2 = A2 B2^T (per warpgroup 64 x BN, k = HD), the
+ * four operands K-major in shared memory at their warpgroup's first row: A in a tile of ROWS_A
+ * rows, B of BN (64-column blocks ROWS * 128 bytes apart). Committed as one group. */
+template <typename T, int HD, int BN, int ROWS_A>
+__device__ __forceinline__ void wgmma_score_pair(float (&d1)[BN / 8][4], uint32_t a1, uint32_t b1,
+                                                 float (&d2)[BN / 8][4], uint32_t a2, uint32_t b2) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const uint32_t sa = (kk >> 2) * ROWS_A * 128 + (kk & 3) * 32, sb = (kk >> 2) * BN * 128 + (kk & 3) * 32;
+        wgmma_op<T, BN>::ss(&d1[0][0], gmma_desc(a1 + sa, 16, 1024), gmma_desc(b1 + sb, 16, 1024), kk > 0);
+        wgmma_op<T, BN>::ss(&d2[0][0], gmma_desc(a2 + sa, 16, 1024), gmma_desc(b2 + sb, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+}
+
 #undef NBHD_WGMMA_SS_N32
 #undef NBHD_WGMMA_SS_N64
 #undef NBHD_WGMMA_RS_N64
