@@ -1068,14 +1068,14 @@ NBHD_ALWAYS_INLINE void FAST(jvp_scores_block)(float *const *S, float *const *T,
         const float *kd = k + d * ld, *tkd = tk + d * ld;
         NBHD_UNROLL
         for (int j = 0; j < C; ++j) {
-            const vf kj = FAST(opnd)(kd + j, bcast);
+            const vf kj = FAST(opnd_reg)(kd + j, bcast);
             NBHD_UNROLL
             for (int r = 0; r < NR; ++r) {
                 s[r][j] = vf_fma(q[r], kj, s[r][j]);
                 if (has_tq) t[r][j] = vf_fma(tq[r], kj, t[r][j]);
             }
             if (has_tk) {
-                const vf tkj = FAST(opnd)(tkd + j, bcast);
+                const vf tkj = FAST(opnd_reg)(tkd + j, bcast);
                 NBHD_UNROLL
                 for (int r = 0; r < NR; ++r) t[r][j] = vf_fma(q[r], tkj, t[r][j]);
             }
@@ -1137,14 +1137,14 @@ NBHD_ALWAYS_INLINE void FAST(jvp_values_seg)(vf (*ao)[2], vf (*ac)[2], int RA, i
             }
             NBHD_UNROLL
             for (int j = 0; j < DB; ++j) {
-                const vf vj = FAST(opnd)(vb + j * ld + c, bcast);
+                const vf vj = FAST(opnd_reg)(vb + j * ld + c, bcast);
                 NBHD_UNROLL
                 for (int r = RA; r < RB; ++r) {
                     ao[r][j] = vf_fma(p[r], vj, ao[r][j]);
                     ac[r][j] = vf_fma(pt[r], vj, ac[r][j]);
                 }
                 if (has_tv) {
-                    const vf tvj = FAST(opnd)(tvb + j * ld + c, bcast);
+                    const vf tvj = FAST(opnd_reg)(tvb + j * ld + c, bcast);
                     NBHD_UNROLL
                     for (int r = RA; r < RB; ++r) ac[r][j] = vf_fma(p[r], tvj, ac[r][j]);
                 }
