@@ -142,7 +142,7 @@ typedef struct {
 static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
     const size_t ZP = (size_t)(g->axis[2].extent + PAD * g->axis[2].dilation);
     const size_t rows = (size_t)(g->axis[0].extent * g->axis[1].extent);
-    const size_t kv = (size_t)(g->head_dim + g->head_dim_v), group = (size_t)g->group;
+    const size_t kv = (size_t)g->head_dim + (size_t)g->head_dim_v, group = (size_t)g->group;
     /* forward: K, V; forward+JVP: and their tangents; backward: and the group's Q, dO, L, D */
     const size_t per_row = op == NBHD_OP_FORWARD_JVP ? 2 * kv : op == NBHD_OP_BACKWARD ? kv + group * (kv + 2) : kv;
     const size_t per_head = rows * ZP * sizeof(float) * per_row;
