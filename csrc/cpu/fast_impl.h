@@ -138,7 +138,7 @@ typedef struct {
  * forward's slab is one core's L2: its items walk the slab's heads innermost, so a larger slab
  * is read back from L3 (2 MiB against 8, 2 threads: 2-D 56^2 0.84x the time, 3-D 0.95x). */
 #define SLAB_BYTES ((size_t)8 << 20)
-#define SLAB_BYTES_FORWARD ((size_t)2 << 20)
+#define CORE_L2_BYTES ((size_t)2 << 20)  /* the forward's slab; the output bound for streaming */
 static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
     const size_t ZP = (size_t)(g->axis[2].extent + PAD * g->axis[2].dilation);
     const size_t rows = (size_t)(g->axis[0].extent * g->axis[1].extent);
@@ -147,7 +147,7 @@ static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
     const size_t per_row = op == NBHD_OP_FORWARD_JVP ? 2 * kv : op == NBHD_OP_BACKWARD ? kv + group * (kv + 2) : kv;
     const size_t per_head = rows * ZP * sizeof(float) * per_row;
     /* a slab of few rows packs on few threads (one per row): keep those large */
-    const size_t bytes = op == NBHD_OP_FORWARD && rows >= 16 ? SLAB_BYTES_FORWARD : SLAB_BYTES;
+    const size_t bytes = op == NBHD_OP_FORWARD && rows >= 16 ? CORE_L2_BYTES : SLAB_BYTES;
     int64_t n = (int64_t)(bytes / (per_head ? per_head : 1));
     n = n < 1 ? 1 : n > g->kv_heads ? g->kv_heads : n;
     const int64_t slabs = (g->kv_heads + n - 1) / n;
@@ -922,7 +922,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
      * it: stream it to memory, which skips reading each line before its first write (2-D 56^2
      * fp32: 0.87x the time) */
     const int stream = (size_t)(G.B * G.X * G.Y * G.Z * G.H * Dv) * sizeof(float) >
-                       ((size_t)nbhd_cpu_threads(e) << 21);
+                       (size_t)nbhd_cpu_threads(e) * CORE_L2_BYTES;
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {

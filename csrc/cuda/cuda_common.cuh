@@ -146,6 +146,24 @@ template <typename A> __device__ __forceinline__ A warp_max(A x) {
                              cudaGetErrorName(err_), cudaGetErrorString(err_));              \
     } while (0)
 
+/* the tensor-core kernels' launch checks. Shared memory beyond 48 KiB is opted into per kernel
+ * (per device and cheap: set on every launch, legal during stream capture). */
+template <typename K>
+static inline nbhd_status nbhd_cuda_reserve_smem(K kernel, size_t bytes, const char *what) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) != cudaSuccess) {
+        const cudaError_t err = cudaGetLastError();
+        return nbhd_fail(NBHD_ERR_DEVICE, "%s: cannot reserve %zu bytes of shared memory: %s", what, bytes,
+                         cudaGetErrorString(err));
+    }
+    return NBHD_OK;
+}
+/* a one-dimensional grid of ctas blocks (x at most 2^31 - 1) */
+static inline nbhd_status nbhd_cuda_grid_fits(int64_t ctas, const char *what) {
+    if (ctas > 0x7fffffff)
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "%s: %lld CTAs exceed the grid limit", what, (long long)ctas);
+    return NBHD_OK;
+}
+
 // ----------------------------------------------------------------------------
 // the kernel families, each in its own file, called by dispatch.cu
 

@@ -344,16 +344,11 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a,
     constexpr int ST = FWD_STAGES;
     const size_t smem = sizeof(T) * (size_t)(64 * MB * HD + 2 * ST * BN * HD) + sizeof(int) * ST * RANK * BN;
     auto kernel = fna_mma_forward_kernel<T, HD, BN, RANK, MB, MINB, QREG>;
-    /* per device and cheap: set on every launch (legal during stream capture) */
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
-        const cudaError_t err = cudaGetLastError();
-        return nbhd_fail(NBHD_ERR_DEVICE, "mma forward: cannot reserve %zu bytes of shared memory: %s",
-                         smem, cudaGetErrorString(err));
-    }
     const int64_t ctas = g->batch * g->heads * P.patches;
-    if (ctas > 0x7fffffff)
-        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward: %lld CTAs exceed the grid limit",
-                         (long long)ctas);
+    nbhd_status s;
+    if ((s = nbhd_cuda_reserve_smem(kernel, smem, "mma forward")) != NBHD_OK ||
+        (s = nbhd_cuda_grid_fits(ctas, "mma forward")) != NBHD_OK)
+        return s;
     kernel<<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward");
     return NBHD_OK;

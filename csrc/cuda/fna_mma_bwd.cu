@@ -600,15 +600,6 @@ int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward
     return half_type && head_dim_ok && inputs_aligned && outputs_aligned && small_axes && small_steps;
 }
 
-template <typename K> static nbhd_status reserve_smem(K kernel, size_t smem) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
-        const cudaError_t err = cudaGetLastError();
-        return nbhd_fail(NBHD_ERR_DEVICE, "mma backward: cannot reserve %zu bytes of shared memory: %s",
-                         smem, cudaGetErrorString(err));
-    }
-    return NBHD_OK;
-}
-
 /* workspace: D_i per query row, then (KV-parallel) the fp32 dQ accumulator, 256-byte aligned */
 static size_t di_bytes(const nbhd_geometry *g) {
     return ((size_t)(g->batch * g->tokens * g->heads) * sizeof(float) + 255) & ~(size_t)255;
@@ -617,31 +608,34 @@ static size_t dq_accumulator_bytes(const nbhd_geometry *g) {
     return (size_t)(g->batch * g->tokens * g->heads) * (size_t)g->head_dim * sizeof(float);
 }
 
-/* window: the window keys' dK/dV too (the Hopper path has its own) */
-template <typename T, int HD, bool KVP>
+/* the key-stationary kernel over the window keys or (EXTRA) the extra keys */
+template <typename T, int HD, bool EXTRA, bool KVP>
 static nbhd_status launch_dkdv(const nbhd_geometry *g, const nbhd_backward_args *a, float *Dws,
-                               float *dq_acc, const mma_plan &P, cudaStream_t st, bool window = true) {
-    nbhd_status s;
+                               float *dq_acc, const mma_plan &P, cudaStream_t st) {
     const size_t smem_kv = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC +
                            sizeof(float) * 4 * BC +
                            (KVP ? sizeof(T) * BR * DS_LD + sizeof(int) * BW_WARPS : 0);
-    if (g->has_window && window) {
-        /* at D = 64 registers for three CTAs per SM (168, ~135 bytes spilled): 3-8 % faster
-         * than two on the bench problems (H200, bench/ab_fwd.py --bwd) */
-        constexpr int minb = HD == 64 ? 3 : 2;
-        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, false, KVP, minb>, smem_kv)) != NBHD_OK) return s;
-        fna_mma_dkdv_kernel<T, HD, false, KVP, minb><<<(unsigned)(g->batch * g->kv_heads * P.patches),
-                                                       BW_THREADS, smem_kv, st>>>(*g, *a, Dws, dq_acc, P);
-        NBHD_CUDA_CHECK_LAUNCH("mma backward (dk, dv)");
-    }
-    if (g->extra_kv > 0) {
-        mma_plan PX = P;
-        PX.patches = (g->extra_kv + BR - 1) / BR;
-        if ((s = reserve_smem(fna_mma_dkdv_kernel<T, HD, true, KVP>, smem_kv)) != NBHD_OK) return s;
-        fna_mma_dkdv_kernel<T, HD, true, KVP><<<(unsigned)(g->batch * g->kv_heads * PX.patches),
-                                                BW_THREADS, smem_kv, st>>>(*g, *a, Dws, dq_acc, PX);
-        NBHD_CUDA_CHECK_LAUNCH("mma backward (extra dk, dv)");
-    }
+    const int64_t patches = EXTRA ? (g->extra_kv + BR - 1) / BR : P.patches;
+    /* window keys at D = 64: registers for three CTAs per SM (168, ~135 bytes spilled): 3-8 %
+     * faster than two on the bench problems (H200, bench/ab_fwd.py --bwd) */
+    constexpr int minb = !EXTRA && HD == 64 ? 3 : 2;
+    auto kernel = fna_mma_dkdv_kernel<T, HD, EXTRA, KVP, minb>;
+    const nbhd_status s = nbhd_cuda_reserve_smem(kernel, smem_kv, "mma backward (dk, dv)");
+    if (s != NBHD_OK) return s;
+    mma_plan PK = P;
+    PK.patches = patches;
+    kernel<<<(unsigned)(g->batch * g->kv_heads * patches), BW_THREADS, smem_kv, st>>>(*g, *a, Dws, dq_acc, PK);
+    NBHD_CUDA_CHECK_LAUNCH(EXTRA ? "mma backward (extra dk, dv)" : "mma backward (dk, dv)");
+    return NBHD_OK;
+}
+
+/* dK/dV of the window keys and of the extra keys, each where there are any */
+template <typename T, int HD, bool KVP>
+static nbhd_status launch_key_stationary(const nbhd_geometry *g, const nbhd_backward_args *a, float *Dws,
+                                         float *dq_acc, const mma_plan &P, cudaStream_t st) {
+    nbhd_status s;
+    if (g->has_window && (s = launch_dkdv<T, HD, false, KVP>(g, a, Dws, dq_acc, P, st)) != NBHD_OK) return s;
+    if (g->extra_kv > 0) return launch_dkdv<T, HD, true, KVP>(g, a, Dws, dq_acc, P, st);
     return NBHD_OK;
 }
 
@@ -653,13 +647,14 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     nbhd_status s;
     const int64_t rows = g->batch * g->tokens * g->heads;
     const int64_t ctas = g->batch * g->heads * P.patches;
-    if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: grid too large");
+    if ((s = nbhd_cuda_grid_fits(ctas, "mma backward")) != NBHD_OK) return s;
     di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
     if (mb == 2) {  /* 128-row patches: tiles.cu lists them for the backward only on Hopper, D >= 64 */
         if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, st)) != NBHD_OK) return s;
-        return launch_dkdv<T, HD, false>(g, a, Dws, nullptr, P, st, false);  /* the extra keys' */
+        if (g->extra_kv == 0) return NBHD_OK;
+        return launch_dkdv<T, HD, true, false>(g, a, Dws, nullptr, P, st);  /* the extra keys' */
     }
 
     if constexpr (HD <= 64) if (kv_parallel) {  /* kv_parallel_applies: D <= 64 only */
@@ -669,7 +664,7 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
             return nbhd_fail(NBHD_ERR_DEVICE, "mma backward: clearing the dQ accumulator: %s",
                              cudaGetErrorString(err));
         }
-        if ((s = launch_dkdv<T, HD, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK) return s;
+        if ((s = launch_key_stationary<T, HD, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK) return s;
         const int64_t chunks = rows * (HD / 8);
         dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(
             *g, a->d_q, dq_acc, (float)g->scale);
@@ -678,10 +673,11 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     }
 
     const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
-    if ((s = reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq)) != NBHD_OK) return s;
+    if ((s = nbhd_cuda_reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq, "mma backward (dq)")) != NBHD_OK)
+        return s;
     fna_mma_dq_kernel<T, HD><<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (dq)");
-    return launch_dkdv<T, HD, false>(g, a, Dws, nullptr, P, st);
+    return launch_key_stationary<T, HD, false>(g, a, Dws, nullptr, P, st);
 }
 
 /* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64. At D = 128

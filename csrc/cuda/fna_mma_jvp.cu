@@ -273,13 +273,11 @@ static nbhd_status launch_kernel(const nbhd_geometry *g, const nbhd_forward_jvp_
     const mma_plan P = mma_plan_of(g, WARPS / 4);
     const size_t smem = nbhd_cuda_mma_jvp_smem_bytes(g, WARPS);
     auto kernel = fna_mma_jvp_kernel<T, HD, WARPS, MINB>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
-        const cudaError_t err = cudaGetLastError();
-        return nbhd_fail(NBHD_ERR_DEVICE, "mma forward_jvp: cannot reserve %zu bytes of shared memory: %s",
-                         smem, cudaGetErrorString(err));
-    }
     const int64_t ctas = g->batch * g->heads * P.patches;
-    if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward_jvp: grid too large");
+    nbhd_status s;
+    if ((s = nbhd_cuda_reserve_smem(kernel, smem, "mma forward_jvp")) != NBHD_OK ||
+        (s = nbhd_cuda_grid_fits(ctas, "mma forward_jvp")) != NBHD_OK)
+        return s;
     kernel<<<(unsigned)ctas, 32 * WARPS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("mma forward_jvp");
     return NBHD_OK;

@@ -189,14 +189,8 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
         wgmma_commit();
     };
     auto pv_done = [&]() {  /* after the wait: P and O may be touched again */
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) fence_reg(pf[kk][i]);
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; ++nd)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_reg(o[0][nd][e]);
+        fence_regs(pf);
+        fence_regs(o[0]);
     };
 
     constexpr int RING = KST * VST;  /* the ring's stage index is unused: K and V have their own */
@@ -224,10 +218,7 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
         bool full = false;
         if (win) full = tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S is done; P V may still run */
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_reg(sc[0][nb][e]);
+        fence_regs(sc[0]);
 
         float corr[1][2];
         const bool rescale = fwd_softmax_tile<1, BN, RANK>(sc, m, l, corr, full, win, kct, wst, wen,
@@ -280,15 +271,11 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *
     const size_t smem = 1024 + sizeof(T) * (size_t)(WGMMA_BM + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
                         sizeof(int) * WGMMA_K_STAGES * RANK * BN;
     auto kernel = fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
-        const cudaError_t err = cudaGetLastError();
-        return nbhd_fail(NBHD_ERR_DEVICE, "wgmma forward: cannot reserve %zu bytes of shared memory: %s",
-                         smem, cudaGetErrorString(err));
-    }
     const int64_t ctas = g->batch * g->heads * P.patches;
-    if (ctas > 0x7fffffff)
-        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward: %lld CTAs exceed the grid limit",
-                         (long long)ctas);
+    nbhd_status s;
+    if ((s = nbhd_cuda_reserve_smem(kernel, smem, "wgmma forward")) != NBHD_OK ||
+        (s = nbhd_cuda_grid_fits(ctas, "wgmma forward")) != NBHD_OK)
+        return s;
     kernel<<<(unsigned)ctas, WGMMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("wgmma forward");
     return NBHD_OK;

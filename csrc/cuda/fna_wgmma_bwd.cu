@@ -151,14 +151,8 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
         wgmma_commit();
     };
     auto dq_done = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) fence_reg(df[kk][i]);
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; ++nd)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_reg(dq[nd][e]);
+        fence_regs(df);
+        fence_regs(dq);
     };
 
     constexpr int RING = KST * VST;  /* the ring's stage index is unused: K and V have their own */
@@ -177,10 +171,8 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
 
         const bool full = win && tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S and dP are done; dQ may still run */
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_reg(sc[nb][e]), fence_reg(dpt[nb][e]);
+        fence_regs(sc);
+        fence_regs(dpt);
 
         // P = 2^(S s log2e - lse), masked unless full; dS = P (dP - D_i), left in sc
 #pragma unroll
@@ -226,10 +218,7 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     for (int hrow = 0; hrow < 2; ++hrow) {
         int iq[3];
         if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, iq)) continue;
-        const int64_t x = C.grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
-                      y = C.grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
-                      z = C.grp[2] + (int64_t)iq[2] * g.axis[2].dilation;
-        store_pairs<T>((T *)a.d_q.data + offset_of(a.d_q, C.b, x, y, z, C.h), dq, HD / 8, hrow, cq, scale);
+        store_pairs<T>((T *)a.d_q.data + C.offset(a.d_q, g, iq, C.h), dq, HD / 8, hrow, cq, scale);
     }
 #endif
 }
@@ -392,10 +381,8 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
         wgmma_score_pair<T, HD, BN, BM>(sc, k_base, q_st, dpt, v_base, do_st);
         const bool full = tile_inside<BN, RANK>(qct, lane, ilo, ihi);
         wgmma_wait<0>();
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_reg(sc[nb][e]), fence_reg(dpt[nb][e]);
+        fence_regs(sc);
+        fence_regs(dpt);
 
         // P^T = 2^(S^T s log2e - lse), masked unless full
 #pragma unroll
@@ -440,14 +427,10 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
             wgmma_op<T, HD>::rs_bt(&dk[0][0], df[kk], gmma_desc(q_st + kk * 16 * 128, BN * 128, 1024), 1);
         wgmma_commit();
         wgmma_wait<0>();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) fence_reg(pf[kk][i]), fence_reg(df[kk][i]);
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; ++nd)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_reg(dk[nd][e]), fence_reg(dv[nd][e]);
+        fence_regs(pf);
+        fence_regs(df);
+        fence_regs(dk);
+        fence_regs(dv);
     }
     cp_async_wait<0>();
 
@@ -456,11 +439,8 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
     for (int hrow = 0; hrow < 2; ++hrow) {
         int ik[3];
         if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, ik)) continue;
-        const int64_t x = C.grp[0] + (int64_t)ik[0] * g.axis[0].dilation,
-                      y = C.grp[1] + (int64_t)ik[1] * g.axis[1].dilation,
-                      z = C.grp[2] + (int64_t)ik[2] * g.axis[2].dilation;
-        store_pairs<T>((T *)a.d_k.data + offset_of(a.d_k, C.b, x, y, z, hk), dk, HD / 8, hrow, cq, scale);
-        store_pairs<T>((T *)a.d_v.data + offset_of(a.d_v, C.b, x, y, z, hk), dv, HD / 8, hrow, cq, 1.f);
+        store_pairs<T>((T *)a.d_k.data + C.offset(a.d_k, g, ik, hk), dk, HD / 8, hrow, cq, scale);
+        store_pairs<T>((T *)a.d_v.data + C.offset(a.d_v, g, ik, hk), dv, HD / 8, hrow, cq, 1.f);
     }
 #endif
 }
@@ -468,30 +448,19 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
 // ----------------------------------------------------------------------------
 // launch
 
-template <typename K> static nbhd_status reserve(K kernel, size_t smem, const char *what) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
-        const cudaError_t err = cudaGetLastError();
-        return nbhd_fail(NBHD_ERR_DEVICE, "wgmma backward (%s): cannot reserve %zu bytes of shared memory: %s",
-                         what, smem, cudaGetErrorString(err));
-    }
-    return NBHD_OK;
-}
-
 template <typename T, int HD, int BN, int RANK>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                const mma_plan &P, cudaStream_t st) {
     const int64_t q_ctas = g->batch * g->heads * P.patches, kv_ctas = g->batch * g->kv_heads * P.patches;
-    if (q_ctas > 0x7fffffff)
-        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: %lld CTAs exceed the grid limit",
-                         (long long)q_ctas);
     nbhd_status s;
+    if ((s = nbhd_cuda_grid_fits(q_ctas, "wgmma backward")) != NBHD_OK) return s;
     constexpr size_t smem_dq = dq_smem_bytes<HD, BN, RANK>(), smem_kv = dkdv_smem_bytes<HD, BN, RANK>();
     auto dq_kernel = fna_wgmma_dq_kernel<T, HD, BN, RANK>;
     auto dkdv_kernel = fna_wgmma_dkdv_kernel<T, HD, BN, RANK>;
-    if ((s = reserve(dq_kernel, smem_dq, "dq")) != NBHD_OK) return s;
+    if ((s = nbhd_cuda_reserve_smem(dq_kernel, smem_dq, "wgmma backward (dq)")) != NBHD_OK) return s;
     dq_kernel<<<(unsigned)q_ctas, WGMMA_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
     NBHD_CUDA_CHECK_LAUNCH("wgmma backward (dq)");
-    if ((s = reserve(dkdv_kernel, smem_kv, "dk, dv")) != NBHD_OK) return s;
+    if ((s = nbhd_cuda_reserve_smem(dkdv_kernel, smem_kv, "wgmma backward (dk, dv)")) != NBHD_OK) return s;
     dkdv_kernel<<<(unsigned)kv_ctas, WGMMA_THREADS, smem_kv, st>>>(*g, *a, Dws, P);
     NBHD_CUDA_CHECK_LAUNCH("wgmma backward (dk, dv)");
     return NBHD_OK;

@@ -130,14 +130,10 @@ fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const
         wgmma_commit();
     };
     auto pv_done = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) fence_reg(pf[kk][i]), fence_reg(ptf[kk][i]);
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; ++nd)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_reg(o[nd][e]), fence_reg(ct[nd][e]);
+        fence_regs(pf);
+        fence_regs(ptf);
+        fence_regs(o);
+        fence_regs(ct);
     };
 
     constexpr int RING = KST * VST;  /* the ring's stage index is unused: K and V have their own */
@@ -166,10 +162,8 @@ fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const
         bool full = false;  /* the tile inside every row's window of the warpgroup: no mask */
         if (win) full = tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S and tS are done; the value products may still run */
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_reg(sc[nb][e]), fence_reg(ts[nb][e]);
+        fence_regs(sc);
+        fence_regs(ts);
 
         float corr[2];
         const bool rescale = jvp_softmax_tile<BN, RANK>(sc, ts, m, l, r, corr, full, win, kct, wst,
@@ -216,13 +210,11 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_ar
     constexpr size_t smem = wgj_smem_bytes<HD, BN>(RANK);
     static_assert(smem <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
     auto kernel = fna_wgmma_jvp_kernel<T, HD, BN, RANK>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
-        const cudaError_t err = cudaGetLastError();
-        return nbhd_fail(NBHD_ERR_DEVICE, "wgmma forward_jvp: cannot reserve %zu bytes of shared memory: %s",
-                         smem, cudaGetErrorString(err));
-    }
     const int64_t ctas = g->batch * g->heads * P.patches;
-    if (ctas > 0x7fffffff) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward_jvp: grid too large");
+    nbhd_status s;
+    if ((s = nbhd_cuda_reserve_smem(kernel, smem, "wgmma forward_jvp")) != NBHD_OK ||
+        (s = nbhd_cuda_grid_fits(ctas, "wgmma forward_jvp")) != NBHD_OK)
+        return s;
     kernel<<<(unsigned)ctas, WGMMA_THREADS, smem, st>>>(*g, *a, P);
     NBHD_CUDA_CHECK_LAUNCH("wgmma forward_jvp");
     return NBHD_OK;

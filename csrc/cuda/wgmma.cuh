@@ -111,6 +111,15 @@ struct wg_cta {
         return iq[0] < Lg[0] && iq[1] < Lg[1] && iq[2] < Lg[2];
     }
 
+    /* element offset of in-group row iq, head h, in a [B, X, Y, Z, H, D] tensor (64-bit: for
+     * tensors whose steps steps_fit does not check, the outputs) */
+    __device__ __forceinline__ int64_t offset(const nbhd_tensor &t, const nbhd_geometry &g, const int iq[3],
+                                              int64_t head) const {
+        return offset_of(t, b, grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
+                         grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
+                         grp[2] + (int64_t)iq[2] * g.axis[2].dilation, head);
+    }
+
     /* a thread's rows qr(hrow) = 16 w + lane / 4 + 8 hrow: validity and in-group windows
      * (invalid rows: empty) */
     __device__ __forceinline__ void thread_rows(const nbhd_geometry &g, int w, int lane,
@@ -204,6 +213,13 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
  * an empty asm that "modifies" them keeps them from being moved across the wait */
 __device__ __forceinline__ void fence_reg(float &x) { asm volatile("" : "+f"(x)::"memory"); }
 __device__ __forceinline__ void fence_reg(uint32_t &x) { asm volatile("" : "+r"(x)::"memory"); }
+/* the same over a fragment array: accumulators [n-block][4] or A fragments [k-step][4] */
+template <typename R, int N> __device__ __forceinline__ void fence_regs(R (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) fence_reg(x[i][e]);
+}
 
 /* d (64 x N per warpgroup) (+)= A (64 x 16, descriptor) B (16 x N, descriptor); accumulate 0
  * overwrites d. N = 32 serves only as the S tiles of the forward+JVP's 32-key variant: no rs_bt */
