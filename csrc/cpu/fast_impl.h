@@ -135,8 +135,9 @@ typedef struct {
 
 /* Key/value heads per slab (every kernel packs and runs one slab at a time): as many as fit
  * SLAB_BYTES packed (the slab stays in cache while its work items read it), at least 1. The
- * forward's slab is one core's L2: its items walk the slab's heads innermost, so a larger slab
- * is read back from L3 (2 MiB against 8, 2 threads: 2-D 56^2 0.84x the time, 3-D 0.95x). */
+ * forward's (and forward+JVP's) slab is one core's L2: its items walk the slab's heads
+ * innermost, so a larger slab is read back from L3 (2 MiB against 8, 2 threads: 2-D 56^2 0.84x
+ * the time, 3-D 0.95x). */
 #define SLAB_BYTES ((size_t)8 << 20)
 #define CORE_L2_BYTES ((size_t)2 << 20)  /* the forward's slab; the output bound for streaming */
 static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
@@ -147,7 +148,8 @@ static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
     const size_t per_row = op == NBHD_OP_FORWARD_JVP ? 2 * kv : op == NBHD_OP_BACKWARD ? kv + group * (kv + 2) : kv;
     const size_t per_head = rows * ZP * sizeof(float) * per_row;
     /* a slab of few rows packs on few threads (one per row): keep those large */
-    const size_t bytes = op == NBHD_OP_FORWARD && rows >= 16 ? CORE_L2_BYTES : SLAB_BYTES;
+    const int fwd = op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP;
+    const size_t bytes = fwd && rows >= 16 ? CORE_L2_BYTES : SLAB_BYTES;
     int64_t n = (int64_t)(bytes / (per_head ? per_head : 1));
     n = n < 1 ? 1 : n > g->kv_heads ? g->kv_heads : n;
     const int64_t slabs = (g->kv_heads + n - 1) / n;
