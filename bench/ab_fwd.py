@@ -6,7 +6,8 @@ The variants are picked per launch by environment switches read in csrc/cuda/fna
 128-query patches of both forward kernels), csrc/cuda/fna_wgmma.cu (NBHD_WGMMA=0: the mma.sync
 forward instead of the Hopper one on 128-query patches; NBHD_WGMMA_BN: the Hopper one's key
 tile); the backward's NBHD_MMA_FWD_MB (2: on Hopper the wgmma backward) and, at D = 64,
-NBHD_WGMMA_BN (64: its key and query tiles, else 128). Each timing is a
+NBHD_WGMMA_BN (64: its key and query tiles, else 128; the KV-parallel pass takes 128 always),
+and KV parallelism on (default) or off (KV_PARALLEL=0, deterministic). Each timing is a
 loop of --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
 configurations taken in turn within each round.
 
@@ -19,6 +20,7 @@ import statistics
 
 import torch
 
+import nbhd
 from nbhd import ops
 
 CONFIGS = {
@@ -35,11 +37,12 @@ JVP_CONFIGS = {
     "wgmma-bn32": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "32"},
     "wgmma-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "64"},
 }
-BWD_CONFIGS = {
+BWD_CONFIGS = {  # KV_PARALLEL: nbhd.use_kv_parallelism_in_fused_na (default on)
     "default": {},
     "mb1": {"NBHD_MMA_FWD_MB": "1"},
     "wgmma-mb2": {"NBHD_MMA_FWD_MB": "2"},
-    "wgmma-bn64": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "64"},
+    "wgmma-mb2-det": {"NBHD_MMA_FWD_MB": "2", "KV_PARALLEL": "0"},
+    "wgmma-bn64-det": {"NBHD_MMA_FWD_MB": "2", "NBHD_WGMMA_BN": "64", "KV_PARALLEL": "0"},
 }
 SWITCHES = ("NBHD_MMA_FWD_BN", "NBHD_MMA_FWD_MB", "NBHD_WGMMA", "NBHD_WGMMA_BN")
 PROBLEMS = [
@@ -54,6 +57,8 @@ PROBLEMS = [
 def set_config(env):
     for k in SWITCHES:
         os.environ.pop(k, None)
+    env = dict(env)
+    nbhd.use_kv_parallelism_in_fused_na(env.pop("KV_PARALLEL", "1") == "1")
     os.environ.update(env)
 
 

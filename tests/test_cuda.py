@@ -213,11 +213,14 @@ def check_backward(case, dtype):
     return got
 
 
+@pytest.mark.parametrize("patch", ["64", "128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_backward_determinism(dtype):
+def test_backward_determinism(dtype, patch, monkeypatch):
     """KV parallelism off: bitwise-equal gradients on repeated calls (no atomics); on: the same
-    gradients up to summation order. A 2-D case whose key patches share many queries, with
-    extra keys (both key-stationary kernels add to dQ)."""
+    gradients up to summation order. A 2-D case whose key patches share many queries, with GQA
+    and extra keys (both key-stationary kernels add to dQ), on 64- and 128-row patches (on
+    Hopper the wgmma kernels: KV-parallel, one pass adding dQ by atomics)."""
+    monkeypatch.setenv("NBHD_MMA_FWD_MB", "2" if patch == "128" else "1")
     case = (2, (24, 20), (7, 5), (1, 1), (1, 2), (False, False), 2, 4, 2, 64, 64, 6, "contig")
     inputs, geo = build(case, dtype, 3)
     out, lse = ops.na_forward(*inputs, *geo)

@@ -192,9 +192,11 @@ nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forwa
                                         cudaStream_t stream);
 
 /* fna_wgmma_bwd.cu: the Hopper backward's dQ and window-key dK/dV on 128-row patches, D = Dv in
- * {64, 128}, given D_i in Dws (fna_mma_bwd.cu runs it on the mma.sync backward's conditions) */
+ * {64, 128}, given D_i in Dws (fna_mma_bwd.cu runs it on the mma.sync backward's conditions).
+ * dq_acc (KV-parallel, D = 64 only): the window keys' dQ is added to this zeroed fp32
+ * accumulator (mma_util.cuh dq_accumulator) in the dK/dV pass; null: two deterministic passes */
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                     const float *Dws, cudaStream_t stream);
+                                     const float *Dws, float *dq_acc, cudaStream_t stream);
 
 /* fna_mma_bwd.cu: tensor-core backward (D_i, dQ query-stationary, dK/dV key-stationary) */
 int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward_args *a);

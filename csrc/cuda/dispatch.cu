@@ -8,9 +8,9 @@
  *                dO and gradients; else the simple kernels (deterministic). The mma backward is
  *                deterministic with exec.kv_parallel off (dQ query-stationary, dK/dV
  *                key-stationary); with it on, one key-stationary pass adds dQ by fp32 atomics
- *                into a workspace accumulator (faster, summation order not fixed). On 128-row
- *                patches (Hopper, D >= 64: windows of 512+ keys) the two deterministic passes
- *                run on wgmma (fna_wgmma_bwd.cu) either way.
+ *                into a workspace accumulator (faster, summation order not fixed; D <= 64). On
+ *                128-row patches (Hopper, D >= 64: windows of 512+ keys) both run on wgmma
+ *                (fna_wgmma_bwd.cu).
  *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu) under the forward's conditions plus aligned
  *                tangents (absent ones skipped); else the simple kernel
  * exec.use_reference forces the simple kernels. Tiles in exec (q_tile/kv_tile, already checked

@@ -15,7 +15,8 @@
  *   workspace, which dq_convert_kernel scales into dQ: one pass over S and dP instead of two,
  *   summation order left to the hardware.
  * 128-row patches (on Hopper, D >= 64; tiles.cu): steps 2 and 3 for the window keys run on
- *   wgmma instead (fna_wgmma_bwd.cu, deterministic either way), the extra keys' dK/dV here.
+ *   wgmma instead (fna_wgmma_bwd.cu; KV-parallel at D = 64 as one pass adding dQ to the same
+ *   accumulator), the extra keys' dK/dV (and KV-parallel dQ) here.
  */
 #include "mma_util.cuh"
 
@@ -317,19 +318,6 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, 
     dst[1] = pack2<T>(lo.z * scale, lo.w * scale);
     dst[2] = pack2<T>(hi.x * scale, hi.y * scale);
     dst[3] = pack2<T>(hi.z * scale, hi.w * scale);
-}
-
-/* dQ accumulator of the KV-parallel backward: float [B, X, Y, Z, H, D], contiguous */
-static __host__ __device__ inline nbhd_tensor dq_accumulator(const nbhd_geometry &g, float *data) {
-    nbhd_tensor t;
-    t.data = (void *)data;
-    t.stride[5] = 1;
-    t.stride[4] = g.head_dim;
-    t.stride[3] = t.stride[4] * g.heads;
-    t.stride[2] = t.stride[3] * g.axis[2].extent;
-    t.stride[1] = t.stride[2] * g.axis[1].extent;
-    t.stride[0] = t.stride[1] * g.axis[0].extent;
-    return t;
 }
 
 template <typename T, int HD, bool EXTRA, bool KVP, int MINB = 2>
@@ -651,12 +639,6 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
-    if (mb == 2) {  /* 128-row patches: tiles.cu lists them for the backward only on Hopper, D >= 64 */
-        if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, st)) != NBHD_OK) return s;
-        if (g->extra_kv == 0) return NBHD_OK;
-        return launch_dkdv<T, HD, true, false>(g, a, Dws, nullptr, P, st);  /* the extra keys' */
-    }
-
     if constexpr (HD <= 64) if (kv_parallel) {  /* kv_parallel_applies: D <= 64 only */
         float *dq_acc = (float *)((unsigned char *)workspace + di_bytes(g));
         if (cudaMemsetAsync(dq_acc, 0, dq_accumulator_bytes(g), st) != cudaSuccess) {
@@ -664,12 +646,24 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
             return nbhd_fail(NBHD_ERR_DEVICE, "mma backward: clearing the dQ accumulator: %s",
                              cudaGetErrorString(err));
         }
-        if ((s = launch_key_stationary<T, HD, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK) return s;
+        if (mb == 2) {  /* 128-row patches: the wgmma pass for the window keys, mma.sync the extra */
+            if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, st)) != NBHD_OK) return s;
+            if (g->extra_kv > 0 && (s = launch_dkdv<T, HD, true, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK)
+                return s;
+        } else if ((s = launch_key_stationary<T, HD, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK) {
+            return s;
+        }
         const int64_t chunks = rows * (HD / 8);
         dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(
             *g, a->d_q, dq_acc, (float)g->scale);
         NBHD_CUDA_CHECK_LAUNCH("mma backward (dq from the accumulator)");
         return NBHD_OK;
+    }
+
+    if (mb == 2) {  /* 128-row patches: tiles.cu lists them for the backward only on Hopper, D >= 64 */
+        if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, nullptr, st)) != NBHD_OK) return s;
+        if (g->extra_kv == 0) return NBHD_OK;
+        return launch_dkdv<T, HD, true, false>(g, a, Dws, nullptr, P, st);  /* the extra keys' */
     }
 
     const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;

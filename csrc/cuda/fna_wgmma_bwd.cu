@@ -12,8 +12,13 @@
  *                neighbourhoods in tiles of BN queries, for every query head of its key head:
  *                  S^T = K Q^T, dP^T = V dO^T
  *                  dV += P^T dO, dK += dS^T Q        P^T, dS^T from registers
+ *                KV-parallel (D = 64, tiles of 128 queries): dS^T is also staged in shared
+ *                memory, and each warpgroup forms dQ = dS K for 64 of the tile's queries over
+ *                the CTA's 128 keys (both operands MN-major) and adds it with fp32 atomics to
+ *                the accumulator fna_mma_bwd.cu clears and converts: no dq kernel, so S and dP
+ *                are formed once (5 products per tile instead of 7), summation order not fixed.
  *
- * Each output element is written once by one thread: deterministic. A tile inside every row's
+ * Otherwise each output element is written once by one thread: deterministic. A tile inside every row's
  * window of a warpgroup skips the mask (wgmma.cuh tile_inside). Every wgmma is issued on every
  * tile outside any branch (ptxas serialises wgmma it cannot prove warpgroup-uniform). The dq
  * kernel leaves the previous tile's dQ product running during this tile's P and dS, as the
@@ -39,9 +44,9 @@ static constexpr size_t dq_smem_bytes() {
     return 1024 + 2 * (size_t)(2 * WGMMA_BM + (WGB_DQ_K_STAGES + WGB_DQ_V_STAGES) * BN) * HD +
            sizeof(int) * WGB_DQ_V_STAGES * RANK * BN;
 }
-template <int HD, int BN, int RANK>
+template <int HD, int BN, int RANK, bool KVP>
 static constexpr size_t dkdv_smem_bytes() {
-    return 1024 + 2 * (size_t)(2 * WGMMA_BM + 2 * WGB_KV_STAGES * BN) * HD +
+    return 1024 + 2 * (size_t)(2 * WGMMA_BM + 2 * WGB_KV_STAGES * BN) * HD + (KVP ? 2 * (size_t)WGMMA_BM * BN : 0) +
            sizeof(int) * WGB_KV_STAGES * (RANK + 2) * BN;
 }
 
@@ -224,20 +229,22 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
 }
 
 // ----------------------------------------------------------------------------
-// dK, dV of the window keys, key-stationary
+// dK, dV of the window keys, key-stationary (KVP: and their part of dQ, by fp32 atomics)
 
-template <typename T, int HD, int BN, int RANK>
+template <typename T, int HD, int BN, int RANK, bool KVP>
 __global__ void __launch_bounds__(WGMMA_THREADS, 1)
 fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
-                      const mma_plan P) {
+                      float *dq_acc, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     constexpr int BM = WGMMA_BM, ST = WGB_KV_STAGES;
+    static_assert(!KVP || (HD == 64 && BN == BM), "KV-parallel dQ: D = 64, each warpgroup 64 of 128 queries");
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Ks = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
     T *Vs = Ks + BM * HD;                       /* [BM][HD] */
     T *Qs = Vs + BM * HD;                       /* [ST][BN][HD] */
     T *dOs = Qs + ST * BN * HD;                 /* [ST][BN][HD] */
-    int *qc = (int *)(dOs + ST * BN * HD);      /* [ST][RANK][BN] in-group query coordinates */
+    T *dSs = dOs + ST * BN * HD;                /* KVP: [BN / 64][BM][64] dS^T of the tile */
+    int *qc = (int *)(dSs + (KVP ? BM * BN : 0)); /* [ST][RANK][BN] in-group query coordinates */
     float *ql = (float *)(qc + ST * RANK * BN); /* [ST][BN] lse */
     float *qd = ql + ST * BN;                   /* [ST][BN] D_i */
 
@@ -295,6 +302,8 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
     const group_ptr<const T> dop = group_ptr_of<const T>(a.d_out, g, C.b, C.grp, h0);
     const group_ptr<const float> lp = group_ptr_of<const float>(a.lse, g, C.b, C.grp, h0);
     const group_ptr<const float> dwp = group_ptr_of<const float>(di_tensor(g, Dws), g, C.b, C.grp, h0);
+    const group_ptr<float> dqp = KVP ? group_ptr_of<float>(dq_accumulator(g, dq_acc), g, C.b, C.grp, h0)
+                                     : group_ptr<float>{};
     auto load_tile = [&](int t, int s) {
         constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BN, CPT = CH / TPR;
         const int hh = t / tiles_per_head;
@@ -360,13 +369,19 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
         }
     }
 
-    float dk[HD / 8][4], dv[HD / 8][4];
+    float dk[HD / 8][4], dv[HD / 8][4], dq[KVP ? HD / 8 : 1][4];
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+#pragma unroll
+    for (int i = 0; i < (KVP ? HD / 8 : 1); ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
     const float sl2 = P.scale_log2;
     const uint32_t k_base = smem_u32(Ks) + wg * 64 * 128, v_base = smem_u32(Vs) + wg * 64 * 128;
+    /* KVP: dQ of the tile's queries 64 wg .. 64 wg + 63 = dS K over the CTA's 128 keys; A is
+     * their query block of the staged dS^T (queries along m, keys along k: MN-major), B all of K
+     * (keys along k, head dim along n: MN-major) */
+    const uint32_t ds_base = smem_u32(dSs) + wg * BM * 128, k_all = smem_u32(Ks);
 
     tile_ring_start<ST, 1>(tiles, load_tile);  /* K and V ride with tile 0's group */
     for (int t = 0; t < tiles; ++t) {
@@ -421,16 +436,52 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
             for (int e = 0; e < 4; ++e) dpt[nb][e] = sc[nb][e] * (dpt[nb][e] - qdt[nb * 8 + 2 * cq + (e & 1)]);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(df[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+        if constexpr (KVP) {  /* stage dS^T (this warp's 16 keys x BN queries) for dQ */
+            const int kr = w * 16 + (lane >> 2);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int row = kr + 8 * (i & 1), col = kk * 16 + 8 * (i >> 1) + 2 * cq;
+                    *(uint32_t *)(dSs + gmma_off<BM>(row, col >> 3) + (col & 7)) = df[kk][i];
+                }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  /* seen by wgmma */
+        }
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             wgmma_op<T, HD>::rs_bt(&dk[0][0], df[kk], gmma_desc(q_st + kk * 16 * 128, BN * 128, 1024), 1);
         wgmma_commit();
+        if constexpr (KVP) {  /* both warpgroups' dS^T staged: dQ = dS K, then added to the accumulator */
+            __syncthreads();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                wgmma_op<T, 64>::ss_tt(&dq[0][0], gmma_desc(ds_base + kk * 16 * 128, BM * 128, 1024),
+                                       gmma_desc(k_all + kk * 16 * 128, BM * 128, 1024), kk > 0);
+            wgmma_commit();
+        }
         wgmma_wait<0>();
         fence_regs(pf);
         fence_regs(df);
         fence_regs(dk);
         fence_regs(dv);
+        if constexpr (KVP) {  /* dS^T is rewritten only after the next tile's barrier */
+            fence_regs(dq);
+            const int64_t head = (int64_t)(t / tiles_per_head) * HD;
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                const int cr = w * 16 + (lane >> 2) + 8 * hrow;  /* = 64 wg + 16 (w % 4) + .. */
+                int j[3] = {0, 0, 0};
+#pragma unroll
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = qct[ax * BN + cr];
+                if (j[0] == KEY_NONE) continue;
+                float *dst = dqp.at(j[0], j[1], j[2]) + head + 2 * cq;
+#pragma unroll
+                for (int nb = 0; nb < HD / 8; ++nb)
+                    atomicAdd((float2 *)(dst + nb * 8), make_float2(dq[nb][2 * hrow], dq[nb][2 * hrow + 1]));
+            }
+        }
     }
     cp_async_wait<0>();
 
@@ -448,55 +499,67 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
 // ----------------------------------------------------------------------------
 // launch
 
+template <typename... Params, typename... Args>
+static nbhd_status launch_kernel(void (*kernel)(Params...), size_t smem, int64_t ctas, const char *what,
+                                 cudaStream_t st, Args... args) {
+    const nbhd_status s = nbhd_cuda_reserve_smem(kernel, smem, what);
+    if (s != NBHD_OK) return s;
+    kernel<<<(unsigned)ctas, WGMMA_THREADS, smem, st>>>(args...);
+    NBHD_CUDA_CHECK_LAUNCH(what);
+    return NBHD_OK;
+}
+
+/* dq_acc: the KV-parallel pass (D = 64, tiles of 128): dK/dV and dQ by atomics, no dq kernel */
 template <typename T, int HD, int BN, int RANK>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
-                               const mma_plan &P, cudaStream_t st) {
+                               float *dq_acc, const mma_plan &P, cudaStream_t st) {
     const int64_t q_ctas = g->batch * g->heads * P.patches, kv_ctas = g->batch * g->kv_heads * P.patches;
     nbhd_status s;
     if ((s = nbhd_cuda_grid_fits(q_ctas, "wgmma backward")) != NBHD_OK) return s;
-    constexpr size_t smem_dq = dq_smem_bytes<HD, BN, RANK>(), smem_kv = dkdv_smem_bytes<HD, BN, RANK>();
-    auto dq_kernel = fna_wgmma_dq_kernel<T, HD, BN, RANK>;
-    auto dkdv_kernel = fna_wgmma_dkdv_kernel<T, HD, BN, RANK>;
-    if ((s = nbhd_cuda_reserve_smem(dq_kernel, smem_dq, "wgmma backward (dq)")) != NBHD_OK) return s;
-    dq_kernel<<<(unsigned)q_ctas, WGMMA_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
-    NBHD_CUDA_CHECK_LAUNCH("wgmma backward (dq)");
-    if ((s = nbhd_cuda_reserve_smem(dkdv_kernel, smem_kv, "wgmma backward (dk, dv)")) != NBHD_OK) return s;
-    dkdv_kernel<<<(unsigned)kv_ctas, WGMMA_THREADS, smem_kv, st>>>(*g, *a, Dws, P);
-    NBHD_CUDA_CHECK_LAUNCH("wgmma backward (dk, dv)");
-    return NBHD_OK;
+    if constexpr (HD == 64 && BN == WGMMA_BM) {
+        if (dq_acc)
+            return launch_kernel(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true>, dkdv_smem_bytes<HD, BN, RANK, true>(),
+                                 kv_ctas, "wgmma backward (dk, dv, dq)", st, *g, *a, Dws, dq_acc, P);
+    }
+    if ((s = launch_kernel(fna_wgmma_dq_kernel<T, HD, BN, RANK>, dq_smem_bytes<HD, BN, RANK>(), q_ctas,
+                           "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
+        return s;
+    return launch_kernel(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false>, dkdv_smem_bytes<HD, BN, RANK, false>(),
+                         kv_ctas, "wgmma backward (dk, dv)", st, *g, *a, Dws, (float *)nullptr, P);
 }
 
 template <typename T, int HD, int BN>
 static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
-                             cudaStream_t st) {
+                             float *dq_acc, cudaStream_t st) {
     const mma_plan P = mma_plan_of(g, 2);
     switch (P.rank) {
-    case 1: return launch_rank<T, HD, BN, 1>(g, a, Dws, P, st);
-    case 2: return launch_rank<T, HD, BN, 2>(g, a, Dws, P, st);
-    default: return launch_rank<T, HD, BN, 3>(g, a, Dws, P, st);
+    case 1: return launch_rank<T, HD, BN, 1>(g, a, Dws, dq_acc, P, st);
+    case 2: return launch_rank<T, HD, BN, 2>(g, a, Dws, dq_acc, P, st);
+    default: return launch_rank<T, HD, BN, 3>(g, a, Dws, dq_acc, P, st);
     }
 }
 
 /* Tiles (keys of dQ, queries of dK/dV) of 64 at D = 128, of 128 at D = 64: twice the products
  * per barrier and softmax pass there (H200, bench/ab_fwd.py --bwd: 1.02x on 1-D 32768 w2048,
- * 1.04x on strided 3-D). NBHD_WGMMA_BN=64 forces 64 at D = 64 (A/B runs). */
+ * 1.04x on strided 3-D). NBHD_WGMMA_BN=64 forces 64 at D = 64 on the two deterministic passes
+ * (A/B runs; the KV-parallel pass takes 128 always). */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
-                          cudaStream_t st) {
+                          float *dq_acc, cudaStream_t st) {
     const char *forced = getenv("NBHD_WGMMA_BN");
     if constexpr (HD == 64) {
-        if (forced && forced[0] == '6') return launch_bn<T, HD, 64>(g, a, Dws, st);
-        return launch_bn<T, HD, 128>(g, a, Dws, st);
+        if (forced && forced[0] == '6' && !dq_acc) return launch_bn<T, HD, 64>(g, a, Dws, nullptr, st);
+        return launch_bn<T, HD, 128>(g, a, Dws, dq_acc, st);
     }
-    return launch_bn<T, HD, 64>(g, a, Dws, st);
+    return launch_bn<T, HD, 64>(g, a, Dws, nullptr, st);
 }
 
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                     const float *Dws, cudaStream_t st) {
+                                     const float *Dws, float *dq_acc, cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;
     switch (g->head_dim) {
-    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, Dws, st) : launch<__half, 64>(g, a, Dws, st);
-    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, Dws, st) : launch<__half, 128>(g, a, Dws, st);
+    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, Dws, dq_acc, st) : launch<__half, 64>(g, a, Dws, dq_acc, st);
+    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, Dws, dq_acc, st) : launch<__half, 128>(g, a, Dws, dq_acc, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: head_dim %d", g->head_dim);
 }

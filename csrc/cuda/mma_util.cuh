@@ -342,6 +342,20 @@ __device__ __forceinline__ nbhd_tensor di_tensor(const nbhd_geometry &g, const f
     return t;
 }
 
+/* the KV-parallel backward's fp32 dQ accumulator (workspace after D_i): float [B, X, Y, Z, H, D],
+ * contiguous */
+__host__ __device__ inline nbhd_tensor dq_accumulator(const nbhd_geometry &g, float *data) {
+    nbhd_tensor t;
+    t.data = (void *)data;
+    t.stride[5] = 1;
+    t.stride[4] = g.head_dim;
+    t.stride[3] = t.stride[4] * g.heads;
+    t.stride[2] = t.stride[3] * g.axis[2].extent;
+    t.stride[1] = t.stride[2] * g.axis[1].extent;
+    t.stride[0] = t.stride[1] * g.axis[0].extent;
+    return t;
+}
+
 #define BR 64  /* rows per CTA of the backward and JVP kernels (4 warps x 16) */
 #define BC 32  /* columns per tile of the backward and JVP kernels */
 

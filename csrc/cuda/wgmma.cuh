@@ -236,12 +236,12 @@ template <typename T, int N> struct wgmma_op;
                        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                        \
                      : "l"(a_desc), "l"(b_desc), "r"(accumulate))
 
-#define NBHD_WGMMA_SS_N64(TY)                                                                   \
+#define NBHD_WGMMA_SS_N64(TY, TRANS)                                                            \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                    \
                      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
                      "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-                     "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                \
+                     "%32, %33, p, 1, 1, " TRANS ";\n}\n"                                           \
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),      \
                        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),    \
                        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),             \
@@ -325,7 +325,11 @@ template <> struct wgmma_op<__half, 32> {
 };
 template <> struct wgmma_op<__nv_bfloat16, 64> {
     static __device__ __forceinline__ void ss(float d[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-        NBHD_WGMMA_SS_N64("bf16");
+        NBHD_WGMMA_SS_N64("bf16", "0, 0");
+    }
+    /* A and B MN-major ("transposed": the KV-parallel backward's dQ += dS K, dS^T staged) */
+    static __device__ __forceinline__ void ss_tt(float d[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N64("bf16", "1, 1");
     }
     /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
     static __device__ __forceinline__ void rs_bt(float d[32], const uint32_t a[4], uint64_t b_desc, int accumulate) {
@@ -334,7 +338,11 @@ template <> struct wgmma_op<__nv_bfloat16, 64> {
 };
 template <> struct wgmma_op<__half, 64> {
     static __device__ __forceinline__ void ss(float d[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-        NBHD_WGMMA_SS_N64("f16");
+        NBHD_WGMMA_SS_N64("f16", "0, 0");
+    }
+    /* A and B MN-major ("transposed": the KV-parallel backward's dQ += dS K, dS^T staged) */
+    static __device__ __forceinline__ void ss_tt(float d[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N64("f16", "1, 1");
     }
     /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
     static __device__ __forceinline__ void rs_bt(float d[32], const uint32_t a[4], uint64_t b_desc, int accumulate) {
