@@ -193,7 +193,7 @@ nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forwa
 
 /* fna_wgmma_bwd.cu: the Hopper backward's dQ and window-key dK/dV on 128-row patches, D = Dv in
  * {64, 128}, given D_i in Dws (fna_mma_bwd.cu runs it on the mma.sync backward's conditions).
- * dq_acc (KV-parallel, D = 64 only): the window keys' dQ is added to this zeroed fp32
+ * dq_acc (KV-parallel): the window keys' dQ is added to this zeroed fp32
  * accumulator (mma_util.cuh dq_accumulator) in the dK/dV pass; null: two deterministic passes */
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
                                      const float *Dws, float *dq_acc, cudaStream_t stream);

@@ -639,7 +639,7 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
-    if constexpr (HD <= 64) if (kv_parallel) {  /* kv_parallel_applies: D <= 64 only */
+    if (kv_parallel) {  /* kv_parallel_applies: D <= 64, or D = 128 on 128-row patches */
         float *dq_acc = (float *)((unsigned char *)workspace + di_bytes(g));
         if (cudaMemsetAsync(dq_acc, 0, dq_accumulator_bytes(g), st) != cudaSuccess) {
             const cudaError_t err = cudaGetLastError();
@@ -650,8 +650,8 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
             if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, st)) != NBHD_OK) return s;
             if (g->extra_kv > 0 && (s = launch_dkdv<T, HD, true, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK)
                 return s;
-        } else if ((s = launch_key_stationary<T, HD, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK) {
-            return s;
+        } else if constexpr (HD <= 64) {
+            if ((s = launch_key_stationary<T, HD, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK) return s;
         }
         const int64_t chunks = rows * (HD / 8);
         dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(
@@ -674,14 +674,16 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     return launch_key_stationary<T, HD, false>(g, a, Dws, nullptr, P, st);
 }
 
-/* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64. At D = 128
- * the key-stationary kernel already holds dK and dV in 256 registers, and its dQ phase cost more
+/* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64, and D = 128
+ * on 128-row patches (the wgmma pass). On the 64-row mma.sync kernels at D = 128 the
+ * key-stationary kernel already holds dK and dV in 256 registers, and its dQ phase cost more
  * than the separate dq_kernel (H200, bf16, 16 heads: 2-6 % slower on the bench problems; at
  * D = 64 3-9 % faster on four of them, 2 % slower on strided 3-D; bench/RESULTS_GPU.md). */
 static bool kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e) {
     const int D = g->head_dim;
-    return e && e->kv_parallel && (g->dtype == NBHD_F16 || g->dtype == NBHD_BF16) &&
-           D == g->head_dim_v && (D == 32 || D == 64);
+    if (!e || !e->kv_parallel || (g->dtype != NBHD_F16 && g->dtype != NBHD_BF16) || D != g->head_dim_v)
+        return false;
+    return D == 32 || D == 64 || (D == 128 && nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_BACKWARD) == 2);
 }
 
 size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, const nbhd_exec *e) {

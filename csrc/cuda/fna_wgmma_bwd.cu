@@ -12,9 +12,10 @@
  *                neighbourhoods in tiles of BN queries, for every query head of its key head:
  *                  S^T = K Q^T, dP^T = V dO^T
  *                  dV += P^T dO, dK += dS^T Q        P^T, dS^T from registers
- *                KV-parallel (D = 64, tiles of 128 queries): dS^T is also staged in shared
- *                memory, and each warpgroup forms dQ = dS K for 64 of the tile's queries over
- *                the CTA's 128 keys (both operands MN-major) and adds it with fp32 atomics to
+ *                KV-parallel: dS^T is also staged in shared memory, and each warpgroup forms a
+ *                64 x 64 block of dQ = dS K (its 64 of the tile's 128 queries at D = 64, its 64
+ *                of 128 columns at D = 128) over the CTA's 128 keys (both operands MN-major)
+ *                and adds it with fp32 atomics to
  *                the accumulator fna_mma_bwd.cu clears and converts: no dq kernel, so S and dP
  *                are formed once (5 products per tile instead of 7), summation order not fixed.
  *
@@ -237,7 +238,10 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
                       float *dq_acc, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     constexpr int BM = WGMMA_BM, ST = WGB_KV_STAGES;
-    static_assert(!KVP || (HD == 64 && BN == BM), "KV-parallel dQ: D = 64, each warpgroup 64 of 128 queries");
+    /* KVP: a warpgroup's dQ is 64 queries x 64 columns: of 128 queries at D = 64 it takes query
+     * block wg, of 64 queries at D = 128 column block wg */
+    constexpr int NQB = BN / 64;
+    static_assert(!KVP || NQB * (HD / 64) == 2, "KV-parallel dQ: two 64 x 64 blocks per tile");
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Ks = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
     T *Vs = Ks + BM * HD;                       /* [BM][HD] */
@@ -369,19 +373,20 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
         }
     }
 
-    float dk[HD / 8][4], dv[HD / 8][4], dq[KVP ? HD / 8 : 1][4];
+    float dk[HD / 8][4], dv[HD / 8][4], dq[KVP ? 8 : 1][4];
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
 #pragma unroll
-    for (int i = 0; i < (KVP ? HD / 8 : 1); ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+    for (int i = 0; i < (KVP ? 8 : 1); ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
     const float sl2 = P.scale_log2;
     const uint32_t k_base = smem_u32(Ks) + wg * 64 * 128, v_base = smem_u32(Vs) + wg * 64 * 128;
-    /* KVP: dQ of the tile's queries 64 wg .. 64 wg + 63 = dS K over the CTA's 128 keys; A is
-     * their query block of the staged dS^T (queries along m, keys along k: MN-major), B all of K
-     * (keys along k, head dim along n: MN-major) */
-    const uint32_t ds_base = smem_u32(dSs) + wg * BM * 128, k_all = smem_u32(Ks);
+    /* KVP: the warpgroup's dQ block = dS K over the CTA's 128 keys; A its query block of the
+     * staged dS^T (queries along m, keys along k: MN-major), B its column block of K (keys along
+     * k, head dim along n: MN-major) */
+    const int dq_qb = NQB == 2 ? wg : 0, dq_cb = NQB == 2 ? 0 : wg;
+    const uint32_t ds_base = smem_u32(dSs) + dq_qb * BM * 128, k_cols = smem_u32(Ks) + dq_cb * BM * 128;
 
     tile_ring_start<ST, 1>(tiles, load_tile);  /* K and V ride with tile 0's group */
     for (int t = 0; t < tiles; ++t) {
@@ -458,7 +463,7 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
                 wgmma_op<T, 64>::ss_tt(&dq[0][0], gmma_desc(ds_base + kk * 16 * 128, BM * 128, 1024),
-                                       gmma_desc(k_all + kk * 16 * 128, BM * 128, 1024), kk > 0);
+                                       gmma_desc(k_cols + kk * 16 * 128, BM * 128, 1024), kk > 0);
             wgmma_commit();
         }
         wgmma_wait<0>();
@@ -468,17 +473,17 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
         fence_regs(dv);
         if constexpr (KVP) {  /* dS^T is rewritten only after the next tile's barrier */
             fence_regs(dq);
-            const int64_t head = (int64_t)(t / tiles_per_head) * HD;
+            const int64_t cols = (int64_t)(t / tiles_per_head) * HD + dq_cb * 64;  /* head, block */
 #pragma unroll
             for (int hrow = 0; hrow < 2; ++hrow) {
-                const int cr = w * 16 + (lane >> 2) + 8 * hrow;  /* = 64 wg + 16 (w % 4) + .. */
+                const int cr = (NQB == 2 ? w : w & 3) * 16 + (lane >> 2) + 8 * hrow;  /* dq_qb's */
                 int j[3] = {0, 0, 0};
 #pragma unroll
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = qct[ax * BN + cr];
                 if (j[0] == KEY_NONE) continue;
-                float *dst = dqp.at(j[0], j[1], j[2]) + head + 2 * cq;
+                float *dst = dqp.at(j[0], j[1], j[2]) + cols + 2 * cq;
 #pragma unroll
-                for (int nb = 0; nb < HD / 8; ++nb)
+                for (int nb = 0; nb < 8; ++nb)
                     atomicAdd((float2 *)(dst + nb * 8), make_float2(dq[nb][2 * hrow], dq[nb][2 * hrow + 1]));
             }
         }
@@ -509,14 +514,15 @@ static nbhd_status launch_kernel(void (*kernel)(Params...), size_t smem, int64_t
     return NBHD_OK;
 }
 
-/* dq_acc: the KV-parallel pass (D = 64, tiles of 128): dK/dV and dQ by atomics, no dq kernel */
+/* dq_acc: the KV-parallel pass (tiles of 128 at D = 64, 64 at D = 128): dK/dV and dQ by atomics,
+ * no dq kernel */
 template <typename T, int HD, int BN, int RANK>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                float *dq_acc, const mma_plan &P, cudaStream_t st) {
     const int64_t q_ctas = g->batch * g->heads * P.patches, kv_ctas = g->batch * g->kv_heads * P.patches;
     nbhd_status s;
     if ((s = nbhd_cuda_grid_fits(q_ctas, "wgmma backward")) != NBHD_OK) return s;
-    if constexpr (HD == 64 && BN == WGMMA_BM) {
+    if constexpr ((BN / 64) * (HD / 64) == 2) {
         if (dq_acc)
             return launch_kernel(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true>, dkdv_smem_bytes<HD, BN, RANK, true>(),
                                  kv_ctas, "wgmma backward (dk, dv, dq)", st, *g, *a, Dws, dq_acc, P);
@@ -551,7 +557,7 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, c
         if (forced && forced[0] == '6' && !dq_acc) return launch_bn<T, HD, 64>(g, a, Dws, nullptr, st);
         return launch_bn<T, HD, 128>(g, a, Dws, dq_acc, st);
     }
-    return launch_bn<T, HD, 64>(g, a, Dws, nullptr, st);
+    return launch_bn<T, HD, 64>(g, a, Dws, dq_acc, st);
 }
 
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,

@@ -6,7 +6,8 @@
  * wgmma kernels, fna_wgmma.cu and fna_wgmma_jvp.cu), and on Hopper the backward too
  * (fna_wgmma_bwd.cu), the default where large_patch_default says.
  * The listed kv tile names the patch, whose exact union of windows
- * the kernels walk in row-major runs of 32 or 64 keys; the first listed is the default. The
+ * the kernels walk in row-major runs of 32 or 64 keys; the first listed is the default (the
+ * backward's: with KV parallelism, exec.kv_parallel's default in nbhd's front end). The
  * simple kernels have no tiles (dispatch.cu refuses exec tiles for problems that would run on
  * them).
  */
@@ -37,11 +38,15 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
  * D = 128; on Hopper (the wgmma kernel, fna_wgmma_jvp.cu) every window at D = 128 and windows of
  * 512+ keys at D = 64 (H200, bench/ab_fwd.py --jvp: 1.06-1.17x faster than 64-query patches on
  * the 2-D/3-D small windows at D = 128, 1.06-1.11x slower at D = 64; 1.3-1.5x faster on 1-D
- * 32768 w2048 and strided 3-D at D = 64). */
-static bool large_patch_default(const nbhd_geometry *g, nbhd_op op) {
+ * 32768 w2048 and strided 3-D at D = 64). The backward (Hopper only): windows of 512+ keys, and
+ * with KV parallelism every window at D = 128 (its one wgmma pass, fna_wgmma_bwd.cu, against the
+ * 64-row mma.sync kernels, H200 bf16 16 heads, bench/ab_fwd.py --bwd: 1.11-1.22x faster on the
+ * 2-D/3-D small windows; deterministic, 1.12x slower there; at D = 64 1.0-1.10x slower). */
+static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_parallel) {
     if (!g->has_window) return false;
     const bool large = nbhd_cuda_mma_large_window(g);
-    if (op == NBHD_OP_FORWARD || op == NBHD_OP_BACKWARD) return large;
+    if (op == NBHD_OP_FORWARD) return large;
+    if (op == NBHD_OP_BACKWARD) return large || (kv_parallel && g->head_dim == 128);
     if (nbhd_cuda_wgmma_ready()) return large || g->head_dim >= 128;
     return large && g->head_dim >= 128;
 }
@@ -52,7 +57,7 @@ int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op o
         if (e->q_tile[ax] > 0) requested *= e->q_tile[ax];
     if (requested > 1) return requested == 128 ? 2 : 1;
     const char *forced = getenv("NBHD_MMA_FWD_MB");  /* A/B runs: bench/ab_fwd.py */
-    const bool large = forced && forced[0] ? forced[0] == '2' : large_patch_default(g, op);
+    const bool large = forced && forced[0] ? forced[0] == '2' : large_patch_default(g, op, e->kv_parallel);
     return large && large_patch_allowed(g, op) ? 2 : 1;
 }
 
@@ -66,7 +71,7 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
     static const int32_t patch[2][3][3] = {{{64, 0, 0}, {8, 8, 0}, {4, 4, 4}},
                                            {{128, 0, 0}, {16, 8, 0}, {8, 4, 4}}};
     const bool two = large_patch_allowed(g, op);
-    const int first = two && large_patch_default(g, op) ? 1 : 0;
+    const int first = two && large_patch_default(g, op, true) ? 1 : 0;  /* KV parallelism: the default */
     const int32_t count = two ? 2 : 1;
     for (int i = 0; i < count && i < max; ++i) {
         const int which = i == 0 ? first : 1 - first;

@@ -95,8 +95,9 @@ typedef struct {
     size_t workspace_bytes;
     int32_t threads;                  /* CPU threads; <= 0: OpenMP's default */
     int32_t kv_parallel;              /* GPU backward may add dQ with fp32 atomics (f16/bf16,
-                                         D <= 64): not bitwise deterministic; 0: deterministic.
-                                         Pass the same value to nbhd_workspace_bytes. */
+                                         D <= 64; D = 128 on Hopper's 128-row patches): not
+                                         bitwise deterministic; 0: deterministic. Pass the same
+                                         value to nbhd_workspace_bytes. */
     int32_t use_reference;            /* force the plain scalar kernels (tests, debugging) */
     int32_t q_tile[NBHD_MAX_RANK];    /* query tile per problem axis; all 0: the library chooses */
     int32_t kv_tile[NBHD_MAX_RANK];   /* key tile per axis; a set tile must belong to one of
