@@ -244,6 +244,29 @@ def test_backward_determinism(dtype, patch, monkeypatch):
             check(name, g, g_det.double(), dtype, case)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_backward_out_unaligned(dtype):
+    """The forward's output is only read by the backward's D_i pass: one whose rows are not
+    16-byte aligned (element loads instead of vector loads, csrc/cuda/fna_mma_bwd.cu di_kernel)
+    gives the same gradients, bit for bit, with KV parallelism off."""
+    case = (2, (24, 20), (7, 5), (1, 1), (1, 2), (False, False), 2, 4, 2, 64, 64, 6, "contig")
+    inputs, geo = build(case, dtype, 3)
+    out, lse = ops.na_forward(*inputs, *geo)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    d_out = torch.randn(out.shape, generator=gen, device="cuda", dtype=dtype)
+    shifted = torch.empty(out.numel() + 1, device="cuda", dtype=dtype)[1:].view(out.shape)
+    shifted.copy_(out)
+    old = nbhd.is_kv_parallelism_in_fused_na_enabled()
+    try:
+        nbhd.use_kv_parallelism_in_fused_na(False)
+        want = ops.na_backward(*inputs, out, lse, d_out, None, *geo)
+        got = ops.na_backward(*inputs, shifted, lse, d_out, None, *geo)
+    finally:
+        nbhd.use_kv_parallelism_in_fused_na(old)
+    for g0, g1 in zip(want, got):
+        assert torch.equal(g0, g1), "an unaligned output changed the gradients"
+
+
 @pytest.mark.parametrize("scale", [2.0 ** 16, 2.0 ** 50])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_backward_huge_scores_finite(dtype, scale, use_reference, kv_parallel):

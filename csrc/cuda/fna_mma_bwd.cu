@@ -27,22 +27,45 @@
 // ----------------------------------------------------------------------------
 // 1. D_i = dO_i.O_i - dLSE_i
 
-template <typename T>
-__global__ void __launch_bounds__(128) di_kernel(const nbhd_geometry g, const nbhd_backward_args a,
+/* A thread per 8 channels of a row (Dv / 8 = 4, 8 or 16 threads per row, lanes of one warp),
+ * VEC: O rows 16-byte aligned with unit element stride (dO's are: the mma path's condition), one
+ * 16-byte load of each; else 8 element loads of O. (A warp per row with 2-byte loads ran at
+ * about a third of the memory's bandwidth: 0.23 ms of a 1.7 ms backward on 2-D 64^2 B8 D = 128,
+ * H200, bench/profile_kernels.py.) */
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nbhd_backward_args a,
                                                  float *Dws) {
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
-    if (r >= g.batch * g.tokens * g.heads) return;
-    const int64_t h = r % g.heads, tok = (r / g.heads) % g.tokens, b = r / (g.heads * g.tokens);
-    int64_t c[3];
-    token_coords(g, tok, c);
-    const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h);
-    const int64_t dd = offset_of(a.d_out, b, c[0], c[1], c[2], h);
+    const int per_row = g.head_dim_v / 8;
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, r = i / per_row;
+    const int d = (int)(i - r * per_row) * 8;
+    const bool valid = r < g.batch * g.tokens * g.heads;
+    int64_t h = 0, b = 0, c[3] = {0, 0, 0};
     float acc = 0.f;
-    for (int d = lane; d < g.head_dim_v; d += 32)
-        acc += ld<T, float>(a.out, oo + d * a.out.stride[5]) * ld<T, float>(a.d_out, dd + d * a.d_out.stride[5]);
-    acc = warp_sum(acc);
-    if (lane == 0) {
+    if (valid) {
+        h = r % g.heads;
+        b = r / (g.heads * g.tokens);
+        token_coords(g, (r / g.heads) % g.tokens, c);
+        const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h) + d;
+        const uint4 dv = *(const uint4 *)((const T *)a.d_out.data + offset_of(a.d_out, b, c[0], c[1], c[2], h) + d);
+        const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w};
+        uint32_t ow[4];
+        if (VEC) {
+            const uint4 ov = *(const uint4 *)((const T *)a.out.data + oo);
+            ow[0] = ov.x, ow[1] = ov.y, ow[2] = ov.z, ow[3] = ov.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                ow[e] = pack2<T>(ld<T, float>(a.out, oo + 2 * e * a.out.stride[5]),
+                                 ld<T, float>(a.out, oo + (2 * e + 1) * a.out.stride[5]));
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 o2 = unpack2<T>(ow[e]), d2 = unpack2<T>(dw[e]);
+            acc += o2.x * d2.x + o2.y * d2.y;
+        }
+    }
+    for (int o = per_row / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (valid && d == 0) {
         if (a.d_lse.data) acc -= ((const float *)a.d_lse.data)[offset_of(a.d_lse, b, c[0], c[1], c[2], h)];
         Dws[r] = acc;
     }
@@ -636,7 +659,11 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     const int64_t rows = g->batch * g->tokens * g->heads;
     const int64_t ctas = g->batch * g->heads * P.patches;
     if ((s = nbhd_cuda_grid_fits(ctas, "mma backward")) != NBHD_OK) return s;
-    di_kernel<T><<<(unsigned)((rows + 3) / 4), 128, 0, st>>>(*g, *a, Dws);
+    const int64_t di_threads = rows * (HD / 8);
+    if (aligned_rows(a->out, 8, 16))
+        di_kernel<T, true><<<(unsigned)((di_threads + 255) / 256), 256, 0, st>>>(*g, *a, Dws);
+    else
+        di_kernel<T, false><<<(unsigned)((di_threads + 255) / 256), 256, 0, st>>>(*g, *a, Dws);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
     if (kv_parallel) {  /* kv_parallel_applies: D <= 64, or D = 128 on 128-row patches */
