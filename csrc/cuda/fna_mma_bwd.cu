@@ -31,10 +31,11 @@
  * VEC: O rows 16-byte aligned with unit element stride (dO's are: the mma path's condition), one
  * 16-byte load of each; else 8 element loads of O. (A warp per row with 2-byte loads ran at
  * about a third of the memory's bandwidth: 0.23 ms of a 1.7 ms backward on 2-D 64^2 B8 D = 128,
- * H200, bench/profile_kernels.py.) */
+ * H200, bench/profile_kernels.py.) dq_acc (KV-parallel): the thread also clears its 8 floats of
+ * the dQ accumulator (D = Dv), which needs no pass of its own then. */
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nbhd_backward_args a,
-                                                 float *Dws) {
+                                                 float *Dws, float *dq_acc) {
     const int per_row = g.head_dim_v / 8;
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, r = i / per_row;
     const int d = (int)(i - r * per_row) * 8;
@@ -62,6 +63,10 @@ __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nb
         for (int e = 0; e < 4; ++e) {
             const float2 o2 = unpack2<T>(ow[e]), d2 = unpack2<T>(dw[e]);
             acc += o2.x * d2.x + o2.y * d2.y;
+        }
+        if (dq_acc) {  /* [B, X, Y, Z, H, D] contiguous: row r, channels d.. */
+            float4 *z = (float4 *)(dq_acc + r * g.head_dim + d);
+            z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
     for (int o = per_row / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
@@ -659,20 +664,17 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     const int64_t rows = g->batch * g->tokens * g->heads;
     const int64_t ctas = g->batch * g->heads * P.patches;
     if ((s = nbhd_cuda_grid_fits(ctas, "mma backward")) != NBHD_OK) return s;
+    /* KV-parallel (kv_parallel_applies: D <= 64, or D = 128 on 128-row patches): the fp32 dQ
+     * accumulator after D_i, cleared by the D_i pass */
+    float *dq_acc = kv_parallel ? (float *)((unsigned char *)workspace + di_bytes(g)) : nullptr;
     const int64_t di_threads = rows * (HD / 8);
     if (aligned_rows(a->out, 8, 16))
-        di_kernel<T, true><<<(unsigned)((di_threads + 255) / 256), 256, 0, st>>>(*g, *a, Dws);
+        di_kernel<T, true><<<(unsigned)((di_threads + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
     else
-        di_kernel<T, false><<<(unsigned)((di_threads + 255) / 256), 256, 0, st>>>(*g, *a, Dws);
+        di_kernel<T, false><<<(unsigned)((di_threads + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
-    if (kv_parallel) {  /* kv_parallel_applies: D <= 64, or D = 128 on 128-row patches */
-        float *dq_acc = (float *)((unsigned char *)workspace + di_bytes(g));
-        if (cudaMemsetAsync(dq_acc, 0, dq_accumulator_bytes(g), st) != cudaSuccess) {
-            const cudaError_t err = cudaGetLastError();
-            return nbhd_fail(NBHD_ERR_DEVICE, "mma backward: clearing the dQ accumulator: %s",
-                             cudaGetErrorString(err));
-        }
+    if (kv_parallel) {
         if (mb == 2) {  /* 128-row patches: the wgmma pass for the window keys, mma.sync the extra */
             if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, st)) != NBHD_OK) return s;
             if (g->extra_kv > 0 && (s = launch_dkdv<T, HD, true, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK)
