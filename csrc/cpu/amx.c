@@ -22,6 +22,10 @@
  *
  * The second products run on frames of 32 keys from the union's packed start rounded down to a
  * multiple of 32 (P = 0 outside the union), so that their V^T tiles are aligned, contiguous runs.
+ * The forward on row pairs (small Z unions, amx_pair_slices: 3-D window 5, 2-D 56^2 window 7):
+ * each key row takes 16 slots from the union's start, and one second product covers two
+ * neighbouring Y lines, from V^T packed once per union start as 16-key slices, two lines to a
+ * 64-byte tile row (half the products and V^T bytes of 32-key frames per row).
  *
  * Forward+JVP (DESIGN.md §4) adds tS^T = K tQ^T + tK Q^T to the first products, keeps
  * r = sum P tS beside the softmax sums, and C^T += V^T (P o tS)^T + tV^T P^T beside O^T.
@@ -155,6 +159,8 @@ static amx_geo amx_geo_of(const nbhd_geometry *g) {
     return G;
 }
 
+static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int32_t *id, int64_t *sgr, int64_t *sulo);
+
 /* Bytes per slab: forward K and V^T (forward+JVP: tK and tV^T too); backward K, K^T, V and, per
  * query head of the group, Q, Q^T, dO, dO^T and fp32 L, D per position. 0: no AMX kernel. */
 size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
@@ -162,7 +168,13 @@ size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     const amx_geo G = amx_geo_of(g);
     const size_t per = (size_t)G.lines * (size_t)G.ZP, D = (size_t)G.D, Dv = (size_t)G.Dv;
     switch (op) {
-    case NBHD_OP_FORWARD: return per * 2 * (D + Dv) + TAIL + 128;
+    case NBHD_OP_FORWARD: {   /* on row pairs, V^T slices instead of V^T, when larger */
+        int64_t *buf = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)G.ZP), ns = -1;
+        if (buf) ns = amx_pair_slices(&G, g, (int32_t *)buf, buf + G.ZP, buf + 2 * G.ZP);
+        free(buf);
+        const size_t vc = ns > 0 ? (size_t)ns * (size_t)(G.X * ((G.Y + 1) / 2)) * 32 * Dv * 2 : 0;
+        return per * 2 * D + (vc > per * 2 * Dv ? vc : per * 2 * Dv) + TAIL + 128;
+    }
     case NBHD_OP_FORWARD_JVP: return 2 * per * 2 * (D + Dv) + TAIL + 128;
     case NBHD_OP_BACKWARD:
         return per * 2 * (2 * D + Dv) + (size_t)g->group * per * (2 * 2 * (D + Dv) + 8) + TAIL + 128;
@@ -203,41 +215,47 @@ static void amx_pack_rows(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g
  * contiguous run and a tile of 16 dv is 1 KiB of it. Element (dv d, position p): */
 static inline int64_t amx_col(int64_t Dv, int64_t d, int64_t p) { return (p / 32 * Dv + d) * 32 + p % 32; }
 
-/* columns of line (x, y), in-group tokens [i0, i1) (i0 % 16 == 0) of group gr; 16 tokens x 16 dv
- * at a time through a register transpose (a last partial block writes zeros into the padding) */
+/* 16 in-group tokens i0.. of group gr of line (x, y) (the first nz of them; zeros for the others)
+ * as columns: dv d's 16 words at dst + d * dstride, through a register transpose */
+static void amx_cols16(uint16_t *dst, int64_t dstride, const nbhd_geometry *g, const nbhd_tensor *v, int64_t Dv,
+                       int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0, int nz) {
+    const int64_t sv = v->stride[5], dil = g->axis[2].dilation;
+    const uint16_t *tok[16];
+    for (int l = 0; l < nz; ++l) tok[l] = amx_token(v, b, x, y, gr + (i0 + l) * dil, hk);
+    /* 32 dv (16 at the end) at a time as 32-bit dv pairs: one 16 x 16 transpose, then each
+     * pair's low and high words are two dv rows */
+    for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+        const int np = Dv - d0 >= 32 ? 16 : 8;
+        vf r[16];
+        for (int l = 0; l < 16; ++l) {
+            if (l >= nz) r[l] = vf_zero();
+            else if (sv == 1)
+                r[l] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(np == 16 ? ~0u : 0xffffu, tok[l] + d0));
+            else {
+                uint16_t tmp[32] = {0};
+                for (int j = 0; j < 2 * np; ++j) tmp[j] = tok[l][(d0 + j) * sv];
+                r[l] = _mm512_castsi512_ps(_mm512_loadu_si512((const void *)tmp));
+            }
+        }
+        vf_transpose16(r);
+        for (int p = 0; p < np; ++p) {
+            const __m512i w = _mm512_castps_si512(r[p]);
+            _mm256_storeu_si256((__m256i *)(dst + (d0 + 2 * p) * dstride), _mm512_cvtepi32_epi16(w));
+            _mm256_storeu_si256((__m256i *)(dst + (d0 + 2 * p + 1) * dstride),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+        }
+    }
+}
+
+/* columns of line (x, y), in-group tokens [i0, i1) (i0 % 16 == 0) of group gr, 16 tokens at a
+ * time (a last partial block writes zeros into the padding; at % 32 == 0: 16 tokens stay in one
+ * block) */
 static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *v,
                           int64_t Dv, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
                           int64_t i1) {
-    const int64_t sv = v->stride[5];
     const int64_t Lg = nbhd_group_len(&g->axis[2], gr), at = amx_goff(G, gr);
-    for (int64_t ib = i0; ib < i1; ib += 16) {
-        const int nz = (int)(i1 - ib < 16 ? i1 - ib : 16);
-        const uint16_t *tok[16];
-        for (int l = 0; l < nz; ++l) tok[l] = amx_token(v, b, x, y, gr + (ib + l) * G->dil, hk);
-        /* 32 dv (16 at the end) at a time as 32-bit dv pairs: one 16 x 16 transpose, then each
-         * pair's low and high words are two dv rows */
-        for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
-            const int np = Dv - d0 >= 32 ? 16 : 8;
-            vf r[16];
-            for (int l = 0; l < 16; ++l) {
-                if (l >= nz) r[l] = vf_zero();
-                else if (sv == 1)
-                    r[l] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(np == 16 ? ~0u : 0xffffu, tok[l] + d0));
-                else {
-                    uint16_t tmp[32] = {0};
-                    for (int j = 0; j < 2 * np; ++j) tmp[j] = tok[l][(d0 + j) * sv];
-                    r[l] = _mm512_castsi512_ps(_mm512_loadu_si512((const void *)tmp));
-                }
-            }
-            vf_transpose16(r);
-            for (int p = 0; p < np; ++p) {   /* at % 32 == 0: 16 tokens stay in one block */
-                const __m512i w = _mm512_castps_si512(r[p]);
-                _mm256_storeu_si256((__m256i *)(Vt + amx_col(Dv, d0 + 2 * p, at + ib)), _mm512_cvtepi32_epi16(w));
-                _mm256_storeu_si256((__m256i *)(Vt + amx_col(Dv, d0 + 2 * p + 1, at + ib)),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
-            }
-        }
-    }
+    for (int64_t ib = i0; ib < i1; ib += 16)
+        amx_cols16(Vt + amx_col(Dv, 0, at + ib), 32, g, v, Dv, b, hk, x, y, gr, ib, (int)(i1 - ib < 16 ? i1 - ib : 16));
     if (i1 == Lg && amx_gpad(Lg))   /* the padding: the rest of the group's last block */
         for (int64_t d = 0; d < Dv; ++d)
             memset(Vt + amx_col(Dv, d, at + Lg), 0, sizeof(uint16_t) * (size_t)amx_gpad(Lg));
@@ -469,6 +487,11 @@ typedef struct {
     const amx_io *io;
     float c;                    /* scale * log2(e) */
     int jvp, has_tq;
+    /* forward on row pairs (amx_pair_slices), else NULL: V^T slices of 16 keys, [slice][X][(Y + 1) / 2][Dv][32]
+     * (the lines 2i and 2i + 1 of a pair, 16 keys each, in one 64-byte row per dv; zeros for a line
+     * Y), and the slice of each packed union start */
+    const uint16_t *Vc;
+    const int32_t *slice_of;
 } amx_ctx;
 
 /* S^T of the union slots of the unit's segments into S (at their frame slots; the union starts at
@@ -489,6 +512,7 @@ static void amx_scores(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, i
     for (int i = 0; i < nseg; ++i) {
         int64_t a, b;
         amx_seg_union(&seg[i], delta, nvalid, &a, &b);
+        if (!seg[i].ymask) b = a;   /* a row that pads a pair (amx_values) */
         for (int64_t s = a; s < b; s += 16) {
             kt[nt] = cx->K + (seg[i].line * G->ZP + zb + s) * D;
             st[nt++] = sc->S + (seg[i].u0 + delta + s - seg[i].s0) * 16;
@@ -567,13 +591,14 @@ static void amx_load_q_tiles(const amx_scratch *sc, int64_t nd) {
     if (nd > 3) _tile_loadd(5, sc->qt + 3 * 512, 64);
 }
 
-/* acc^T[dv][q] += A^T[dv][keys] P^T[keys][q] over the unit's rows (forward: O^T += V^T P^T), the
- * frame of each row from packed position zf (a multiple of 32), 64 dv (tmm0..3) at a time; fresh:
- * acc^T starts from 0 (not read).
- * With Dv <= 32 the even and odd 32-key blocks go to separate accumulators (tmm0..1, tmm2..3),
- * so that consecutive products do not wait on each other; their sum is added at the end. */
-static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, float *acc2, const uint32_t *Pb,
-                      const amx_seg *seg, int nseg, int64_t zf, int fresh) {
+/* acc^T[dv][q] += A^T[dv][keys] P^T[keys][q] over n steps of 32 keys (forward: O^T += V^T P^T):
+ * step i's P^T tile at pb[i] (16 key pairs x 16 queries), its A^T tile of dv d0.. at as[i] + d0 / 16 *
+ * astep (16 dv rows of 32 keys, lda bytes apart), 64 dv (tmm0..3) at a time; fresh: acc^T starts
+ * from 0 (not read).
+ * With Dv <= 32 the even and odd steps go to separate accumulators (tmm0..1, tmm2..3), so that
+ * consecutive products do not wait on each other; their sum is added at the end. */
+static void amx_accum_steps(const uint32_t *const *pb, const uint16_t *const *as, int n, int64_t astep,
+                            int64_t lda, int64_t Dv, float *acc, float *acc2, int fresh) {
     if (Dv <= 32) {
         const int two = Dv == 32;
         float *o = acc, *o2 = acc2;
@@ -585,23 +610,18 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
             else _tile_loadd(1, o + 256, 64);
             _tile_zero(3);
         }
-        int odd = 0;
-        for (int i = 0; i < nseg; ++i) {
-            const uint16_t *vrow = At + seg[i].line * Dv * ZP;
-            for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32, odd ^= 1) {
-                const uint32_t *pb = Pb + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
-                const uint16_t *vs = vrow + amx_col(Dv, 0, zf + s);
-                if (odd) {
-                    _tile_loadd(7, pb, 64);
-                    _tile_loadd(6, vs, 64);
-                    _tile_dpbf16ps(2, 6, 7);
-                    if (two) { _tile_loadd(4, vs + 16 * 32, 64); _tile_dpbf16ps(3, 4, 7); }
-                } else {
-                    _tile_loadd(5, pb, 64);
-                    _tile_loadd(4, vs, 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    if (two) { _tile_loadd(6, vs + 16 * 32, 64); _tile_dpbf16ps(1, 6, 5); }
-                }
+        for (int i = 0; i < n; ++i) {
+            const uint16_t *vs = as[i];
+            if (i & 1) {
+                _tile_loadd(7, pb[i], 64);
+                _tile_loadd(6, vs, lda);
+                _tile_dpbf16ps(2, 6, 7);
+                if (two) { _tile_loadd(4, vs + astep, lda); _tile_dpbf16ps(3, 4, 7); }
+            } else {
+                _tile_loadd(5, pb[i], 64);
+                _tile_loadd(4, vs, lda);
+                _tile_dpbf16ps(0, 4, 5);
+                if (two) { _tile_loadd(6, vs + astep, lda); _tile_dpbf16ps(1, 6, 5); }
             }
         }
         _tile_stored(0, o, 64);
@@ -610,8 +630,8 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
         for (int64_t d = 0; d < Dv; ++d) vf_store(o + d * 16, vf_add(vf_load(o + d * 16), vf_load(o2 + d * 16)));
         return;
     }
-    /* 64 dv at a time: O^T in tmm0..3, V^T alternating in tmm4 and tmm6, P^T alternating
-     * between tmm5 and tmm7 from one 32-key block to the next */
+    /* 64 dv at a time: O^T in tmm0..3, A^T alternating in tmm4 and tmm6, P^T alternating
+     * between tmm5 and tmm7 from one step to the next */
     for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
         const int nt = (int)((Dv - d0) / 16 < 4 ? (Dv - d0) / 16 : 4);
         float *o = acc + d0 * 16;
@@ -623,22 +643,17 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
             if (nt > 2) _tile_loadd(2, o + 2 * 256, 64);
             if (nt > 3) _tile_loadd(3, o + 3 * 256, 64);
         }
-        int odd = 0;
-        for (int i = 0; i < nseg; ++i) {
-            const uint16_t *vrow = At + seg[i].line * Dv * ZP;
-            for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32, odd ^= 1) {
-                const uint32_t *pb = Pb + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
-                const uint16_t *vs = vrow + amx_col(Dv, d0, zf + s);
+        for (int i = 0; i < n; ++i) {
+            const uint16_t *vs = as[i] + d0 / 16 * astep;
 #define PV_BLOCK(P)                                                                               \
-    _tile_loadd(P, pb, 64);                                                                       \
-    _tile_loadd(4, vs, 64);                                                                       \
+    _tile_loadd(P, pb[i], 64);                                                                    \
+    _tile_loadd(4, vs, lda);                                                                      \
     _tile_dpbf16ps(0, 4, P);                                                                      \
-    if (nt > 1) { _tile_loadd(6, vs + 16 * 32, 64); _tile_dpbf16ps(1, 6, P); }                   \
-    if (nt > 2) { _tile_loadd(4, vs + 32 * 32, 64); _tile_dpbf16ps(2, 4, P); }                   \
-    if (nt > 3) { _tile_loadd(6, vs + 48 * 32, 64); _tile_dpbf16ps(3, 6, P); }
-                if (odd) { PV_BLOCK(7) } else { PV_BLOCK(5) }
+    if (nt > 1) { _tile_loadd(6, vs + astep, lda); _tile_dpbf16ps(1, 6, P); }                    \
+    if (nt > 2) { _tile_loadd(4, vs + 2 * astep, lda); _tile_dpbf16ps(2, 4, P); }                \
+    if (nt > 3) { _tile_loadd(6, vs + 3 * astep, lda); _tile_dpbf16ps(3, 6, P); }
+            if (i & 1) { PV_BLOCK(7) } else { PV_BLOCK(5) }
 #undef PV_BLOCK
-            }
         }
         if (nt > 0) _tile_stored(0, o + 0 * 256, 64);
         if (nt > 1) _tile_stored(1, o + 1 * 256, 64);
@@ -647,8 +662,40 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
     }
 }
 
-static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf, int fresh) {
-    amx_accum(cx->Vt, cx->G->Dv, cx->G->ZP, sc->O, sc->O2, sc->P, seg, nseg, zf, fresh);
+/* acc^T += A^T P^T over the unit's rows, the frame of each row from packed position zf (a
+ * multiple of 32): one step per 32-key block of the column layout (amx_col) */
+static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, float *acc2, const uint32_t *Pb,
+                      const amx_seg *seg, int nseg, int64_t zf, int fresh) {
+    const uint32_t *pb[USLOTS / 32 + 1];
+    const uint16_t *as[USLOTS / 32 + 1];
+    int n = 0;
+    for (int i = 0; i < nseg; ++i)
+        for (int64_t s = seg[i].s0; s < seg[i].s1; s += 32, ++n) {
+            pb[n] = Pb + (seg[i].u0 + s - seg[i].s0) / 2 * 16;
+            as[n] = At + seg[i].line * Dv * ZP + amx_col(Dv, 0, zf + s);
+        }
+    amx_accum_steps(pb, as, n, 16 * 32, 64, Dv, acc, acc2, fresh);
+}
+
+/* O^T += V^T P^T. On row pairs (cx->Vc: rows of 16 slots, an even number per X row from an even Y
+ * line, units of whole pairs), one step per pair of Y lines 2i, 2i + 1: its 32 keys are the two
+ * lines' 16 in one slice tile row and its P^T the two rows' 8 key pairs each, one after the
+ * other. */
+static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf, int fresh,
+                       int slice) {
+    const amx_geo *G = cx->G;
+    if (!cx->Vc) {
+        amx_accum(cx->Vt, G->Dv, G->ZP, sc->O, sc->O2, sc->P, seg, nseg, zf, fresh);
+        return;
+    }
+    const uint32_t *pb[USLOTS / 32];
+    const uint16_t *as[USLOTS / 32];
+    for (int i = 0; i < nseg; i += 2) {
+        const int64_t x = seg[i].line / G->Y, y = seg[i].line % G->Y;
+        pb[i / 2] = sc->P + seg[i].u0 / 2 * 16;
+        as[i / 2] = cx->Vc + ((slice * G->X + x) * ((G->Y + 1) / 2) + y / 2) * G->Dv * 32;
+    }
+    amx_accum_steps(pb, as, nseg / 2, 16 * 32, 64, G->Dv, sc->O, sc->O2, fresh);
 }
 
 /* Forward+JVP: O^T += V^T P^T and C^T += V^T (P o tS)^T + tV^T P^T, 32 dv at a time: O^T in
@@ -708,6 +755,7 @@ static void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t d
     vf mx0 = ninf, mx1 = ninf;
     for (int i = 0; i < nseg; ++i) {
         amx_seg_pairs(&seg[i], delta, nvalid, &fa[i], &fb[i]);
+        if (!seg[i].ymask) fa[i] = fb[i] = seg[i].s0;   /* a row that pads a pair: P = 0 */
         const int64_t o = seg[i].u0 - seg[i].s0;   /* buffer slot of frame slot 0 */
         const __mmask16 ym = seg[i].ymask, *zm = sc->zm + 1 - delta + fa[i];   /* zm[s + 1]: union slot s */
         const float *S = sc->S + (o + fa[i]) * 16;
@@ -833,7 +881,18 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     /* key rows: X window x Y union, each with the same Z union (nvalid keys from packed token zb)
      * in a frame of 32-key PV tiles from zb rounded down to a multiple of 32 (at least one row: no
      * window is empty, so the first unit, which starts O and C, always runs) */
-    const amx_rows R = amx_rows_of(G, g, x, B->gz, &L, 0);
+    amx_rows R = amx_rows_of(G, g, x, B->gz, &L, 0);
+    const int slice = cx->Vc ? cx->slice_of[R.zb] : -1;
+    if (cx->Vc) {   /* row pairs: rows of 16 slots from the union's start, whole pairs of lines (2i, 2i + 1)
+                     * per X row (a line added at either end is outside every lane's window) */
+        R.delta = 0;
+        R.nslots = 16;
+        R.cy += R.fy & 1;
+        R.iyu -= R.fy & 1;
+        R.fy -= R.fy & 1;
+        R.cy += R.cy & 1;
+        R.rows = R.cx * R.cy;
+    }
     const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     amx_pack_qt(sc->qt, io->q, D, b, x, &L, h);
     if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, &L, h);
@@ -852,7 +911,7 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
         }
         amx_softmax(sc, seg, nseg, delta, nvalid, vc, vscale, &m, &lsum, &r, Dv, g0 == 0);
         if (cx->jvp) amx_values_jvp(cx, sc, seg, nseg, zb - delta, g0 == 0);
-        else amx_values(cx, sc, seg, nseg, zb - delta, g0 == 0);
+        else amx_values(cx, sc, seg, nseg, zb - delta, g0 == 0, slice);
     }
     /* o = O / l, lse = ln2 (m + log2 l); JVP: mu = r / l, t_o = C / l - mu o, t_lse = mu */
     const vf inv = _mm512_div_ps(vf_set1(1.0f), lsum), mu = vf_mul(r, inv);
@@ -928,6 +987,42 @@ static int amx_choose_ny(const amx_geo *G, const nbhd_geometry *g) {
     return best;
 }
 
+/* The forward on row pairs (amx_values): when the Y dilation is 1 and the Z union of every item
+ * (at the ny of amx_choose_ny) holds at most 16 keys, each item's rows take 16 slots from the
+ * union's start, and V^T is packed once per distinct union start (a slice: 16 in-group tokens
+ * from it, zeros past the group). Returns the number of slices (id[p]: the slice of packed start
+ * p, ZP entries; sgr, sulo: each slice's group and in-group start, ZP entries each), or -1 (also
+ * when the slices hold more than 2 ZP tokens: 2-D 128^2 window 13, 32 slices of 16 per 256, ran
+ * 4 % slower on pairs). */
+static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int32_t *id, int64_t *sgr, int64_t *sulo) {
+    const nbhd_axis *ay = &g->axis[1], *az = &g->axis[2];
+    if (ay->dilation != 1 || az->kernel > 16) return -1;   /* a Z union holds a whole window */
+    const int ny = amx_choose_ny(G, g);
+    unsigned rows = 0;   /* the block heights that occur */
+    for (int64_t iy = 0, n; iy < ay->extent; iy += n) {
+        n = amx_block_rows(ny, ay->extent - iy);
+        rows |= 1u << n;
+    }
+    for (int64_t p = 0; p < G->ZP; ++p) id[p] = -1;
+    int64_t ns = 0;
+    for (int n = 1; n <= 16; n *= 2) {
+        if (!(rows >> n & 1)) continue;
+        for (int64_t gz = 0; gz < az->dilation; ++gz) {
+            const int64_t Lg = nbhd_group_len(az, gz);
+            for (int64_t iz = 0; iz < Lg; iz += 16 / n) {
+                int64_t st[16], en[16], lo = INT64_MAX, hi = 0;
+                amx_spans(az, gz, iz, 16 / n, 0, st, en);
+                for (int j = 0; j < 16 / n; ++j)
+                    if (en[j] > st[j]) { lo = st[j] < lo ? st[j] : lo; hi = en[j] > hi ? en[j] : hi; }
+                if (hi - lo > 16) return -1;
+                const int64_t p = amx_goff(G, gz) + lo;
+                if (id[p] < 0) { id[p] = (int32_t)ns; sgr[ns] = gz; sulo[ns++] = lo; }
+            }
+        }
+    }
+    return ns * 16 <= 2 * G->ZP ? ns : -1;   /* packing more than twice V^T's tokens costs more than it saves */
+}
+
 /* The work of one x: its items (Y blocks of up to ny rows, each with the Z chunks of 16 / rows
  * positions of every Z group), and the packing pieces of one line (PIECE in-group tokens of a Z
  * group, so that a 1-D problem, one line, still packs on every thread). */
@@ -998,8 +1093,13 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     const int64_t B = g->batch, Hk = g->kv_heads, Gq = g->group;
     amx_work W;
     if (!amx_work_init(&W, g, amx_choose_ny(&G, g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    /* the forward on row pairs: V^T slices where V^T would be */
+    int64_t *plan = jvp ? NULL : (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)G.ZP);
+    const int64_t ns = plan ? amx_pair_slices(&G, g, (int32_t *)plan, plan + G.ZP, plan + 2 * G.ZP) : -1;
+    const int64_t slen = G.X * ((G.Y + 1) / 2) * G.Dv * 32;   /* elements per slice */
     const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
-                        (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL};
+                        (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL,
+                        ns > 0 ? Vt : NULL, (const int32_t *)plan};
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -1012,15 +1112,25 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
         amx_thread_tiles();
         for (int64_t slab = 0; slab < B * Hk; ++slab) {
             const int64_t b = slab / Hk, hk = slab % Hk;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t it = 0; it < G.lines * W.npieces; ++it) {
                 int64_t ln, gr, i0, i1;
                 amx_piece(&W, g, it, &ln, &gr, &i0, &i1);
                 const int64_t x = ln / G.Y, y = ln % G.Y;
                 amx_pack_rows(Kp + ln * G.ZP * G.D, &G, g, io->k, G.D, b, hk, x, y, gr, i0, i1);
-                amx_pack_cols(Vt + ln * G.Dv * G.ZP, &G, g, io->v, G.Dv, b, hk, x, y, gr, i0, i1);
+                if (!cx.Vc) amx_pack_cols(Vt + ln * G.Dv * G.ZP, &G, g, io->v, G.Dv, b, hk, x, y, gr, i0, i1);
                 if (has_tk) amx_pack_rows(tKp + ln * G.ZP * G.D, &G, g, io->tk, G.D, b, hk, x, y, gr, i0, i1);
                 if (has_tv) amx_pack_cols(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, G.Dv, b, hk, x, y, gr, i0, i1);
+            }
+            /* V^T slices (amx_ctx) */
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < (cx.Vc ? ns * G.lines : 0); ++it) {
+                const int64_t sl = it / G.lines, ln = it % G.lines, x = ln / G.Y, y = ln % G.Y;
+                const int64_t gr = plan[G.ZP + sl], lo = plan[2 * G.ZP + sl], Lg = nbhd_group_len(&g->axis[2], gr);
+                uint16_t *dst = Vt + sl * slen + (x * ((G.Y + 1) / 2) + y / 2) * G.Dv * 32;
+                amx_cols16(dst + (y & 1) * 16, 32, g, io->v, G.Dv, b, hk, x, y, gr, lo, (int)(Lg - lo < 16 ? Lg - lo : 16));
+                if (y == G.Y - 1 && !(y & 1))
+                    for (int64_t d = 0; d < G.Dv; ++d) memset(dst + d * 32 + 16, 0, 32);
             }
             /* heads innermost: neighbouring items share key rows */
             const int64_t work = G.X * W.nblocks * Gq;
@@ -1035,6 +1145,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
         if (ok) free(sc.mem);
     }
     free(W.blk);
+    free(plan);
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
 }
 
