@@ -159,7 +159,16 @@ static amx_geo amx_geo_of(const nbhd_geometry *g) {
     return G;
 }
 
-static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int32_t *id, int64_t *sgr, int64_t *sulo);
+static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int inverse, int32_t *id, int64_t *sgr,
+                               int64_t *sulo);
+
+/* elements of the 16-key slices of a [dim] operand on row pairs (amx_pair_slices), 0 off them */
+static size_t amx_slice_elems(const amx_geo *G, const nbhd_geometry *g, int inverse, int64_t dim) {
+    int64_t *buf = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)G->ZP), ns = -1;
+    if (buf) ns = amx_pair_slices(G, g, inverse, (int32_t *)buf, buf + G->ZP, buf + 2 * G->ZP);
+    free(buf);
+    return ns > 0 ? (size_t)ns * (size_t)(G->X * ((G->Y + 1) / 2)) * 32 * (size_t)dim : 0;
+}
 
 /* Bytes per slab: forward K and V^T (forward+JVP: tK and tV^T too); backward K, K^T, V and, per
  * query head of the group, Q, Q^T, dO, dO^T and fp32 L, D per position. 0: no AMX kernel. */
@@ -169,15 +178,17 @@ size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     const size_t per = (size_t)G.lines * (size_t)G.ZP, D = (size_t)G.D, Dv = (size_t)G.Dv;
     switch (op) {
     case NBHD_OP_FORWARD: {   /* on row pairs, V^T slices instead of V^T, when larger */
-        int64_t *buf = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)G.ZP), ns = -1;
-        if (buf) ns = amx_pair_slices(&G, g, (int32_t *)buf, buf + G.ZP, buf + 2 * G.ZP);
-        free(buf);
-        const size_t vc = ns > 0 ? (size_t)ns * (size_t)(G.X * ((G.Y + 1) / 2)) * 32 * Dv * 2 : 0;
+        const size_t vc = amx_slice_elems(&G, g, 0, G.Dv) * 2;
         return per * 2 * D + (vc > per * 2 * Dv ? vc : per * 2 * Dv) + TAIL + 128;
     }
     case NBHD_OP_FORWARD_JVP: return 2 * per * 2 * (D + Dv) + TAIL + 128;
-    case NBHD_OP_BACKWARD:
-        return per * 2 * (2 * D + Dv) + (size_t)g->group * per * (2 * 2 * (D + Dv) + 8) + TAIL + 128;
+    case NBHD_OP_BACKWARD: {   /* on row pairs, K^T, Q^T, dO^T slices instead of those, when larger */
+        const size_t kc = amx_slice_elems(&G, g, 0, G.D) * 2, qc = amx_slice_elems(&G, g, 1, G.D) * 2,
+                     oc = amx_slice_elems(&G, g, 1, G.Dv) * 2;
+        return per * 2 * (D + Dv) + (kc > per * 2 * D ? kc : per * 2 * D) +
+               (size_t)g->group * (per * (2 * (D + Dv) + 8) + (qc > per * 2 * D ? qc : per * 2 * D) +
+                                   (oc > per * 2 * Dv ? oc : per * 2 * Dv)) + TAIL + 128;
+    }
     default: return 0;
     }
 }
@@ -448,6 +459,18 @@ static amx_rows amx_rows_of(const amx_geo *G, const nbhd_geometry *g, int64_t x,
     return R;
 }
 
+/* row pairs (amx_pair_slices): rows of 16 slots from the union's start, whole pairs of lines
+ * (2i, 2i + 1) per X row (a line added at either end is outside every lane's window) */
+static void amx_rows_pairs(amx_rows *R) {
+    R->delta = 0;
+    R->nslots = 16;
+    R->cy += R->fy & 1;
+    R->iyu -= R->fy & 1;
+    R->fy -= R->fy & 1;
+    R->cy += R->cy & 1;
+    R->rows = R->cx * R->cy;
+}
+
 /* the union slots [a, b) (0 = the union's first) that segment sg holds, at its slots a + delta.. */
 static inline void amx_seg_union(const amx_seg *sg, int64_t delta, int64_t nvalid, int64_t *a, int64_t *b) {
     *a = sg->s0 - delta > 0 ? sg->s0 - delta : 0;
@@ -677,25 +700,29 @@ static void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, fl
     amx_accum_steps(pb, as, n, 16 * 32, 64, Dv, acc, acc2, fresh);
 }
 
-/* O^T += V^T P^T. On row pairs (cx->Vc: rows of 16 slots, an even number per X row from an even Y
- * line, units of whole pairs), one step per pair of Y lines 2i, 2i + 1: its 32 keys are the two
- * lines' 16 in one slice tile row and its P^T the two rows' 8 key pairs each, one after the
- * other. */
-static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf, int fresh,
-                       int slice) {
-    const amx_geo *G = cx->G;
-    if (!cx->Vc) {
-        amx_accum(cx->Vt, G->Dv, G->ZP, sc->O, sc->O2, sc->P, seg, nseg, zf, fresh);
-        return;
-    }
+/* acc^T += A^T P^T on row pairs (rows of 16 slots, an even number per X row from an even Y line,
+ * units of whole pairs; Ac: A^T slices of 16 keys, [slice][X][(Y + 1) / 2][dim][32], the lines 2i
+ * and 2i + 1 of a pair in one 64-byte row per dim): one step per pair of Y lines, its 32 keys the
+ * two lines' 16 in one slice tile row and its P^T the two rows' 8 key pairs each, one after the
+ * other */
+static void amx_accum_pairs(const uint16_t *Ac, int slice, const amx_geo *G, int64_t dim, float *acc, float *acc2,
+                            const uint32_t *Pb, const amx_seg *seg, int nseg, int fresh) {
     const uint32_t *pb[USLOTS / 32];
     const uint16_t *as[USLOTS / 32];
     for (int i = 0; i < nseg; i += 2) {
         const int64_t x = seg[i].line / G->Y, y = seg[i].line % G->Y;
-        pb[i / 2] = sc->P + seg[i].u0 / 2 * 16;
-        as[i / 2] = cx->Vc + ((slice * G->X + x) * ((G->Y + 1) / 2) + y / 2) * G->Dv * 32;
+        pb[i / 2] = Pb + seg[i].u0 / 2 * 16;
+        as[i / 2] = Ac + ((slice * G->X + x) * ((G->Y + 1) / 2) + y / 2) * dim * 32;
     }
-    amx_accum_steps(pb, as, nseg / 2, 16 * 32, 64, G->Dv, sc->O, sc->O2, fresh);
+    amx_accum_steps(pb, as, nseg / 2, 16 * 32, 64, dim, acc, acc2, fresh);
+}
+
+/* O^T += V^T P^T, on row pairs (cx->Vc) from the V^T slices */
+static void amx_values(const amx_ctx *cx, amx_scratch *sc, const amx_seg *seg, int nseg, int64_t zf, int fresh,
+                       int slice) {
+    const amx_geo *G = cx->G;
+    if (!cx->Vc) amx_accum(cx->Vt, G->Dv, G->ZP, sc->O, sc->O2, sc->P, seg, nseg, zf, fresh);
+    else amx_accum_pairs(cx->Vc, slice, G, G->Dv, sc->O, sc->O2, sc->P, seg, nseg, fresh);
 }
 
 /* Forward+JVP: O^T += V^T P^T and C^T += V^T (P o tS)^T + tV^T P^T, 32 dv at a time: O^T in
@@ -883,16 +910,7 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
      * window is empty, so the first unit, which starts O and C, always runs) */
     amx_rows R = amx_rows_of(G, g, x, B->gz, &L, 0);
     const int slice = cx->Vc ? cx->slice_of[R.zb] : -1;
-    if (cx->Vc) {   /* row pairs: rows of 16 slots from the union's start, whole pairs of lines (2i, 2i + 1)
-                     * per X row (a line added at either end is outside every lane's window) */
-        R.delta = 0;
-        R.nslots = 16;
-        R.cy += R.fy & 1;
-        R.iyu -= R.fy & 1;
-        R.fy -= R.fy & 1;
-        R.cy += R.cy & 1;
-        R.rows = R.cx * R.cy;
-    }
+    if (cx->Vc) amx_rows_pairs(&R);
     const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     amx_pack_qt(sc->qt, io->q, D, b, x, &L, h);
     if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, &L, h);
@@ -902,7 +920,7 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
     const __m512i vlo = _mm512_loadu_si512(L.zlo), vhi = _mm512_loadu_si512(L.zhi);
     for (int64_t s = -1; s <= nvalid; ++s) sc->zm[s + 1] = amx_in(vlo, vhi, L.ulo + s);
     for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
-        amx_seg seg[USLOTS / 32];
+        amx_seg seg[USLOTS / 16];   /* rows of 16 slots on row pairs */
         const int nseg = amx_unit(&R, G->Y, g0, seg);
         if (cx->jvp) amx_scores_jvp(cx, sc, seg, nseg, zb, delta, nvalid);
         else {
@@ -994,7 +1012,8 @@ static int amx_choose_ny(const amx_geo *G, const nbhd_geometry *g) {
  * p, ZP entries; sgr, sulo: each slice's group and in-group start, ZP entries each), or -1 (also
  * when the slices hold more than 2 ZP tokens: 2-D 128^2 window 13, 32 slices of 16 per 256, ran
  * 4 % slower on pairs). */
-static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int32_t *id, int64_t *sgr, int64_t *sulo) {
+static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int inverse, int32_t *id, int64_t *sgr,
+                               int64_t *sulo) {
     const nbhd_axis *ay = &g->axis[1], *az = &g->axis[2];
     if (ay->dilation != 1 || az->kernel > 16) return -1;   /* a Z union holds a whole window */
     const int ny = amx_choose_ny(G, g);
@@ -1011,7 +1030,7 @@ static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int32_t
             const int64_t Lg = nbhd_group_len(az, gz);
             for (int64_t iz = 0; iz < Lg; iz += 16 / n) {
                 int64_t st[16], en[16], lo = INT64_MAX, hi = 0;
-                amx_spans(az, gz, iz, 16 / n, 0, st, en);
+                amx_spans(az, gz, iz, 16 / n, inverse, st, en);
                 for (int j = 0; j < 16 / n; ++j)
                     if (en[j] > st[j]) { lo = st[j] < lo ? st[j] : lo; hi = en[j] > hi ? en[j] : hi; }
                 if (hi - lo > 16) return -1;
@@ -1021,6 +1040,18 @@ static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int32_t
         }
     }
     return ns * 16 <= 2 * G->ZP ? ns : -1;   /* packing more than twice V^T's tokens costs more than it saves */
+}
+
+/* slice packing task `it` (of ns x lines) of tensor t, dim columns, head h, into the slices at C
+ * (plan as amx_pair_slices fills it: id, then sgr, then sulo, ZP entries each) */
+static void amx_pack_slice(uint16_t *C, const int64_t *plan, const amx_geo *G, const nbhd_geometry *g,
+                           const nbhd_tensor *t, int64_t dim, int64_t b, int64_t h, int64_t it) {
+    const int64_t sl = it / G->lines, ln = it % G->lines, x = ln / G->Y, y = ln % G->Y;
+    const int64_t gr = plan[G->ZP + sl], lo = plan[2 * G->ZP + sl], Lg = nbhd_group_len(&g->axis[2], gr);
+    uint16_t *dst = C + sl * G->X * ((G->Y + 1) / 2) * dim * 32 + (x * ((G->Y + 1) / 2) + y / 2) * dim * 32;
+    amx_cols16(dst + (y & 1) * 16, 32, g, t, dim, b, h, x, y, gr, lo, (int)(Lg - lo < 16 ? Lg - lo : 16));
+    if (y == G->Y - 1 && !(y & 1))
+        for (int64_t d = 0; d < dim; ++d) memset(dst + d * 32 + 16, 0, 32);
 }
 
 /* The work of one x: its items (Y blocks of up to ny rows, each with the Z chunks of 16 / rows
@@ -1095,8 +1126,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     if (!amx_work_init(&W, g, amx_choose_ny(&G, g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
     /* the forward on row pairs: V^T slices where V^T would be */
     int64_t *plan = jvp ? NULL : (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)G.ZP);
-    const int64_t ns = plan ? amx_pair_slices(&G, g, (int32_t *)plan, plan + G.ZP, plan + 2 * G.ZP) : -1;
-    const int64_t slen = G.X * ((G.Y + 1) / 2) * G.Dv * 32;   /* elements per slice */
+    const int64_t ns = plan ? amx_pair_slices(&G, g, 0, (int32_t *)plan, plan + G.ZP, plan + 2 * G.ZP) : -1;
     const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
                         (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL,
                         ns > 0 ? Vt : NULL, (const int32_t *)plan};
@@ -1124,14 +1154,8 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
             }
             /* V^T slices (amx_ctx) */
 #pragma omp for schedule(static)
-            for (int64_t it = 0; it < (cx.Vc ? ns * G.lines : 0); ++it) {
-                const int64_t sl = it / G.lines, ln = it % G.lines, x = ln / G.Y, y = ln % G.Y;
-                const int64_t gr = plan[G.ZP + sl], lo = plan[2 * G.ZP + sl], Lg = nbhd_group_len(&g->axis[2], gr);
-                uint16_t *dst = Vt + sl * slen + (x * ((G.Y + 1) / 2) + y / 2) * G.Dv * 32;
-                amx_cols16(dst + (y & 1) * 16, 32, g, io->v, G.Dv, b, hk, x, y, gr, lo, (int)(Lg - lo < 16 ? Lg - lo : 16));
-                if (y == G.Y - 1 && !(y & 1))
-                    for (int64_t d = 0; d < G.Dv; ++d) memset(dst + d * 32 + 16, 0, 32);
-            }
+            for (int64_t it = 0; it < (cx.Vc ? ns * G.lines : 0); ++it)
+                amx_pack_slice(Vt, plan, &G, g, io->v, G.Dv, b, hk, it);
             /* heads innermost: neighbouring items share key rows */
             const int64_t work = G.X * W.nblocks * Gq;
 #pragma omp for schedule(static)
@@ -1165,7 +1189,9 @@ nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_
 // dQ = s dS K (pass 1, query-stationary, items of ny rows as the forward's), dK = s dS^T Q and
 // dV = P^T dO (pass 2, key-stationary over each 16-key chunk's inverse windows, every query head
 // of the key head in turn). dS and P are rounded to bf16 for the second products, which run on
-// 32-key frames as in the forward.
+// 32-key frames as in the forward, or on row pairs as the forward's (amx_pair_slices: pass 1 from
+// K^T slices of the forward windows' union starts, pass 2 from Q^T and dO^T slices of the inverse
+// windows').
 //
 // Per slab (b, hk), ZP positions as above (rows token-major, columns in blocks of 32 positions):
 //   K rows, K^T columns, V rows                                                (pass 1)
@@ -1179,6 +1205,15 @@ typedef struct {
     const uint16_t *Q, *Qt, *dO, *dOt;   /* slab, [group heads] */
     float *L, *Dd;                       /* slab, [group heads][lines][ZP] */
     float c;
+    /* pass 1 on row pairs (amx_pair_slices), else NULL: K^T slices as the forward's V^T slices
+     * (amx_accum_pairs), and the slice of each packed union start */
+    const uint16_t *Kc;
+    const int32_t *slice_of;
+    /* pass 2 likewise (inverse windows), else NULL: Q^T and dO^T slices per query head (qtn, otn
+     * elements apart: the Q^T and dO^T regions per head), and the slice of each packed start */
+    const uint16_t *Qc, *dOc;
+    const int32_t *slice_of2;
+    int64_t qtn, otn;
 } amx_bctx;
 
 typedef struct {
@@ -1242,6 +1277,7 @@ static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t
     for (int i = 0; i < nseg; ++i) {
         int64_t fa, fb;
         amx_seg_pairs(&seg[i], delta, nvalid, &fa, &fb);
+        if (!seg[i].ymask) fa = fb = seg[i].s0;   /* a row that pads a pair (or no lane's): P = 0 */
         for (int64_t f = seg[i].s0; f < seg[i].s1; f += 2) {
             const int64_t u = seg[i].u0 + f - seg[i].s0;
             if (f < fa || f >= fb) {
@@ -1305,22 +1341,26 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     const vf vL = vf_load(Ll), vD = vf_load(Dl), vc = vf_set1(cx->c);
     const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);
-    /* frames of 32 keys as in the forward (amx_rows) */
-    const amx_rows R = amx_rows_of(G, g, x, Bk->gz, &Ln, 0);
+    /* frames of 32 keys as in the forward (amx_rows), or row pairs */
+    amx_rows R = amx_rows_of(G, g, x, Bk->gz, &Ln, 0);
+    const int slice = cx->Kc ? cx->slice_of[R.zb] : -1;
+    if (cx->Kc) amx_rows_pairs(&R);
     const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
-        amx_seg seg[USLOTS / 32];
+        amx_seg seg[USLOTS / 16];   /* rows of 16 slots on row pairs */
         const int nseg = amx_unit(&R, G->Y, g0, seg);
         for (int i = 0; i < nseg; ++i) {   /* S^T = K Q^T, dP^T = V dO^T */
             int64_t a, b;
             amx_seg_union(&seg[i], delta, nvalid, &a, &b);
+            if (!seg[i].ymask) continue;   /* P = 0 there (amx_dsoftmax) */
             const int64_t u = seg[i].u0 - seg[i].s0 + delta + a;
             amx_two_scores(cx->K + seg[i].line * G->ZP * D, D, sc->bt1, cx->V + seg[i].line * G->ZP * Dv, Dv,
                            sc->bt2, zb, a, b, sc->S + u * 16, sc->dP + u * 16);
         }
         amx_dsoftmax(sc, seg, nseg, ulo, delta, nvalid, vlo, vhi, vc, vL, vD, NULL, NULL);
         /* dQ^T += K^T dS^T */
-        amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta, 0);
+        if (cx->Kc) amx_accum_pairs(cx->Kc, slice, G, D, sc->acc1, sc->tmp, sc->dS, seg, nseg, 0);
+        else amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta, 0);
     }
     amx_store_scaled(&a->d_q, sc->acc1, D, (float)g->scale, b, x, &Ln, h);
 }
@@ -1341,14 +1381,16 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
     const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);    /* dK^T */
     memset(sc->acc2, 0, sizeof(float) * 16 * (size_t)Dv);   /* dV^T */
-    const amx_rows R = amx_rows_of(G, g, x, Bk->gz, &Ln, 1);
+    amx_rows R = amx_rows_of(G, g, x, Bk->gz, &Ln, 1);
+    const int slice = cx->Qc ? cx->slice_of2[R.zb] : -1;
+    if (cx->Qc) amx_rows_pairs(&R);
     const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     for (int64_t hq = 0; hq < g->group; ++hq) {
         const uint16_t *Q = cx->Q + hq * G->lines * ZP * D, *dO = cx->dO + hq * G->lines * ZP * Dv;
-        const uint16_t *Qt = cx->Qt + hq * G->lines * D * ZP, *dOt = cx->dOt + hq * G->lines * Dv * ZP;
+        const uint16_t *Qt = cx->Qt + hq * cx->qtn, *dOt = cx->dOt + hq * cx->otn;
         const float *L = cx->L + hq * G->lines * ZP, *Dd = cx->Dd + hq * G->lines * ZP;
         for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
-            amx_seg seg[USLOTS / 32];
+            amx_seg seg[USLOTS / 16];   /* rows of 16 slots on row pairs */
             const int nseg = amx_unit(&R, G->Y, g0, seg);
             for (int i = 0; i < nseg; ++i) {
                 const int64_t line = seg[i].line;
@@ -1356,15 +1398,21 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
                 int64_t a, b;
                 amx_seg_union(&seg[i], delta, nvalid, &a, &b);
                 const int64_t u = seg[i].u0 - seg[i].s0 + delta + a;
-                amx_two_scores(Q + line * ZP * D, D, sc->bt1, dO + line * ZP * Dv, Dv, sc->bt2, zb, a, b,
-                               sc->S + u * 16, sc->dP + u * 16);
+                if (seg[i].ymask)   /* else P = 0 (amx_dsoftmax) */
+                    amx_two_scores(Q + line * ZP * D, D, sc->bt1, dO + line * ZP * Dv, Dv, sc->bt2, zb, a, b,
+                                   sc->S + u * 16, sc->dP + u * 16);
                 /* this row's L and D, by union slot */
                 amx_dsoftmax(sc, &seg[i], 1, ulo, delta, nvalid, vlo, vhi, vc, vf_zero(), vf_zero(),
                              L + line * ZP + zb, Dd + line * ZP + zb);
             }
             /* dV^T += dO^T P, dK^T += Q^T dS */
-            amx_accum(dOt, Dv, ZP, sc->acc2, sc->tmp, sc->P, seg, nseg, zb - delta, 0);
-            amx_accum(Qt, D, ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta, 0);
+            if (cx->Qc) {
+                amx_accum_pairs(dOt, slice, G, Dv, sc->acc2, sc->tmp, sc->P, seg, nseg, 0);
+                amx_accum_pairs(Qt, slice, G, D, sc->acc1, sc->tmp, sc->dS, seg, nseg, 0);
+            } else {
+                amx_accum(dOt, Dv, ZP, sc->acc2, sc->tmp, sc->P, seg, nseg, zb - delta, 0);
+                amx_accum(Qt, D, ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta, 0);
+            }
         }
     }
     amx_store_scaled(&a->d_k, sc->acc1, D, (float)g->scale, b, x, &Ln, hk);
@@ -1375,14 +1423,24 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     const amx_geo G = amx_geo_of(g);
     const int64_t D = G.D, Dv = G.Dv, ZP = G.ZP, per = G.lines * ZP, Gq = g->group;
     uint16_t *K = (uint16_t *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63);
-    uint16_t *Kt = K + per * D, *V = Kt + per * D, *Q = V + per * Dv, *Qt = Q + Gq * per * D;
-    uint16_t *dO = Qt + Gq * per * D, *dOt = dO + Gq * per * Dv;
-    float *L = (float *)(dOt + Gq * per * Dv), *Dd = L + Gq * per;
+    /* pass 1 on row pairs: K^T slices where K^T would be */
+    /* and pass 2: Q^T and dO^T slices (inverse windows) where Q^T and dO^T would be */
+    int64_t *plan = (int64_t *)malloc(sizeof(int64_t) * 6 * (size_t)ZP), *plan2 = plan ? plan + 3 * ZP : NULL;
+    const int64_t ns = plan ? amx_pair_slices(&G, g, 0, (int32_t *)plan, plan + ZP, plan + 2 * ZP) : -1;
+    const int64_t ns2 = plan ? amx_pair_slices(&G, g, 1, (int32_t *)plan2, plan2 + ZP, plan2 + 2 * ZP) : -1;
+    const int64_t pl = G.X * ((G.Y + 1) / 2) * 32;   /* elements per slice and column */
+    const int64_t kcn = ns > 0 ? ns * pl * D : 0, qcn = ns2 > 0 ? ns2 * pl * D : 0, ocn = ns2 > 0 ? ns2 * pl * Dv : 0;
+    const int64_t qtn = qcn > per * D ? qcn : per * D, otn = ocn > per * Dv ? ocn : per * Dv;
+    uint16_t *Kt = K + per * D, *V = Kt + (kcn > per * D ? kcn : per * D), *Q = V + per * Dv, *Qt = Q + Gq * per * D;
+    uint16_t *dO = Qt + Gq * qtn, *dOt = dO + Gq * per * Dv;
+    float *L = (float *)(dOt + Gq * otn), *Dd = L + Gq * per;
     const int64_t B = g->batch, Hk = g->kv_heads;
     amx_work W;
     if (!amx_work_init(&W, g, amx_choose_ny(&G, g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
     const int64_t nblocks = W.nblocks, npieces = W.npieces;
-    const amx_bctx cx = {a, &G, g, K, Kt, V, Q, Qt, dO, dOt, L, Dd, (float)(g->scale * LOG2E)};
+    const amx_bctx cx = {a, &G, g, K, Kt, V, Q, Qt, dO, dOt, L, Dd, (float)(g->scale * LOG2E),
+                         ns > 0 ? Kt : NULL, (const int32_t *)plan, ns2 > 0 ? Qt : NULL, ns2 > 0 ? dOt : NULL,
+                         (const int32_t *)plan2, qtn, otn};
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -1395,7 +1453,7 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
         amx_thread_tiles();
         for (int64_t slab = 0; slab < B * Hk; ++slab) {
             const int64_t b = slab / Hk, hk = slab % Hk;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t it = 0; it < G.lines * npieces * (1 + Gq); ++it) {
                 const int64_t which = it / (G.lines * npieces);
                 int64_t ln, gr, i0, i1;
@@ -1403,15 +1461,27 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
                 const int64_t x = ln / G.Y, y = ln % G.Y;
                 if (which == 0) {   /* the key head */
                     amx_pack_rows(K + ln * ZP * D, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
-                    amx_pack_cols(Kt + ln * D * ZP, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
+                    if (!cx.Kc) amx_pack_cols(Kt + ln * D * ZP, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
                     amx_pack_rows(V + ln * ZP * Dv, &G, g, &a->v, Dv, b, hk, x, y, gr, i0, i1);
                 } else {            /* query head hq of its group */
                     const int64_t hq = which - 1, h = hk * Gq + hq;
                     amx_pack_rows(Q + (hq * G.lines + ln) * ZP * D, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
-                    amx_pack_cols(Qt + (hq * G.lines + ln) * D * ZP, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
+                    if (!cx.Qc) amx_pack_cols(Qt + hq * qtn + ln * D * ZP, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
                     amx_pack_rows(dO + (hq * G.lines + ln) * ZP * Dv, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
-                    amx_pack_cols(dOt + (hq * G.lines + ln) * Dv * ZP, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
+                    if (!cx.Qc)
+                        amx_pack_cols(dOt + hq * otn + ln * Dv * ZP, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
                 }
+            }
+            /* K^T slices (amx_bctx) */
+#pragma omp for schedule(static) nowait
+            for (int64_t it = 0; it < (cx.Kc ? ns * G.lines : 0); ++it)
+                amx_pack_slice(Kt, plan, &G, g, &a->k, D, b, hk, it);
+            /* Q^T and dO^T slices (pass 2) of each query head */
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < (cx.Qc ? Gq * ns2 * G.lines : 0); ++it) {
+                const int64_t hq = it / (ns2 * G.lines), h = hk * Gq + hq, t = it % (ns2 * G.lines);
+                amx_pack_slice(Qt + hq * qtn, plan2, &G, g, &a->q, D, b, h, t);
+                amx_pack_slice(dOt + hq * otn, plan2, &G, g, &a->d_out, Dv, b, h, t);
             }
             /* pass 1: dQ (and L, D) of every query chunk of the slab's query heads */
             const int64_t work1 = G.X * nblocks * Gq;
@@ -1434,6 +1504,7 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
         if (ok) free(sc.mem);
     }
     free(W.blk);
+    free(plan);
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
 }
 
