@@ -182,6 +182,8 @@ AMX_CASES = [
     ((4, 13, 9), (3, 5, 3), (1, 2, 1), (1, 2, 1), (False, False, True), 1, 2, 1, 32, 32),  # ny 4
     ((5, 9, 11), (3, 5, 5), (1, 1, 1), (1, 1, 2), (False, False, False), 1, 4, 2, 64, 48),  # ny 2
     ((6, 7, 20), (2, 3, 3), (1, 1, 1), (1, 1, 1), (True, True, False), 1, 2, 2, 32, 16),   # ny 2
+    # row pairs of 16-slot rows: a unit holds up to USLOTS/16 rows (05bc4ea overflowed at /32)
+    ((6, 15, 10), (5, 7, 3), (1, 1, 1), (1, 1, 1), (False, False, False), 1, 2, 2, 128, 128),
 ]
 
 
