@@ -48,20 +48,14 @@ __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nb
         token_coords(g, (r / g.heads) % g.tokens, c);
         const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h) + d;
         const uint4 dv = *(const uint4 *)((const T *)a.d_out.data + offset_of(a.d_out, b, c[0], c[1], c[2], h) + d);
-        const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w};
-        uint32_t ow[4];
-        if (VEC) {
-            const uint4 ov = *(const uint4 *)((const T *)a.out.data + oo);
-            ow[0] = ov.x, ow[1] = ov.y, ow[2] = ov.z, ow[3] = ov.w;
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                ow[e] = pack2<T>(ld<T, float>(a.out, oo + 2 * e * a.out.stride[5]),
-                                 ld<T, float>(a.out, oo + (2 * e + 1) * a.out.stride[5]));
-        }
+        const uint4 ov = VEC ? *(const uint4 *)((const T *)a.out.data + oo) : make_uint4(0, 0, 0, 0);
+        const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const float2 o2 = unpack2<T>(ow[e]), d2 = unpack2<T>(dw[e]);
+            const float2 o2 = VEC ? unpack2<T>(ow[e])
+                                  : make_float2(ld<T, float>(a.out, oo + 2 * e * a.out.stride[5]),
+                                                ld<T, float>(a.out, oo + (2 * e + 1) * a.out.stride[5]));
+            const float2 d2 = unpack2<T>(dw[e]);
             acc += o2.x * d2.x + o2.y * d2.y;
         }
         if (dq_acc) {  /* [B, X, Y, Z, H, D] contiguous: row r, channels d.. */
@@ -390,14 +384,8 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
             lo[ax] = 0;
             cnt[ax] = g.axis[ax].extent;
         } else {
-            const int64_t d = dil[ax];
-            const int64_t last = min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1;
-            int64_t f0, c0, f1, c1;
-            inverse32(&g.axis[ax], pr.grp[ax] + pr.i0[ax] * d, &f0, &c0);
-            inverse32(&g.axis[ax], pr.grp[ax] + last * d, &f1, &c1);
-            lo[ax] = f0 / d;
-            cnt[ax] = f1 / d + c1 - lo[ax];
-            if (cnt[ax] < 0) cnt[ax] = 0;
+            inverse_union(&g.axis[ax], pr.grp[ax], pr.i0[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1,
+                          &lo[ax], &cnt[ax]);
         }
     }
     const int64_t ncol = cnt[0] * cnt[1] * cnt[2];
@@ -667,40 +655,32 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     /* KV-parallel (kv_parallel_applies: D <= 64, or D = 128 on 128-row patches): the fp32 dQ
      * accumulator after D_i, cleared by the D_i pass */
     float *dq_acc = kv_parallel ? (float *)((unsigned char *)workspace + di_bytes(g)) : nullptr;
-    const int64_t di_threads = rows * (HD / 8);
+    const int64_t chunks = rows * (HD / 8);  /* a thread per 8 channels: D_i and the conversion */
     if (aligned_rows(a->out, 8, 16))
-        di_kernel<T, true><<<(unsigned)((di_threads + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
+        di_kernel<T, true><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
     else
-        di_kernel<T, false><<<(unsigned)((di_threads + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
+        di_kernel<T, false><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
-    if (kv_parallel) {
-        if (mb == 2) {  /* 128-row patches: the wgmma pass for the window keys, mma.sync the extra */
-            if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, st)) != NBHD_OK) return s;
-            if (g->extra_kv > 0 && (s = launch_dkdv<T, HD, true, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK)
-                return s;
-        } else if constexpr (HD <= 64) {
-            if ((s = launch_key_stationary<T, HD, true>(g, a, Dws, dq_acc, P, st)) != NBHD_OK) return s;
-        }
-        const int64_t chunks = rows * (HD / 8);
-        dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(
-            *g, a->d_q, dq_acc, (float)g->scale);
-        NBHD_CUDA_CHECK_LAUNCH("mma backward (dq from the accumulator)");
-        return NBHD_OK;
+    if (mb == 2) {  /* 128-row patches (tiles.cu: Hopper, D >= 64): wgmma for the window keys */
+        if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, st)) != NBHD_OK) return s;
+        if (g->extra_kv > 0)  /* the extra keys' dK/dV (and dQ) on mma.sync */
+            s = kv_parallel ? launch_dkdv<T, HD, true, true>(g, a, Dws, dq_acc, P, st)
+                            : launch_dkdv<T, HD, true, false>(g, a, Dws, nullptr, P, st);
+    } else if (kv_parallel) {
+        if constexpr (HD <= 64) s = launch_key_stationary<T, HD, true>(g, a, Dws, dq_acc, P, st);
+    } else {
+        const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
+        if ((s = nbhd_cuda_reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq, "mma backward (dq)")) != NBHD_OK)
+            return s;
+        fna_mma_dq_kernel<T, HD><<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
+        NBHD_CUDA_CHECK_LAUNCH("mma backward (dq)");
+        s = launch_key_stationary<T, HD, false>(g, a, Dws, nullptr, P, st);
     }
-
-    if (mb == 2) {  /* 128-row patches: tiles.cu lists them for the backward only on Hopper, D >= 64 */
-        if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, nullptr, st)) != NBHD_OK) return s;
-        if (g->extra_kv == 0) return NBHD_OK;
-        return launch_dkdv<T, HD, true, false>(g, a, Dws, nullptr, P, st);  /* the extra keys' */
-    }
-
-    const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
-    if ((s = nbhd_cuda_reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq, "mma backward (dq)")) != NBHD_OK)
-        return s;
-    fna_mma_dq_kernel<T, HD><<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
-    NBHD_CUDA_CHECK_LAUNCH("mma backward (dq)");
-    return launch_key_stationary<T, HD, false>(g, a, Dws, nullptr, P, st);
+    if (s != NBHD_OK || !kv_parallel) return s;
+    dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, a->d_q, dq_acc, (float)g->scale);
+    NBHD_CUDA_CHECK_LAUNCH("mma backward (dq from the accumulator)");
+    return NBHD_OK;
 }
 
 /* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64, and D = 128

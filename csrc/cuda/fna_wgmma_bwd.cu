@@ -73,23 +73,7 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     if (!C.init(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
 
-    // Q and dO (zero rows outside the grid)
-    {
-        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BM, CPT = CH / TPR;
-        const int row = tid / TPR;
-        int iq[3];
-        const bool ok = C.row(row, iq);
-        const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, C.b, C.grp, C.h);
-        const group_ptr<const T> dop = group_ptr_of<const T>(a.d_out, g, C.b, C.grp, C.h);
-        const T *qs = ok ? qp.at(iq[0], iq[1], iq[2]) : qp.base;
-        const T *ds = ok ? dop.at(iq[0], iq[1], iq[2]) : dop.base;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BM>(row, ch);
-            cp_async16(smem_u32(Qs + off), qs + ch * 8, ok);
-            cp_async16(smem_u32(dOs + off), ds + ch * 8, ok);
-        }
-    }
+    C.template load_rows<T, HD>(g, a.q, a.d_out, C.h, Qs, dOs, tid);  /* zero rows outside the grid */
 
     // K, V (and key coordinates) of tile t: one key per TPR threads
     const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
@@ -266,13 +250,10 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
         qb.lo[ax] = 0;
         qb.cnt[ax] = 1;
         if (ax < RANK) {
-            const int d = g.axis[ax].dilation;
-            const int last = min(C.i0[ax] + ct[ax], C.Lg[ax]) - 1;
-            int64_t f0, c0, f1, c1;
-            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)C.i0[ax] * d, &f0, &c0);
-            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)last * d, &f1, &c1);
-            qb.lo[ax] = (int)(f0 / d);
-            qb.cnt[ax] = (int)max(f1 / d + c1 - f0 / d, (int64_t)0);
+            int64_t lo, cnt;
+            inverse_union(&g.axis[ax], C.grp[ax], C.i0[ax], min(C.i0[ax] + ct[ax], C.Lg[ax]) - 1, &lo, &cnt);
+            qb.lo[ax] = (int)lo;
+            qb.cnt[ax] = (int)cnt;
         }
         ncol *= qb.cnt[ax];
     }
@@ -282,23 +263,7 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
     const int tiles_per_head = (qb.total + BN - 1) / BN;
     const int tiles = tiles_per_head * g.group;
 
-    // K and V rows (zero outside the grid)
-    {
-        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BM, CPT = CH / TPR;
-        const int row = tid / TPR;
-        int ik[3];
-        const bool ok = C.row(row, ik);
-        const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, hk);
-        const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, hk);
-        const T *ks = ok ? kp.at(ik[0], ik[1], ik[2]) : kp.base;
-        const T *vs = ok ? vp.at(ik[0], ik[1], ik[2]) : vp.base;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BM>(row, ch);
-            cp_async16(smem_u32(Ks + off), ks + ch * 8, ok);
-            cp_async16(smem_u32(Vs + off), vs + ch * 8, ok);
-        }
-    }
+    C.template load_rows<T, HD>(g, a.k, a.v, hk, Ks, Vs, tid);  /* K and V rows, zero outside the grid */
 
     // Q, dO (and query coordinates, lse, D_i) of tile t: query head hk * group + t / tiles_per_head
     const int64_t h0 = (int64_t)hk * g.group;

@@ -40,24 +40,7 @@ fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const
     if (!C.init(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
 
-    // Q and tQ (zero rows outside the grid; tQ zero when absent)
-    {
-        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BM, CPT = CH / TPR;
-        const int row = tid / TPR;
-        int iq[3];
-        const bool ok = C.row(row, iq);
-        const bool has_tq = a.t_q.data != nullptr;
-        const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, C.b, C.grp, C.h);
-        const group_ptr<const T> tqp = group_ptr_of<const T>(has_tq ? a.t_q : a.q, g, C.b, C.grp, C.h);
-        const T *src = ok ? qp.at(iq[0], iq[1], iq[2]) : qp.base;
-        const T *tsrc = ok ? tqp.at(iq[0], iq[1], iq[2]) : tqp.base;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
-            cp_async16(smem_u32(Qs + gmma_off<BM>(row, ch)), src + ch * 8, ok);
-            cp_async16(smem_u32(tQs + gmma_off<BM>(row, ch)), tsrc + ch * 8, ok && has_tq);
-        }
-    }
+    C.template load_rows<T, HD>(g, a.q, a.t_q, C.h, Qs, tQs, tid);  /* zero rows outside the grid; tQ when absent */
 
     // K, tK, V, tV (and key coordinates) of tile t: one key per TPR threads
     auto load_tile = [&](int t, int) {

@@ -337,32 +337,37 @@ __device__ __forceinline__ group_ptr<T> group_ptr_of(const nbhd_tensor &t, const
     return p;
 }
 
-/* the backward's D_i workspace (fna_mma_bwd.cu di_kernel) as a tensor: float [B, X, Y, Z, H],
- * contiguous, indexed like lse */
-__device__ __forceinline__ nbhd_tensor di_tensor(const nbhd_geometry &g, const float *Dws) {
-    nbhd_tensor t;
-    t.data = (void *)Dws;
-    t.stride[4] = 1;
-    t.stride[3] = g.heads;
-    t.stride[2] = t.stride[3] * g.axis[2].extent;
-    t.stride[1] = t.stride[2] * g.axis[1].extent;
-    t.stride[0] = t.stride[1] * g.axis[0].extent;
-    t.stride[5] = 0;
-    return t;
-}
-
-/* the KV-parallel backward's fp32 dQ accumulator (workspace after D_i): float [B, X, Y, Z, H, D],
- * contiguous */
-__host__ __device__ inline nbhd_tensor dq_accumulator(const nbhd_geometry &g, float *data) {
+/* a contiguous fp32 workspace [B, X, Y, Z, H, cols] as a tensor: the backward's D_i (cols 1,
+ * indexed like lse) and the KV-parallel backward's dQ accumulator (cols D) */
+__host__ __device__ inline nbhd_tensor workspace_tensor(const nbhd_geometry &g, const float *data, int64_t cols) {
     nbhd_tensor t;
     t.data = (void *)data;
     t.stride[5] = 1;
-    t.stride[4] = g.head_dim;
+    t.stride[4] = cols;
     t.stride[3] = t.stride[4] * g.heads;
     t.stride[2] = t.stride[3] * g.axis[2].extent;
     t.stride[1] = t.stride[2] * g.axis[1].extent;
     t.stride[0] = t.stride[1] * g.axis[0].extent;
     return t;
+}
+__host__ __device__ inline nbhd_tensor di_tensor(const nbhd_geometry &g, const float *Dws) {
+    return workspace_tensor(g, Dws, 1);
+}
+__host__ __device__ inline nbhd_tensor dq_accumulator(const nbhd_geometry &g, float *data) {
+    return workspace_tensor(g, data, g.head_dim);
+}
+
+/* the union of the inverse neighbourhoods of the in-group keys first..last of group grp on one
+ * axis, in-group: [*lo, *lo + *cnt) (cnt >= 0) */
+__device__ __forceinline__ void inverse_union(const nbhd_axis *ax, int64_t grp, int64_t first, int64_t last,
+                                              int64_t *lo, int64_t *cnt) {
+    const int64_t d = ax->dilation;
+    int64_t f0, c0, f1, c1;
+    inverse32(ax, grp + first * d, &f0, &c0);
+    inverse32(ax, grp + last * d, &f1, &c1);
+    *lo = f0 / d;
+    *cnt = f1 / d + c1 - *lo;
+    if (*cnt < 0) *cnt = 0;
 }
 
 #define BR 64  /* rows per CTA of the backward and JVP kernels (4 warps x 16) */

@@ -111,6 +111,27 @@ struct wg_cta {
         return iq[0] < Lg[0] && iq[1] < Lg[1] && iq[2] < Lg[2];
     }
 
+    /* the patch's rows of x1 and x2 (head `head`) into [WGMMA_BM][HD] tiles d1, d2 of the layout
+     * above by cp.async, rows outside the grid zero-filled; x2 absent (no data): d2 zero */
+    template <typename T, int HD>
+    __device__ __forceinline__ void load_rows(const nbhd_geometry &g, const nbhd_tensor &x1, const nbhd_tensor &x2,
+                                              int64_t head, T *d1, T *d2, int tid) const {
+        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / WGMMA_BM, CPT = CH / TPR;
+        const int r = tid / TPR;
+        int iq[3];
+        const bool ok = row(r, iq), has2 = x2.data != nullptr;
+        const group_ptr<const T> p1 = group_ptr_of<const T>(x1, g, b, grp, head);
+        const group_ptr<const T> p2 = group_ptr_of<const T>(has2 ? x2 : x1, g, b, grp, head);
+        const T *s1 = ok ? p1.at(iq[0], iq[1], iq[2]) : p1.base;
+        const T *s2 = ok ? p2.at(iq[0], iq[1], iq[2]) : p2.base;
+#pragma unroll
+        for (int cc = 0; cc < CPT; ++cc) {
+            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<WGMMA_BM>(r, ch);
+            cp_async16(smem_u32(d1 + off), s1 + ch * 8, ok);
+            cp_async16(smem_u32(d2 + off), s2 + ch * 8, ok && has2);
+        }
+    }
+
     /* element offset of in-group row iq, head h, in a [B, X, Y, Z, H, D] tensor (64-bit: for
      * tensors whose steps steps_fit does not check, the outputs) */
     __device__ __forceinline__ int64_t offset(const nbhd_tensor &t, const nbhd_geometry &g, const int iq[3],
