@@ -162,12 +162,26 @@ static amx_geo amx_geo_of(const nbhd_geometry *g) {
 static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int inverse, int32_t *id, int64_t *sgr,
                                int64_t *sulo);
 
-/* elements of the 16-key slices of a [dim] operand on row pairs (amx_pair_slices), 0 off them */
-static size_t amx_slice_elems(const amx_geo *G, const nbhd_geometry *g, int inverse, int64_t dim) {
+/* Element offset of the row pair holding line (x, y) in slice `slice` of 16-key slices of a [dim]
+ * operand, [slice][X][(Y + 1) / 2][dim][32] (the lines 2i and 2i + 1 of a pair, 16 keys each, in
+ * one 64-byte row per dim); amx_slice_at(G, ns, 0, 0, dim): the elements of ns slices. */
+static inline int64_t amx_slice_at(const amx_geo *G, int64_t slice, int64_t x, int64_t y, int64_t dim) {
+    return ((slice * G->X + x) * ((G->Y + 1) / 2) + y / 2) * dim * 32;
+}
+
+/* the number of 16-key slices on row pairs (amx_pair_slices), -1 off them */
+static int64_t amx_slice_count(const amx_geo *G, const nbhd_geometry *g, int inverse) {
     int64_t *buf = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)G->ZP), ns = -1;
     if (buf) ns = amx_pair_slices(G, g, inverse, (int32_t *)buf, buf + G->ZP, buf + 2 * G->ZP);
     free(buf);
-    return ns > 0 ? (size_t)ns * (size_t)(G->X * ((G->Y + 1) / 2)) * 32 * (size_t)dim : 0;
+    return ns;
+}
+
+/* elements of a transposed [dim] operand's region: its columns (amx_col), or on row pairs its ns
+ * slices, whichever is larger (the region holds the one in use) */
+static int64_t amx_transposed_elems(const amx_geo *G, int64_t ns, int64_t dim) {
+    const int64_t cols = G->lines * G->ZP * dim, slices = ns > 0 ? amx_slice_at(G, ns, 0, 0, dim) : 0;
+    return slices > cols ? slices : cols;
 }
 
 /* Bytes per slab: forward K and V^T (forward+JVP: tK and tV^T too); backward K, K^T, V and, per
@@ -177,17 +191,14 @@ size_t nbhd_cpu_amx_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     const amx_geo G = amx_geo_of(g);
     const size_t per = (size_t)G.lines * (size_t)G.ZP, D = (size_t)G.D, Dv = (size_t)G.Dv;
     switch (op) {
-    case NBHD_OP_FORWARD: {   /* on row pairs, V^T slices instead of V^T, when larger */
-        const size_t vc = amx_slice_elems(&G, g, 0, G.Dv) * 2;
-        return per * 2 * D + (vc > per * 2 * Dv ? vc : per * 2 * Dv) + TAIL + 128;
-    }
+    case NBHD_OP_FORWARD:   /* on row pairs, V^T slices instead of V^T */
+        return per * 2 * D + 2 * (size_t)amx_transposed_elems(&G, amx_slice_count(&G, g, 0), G.Dv) + TAIL + 128;
     case NBHD_OP_FORWARD_JVP: return 2 * per * 2 * (D + Dv) + TAIL + 128;
-    case NBHD_OP_BACKWARD: {   /* on row pairs, K^T, Q^T, dO^T slices instead of those, when larger */
-        const size_t kc = amx_slice_elems(&G, g, 0, G.D) * 2, qc = amx_slice_elems(&G, g, 1, G.D) * 2,
-                     oc = amx_slice_elems(&G, g, 1, G.Dv) * 2;
-        return per * 2 * (D + Dv) + (kc > per * 2 * D ? kc : per * 2 * D) +
-               (size_t)g->group * (per * (2 * (D + Dv) + 8) + (qc > per * 2 * D ? qc : per * 2 * D) +
-                                   (oc > per * 2 * Dv ? oc : per * 2 * Dv)) + TAIL + 128;
+    case NBHD_OP_BACKWARD: {   /* on row pairs, K^T, Q^T, dO^T slices instead of those */
+        const int64_t ns = amx_slice_count(&G, g, 0), ns2 = amx_slice_count(&G, g, 1);
+        const size_t kt = 2 * (size_t)amx_transposed_elems(&G, ns, G.D);
+        const size_t qt = 2 * (size_t)amx_transposed_elems(&G, ns2, G.D), ot = 2 * (size_t)amx_transposed_elems(&G, ns2, G.Dv);
+        return per * 2 * (D + Dv) + kt + (size_t)g->group * (per * (2 * (D + Dv) + 8) + qt + ot) + TAIL + 128;
     }
     default: return 0;
     }
@@ -712,7 +723,7 @@ static void amx_accum_pairs(const uint16_t *Ac, int slice, const amx_geo *G, int
     for (int i = 0; i < nseg; i += 2) {
         const int64_t x = seg[i].line / G->Y, y = seg[i].line % G->Y;
         pb[i / 2] = Pb + seg[i].u0 / 2 * 16;
-        as[i / 2] = Ac + ((slice * G->X + x) * ((G->Y + 1) / 2) + y / 2) * dim * 32;
+        as[i / 2] = Ac + amx_slice_at(G, slice, x, y, dim);
     }
     amx_accum_steps(pb, as, nseg / 2, 16 * 32, 64, dim, acc, acc2, fresh);
 }
@@ -1048,7 +1059,7 @@ static void amx_pack_slice(uint16_t *C, const int64_t *plan, const amx_geo *G, c
                            const nbhd_tensor *t, int64_t dim, int64_t b, int64_t h, int64_t it) {
     const int64_t sl = it / G->lines, ln = it % G->lines, x = ln / G->Y, y = ln % G->Y;
     const int64_t gr = plan[G->ZP + sl], lo = plan[2 * G->ZP + sl], Lg = nbhd_group_len(&g->axis[2], gr);
-    uint16_t *dst = C + sl * G->X * ((G->Y + 1) / 2) * dim * 32 + (x * ((G->Y + 1) / 2) + y / 2) * dim * 32;
+    uint16_t *dst = C + amx_slice_at(G, sl, x, y, dim);
     amx_cols16(dst + (y & 1) * 16, 32, g, t, dim, b, h, x, y, gr, lo, (int)(Lg - lo < 16 ? Lg - lo : 16));
     if (y == G->Y - 1 && !(y & 1))
         for (int64_t d = 0; d < dim; ++d) memset(dst + d * 32 + 16, 0, 32);
@@ -1428,10 +1439,8 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     int64_t *plan = (int64_t *)malloc(sizeof(int64_t) * 6 * (size_t)ZP), *plan2 = plan ? plan + 3 * ZP : NULL;
     const int64_t ns = plan ? amx_pair_slices(&G, g, 0, (int32_t *)plan, plan + ZP, plan + 2 * ZP) : -1;
     const int64_t ns2 = plan ? amx_pair_slices(&G, g, 1, (int32_t *)plan2, plan2 + ZP, plan2 + 2 * ZP) : -1;
-    const int64_t pl = G.X * ((G.Y + 1) / 2) * 32;   /* elements per slice and column */
-    const int64_t kcn = ns > 0 ? ns * pl * D : 0, qcn = ns2 > 0 ? ns2 * pl * D : 0, ocn = ns2 > 0 ? ns2 * pl * Dv : 0;
-    const int64_t qtn = qcn > per * D ? qcn : per * D, otn = ocn > per * Dv ? ocn : per * Dv;
-    uint16_t *Kt = K + per * D, *V = Kt + (kcn > per * D ? kcn : per * D), *Q = V + per * Dv, *Qt = Q + Gq * per * D;
+    const int64_t qtn = amx_transposed_elems(&G, ns2, D), otn = amx_transposed_elems(&G, ns2, Dv);
+    uint16_t *Kt = K + per * D, *V = Kt + amx_transposed_elems(&G, ns, D), *Q = V + per * Dv, *Qt = Q + Gq * per * D;
     uint16_t *dO = Qt + Gq * qtn, *dOt = dO + Gq * per * Dv;
     float *L = (float *)(dOt + Gq * otn), *Dd = L + Gq * per;
     const int64_t B = g->batch, Hk = g->kv_heads;
