@@ -175,17 +175,7 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : kct[ax * BN + kr];
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
-                    bool ok = full;
-                    if (!full) {
-                        if (win) {
-                            ok = true;
-#pragma unroll
-                            for (int ax = 0; ax < RANK; ++ax)
-                                ok = ok && j[ax] >= wst[hrow][ax] && j[ax] < wen[hrow][ax];
-                        } else {
-                            ok = rvalid[hrow] && j[0] != KEY_NONE;
-                        }
-                    }
+                    const bool ok = full || key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
                     float &x = sc[nb][2 * hrow + e];
                     const float p = ok ? prob_exp2(x * sl2 - lse2[hrow]) : 0.f;
                     x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);

@@ -468,6 +468,18 @@ template <typename T> __device__ __forceinline__ void store_pairs(T *dst, const 
 // 16-row m-blocks in mma.sync accumulator fragments (a thread holds rows rq, rq + 8 of each,
 // key / head-dim columns nb * 8 + 2 cq + e)
 
+/* Does a query row see key j (in-group coordinates)? A window key (win): inside the row's window
+ * [st, en) per axis (an invalid row's is empty); an extra key: any valid row, any real key. */
+template <int RANK>
+__device__ __forceinline__ bool key_visible(bool win, const int (&j)[RANK], const int (&st)[RANK],
+                                            const int (&en)[RANK], bool row_valid) {
+    if (!win) return row_valid && j[0] != KEY_NONE;
+    bool ok = true;
+#pragma unroll
+    for (int ax = 0; ax < RANK; ++ax) ok = ok && j[ax] >= st[ax] && j[ax] < en[ax];
+    return ok;
+}
+
 /* One key tile of the online softmax in base 2: scale the scores, mask them (unless full: every
  * key of the tile inside every row's window; win: a window tile, else extra keys, kept for valid
  * rows and real keys), update the row max m and sum l, and leave P = 2^(S - m) in sc. Returns
@@ -506,15 +518,7 @@ __device__ __forceinline__ bool fwd_softmax_tile(float (&sc)[MB][BN / 8][4], flo
                 for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
                     for (int hrow = 0; hrow < 2; ++hrow) {
-                        bool ok;
-                        if (win) {
-                            ok = true;
-#pragma unroll
-                            for (int ax = 0; ax < RANK; ++ax)
-                                ok = ok && j[ax] >= wst[mb][hrow][ax] && j[ax] < wen[mb][hrow][ax];
-                        } else {
-                            ok = rvalid[mb][hrow] && j[0] != KEY_NONE;
-                        }
+                        const bool ok = key_visible<RANK>(win, j, wst[mb][hrow], wen[mb][hrow], rvalid[mb][hrow]);
                         float &x = sc[mb][nb][2 * hrow + e];
                         x = ok ? x * sl2 : -INFINITY;
                         mx[mb][hrow] = fmaxf(mx[mb][hrow], x);
@@ -685,15 +689,7 @@ __device__ __forceinline__ bool jvp_softmax_tile(float (&sc)[BN / 8][4], float (
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
-                    bool ok;
-                    if (win) {
-                        ok = true;
-#pragma unroll
-                        for (int ax = 0; ax < RANK; ++ax)
-                            ok = ok && j[ax] >= wst[hrow][ax] && j[ax] < wen[hrow][ax];
-                    } else {
-                        ok = rvalid[hrow] && j[0] != KEY_NONE;
-                    }
+                    const bool ok = key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
                     float &x = sc[nb][2 * hrow + e];
                     x = ok ? x * sl2 : -INFINITY;
                     ts[nb][2 * hrow + e] = ok ? ts[nb][2 * hrow + e] * scale : 0.f;
