@@ -141,11 +141,7 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
             cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ksrc + ch * 8, ok);
             cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vsrc + ch * 8, ok);
         }
-        if (tid % TPR == 0) {
-            kcd[kr] = ok ? j[0] : KEY_NONE;
-#pragma unroll
-            for (int ax = 1; ax < RANK; ++ax) kcd[ax * BN + kr] = j[ax];
-        }
+        if (tid % TPR == 0) put_coords<RANK, BN>(kcd, kr, ok, j);
     };
 
     // this thread's rows (r, r+8 of each of the warp's m-blocks): validity and in-group

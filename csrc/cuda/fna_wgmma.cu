@@ -119,11 +119,7 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
             cp_async16(smem_u32(Kd + gmma_off<BN>(kr, ch)), ksrc + ch * 8, ok);
             cp_async16(smem_u32(Vd + gmma_off<BN>(kr, ch)), vsrc + ch * 8, ok);
         }
-        if (tid % TPR == 0) {
-            kcd[kr] = ok ? j[0] : KEY_NONE;
-#pragma unroll
-            for (int ax = 1; ax < RANK; ++ax) kcd[ax * BN + kr] = j[ax];
-        }
+        if (tid % TPR == 0) put_coords<RANK, BN>(kcd, kr, ok, j);
     };
 
     // this thread's rows (r, r + 8 of its warp's m-block): validity and in-group windows

@@ -94,12 +94,7 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
             cp_async16(smem_u32(Kd + off), ks + ch * 8, ok);
             cp_async16(smem_u32(Vd + off), vs + ch * 8, ok);
         }
-        if (tid % TPR == 0) {
-            int *kcd = kc + (t % VST) * RANK * BN;
-            kcd[kr] = ok ? j[0] : KEY_NONE;
-#pragma unroll
-            for (int ax = 1; ax < RANK; ++ax) kcd[ax * BN + kr] = j[ax];
-        }
+        if (tid % TPR == 0) put_coords<RANK, BN>(kc + (t % VST) * RANK * BN, kr, ok, j);
     };
 
     // this thread's rows: windows, lse (base 2), D_i
@@ -280,10 +275,7 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
             cp_async16(smem_u32(dOd + off), ds + ch * 8, ok);
         }
         if (tid % TPR == 0) {
-            int *qcd = qc + s * RANK * BN;
-            qcd[cr] = ok ? j[0] : KEY_NONE;
-#pragma unroll
-            for (int ax = 1; ax < RANK; ++ax) qcd[ax * BN + cr] = j[ax];
+            put_coords<RANK, BN>(qc + s * RANK * BN, cr, ok, j);
             cp_async4(smem_u32(ql + s * BN + cr), lp.at(j[0], j[1], j[2]) + (int64_t)hh * a.lse.stride[4], ok);
             cp_async4(smem_u32(qd + s * BN + cr), dwp.at(j[0], j[1], j[2]) + hh, ok);
         }

@@ -69,12 +69,7 @@ fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const
             cp_async16(smem_u32(tKd + off), tks + ch * 8, ok && has_tk);
             cp_async16(smem_u32(tVd + off), tvs + ch * 8, ok && has_tv);
         }
-        if (tid % TPR == 0) {
-            int *kcd = kc + (t % KST) * RANK * BN;
-            kcd[kr] = ok ? j[0] : KEY_NONE;
-#pragma unroll
-            for (int ax = 1; ax < RANK; ++ax) kcd[ax * BN + kr] = j[ax];
-        }
+        if (tid % TPR == 0) put_coords<RANK, BN>(kc + (t % KST) * RANK * BN, kr, ok, j);
     };
 
     const int cq = lane & 3;

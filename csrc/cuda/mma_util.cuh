@@ -468,6 +468,15 @@ template <typename T> __device__ __forceinline__ void store_pairs(T *dst, const 
 // 16-row m-blocks in mma.sync accumulator fragments (a thread holds rows rq, rq + 8 of each,
 // key / head-dim columns nb * 8 + 2 cq + e)
 
+/* entry n of a tile's in-group coordinates [RANK][BN] (at dst): j, or KEY_NONE on axis 0 for a
+ * position past the end (ok false) */
+template <int RANK, int BN>
+__device__ __forceinline__ void put_coords(int *dst, int n, bool ok, const int (&j)[3]) {
+    dst[n] = ok ? j[0] : KEY_NONE;
+#pragma unroll
+    for (int ax = 1; ax < RANK; ++ax) dst[ax * BN + n] = j[ax];
+}
+
 /* Does a query row see key j (in-group coordinates)? A window key (win): inside the row's window
  * [st, en) per axis (an invalid row's is empty); an extra key: any valid row, any real key. */
 template <int RANK>
