@@ -1517,6 +1517,9 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
     const int64_t xchunks = (G.S + 15) / 16;
     const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_BACKWARD), per_b = (G.Hk + nhk - 1) / nhk;
     const FAST(packed) pk[2] = {{KT, KXT, &a->k, &a->kx, D, 1.0f}, {VT, VXT, &a->v, &a->vx, Dv, 1.0f}};
+    /* dQ, dK, dV are written once and not read here: streamed when larger than the L2s (counted as
+     * [.., H, D + Dv], at most their size) - 2-D 56^2 fp32: 0.86x the time */
+    const int stream = FAST(stream_outputs)(&G, e, D + Dv, 1);
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -1686,7 +1689,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                         FAST(accum_rows)(dQ, D, s.T, s.p1, 1, nn, SP, 1);
                     })
                 }
-                FAST(store_lanes)(&a->d_q, dt, D, b, x, ys[r], it.zl[r], it.nl[r], h, dQ, mul, 0);
+                FAST(store_lanes)(&a->d_q, dt, D, b, x, ys[r], it.zl[r], it.nl[r], h, dQ, mul, stream);
             }
         }
 
@@ -1770,8 +1773,8 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
             float mk[16], mv[16];
             for (int l = 0; l < 16; ++l) { mk[l] = (float)LN2; mv[l] = 1.0f; }
             for (int r = 0; r < nly; ++r) {
-                FAST(store_lanes)(&a->d_k, dt, D, b, x, ys[r], zl, nl, hk, lO1[r], mk, 0);
-                FAST(store_lanes)(&a->d_v, dt, Dv, b, x, ys[r], zl, nl, hk, lO2[r], mv, 0);
+                FAST(store_lanes)(&a->d_k, dt, D, b, x, ys[r], zl, nl, hk, lO1[r], mk, stream);
+                FAST(store_lanes)(&a->d_v, dt, Dv, b, x, ys[r], zl, nl, hk, lO2[r], mv, stream);
             }
         }
 
@@ -1814,6 +1817,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
         }
         free(lmem);
         if (ok) free(s.mem);
+        vf_fence();   /* the streamed outputs */
     }
     free(YB.g);
     FAST(geo_free)(&G);
