@@ -41,6 +41,7 @@
  */
 #define _GNU_SOURCE   /* syscall() */
 #include "amx.h"
+#include "fast.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")
@@ -526,6 +527,7 @@ typedef struct {
      * Y), and the slice of each packed union start */
     const uint16_t *Vc;
     const int32_t *slice_of;
+    int stream;                 /* the outputs bypass the caches (nbhd_cpu_stream_outputs) */
 } amx_ctx;
 
 /* S^T of the union slots of the unit's segments into S (at their frame slots; the union starts at
@@ -878,7 +880,7 @@ static void amx_pack_qt(uint16_t *dst, const nbhd_tensor *t, int64_t D, int64_t 
  * 32 dv, bf16 pairs of neighbouring dv, then one 16 x 16 transpose of 32-bit words (row l: the
  * 32 dv of lane l) */
 static void amx_store_lanes(const nbhd_tensor *t, const float *A, int64_t Dv, int64_t b, int64_t x,
-                            const amx_lanes *L, int64_t h) {
+                            const amx_lanes *L, int64_t h, int stream) {
     uint16_t *row[16];
     for (int l = 0; l < 16; ++l)
         row[l] = L->live >> l & 1 ? (uint16_t *)amx_token(t, b, x, L->y[l], L->z[l], h) : NULL;
@@ -894,7 +896,9 @@ static void amx_store_lanes(const nbhd_tensor *t, const float *A, int64_t Dv, in
         for (int l = 0; l < 16; ++l) {
             if (!row[l]) continue;
             const __m512i w = _mm512_castps_si512(r[l]);
-            if (st == 1) _mm512_mask_storeu_epi16(row[l] + d0, np == 16 ? 0xffffffffu : 0xffffu, w);
+            if (st == 1 && stream && np == 16 && ((uintptr_t)(row[l] + d0) & 63) == 0)
+                _mm512_stream_si512((void *)(row[l] + d0), w);
+            else if (st == 1) _mm512_mask_storeu_epi16(row[l] + d0, np == 16 ? 0xffffffffu : 0xffffu, w);
             else {
                 uint16_t tmp[32];
                 _mm512_storeu_si512((void *)tmp, w);
@@ -958,8 +962,8 @@ static void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, i
         *amx_scalar(io->lse, b, x, L.y[l], L.z[l], h) = (float)(LN2 * ((double)mm[l] + (double)log2f(ll[l])));
         if (cx->jvp) *amx_scalar(io->tlse, b, x, L.y[l], L.z[l], h) = mus[l];
     }
-    amx_store_lanes(io->out, sc->O, Dv, b, x, &L, h);
-    if (cx->jvp) amx_store_lanes(io->tout, sc->C, Dv, b, x, &L, h);
+    amx_store_lanes(io->out, sc->O, Dv, b, x, &L, h, cx->stream);
+    if (cx->jvp) amx_store_lanes(io->tout, sc->C, Dv, b, x, &L, h, cx->stream);
 }
 
 // ----------------------------------------------------------------------------
@@ -1140,7 +1144,8 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     const int64_t ns = plan ? amx_pair_slices(&G, g, 0, (int32_t *)plan, plan + G.ZP, plan + 2 * G.ZP) : -1;
     const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
                         (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL,
-                        ns > 0 ? Vt : NULL, (const int32_t *)plan};
+                        ns > 0 ? Vt : NULL, (const int32_t *)plan,
+                        nbhd_cpu_stream_outputs((size_t)(B * G.lines * G.Z * g->heads * G.Dv) * 2 * (jvp ? 2 : 1), e)};
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -1178,6 +1183,7 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
         }
         _tile_release();
         if (ok) free(sc.mem);
+        _mm_sfence();   /* the streamed outputs */
     }
     free(W.blk);
     free(plan);
@@ -1225,6 +1231,7 @@ typedef struct {
     const uint16_t *Qc, *dOc;
     const int32_t *slice_of2;
     int64_t qtn, otn;
+    int stream;                          /* dQ, dK, dV bypass the caches (nbhd_cpu_stream_outputs) */
 } amx_bctx;
 
 typedef struct {
@@ -1315,10 +1322,10 @@ static void amx_dsoftmax(amx_bscratch *sc, const amx_seg *seg, int nseg, int64_t
 
 /* [dim][16] fp32 (x mul) into t[b, x, y, z_l, h, :] bf16 */
 static void amx_store_scaled(const nbhd_tensor *t, float *A, int64_t dim, float mul, int64_t b, int64_t x,
-                             const amx_lanes *L, int64_t h) {
+                             const amx_lanes *L, int64_t h, int stream) {
     if (mul != 1.0f)
         for (int64_t d = 0; d < dim; ++d) vf_store(A + d * 16, vf_mul(vf_load(A + d * 16), vf_set1(mul)));
-    amx_store_lanes(t, A, dim, b, x, L, h);
+    amx_store_lanes(t, A, dim, b, x, L, h, stream);
 }
 
 /* pass 1: dQ of the 16 queries of block Bk (lane l at row iy0 + l / nz, Z position iz0 + l % nz
@@ -1373,7 +1380,7 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
         if (cx->Kc) amx_accum_pairs(cx->Kc, slice, G, D, sc->acc1, sc->tmp, sc->dS, seg, nseg, 0);
         else amx_accum(cx->Kt, D, G->ZP, sc->acc1, sc->tmp, sc->dS, seg, nseg, zb - delta, 0);
     }
-    amx_store_scaled(&a->d_q, sc->acc1, D, (float)g->scale, b, x, &Ln, h);
+    amx_store_scaled(&a->d_q, sc->acc1, D, (float)g->scale, b, x, &Ln, h, cx->stream);
 }
 
 /* pass 2: dK and dV of the 16 keys of block Bk (rows and Z positions as in pass 1), key head hk */
@@ -1426,8 +1433,8 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
             }
         }
     }
-    amx_store_scaled(&a->d_k, sc->acc1, D, (float)g->scale, b, x, &Ln, hk);
-    amx_store_scaled(&a->d_v, sc->acc2, Dv, 1.0f, b, x, &Ln, hk);
+    amx_store_scaled(&a->d_k, sc->acc1, D, (float)g->scale, b, x, &Ln, hk, cx->stream);
+    amx_store_scaled(&a->d_v, sc->acc2, Dv, 1.0f, b, x, &Ln, hk, cx->stream);
 }
 
 nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
@@ -1449,7 +1456,8 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     const int64_t nblocks = W.nblocks, npieces = W.npieces;
     const amx_bctx cx = {a, &G, g, K, Kt, V, Q, Qt, dO, dOt, L, Dd, (float)(g->scale * LOG2E),
                          ns > 0 ? Kt : NULL, (const int32_t *)plan, ns2 > 0 ? Qt : NULL, ns2 > 0 ? dOt : NULL,
-                         (const int32_t *)plan2, qtn, otn};
+                         (const int32_t *)plan2, qtn, otn,
+                         nbhd_cpu_stream_outputs((size_t)(B * G.lines * G.Z * g->heads * (D + Dv)) * 2, e)};
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -1511,6 +1519,7 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
         }
         _tile_release();
         if (ok) free(sc.mem);
+        _mm_sfence();   /* the streamed outputs */
     }
     free(W.blk);
     free(plan);

@@ -43,6 +43,7 @@
 #include <stdlib.h>
 
 #include "convert.h"
+#include "fast.h"
 #include "internal.h"
 
 #define SMAX 512                     /* slot vectors per processed unit (32 KiB of scores) */
@@ -139,7 +140,6 @@ typedef struct {
  * innermost, so a larger slab is read back from L3 (2 MiB against 8, 2 threads: 2-D 56^2 0.84x
  * the time, 3-D 0.95x). */
 #define SLAB_BYTES ((size_t)8 << 20)
-#define CORE_L2_BYTES ((size_t)2 << 20)  /* the forward's slab; the output bound for streaming */
 static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
     const size_t ZP = (size_t)(g->axis[2].extent + PAD * g->axis[2].dilation);
     const size_t rows = (size_t)(g->axis[0].extent * g->axis[1].extent);
@@ -149,7 +149,7 @@ static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
     const size_t per_head = rows * ZP * sizeof(float) * per_row;
     /* a slab of few rows packs on few threads (one per row): keep those large */
     const int fwd = op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP;
-    const size_t bytes = fwd && rows >= 16 ? CORE_L2_BYTES : SLAB_BYTES;
+    const size_t bytes = fwd && rows >= 16 ? NBHD_CORE_L2_BYTES : SLAB_BYTES;
     int64_t n = (int64_t)(bytes / (per_head ? per_head : 1));
     n = n < 1 ? 1 : n > g->kv_heads ? g->kv_heads : n;
     const int64_t slabs = (g->kv_heads + n - 1) / n;
@@ -916,13 +916,9 @@ static int FAST(tile_lines)(const nbhd_exec *e, const nbhd_geometry *g, int max_
     return q[1] > 0 ? q[1] : max_lines;
 }
 
-/* Whether `outputs` fp32 tensors [B, X, Y, Z, H, dim] together outgrow the threads' L2
- * (CORE_L2_BYTES each): they leave the caches before anyone reads them, so store_lanes streams
- * them to memory, which skips reading each line before its first write (2-D 56^2 fp32 forward:
- * 0.87x the time). The kernel fences its streamed stores before it returns. */
+/* Whether `outputs` fp32 tensors [B, X, Y, Z, H, dim] are streamed (nbhd_cpu_stream_outputs) */
 static int FAST(stream_outputs)(const FAST(geo) *G, const nbhd_exec *e, int64_t dim, int outputs) {
-    return (size_t)(G->B * G->X * G->Y * G->Z * G->H * dim) * sizeof(float) * (size_t)outputs >
-           (size_t)nbhd_cpu_threads(e) * CORE_L2_BYTES;
+    return nbhd_cpu_stream_outputs((size_t)(G->B * G->X * G->Y * G->Z * G->H * dim) * sizeof(float) * (size_t)outputs, e);
 }
 
 /*   q      [B, X, Y, Z, H,  D ]     out [B, X, Y, Z, H, Dv]   lse [B, X, Y, Z, H]
@@ -1517,8 +1513,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
     const int64_t xchunks = (G.S + 15) / 16;
     const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_BACKWARD), per_b = (G.Hk + nhk - 1) / nhk;
     const FAST(packed) pk[2] = {{KT, KXT, &a->k, &a->kx, D, 1.0f}, {VT, VXT, &a->v, &a->vx, Dv, 1.0f}};
-    /* dQ, dK, dV are written once and not read here: streamed when larger than the L2s (counted as
-     * [.., H, D + Dv], at most their size) - 2-D 56^2 fp32: 0.86x the time */
+    /* dQ, dK, dV are written once and not read here (counted as [.., H, D + Dv], at most their size) */
     const int stream = FAST(stream_outputs)(&G, e, D + Dv, 1);
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
