@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CC ?= gcc
-CFLAGS ?= -std=c11 -O2 -g -Wall -Wextra -Wno-psabi -fopenmp
+CFLAGS ?= -std=c11 -O3 -g -Wall -Wextra -Wno-psabi -fopenmp
 BUILD := build/c
 C_SRCS := $(wildcard csrc/core/*.c csrc/cpu/*.c)
 C_INCS := -Icsrc/include -Icsrc/core -Icsrc/cpu
