@@ -210,11 +210,18 @@ static void FAST(zero_margins)(float *dst, const FAST(geo) *G, int64_t dim) {
  * r[l] = 0 for l >= nl */
 NBHD_ALWAYS_INLINE void FAST(load_rows16)(vf *r, const void *data, nbhd_dtype dt, const int64_t *tok,
                                           int nl, int64_t d0) {
-    for (int l = 0; l < NBHD_LANES; ++l) {
-        if (l >= nl) r[l] = vf_zero();
-        else if (dt == NBHD_F32) r[l] = vf_load((const float *)data + tok[l] + d0);
-        else if (dt == NBHD_BF16) r[l] = vf_load_bf16((const uint16_t *)data + tok[l] + d0);
-        else r[l] = vf_load_f16((const uint16_t *)data + tok[l] + d0);
+    /* the dtype tested once and the lanes unrolled: r stays in registers for the transpose */
+    const float *f = (const float *)data + d0;
+    const uint16_t *h = (const uint16_t *)data + d0;
+    if (dt == NBHD_F32) {
+        NBHD_UNROLL
+        for (int l = 0; l < NBHD_LANES; ++l) r[l] = l < nl ? vf_load(f + tok[l]) : vf_zero();
+    } else if (dt == NBHD_BF16) {
+        NBHD_UNROLL
+        for (int l = 0; l < NBHD_LANES; ++l) r[l] = l < nl ? vf_load_bf16(h + tok[l]) : vf_zero();
+    } else {
+        NBHD_UNROLL
+        for (int l = 0; l < NBHD_LANES; ++l) r[l] = l < nl ? vf_load_f16(h + tok[l]) : vf_zero();
     }
 }
 
