@@ -282,13 +282,21 @@ static void amx_cols16_of(uint16_t *dst, int64_t dstride, const uint16_t *const 
 
 /* columns of line (x, y), in-group tokens [i0, i1) (i0 % 16 == 0) of group gr, 16 tokens at a
  * time (a last partial block writes zeros into the padding; at % 32 == 0: 16 tokens stay in one
- * block) */
+ * block); rows: the line's rows already packed ([ZP][Dv], amx_pack_rows) to read instead of v,
+ * or NULL */
 static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *v,
-                          int64_t Dv, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
-                          int64_t i1) {
+                          const uint16_t *rows, int64_t Dv, int64_t b, int64_t hk, int64_t x, int64_t y,
+                          int64_t gr, int64_t i0, int64_t i1) {
     const int64_t Lg = nbhd_group_len(&g->axis[2], gr), at = amx_goff(G, gr);
-    for (int64_t ib = i0; ib < i1; ib += 16)
-        amx_cols16(Vt + amx_col(Dv, 0, at + ib), 32, g, v, Dv, b, hk, x, y, gr, ib, (int)(i1 - ib < 16 ? i1 - ib : 16));
+    for (int64_t ib = i0; ib < i1; ib += 16) {
+        const int nz = (int)(i1 - ib < 16 ? i1 - ib : 16);
+        if (rows) {
+            const uint16_t *tok[16];
+            for (int l = 0; l < nz; ++l) tok[l] = rows + (at + ib + l) * Dv;
+            amx_cols16_of(Vt + amx_col(Dv, 0, at + ib), 32, tok, nz, Dv, 1);
+        } else
+            amx_cols16(Vt + amx_col(Dv, 0, at + ib), 32, g, v, Dv, b, hk, x, y, gr, ib, nz);
+    }
     if (i1 == Lg && amx_gpad(Lg))   /* the padding: the rest of the group's last block */
         for (int64_t d = 0; d < Dv; ++d)
             memset(Vt + amx_col(Dv, d, at + Lg), 0, sizeof(uint16_t) * (size_t)amx_gpad(Lg));
@@ -1183,9 +1191,9 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
                 amx_piece(&W, g, it, &ln, &gr, &i0, &i1);
                 const int64_t x = ln / G.Y, y = ln % G.Y;
                 amx_pack_rows(Kp + ln * G.ZP * G.D, &G, g, io->k, G.D, b, hk, x, y, gr, i0, i1);
-                if (!cx.Vc) amx_pack_cols(Vt + ln * G.Dv * G.ZP, &G, g, io->v, G.Dv, b, hk, x, y, gr, i0, i1);
+                if (!cx.Vc) amx_pack_cols(Vt + ln * G.Dv * G.ZP, &G, g, io->v, NULL, G.Dv, b, hk, x, y, gr, i0, i1);
                 if (has_tk) amx_pack_rows(tKp + ln * G.ZP * G.D, &G, g, io->tk, G.D, b, hk, x, y, gr, i0, i1);
-                if (has_tv) amx_pack_cols(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, G.Dv, b, hk, x, y, gr, i0, i1);
+                if (has_tv) amx_pack_cols(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, NULL, G.Dv, b, hk, x, y, gr, i0, i1);
             }
             /* V^T slices (amx_ctx) */
 #pragma omp for schedule(static)
@@ -1498,15 +1506,18 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
                 const int64_t x = ln / G.Y, y = ln % G.Y;
                 if (which == 0) {   /* the key head */
                     amx_pack_rows(K + ln * ZP * D, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
-                    if (!cx.Kc) amx_pack_cols(Kt + ln * D * ZP, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
+                    if (!cx.Kc) amx_pack_cols(Kt + ln * D * ZP, &G, g, &a->k, K + ln * ZP * D, D, b, hk, x, y, gr, i0,
+                                              i1);
                     amx_pack_rows(V + ln * ZP * Dv, &G, g, &a->v, Dv, b, hk, x, y, gr, i0, i1);
                 } else {            /* query head hq of its group */
                     const int64_t hq = which - 1, h = hk * Gq + hq;
-                    amx_pack_rows(Q + (hq * G.lines + ln) * ZP * D, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
-                    if (!cx.Qc) amx_pack_cols(Qt + hq * qtn + ln * D * ZP, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
-                    amx_pack_rows(dO + (hq * G.lines + ln) * ZP * Dv, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
-                    if (!cx.Qc)
-                        amx_pack_cols(dOt + hq * otn + ln * Dv * ZP, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
+                    uint16_t *qrows = Q + (hq * G.lines + ln) * ZP * D, *orows = dO + (hq * G.lines + ln) * ZP * Dv;
+                    amx_pack_rows(qrows, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
+                    amx_pack_rows(orows, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
+                    if (!cx.Qc) {   /* transposed from the rows just packed, not gathered again */
+                        amx_pack_cols(Qt + hq * qtn + ln * D * ZP, &G, g, &a->q, qrows, D, b, h, x, y, gr, i0, i1);
+                        amx_pack_cols(dOt + hq * otn + ln * Dv * ZP, &G, g, &a->d_out, orows, Dv, b, h, x, y, gr, i0, i1);
+                    }
                 }
             }
             /* K^T slices (amx_bctx) */
