@@ -238,21 +238,8 @@ static void amx_pack_rows(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g
  * contiguous run and a tile of 16 dv is 1 KiB of it. Element (dv d, position p): */
 static inline int64_t amx_col(int64_t Dv, int64_t d, int64_t p) { return (p / 32 * Dv + d) * 32 + p % 32; }
 
-/* 16 in-group tokens i0.. of group gr of line (x, y) (the first nz of them; zeros for the others)
- * as columns: dv d's 16 words at dst + d * dstride, through a register transpose */
-static void amx_cols16_of(uint16_t *dst, int64_t dstride, const uint16_t *const *tok, int nz, int64_t Dv,
-                          int64_t sv);
-
-static void amx_cols16(uint16_t *dst, int64_t dstride, const nbhd_geometry *g, const nbhd_tensor *v, int64_t Dv,
-                       int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0, int nz) {
-    const int64_t dil = g->axis[2].dilation;
-    const uint16_t *tok[16];
-    for (int l = 0; l < nz; ++l) tok[l] = amx_token(v, b, x, y, gr + (i0 + l) * dil, hk);
-    amx_cols16_of(dst, dstride, tok, nz, Dv, v->stride[5]);
-}
-
-/* the nz rows tok[] (element stride sv; zeros for the other of 16) as columns: dv d's 16 words
- * at dst + d * dstride */
+/* the nz rows tok[] (element stride sv; zeros for the others of 16) as columns: dv d's 16 words
+ * at dst + d * dstride, through a register transpose */
 static void amx_cols16_of(uint16_t *dst, int64_t dstride, const uint16_t *const *tok, int nz, int64_t Dv,
                           int64_t sv) {
     /* 32 dv (16 at the end) at a time as 32-bit dv pairs: one 16 x 16 transpose, then each
@@ -280,6 +267,24 @@ static void amx_cols16_of(uint16_t *dst, int64_t dstride, const uint16_t *const 
     }
 }
 
+/* 16 in-group tokens i0.. of group gr of line (x, y) (the first nz of them; zeros for the others)
+ * as columns: dv d's 16 words at dst + d * dstride, through a register transpose */
+static void amx_cols16(uint16_t *dst, int64_t dstride, const nbhd_geometry *g, const nbhd_tensor *v, int64_t Dv,
+                       int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0, int nz) {
+    const int64_t dil = g->axis[2].dilation;
+    const uint16_t *tok[16];
+    for (int l = 0; l < nz; ++l) tok[l] = amx_token(v, b, x, y, gr + (i0 + l) * dil, hk);
+    amx_cols16_of(dst, dstride, tok, nz, Dv, v->stride[5]);
+}
+
+/* the same from nz consecutive packed rows (amx_pack_rows) from `first`: the tokens come from
+ * L2, not gathered again from the tensor */
+static void amx_cols16_packed(uint16_t *dst, int64_t dstride, const uint16_t *first, int nz, int64_t dim) {
+    const uint16_t *tok[16];
+    for (int l = 0; l < nz; ++l) tok[l] = first + l * dim;
+    amx_cols16_of(dst, dstride, tok, nz, dim, 1);
+}
+
 /* columns of line (x, y), in-group tokens [i0, i1) (i0 % 16 == 0) of group gr, 16 tokens at a
  * time (a last partial block writes zeros into the padding; at % 32 == 0: 16 tokens stay in one
  * block); rows: the line's rows already packed ([ZP][Dv], amx_pack_rows) to read instead of v,
@@ -290,12 +295,8 @@ static void amx_pack_cols(uint16_t *Vt, const amx_geo *G, const nbhd_geometry *g
     const int64_t Lg = nbhd_group_len(&g->axis[2], gr), at = amx_goff(G, gr);
     for (int64_t ib = i0; ib < i1; ib += 16) {
         const int nz = (int)(i1 - ib < 16 ? i1 - ib : 16);
-        if (rows) {
-            const uint16_t *tok[16];
-            for (int l = 0; l < nz; ++l) tok[l] = rows + (at + ib + l) * Dv;
-            amx_cols16_of(Vt + amx_col(Dv, 0, at + ib), 32, tok, nz, Dv, 1);
-        } else
-            amx_cols16(Vt + amx_col(Dv, 0, at + ib), 32, g, v, Dv, b, hk, x, y, gr, ib, nz);
+        if (rows) amx_cols16_packed(Vt + amx_col(Dv, 0, at + ib), 32, rows + (at + ib) * Dv, nz, Dv);
+        else amx_cols16(Vt + amx_col(Dv, 0, at + ib), 32, g, v, Dv, b, hk, x, y, gr, ib, nz);
     }
     if (i1 == Lg && amx_gpad(Lg))   /* the padding: the rest of the group's last block */
         for (int64_t d = 0; d < Dv; ++d)
@@ -1086,12 +1087,8 @@ static void amx_pack_slice(uint16_t *C, const int64_t *plan, const amx_geo *G, c
     const int64_t gr = plan[G->ZP + sl], lo = plan[2 * G->ZP + sl], Lg = nbhd_group_len(&g->axis[2], gr);
     const int nz = (int)(Lg - lo < 16 ? Lg - lo : 16);
     uint16_t *dst = C + amx_slice_at(G, sl, x, y, dim);
-    if (rows) {
-        const uint16_t *tok[16];
-        for (int l = 0; l < nz; ++l) tok[l] = rows + (ln * G->ZP + amx_goff(G, gr) + lo + l) * dim;
-        amx_cols16_of(dst + (y & 1) * 16, 32, tok, nz, dim, 1);
-    } else
-        amx_cols16(dst + (y & 1) * 16, 32, g, t, dim, b, h, x, y, gr, lo, nz);
+    if (rows) amx_cols16_packed(dst + (y & 1) * 16, 32, rows + (ln * G->ZP + amx_goff(G, gr) + lo) * dim, nz, dim);
+    else amx_cols16(dst + (y & 1) * 16, 32, g, t, dim, b, h, x, y, gr, lo, nz);
     if (y == G->Y - 1 && !(y & 1))
         for (int64_t d = 0; d < dim; ++d) memset(dst + d * 32 + 16, 0, 32);
 }
