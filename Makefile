@@ -34,8 +34,15 @@ $(BUILD)/libnbhd.so: $(C_SRCS) $(wildcard csrc/*/*.h csrc/include/*.h)
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS) -fPIC -shared $(C_INCS) $(C_SRCS) -o $@ -lm
 
+# a C program on the library and csrc/tests/harness.h
+LINK_C_PROGRAM = $(CC) $(CFLAGS) $(C_INCS) -Icsrc/tests $< -o $@ -L$(BUILD) -lnbhd -Wl,-rpath,$(abspath $(BUILD)) -lm
+
 $(BUILD)/%: csrc/tests/%.c $(BUILD)/libnbhd.so
-	$(CC) $(CFLAGS) $(C_INCS) $< -o $@ -L$(BUILD) -lnbhd -Wl,-rpath,$(abspath $(BUILD)) -lm
+	$(LINK_C_PROGRAM)
+
+# instruction counts of one kernel call under callgrind (bench/count_cpu.c says how)
+$(BUILD)/count_cpu: bench/count_cpu.c $(BUILD)/libnbhd.so
+	$(LINK_C_PROGRAM)
 
 C_TESTS := $(patsubst csrc/tests/%.c,$(BUILD)/%,$(wildcard csrc/tests/test_*.c))
 

@@ -369,7 +369,7 @@ static void FAST(zdesc_inverse)(FAST(zdesc) *zd, const nbhd_axis *az, int64_t gr
  * at least 16), so that one shifted load of a key row feeds one FMA per chunk where their
  * windows overlap; any other chunk is a run of its own. zlines = 1: every chunk alone. */
 static void FAST(geo_runs)(FAST(geo) *G, const nbhd_geometry *g, int zlines) {
-    FAST(zdesc) prev;
+    FAST(zdesc) prev = {0};   /* read only once `open` (set after the first chunk) */
     int open = 0;   /* whether the last run may take the next chunk */
     G->nruns = 0;
     for (int64_t ch = 0; ch < G->nchunks; ++ch) {
@@ -628,6 +628,11 @@ static inline float *FAST(ws_base)(const nbhd_exec *e) {
 
 #define MAXLINES 4
 
+/* Whether NR lines' full-width blocks stay in registers: always with 32 vf (AVX-512); with
+ * fewer (AVX2's 16 ymm are 8 vf, portable 4) only one line's, so several lines take narrower
+ * blocks there. */
+#define LINES_FIT_REGS(NR) (NBHD_VREGS >= 32 || (NR) == 1)
+
 /* S[r][j] = sum_d Q[r][d] * opnd(k + d*ld + j), r < NR, j < C (NR, C constants after inlining) */
 NBHD_ALWAYS_INLINE void FAST(score_lines_block)(float *const *S, const float *const *Q, int NR,
                                                 int64_t dim, const float *k, int64_t ld,
@@ -660,10 +665,14 @@ NBHD_ALWAYS_INLINE void FAST(score_lines_nr)(float *const *S, const float *const
                                              int bcast) {
     float *Sc[MAXLINES];
     int64_t c = 0;
-    for (; c + 6 <= n; c += 6) {
+    /* slots per block: 4 lines x 6 slots + 4 Q vectors fill AVX-512's 32 registers; with 16
+     * ymm (AVX2: 2 per vf) several lines take 3 slots, which spill less; one line's 6 fit
+     * (bench/README.md, session 14) */
+    const int SB = LINES_FIT_REGS(NR) ? 6 : 3;
+    for (; c + SB <= n; c += SB) {
         NBHD_UNROLL
         for (int r = 0; r < NR; ++r) Sc[r] = S[r] + 16 * c;
-        FAST(score_lines_block)(Sc, Q, NR, dim, k + c, ld, bcast, 6);
+        FAST(score_lines_block)(Sc, Q, NR, dim, k + c, ld, bcast, SB);
     }
     NBHD_UNROLL
     for (int r = 0; r < NR; ++r) Sc[r] = S[r] + 16 * c;
@@ -906,7 +915,7 @@ static inline int FAST(zline_mode)(const nbhd_geometry *g) { return g->axis[1].e
 /* Z-line runs pay only where the 4-line x 6-slot score block stays in registers: with fewer
  * (AVX2, portable) the spills cost more than the shared loads save (AVX2, 1-D window 255:
  * 52-55 GFLOP/s with runs, ~75 without), so each chunk runs alone there. */
-#define ZLINES_PAY (NBHD_VREGS >= 32)
+#define ZLINES_PAY LINES_FIT_REGS(MAXLINES)
 
 /* Query lines per work item: exec.q_tile on Y, or on Z / 16 in Z-line mode (kernel axes: fast.c
  * rotates the tiles), else MAXLINES; 0 when exec asks for a patch this kernel does not run
@@ -1119,10 +1128,12 @@ NBHD_ALWAYS_INLINE void FAST(jvp_scores_nr)(float *const *S, float *const *T, co
                                             int bcast, int has_tq, int has_tk) {
     float *Sc[MAXLINES], *Tc[MAXLINES];
     int64_t c = 0;
-    for (; c + 3 <= n; c += 3) {
+    /* S and T: with 16 ymm (AVX2) several lines take one slot per block (bench/README.md) */
+    const int SB = LINES_FIT_REGS(NR) ? 3 : 1;
+    for (; c + SB <= n; c += SB) {
         NBHD_UNROLL
         for (int r = 0; r < NR; ++r) { Sc[r] = S[r] + 16 * c; Tc[r] = T[r] + 16 * c; }
-        FAST(jvp_scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, 3, has_tq, has_tk);
+        FAST(jvp_scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, SB, has_tq, has_tk);
     }
     NBHD_UNROLL
     for (int r = 0; r < NR; ++r) { Sc[r] = S[r] + 16 * c; Tc[r] = T[r] + 16 * c; }
