@@ -284,6 +284,12 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
     /* gradients also lose eps * |dO.v| to the cancellation dO.v - D_i (near one-hot P) */
     const double C = M + range * range * (double)(p->head_dim + p->head_dim_v);
     const double tol = tol_of(dt) + C * (dt == NBHD_F64 ? 1e-14 : 8e-6);
+    /* The backward ops take the oracle's LSE and form P = exp(S - LSE) from their own scores,
+     * whose rounding is about M * eps: past 1 (a scale like 1e300) P, and every gradient through
+     * it, is anything in [0, inf], not a function of the inputs (inf, NaN or 2x the oracle, by
+     * compiler and -O level). Their values are then not compared: the call must still succeed
+     * and write nothing outside its elements. */
+    const double grad_tol = M * (lt == NBHD_F64 ? 0x1p-52 : 0x1p-23) > 1 ? INFINITY : tol;
     /* size of one gradient term, s * |dO.v| * |k| (dQ, dK) or |dO| (dV), and of one tangent
      * term, |tS| * |v| with tS = s (tq.k + q.tk) */
     const double dmax = (double)(p->head_dim > p->head_dim_v ? p->head_dim : p->head_dim_v);
@@ -371,14 +377,14 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
             double *dq = dense_alloc(nq), *dk = dense_alloc(nk), *dv = dense_alloc(nv),
                    *dkx = dense_alloc(nkx), *dvx = dense_alloc(nvx);
             naive_backward(p, q, k, v, kx, vx, o_in, dout, with_dlse ? dlse : NULL, dq, dk, dv, dkx, dvx);
-            fz_close(p, "backward dq", &dQ, dq, tol);
+            fz_close(p, "backward dq", &dQ, dq, grad_tol);
             if (has_k) {
-                fz_close(p, "backward dk", &dK, dk, tol);
-                fz_close(p, "backward dv", &dV, dv, tol);
+                fz_close(p, "backward dk", &dK, dk, grad_tol);
+                fz_close(p, "backward dv", &dV, dv, grad_tol);
             }
             if (has_x) {
-                fz_close(p, "backward dkx", &dKX, dkx, tol);
-                fz_close(p, "backward dvx", &dVX, dvx, tol);
+                fz_close(p, "backward dkx", &dKX, dkx, grad_tol);
+                fz_close(p, "backward dvx", &dVX, dvx, grad_tol);
             }
             free(dq); free(dk); free(dv); free(dkx); free(dvx);
         }
@@ -541,7 +547,7 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
             for (int i = 0; i < 10; ++i) {
                 const int present = (i % 5 == 0 || ((i % 5 == 1 || i % 5 == 2) ? has_k : has_x)) &&
                                     (i < 5 || with_dt);
-                if (present) fz_close(p, names[i], got[i], want[i], tol);
+                if (present) fz_close(p, names[i], got[i], want[i], grad_tol);
             }
             fz_magnitude = saved_magnitude;
             for (int i = 0; i < 10; ++i) { free(want[i]); free(scale[i]); }
