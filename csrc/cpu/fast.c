@@ -97,6 +97,8 @@ static int use_amx(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
 #define PICK(fn, ...) return nbhd_cpu_fast_##fn##_generic(__VA_ARGS__);
 #endif
 
+int nbhd_cpu_fast_default_lines(int rank) { PICK(default_lines, rank) }
+
 nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_args *a0,
                                   const nbhd_exec *e0) {
     const int shift = 3 - rank_of(g0);

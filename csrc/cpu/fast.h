@@ -21,6 +21,9 @@ static inline int nbhd_cpu_stream_outputs(size_t bytes, const nbhd_exec *e) {
 /* Workspace bytes of the fast kernels (packed fp32 K/V, and Q/dO/LSE/D for the backward). */
 size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
 
+/* Query lines a work item of the chosen ISA's kernels takes when exec names no tile (tiles.c) */
+int nbhd_cpu_fast_default_lines(int rank);
+
 nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                   const nbhd_exec *e);
 nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
@@ -29,6 +32,7 @@ nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g, const nbhd_forward
                                       const nbhd_exec *e);
 
 #define NBHD_FAST_DECLARE(isa)                                                                  \
+    int nbhd_cpu_fast_default_lines_##isa(int rank);                                            \
     size_t nbhd_cpu_fast_workspace_bytes_##isa(const nbhd_geometry *g, nbhd_op op);            \
     nbhd_status nbhd_cpu_fast_forward_##isa(const nbhd_geometry *g, const nbhd_forward_args *a, \
                                             const nbhd_exec *e);                                \

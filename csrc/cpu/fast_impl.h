@@ -917,8 +917,15 @@ static inline int FAST(zline_mode)(const nbhd_geometry *g) { return g->axis[1].e
  * 52-55 GFLOP/s with runs, ~75 without), so each chunk runs alone there. */
 #define ZLINES_PAY LINES_FIT_REGS(MAXLINES)
 
+/* Query lines per work item where exec names none: the ISA's NBHD_QUERY_LINES (simd.h) on Y;
+ * Z-line mode (rank 1) keeps MAXLINES (2 lines there: 0.99-1.07 of the time on AVX2).
+ * tiles.c lists this configuration first. */
+#define DEFAULT_LINES(zline) ((zline) ? MAXLINES : NBHD_QUERY_LINES)
+
+int FAST(nbhd_cpu_fast_default_lines)(int rank) { return DEFAULT_LINES(rank == 1); }
+
 /* Query lines per work item: exec.q_tile on Y, or on Z / 16 in Z-line mode (kernel axes: fast.c
- * rotates the tiles), else MAXLINES; 0 when exec asks for a patch this kernel does not run
+ * rotates the tiles), else DEFAULT_LINES; 0 when exec asks for a patch this kernel does not run
  * (tiles.c lists the ones it does: q 16 on Z, `lines` on Y, 1 on X, or 16 * lines on Z in
  * rank 1; key tile 16 on Z, 1 elsewhere). */
 static int FAST(tile_lines)(const nbhd_exec *e, const nbhd_geometry *g, int max_lines) {
@@ -926,10 +933,10 @@ static int FAST(tile_lines)(const nbhd_exec *e, const nbhd_geometry *g, int max_
     if (q[0] > 1 || (kv[2] && kv[2] != 16) || kv[0] > 1 || kv[1] > 1) return 0;
     if (FAST(zline_mode)(g)) {
         if (q[1] > 1 || (q[2] && (q[2] % 16 || q[2] / 16 > max_lines))) return 0;
-        return q[2] ? q[2] / 16 : max_lines;
+        return q[2] ? q[2] / 16 : DEFAULT_LINES(1);
     }
     if ((q[2] && q[2] != 16) || q[1] > max_lines) return 0;
-    return q[1] > 0 ? q[1] : max_lines;
+    return q[1] > 0 ? q[1] : DEFAULT_LINES(0);
 }
 
 /* Whether `outputs` fp32 tensors [B, X, Y, Z, H, dim] are streamed (nbhd_cpu_stream_outputs) */

@@ -29,6 +29,7 @@ typedef __m512 vf;
 /* before a loop over register-held accumulators: unroll it fully, so they stay in registers */
 #define NBHD_UNROLL _Pragma("GCC unroll 16")
 #define NBHD_VREGS 32   /* vf registers */
+#define NBHD_QUERY_LINES 4  /* default query lines per work item, rank >= 2 (tiles.c) */
 
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { _mm512_storeu_ps(p, x); }
@@ -126,6 +127,10 @@ typedef struct { __m256 lo, hi; } vf;
 /* 16 ymm registers: the Z-line runs are off here (ZLINES_PAY, fast_impl.h) */
 #define NBHD_UNROLL _Pragma("GCC unroll 16")
 #define NBHD_VREGS 8    /* vf registers: 16 ymm */
+/* 2 query lines per work item (rank >= 2): their 3-slot score blocks (12 ymm) stay in registers
+ * where 4 lines spill. AMD EPYC, fp32, 2 lines against 4: forward 0.88-0.94, forward+JVP
+ * 0.85-1.05, backward 0.85-0.94 of the time on the 2-D and 3-D problems of bench/README.md */
+#define NBHD_QUERY_LINES 2
 
 #define VF2_(a_lo, a_hi) ((vf){(a_lo), (a_hi)})
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { return VF2_(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
@@ -239,6 +244,7 @@ typedef uint32_t vu_ __attribute__((vector_size(64)));   /* exponent arithmetic,
  * 1.2-1.4x slower on x86-64) */
 #define NBHD_UNROLL
 #define NBHD_VREGS 4    /* vf registers: 16 xmm */
+#define NBHD_QUERY_LINES 4  /* nothing stays in registers: 4 lines share each load (2: 1.03-1.05x slower) */
 
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { vf r; memcpy(&r, p, sizeof r); return r; }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { memcpy(p, &x, sizeof x); }

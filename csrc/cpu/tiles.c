@@ -4,29 +4,29 @@
  *
  * Query patch: 16 consecutive queries along the last axis (the SIMD lanes) times `lines`
  * neighbouring queries along the axis before it (rank >= 2), 1 on the others: 4, 2 or 1 lines
- * (4 first: each key row loaded serves up to 4 lines; the backward's key-stationary pass blocks
- * as many key lines the same way). In rank 1 the lines are consecutive 16-query chunks of the
+ * (each key row loaded serves up to 4 lines; the backward's key-stationary pass blocks as many
+ * key lines the same way). The chosen ISA's default comes first: 4 lines, or 2 with AVX2's 16
+ * registers (simd.h's NBHD_QUERY_LINES). In rank 1 the lines are consecutive 16-query chunks of the
  * one axis: 64, 32 or 16 queries (the forward and forward+JVP share each key load among the
  * chunks whose windows overlap; the backward runs 16 at a time whichever is chosen).
  * Key tile: the kernels walk the union of the patch's windows one key row (all of the last
  * axis, 16 positions per vector) at a time, so it is 16 along the last axis and 1 elsewhere.
  * The scalar reference kernels (fp64, rank 0, the tangent backward) have no tiles.
  */
-#include "internal.h"
-
-static const int32_t forward_lines[] = {4, 2, 1};
+#include "fast.h"
 
 int32_t nbhd_cpu_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
                               nbhd_tile_config *out, int32_t max) {
     const int fast_dtype = g->dtype == NBHD_F32 || g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
     const int fast_op = op != NBHD_OP_FORWARD_JVP_BACKWARD;
     if (!fast_dtype || !fast_op || !g->has_window || rank < 1) return 0;
-    const int32_t count = (int32_t)(sizeof forward_lines / sizeof forward_lines[0]);
+    static const int32_t orders[2][3] = {{4, 2, 1}, {2, 4, 1}};  /* the ISA's default first */
+    const int32_t *lines = orders[nbhd_cpu_fast_default_lines(rank) == 2], count = 3;
     for (int32_t i = 0; i < count && i < max; ++i) {
         for (int a = 0; a < rank; ++a) out[i].q_tile[a] = out[i].kv_tile[a] = 1;
         out[i].q_tile[rank - 1] = out[i].kv_tile[rank - 1] = 16;
-        if (rank >= 2) out[i].q_tile[rank - 2] = forward_lines[i];
-        else out[i].q_tile[0] = 16 * forward_lines[i];
+        if (rank >= 2) out[i].q_tile[rank - 2] = lines[i];
+        else out[i].q_tile[0] = 16 * lines[i];
     }
     return count;
 }
