@@ -914,7 +914,8 @@ static inline int FAST(zline_mode)(const nbhd_geometry *g) { return g->axis[1].e
 
 /* Z-line runs pay only where the 4-line x 6-slot score block stays in registers: with fewer
  * (AVX2, portable) the spills cost more than the shared loads save (AVX2, 1-D window 255:
- * 52-55 GFLOP/s with runs, ~75 without), so each chunk runs alone there. */
+ * 52-55 GFLOP/s with runs, ~75 without; with the 3-slot blocks, AMD EPYC, runs took 1.14-1.17x
+ * the time of the forward and forward+JVP, 1.05x of the backward), so each chunk runs alone there. */
 #define ZLINES_PAY LINES_FIT_REGS(MAXLINES)
 
 /* Query lines per work item where exec names none: the ISA's NBHD_QUERY_LINES (simd.h) on Y;
