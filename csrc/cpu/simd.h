@@ -244,7 +244,7 @@ typedef uint32_t vu_ __attribute__((vector_size(64)));   /* exponent arithmetic,
  * 1.2-1.4x slower on x86-64) */
 #define NBHD_UNROLL
 #define NBHD_VREGS 4    /* vf registers: 16 xmm */
-#define NBHD_QUERY_LINES 4  /* nothing stays in registers: 4 lines share each load (2: 1.03-1.05x slower) */
+#define NBHD_QUERY_LINES 4  /* nothing stays in registers: 4 lines share each load (2: 1.03-1.05x, noise) */
 
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { vf r; memcpy(&r, p, sizeof r); return r; }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { memcpy(p, &x, sizeof x); }
