@@ -148,10 +148,15 @@ def _peak_bytes(fn, device):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
+    # kineto writes its start/stop lines to stderr at every log level below 6 (torch 2.13); the
+    # events are checked below instead
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")]
+    if not events:
+        raise RuntimeError("torch.profiler recorded no CPU memory events: cannot measure peak memory")
     live = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
         live += e.nbytes()
