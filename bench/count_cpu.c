@@ -41,7 +41,9 @@ static nbhd_tensor tensor(const nbhd_problem *p, int64_t dim, nbhd_dtype dt, rng
     int64_t stride[6], n = 1;
     for (int a = 5; a >= 0; --a) { stride[a] = n; n *= dims[a]; }
     tbuf b = tbuf_make(dims, dt, stride);
-    for (int64_t i = 0; i < n; ++i) nbhd_store(b.t.data, i, dt, 2.0 * rng_unit(r) - 1.0);
+    double *values = dense_random(r, n, -1.0, 1.0);
+    tbuf_fill(&b, values);
+    free(values);
     return b.t;   /* freed at exit */
 }
 

@@ -20,8 +20,9 @@ int32_t nbhd_cpu_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
     const int fast_dtype = g->dtype == NBHD_F32 || g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
     const int fast_op = op != NBHD_OP_FORWARD_JVP_BACKWARD;
     if (!fast_dtype || !fast_op || !g->has_window || rank < 1) return 0;
-    static const int32_t orders[2][3] = {{4, 2, 1}, {2, 4, 1}};  /* the ISA's default first */
-    const int32_t *lines = orders[nbhd_cpu_fast_default_lines(rank) == 2], count = 3;
+    int32_t lines[3] = {nbhd_cpu_fast_default_lines(rank)}, count = 1;  /* the ISA's default first */
+    for (int32_t l = 4; l >= 1; l /= 2)
+        if (l != lines[0]) lines[count++] = l;
     for (int32_t i = 0; i < count && i < max; ++i) {
         for (int a = 0; a < rank; ++a) out[i].q_tile[a] = out[i].kv_tile[a] = 1;
         out[i].q_tile[rank - 1] = out[i].kv_tile[rank - 1] = 16;
