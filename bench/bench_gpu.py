@@ -1,14 +1,26 @@
-"""GPU benchmark of nbhd's CUDA kernels against anchors measured in the same run.
+"""GPU benchmark of nbhd's CUDA kernels against anchors measured in the same process.
 
-For each problem (bf16, head dim 128 and 64): nbhd forward / backward (KV-parallel, the default,
-and deterministic, `bdet`) / forward+JVP time, useful
-TFLOP/s (4·B·H·N·|window|·D per forward, backward counted as 2.5x forward, forward+JVP as 3x),
-dense SDPA on the same tokens (forward and backward) and flex_attention with the same
-neighborhood mask (block mask from the same window rule). Times: CUDA events around loops of
-back-to-back calls (host overhead overlapped, see time_ms), warm-up, median of 7.
-A kernel slower than --slow seconds per call is timed once (reported with a '*').
+Two tables.
 
-    python bench/bench_gpu.py [--dims 128,64] [--heads 16] [--csv out.csv]
+`main` (bf16; --dims, --heads): small windows (image/PDE models) and large windows (video), each
+with nbhd's forward, backward (KV-parallel default, and the deterministic `bdet`) and forward+JVP
+through the public API (`nbhd.na1d/2d/3d`, autograd for the backward, `nbhd.na*d_jvp`), beside
+  - dense SDPA over the same tokens on its fastest backend (flash, cuDNN and memory-efficient are
+    each timed; the best is kept and named),
+  - flex_attention, compiled, on contiguous [B, H, N, D] tensors made before timing, with the
+    same neighborhood as a closed-form mask_mod and its block mask built once.
+
+`natten` (fp16, head dim 128, batch 1): NATTEN's six published Hopper FNA forward problems, with
+NATTEN's own published H100 figures (natten.org, profiler page: Hopper FNA examples) as a
+column labelled as published. Where NATTEN publishes a speed-up over cuDNN rather than a time,
+the time is derived as cuDNN's published time / the speed-up and marked '~'.
+
+Useful FLOPs: 4·B·H·N·|window|·D per forward (the backward is counted as 2.5x, forward+JVP as
+the forward's FLOPs); SDPA's useful FLOPs are 4·B·H·N²·D. Times: CUDA events around loops of
+back-to-back calls (the host's time per call overlaps the GPU's), warm-up, median of 7; a call
+slower than --slow seconds is timed once (marked '*').
+
+    python bench/bench_gpu.py [--tables main,natten] [--dims 128,64] [--heads 16] [--csv out.csv]
 """
 import argparse
 import csv
@@ -20,27 +32,39 @@ import torch
 import torch.nn.functional as F
 
 import nbhd
-from nbhd import ops
 
-# ops with a tensor-core kernel; the others are skipped on large problems (--max-slow-flop)
-FAST_OPS = {"fwd", "bwd", "jvp"}
-
-PROBLEMS = [
-    ("2d-64x64-w7-B1 (small)", 1, (64, 64), (7, 7), (1, 1)),
-    # name, batch, extents, kernel, stride
-    ("1d-32768-w2048", 1, (32768,), (2048,), (1,)),
-    ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
+# name, batch, extents, kernel, stride
+MAIN_PROBLEMS = [
+    ("2d-64x64-w7-B1", 1, (64, 64), (7, 7), (1, 1)),
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
+    ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
     ("3d-16x32x32-w7", 1, (16, 32, 32), (7, 7, 7), (1, 1, 1)),
+    ("1d-32768-w2048", 1, (32768,), (2048,), (1,)),
+    ("2d-256x256-w80", 1, (256, 256), (80, 80), (1, 1)),
+    ("3d-30x48x80-w18x24x24", 1, (30, 48, 80), (18, 24, 24), (1, 1, 1)),
     ("3d-30x48x80-w18x24x24-s16x8x8", 1, (30, 48, 80), (18, 24, 24), (16, 8, 8)),
 ]
+
+# NATTEN's published Hopper FNA forward figures on an H100 (fp16, D 128, batch 1):
+# name, heads, extents, kernel, stride, published ms, derived from a cuDNN speed-up
+NATTEN_PUBLISHED = [
+    ("1d-32768-w2048", 1, (32768,), (2048,), (1,), 0.0948, False),
+    ("1d-32768-w2048-s256", 1, (32768,), (2048,), (256,), 0.0627, False),
+    ("2d-256x256-w80", 24, (256, 256), (80, 80), (1, 1), 97.4 / 6.0, True),
+    ("2d-256x256-w80-s16", 24, (256, 256), (80, 80), (16, 16), 97.4 / 12.3, True),
+    ("3d-30x48x80-w18x24x24", 24, (30, 48, 80), (18, 24, 24), (1, 1, 1), 283.3 / 3.6, True),
+    ("3d-30x48x80-w18x24x24-s16x8x8", 24, (30, 48, 80), (18, 24, 24), (16, 8, 8), 283.3 / 12.1, True),
+]
+
+NA = {1: nbhd.na1d, 2: nbhd.na2d, 3: nbhd.na3d}
+NA_JVP = {1: nbhd.na1d_jvp, 2: nbhd.na2d_jvp, 3: nbhd.na3d_jvp}
 
 
 def time_ms(fn, warmup=2, reps=7, slow_s=1.0, loop_ms=5.0, max_loop=20):
     """Median ms per call over reps (CUDA events), or one timed call when a call takes > slow_s.
-    Each rep times a loop of back-to-back calls (up to max_loop, about loop_ms in all), so that
-    the host's time per call (Python, dispatch) overlaps the GPU's instead of adding to it: the
-    figure is the kernels' rate, the same way for nbhd and for the anchors."""
+    Each rep times a loop of back-to-back calls (up to max_loop, about loop_ms in all), so the
+    host's time per call overlaps the GPU's: the figure is the kernels' rate, for nbhd and the
+    anchors alike. Returns (ms, timed_once)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()  # first call: compilation, autotuning, allocator warm-up
     torch.cuda.synchronize()
@@ -65,46 +89,20 @@ def time_ms(fn, warmup=2, reps=7, slow_s=1.0, loop_ms=5.0, max_loop=20):
     return statistics.median(times), False
 
 
-def window_tensors(extent, kernel, stride, dilation, causal, device):
-    """Per axis: dilation group of each coordinate and its in-group window [start, end)."""
-    st, en = [], []
-    for x in range(extent):
-        first, count = _window(extent, kernel, stride, dilation, causal, x)
-        st.append(first // dilation)
-        en.append(first // dilation + count)
-    grp = torch.arange(extent, device=device) % dilation
-    return grp, torch.tensor(st, device=device), torch.tensor(en, device=device)
-
-
-def _window(L, K, s, d, causal, x):
-    g, i = x % d, x // d
-    Lg = (L - g + d - 1) // d
-    q = i // s
-    if causal:
-        leader = min(q * s + s - 1, Lg - 1)
-        start = max(leader - K + 1, 0)
-        end = i + 1
-    else:
-        leader = min(q * s + s // 2, Lg - 1)
-        start = max(min(leader - K // 2, Lg - K), 0)
-        end = start + K
-    return g + start * d, end - start
-
-
-def flex_fn(q, k, v, extents, kernel, stride):
-    """flex_attention with the neighborhood as a closed-form mask_mod: per axis the window start
-    is computed arithmetically from the query coordinate (non-causal, no dilation), so the block
-    mask and the kernel see only integer ops on the index tensors, no table lookups."""
+def flex_forward(qt, kt, vt, extents, kernel, stride):
+    """flex_attention on contiguous [B, H, N, D] tensors, with the neighborhood (non-causal, no
+    dilation) as a closed-form mask_mod: per axis the window start is arithmetic on the query
+    coordinate, so the block mask and the kernel see integer ops only. The block mask is built
+    here, once; the returned callable runs the compiled kernel alone."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    dev = q.device
-    strides = [math.prod(extents[a + 1:]) for a in range(len(extents))]
-    axes = list(zip(extents, kernel, stride, strides))
+    axis_step = [math.prod(extents[a + 1:]) for a in range(len(extents))]
+    axes = list(zip(extents, kernel, stride, axis_step))
 
     def mask_mod(b, h, qi, ki):
         ok = None
-        for L, K, s, sa in axes:
-            xq = (qi // sa) % L
-            xk = (ki // sa) % L
+        for L, K, s, step in axes:
+            xq = (qi // step) % L
+            xk = (ki // step) % L
             leader = torch.clamp((xq // s) * s + s // 2, max=L - 1)
             start = torch.clamp(torch.clamp(leader - K // 2, max=L - K), min=0)
             inside = (xk >= start) & (xk < start + K)
@@ -112,96 +110,165 @@ def flex_fn(q, k, v, extents, kernel, stride):
         return ok
 
     N = math.prod(extents)
-    bm = create_block_mask(mask_mod, None, None, N, N, device=dev, _compile=True)
-    fa = torch.compile(flex_attention)
-    B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
-    qt, kt, vt = (t.reshape(B, N, H, D).transpose(1, 2) for t in (q, k, v))
-    return lambda: fa(qt, kt, vt, block_mask=bm)
+    block_mask = create_block_mask(mask_mod, None, None, N, N, device=qt.device, _compile=True)
+    compiled = torch.compile(flex_attention)
+    return lambda: compiled(qt, kt, vt, block_mask=block_mask)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dims", default="128,64")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--csv", default=None)
-    ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--only", default=None, help="substrings of problem names, comma-separated")
-    ap.add_argument("--max-slow-flop", type=float, default=5e12,
-                    help="skip backward / forward+JVP above this many useful FLOPs while they "
-                         "run on the simple (non-tensor-core) kernels")
-    args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch._dynamo.config.recompile_limit = 256
-    torch._dynamo.config.cache_size_limit = 256
-    dev = "cuda"
-    rows = []
-    hdr = (f"{'problem':34s} {'D':>4s} {'fwd ms':>9s} {'TF/s':>6s} {'bwd ms':>9s} {'TF/s':>6s} "
+def sdpa_best(qt, kt, vt, with_backward):
+    """Dense SDPA over all tokens on each backend that runs this problem; the fastest forward
+    (and, separately, the fastest backward). Returns (fwd ms, fwd backend, bwd ms, bwd backend)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    best_f, best_b = (float("inf"), "-"), (float("nan"), "-")
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        name = backend.name.lower().replace("_attention", "")
+
+        def fwd(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt)
+        try:
+            ms, _ = time_ms(fwd)
+        except RuntimeError:  # this backend does not run this problem (dtype, size, head dim)
+            continue
+        if ms < best_f[0]:
+            best_f = (ms, name)
+        if with_backward:
+            out = fwd()
+            d_out = torch.randn_like(out)
+            try:
+                ms_b, _ = time_ms(lambda: torch.autograd.grad(out, (qt, kt, vt), d_out, retain_graph=True))
+            except RuntimeError:
+                continue
+            if not ms_b >= best_b[0]:  # also replaces the initial NaN
+                best_b = (ms_b, name)
+    return best_f[0], best_f[1], best_b[0], best_b[1]
+
+
+def make_inputs(B, ext, H, D, dtype, requires_grad=False):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, *ext, H, D, generator=gen, device="cuda", dtype=dtype) for _ in range(3))
+    N = math.prod(ext)
+    # the anchors' native layout, made outside any timed region
+    dense = [t.reshape(B, N, H, D).transpose(1, 2).contiguous().requires_grad_(requires_grad) for t in (q, k, v)]
+    return q, k, v, dense
+
+
+def tflops(flop, ms):
+    return flop / (ms * 1e-3) / 1e12
+
+
+def run_main(args, rows):
+    hdr = (f"{'problem':31s} {'D':>4s} {'fwd ms':>9s} {'TF/s':>6s} {'bwd ms':>9s} {'TF/s':>6s} "
            f"{'bdet ms':>9s} {'jvp ms':>9s} {'jvp/fwd':>7s} {'sdpa f':>8s} {'sdpaTF':>6s} {'sdpa b':>8s} "
-           f"{'flex f':>8s} {'x flex':>7s} {'%sdpa':>6s} {'b%sdpa':>6s}")
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+           f"{'flex f':>8s} {'x flex':>7s} {'%sdpa':>6s} {'b%sdpa':>6s}  sdpa backends (fwd/bwd)")
+    print("\n== main: bf16, heads", args.heads, flush=True)
     print(hdr, flush=True)
     for D in [int(x) for x in args.dims.split(",")]:
-        for name, B, ext, ks, st in PROBLEMS:
+        for name, B, ext, ks, st in MAIN_PROBLEMS:
             if args.only and not any(o in name for o in args.only.split(",")):
                 continue
-            H = args.heads
-            N = math.prod(ext)
-            W = math.prod(ks)
-            gen = torch.Generator(device=dev).manual_seed(0)
-            q, k, v = (torch.randn(B, *ext, H, D, generator=gen, device=dev, dtype=torch.bfloat16)
-                       for _ in range(3))
-            empty = torch.empty(B, 0, H, D, device=dev, dtype=torch.bfloat16)
-            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
+            H, rank = args.heads, len(ext)
+            N, W = math.prod(ext), math.prod(ks)
+            q, k, v, dense = make_inputs(B, ext, H, D, torch.bfloat16, requires_grad=True)
             flop_f = 4.0 * B * H * N * W * D
-            out, lse = ops.na_forward(q, k, v, empty, empty, *geo)
+            na = lambda: NA[rank](q, k, v, kernel_size=ks, stride=st)
+            t_f, s_f = time_ms(na)
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            out = NA[rank](qg, kg, vg, kernel_size=ks, stride=st)
             d_out = torch.randn_like(out)
-            t_f, s_f = time_ms(lambda: ops.na_forward(q, k, v, empty, empty, *geo))
-            nan = (float("nan"), False)
-            slow_ok = 2.5 * flop_f <= args.max_slow_flop
-            t_b, s_b = time_ms(lambda: ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *geo)) \
-                if slow_ok or "bwd" in FAST_OPS else nan
-            # the deterministic backward (KV parallelism off: two passes, no atomics)
-            nbhd.use_kv_parallelism_in_fused_na(False)
+            grad = lambda: torch.autograd.grad(out, (qg, kg, vg), d_out, retain_graph=True)
+            t_b, s_b = time_ms(grad)
+            nbhd.use_kv_parallelism_in_fused_na(False)  # the deterministic two-pass backward
             try:
-                t_bd, s_bd = time_ms(lambda: ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *geo)) \
-                    if slow_ok or "bwd" in FAST_OPS else nan
+                t_bd, s_bd = time_ms(grad)
             finally:
                 nbhd.use_kv_parallelism_in_fused_na(True)
-            t_j, s_j = time_ms(lambda: ops.na_forward_jvp(q, k, v, empty, empty, q, k, v, None, None, *geo)) \
-                if slow_ok or "jvp" in FAST_OPS else nan
-            # dense SDPA on the same tokens
-            qt, kt, vt = (t.reshape(B, N, H, D).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-            do_t = torch.randn_like(qt)
-            sd_f, _ = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt))
-            o_sd = F.scaled_dot_product_attention(qt, kt, vt)
-            sd_b, _ = time_ms(lambda: torch.autograd.grad(o_sd, (qt, kt, vt), do_t, retain_graph=True))
-            sd_flop = 4.0 * B * H * N * N * D
+            t_j, s_j = time_ms(lambda: NA_JVP[rank](q, k, v, q, k, v, kernel_size=ks, stride=st))
+            sd_f, be_f, sd_b, be_b = sdpa_best(*dense, with_backward=True)
             fl_f = float("nan")
             if not args.no_flex:
                 try:
-                    fn = flex_fn(q, k, v, ext, ks, st)
-                    fl_f, _ = time_ms(fn)
+                    fl_f, _ = time_ms(flex_forward(*[t.detach() for t in dense], ext, ks, st))
                 except Exception as e:  # report and go on
                     print(f"  flex failed on {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            tf = lambda flop, ms: flop / (ms * 1e-3) / 1e12
-            r = dict(problem=name, D=D, fwd_ms=t_f, fwd_tflops=tf(flop_f, t_f), bwd_ms=t_b,
-                     bwd_tflops=tf(2.5 * flop_f, t_b), bwd_det_ms=t_bd, jvp_ms=t_j, jvp_over_fwd=t_j / t_f,
-                     sdpa_fwd_ms=sd_f, sdpa_fwd_tflops=tf(sd_flop, sd_f), sdpa_bwd_ms=sd_b,
-                     flex_fwd_ms=fl_f, x_flex=fl_f / t_f,
-                     pct_sdpa=100 * tf(flop_f, t_f) / tf(sd_flop, sd_f),
-                     bwd_pct_sdpa=100 * tf(2.5 * flop_f, t_b) / tf(2.5 * sd_flop, sd_b),
-                     single_shot="".join(c for c, s in zip("fbdj", (s_f, s_b, s_bd, s_j)) if s))
+            sd_flop = 4.0 * B * H * N * N * D
+            r = dict(table="main", problem=name, dtype="bf16", heads=H, D=D, fwd_ms=t_f,
+                     fwd_tflops=tflops(flop_f, t_f), bwd_ms=t_b, bwd_tflops=tflops(2.5 * flop_f, t_b),
+                     bwd_det_ms=t_bd, jvp_ms=t_j, jvp_over_fwd=t_j / t_f,
+                     sdpa_fwd_ms=sd_f, sdpa_fwd_tflops=tflops(sd_flop, sd_f), sdpa_fwd_backend=be_f,
+                     sdpa_bwd_ms=sd_b, sdpa_bwd_backend=be_b, flex_fwd_ms=fl_f, x_flex=fl_f / t_f,
+                     pct_sdpa=100 * tflops(flop_f, t_f) / tflops(sd_flop, sd_f),
+                     bwd_pct_sdpa=100 * tflops(2.5 * flop_f, t_b) / tflops(2.5 * sd_flop, sd_b),
+                     natten_published_ms=float("nan"),
+                     timed_once="".join(c for c, s in zip("fbdj", (s_f, s_b, s_bd, s_j)) if s))
             rows.append(r)
             star = lambda s: "*" if s else " "
-            print(f"{name:34s} {D:4d} {t_f:8.3f}{star(s_f)} {r['fwd_tflops']:6.1f} {t_b:8.2f}{star(s_b)} "
-                  f"{r['bwd_tflops']:6.1f} {t_bd:8.2f}{star(s_bd)} {t_j:8.2f}{star(s_j)} {r['jvp_over_fwd']:7.2f} {sd_f:8.3f} "
-                  f"{r['sdpa_fwd_tflops']:6.0f} {sd_b:8.3f} {fl_f:8.3f} {r['x_flex']:7.2f} "
-                  f"{r['pct_sdpa']:6.1f} {r['bwd_pct_sdpa']:6.1f}", flush=True)
-            del q, k, v, qt, kt, vt, o_sd, out, lse, d_out
+            print(f"{name:31s} {D:4d} {t_f:8.3f}{star(s_f)} {r['fwd_tflops']:6.1f} {t_b:8.2f}{star(s_b)} "
+                  f"{r['bwd_tflops']:6.1f} {t_bd:8.2f}{star(s_bd)} {t_j:8.2f}{star(s_j)} {r['jvp_over_fwd']:7.2f} "
+                  f"{sd_f:8.3f} {r['sdpa_fwd_tflops']:6.0f} {sd_b:8.3f} {fl_f:8.3f} {r['x_flex']:7.2f} "
+                  f"{r['pct_sdpa']:6.1f} {r['bwd_pct_sdpa']:6.1f}  {be_f}/{be_b}", flush=True)
+            del q, k, v, dense, qg, kg, vg, out, d_out
             torch.cuda.empty_cache()
+
+
+def run_natten(args, rows):
+    print("\n== natten: NATTEN's published Hopper FNA forward problems (fp16, D 128, batch 1); "
+          "'NATTEN pub' is NATTEN's published H100 figure, '~' derived from its published cuDNN speed-up",
+          flush=True)
+    print(f"{'problem':31s} {'H':>3s} {'fwd ms':>9s} {'TF/s':>6s} {'NATTEN pub':>11s} {'x NATTEN':>8s} "
+          f"{'sdpa f':>9s} {'%sdpa':>6s} {'flex f':>9s} {'x flex':>7s}  sdpa backend", flush=True)
+    D = 128
+    for name, H, ext, ks, st, pub_ms, derived in NATTEN_PUBLISHED:
+        if args.only and not any(o in name for o in args.only.split(",")):
+            continue
+        rank, N, W = len(ext), math.prod(ext), math.prod(ks)
+        q, k, v, dense = make_inputs(1, ext, H, D, torch.float16)
+        flop_f = 4.0 * H * N * W * D
+        t_f, s_f = time_ms(lambda: NA[rank](q, k, v, kernel_size=ks, stride=st))
+        sd_f, be_f, _, _ = sdpa_best(*dense, with_backward=False)
+        fl_f = float("nan")
+        if not args.no_flex:
+            try:
+                fl_f, _ = time_ms(flex_forward(*dense, ext, ks, st))
+            except Exception as e:
+                print(f"  flex failed on {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        sd_flop = 4.0 * H * N * N * D
+        r = dict(table="natten", problem=name, dtype="fp16", heads=H, D=D, fwd_ms=t_f,
+                 fwd_tflops=tflops(flop_f, t_f), sdpa_fwd_ms=sd_f, sdpa_fwd_tflops=tflops(sd_flop, sd_f),
+                 sdpa_fwd_backend=be_f, flex_fwd_ms=fl_f, x_flex=fl_f / t_f,
+                 pct_sdpa=100 * tflops(flop_f, t_f) / tflops(sd_flop, sd_f),
+                 natten_published_ms=pub_ms, timed_once="f" if s_f else "")
+        rows.append(r)
+        pub = f"{'~' if derived else ' '}{pub_ms:9.4f}"
+        print(f"{name:31s} {H:3d} {t_f:8.4f}{'*' if s_f else ' '} {r['fwd_tflops']:6.1f} {pub:>11s} "
+              f"{t_f / pub_ms:8.2f} {sd_f:9.3f} {r['pct_sdpa']:6.1f} {fl_f:9.4f} {r['x_flex']:7.2f}  {be_f}",
+              flush=True)
+        del q, k, v, dense
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tables", default="main,natten", help="main, natten or both")
+    ap.add_argument("--dims", default="128,64", help="head dims of the main table")
+    ap.add_argument("--heads", type=int, default=16, help="heads of the main table")
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--only", default=None, help="substrings of problem names, comma-separated")
+    args = ap.parse_args()
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.cache_size_limit = 256
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    rows = []
+    tables = args.tables.split(",")
+    if "main" in tables:
+        run_main(args, rows)
+    if "natten" in tables:
+        run_natten(args, rows)
     if args.csv and rows:
+        fields = sorted({f for r in rows for f in r}, key=lambda f: min(list(r).index(f) for r in rows if f in r))
         with open(args.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr = csv.DictWriter(f, fieldnames=fields)
             wr.writeheader()
             wr.writerows(rows)
 
