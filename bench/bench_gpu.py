@@ -7,7 +7,8 @@ with nbhd's forward, backward (KV-parallel default, and the deterministic `bdet`
 through the public API (`nbhd.na1d/2d/3d`, autograd for the backward, `nbhd.na*d_jvp`), beside
   - dense SDPA over the same tokens on its fastest backend (flash, cuDNN and memory-efficient are
     each timed; the best is kept and named),
-  - flex_attention, compiled, on contiguous [B, H, N, D] tensors made before timing, with the
+  - flex_attention, compiled afresh per problem with static shapes, on contiguous [B, H, N, D]
+    tensors made before timing, with the
     same neighborhood as a closed-form mask_mod and its block mask built once.
 
 `natten` (fp16, head dim 128, batch 1): NATTEN's six published Hopper FNA forward problems, with
@@ -110,8 +111,11 @@ def flex_forward(qt, kt, vt, extents, kernel, stride):
         return ok
 
     N = math.prod(extents)
-    block_mask = create_block_mask(mask_mod, None, None, N, N, device=qt.device, _compile=True)
-    compiled = torch.compile(flex_attention)
+    # a fresh static compile per problem: after a first shape, dynamo would otherwise recompile
+    # with dynamic shapes, whose kernels are slower
+    torch._dynamo.reset()
+    block_mask = torch.compile(create_block_mask, dynamic=False)(mask_mod, None, None, N, N, device=qt.device)
+    compiled = torch.compile(flex_attention, dynamic=False)
     return lambda: compiled(qt, kt, vt, block_mask=block_mask)
 
 
