@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nbhd import ops
-from ab_fwd import PROBLEMS
+from ab_gpu import PROBLEMS
 
 
 def main():
