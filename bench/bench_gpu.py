@@ -6,7 +6,7 @@ TFLOP/s (4·B·H·N·|window|·D per forward, backward counted as 2.5x forward, 
 dense SDPA on the same tokens (forward and backward) and flex_attention with the same
 neighborhood mask (block mask from the same window rule). Times: CUDA events around loops of
 back-to-back calls (host overhead overlapped, see time_ms), warm-up, median of 7.
-A kernel slower than --slow seconds per call is timed once (reported with a '*').
+A kernel slower than a second per call is timed once (reported with a '*').
 
     python bench/bench_gpu.py [--dims 128,64] [--heads 16] [--csv out.csv]
 """
@@ -115,7 +115,8 @@ def flex_fn(q, k, v, extents, kernel, stride):
     bm = create_block_mask(mask_mod, None, None, N, N, device=dev, _compile=True)
     fa = torch.compile(flex_attention)
     B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
-    qt, kt, vt = (t.reshape(B, N, H, D).transpose(1, 2) for t in (q, k, v))
+    # contiguous [B, H, N, D], flex_attention's native layout (as SDPA's anchor gets)
+    qt, kt, vt = (t.reshape(B, N, H, D).transpose(1, 2).contiguous() for t in (q, k, v))
     return lambda: fa(qt, kt, vt, block_mask=bm)
 
 
