@@ -918,7 +918,7 @@ static inline int FAST(zline_mode)(const nbhd_geometry *g) { return g->axis[1].e
 #define ZLINES_PAY LINES_FIT_REGS(MAXLINES)
 
 /* Query lines per work item where exec names none: the ISA's NBHD_QUERY_LINES (simd.h) on Y;
- * Z-line mode (rank 1) keeps MAXLINES (2 lines there: 1.00-1.07 of the time on AVX2).
+ * Z-line mode (rank 1) keeps MAXLINES (2 lines there are no faster on AVX2: bench/ab_cpu.py ... 1d).
  * tiles.c lists this configuration first. */
 #define DEFAULT_LINES(zline) ((zline) ? MAXLINES : NBHD_QUERY_LINES)
 

@@ -322,8 +322,8 @@ __device__ __forceinline__ void tile_dq_atomic(const T *dST, const int *warp_act
 
 /* KV-parallel epilogue: dQ = scale * accumulator, in the caller's layout. One thread per 8
  * channels of a row (HD is a multiple of 8): two 16-byte loads, four 4-byte stores (dQ rows
- * are 4-byte aligned), and the row's coordinates decoded once for the 8 (ncu: a thread per pair
- * spent 167 us on the 64-bit divisions for a 2-D 64^2 B8 H16 D64 problem). */
+ * are 4-byte aligned), and the row's coordinates decoded once for the 8 (a thread per pair
+ * spends its time in 64-bit divisions: bench/profile_kernels.py --op bwd). */
 template <typename T>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, const nbhd_tensor dq,
                                                          const float *acc, float scale) {
