@@ -4,7 +4,6 @@ which kernel of a multi-kernel op (the backward: D_i, dQ, dK/dV, extra keys) to 
     python bench/profile_kernels.py [--op bwd|fwd|jvp] [--dims 128,64] [--problems 1d,3d-30] [--loop 5]
 """
 import argparse
-import math
 
 import torch
 from torch.profiler import ProfilerActivity, profile
