@@ -60,7 +60,7 @@ bench-cpu: install
 clean:
 	rm -rf build $(VENV) nbhd/_nbhd*.so *.egg-info
 
-# ---- issue 8: sanitizers, fuzzing, valgrind ---------------------------------
+# ---- sanitizers, fuzzing, valgrind ------------------------------------------
 # test-c-sanitized: every C test with the library compiled in, under ASan + UBSan (gcc).
 # fuzz-smoke: libFuzzer (clang) on the public API for FUZZ_SECONDS, from the seed corpus
 #   csrc/tests/fuzz_corpus/ (new inputs go to build/fuzz/corpus, crashes to build/fuzz/).

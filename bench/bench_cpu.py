@@ -3,7 +3,7 @@
 Prints one aligned line per (problem, dtype, pass) with time, GFLOP/s of useful work and the
 ratios to anchors measured in the same run, and writes a CSV (--csv).
 
-Useful FLOPs (DESIGN.md, KERNELS.md): forward 4*B*H*N*|window|*D; backward 2.5x that; the
+Useful FLOPs (docs/kernels.md §1): forward 4*B*H*N*|window|*D; backward 2.5x that; the
 forward+JVP line reports its time as a multiple of the forward's (and GFLOP/s of 3x forward:
 it does three products per score and per value).
 Anchors:
@@ -15,7 +15,7 @@ Anchors:
   ref    the unfused PyTorch path nbhd.na*d(..., backend="reference"); time ratio
 Thread scaling: the nbhd forward with threads=1 vs threads=T (nbhd.ops._OPTIONS["threads"]).
 
-Usage: python bench/bench_cpu.py [--threads T] [--reps R] [--csv bench/results_cpu.csv]
+Usage: python bench/bench_cpu.py [--threads T] [--reps R] [--csv bench/baselines/<device>.csv]
                                  [--no-flex] [--only 2d56] [--isa avx2]
 """
 import argparse
@@ -174,7 +174,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--csv", default="bench/results_cpu.csv")
+    ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--only", default=None, help="run only these problems (names, comma-separated)")
     ap.add_argument("--dtypes", default="fp32,bf16")

@@ -19,7 +19,7 @@ the time is derived as cuDNN's published time / the speed-up and marked '~'.
 Useful FLOPs: 4·B·H·N·|window|·D per forward (the backward is counted as 2.5x, forward+JVP as
 the forward's FLOPs); SDPA's useful FLOPs are 4·B·H·N²·D. Times: CUDA events around loops of
 back-to-back calls (the host's time per call overlaps the GPU's), warm-up, median of 7; a call
-slower than --slow seconds is timed once (marked '*').
+slower than a second is timed once (marked '*').
 
     python bench/bench_gpu.py [--tables main,natten] [--dims 128,64] [--heads 16] [--csv out.csv]
 """

@@ -1,6 +1,6 @@
 /*
  * count_cpu.c — one call of an nbhd CPU kernel on one of bench/bench_cpu.py's problems, from C
- * alone, for instruction counts that do not move with this machine's noise (issue 6):
+ * alone, for instruction counts that do not move with this machine's noise:
  *
  *   make build/c/count_cpu
  *   valgrind --tool=callgrind --collect-atstart=no --toggle-collect=nbhd_forward \

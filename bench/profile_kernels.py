@@ -4,13 +4,12 @@ which kernel of a multi-kernel op (the backward: D_i, dQ, dK/dV, extra keys) to 
     python bench/profile_kernels.py [--op bwd|fwd|jvp] [--dims 128,64] [--problems 1d,3d-30] [--loop 5]
 """
 import argparse
-import math
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nbhd import ops
-from ab_fwd import PROBLEMS
+from ab_gpu import PROBLEMS
 
 
 def main():

@@ -5,7 +5,7 @@ key/value heads (H % Hkv == 0), D query/key head dim, Dv value head dim.
 
 `attention` runs nbhd's own fused kernels (rank 0 of the ops: every query sees every key), so
 it has the same fused backward and forward-mode AD as na1d/na2d/na3d. `merge_attentions` is
-plain differentiable PyTorch (DESIGN.md §4 merge), so every transform goes through it.
+plain differentiable PyTorch (docs/design.md §4.5), so every transform goes through it.
 """
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ def _varlen_attention(q: Tensor, k: Tensor, v: Tensor, offsets_q: List[int],
 # merging
 
 def _merge(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
-    """L = logsumexp_a lse_a, w_a = exp(lse_a - L), o = sum_a w_a o_a (DESIGN.md §4).
+    """L = logsumexp_a lse_a, w_a = exp(lse_a - L), o = sum_a w_a o_a (docs/design.md §4.5).
 
     Plain torch ops: autograd, jvp and vmap follow from PyTorch's own rules, and they give
     exactly the §4 tangents tL = sum w_a mu_a, to = sum w_a (to_a + (mu_a - tL) o_a)."""

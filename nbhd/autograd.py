@@ -1,4 +1,4 @@
-"""Autograd for nbhd's ops (DESIGN.md §3), in the setup_context style so that every
+"""Autograd for nbhd's ops (docs/design.md §3), in the setup_context style so that every
 torch.func transform composes with it.
 
   NeighborhoodAttention  forward -> nbhd::na_forward (out, lse)

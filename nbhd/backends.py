@@ -182,7 +182,7 @@ def compatible_backends(q: Tensor, **kwargs) -> List[str]:
 @functools.lru_cache(maxsize=64)
 def _axis_bounds(extent, kernel, stride, dilation, causal, device_str):
     """Per axis, for every coordinate x: its dilation group g and the in-group key range
-    [start, end) of its window (DESIGN.md §1, from reference.axis_windows)."""
+    [start, end) of its window (docs/design.md §1, from reference.axis_windows)."""
     with torch._C._DisableFuncTorch():
         keys, valid = axis_windows(extent, kernel, stride, dilation, causal, torch.device(device_str))
         start = keys[:, 0] // dilation

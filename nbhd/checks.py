@@ -143,7 +143,7 @@ def additional_kv(additional_keys, additional_values, q: Tensor, k: Tensor, v: T
 
 
 def geometry(spatial: Sequence[int], kernel_size, stride, dilation, is_causal):
-    """Canonical per-axis (kernel_size, stride, dilation, is_causal), every rule of DESIGN.md §1."""
+    """Canonical per-axis (kernel_size, stride, dilation, is_causal), every rule of docs/design.md §1."""
     rank = len(spatial)
     ks = per_axis_ints("kernel_size", kernel_size, rank, 2)
     st = per_axis_ints("stride", stride, rank, 1)

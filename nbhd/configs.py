@@ -3,7 +3,7 @@ tensors, forward and backward (NATTEN's `get_configs_for_*` / `get_bwd_configs_f
 
 A configuration is a pair of per-axis shapes `(q_tile_shape, kv_tile_shape)`: the query patch a
 worker owns and the shape of the key tiles it walks over the union of the patch's windows
-(DESIGN.md §4). An empty list means the backend cannot run these tensors with tiles.
+(docs/design.md §2.4). An empty list means the backend cannot run these tensors with tiles.
 
   cpu-fna, cuda-fna  the C library's own list (`nbhd_tile_configs`, csrc/cpu/tiles.c and
              csrc/cuda/tiles.cu): what the fused kernels are built for, the default first. The

@@ -187,7 +187,7 @@ def _check_tangents(call: _Call, tangent_query, tangent_key, tangent_value,
 _DOC = """{rank}-D neighborhood attention (NATTEN-compatible).
 
     Every query attends to the keys in its sliding window (kernel_size per axis, shifted inward
-    at the borders, NATTEN's exact rule: DESIGN.md §1), plus every additional key if given.
+    at the borders, NATTEN's exact rule: docs/design.md §1), plus every additional key if given.
     Differentiable under autograd and every torch.func transform (grad, vjp, jvp, vmap,
     jacrev, jacfwd, hessian), forward-mode AD, double backward and torch.compile.
 

@@ -1,6 +1,6 @@
 """Pure-PyTorch neighborhood attention: the test oracle and the any-order differentiable path.
 
-It implements DESIGN.md §1 literally: per axis, every query's window of key coordinates is
+It implements docs/design.md §1 literally: per axis, every query's window of key coordinates is
 computed with NATTEN's rule, the windows of all axes are combined into a gathered key set per
 query (padded to the largest window and masked), and softmax attention runs over that set plus
 the additional keys. Memory is O(N * |window|): this is also nbhd's "unfused PyTorch path".

@@ -2,8 +2,8 @@
 # One run on the GPU machine: build nbhd with nvcc for sm_90a, run the CUDA test suite,
 # compute-sanitizer (memcheck, racecheck) on a small sweep, then the benchmark.
 # Logs go to $OUT (or ./out); the summary table prints last.
-#   STAGES="build test sanitize bench" (the default; "ab" adds the forward sweep with 128-query
-#   patches forced and the A/B of the forward and forward+JVP variants, bench/ab_fwd.py)
+#   STAGES="build test sanitize bench" (the default; "ab" adds the A/B of the listed tile
+#   configurations of the forward and forward+JVP, bench/ab_gpu.py)
 #   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."  AB_KINDS="fwd jvp" (which A/Bs: fwd, jvp, bwd)
 set -u
 OUT=${OUT:-out}
@@ -55,16 +55,13 @@ fi
 if has ab; then
     ab_kind() { [[ " ${AB_KINDS:-fwd jvp} " == *" $1 "* ]]; }
     if ab_kind fwd; then
-        NBHD_MMA_FWD_MB=2 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k test_forward \
-            >"$OUT/test_mb2.log" 2>&1
-        summary+=("tests/test_cuda.py -k test_forward, 128-query patches forced: rc=$?, $(grep -E '[0-9]+ (passed|failed)' "$OUT/test_mb2.log" | tail -1)")
-        $PY bench/ab_fwd.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log"
+        $PY bench/ab_gpu.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log"
     fi
     if ab_kind jvp; then
-        $PY bench/ab_fwd.py --jvp ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_jvp.log"
+        $PY bench/ab_gpu.py --jvp ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_jvp.log"
     fi
     if ab_kind bwd; then
-        $PY bench/ab_fwd.py --bwd ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_bwd.log"
+        $PY bench/ab_gpu.py --bwd ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_bwd.log"
     fi
 fi
 

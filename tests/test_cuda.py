@@ -5,6 +5,7 @@ on cuda. Skipped cleanly without a GPU or without a CUDA build.
 Errors are max|x - ref| / max|ref| per output: fp32/fp64 < 1e-5, fp16/bf16 < 1e-2.
 NBHD_CUDA_TEST_QUICK=1 runs a subset.
 """
+import math
 import os
 import zlib
 
@@ -93,6 +94,23 @@ def build(case, dtype, seed):
     return (q, k, v, kx, vx), geo
 
 
+def with_patch(inputs, geo, op, queries):
+    """geo with the tiles of op's listed configuration whose query patch holds `queries` queries
+    (the forward's tiles, or the backward's for OP_BACKWARD); geo unchanged (the default tiles)
+    when `queries` is 0 or no such configuration is listed for this device."""
+    if not queries:
+        return geo
+    ks, st, dil, causal, scale, tiles = geo
+    rank = len(ks)
+    for q_tile, kv_tile in _lib.tile_configs(ops._problem(*inputs, ks, st, dil, causal, scale), op):
+        if math.prod(q_tile) == queries:
+            first = 2 * rank if op == _lib.OP_BACKWARD else 0
+            tiles = list(tiles)
+            tiles[first:first + rank], tiles[first + rank:first + 2 * rank] = list(q_tile), list(kv_tile)
+            return ks, st, dil, causal, scale, tiles
+    return geo
+
+
 def reference(inputs, geo, rank):
     q, k, v, kx, vx = [t.double() for t in inputs]
     ks, st, dil, causal, scale = geo[:5]
@@ -135,8 +153,9 @@ def test_forward(case, dtype, use_reference):
     check_forward(case, dtype, zlib.crc32(ids(case).encode()) % 1000)
 
 
-def check_forward(case, dtype, seed):
+def check_forward(case, dtype, seed, patch=0):
     inputs, geo = build(case, dtype, seed)
+    geo = with_patch(inputs, geo, _lib.OP_FORWARD, patch)
     ref_out, ref_lse = reference(inputs, geo, case[0])
     poison()
     out, lse = ops.na_forward(*inputs, *geo)
@@ -153,15 +172,12 @@ HOPPER_CASES = [c for c in CASES if c[0] > 0 and c[9] == c[10] and c[9] in (64, 
 ]
 
 
-@pytest.mark.parametrize("key_tile", ["64", "128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=ids)
-def test_forward_128_query_patches(case, dtype, key_tile, monkeypatch):
-    """The forward on 128-query patches (on Hopper the wgmma kernel, csrc/cuda/fna_wgmma.cu),
-    with both key tiles, against the reference; on other GPUs the mma.sync kernel."""
-    monkeypatch.setenv("NBHD_MMA_FWD_MB", "2")
-    monkeypatch.setenv("NBHD_WGMMA_BN", key_tile)
-    check_forward(case, dtype, 11 + zlib.crc32(ids(case).encode()) % 1000)
+def test_forward_128_query_patches(case, dtype):
+    """The forward on 128-query patches, requested as tiles (on Hopper the wgmma kernel,
+    csrc/cuda/fna_wgmma.cu; on other GPUs the mma.sync kernel), against the reference."""
+    check_forward(case, dtype, 11 + zlib.crc32(ids(case).encode()) % 1000, patch=128)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -173,26 +189,23 @@ def test_backward(case, dtype, use_reference, kv_parallel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case,tile", [(c, t) for c in HOPPER_CASES for t in ("64", "128")
-                                       if t == "64" or c[9] == 64],  # 128: at D = 64 only
-                         ids=lambda x: ids(x) if isinstance(x, tuple) else f"tile{x}")
-def test_backward_128_query_patches(case, tile, dtype, kv_parallel, monkeypatch):
-    """The backward on 128-row patches (on Hopper the wgmma kernels, csrc/cuda/fna_wgmma_bwd.cu,
-    with key/query tiles of 64 or, at D = 64, 128; the extra keys' dK/dV on mma.sync; elsewhere
-    the 64-row mma.sync kernels, the only ones listed) against the reference, and deterministic:
-    bitwise-equal on a second call."""
-    monkeypatch.setenv("NBHD_MMA_FWD_MB", "2")
-    monkeypatch.setenv("NBHD_WGMMA_BN", tile)
-    grads = check_backward(case, dtype)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=ids)
+def test_backward_128_query_patches(case, dtype, kv_parallel):
+    """The backward on 128-row patches, requested as tiles (on Hopper the wgmma kernels,
+    csrc/cuda/fna_wgmma_bwd.cu, the extra keys' dK/dV on mma.sync; elsewhere the 64-row mma.sync
+    kernels, the only ones listed) against the reference, and deterministic: bitwise-equal on a
+    second call."""
+    grads = check_backward(case, dtype, patch=128)
     if not kv_parallel:
-        again = check_backward(case, dtype)
+        again = check_backward(case, dtype, patch=128)
         for g0, g1 in zip(grads, again):
             assert torch.equal(g0, g1), "deterministic backward differs between calls"
 
 
-def check_backward(case, dtype):
+def check_backward(case, dtype, patch=0):
     rank = case[0]
     inputs, geo = build(case, dtype, 1 + zlib.crc32(ids(case).encode()) % 1000)
+    geo = with_patch(inputs, geo, _lib.OP_BACKWARD, patch)
     gen = torch.Generator(device="cuda").manual_seed(7)
     ref_in = [t.double().requires_grad_() for t in inputs]
     ref_out, ref_lse = reference(ref_in, geo, rank)
@@ -215,14 +228,14 @@ def check_backward(case, dtype):
 
 @pytest.mark.parametrize("patch", ["64", "128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_backward_determinism(dtype, patch, monkeypatch):
+def test_backward_determinism(dtype, patch):
     """KV parallelism off: bitwise-equal gradients on repeated calls (no atomics); on: the same
     gradients up to summation order. A 2-D case whose key patches share many queries, with GQA
     and extra keys (both key-stationary kernels add to dQ), on 64- and 128-row patches (on
     Hopper the wgmma kernels: KV-parallel, one pass adding dQ by atomics)."""
-    monkeypatch.setenv("NBHD_MMA_FWD_MB", "2" if patch == "128" else "1")
     case = (2, (24, 20), (7, 5), (1, 1), (1, 2), (False, False), 2, 4, 2, 64, 64, 6, "contig")
     inputs, geo = build(case, dtype, 3)
+    geo = with_patch(inputs, geo, _lib.OP_BACKWARD, int(patch))
     out, lse = ops.na_forward(*inputs, *geo)
     gen = torch.Generator(device="cuda").manual_seed(5)
     d_out = torch.randn(out.shape, generator=gen, device="cuda", dtype=dtype)
@@ -295,21 +308,19 @@ def test_forward_jvp(case, dtype, absent, use_reference):
     check_forward_jvp(case, dtype, absent)
 
 
-@pytest.mark.parametrize("key_tile", ["32", "64"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=ids)
 @pytest.mark.parametrize("absent", ["none", "tq", "tkv"])
-def test_forward_jvp_128_query_patches(case, dtype, absent, key_tile, monkeypatch):
-    """The forward+JVP on 128-query patches (on Hopper the wgmma kernel,
-    csrc/cuda/fna_wgmma_jvp.cu), with both key tiles and absent tangents."""
-    monkeypatch.setenv("NBHD_MMA_FWD_MB", "2")
-    monkeypatch.setenv("NBHD_WGMMA_BN", key_tile)
-    check_forward_jvp(case, dtype, absent)
+def test_forward_jvp_128_query_patches(case, dtype, absent):
+    """The forward+JVP on 128-query patches, requested as tiles where listed (on Hopper the
+    wgmma kernel, csrc/cuda/fna_wgmma_jvp.cu), with absent tangents."""
+    check_forward_jvp(case, dtype, absent, patch=128)
 
 
-def check_forward_jvp(case, dtype, absent):
+def check_forward_jvp(case, dtype, absent, patch=0):
     rank = case[0]
     inputs, geo = build(case, dtype, 2 + zlib.crc32(ids(case).encode()) % 1000)
+    geo = with_patch(inputs, geo, _lib.OP_FORWARD_JVP, patch)
     gen = torch.Generator(device="cuda").manual_seed(11)
     tangents = [torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64) for t in inputs]
     if absent == "tq":

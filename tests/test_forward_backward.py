@@ -8,7 +8,7 @@ import nbhd
 from nbhd import ops
 from utils import TOL, Case, random_case, rel_err
 
-WORKED = [  # DESIGN.md §1 examples and corner cases
+WORKED = [  # docs/design.md §1 examples and corner cases
     Case((10,), (4,), (1,), (1,), (False,)),
     Case((10,), (5,), (2,), (1,), (False,)),
     Case((10,), (4,), (2,), (1,), (True,)),
@@ -64,7 +64,7 @@ def test_random_sweep_half(seed, dtype):
 
 
 def test_window_starts_match_design_examples():
-    """DESIGN.md §1 worked examples, read off the attention pattern of the fused kernel."""
+    """docs/design.md §1 worked examples, read off the attention pattern of the fused kernel."""
     from nbhd.reference import axis_windows
     keys, valid = axis_windows(10, 4, 1, 1, False)
     assert keys[:, 0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 6, 6]

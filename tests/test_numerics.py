@@ -1,4 +1,4 @@
-"""Numerics (issue 8): non-finite inputs propagate like SDPA (no crash, no hang), large logits
+"""Numerics: non-finite inputs propagate like SDPA (no crash, no hang), large logits
 stay finite, and half-precision outputs never overflow where the float32 result fits.
 
 "Like SDPA" means SDPA's math on each query's own keys: NaN in, NaN out for exactly the rows

@@ -1,4 +1,4 @@
-"""Scale and threads (issue 8): 64-bit index arithmetic on a tensor of more than 2^31 elements,
+"""Scale and threads: 64-bit index arithmetic on a tensor of more than 2^31 elements,
 and concurrent calls from several Python threads giving exactly the serial results.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import nbhd
 
 
 def _direct_rows(q, k, v, rows, kernel, scale):
-    """out[0, i, h] for the sampled rows by the window rule of DESIGN.md §1 (1-D, K odd, s=d=1,
+    """out[0, i, h] for the sampled rows by the window rule of docs/design.md §1 (1-D, K odd, s=d=1,
     non-causal: start = clamp(i - K//2, 0, N - K)), in float64."""
     N = q.shape[1]
     outs = []

@@ -1,5 +1,5 @@
 /*
- * api.c — the public entry points: errors, validation of every descriptor rule (DESIGN.md §1),
+ * api.c — the public entry points: errors, validation of every descriptor rule (docs/design.md §1),
  * and dispatch to the CPU or CUDA kernels. Nothing here touches tensor data, except zeroing
  * the key gradients of a backward pass with no query heads (backward_no_heads).
  */
@@ -369,7 +369,7 @@ static nbhd_status backward_no_heads(const nbhd_geometry *g, const nbhd_backward
     if (g->has_window) { NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
     nbhd_status st = check_extra(g, a->d_kx, a->d_vx, DKX_NAMES);
     if (st != NBHD_OK) return st;
-    if (device != NBHD_CPU)  /* TODO(issue 8): zero device gradients without a host loop */
+    if (device != NBHD_CPU)  /* TODO: zero device gradients without a host loop */
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "backward with heads=0 is only supported on the CPU");
     const size_t es = nbhd_dtype_size(g->dtype);
     const int64_t sp[3] = {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent};

@@ -1,5 +1,5 @@
 /*
- * window.h — NATTEN's window rule (DESIGN.md §1), per axis, shared by the CPU and CUDA kernels.
+ * window.h — NATTEN's window rule (docs/design.md §1), per axis, shared by the CPU and CUDA kernels.
  *
  * Coordinates are full-axis indices x in [0, L). Dilation d splits an axis into groups
  * g = x mod d of length L_g = ceil((L - g) / d); in-group index i = x div d. A query at in-group

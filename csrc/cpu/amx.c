@@ -1,6 +1,6 @@
 /*
- * amx.c — the bf16 forward, forward+JVP and backward on Intel AMX tiles (DESIGN.md §4;
- * KERNELS.md §3 design (a), the exact-union micro-GEMM), chosen by fast.c on CPUs with AMX-BF16
+ * amx.c — the bf16 forward, forward+JVP and backward on Intel AMX tiles (docs/design.md §5.3:
+ * the exact-union micro-GEMM), chosen by fast.c on CPUs with AMX-BF16
  * (and AVX512-BF16) for bf16 inputs.
  *
  * A work item is 16 queries of one (b, h, x): ny neighbouring in-group Y rows times nz = 16 / ny
@@ -27,7 +27,7 @@
  * neighbouring Y lines, from V^T packed once per union start as 16-key slices, two lines to a
  * 64-byte tile row (half the products and V^T bytes of 32-key frames per row).
  *
- * Forward+JVP (DESIGN.md §4) adds tS^T = K tQ^T + tK Q^T to the first products, keeps
+ * Forward+JVP (docs/design.md §4.3) adds tS^T = K tQ^T + tK Q^T to the first products, keeps
  * r = sum P tS beside the softmax sums, and C^T += V^T (P o tS)^T + tV^T P^T beside O^T.
  *
  * Products of bf16 inputs are exact and accumulate in fp32; only P (and P o tS) is rounded to
@@ -59,7 +59,7 @@
 #define AMX_MAX_D 256     /* head dim (Q^T of an item is 16 x D) */
 #define TAIL (16 * AMX_MAX_D * 2)   /* workspace bytes past the packed tensors (amx_scores) */
 #define USLOTS 1024       /* frame slots per unit of the online softmax (up to 64 KiB of scores; 3-D
-                             8x24x24 window 5: one unit per item, 5 % faster than 512) */
+                             8x24x24 window 5: one unit per item; bench/ab_cpu.py ... 3d bf16) */
 #define LOG2E 1.4426950408889634
 #define LN2 0.6931471805599453
 
@@ -1044,8 +1044,8 @@ static int amx_choose_ny(const amx_geo *G, const nbhd_geometry *g) {
  * union's start, and V^T is packed once per distinct union start (a slice: 16 in-group tokens
  * from it, zeros past the group). Returns the number of slices (id[p]: the slice of packed start
  * p, ZP entries; sgr, sulo: each slice's group and in-group start, ZP entries each), or -1 (also
- * when the slices hold more than 2 ZP tokens: 2-D 128^2 window 13, 32 slices of 16 per 256, ran
- * 4 % slower on pairs). */
+ * when the slices hold more than 2 ZP tokens: 2-D 128^2 window 13, 32 slices of 16 per 256, is
+ * slower on pairs; bench/ab_cpu.py A.so B.so 2d128 bf16). */
 static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int inverse, int32_t *id, int64_t *sgr,
                                int64_t *sulo) {
     const nbhd_axis *ay = &g->axis[1], *az = &g->axis[2];
@@ -1079,7 +1079,7 @@ static int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int inv
 /* slice packing task `it` (of ns x lines) of tensor t, dim columns, head h, into the slices at C
  * (plan as amx_pair_slices fills it: id, then sgr, then sulo, ZP entries each); rows: the same
  * head's rows already packed (amx_pack_rows, [lines][ZP][dim]) to read instead of t, or NULL
- * (the tokens from L2, not again from t: 2-D 56^2 bf16 backward 0.96-0.97x the time) */
+ * (the tokens from L2, not again from t: bench/ab_cpu.py A.so B.so 2d56 bf16 bwd) */
 static void amx_pack_slice(uint16_t *C, const int64_t *plan, const amx_geo *G, const nbhd_geometry *g,
                            const nbhd_tensor *t, const uint16_t *rows, int64_t dim, int64_t b, int64_t h,
                            int64_t it) {
@@ -1226,7 +1226,7 @@ nbhd_status nbhd_cpu_amx_forward_jvp(const nbhd_geometry *g, const nbhd_forward_
 }
 
 // ----------------------------------------------------------------------------
-// backward (DESIGN.md §4): D_i = dO_i.O_i - dlse_i, P = exp(S - LSE), dS = P (dO V^T - D),
+// backward (docs/design.md §4.2): D_i = dO_i.O_i - dlse_i, P = exp(S - LSE), dS = P (dO V^T - D),
 // dQ = s dS K (pass 1, query-stationary, items of ny rows as the forward's), dK = s dS^T Q and
 // dV = P^T dO (pass 2, key-stationary over each 16-key chunk's inverse windows, every query head
 // of the key head in turn). dS and P are rounded to bf16 for the second products, which run on

@@ -1,9 +1,9 @@
 /*
- * fast_impl.h — the fast CPU kernels (forward, backward, forward+JVP; DESIGN.md §4, KERNELS.md
- * §3), written once over the 16-lane vectors of simd.h and compiled once per ISA by
+ * fast_impl.h — the fast CPU kernels (forward, backward, forward+JVP; docs/design.md §5.2,
+ * docs/kernels.md §2), written once over the 16-lane vectors of simd.h and compiled once per ISA by
  * fast_avx512.c, fast_avx2.c and fast_generic.c (each defines FAST(name) to add its suffix).
  *
- * Design (KERNELS.md §3, "stencil" with an exact-union fallback):
+ * Design ("stencil" with an exact-union fallback, docs/design.md §5.2):
  *   - A query patch is a chunk of 16 consecutive in-group queries along the last axis Z (one
  *     query per SIMD lane) that share (x, y). Their windows on X and Y are therefore identical,
  *     so the patch visits exactly Kx*Ky key rows: no waste on X/Y.
@@ -137,8 +137,8 @@ typedef struct {
 /* Key/value heads per slab (every kernel packs and runs one slab at a time): as many as fit
  * SLAB_BYTES packed (the slab stays in cache while its work items read it), at least 1. The
  * forward's (and forward+JVP's) slab is one core's L2: its items walk the slab's heads
- * innermost, so a larger slab is read back from L3 (2 MiB against 8, 2 threads: 2-D 56^2 0.84x
- * the time, 3-D 0.95x). */
+ * innermost, so a larger slab is read back from L3 (bench/ab_cpu.py A.so B.so 2d56 fp32 fwd;
+ * docs/kernels.md §2). */
 #define SLAB_BYTES ((size_t)8 << 20)
 static int64_t FAST(slab_heads)(const nbhd_geometry *g, nbhd_op op) {
     const size_t ZP = (size_t)(g->axis[2].extent + PAD * g->axis[2].dilation);
@@ -291,8 +291,8 @@ typedef struct {
 
 /* Item `it` of the 2 * nh * rows that pack the nh key heads from hk0 of a slab: its line
  * (heads innermost: each token's pages are visited once) and half of the np tensors (even
- * ones, or odd: keys or values), so that a slab of one line packs on two threads (the
- * forward+JVP of 1-D 4096: 0.91x the time). */
+ * ones, or odd: keys or values), so that a slab of one line packs on two threads
+ * (bench/ab_cpu.py A.so B.so 1d fp32 jvp). */
 static void FAST(pack_item)(const FAST(geo) *G, const FAST(packed) *p, int np, nbhd_dtype dt,
                             int64_t b, int64_t hk0, int64_t nh, int64_t it) {
     const int64_t i = it / 2, hk = hk0 + i % nh, r = i / nh, x = r / G->Y, y = r % G->Y,
@@ -667,7 +667,7 @@ NBHD_ALWAYS_INLINE void FAST(score_lines_nr)(float *const *S, const float *const
     int64_t c = 0;
     /* slots per block: 4 lines x 6 slots + 4 Q vectors fill AVX-512's 32 registers; with 16
      * ymm (AVX2: 2 per vf) several lines take 3 slots, which spill less; one line's 6 fit
-     * (bench/README.md, session 14) */
+     * (docs/kernels.md §2; bench/ab_cpu.py A.so B.so 2d128) */
     const int SB = LINES_FIT_REGS(NR) ? 6 : 3;
     for (; c + SB <= n; c += SB) {
         NBHD_UNROLL
@@ -913,13 +913,12 @@ static int FAST(fwd_scratch_alloc)(FAST(fwd_scratch) *s, int64_t D, int64_t Dv) 
 static inline int FAST(zline_mode)(const nbhd_geometry *g) { return g->axis[1].extent == 1; }
 
 /* Z-line runs pay only where the 4-line x 6-slot score block stays in registers: with fewer
- * (AVX2, portable) the spills cost more than the shared loads save (AVX2, 1-D window 255:
- * 52-55 GFLOP/s with runs, ~75 without; with the 3-slot blocks, AMD EPYC, runs took 1.14-1.17x
- * the time of the forward and forward+JVP, 1.05x of the backward), so each chunk runs alone there. */
+ * (AVX2, portable) the spills cost more than the shared loads save, so each chunk runs alone
+ * there (bench/ab_cpu.py A.so B.so 1d fp32 fwd on an AVX2 machine). */
 #define ZLINES_PAY LINES_FIT_REGS(MAXLINES)
 
 /* Query lines per work item where exec names none: the ISA's NBHD_QUERY_LINES (simd.h) on Y;
- * Z-line mode (rank 1) keeps MAXLINES (2 lines there: 1.00-1.07 of the time on AVX2).
+ * Z-line mode (rank 1) keeps MAXLINES (2 lines there are no faster on AVX2: bench/ab_cpu.py ... 1d).
  * tiles.c lists this configuration first. */
 #define DEFAULT_LINES(zline) ((zline) ? MAXLINES : NBHD_QUERY_LINES)
 
@@ -1085,7 +1084,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
 }
 
 // ----------------------------------------------------------------------------
-// line-blocked JVP micro-kernels: the forward's, with tangents (DESIGN.md §4)
+// line-blocked JVP micro-kernels: the forward's, with tangents (docs/design.md §4.3)
 //
 //   scores  S_r[c] = Q_r.k_u,c     T_r[c] = tQ_r.k_u,c + Q_r.tk_u,c      (tS before the scale)
 //   values  O_r += P_r v_u,c       C_r += PT_r v_u,c + P_r tv_u,c        (PT = P tS)
@@ -1136,7 +1135,7 @@ NBHD_ALWAYS_INLINE void FAST(jvp_scores_nr)(float *const *S, float *const *T, co
                                             int bcast, int has_tq, int has_tk) {
     float *Sc[MAXLINES], *Tc[MAXLINES];
     int64_t c = 0;
-    /* S and T: with 16 ymm (AVX2) several lines take one slot per block (bench/README.md) */
+    /* S and T: with 16 ymm (AVX2) several lines take one slot per block (bench/ab_cpu.py ... jvp) */
     const int SB = LINES_FIT_REGS(NR) ? 3 : 1;
     for (; c + SB <= n; c += SB) {
         NBHD_UNROLL
@@ -1250,8 +1249,8 @@ static void FAST(jvp_values)(float *const *O, float *const *Cc, int nl, int64_t 
                              const float *const *S, const float *const *T, const FAST(rowset) *rs,
                              const float *const *tvrows, int64_t n, int64_t ld, int bcast,
                              int has_tv) {
-    /* 3 dims per pass on Y lines (each P, PT load feeds 3 products per line: 2-D 128^2 0.91x the
-     * time of 2), 2 on Z lines (1-D: 1.02x at 3) */
+    /* 3 dims per pass on Y lines (each P, PT load feeds 3 products per line), 2 on Z lines
+     * (bench/ab_cpu.py A.so B.so 2d128 fp32 jvp, and 1d) */
     const int64_t wide = rs->nslots ? 0 : dim;
 #define JV(BC, TV)                                                                                 \
     do {                                                                                           \
@@ -1266,7 +1265,7 @@ static void FAST(jvp_values)(float *const *O, float *const *Cc, int nl, int64_t 
 }
 
 // ----------------------------------------------------------------------------
-// forward + JVP (DESIGN.md §4): besides m, l, O keep r = sum p tS and C = sum p (tv + tS v)
+// forward + JVP (docs/design.md §4.3): besides m, l, O keep r = sum p tS and C = sum p (tv + tS v)
 
 /* per-thread scratch of the line-blocked forward+JVP, one allocation */
 typedef struct {
@@ -1490,7 +1489,7 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
 }
 
 // ----------------------------------------------------------------------------
-// backward (DESIGN.md §4): D_i = dO_i.O_i - dLSE_i, P = exp(S - LSE), dS = P (dO.v - D)
+// backward (docs/design.md §4.2): D_i = dO_i.O_i - dLSE_i, P = exp(S - LSE), dS = P (dO.v - D)
 
 /* Key-stationary unit: keys in lanes (A: K^T, V^T chunks), queries in slots (rows p1: Q^T
  * scaled by scale*log2e, p2: dO^T, p3: LSE*log2e, p4: D, all [.][ZP] rows at the unit's first

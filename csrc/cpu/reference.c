@@ -1,6 +1,6 @@
 /*
  * reference.c — the plain scalar CPU kernels: forward, backward and forward+JVP, written to read
- * like DESIGN.md §4, one query (or one key) at a time. They are the oracle of the C tests and
+ * like docs/design.md §4, one query (or one key) at a time. They are the oracle of the C tests and
  * can be forced at run time with nbhd_exec.use_reference; the fast kernels sit beside them.
  *
  *   forward      O, LSE by online softmax over each query's keys (window, then extra keys)

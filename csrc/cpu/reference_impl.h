@@ -248,7 +248,7 @@ static nbhd_status FN(backward)(const nbhd_geometry *g, const nbhd_backward_args
 }
 
 // ----------------------------------------------------------------------------
-// forward + JVP: one online-softmax pass with two extra accumulators (DESIGN.md §4)
+// forward + JVP: one online-softmax pass with two extra accumulators (docs/design.md §4.3)
 
 static nbhd_status FN(forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                    const nbhd_exec *e) {

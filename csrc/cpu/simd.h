@@ -128,8 +128,8 @@ typedef struct { __m256 lo, hi; } vf;
 #define NBHD_UNROLL _Pragma("GCC unroll 16")
 #define NBHD_VREGS 8    /* vf registers: 16 ymm */
 /* 2 query lines per work item (rank >= 2): their 3-slot score blocks (12 ymm) stay in registers
- * where 4 lines spill. AMD EPYC, fp32, 2 lines against 4: forward 0.88-0.94, forward+JVP
- * 0.85-1.05, backward 0.85-0.94 of the time on the 2-D and 3-D problems of bench/README.md */
+ * where 4 lines spill (bench/ab_cpu.py A.so B.so 2d128|3d fp32 fwd|bwd|jvp, 2 lines against 4,
+ * on an AVX2-only machine) */
 #define NBHD_QUERY_LINES 2
 
 #define VF2_(a_lo, a_hi) ((vf){(a_lo), (a_hi)})
@@ -240,11 +240,11 @@ typedef int32_t vi_ __attribute__((vector_size(64)));    /* lane masks: -1 true,
 typedef uint32_t vu_ __attribute__((vector_size(64)));   /* exponent arithmetic, wraps */
 
 
-/* 4 xmm (or NEON) registers per vf: full unrolls of the accumulator blocks only spill (measured
- * 1.2-1.4x slower on x86-64) */
+/* 4 xmm (or NEON) registers per vf: full unrolls of the accumulator blocks only spill
+ * (NBHD_CPU_ISA=generic python bench/bench_cpu.py) */
 #define NBHD_UNROLL
 #define NBHD_VREGS 4    /* vf registers: 16 xmm */
-#define NBHD_QUERY_LINES 4  /* nothing stays in registers: 4 lines share each load (2: 1.03-1.05x, noise) */
+#define NBHD_QUERY_LINES 4  /* nothing stays in registers: 4 lines share each load (2: within noise) */
 
 NBHD_ALWAYS_INLINE vf vf_load(const float *p) { vf r; memcpy(&r, p, sizeof r); return r; }
 NBHD_ALWAYS_INLINE void vf_store(float *p, vf x) { memcpy(p, &x, sizeof x); }

@@ -1,6 +1,6 @@
 /*
  * fna_mma.cu — tensor-core forward (O, LSE) for f16/bf16 with D = Dv in {32, 64, 128}:
- * mma.sync m16n8k16 with fp32 accumulation, through inline PTX (DESIGN.md §4, KERNELS.md §1-2).
+ * mma.sync m16n8k16 with fp32 accumulation, through inline PTX (docs/design.md §6.2).
  *
  * Tiles. A CTA of 4 warps owns a multi-dimensional patch of 64 queries (one 16-row m-block per
  * warp) or, on large windows, 128 (two m-blocks per warp, so that each K/V fragment read from
@@ -203,7 +203,7 @@ fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const m
     uint32_t qf[QREG ? MB : 1][HD / 16][4];
     const float sl2 = P.scale_log2;
 
-    // (3 stages were no faster than 2 on H200 and spilled more: bench/ab_fwd.py)
+    // two stages: three were no faster and spilled more (bench/bench_gpu.py)
     tile_ring_start<ST>(tiles, load_tile);  /* Q rides with tile 0's group */
     for (int t = 0; t < tiles; ++t) {
         const int s = tile_ring_next<ST>(t, tiles, load_tile);
@@ -362,26 +362,17 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *
 
 /* Small windows (|window| < 512 keys) take 64-query patches and 32-key tiles: finer per-warp
  * tile skipping and less padding of the union. Large ones (at D >= 64) take 128-query patches:
- * two m-blocks per warp, so each K and V fragment read from shared memory feeds two MMAs (H200,
- * bench/ab_fwd.py: 1-D 32768 w2048 145 -> 233 TF/s at D = 128, 198 -> 212 at D = 64; strided
- * 3-D 139 -> 230 and 184 -> 231; 2-D/3-D small windows 13-25 % slower, so they keep 64), with
- * 32-key tiles at D = 128 and on 1-D (fewer spills: 233 against 190 TF/s on 1-D D = 128), else
- * 64-key ones (strided 3-D D = 64: 231 against 211). The loop is latency-bound, so registers are
- * budgeted for as many CTAs per SM as spill little: 64-query patches at D <= 64 4 CTAs (32-key
- * tiles), at D = 128 3 (at D = 64 one more CTA per SM was 5-9 % faster on the 2-D/3-D small
- * windows; the D = 128 32-key kernels re-read Q from shared memory each tile, equal on the 2-D
- * problems and 5 % faster on 3-D 7^3; one more CTA per SM than that, tried later, was equal on
- * 2-D and 8 % slower on 3-D 7^3 at D = 128, and 1.3x slower on strided 3-D with 128-query patches
- * at D = 64). NBHD_MMA_FWD_BN=32|64 forces the key tile (A/B runs, bench/ab_fwd.py; read per
- * launch). */
+ * two m-blocks per warp, so each K and V fragment read from shared memory feeds two MMAs; with
+ * 32-key tiles at D = 128 and on 1-D (fewer spills), else 64-key ones. The loop is
+ * latency-bound, so registers are budgeted for as many CTAs per SM as spill little: 64-query
+ * patches at D <= 64 4 CTAs (32-key tiles), at D = 128 3, where the 32-key kernels re-read Q from
+ * shared memory each tile (docs/design.md §6.4). Reproduce: bench/bench_gpu.py, A/B of two builds. */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e,
                           cudaStream_t st) {
     const bool small_window = g->has_window && !nbhd_cuda_mma_large_window(g);
     const int mb = nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD);
-    bool bn32 = small_window || (mb == 2 && (HD == 128 || mma_rank_of(g) == 1));
-    const char *bn = getenv("NBHD_MMA_FWD_BN");
-    if (bn && bn[0]) bn32 = bn[0] == '3';
+    const bool bn32 = small_window || (mb == 2 && (HD == 128 || mma_rank_of(g) == 1));
     constexpr int extra_cta = HD <= 64 ? 1 : 0;
     if constexpr (HD >= 64) {  /* tiles.cu: 128-query patches at D >= 64 only */
         if (mb == 2 && nbhd_cuda_wgmma_ready()) return nbhd_cuda_wgmma_forward(g, a, st);

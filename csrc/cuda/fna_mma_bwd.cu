@@ -1,5 +1,5 @@
 /*
- * fna_mma_bwd.cu — tensor-core backward for f16/bf16 with D = Dv in {32, 64, 128} (DESIGN.md §4):
+ * fna_mma_bwd.cu — tensor-core backward for f16/bf16 with D = Dv in {32, 64, 128} (docs/design.md §6.3):
  *
  *   1. di_kernel      D_i = dO_i.O_i - dLSE_i per query row (warp per row) -> workspace
  *   2. dq_kernel      query-stationary, tiles as the forward (64-query patch, exact union of
@@ -29,10 +29,10 @@
 
 /* A thread per 8 channels of a row (Dv / 8 = 4, 8 or 16 threads per row, lanes of one warp),
  * VEC: O rows 16-byte aligned with unit element stride (dO's are: the mma path's condition), one
- * 16-byte load of each; else 8 element loads of O. (A warp per row with 2-byte loads ran at
- * about a third of the memory's bandwidth: 0.23 ms of a 1.7 ms backward on 2-D 64^2 B8 D = 128,
- * H200, bench/profile_kernels.py.) dq_acc (KV-parallel): the thread also clears its 8 floats of
- * the dQ accumulator (D = Dv), which needs no pass of its own then. */
+ * 16-byte load of each; else 8 element loads of O. (A warp per row with 2-byte loads runs at
+ * about a third of the memory's bandwidth: bench/profile_kernels.py.) dq_acc (KV-parallel): the
+ * thread also clears its 8 floats of the dQ accumulator (D = Dv), which needs no pass of its
+ * own then. */
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nbhd_backward_args a,
                                                  float *Dws, float *dq_acc) {
@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nb
 // ----------------------------------------------------------------------------
 // 2. dQ, query-stationary
 
-/* 3 CTAs per SM (168 registers; 20 bytes spilled at D = 64, 168 at D = 128, where three
- * were 1-7 % faster than two on the bench problems: H200, bench/ab_fwd.py --bwd) */
+/* 3 CTAs per SM (168 registers; 20 bytes spilled at D = 64, 168 at D = 128): faster than two
+ * despite the spills (bench/bench_gpu.py) */
 template <typename T, int HD>
 __global__ void __launch_bounds__(BW_THREADS, 3)
 fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
@@ -322,8 +322,8 @@ __device__ __forceinline__ void tile_dq_atomic(const T *dST, const int *warp_act
 
 /* KV-parallel epilogue: dQ = scale * accumulator, in the caller's layout. One thread per 8
  * channels of a row (HD is a multiple of 8): two 16-byte loads, four 4-byte stores (dQ rows
- * are 4-byte aligned), and the row's coordinates decoded once for the 8 (ncu: a thread per pair
- * spent 167 us on the 64-bit divisions for a 2-D 64^2 B8 H16 D64 problem). */
+ * are 4-byte aligned), and the row's coordinates decoded once for the 8 (a thread per pair
+ * spends its time in 64-bit divisions: bench/profile_kernels.py --op bwd). */
 template <typename T>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, const nbhd_tensor dq,
                                                          const float *acc, float scale) {
@@ -620,8 +620,8 @@ static nbhd_status launch_dkdv(const nbhd_geometry *g, const nbhd_backward_args 
                            sizeof(float) * 4 * BC +
                            (KVP ? sizeof(T) * BR * DS_LD + sizeof(int) * BW_WARPS : 0);
     const int64_t patches = EXTRA ? (g->extra_kv + BR - 1) / BR : P.patches;
-    /* window keys at D = 64: registers for three CTAs per SM (168, ~135 bytes spilled): 3-8 %
-     * faster than two on the bench problems (H200, bench/ab_fwd.py --bwd) */
+    /* window keys at D = 64: registers for three CTAs per SM (168, ~135 bytes spilled), faster
+     * than two despite the spills (bench/bench_gpu.py) */
     constexpr int minb = !EXTRA && HD == 64 ? 3 : 2;
     auto kernel = fna_mma_dkdv_kernel<T, HD, EXTRA, KVP, minb>;
     const nbhd_status s = nbhd_cuda_reserve_smem(kernel, smem_kv, "mma backward (dk, dv)");
@@ -685,9 +685,8 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
 
 /* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64, and D = 128
  * on 128-row patches (the wgmma pass). On the 64-row mma.sync kernels at D = 128 the
- * key-stationary kernel already holds dK and dV in 256 registers, and its dQ phase cost more
- * than the separate dq_kernel (H200, bf16, 16 heads: 2-6 % slower on the bench problems; at
- * D = 64 3-9 % faster on four of them, 2 % slower on strided 3-D; bench/RESULTS_GPU.md). */
+ * key-stationary kernel already holds dK and dV in 256 registers, and its dQ phase costs more
+ * than the separate dq_kernel (bench/bench_gpu.py: bwd against bdet). */
 static bool kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e) {
     const int D = g->head_dim;
     if (!e || !e->kv_parallel || (g->dtype != NBHD_F16 && g->dtype != NBHD_BF16) || D != g->head_dim_v)

@@ -1,6 +1,6 @@
 /*
  * fna_mma_jvp.cu — tensor-core forward + JVP (O, LSE, tO, mu) for f16/bf16 with
- * D = Dv in {32, 64, 128}, in one pass (DESIGN.md §4). Tiles as the forward (64- or 128-query
+ * D = Dv in {32, 64, 128}, in one pass (docs/design.md §4.3, §6.5). Tiles as the forward (64- or 128-query
  * patch, exact union of its windows, then the extra keys) with 32-key tiles and K, V, tK, tV
  * double-buffered by cp.async (one barrier per tile). Per tile and warp (16 queries x 32 keys):
  *
@@ -13,14 +13,14 @@
  */
 #include "mma_util.cuh"
 
-/* K/V/tK/tV tiles in the cp.async ring (H200, bench/ab_fwd.py --jvp: 3 stages within 3 % at
- * D = 64 and up to 1.45x slower on small windows at D = 128, where a CTA then fits once per SM) */
+/* K/V/tK/tV tiles in the cp.async ring: with 3 a CTA fits once per SM at D = 128, slower on
+ * small windows (bench/bench_gpu.py) */
 #define JVP_STAGES 2
 
 /* WARPS = 4: 64-query patches; WARPS = 8: 128-query patches (mma_plan_of's mb = 2), each
  * K/V/tK/tV tile read once for twice the queries. MINB: CTAs per SM the registers are budgeted
- * for (H200, bench/ab_fwd.py --jvp: at D = 64 three CTAs of 4 warps, 168 registers and ~116
- * spilled bytes, were 5-8 % faster than two) */
+ * for (at D = 64 three CTAs of 4 warps, 168 registers and ~116 spilled bytes, faster than two:
+ * bench/bench_gpu.py) */
 template <typename T, int HD, int WARPS, int MINB>
 __global__ void __launch_bounds__(32 * WARPS, MINB)
 fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const mma_plan P) {
@@ -198,15 +198,15 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
             inside = false;
         }
         /* every key in every row's window: no mask (at D = 128 this path spills a little more
-         * but was 11-13 % faster on 1-D w2048 and strided 3-D, H200) */
+         * but is faster on large windows: bench/bench_gpu.py --only 1d,3d-30) */
         const bool full = __all_sync(0xffffffffu, inside);
         if (__any_sync(0xffffffffu, mine)) {
             float sc[BC / 8][4], ts[BC / 8][4];
 #pragma unroll
             for (int i = 0; i < BC / 8; ++i)
                 sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = ts[i][0] = ts[i][1] = ts[i][2] = ts[i][3] = 0.f;
-            /* three passes over the shared tiles: fusing them (each fragment read once) was
-             * 5-10 % slower (H200, bench/ab_fwd.py --jvp: registers) */
+            /* three passes over the shared tiles: fusing them (each fragment read once) is
+             * slower, registers (bench/bench_gpu.py) */
             tile_abt<T, HD>(sc, Qs, w * 16, Kt, lane);                // S = Q K^T
             if (has_tq) tile_abt<T, HD>(ts, tQs, w * 16, Kt, lane);   // tS = tQ K^T
             if (has_tk) tile_abt<T, HD>(ts, Qs, w * 16, tKt, lane);   //    + Q tK^T

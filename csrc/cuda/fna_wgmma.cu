@@ -3,7 +3,7 @@
  * for f16/bf16 with D = Dv in {64, 128} and 128-query patches (mma_util.cuh patch_*, mb = 2).
  *
  * Why: mma.sync feeds the tensor cores from registers that every warp first loads with ldmatrix,
- * which caps the mma.sync forward near a third of an H200's dense rate (bench/RESULTS_GPU.md);
+ * which caps the mma.sync forward near a third of the dense rate (bench/bench_gpu.py, large windows);
  * wgmma reads K and V straight from shared memory, 64 query rows per instruction.
  *
  * A CTA is two warpgroups (8 warps); warpgroup wg owns the patch's m-blocks 4 wg .. 4 wg + 3
@@ -35,9 +35,8 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
     const int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
 
-    // CTA -> (b, head, patch), as fna_mma.cu. (Written out here rather than through wgmma.cuh
-    // wg_cta, which the forward+JVP uses: on wg_cta this kernel measured 4-7 % slower on the large
-    // windows, H200 runs 3 and 4 of bench/RESULTS_GPU.md, ninth session.)
+    // CTA -> (b, head, patch), as fna_mma.cu; written out rather than through wgmma.cuh wg_cta,
+    // which is slower here on large windows (bench/bench_gpu.py --only 1d,3d-30).
     uint32_t idx = blockIdx.x;
     const uint32_t patches = (uint32_t)P.patches, heads = (uint32_t)g.heads;
     uint32_t patch = idx % patches;
@@ -243,8 +242,6 @@ fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const
 /* The kernels exist only in an sm_90a image (setup.py builds "90" as "90a"): the image the
  * driver picked for this device must be one. Cached per device. */
 int nbhd_cuda_wgmma_ready(void) {
-    const char *off = getenv("NBHD_WGMMA");  /* "0": the mma.sync kernel (A/B runs, bench/ab_fwd.py) */
-    if (off && off[0] == '0') return 0;
     static int ready[64];  /* 0 unknown, 1 yes, 2 no */
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
@@ -287,14 +284,10 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a,
     }
 }
 
-/* Key tiles of 64: at D = 128 115 KiB of shared memory and one CTA per SM (H200, bench/ab_fwd.py:
- * 128-key tiles 1.27x slower on 1-D 32768 w2048 and strided 3-D), at D = 64 two CTAs per SM in
- * 128 registers (128-key tiles 1.27x slower). NBHD_WGMMA_BN=64|128 forces the key tile (A/B
- * runs). */
+/* Key tiles of 64: at D = 128 115 KiB of shared memory and one CTA per SM, at D = 64 two CTAs per
+ * SM in 128 registers; 128-key tiles are slower on both (bench/bench_gpu.py --only 1d,3d-30). */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
-    const char *forced = getenv("NBHD_WGMMA_BN");
-    if (forced && forced[0] == '1') return launch_bn<T, HD, 128, 1>(g, a, st);
     return launch_bn<T, HD, 64, HD == 64 ? 2 : 1>(g, a, st);
 }
 

@@ -28,7 +28,7 @@
  * for dK before the next tile (left running into the next tile's barrier, the products made
  * ptxas serialise every wgmma of the kernel, warning C7515); the other warpgroup's work fills
  * the tensor cores while this one computes P^T. Splitting S^T and dP^T into two groups, to form
- * P^T while dP^T runs, measured no faster (H200, bench/ab_fwd.py --bwd, within 0.6 %).
+ * P^T while dP^T runs, measured no faster (bench/bench_gpu.py).
  */
 #include <stdlib.h>
 
@@ -493,18 +493,11 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_backward_args *a
 }
 
 /* Tiles (keys of dQ, queries of dK/dV) of 64 at D = 128, of 128 at D = 64: twice the products
- * per barrier and softmax pass there (H200, bench/ab_fwd.py --bwd: 1.02x on 1-D 32768 w2048,
- * 1.04x on strided 3-D). NBHD_WGMMA_BN=64 forces 64 at D = 64 on the two deterministic passes
- * (A/B runs; the KV-parallel pass takes 128 always). */
+ * per barrier and softmax pass where registers allow (bench/bench_gpu.py --only 1d,3d-30). */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                           float *dq_acc, cudaStream_t st) {
-    const char *forced = getenv("NBHD_WGMMA_BN");
-    if constexpr (HD == 64) {
-        if (forced && forced[0] == '6' && !dq_acc) return launch_bn<T, HD, 64>(g, a, Dws, nullptr, st);
-        return launch_bn<T, HD, 128>(g, a, Dws, dq_acc, st);
-    }
-    return launch_bn<T, HD, 64>(g, a, Dws, dq_acc, st);
+    return launch_bn<T, HD, HD == 64 ? 128 : 64>(g, a, Dws, dq_acc, st);
 }
 
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,

@@ -208,13 +208,10 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_jvp_args
     }
 }
 
-/* Key tiles of 64 (H200, bench/ab_fwd.py --jvp: 32-key tiles 1.15x slower on 1-D 32768 w2048 at
- * D = 128, 1.29x at D = 64; at D = 128 the 64-key kernel spills 128 bytes and takes 227 KiB of
- * shared memory, one CTA per SM). NBHD_WGMMA_BN=32|64 forces the key tile (A/B runs). */
+/* Key tiles of 64, faster than 32 although at D = 128 the kernel spills 128 bytes and takes
+ * 227 KiB of shared memory, one CTA per SM (bench/bench_gpu.py --only 1d,3d-30). */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
-    const char *forced = getenv("NBHD_WGMMA_BN");
-    if (forced && forced[0] == '3') return launch_bn<T, HD, 32>(g, a, st);
     return launch_bn<T, HD, 64>(g, a, st);
 }
 

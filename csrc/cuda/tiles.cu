@@ -34,14 +34,11 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op) {
            (op == NBHD_OP_BACKWARD && nbhd_cuda_wgmma_ready());
 }
 
-/* the default where allowed. The forward: windows of 512+ keys. The forward+JVP: those at
- * D = 128; on Hopper (the wgmma kernel, fna_wgmma_jvp.cu) every window at D = 128 and windows of
- * 512+ keys at D = 64 (H200, bench/ab_fwd.py --jvp: 1.06-1.17x faster than 64-query patches on
- * the 2-D/3-D small windows at D = 128, 1.06-1.11x slower at D = 64; 1.3-1.5x faster on 1-D
- * 32768 w2048 and strided 3-D at D = 64). The backward (Hopper only): windows of 512+ keys, and
- * with KV parallelism every window at D = 128 (its one wgmma pass, fna_wgmma_bwd.cu, against the
- * 64-row mma.sync kernels, H200 bf16 16 heads, bench/ab_fwd.py --bwd: 1.11-1.22x faster on the
- * 2-D/3-D small windows; deterministic, 1.12x slower there; at D = 64 1.0-1.10x slower). */
+/* The default where allowed (docs/design.md §6.4): 128-query patches where they feed more MMAs
+ * per shared-memory read than they waste on padding. The forward: windows of 512+ keys. The
+ * forward+JVP: those at D = 128, and on Hopper every window at D = 128 and large ones at D = 64.
+ * The backward (Hopper only): large windows, and with KV parallelism every window at D = 128
+ * (one wgmma pass). Reproduce: bench/ab_gpu.py [--jvp | --bwd]. */
 static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_parallel) {
     if (!g->has_window) return false;
     const bool large = nbhd_cuda_mma_large_window(g);
@@ -56,9 +53,7 @@ int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op o
     for (int ax = 0; ax < NBHD_MAX_RANK; ++ax)
         if (e->q_tile[ax] > 0) requested *= e->q_tile[ax];
     if (requested > 1) return requested == 128 ? 2 : 1;
-    const char *forced = getenv("NBHD_MMA_FWD_MB");  /* A/B runs: bench/ab_fwd.py */
-    const bool large = forced && forced[0] ? forced[0] == '2' : large_patch_default(g, op, e->kv_parallel);
-    return large && large_patch_allowed(g, op) ? 2 : 1;
+    return large_patch_default(g, op, e->kv_parallel) && large_patch_allowed(g, op) ? 2 : 1;
 }
 
 int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,

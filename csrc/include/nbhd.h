@@ -3,7 +3,7 @@
  *
  * Neighborhood attention (1-D/2-D/3-D sliding-window attention) with fused kernels for the
  * forward pass, the backward pass and the forward-mode derivative (JVP). Semantics follow
- * NATTEN exactly (DESIGN.md §1); the math is DESIGN.md §4. Usable from C with this header alone.
+ * NATTEN exactly (docs/design.md §1); the math is docs/design.md §4. Usable from C with this header alone.
  *
  * Shape legend (heads-last, every tensor is addressed as a 6-D view with element strides):
  *   B batch, X Y Z spatial axes (rank 1..3; unused axes have extent 1), H query heads,
@@ -105,7 +105,7 @@ typedef struct {
 } nbhd_exec;
 
 /* A tile configuration of a kernel: the query patch one worker owns and the key tiles it
- * walks over the union of the patch's windows (DESIGN.md §4), per problem axis. */
+ * walks over the union of the patch's windows (docs/design.md §2.4), per problem axis. */
 typedef struct {
     int32_t q_tile[NBHD_MAX_RANK];
     int32_t kv_tile[NBHD_MAX_RANK];
@@ -117,7 +117,7 @@ typedef struct {
     nbhd_tensor out, lse;             /* written */
 } nbhd_forward_args;
 
-/* Backward (DESIGN.md §4): D_i = dO_i.O_i - dLSE_i, P = exp(S - LSE), dS = P (dO V^T - D),
+/* Backward (docs/design.md §4.2): D_i = dO_i.O_i - dLSE_i, P = exp(S - LSE), dS = P (dO V^T - D),
  * dQ = s dS K, dK = s dS^T Q, dV = P^T dO. d_lse.data may be NULL (no gradient on LSE).
  * Deterministic: every output element is written by one thread in a fixed order. */
 typedef struct {
@@ -133,7 +133,7 @@ typedef struct {
     nbhd_tensor out, lse, t_out, t_lse;                     /* written */
 } nbhd_forward_jvp_args;
 
-/* Backward through forward+JVP (DESIGN.md §4): gradients of a loss on (O, LSE, tO, tLSE) with
+/* Backward through forward+JVP (docs/design.md §4.4): gradients of a loss on (O, LSE, tO, tLSE) with
  * respect to Q, K, V and their tangents. With G = dL/dtO, g_mu = dL/dtLSE, n = tS - mu,
  * c = G.O, E = G.tO, D' = dO.O - dLSE and w = G v^T - c + g_mu:
  *   dtS = P w,  dS = P (dO v^T - D' + G tv^T + w n - E),
@@ -149,7 +149,7 @@ typedef struct {
     nbhd_tensor d_t_q, d_t_k, d_t_v, d_t_kx, d_t_vx;         /* written when data != NULL */
 } nbhd_forward_jvp_backward_args;
 
-/* Merge (DESIGN.md §4): n partial attentions of the same queries, as if their keys had been
+/* Merge (docs/design.md §4.5): n partial attentions of the same queries, as if their keys had been
  * concatenated: LSE = log sum_a exp(LSE_a), O = sum_a exp(LSE_a - LSE) O_a. A row whose parts
  * all have LSE = -inf gets O = 0 and LSE = -inf. Rows are [B, T, H] (T tokens in any layout the
  * strides describe); every part, and the result, may have its own strides. */

@@ -1,5 +1,5 @@
 /*
- * fuzz_api.c — libFuzzer harness of the public C API (issue 8).
+ * fuzz_api.c — libFuzzer harness of the public C API.
  *
  * Decodes the input bytes into a problem descriptor (every field, including invalid and extreme
  * values), an exec (threads, use_reference, tiles), a mode (all tensors, one tensor NULL, a short

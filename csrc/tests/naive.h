@@ -2,8 +2,8 @@
  * naive.h — brute-force oracle for the C tests and the fuzzer, in double precision.
  *
  * For every query it loops over ALL key tokens and decides membership with its own direct
- * transcription of DESIGN.md §1 (not csrc/core/window.h), so it is independent of the library.
- * Then dense softmax math (DESIGN.md §4), no online rescaling, no inverse windows.
+ * transcription of docs/design.md §1 (not csrc/core/window.h), so it is independent of the library.
+ * Then dense softmax math (docs/design.md §4), no online rescaling, no inverse windows.
  *
  * Dense layouts (row-major, double); T = tokens (product of extents; rank 0: extent[0]),
  * S = extra_kv, token t = (x*Y + y)*Z + z:
@@ -31,7 +31,7 @@ static int64_t naive_tokens(const nbhd_problem *p) {
     return naive_ext(p, 0) * naive_ext(p, 1) * naive_ext(p, 2);
 }
 
-/* DESIGN.md §1, one axis: does query coordinate x see key coordinate y? */
+/* docs/design.md §1, one axis: does query coordinate x see key coordinate y? */
 static int naive_axis_sees(int64_t L, int64_t K, int64_t s, int64_t d, int causal, int64_t x,
                            int64_t y) {
     /* rule 1: dilation groups */

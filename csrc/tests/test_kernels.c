@@ -355,7 +355,7 @@ static int run_case(uint64_t seed) {
     return checks_failed == before;
 }
 
-/* the oracle itself against DESIGN.md §1's worked examples (L = 10, d = 1) */
+/* the oracle itself against docs/design.md §1's worked examples (L = 10, d = 1) */
 static int check_naive_examples(void) {
     int bad = 0;
     struct { int K, s, c; int64_t i; int64_t start, end; } ex[] = {

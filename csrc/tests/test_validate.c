@@ -1,5 +1,5 @@
 /*
- * test_validate.c — every descriptor rule of nbhd_validate (nbhd.h, DESIGN.md §1) is rejected
+ * test_validate.c — every descriptor rule of nbhd_validate (nbhd.h, docs/design.md §1) is rejected
  * with NBHD_ERR_ARG and a message naming the field; every entry point rejects NULL args, NULL
  * data of each tensor it needs, and a missing or short workspace; invalid problems need no
  * workspace. Last line: "N passed, M failed".

@@ -1,0 +1,119 @@
+"""Interleaved A/B of the CUDA kernels' tile configurations in one process: for each problem,
+every (q_tile, kv_tile) the C library lists for the op (`nbhd_tile_configs`, csrc/cuda/tiles.cu;
+the default first: 64- or 128-query patches, hence the mma.sync or, on Hopper, the wgmma
+kernels), and for the backward each with KV parallelism on and off. Each timing is a loop of
+--loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
+configurations taken in turn within each round; every configuration's output is checked
+against the default's.
+
+    python bench/ab_gpu.py [--dims 128,64] [--problems 1d,3d-30] [--rounds 7] [--loop 10] [--jvp | --bwd]
+
+Kernel choices that no tile argument reaches (key tiles, CTAs per SM, pipeline stages) are
+A/B'd as two builds: build, copy the library aside, change the source, build again, and time
+both with this script (NBHD_LIBRARY=... selects the library; run them back to back).
+"""
+import argparse
+import math
+import statistics
+
+import torch
+
+import nbhd
+from nbhd import _lib, ops
+
+PROBLEMS = [
+    ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
+    ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
+    ("3d-16x32x32-w7", 1, (16, 32, 32), (7, 7, 7), (1, 1, 1)),
+    ("1d-32768-w2048", 1, (32768,), (2048,), (1,)),
+    ("3d-30x48x80-s16x8x8", 1, (30, 48, 80), (18, 24, 24), (16, 8, 8)),
+]
+
+
+def variants(op, q, k, v, geo, backward):
+    """[(label, tiles, kv_parallel)]: every listed configuration (default first) as the tiles
+    argument of ops.na_*; the backward's also with KV parallelism off."""
+    ks, st, dil, causal, scale = geo[:5]
+    rank = len(ks)
+    problem = _lib.Problem(q, k, v, None, None, ks, st, dil, causal, scale)
+    out = []
+    for qt, kt in _lib.tile_configs(problem, op):
+        tiles = [0] * (4 * rank)
+        first = 2 * rank if backward else 0
+        tiles[first:first + rank], tiles[first + rank:first + 2 * rank] = list(qt), list(kt)
+        label = "x".join(map(str, qt)) + "/" + "x".join(map(str, kt))
+        out.append((label, tiles, True))
+        if backward:
+            out.append((label + " det", tiles, False))
+    return out or [("default", [0] * (4 * rank), True)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", default="128,64")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--problems", default="", help="comma-separated name prefixes (default: all)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--loop", type=int, default=10)
+    kind = ap.add_mutually_exclusive_group()
+    kind.add_argument("--jvp", action="store_true", help="time the forward+JVP kernel instead")
+    kind.add_argument("--bwd", action="store_true", help="time the backward kernels instead")
+    args = ap.parse_args()
+    dev = "cuda"
+    what = "backward" if args.bwd else "forward+JVP" if args.jvp else "forward"
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  ({what}: ms per call, "
+          f"loop of {args.loop}, median of {args.rounds}; TF/s useful, the backward's counted as 2.5x)")
+    op = _lib.OP_BACKWARD if args.bwd else _lib.OP_FORWARD_JVP if args.jvp else _lib.OP_FORWARD
+    old_kvp = nbhd.is_kv_parallelism_in_fused_na_enabled()
+    for D in [int(x) for x in args.dims.split(",")]:
+        for name, B, ext, ks, st in PROBLEMS:
+            if args.problems and not any(name.startswith(p) for p in args.problems.split(",")):
+                continue
+            H = args.heads
+            gen = torch.Generator(device=dev).manual_seed(0)
+            q, k, v = (torch.randn(B, *ext, H, D, generator=gen, device=dev, dtype=torch.bfloat16)
+                       for _ in range(3))
+            empty = torch.empty(B, 0, H, D, device=dev, dtype=torch.bfloat16)
+            base = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5)
+            flop = 4.0 * B * H * math.prod(ext) * math.prod(ks) * D * (2.5 if args.bwd else 1.0)
+            if args.bwd:
+                out, lse = ops.na_forward(q, k, v, empty, empty, *base, [0] * (4 * len(ks)))
+                d_out = torch.randn_like(out)
+                fn = lambda t: ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *base, t)
+            elif args.jvp:
+                tq, tk, tv = (torch.randn_like(x) for x in (q, k, v))
+                fn = lambda t: ops.na_forward_jvp(q, k, v, empty, empty, tq, tk, tv, empty, empty, *base, t)
+            else:
+                fn = lambda t: ops.na_forward(q, k, v, empty, empty, *base, t)
+            configs = variants(op, q, k, v, base, args.bwd)
+            ref = None
+            for label, tiles, kvp in configs:  # warm-up, and every variant gives the same output
+                nbhd.use_kv_parallelism_in_fused_na(kvp)
+                res = fn(tiles)[0]
+                if ref is None:
+                    ref = res
+                elif not torch.allclose(res.float(), ref.float(), atol=2e-2, rtol=2e-2):
+                    print(f"  MISMATCH {name} D={D} {label}: {(res.float() - ref.float()).abs().max()}")
+            times = {label: [] for label, _, _ in configs}
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(args.rounds):
+                for label, tiles, kvp in configs:
+                    nbhd.use_kv_parallelism_in_fused_na(kvp)
+                    fn(tiles)
+                    torch.cuda.synchronize()
+                    s.record()
+                    for _ in range(args.loop):
+                        fn(tiles)
+                    e.record()
+                    torch.cuda.synchronize()
+                    times[label].append(s.elapsed_time(e) / args.loop)
+            cells = [f"{label}: {statistics.median(t):.3f} ms {flop / statistics.median(t) / 1e9:.1f} TF"
+                     for label, t in times.items()]
+            print(f"{name:20s} D={D:<4d} " + "   ".join(cells), flush=True)
+            del q, k, v, ref
+            torch.cuda.empty_cache()
+    nbhd.use_kv_parallelism_in_fused_na(old_kvp)
+
+
+if __name__ == "__main__":
+    main()

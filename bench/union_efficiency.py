@@ -1,0 +1,71 @@
+"""Tile waste of the kernels' query patches (docs/kernels.md §1): the share of the products a
+patch computes over the exact union box of its windows that are real (query, key) neighbour
+pairs. A property of the window rule and the patch shape, not a measurement: no kernel runs.
+
+Per axis the window rule (docs/design.md §1) gives each query's key range; a patch is a box of
+queries, so both its real pairs and its union box factor over the axes:
+  useful   = prod_axes sum_{patch queries on the axis} |window|
+  computed = prod_axes (patch queries on the axis) * |union of their windows|
+summed over every patch of the grid (border patches clipped to the grid). The patches are the
+CUDA kernels' (csrc/cuda/mma_util.cuh patch_*); the fast CPU kernels compute only real pairs on
+interior patches (docs/design.md §5.2), so they have no row here.
+
+    python bench/union_efficiency.py
+"""
+
+
+def window(L, K, s, causal, i):
+    """In-group key range [start, end) of query i on an axis of length L (dilation 1)."""
+    q = i // s
+    if causal:
+        leader = min(q * s + s - 1, L - 1)
+        return max(leader - K + 1, 0), i + 1
+    leader = min(q * s + s // 2, L - 1)
+    start = max(min(leader - K // 2, L - K), 0)
+    return start, start + K
+
+
+def axis_totals(L, K, s, n):
+    """(useful, computed) summed over the patches of n queries along one axis."""
+    useful = computed = 0
+    for p0 in range(0, L, n):
+        rows = [window(L, K, s, False, i) for i in range(p0, min(p0 + n, L))]
+        useful += sum(e - b for b, e in rows)
+        computed += len(rows) * (max(e for _, e in rows) - min(b for b, _ in rows))
+    return useful, computed
+
+
+def efficiency(extent, kernel, stride, patch):
+    useful = computed = 1
+    for L, K, s, n in zip(extent, kernel, stride, patch):
+        u, c = axis_totals(L, K, s, n)
+        useful, computed = useful * u, computed * c
+    return useful / computed
+
+
+PROBLEMS = [  # name, extent, kernel, stride
+    ("1-D 32768, window 2048", (32768,), (2048,), (1,)),
+    ("2-D 128x128, window 13x13", (128, 128), (13, 13), (1, 1)),
+    ("2-D 64x64, window 7x7", (64, 64), (7, 7), (1, 1)),
+    ("2-D 56x56, window 7x7", (56, 56), (7, 7), (1, 1)),
+    ("3-D 16x32x32, window 7x7x7", (16, 32, 32), (7, 7, 7), (1, 1, 1)),
+    ("3-D 8x24x24, window 5x5x5", (8, 24, 24), (5, 5, 5), (1, 1, 1)),
+    ("3-D 30x48x80, window 18x24x24, stride 16x8x8", (30, 48, 80), (18, 24, 24), (16, 8, 8)),
+]
+PATCHES = [  # name, patch per rank (1-D, 2-D, 3-D)
+    ("CUDA CTA, 128 queries", [(128,), (16, 8), (8, 4, 4)]),
+    ("CUDA CTA, 64 queries", [(64,), (8, 8), (4, 4, 4)]),
+    ("CUDA warp m-block, 16", [(16,), (2, 8), (1, 4, 4)]),
+]
+
+
+def main():
+    print("useful share of the products over each patch's exact union box")
+    print(f"{'problem':48s}" + "".join(f"{name:>26s}" for name, _ in PATCHES))
+    for name, ext, ks, st in PROBLEMS:
+        cells = [efficiency(ext, ks, st, shapes[len(ext) - 1]) for _, shapes in PATCHES]
+        print(f"{name:48s}" + "".join(f"{100 * c:25.0f}%" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
