@@ -34,7 +34,8 @@ from . import checks, functional
 from .modules import NeighborhoodAttention2D, NeighborhoodAttention3D
 from .reference import axis_windows
 
-__all__ = ["Sharding", "HaloPlan", "axis_key_range", "split_sizes", "exchange_halo", "shard", "gather",
+__all__ = ["Sharding", "HaloPlan", "axis_key_range", "split_sizes", "shard_box", "key_box",
+           "exchange_halo", "shard", "gather",
            "na1d", "na2d", "na3d",
            "ContextParallelNeighborhoodAttention2D", "ContextParallelNeighborhoodAttention3D"]
 
@@ -98,6 +99,39 @@ def axis_key_range(extent: int, kernel: int, stride: int, dilation: int, causal:
 def split_sizes(extent: int, parts: int) -> Tuple[int, ...]:
     """torch.tensor_split's sizes: the first extent % parts shards are one token longer."""
     return tuple(extent // parts + (1 if i < extent % parts else 0) for i in range(parts))
+
+
+def shard_box(global_shape: Sequence[int], axes: Sequence[int], sizes: Sequence[Sequence[int]],
+              coords: Sequence[int]) -> Box:
+    """The box of the shard at mesh coordinates `coords` (one per sharded axis)."""
+    box = [(0, e) for e in global_shape]
+    for a, c, ax in zip(axes, coords, sizes):
+        box[a] = (sum(ax[:c]), sum(ax[:c + 1]))
+    return tuple(box)
+
+
+def key_box(global_shape: Sequence[int], axes: Sequence[int], box: Box, ks, st, dil, causal) -> Box:
+    """The keys the queries of `box` need (axis_key_range on each sharded axis), widened by one
+    token where the sub-grid would otherwise run as dense attention while the whole grid does
+    not (another kernel, other rounding: one more token keeps results bitwise equal)."""
+    shape = tuple(global_shape)
+    out = list(box)
+    for a in axes:
+        out[a] = axis_key_range(shape[a], ks[a], st[a], dil[a], causal[a], *box[a])
+    if _runs_dense(out, ks, causal) and not _runs_dense([(0, e) for e in shape], ks, causal):
+        a = next(a for a in axes if out[a] != (0, shape[a]))
+        lo, hi = out[a]
+        out[a] = (lo, hi + 1) if hi < shape[a] else (lo - (dil[a] * st[a] if st[a] > 1 else 1), hi)
+        if not _windows_match(shape[a], ks[a], st[a], dil[a], causal[a], *box[a], *out[a]):
+            raise RuntimeError(f"nbhd.distributed: widening the key range to {out[a]} broke the "
+                               f"windows of {box[a]} on axis {a}; this is a bug in nbhd")
+    return tuple(out)
+
+
+def _runs_dense(box, ks, causal) -> bool:
+    """True where nbhd.na*d runs a grid as dense self attention: every window spans its axis and
+    no axis is causal (functional._Call.is_self_attention)."""
+    return all(hi - lo == k for (lo, hi), k in zip(box, ks)) and not any(causal)
 
 
 def _balanced_mesh(world: int) -> Tuple[int, int]:
@@ -180,10 +214,7 @@ class Sharding:
 
     def box(self, rank: int) -> Box:
         """The [start, end) per spatial axis owned by a group rank (full range on unsharded axes)."""
-        box = [(0, e) for e in self.global_shape]
-        for a, c, ax in zip(self.axes, self.coords(rank), self.sizes):
-            box[a] = (sum(ax[:c]), sum(ax[:c + 1]))
-        return tuple(box)
+        return shard_box(self.global_shape, self.axes, self.sizes, self.coords(rank))
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
@@ -219,12 +250,8 @@ class HaloPlan:
     def __init__(self, sharding: Sharding, ks, st, dil, causal):
         self.sharding = sharding
         self.boxes = [sharding.box(r) for r in range(sharding.world)]
-        self.key_boxes = []
-        for box in self.boxes:
-            key_box = list(box)
-            for a in sharding.axes:
-                key_box[a] = axis_key_range(sharding.global_shape[a], ks[a], st[a], dil[a], causal[a], *box[a])
-            self.key_boxes.append(tuple(key_box))
+        self.key_boxes = [key_box(sharding.global_shape, sharding.axes, box, ks, st, dil, causal)
+                          for box in self.boxes]
         me = sharding.rank
         self.box, self.key_box = self.boxes[me], self.key_boxes[me]
         self.sends = [(r, piece) for r in range(sharding.world) if r != me
