@@ -18,6 +18,7 @@ from .context import (allow_flex_compile, allow_flex_compile_backprop,
                       use_kv_parallelism_in_fused_na)
 from .functional import na1d, na1d_jvp, na2d, na2d_jvp, na3d, na3d_jvp
 from .modules import NeighborhoodAttention1D, NeighborhoodAttention2D, NeighborhoodAttention3D
+from . import distributed  # noqa: E402,F401  (nbhd.distributed: context parallelism)
 
 __version__ = "0.1.0"
 __all__ = [

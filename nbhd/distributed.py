@@ -1,0 +1,571 @@
+"""Context parallelism: neighborhood attention over a token grid sharded across a process group.
+
+The grid [B, *S, H, D] is split along one or two spatial axes into boxes, one per rank (uneven
+sizes allowed). Neighborhood attention is local, so each rank needs only a halo of keys/values
+around its box: along a sharded axis, the union of its queries' windows is one contiguous key
+range [L, R) (docs/context_parallel.md derives it). Every rank receives the halo from the ranks
+that own it (point-to-point, possibly several ranks deep), runs the ordinary fused kernel on the
+sub-grid [L, R) with its own queries in place (halo queries are zero and their outputs are
+dropped), and keeps its queries' outputs. Sub-grid windows equal the global windows because
+NATTEN's window is the centred window clamped into the grid, and [L, R) is chosen (and checked
+at plan time, per axis) so that every own query's clamped window is the same on both grids.
+
+The halo exchange is one autograd.Function whose backward sends the halo gradients back to their
+owners (which add them), whose forward-mode rule exchanges the tangents (the exchange is linear)
+and whose vmap rule folds the vmapped dimension into the exchanged tensor. So forward, backward,
+double backward, torch.func.jvp/vjp/grad/vmap and forward-mode AD work as they do on one device.
+
+    sharding = nbhd.distributed.Sharding((T, Hgt, Wid), axes=(0,))        # time split over the group
+    q_local = nbhd.distributed.shard(q_full, sharding)                      # or produced locally
+    out_local = nbhd.distributed.na3d(q_local, k_local, v_local, (3, 7, 7), sharding=sharding)
+    out_full = nbhd.distributed.gather(out_local, sharding)                # for inspection
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import checks, functional
+from .modules import NeighborhoodAttention2D, NeighborhoodAttention3D
+from .reference import axis_windows
+
+__all__ = ["Sharding", "HaloPlan", "axis_key_range", "split_sizes", "shard_box", "key_box",
+           "exchange_halo", "shard", "gather",
+           "na1d", "na2d", "na3d",
+           "ContextParallelNeighborhoodAttention2D", "ContextParallelNeighborhoodAttention3D"]
+
+_NA = {1: functional.na1d, 2: functional.na2d, 3: functional.na3d}
+Range = Tuple[int, int]
+Box = Tuple[Range, ...]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-axis window arithmetic
+
+def _windows_match(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
+                   start: int, end: int, lo: int, hi: int) -> bool:
+    """True iff every query in [start, end) sees, on the sub-axis [lo, hi), exactly its window
+    on the whole axis [0, extent)."""
+    keys, valid = axis_windows(extent, kernel, stride, dilation, causal)
+    sub_keys, sub_valid = axis_windows(hi - lo, kernel, stride, dilation, causal)
+    keys, valid = keys[start:end], valid[start:end]
+    sub_keys, sub_valid = sub_keys[start - lo:end - lo] + lo, sub_valid[start - lo:end - lo]
+    return bool(torch.equal(valid, sub_valid) and torch.equal(keys[valid], sub_keys[sub_valid]))
+
+
+def axis_key_range(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
+                   start: int, end: int) -> Range:
+    """[L, R) on one axis: the smallest range found by the rules below whose sub-axis gives the
+    queries [start, end) exactly their windows of the whole axis [0, extent).
+
+    Rules: [L, R) holds every key of those windows; for causal axes also each query's stride
+    leader (the window start is computed from it, and a sub-axis ending before it would clamp
+    it); L is a multiple of dilation*stride when stride > 1 (stride groups are anchored at the
+    start of each dilation group); R - L >= kernel*dilation (the kernel's extent rule). The result
+    is checked against the window rule itself (reference.axis_windows) for every own query.
+    """
+    if not 0 <= start < end <= extent:
+        raise ValueError(f"query range [{start}, {end}) must be a non-empty part of [0, {extent})")
+    keys, valid = axis_windows(extent, kernel, stride, dilation, causal)
+    keys, valid = keys[start:end], valid[start:end]
+    lo = int(keys[:, 0].min())   # slot 0 is always valid: every window holds at least its query
+    hi = int(torch.where(valid, keys, torch.zeros_like(keys)).max()) + 1
+    if causal:
+        x = torch.arange(start, end)
+        g, i = x % dilation, x // dilation
+        group_len = (extent - g + dilation - 1) // dilation
+        leader = torch.minimum((i // stride) * stride + stride - 1, group_len - 1)
+        hi = max(hi, int((g + leader * dilation).max()) + 1)
+    align = dilation * stride if stride > 1 else 1
+    lo = lo // align * align
+    span = kernel * dilation
+    if hi - lo < span:
+        hi = min(extent, lo + span)
+        if hi - lo < span:
+            lo = (hi - span) // align * align
+    if not _windows_match(extent, kernel, stride, dilation, causal, start, end, lo, hi):
+        raise RuntimeError(
+            f"nbhd.distributed: the key range [{lo}, {hi}) does not reproduce the windows of queries "
+            f"[{start}, {end}) (extent={extent}, kernel={kernel}, stride={stride}, "
+            f"dilation={dilation}, causal={causal}); this is a bug in nbhd")
+    return lo, hi
+
+
+def split_sizes(extent: int, parts: int) -> Tuple[int, ...]:
+    """torch.tensor_split's sizes: the first extent % parts shards are one token longer."""
+    return tuple(extent // parts + (1 if i < extent % parts else 0) for i in range(parts))
+
+
+def shard_box(global_shape: Sequence[int], axes: Sequence[int], sizes: Sequence[Sequence[int]],
+              coords: Sequence[int]) -> Box:
+    """The box of the shard at mesh coordinates `coords` (one per sharded axis)."""
+    box = [(0, e) for e in global_shape]
+    for a, c, ax in zip(axes, coords, sizes):
+        box[a] = (sum(ax[:c]), sum(ax[:c + 1]))
+    return tuple(box)
+
+
+def key_box(global_shape: Sequence[int], axes: Sequence[int], box: Box, ks, st, dil, causal) -> Box:
+    """The keys the queries of `box` need (axis_key_range on each sharded axis), widened by one
+    token where the sub-grid would otherwise run as dense attention while the whole grid does
+    not (another kernel, other rounding: one more token keeps results bitwise equal)."""
+    shape = tuple(global_shape)
+    out = list(box)
+    for a in axes:
+        out[a] = axis_key_range(shape[a], ks[a], st[a], dil[a], causal[a], *box[a])
+    if _runs_dense(out, ks, causal) and not _runs_dense([(0, e) for e in shape], ks, causal):
+        a = next(a for a in axes if out[a] != (0, shape[a]))
+        lo, hi = out[a]
+        out[a] = (lo, hi + 1) if hi < shape[a] else (lo - (dil[a] * st[a] if st[a] > 1 else 1), hi)
+        if not _windows_match(shape[a], ks[a], st[a], dil[a], causal[a], *box[a], *out[a]):
+            raise RuntimeError(f"nbhd.distributed: widening the key range to {out[a]} broke the "
+                               f"windows of {box[a]} on axis {a}; this is a bug in nbhd")
+    return tuple(out)
+
+
+def _runs_dense(box, ks, causal) -> bool:
+    """True where nbhd.na*d runs a grid as dense self attention: every window spans its axis and
+    no axis is causal (functional._Call.is_self_attention)."""
+    return all(hi - lo == k for (lo, hi), k in zip(box, ks)) and not any(causal)
+
+
+def _balanced_mesh(world: int) -> Tuple[int, int]:
+    """Two factors of world, as close to each other as possible (the smaller first)."""
+    a = max(d for d in range(1, int(math.isqrt(world)) + 1) if world % d == 0)
+    return a, world // a
+
+
+def _intersect(a: Box, b: Box) -> Optional[Box]:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _slices(dim0: int, box: Box, origin: Sequence[int]) -> tuple:
+    """Index of `box` (global coordinates) in a tensor whose spatial axes start at dim0 and whose
+    spatial origin is `origin`."""
+    return (slice(None),) * dim0 + tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, origin))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding and plans
+
+class Sharding:
+    """How a spatial grid is split across a process group.
+
+    Args:
+        global_shape: the spatial extents of the whole grid, e.g. (T, H, W)
+        axes: the sharded spatial axes (one or two, e.g. (0,) for time or (0, 1))
+        group: the process group (None: the default group)
+        mesh_shape: ranks per sharded axis, their product the group size (default: the whole
+            group on one axis; for two axes the most square factorization, smaller first).
+            Rank r has mesh coordinates in row-major order.
+        sizes: per sharded axis, the shard sizes (positive, summing to the extent); default
+            split_sizes(extent, parts) (uneven where the ranks do not divide the extent)
+
+    A rank's local tensors are [B, *local_shape, ...] with local_shape the sizes of its box.
+    Plans (halo ranges and transfers) are computed once per window geometry and cached.
+    """
+
+    def __init__(self, global_shape: Sequence[int], axes: Sequence[int] = (0,), group=None,
+                 mesh_shape: Optional[Sequence[int]] = None,
+                 sizes: Optional[Sequence[Sequence[int]]] = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("nbhd.distributed.Sharding needs an initialized default process group "
+                               "(torch.distributed.init_process_group)")
+        self.global_shape = tuple(int(e) for e in global_shape)
+        spatial = len(self.global_shape)
+        if not 1 <= spatial <= 3 or any(e < 1 for e in self.global_shape):
+            raise ValueError(f"global_shape must be 1 to 3 positive extents, got {tuple(global_shape)}")
+        self.axes = tuple(int(a) for a in axes)
+        if not 1 <= len(self.axes) <= 2 or len(set(self.axes)) != len(self.axes) or \
+                any(not 0 <= a < spatial for a in self.axes):
+            raise ValueError(f"axes must be one or two distinct spatial axes in [0, {spatial}), "
+                             f"got {tuple(axes)}")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if mesh_shape is None:
+            mesh_shape = (self.world,) if len(self.axes) == 1 else _balanced_mesh(self.world)
+        self.mesh_shape = tuple(int(m) for m in mesh_shape)
+        if len(self.mesh_shape) != len(self.axes) or math.prod(self.mesh_shape) != self.world:
+            raise ValueError(f"mesh_shape must have one entry per sharded axis {self.axes} and "
+                             f"multiply to the group size {self.world}, got {tuple(mesh_shape)}")
+        if sizes is None:
+            sizes = [split_sizes(self.global_shape[a], m) for a, m in zip(self.axes, self.mesh_shape)]
+        self.sizes = tuple(tuple(int(s) for s in ax) for ax in sizes)
+        for a, m, ax in zip(self.axes, self.mesh_shape, self.sizes):
+            if len(ax) != m or any(s < 1 for s in ax) or sum(ax) != self.global_shape[a]:
+                raise ValueError(f"sizes of axis {a} must be {m} positive shard sizes summing to its "
+                                 f"extent {self.global_shape[a]}, got {ax}")
+        self._plans: Dict[tuple, HaloPlan] = {}
+
+    def coords(self, rank: int) -> Tuple[int, ...]:
+        """The mesh coordinates (one per sharded axis) of a group rank, row-major."""
+        out = []
+        for m in reversed(self.mesh_shape):
+            out.append(rank % m)
+            rank //= m
+        return tuple(reversed(out))
+
+    def box(self, rank: int) -> Box:
+        """The [start, end) per spatial axis owned by a group rank (full range on unsharded axes)."""
+        return shard_box(self.global_shape, self.axes, self.sizes, self.coords(rank))
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        """This rank's spatial sizes."""
+        return tuple(hi - lo for lo, hi in self.box(self.rank))
+
+    def global_rank(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def plan(self, kernel_size, stride, dilation, is_causal) -> "HaloPlan":
+        """The cached HaloPlan of a window geometry (validated against the global grid)."""
+        ks, st, dil, causal = checks.geometry(self.global_shape, kernel_size, stride, dilation, is_causal)
+        key = (ks, st, dil, causal)
+        if key not in self._plans:
+            self._plans[key] = HaloPlan(self, ks, st, dil, causal)
+        return self._plans[key]
+
+    def __repr__(self) -> str:
+        return (f"Sharding(global_shape={self.global_shape}, axes={self.axes}, "
+                f"mesh_shape={self.mesh_shape}, sizes={self.sizes}, rank={self.rank}/{self.world})")
+
+
+class HaloPlan:
+    """For one window geometry: every rank's sub-grid (its key box) and this rank's transfers.
+
+    Attributes:
+        boxes: per group rank, the owned box (global [start, end) per spatial axis)
+        key_boxes: per group rank, the box of keys its queries need (contains the owned box)
+        sends: [(peer, box)] pieces of this rank's box that peer needs
+        recvs: [(peer, box)] pieces of this rank's key box that peer owns
+    """
+
+    def __init__(self, sharding: Sharding, ks, st, dil, causal):
+        self.sharding = sharding
+        self.boxes = [sharding.box(r) for r in range(sharding.world)]
+        self.key_boxes = [key_box(sharding.global_shape, sharding.axes, box, ks, st, dil, causal)
+                          for box in self.boxes]
+        me = sharding.rank
+        self.box, self.key_box = self.boxes[me], self.key_boxes[me]
+        self.sends = [(r, piece) for r in range(sharding.world) if r != me
+                      for piece in [_intersect(self.box, self.key_boxes[r])] if piece is not None]
+        self.recvs = [(r, piece) for r in range(sharding.world) if r != me
+                      for piece in [_intersect(self.boxes[r], self.key_box)] if piece is not None]
+
+    @property
+    def owned_tokens(self) -> int:
+        return math.prod(hi - lo for lo, hi in self.box)
+
+    @property
+    def key_box_tokens(self) -> int:
+        """Tokens of this rank's sub-grid: the queries its kernel call computes (owned + halo)."""
+        return math.prod(hi - lo for lo, hi in self.key_box)
+
+    @property
+    def halo_tokens(self) -> int:
+        """Tokens this rank receives per exchanged tensor (its sends are other ranks' receives)."""
+        return sum(math.prod(hi - lo for lo, hi in box) for _, box in self.recvs)
+
+    def _exchange(self, pieces_out, pieces_in):
+        """One batch of point-to-point transfers, waited for."""
+        ops = []
+        group = self.sharding.group
+        for peer, tensor in pieces_out:
+            ops.append(dist.P2POp(dist.isend, tensor, self.sharding.global_rank(peer), group))
+        for peer, tensor in pieces_in:
+            ops.append(dist.P2POp(dist.irecv, tensor, self.sharding.global_rank(peer), group))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+    def gather_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]) -> List[Tensor]:
+        """Owned tensors (spatial axes from dims[i]) -> their key boxes, halos from their owners."""
+        out, sends, recvs, fills = [], [], [], []
+        origin_own = [lo for lo, _ in self.box]
+        origin_key = [lo for lo, _ in self.key_box]
+        for t, d in zip(tensors, dims):
+            shape = list(t.shape)
+            for a, (lo, hi) in enumerate(self.key_box):
+                shape[d + a] = hi - lo
+            full = t.new_zeros(shape)
+            full[_slices(d, self.box, origin_key)] = t
+            for peer, box in self.sends:
+                sends.append((peer, t[_slices(d, box, origin_own)].contiguous()))
+            for peer, box in self.recvs:
+                buf = full[_slices(d, box, origin_key)]
+                recvs.append((peer, torch.empty_like(buf, memory_format=torch.contiguous_format)))
+                fills.append((buf, recvs[-1][1]))
+            out.append(full)
+        self._exchange(sends, recvs)
+        for dst, src in fills:
+            dst.copy_(src)
+        return out
+
+    def reduce_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]) -> List[Tensor]:
+        """The adjoint of gather_halo: key-box tensors -> owned tensors, each halo piece sent back
+        to its owner and added there."""
+        out, sends, recvs, adds = [], [], [], []
+        origin_own = [lo for lo, _ in self.box]
+        origin_key = [lo for lo, _ in self.key_box]
+        for t, d in zip(tensors, dims):
+            own = t[_slices(d, self.box, origin_key)].clone(memory_format=torch.contiguous_format)
+            for peer, box in self.recvs:
+                sends.append((peer, t[_slices(d, box, origin_key)].contiguous()))
+            for peer, box in self.sends:
+                buf = own[_slices(d, box, origin_own)]
+                recvs.append((peer, torch.empty_like(buf, memory_format=torch.contiguous_format)))
+                adds.append((buf, recvs[-1][1]))
+            out.append(own)
+        self._exchange(sends, recvs)
+        for dst, src in adds:
+            dst.add_(src)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The exchange as a differentiable, linear map
+
+class _GatherHalo(torch.autograd.Function):
+    """Owned tensors -> key-box tensors (linear). Args: plan, dims (first spatial dim of each
+    tensor), *tensors."""
+
+    @staticmethod
+    def forward(plan, dims, *tensors):
+        return tuple(plan.gather_halo(tensors, dims))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save_shapes(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if all(g is None for g in grads):
+            return (None, None, *([None] * len(grads)))
+        return (None, None, *_ReduceHalo.apply(ctx.plan, ctx.dims, *_nonnull_out(ctx, grads)))
+
+    @staticmethod
+    def jvp(ctx, _plan_t, _dims_t, *tangents):
+        return _GatherHalo.apply(ctx.plan, ctx.dims, *_nonnull_in(ctx, tangents))
+
+    @staticmethod
+    def vmap(info, in_dims, plan, dims, *tensors):
+        moved, new_dims = _fold_vmap(info, in_dims[2:], dims, tensors)
+        return _GatherHalo.apply(plan, new_dims, *moved), (0,) * len(tensors)
+
+
+class _ReduceHalo(torch.autograd.Function):
+    """The adjoint of _GatherHalo: key-box tensors -> owned tensors, halos added by their owners."""
+
+    @staticmethod
+    def forward(plan, dims, *tensors):
+        return tuple(plan.reduce_halo(tensors, dims))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save_shapes(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if all(g is None for g in grads):
+            return (None, None, *([None] * len(grads)))
+        return (None, None, *_GatherHalo.apply(ctx.plan, ctx.dims, *_nonnull_out(ctx, grads)))
+
+    @staticmethod
+    def jvp(ctx, _plan_t, _dims_t, *tangents):
+        return _ReduceHalo.apply(ctx.plan, ctx.dims, *_nonnull_in(ctx, tangents))
+
+    @staticmethod
+    def vmap(info, in_dims, plan, dims, *tensors):
+        moved, new_dims = _fold_vmap(info, in_dims[2:], dims, tensors)
+        return _ReduceHalo.apply(plan, new_dims, *moved), (0,) * len(tensors)
+
+
+def _save_shapes(ctx, inputs, output):
+    ctx.plan, ctx.dims = inputs[0], inputs[1]
+    ctx.shapes = [t.shape for t in inputs[2:]]
+    ctx.out_shapes = [t.shape for t in output]
+    ctx.dtype, ctx.device = inputs[2].dtype, inputs[2].device
+
+
+def _nonnull_out(ctx, grads):
+    """Zero gradients for outputs that got none: every rank must still take part in the exchange."""
+    return [g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+            for g, shape in zip(grads, ctx.out_shapes)]
+
+
+def _nonnull_in(ctx, tangents):
+    return [t if t is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+            for t, shape in zip(tangents, ctx.shapes)]
+
+
+def _fold_vmap(info, in_dims, dims, tensors):
+    """Every tensor with its vmapped dim first (unbatched ones expanded): the spatial axes move
+    one dim to the right."""
+    moved = []
+    for t, b in zip(tensors, in_dims):
+        if b is None:
+            t = t.unsqueeze(0).expand(info.batch_size, *t.shape)
+        else:
+            t = t.movedim(b, 0)
+        moved.append(t)
+    return moved, tuple(d + 1 for d in dims)
+
+
+@torch.compiler.disable
+def exchange_halo(plan: HaloPlan, *tensors: Tensor, spatial_dim: int = 1) -> Tuple[Tensor, ...]:
+    """This rank's tensors [*lead, *local_shape, *rest] (spatial axes from spatial_dim) -> the
+    same over its key box, halos received from their owners. Differentiable (backward: halo
+    gradients returned to and added by their owners), forward-mode and vmap capable. Every rank
+    of the group must call it with the same plan and the same number of tensors.
+    (torch.compile runs it eagerly: point-to-point transfers are not traced.)"""
+    return _GatherHalo.apply(plan, (spatial_dim,) * len(tensors), *tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+
+def shard(x: Tensor, sharding: Sharding, spatial_dim: int = 1) -> Tensor:
+    """This rank's box of a full tensor [*lead, *global_shape, *rest] (spatial axes from
+    spatial_dim; every rank holds the same x) -> [*lead, *local_shape, *rest], a contiguous copy.
+    Differentiable (a slice)."""
+    spatial = tuple(x.shape[spatial_dim:spatial_dim + len(sharding.global_shape)])
+    if spatial != sharding.global_shape:
+        raise ValueError(f"x's spatial sizes (dims {spatial_dim}..) {spatial} must equal the "
+                         f"sharding's global_shape {sharding.global_shape}")
+    return x[_slices(spatial_dim, sharding.box(sharding.rank), [0] * len(spatial))].contiguous()
+
+
+def gather(x: Tensor, sharding: Sharding, spatial_dim: int = 1) -> Tensor:
+    """Every rank's local tensor [*lead, *local_shape, *rest] -> the full tensor
+    [*lead, *global_shape, *rest] on every rank (all_gather; not differentiable: for checks,
+    logging and saving)."""
+    boxes = [sharding.box(r) for r in range(sharding.world)]
+    n = len(sharding.global_shape)
+    local = tuple(x.shape[spatial_dim:spatial_dim + n])
+    if local != sharding.local_shape:
+        raise ValueError(f"x's spatial sizes (dims {spatial_dim}..) {local} must equal this rank's "
+                         f"local_shape {sharding.local_shape}")
+    biggest = [max(b[a][1] - b[a][0] for b in boxes) for a in range(n)]
+    padded_shape = list(x.shape)
+    padded_shape[spatial_dim:spatial_dim + n] = biggest
+    x = x.detach()
+    padded = x.new_zeros(padded_shape)
+    padded[_slices(spatial_dim, tuple((0, e) for e in local), [0] * n)] = x
+    parts = [torch.empty_like(padded) for _ in boxes]
+    dist.all_gather(parts, padded.contiguous(), group=sharding.group)
+    full_shape = list(x.shape)
+    full_shape[spatial_dim:spatial_dim + n] = sharding.global_shape
+    full = x.new_empty(full_shape)
+    for part, box in zip(parts, boxes):
+        sizes = tuple((0, hi - lo) for lo, hi in box)
+        full[_slices(spatial_dim, box, [0] * n)] = part[_slices(spatial_dim, sizes, [0] * n)]
+    return full
+
+
+def _na_sharded(rank: int, query: Tensor, key: Tensor, value: Tensor, kernel_size, stride,
+                dilation, is_causal, scale, sharding: Sharding, backend, return_lse: bool):
+    if not isinstance(sharding, Sharding):
+        raise TypeError(f"sharding must be an nbhd.distributed.Sharding, got {type(sharding).__name__}")
+    if len(sharding.global_shape) != rank:
+        raise ValueError(f"na{rank}d needs a sharding of {rank} spatial axes, got global_shape "
+                         f"{sharding.global_shape}")
+    checks.flags(return_lse=return_lse)
+    q, k, v = checks.qkv(query, key, value, rank)
+    if tuple(q.shape[1:-2]) != sharding.local_shape:
+        raise ValueError(f"query's spatial sizes {tuple(q.shape[1:-2])} must equal this rank's "
+                         f"local_shape {sharding.local_shape} (global_shape "
+                         f"{sharding.global_shape}, box {sharding.box(sharding.rank)})")
+    plan = sharding.plan(kernel_size, stride, dilation, is_causal)
+    ks, st, dil, causal = checks.geometry(sharding.global_shape, kernel_size, stride, dilation, is_causal)
+    k_box, v_box = exchange_halo(plan, k, v)
+    # halo queries are zero: their outputs are dropped and, since their output gradients are
+    # zero, they add nothing to the key/value gradients
+    pad = []
+    for a in reversed(range(rank)):
+        (lo, hi), (klo, khi) = plan.box[a], plan.key_box[a]
+        pad += [lo - klo, khi - hi]
+    q_box = F.pad(q, [0, 0, 0, 0] + pad)
+    res = _NA[rank](q_box, k_box, v_box, ks, st, dil, causal, scale, backend=backend,
+                    return_lse=return_lse)
+    own = _slices(1, plan.box, [lo for lo, _ in plan.key_box])
+    if return_lse:
+        return res[0][own], res[1][own]
+    return res[own]
+
+
+_DOC = """{rank}-D neighborhood attention on a grid sharded across a process group.
+
+    Every rank passes its own box of the grid and gets its queries' outputs, equal to the
+    corresponding part of nbhd.na{rank}d on the whole grid (same kernel, same windows).
+
+    Args:
+        query: [B, *sharding.local_shape, H, D] (this rank's box)
+        key: [B, *local_shape, Hkv, D]; value: [B, *local_shape, Hkv, Dv]
+        kernel_size, stride, dilation, is_causal, scale: as nbhd.na{rank}d, for the global grid
+        sharding: an nbhd.distributed.Sharding of {rank} spatial axes (the same on every rank)
+        backend: as nbhd.na{rank}d
+        return_lse: also return the logsumexp [B, *local_shape, H]
+
+    Returns:
+        output [B, *local_shape, H, Dv], or (output, lse).
+
+    Every rank of the group must call it (the halo exchange is collective). Differentiable under
+    autograd (the backward returns the halo gradients to their owners), torch.func.grad/vjp/
+    jvp/vmap and forward-mode AD; torch.compile runs the exchange eagerly (a graph break).
+    Compute: each rank runs the kernel over its key box (owned + halo tokens);
+    sharding.plan(...).key_box_tokens / owned_tokens is that overhead.
+    """
+
+
+def _make(rank: int):
+    def na(query: Tensor, key: Tensor, value: Tensor, kernel_size, stride=1, dilation=1,
+           is_causal=False, scale: Optional[float] = None, *, sharding: Sharding,
+           backend: Optional[str] = None, return_lse: bool = False):
+        return _na_sharded(rank, query, key, value, kernel_size, stride, dilation, is_causal,
+                           scale, sharding, backend, return_lse)
+
+    na.__name__ = na.__qualname__ = f"na{rank}d"
+    na.__doc__ = _DOC.format(rank=rank)
+    return na
+
+
+na1d, na2d, na3d = _make(1), _make(2), _make(3)
+_NA_SHARDED = {1: na1d, 2: na2d, 3: na3d}
+
+
+class _ContextParallel:
+    """Mixin: forward runs the sharded na*d on this rank's box of the grid."""
+
+    def __init__(self, *args, sharding: Sharding, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sharding = sharding
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [B, *sharding.local_shape, C] -> [B, *local_shape, C]"""
+        if x.dim() != self.rank + 2 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"{type(self).__name__} expects x of shape [batch, {self.rank} local "
+                             f"spatial axes, embed_dim={self.embed_dim}], got {tuple(x.shape)}")
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
+        out = _NA_SHARDED[self.rank](q, k, v, self.kernel_size, self.stride, self.dilation,
+                                     self.is_causal, self.scale, sharding=self.sharding)
+        return self.proj_drop(self.proj(out.flatten(-2)))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", sharding={self.sharding}"
+
+
+class ContextParallelNeighborhoodAttention2D(_ContextParallel, NeighborhoodAttention2D):
+    """NeighborhoodAttention2D on a sharded grid: the same parameters (state dicts interchange)
+    and constructor arguments plus sharding=Sharding(...); x [B, *local_shape, C] -> same."""
+
+
+class ContextParallelNeighborhoodAttention3D(_ContextParallel, NeighborhoodAttention3D):
+    """NeighborhoodAttention3D on a sharded grid: the same parameters (state dicts interchange)
+    and constructor arguments plus sharding=Sharding(...); x [B, *local_shape, C] -> same."""

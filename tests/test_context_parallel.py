@@ -1,0 +1,240 @@
+"""nbhd.distributed against single-process nbhd: gloo on the CPU with 2 and 4 processes (and
+NCCL on 2 GPUs when present). Every rank computes the single-process result on the full grid
+and compares its own box of it with the sharded result: forward (bitwise), backward gradients,
+jvp tangents, vmap, double backward, the module wrapper and torch.compile; every axis, stride,
+dilation and causal case, uneven and thin shards (halos several ranks deep), one and two
+sharded axes. One process group per world size runs all cases (spawning dominates the time).
+"""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import nbhd
+from nbhd import distributed as cp
+from nbhd.distributed import axis_key_range
+from nbhd.reference import axis_windows
+
+# (global shape, kernel, stride, dilation, causal, shard axes, mesh shape or None, sizes or None)
+CASES = {
+    2: [
+        ((13,), 5, 1, 1, False, (0,), None, None),
+        ((13,), 5, 2, 1, False, (0,), None, None),
+        ((13,), 5, 3, 2, False, (0,), None, None),
+        ((13,), 4, 1, 3, True, (0,), None, None),
+        ((13,), 6, 4, 2, True, (0,), None, None),
+        ((15,), 7, 7, 1, True, (0,), None, ((3, 12),)),
+        ((9, 11), (3, 5), (2, 1), (1, 2), (False, True), (0,), None, None),
+        ((9, 11), (5, 3), (1, 3), (1, 3), (True, False), (1,), None, None),
+        ((9, 11), (3, 3), (3, 2), (2, 1), (False, False), (0, 1), (1, 2), None),
+        ((6, 7, 5), (3, 3, 3), (1, 2, 1), (1, 1, 1), (True, False, False), (0,), None, None),
+        ((6, 7, 5), (5, 3, 2), (2, 1, 2), (1, 2, 2), (False, True, False), (2,), None, None),
+        ((6, 7, 5), (6, 7, 5), (1, 1, 1), (1, 1, 1), (False, False, False), (1,), None, None),
+    ],
+    4: [
+        ((13,), 5, 1, 1, False, (0,), None, None),
+        ((17,), 5, 2, 3, False, (0,), None, None),
+        ((10,), 7, 3, 1, False, (0,), None, None),            # thin shards: halo 2-3 ranks deep
+        ((10,), 7, 1, 1, True, (0,), None, ((1, 5, 1, 3),)),
+        ((19,), 4, 2, 2, True, (0,), None, None),
+        ((9, 11), (3, 5), (2, 1), (1, 2), (False, True), (0, 1), (2, 2), None),
+        ((9, 11), (5, 5), (5, 2), (1, 2), (True, False), (1, 0), (2, 2), ((5, 6), (2, 7))),
+        ((9, 11), (3, 3), (1, 1), (3, 3), (False, False), (1,), None, None),
+        ((6, 7, 5), (3, 3, 3), (1, 2, 1), (2, 1, 1), (True, False, False), (0, 1), (2, 2), None),
+        ((6, 7, 5), (4, 3, 2), (4, 1, 2), (1, 2, 1), (True, True, False), (1, 2), (2, 2), None),
+        ((8, 6, 6), (3, 3, 3), (1, 1, 1), (1, 1, 1), (False, False, False), (0,), None, None),
+    ],
+}
+
+
+def _full(shape, gen, device, dtype=torch.float32):
+    return torch.randn(shape, generator=gen, dtype=dtype).to(device)
+
+
+def _run_case(case, device, results):
+    shape, ks, st, dil, causal, axes, mesh, sizes = case
+    rank = len(shape)
+    na, na_cp = getattr(nbhd, f"na{rank}d"), getattr(cp, f"na{rank}d")
+    sharding = cp.Sharding(shape, axes=axes, mesh_shape=mesh, sizes=sizes)
+    geo = dict(kernel_size=ks, stride=st, dilation=dil, is_causal=causal)
+    gen = torch.Generator().manual_seed(len(results))        # the same tensors on every rank
+    B, H, Hkv, D, Dv = 2, 4, 2, 8, 6                          # GQA and Dv != D
+    q, k = _full((B, *shape, H, D), gen, device), _full((B, *shape, Hkv, D), gen, device)
+    v = _full((B, *shape, Hkv, Dv), gen, device)
+    w = _full((B, *shape, H, Dv), gen, device)
+    tq, tk, tv = (_full(t.shape, gen, device) for t in (q, k, v))
+    # single process, the full grid
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = na(*full, **geo)
+    grads = torch.autograd.grad((out * w).sum(), full)
+    _, tangent = torch.func.jvp(lambda q, k, v: na(q, k, v, **geo), (q, k, v), (tq, tk, tv))
+    # sharded
+    sh = lambda t: cp.shard(t, sharding)
+    local = [sh(t).requires_grad_() for t in (q, k, v)]
+    out_l = na_cp(*local, **geo, sharding=sharding)
+    grads_l = torch.autograd.grad((out_l * sh(w)).sum(), local)
+    _, tangent_l = torch.func.jvp(lambda q, k, v: na_cp(q, k, v, **geo, sharding=sharding),
+                                  tuple(sh(t) for t in (q, k, v)), tuple(sh(t) for t in (tq, tk, tv)))
+    gathered = cp.gather(out_l, sharding)
+    # the unfused reference path computes each query's scores in window order on both grids
+    ref_full = na(q, k, v, **geo, backend="reference")
+    ref_l = na_cp(sh(q), sh(k), sh(v), **geo, sharding=sharding, backend="reference")
+    plan = sharding.plan(ks, st, dil, causal)
+    results.append(dict(
+        case=case,
+        forward_bitwise=torch.equal(out_l, sh(out.detach())),
+        forward_err=(out_l - sh(out)).abs().max().item() / out.abs().max().item(),
+        gathered_err=(gathered - out).abs().max().item(),
+        reference_bitwise=torch.equal(ref_l, sh(ref_full)),
+        grad_err=max((g_l - sh(g)).abs().max().item() / (g.abs().max().item() + 1e-30)
+                     for g_l, g in zip(grads_l, grads)),
+        jvp_err=(tangent_l - sh(tangent)).abs().max().item() / tangent.abs().max().item(),
+        finite=all(torch.isfinite(g).all().item() for g in grads_l),
+        key_box=plan.key_box, box=plan.box, peers=len(plan.recvs),
+    ))
+
+
+def _run_transforms(device, results):
+    """vmap, double backward, the module wrapper and torch.compile on one 3-D sharded problem."""
+    shape, geo = (6, 5, 4), dict(kernel_size=(3, 3, 2), stride=(2, 1, 1), dilation=(1, 1, 2),
+                                 is_causal=(True, False, False))
+    sharding = cp.Sharding(shape, axes=(0,))
+    sh = lambda t, dim=1: cp.shard(t, sharding, spatial_dim=dim)
+    gen = torch.Generator().manual_seed(1000)
+    V, B, H, D = 3, 1, 2, 4
+    q, k, v = (_full((V, B, *shape, H, D), gen, device, torch.float64) for _ in range(3))
+    # vmap over a leading dim (q and k batched, v not)
+    f = lambda q, k: nbhd.na3d(q, k, v[0], **geo)
+    want = torch.func.vmap(f)(q, k)
+    got = torch.func.vmap(lambda q, k: cp.na3d(q, k, sh(v[0]), **geo, sharding=sharding))(sh(q, 2), sh(k, 2))
+    results.append(dict(case="vmap", err=(got - sh(want, 2)).abs().max().item()))
+    # double backward: the gradient of a gradient's norm (halo exchange inside the backward)
+    def second(fn, q, k, v):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        gq, gk = torch.autograd.grad(fn(q, k, v).square().sum(), (q, k), create_graph=True)
+        return torch.autograd.grad(gq.square().sum() + gk.square().sum(), (q, k, v))
+    full2 = second(lambda q, k, v: nbhd.na3d(q, k, v, **geo), q[0], k[0], v[0])
+    # each rank's loss is its own box's share of the full loss; every rank's backward returns
+    # the halo gradients to their owners, so local gradients (first and second order) are the
+    # shards of the full ones
+    local2 = second(lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding),
+                    sh(q[0]), sh(k[0]), sh(v[0]))
+    results.append(dict(case="double_backward",
+                        err=max((a - sh(b)).abs().max().item() / b.abs().max().item()
+                                for a, b in zip(local2, full2))))
+    # module wrapper: same weights as NeighborhoodAttention3D
+    torch.manual_seed(0)
+    ref_mod = nbhd.NeighborhoodAttention3D(8, 2, **geo).to(device).double()
+    cp_mod = cp.ContextParallelNeighborhoodAttention3D(8, 2, **geo, sharding=sharding).to(device).double()
+    cp_mod.load_state_dict(ref_mod.state_dict())
+    x = _full((B, *shape, 8), gen, device, torch.float64)
+    tx = _full(x.shape, gen, device, torch.float64)
+    y, ty = torch.func.jvp(ref_mod, (x,), (tx,))
+    y_l, ty_l = torch.func.jvp(cp_mod, (sh(x),), (sh(tx),))
+    ref_mod(x).square().sum().backward()
+    cp_mod(sh(x)).square().sum().backward()
+    # parameter gradients are per-rank partial sums: all-reduce them as DDP/FSDP would
+    grad_err = 0.0
+    for p_ref, p_cp in zip(ref_mod.parameters(), cp_mod.parameters()):
+        g = p_cp.grad.clone()
+        dist.all_reduce(g)
+        grad_err = max(grad_err, (g - p_ref.grad).abs().max().item() / p_ref.grad.abs().max().item())
+    results.append(dict(case="module", err=max((y_l - sh(y)).abs().max().item(),
+                                               (ty_l - sh(ty)).abs().max().item(), grad_err)))
+    # torch.compile of the sharded module (the exchange runs eagerly), forward and backward
+    compiled = torch.compile(cp_mod, backend="aot_eager")
+    xl = sh(x).requires_grad_()
+    y_c = compiled(xl)
+    (gx,) = torch.autograd.grad(y_c.square().sum(), xl)
+    xr = x.clone().requires_grad_()
+    (gx_ref,) = torch.autograd.grad(ref_mod(xr).square().sum(), xr)
+    results.append(dict(case="compile", err=max((y_c - sh(y)).abs().max().item(),
+                                                (gx - sh(gx_ref)).abs().max().item())))
+
+
+def _worker(rank, world, backend, result_dir):
+    # a file store: no rank hosts a server that could vanish while another tears down
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(result_dir, 'store')}",
+                            rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    torch.set_num_threads(1)
+    results, transforms = [], []
+    for case in CASES[world]:
+        _run_case(case, device, results)
+    if world == 2:
+        _run_transforms(device, transforms)
+    torch.save({"cases": results, "transforms": transforms},
+               os.path.join(result_dir, f"{backend}{world}_{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    # skip interpreter finalisation: gloo's worker threads may still own tensors then, and
+    # releasing them after Python is torn down can abort the process (see test_distributed.py)
+    os._exit(0)
+
+
+def _spawn(world, backend):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, backend, d), nprocs=world, join=True)
+        return [torch.load(os.path.join(d, f"{backend}{world}_{r}.pt"), weights_only=False)
+                for r in range(world)]
+
+
+def _check(ranks, tol):
+    for r, res in enumerate(ranks):
+        for c in res["cases"]:
+            label = (r, c["case"], c["box"], c["key_box"])
+            assert c["forward_bitwise"], (label, c["forward_err"])
+            assert c["reference_bitwise"], label
+            assert c["gathered_err"] == 0, label
+            assert c["finite"], label
+            assert c["grad_err"] < tol, (label, c["grad_err"])
+            assert c["jvp_err"] < tol, (label, c["jvp_err"])
+        for t in res["transforms"]:
+            assert t["err"] < 1e-10, (r, t)
+    return ranks
+
+
+def _needs_distributed():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_against_single_process(world):
+    _needs_distributed()
+    ranks = _check(_spawn(world, "gloo"), tol=1e-5)
+    if world == 4:   # thin 1-D shards: some rank's halo comes from every other rank
+        assert max(c["peers"] for res in ranks for c in res["cases"] if len(c["case"][0]) == 1) == 3
+
+
+def test_nccl_two_gpus():
+    _needs_distributed()
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available():
+        pytest.skip("needs 2 CUDA GPUs and NCCL")
+    _check(_spawn(2, "nccl"), tol=1e-4)
+
+
+@pytest.mark.parametrize("extent", [7, 11])
+def test_axis_key_range_exhaustive(extent):
+    """Every kernel/stride/dilation/causal and query range [a, b) of small axes: the range holds
+    the windows (axis_key_range checks exact sub-axis windows itself, raising otherwise) and is
+    no wider than the windows' span, widened only by the stated rules."""
+    N = extent
+    for K in range(2, N + 1):
+        for d in range(1, N // K + 1):
+            keys, valid = axis_windows(N, K, 1, d, False)
+            for s in range(1, K + 1):
+                for causal in (False, True):
+                    for a in range(N):
+                        for b in range(a + 1, N + 1, max(1, N // 4)):
+                            lo, hi = axis_key_range(N, K, s, d, causal, a, b)
+                            assert 0 <= lo <= a and b <= hi <= N
+                            assert hi - lo >= K * d
+                            if s > 1:
+                                assert lo % (s * d) == 0
