@@ -204,7 +204,7 @@ def test_flops():
     total = natten.flops.get_flops(model, torch.randn(1, 6, 7, 32))
     linear = 2 * 42 * 32 * 96 + 2 * 42 * 32 * 32
     attn = 2 * 2 * 42 * 9 * 32
-    assert total == linear + attn
+    assert total == (linear + attn) // 2   # multiply-adds, as NATTEN's fvcore count
 
 
 def test_profiler_dry_run(capsys):

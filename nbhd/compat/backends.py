@@ -4,8 +4,8 @@ configurations; the FMHA queries with cuda-fna's 1-D configurations as (q_tile_s
 kv_tile_size) ints. NATTEN's backend names are mapped to nbhd's (map_backend)."""
 from __future__ import annotations
 
-import math
-import warnings
+import math as _math
+import warnings as _warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -28,9 +28,10 @@ __all__ = [
 _warned = set()
 
 
-def map_backend(query: Tensor, backend: Optional[str]) -> Optional[str]:
+def map_backend(query: Tensor, backend: Optional[str], stacklevel: int = 4) -> Optional[str]:
     """nbhd's name for a NATTEN backend name (others pass through, nbhd validates them). The
-    one-time warning is given in eager calls only, so compiled graphs trace no warning."""
+    one-time warning is given in eager calls only, so compiled graphs trace no warning;
+    stacklevel points it at the user's call."""
     if not isinstance(backend, str) or backend not in _nbhd_backends.NATTEN_NAMES:
         return backend
     target = _nbhd_backends.NATTEN_NAMES[backend]
@@ -38,8 +39,8 @@ def map_backend(query: Tensor, backend: Optional[str]) -> Optional[str]:
         target = "cuda-fna" if query.device.type == "cuda" else "cpu-fna"
     if not torch.compiler.is_compiling() and (backend, target) not in _warned:
         _warned.add((backend, target))
-        warnings.warn(f"nbhd: NATTEN backend {backend!r} is mapped to nbhd's {target!r} (pass "
-                      f"backend={target!r} or None to silence this)", UserWarning, stacklevel=3)
+        _warnings.warn(f"nbhd: NATTEN backend {backend!r} is mapped to nbhd's {target!r} (pass "
+                      f"backend={target!r} or None to silence this)", UserWarning, stacklevel=stacklevel)
     return target
 
 
@@ -77,7 +78,7 @@ def _bwd_fna(query, key, value):
 
 def _fmha(cfgs) -> List[Tuple[int, int]]:
     """1-D (q_tile_shape, kv_tile_shape) pairs -> (q_tile_size, kv_tile_size) ints."""
-    return sorted({(math.prod(q), math.prod(k)) for q, k in cfgs})
+    return sorted({(_math.prod(q), _math.prod(k)) for q, k in cfgs})
 
 
 def get_configs_for_cutlass_fna(query: Tensor, key: Tensor, value: Tensor):

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..attention import attention as _nbhd_attention
 from ..attention import merge_attentions as _nbhd_merge_attentions
+from .. import backends as _nbhd_backends
 from .. import checks as _nbhd_checks
 from .. import functional as _nbhd_functional
 from .. import rpb as _rpb
@@ -78,7 +79,11 @@ def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale
                        ("run_persistent_kernel", run_persistent_kernel),
                        ("try_fuse_additional_kv", try_fuse_additional_kv)):
         _flag(name, flag)
-    if rpb is not None:
+    if rpb is not None:   # the composed path, whichever backend is named (docs/rpb.md)
+        name = map_backend(query, backend)
+        if name is not None and name not in _nbhd_backends.CAN_RUN:
+            raise ValueError(f"backend={backend!r} is unknown; choose one of "
+                             f"{sorted(_nbhd_backends.CAN_RUN)}, None, or a NATTEN name")
         q, k, v = _nbhd_checks.qkv(query, key, value, rank)
         kx, vx = _nbhd_checks.additional_kv(additional_keys, additional_values, q, k, v)
         _checks.check_args_against_input(q, ks, st, dil, causal)
@@ -104,7 +109,8 @@ _NA_DOC = """{rank}-D neighborhood attention with NATTEN's signature (see nbhd.n
     query/key/value [B, {dims}, H(kv), D]; kernel_size, stride, dilation, is_causal: int/bool or
     {rank}-tuple (None: the default); scale: falsy means head_dim ** -0.5. rpb (NATTEN 0.17):
     [H, 2*kernel_size-1 per axis], added to the scores with NATTEN's indexing (nbhd.rpb);
-    not with causal masking. Returns [B, {dims}, H, Dv], or (output, lse) with return_lse.
+    not with causal masking; it runs nbhd.rpb's composed path (tile arguments have no effect
+    there). The positional order is NATTEN 0.21's (stride before dilation). Returns [B, {dims}, H, Dv], or (output, lse) with return_lse.
     """
 
 
@@ -173,7 +179,7 @@ def attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False
     _flag("return_lse", return_lse)
     _flag("torch_compile", torch_compile)
     return _nbhd_attention(
-        query, key, value, scale=_scale(scale), backend=map_backend(query, backend),
+        query, key, value, scale=_scale(scale), backend=map_backend(query, backend, 3),
         q_tile_size=q_tile_size, kv_tile_size=kv_tile_size,
         backward_q_tile_size=backward_q_tile_size, backward_kv_tile_size=backward_kv_tile_size,
         backward_kv_splits=backward_kv_splits, backward_use_pt_reduction=backward_use_pt_reduction,
