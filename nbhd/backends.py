@@ -144,7 +144,8 @@ def resolve_name(q: Tensor, backend: str) -> str:
         target = NATTEN_NAMES[backend]
         if target == "fused":
             target = "cuda-fna" if q.device.type == "cuda" else "cpu-fna"
-        _warn_mapped(backend, target)
+        if not torch.compiler.is_compiling():  # a warning inside lru_cache is not traceable
+            _warn_mapped(backend, target)
         return target
     raise ValueError(f"backend={backend!r} is unknown; choose one of {sorted(CAN_RUN)}, None, or a "
                      f"NATTEN name ({', '.join(sorted(NATTEN_NAMES))})")

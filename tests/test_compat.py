@@ -51,7 +51,7 @@ def test_typical_natten_code():
     natten.functional.na2d(q, k, v, kernel_size=3, additional_keys=kx, additional_values=vx)
     o1, l1 = natten.attention(q.flatten(1, 2), kx, vx, return_lse=True)
     o2, l2 = natten.attention(q.flatten(1, 2), k.flatten(1, 2), v.flatten(1, 2), return_lse=True)
-    merged = natten.merge_attentions([o1, o2], [l1, l2])
+    merged, _ = natten.merge_attentions([o1, o2], [l1, l2])   # NATTEN >= 0.21.5: (out, lse)
     full = natten.attention(q.flatten(1, 2), torch.cat([kx, k.flatten(1, 2)], 1),
                             torch.cat([vx, v.flatten(1, 2)], 1))
     torch.testing.assert_close(merged, full)
