@@ -1,12 +1,13 @@
 """CPU benchmark of nbhd's autodiff paths against the unfused PyTorch path, in one run.
 
 For na1d/na2d/na3d problems: forward, forward+backward, forward+JVP (fused na*d_jvp) and
-forward+JVP+backward (torch.func.jvp then backward of a loss on the primal and tangent), each
+forward+JVP+backward (torch.func.jvp then backward of a loss on the primal and tangent), the
+second-order paths (double backward of a gradient penalty, a hessian-vector product), each
 fused vs the same computation on the unfused path (nbhd.reference, i.e. torch.func.jvp on the
 pure-PyTorch implementation), with wall time (median) and peak extra resident memory (Linux
 VmHWM, reset through /proc/self/clear_refs before each measurement).
 
-    python bench/bench_autodiff.py [--repeats 5] [--csv out.csv]
+    python bench/bench_autodiff.py [--repeats 5] [--only '2d 64x64'] [--csv out.csv]
 """
 import argparse
 import csv
@@ -23,6 +24,7 @@ PROBLEMS = [  # name, rank, spatial, kernel, B, H, D
     ("1d 4096 w63", 1, (4096,), 63, 1, 4, 32),
     ("2d 32x32 w7", 2, (32, 32), 7, 2, 4, 32),
     ("3d 8x12x12 w3", 3, (8, 12, 12), 3, 1, 4, 32),
+    ("2d 64x64 w13", 2, (64, 64), 13, 1, 4, 64),
 ]
 
 
@@ -75,21 +77,36 @@ def cases(rank, spatial, kernel, B, H, D):
 
     def fwd_jvp_bwd(backend, through_tangent):
         """MeanFlow: the loss uses the primal and a detached tangent. Consistency distillation:
-        the loss also differentiates the tangent (nbhd: reference composite for now)."""
+        the loss also differentiates the tangent (the fused backward through forward+JVP)."""
         def run():
             qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
             out, tout = torch.func.jvp(lambda x: na(x, kk, vv, kernel, backend=backend), (qq,), (t,))
             loss = out.square().sum() + (tout if through_tangent else tout.detach()).square().sum()
             loss.backward()
         return run
+    def double_bwd(backend):
+        """A gradient penalty: the backward of a loss on the gradient (double backward)."""
+        def run():
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            (gq,) = torch.autograd.grad(na(qq, kk, vv, kernel, backend=backend).square().sum(), qq,
+                                        create_graph=True)
+            gq.square().sum().backward()
+        return run
+
+    def hvp(backend):
+        """A hessian-vector product: the jvp of the gradient (forward-over-reverse)."""
+        loss = lambda x: na(x, k, v, kernel, backend=backend).square().sum()
+        return lambda: torch.func.jvp(torch.func.grad(loss), (q,), (t,))
     return [("forward", fwd), ("fwd+bwd", fwd_bwd), ("fwd+jvp", fwd_jvp),
-            ("jvp+bwd", lambda b: fwd_jvp_bwd(b, False)), ("jvp+bwd(t)", lambda b: fwd_jvp_bwd(b, True))]
+            ("jvp+bwd", lambda b: fwd_jvp_bwd(b, False)), ("jvp+bwd(t)", lambda b: fwd_jvp_bwd(b, True)),
+            ("double bwd", double_bwd), ("hvp", hvp)]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--only", default=None, help="substrings of problem names, comma-separated")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, nbhd {nbhd.version()}")
     header = f"{'problem':<16} {'path':<12} {'fused ms':>9} {'unfused ms':>11} {'speedup':>8} {'fused MiB':>10} {'unfused MiB':>12}"
@@ -97,6 +114,8 @@ def main():
     print("-" * len(header))
     rows = []
     for name, rank, spatial, kernel, B, H, D in PROBLEMS:
+        if args.only and not any(o in name for o in args.only.split(",")):
+            continue
         fwd_ms = None
         for path, make in cases(rank, spatial, kernel, B, H, D):
             tf, mf = measure(make(None), args.repeats)

@@ -4,9 +4,13 @@ torch.func transform composes with it.
   NeighborhoodAttention  forward -> nbhd::na_forward (out, lse)
                          backward -> _Backward (nbhd::na_backward), itself differentiable
                          jvp -> _ForwardJvp (nbhd::na_forward_jvp), itself differentiable
-  _Backward / _ForwardJvp  their own backward and jvp use the reference math (reference.py)
-                         through torch.func, so double backward, Hessians, forward-over-reverse
-                         and gradients of tangents all work.
+  _Backward              its backward (double backward) and jvp (forward-over-reverse) run the
+                         fused forward+JVP and its fused backward where the device has them
+                         (_second_order), else the reference math (reference.py)
+  _ForwardJvp            backward: the fused backward through forward+JVP (same devices);
+                         jvp: the reference math
+  third order and beyond differentiate the reference math through torch.func, so every
+  transform composes at any order.
 
 Under torch.compile the custom ops are used directly with register_autograd (Dynamo cannot
 trace an autograd.Function that defines jvp); see `na_compiled`.
@@ -110,6 +114,10 @@ class _Function(torch.autograd.Function):
 # backward as a differentiable function
 
 class _Backward(_Function):
+    """(dq, dk, dv, dkx, dvx) = J(x)^T (d_out, d_lse) for x = (q, k, v, kx, vx). Its own
+    derivatives are second order: on devices with the fused backward through forward+JVP they
+    run the fused kernels (`_second_order`), elsewhere the reference math."""
+
     generate_vmap_rule = True
 
     @staticmethod
@@ -120,14 +128,22 @@ class _Backward(_Function):
     def setup_context(ctx, inputs, output):
         q, k, v, kx, vx, out, lse, d_out, d_lse, geometry = inputs
         ctx.geometry = geometry
-        ctx.save_for_backward(q, k, v, kx, vx, d_out, d_lse)
-        ctx.save_for_forward(q, k, v, kx, vx, d_out, d_lse)
+        ctx.fused = q.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
+        # the same tensors for both: vmap's generated rule keeps one record of their batch dims
+        ctx.save_for_backward(q, k, v, kx, vx, out, lse, d_out, d_lse)
+        ctx.save_for_forward(q, k, v, kx, vx, out, lse, d_out, d_lse)
 
     @staticmethod
     def backward(ctx, *grads):
-        # out and lse are functions of q, k, v: the reference recomputes them, so the total
-        # derivative flows through q, k, v and the out/lse inputs get none (no double count).
-        q, k, v, kx, vx, d_out, d_lse = ctx.saved_tensors
+        # out and lse are functions of q, k, v: the total derivative flows through q, k, v and
+        # the out/lse inputs get none (no double count).
+        q, k, v, kx, vx, _, _, d_out, d_lse = ctx.saved_tensors
+        if ctx.fused:
+            # double backward: the cotangents g on (dq, ...) act as a tangent of the forward;
+            # d/d(d_out, d_lse) <g, J^T c> = J g and d/dx <g, J(x)^T c> = grad_x <c, J(x) g>
+            x_grads, t_out, t_lse = _second_order(q, k, v, kx, vx, _zeros_for(grads, (q, k, v, kx, vx)),
+                                                  d_out, d_lse, ctx.geometry)
+            return (*x_grads, None, None, t_out, t_lse if d_lse is not None else None, None)
         primals = (q, k, v, kx, vx, d_out, d_lse)
         _, vjp_fn = torch.func.vjp(lambda *x: _reference_backward(*x, ctx.geometry), *primals)
         gq, gk, gv, gkx, gvx, gdo, gdl = vjp_fn(_zeros_for(grads, (q, k, v, kx, vx)))
@@ -135,11 +151,33 @@ class _Backward(_Function):
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, tkx, tvx, t_out, t_lse, t_dout, t_dlse, _):
-        q, k, v, kx, vx, d_out, d_lse = ctx.saved_tensors
+        if ctx.fused:
+            # J(x)^T c is linear in c; its derivative along x-tangent t is grad_x <c, J(x) t>
+            q, k, v, kx, vx, out, lse, d_out, d_lse = ctx.saved_tensors
+            x_grads, _, _ = _second_order(q, k, v, kx, vx, (tq, tk, tv, tkx, tvx), d_out, d_lse, ctx.geometry)
+            if t_dout is None and t_dlse is None:
+                return x_grads
+            t_dout = torch.zeros_like(out) if t_dout is None else t_dout
+            t_dlse = torch.zeros_like(lse) if t_dlse is None else t_dlse
+            linear = _Backward.apply(q, k, v, kx, vx, out, lse, t_dout, t_dlse, ctx.geometry)
+            return tuple(a + b for a, b in zip(linear, x_grads))
+        q, k, v, kx, vx, _, _, d_out, d_lse = ctx.saved_tensors
         primals = _dense((q, k, v, kx, vx, d_out, d_lse))
         tangents = _dense(_zeros_for((tq, tk, tv, tkx, tvx, t_dout, t_dlse), primals))
         _, t = _jvp_by_double_vjp(lambda *x: _reference_backward(*x, ctx.geometry), primals, tangents)
         return t
+
+
+def _second_order(q, k, v, kx, vx, tangents, d_out, d_lse, geometry):
+    """For f(x) = (out, lse), x = (q, k, v, kx, vx), a tangent t of x and a cotangent
+    c = (d_out, d_lse): (grad_x <c, J(x) t>, J t) by the fused forward+JVP and its fused backward
+    (the cotangent sits on the tangent outputs). Double backward and the JVP of the backward
+    are both made of it, at first-order memory (docs/design.md, autodiff). Differentiable: its
+    parts are the differentiable Functions below. A None tangent is zero."""
+    out, lse, t_out, t_lse = _ForwardJvp.apply(q, k, v, kx, vx, *tangents, geometry)
+    grads = _ForwardJvpBackward.apply(q, k, v, kx, vx, *tangents, out, lse, t_out, t_lse,
+                                      None, None, d_out, d_lse, geometry)
+    return grads[:5], t_out, t_lse
 
 
 # ----------------------------------------------------------------------------
@@ -296,16 +334,26 @@ def _bwd_setup(ctx, inputs, output):
     q, k, v, kx, vx, out, lse, d_out, d_lse, *geometry = inputs
     ctx.geometry = Geometry(*geometry)
     ctx.has_dlse = d_lse is not None
+    ctx.fused = q.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
     ctx.save_for_backward(q, k, v, kx, vx, d_out, d_lse if d_lse is not None else torch.zeros_like(lse))
 
 
 def _bwd_backward(ctx, *grads):
     q, k, v, kx, vx, d_out, d_lse = ctx.saved_tensors
-    with torch.enable_grad():
-        primals = [t.detach().requires_grad_() for t in (q, k, v, kx, vx, d_out, d_lse)]
-        outs = _reference_backward(*primals, ctx.geometry)
-        gs = torch.autograd.grad(outs, primals, _zeros_for(grads, outs), allow_unused=True)
-    gq, gk, gv, gkx, gvx, gdo, gdl = gs
+    if ctx.fused:  # as _Backward.backward: the cotangents on (dq, ...) are a forward tangent
+        geo = ctx.geometry.args()
+        tangents = _zeros_for(grads, (q, k, v, kx, vx))
+        out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, *tangents, *geo)
+        gs = ops.na_forward_jvp_backward(q, k, v, kx, vx, *tangents, out, lse, t_out, t_lse,
+                                         None, None, d_out, d_lse, *geo)
+        gq, gk, gv, gkx, gvx = gs[:5]
+        gdo, gdl = t_out, t_lse
+    else:
+        with torch.enable_grad():
+            primals = [t.detach().requires_grad_() for t in (q, k, v, kx, vx, d_out, d_lse)]
+            outs = _reference_backward(*primals, ctx.geometry)
+            gs = torch.autograd.grad(outs, primals, _zeros_for(grads, outs), allow_unused=True)
+        gq, gk, gv, gkx, gvx, gdo, gdl = gs
     return (gq, gk, gv, gkx, gvx, None, None, gdo, gdl if ctx.has_dlse else None,
             None, None, None, None, None, None)
 

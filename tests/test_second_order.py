@@ -1,0 +1,131 @@
+"""Second order through the fused kernels: double backward, the JVP of the backward (hessians,
+forward-over-reverse) and their vmaps run nbhd::na_forward_jvp and nbhd::na_forward_jvp_backward
+(never the reference math) on devices that have the fused backward through forward+JVP, and
+agree with the float64 reference over random geometry (extra keys, GQA, causal, stride,
+dilation), eager and compiled."""
+import pytest
+import torch
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+
+import nbhd
+from nbhd import autograd as nbhd_autograd, ops
+from utils import Case, random_case, rel_err
+
+CASES = [random_case(700 + i) for i in range(8)] + [
+    Case((6, 5), (3, 2), (2, 1), (1, 2), (True, False), heads=4, kv_heads=2, head_dim=6,
+         head_dim_v=4, extra=3, non_contiguous=True)]
+
+
+@pytest.fixture
+def no_reference(monkeypatch):
+    """Second-order rules must not fall back to the reference math: make it raise."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a second-order rule ran the reference math")
+    for name in ("_reference_backward", "_reference_forward_jvp", "_reference_forward_jvp_backward"):
+        monkeypatch.setattr(nbhd_autograd, name, refuse)
+
+
+def fns(case):
+    def fused(q, k, v, kx, vx):
+        return case.na()(q, k, v, **case.kwargs(), additional_keys=kx, additional_values=vx,
+                         return_lse=True)
+
+    def ref(q, k, v, kx, vx):
+        return case.reference(q, k, v, kx, vx)
+    return fused, ref
+
+
+def close(a, b, tol=1e-9):
+    for x, y in zip(a, b):
+        if x is None and y is None:
+            continue
+        assert x.shape == y.shape
+        if x.numel():
+            assert rel_err(x, y) < tol, rel_err(x, y)
+
+
+def double_backward(fn, xs, seed):
+    """Gradients of <g, grad_x <c, fn(x)>> w.r.t. x and c: the double backward."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype)
+    xs = [x.detach().requires_grad_() for x in xs]
+    out, lse = fn(*xs)
+    c = [rnd(out).requires_grad_(), rnd(lse).requires_grad_()]
+    gx = torch.autograd.grad((out, lse), xs, c, create_graph=True, allow_unused=True, materialize_grads=True)
+    gg = [rnd(t) for t in gx]
+    return torch.autograd.grad(gx, xs + c, gg, allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_double_backward_fused(i, no_reference):
+    case = CASES[i]
+    q, k, v, kx, vx = case.tensors(torch.float64, i)
+    if kx is None:
+        kx, vx = q.new_empty(q.shape[0], 0, *k.shape[-2:]), q.new_empty(q.shape[0], 0, *v.shape[-2:])
+    fused, ref = fns(case)
+    got = double_backward(fused, (q, k, v, kx, vx), i)
+    want = double_backward(ref, (q, k, v, kx, vx), i)
+    close(got, want)
+
+
+@pytest.mark.parametrize("i", [0, 3, len(CASES) - 1])
+def test_jvp_of_backward_and_hessian_fused(i, no_reference):
+    case = CASES[i]
+    q, k, v, kx, vx = case.tensors(torch.float64, i)
+    fused, ref = fns(case)
+    rest = tuple(t for t in (kx, vx) if t is not None)
+    if not rest:
+        rest = (q.new_empty(q.shape[0], 0, *k.shape[-2:]), q.new_empty(q.shape[0], 0, *v.shape[-2:]))
+    loss = lambda fn: (lambda q, k, v: (fn(q, k, v, *rest)[0].sin().sum() + fn(q, k, v, *rest)[1].square().sum()))
+    t = tuple(torch.randn_like(x) for x in (q, k, v))
+    # forward-over-reverse: the jvp of the gradient (a hessian-vector product)
+    hvp = lambda fn: jvp(grad(loss(fn), argnums=(0, 1, 2)), (q, k, v), t)[1]
+    close(hvp(fused), hvp(ref))
+    # vmap of it over a batch of tangents
+    ts = tuple(torch.stack([x, 2 * x + 1]) for x in t)
+    vhvp = lambda fn: vmap(lambda *tt: jvp(grad(loss(fn), argnums=(0, 1, 2)), (q, k, v), tt)[1])(*ts)
+    close(vhvp(fused), vhvp(ref))
+
+
+def test_hessian_tiny_fused(no_reference):
+    case = Case((4, 4), (2, 2), (1, 1), (1, 2), (False, True), batch=1, heads=1, kv_heads=1,
+                head_dim=2, head_dim_v=2)
+    q, k, v, _, _ = case.tensors(torch.float64, 9)
+    e = q.new_empty(1, 0, 1, 2)
+    fused, ref = fns(case)
+    s = lambda fn: (lambda q: fn(q, k, v, e, e)[0].pow(2).sum())
+    h_fused = hessian(s(fused))(q)
+    h_ref = hessian(s(ref))(q)
+    assert rel_err(h_fused, h_ref) < 1e-9
+    # reverse-over-reverse as well
+    assert rel_err(jacrev(jacrev(s(fused)))(q), h_ref) < 1e-9
+
+
+def test_gradgradcheck_fused(no_reference):
+    case = Case((5,), (3,), (2,), (1,), (True,), batch=1, heads=2, kv_heads=1, head_dim=2, head_dim_v=2)
+    q, k, v, _, _ = case.tensors(torch.float64, 1)
+    e_k, e_v = q.new_empty(1, 0, 1, 2), q.new_empty(1, 0, 1, 2)
+    fused, _ = fns(case)
+    xs = tuple(t.requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradgradcheck(lambda q, k, v: fused(q, k, v, e_k, e_v), xs,
+                                        check_fwd_over_rev=True, check_rev_over_rev=True)
+
+
+def test_double_backward_of_the_custom_ops_fused(no_reference):
+    """The rules registered on the custom ops (what torch.compile and exported graphs run)."""
+    case = CASES[-1]
+    q, k, v, kx, vx = case.tensors(torch.float64, 2)
+    geo = nbhd_autograd.Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, 0.3)
+    fused = lambda *x: ops.na_forward(*x, *geo.args())
+    ref = lambda *x: case.reference(*x, scale=0.3)
+    close(double_backward(fused, (q, k, v, kx, vx), 2), double_backward(ref, (q, k, v, kx, vx), 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_double_backward_low_precision(dtype, no_reference):
+    case = CASES[-1]
+    q, k, v, kx, vx = case.tensors(dtype, 5)
+    fused, ref = fns(case)
+    got = double_backward(fused, (q, k, v, kx, vx), 5)
+    want = double_backward(ref, tuple(t.double() for t in (q, k, v, kx, vx)), 5)
+    close(got, want, 1e-4 if dtype == torch.float32 else 5e-2)
