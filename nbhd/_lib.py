@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -26,10 +27,39 @@ def _find_library() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     found = sorted(glob.glob(os.path.join(here, "_nbhd*.so")) + glob.glob(os.path.join(here, "_nbhd*.pyd")))
     if not found:
+        root = os.path.dirname(here)
+        if os.path.isfile(os.path.join(root, "setup.py")):
+            other = _other_nbhd(here)
+            raise ImportError(
+                f"nbhd was imported from its source tree {root} (the current directory or "
+                "PYTHONPATH puts it first on sys.path), which has no built C library"
+                + (f"; it shadows the installed nbhd at {other}: run Python from another "
+                   "directory to use that one" if other else "")
+                + ". To use the source tree, build it in place (`pip install -e .`), or point "
+                "NBHD_LIBRARY at a built libnbhd.so (`make build/c/libnbhd.so`)")
         raise ImportError(
             f"nbhd's C library was not found in {here}: build it with `pip install .` "
             "(or `pip install -e .`) from the repository root")
     return found[0]
+
+
+def _other_nbhd(here: str) -> Optional[str]:
+    """The folder of an nbhd package other than `here` that Python could import (an installed
+    or editable one), or None."""
+    mine = os.path.realpath(here)
+    for finder in sys.meta_path:   # editable installs answer through their own finder
+        try:
+            spec = finder.find_spec("nbhd", None) if hasattr(finder, "find_spec") else None
+        except Exception:  # noqa: BLE001  (a third-party finder may fail any way)
+            spec = None
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            if os.path.realpath(folder) != mine:
+                return folder
+    for entry in sys.path:
+        folder = os.path.join(os.path.abspath(entry or os.curdir), "nbhd")
+        if os.path.isfile(os.path.join(folder, "__init__.py")) and os.path.realpath(folder) != mine:
+            return folder
+    return None
 
 
 MAX_RANK = 3

@@ -157,3 +157,122 @@ def geometry(spatial: Sequence[int], kernel_size, stride, dilation, is_causal):
             raise ValueError(f"stride must be <= kernel_size on every axis; axis {a}: "
                              f"stride={st[a]} > kernel_size={ks[a]}")
     return ks, st, dil, causal
+
+
+# ----------------------------------------------------------------------------
+# the custom ops' arguments (ops.py): compiled and exported graphs call the ops directly, so
+# each op checks every tensor against the geometry before the C library reads it
+
+_INT32_MAX = 2 ** 31 - 1
+
+# what each kind of op tensor is shaped like, from q [B, *S, H, D], k [B, *S, Hkv, D],
+# v [B, *S, Hkv, Dv] and kx [B, S_add, Hkv, D] (rank 0: S is the query tokens, k and v hold 0)
+_LEGEND = {"q": "[B, *S, H, D] of q", "k": "[B, *S, Hkv, D] of q and k",
+           "v": "[B, *S, Hkv, Dv] of q, k and v", "kx": "[B, S_add, Hkv, D] of q, k and kx",
+           "vx": "[B, S_add, Hkv, Dv] of q, k, v and kx", "o": "[B, *S, H, Dv] of q and v",
+           "l": "[B, *S, H] of q"}
+
+
+def _op_fail(op: str, message: str):
+    raise ValueError(f"{op}: {message}")
+
+
+def op_geometry(op: str, kernel_size, stride, dilation, is_causal, tiles) -> int:
+    """The rank of an op call's geometry lists, after checking their lengths and that every int
+    fits the C library's int32 fields (their values are nbhd_validate's rules)."""
+    rank = len(kernel_size)
+    if rank > 3:
+        _op_fail(op, f"kernel_size has {rank} entries; at most 3 spatial axes")
+    for name, values in (("stride", stride), ("dilation", dilation), ("is_causal", is_causal)):
+        if len(values) != rank:
+            _op_fail(op, f"{name} has {len(values)} entries but kernel_size has {rank} "
+                         "(one per spatial axis)")
+    if len(tiles) != 4 * rank:
+        _op_fail(op, f"tiles has {len(tiles)} entries; need 4 x rank = {4 * rank} "
+                     "(q, kv, backward q, backward kv tile per axis)")
+    for name, values in (("kernel_size", kernel_size), ("stride", stride), ("dilation", dilation),
+                         ("tiles", tiles)):
+        for x in values:
+            if not -_INT32_MAX <= x <= _INT32_MAX:
+                _op_fail(op, f"{name} entry {x} does not fit a 32-bit int")
+    return rank
+
+
+def _op_shapes(op: str, rank: int, q: Tensor, k: Tensor, v: Tensor, kx: Tensor) -> dict:
+    """The shape of each tensor kind, from q, k (Hkv), v (Dv) and kx (S_add)."""
+    if q.dim() != max(rank, 1) + 3:
+        _op_fail(op, f"q must be {max(rank, 1) + 3}-D [B, *S, H, D] for rank {rank}, got shape "
+                     f"{tuple(q.shape)}")
+    for name, t, dims in (("k", k, q.dim()), ("v", v, q.dim()), ("kx", kx, 4)):
+        if t.dim() != dims:
+            _op_fail(op, f"{name} must be {dims}-D like q, got shape {tuple(t.shape)}")
+    qs = q.shape
+    B, S, H, D = qs[0], tuple(qs[1:-2]), qs[-2], qs[-1]
+    Hkv, Dv, S_add = k.shape[-2], v.shape[-1], kx.shape[1]
+    S_kv = S if rank > 0 else (0,)
+    return {"q": qs, "k": (B, *S_kv, Hkv, D), "v": (B, *S_kv, Hkv, Dv), "kx": (B, S_add, Hkv, D),
+            "vx": (B, S_add, Hkv, Dv), "o": (B, *S, H, Dv), "l": (B, *S, H)}
+
+
+_SHAPES = {}   # (rank, q, k, v, kx shapes) -> _op_shapes of real (hashable) sizes
+
+
+def op_tensors(op: str, rank: int, spec, tensors, real: bool) -> None:
+    """Checks an op's tensors: spec[i] = (name, kind, required) for tensors[i], kind one of
+    _LEGEND's keys; the first four are always (q, k, v, kx). Every tensor must have its kind's
+    exact shape, q's dtype (the LSE kinds: float32, float64 for float64 q) and q's device.
+    `real` (the kernel, not the fake, whose sizes may be symbolic): also the storage bounds,
+    the devices the C library runs on, and sizes within its int32 fields."""
+    q, k, v, kx = tensors[0], tensors[1], tensors[2], tensors[3]
+    dtype, device = q.dtype, q.device
+    if real:
+        key = (rank, q.shape, k.shape, v.shape, kx.shape)
+        shapes = _SHAPES.get(key)
+        if shapes is None:
+            shapes = _op_shapes(op, rank, q, k, v, kx)
+            if max(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]) > _INT32_MAX:
+                _op_fail(op, f"heads and head dims must fit a 32-bit int, got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+            if len(_SHAPES) > 256:
+                _SHAPES.clear()
+            _SHAPES[key] = shapes
+        if device.type not in ("cpu", "cuda"):
+            _op_fail(op, f"q is on {device}; the kernels run on cpu and cuda")
+    else:
+        shapes = _op_shapes(op, rank, q, k, v, kx)
+    if dtype not in FLOAT_DTYPES:
+        _op_fail(op, f"q has dtype {dtype}; need float16, bfloat16, float32 or float64")
+    lse_dtype = torch.float64 if dtype is torch.float64 else torch.float32
+    strided = torch.strided
+    for (name, kind, required), t in zip(spec, tensors):
+        if t is None:
+            if required:
+                _op_fail(op, f"{name} is required")
+            continue
+        want = lse_dtype if kind == "l" else dtype
+        if (t.shape != shapes[kind] or t.dtype is not want or t.device != device
+                or t.layout is not strided):
+            _explain(op, name, t, shapes[kind], _LEGEND[kind], want, dtype, device)
+        if real and t.numel():
+            last = t.storage_offset()
+            for n, s in zip(t.shape, t.stride()):
+                last += (n - 1) * s
+            if last * t.element_size() >= t.untyped_storage().nbytes():
+                _outside_storage(op, name, t, last)
+
+
+def _explain(op, name, t, shape, legend, want, dtype, device):
+    if t.layout != torch.strided:
+        _op_fail(op, f"{name} has layout {t.layout}; the ops need strided (dense) tensors")
+    if t.shape != shape:
+        _op_fail(op, f"{name} must have shape {tuple(shape)} ({legend}), got {tuple(t.shape)}")
+    if t.dtype != want:
+        _op_fail(op, f"{name} has dtype {t.dtype}; need {want} (q has {dtype})")
+    _op_fail(op, f"{name} is on {t.device} but q is on {device}; they must match")
+
+
+def _outside_storage(op, name, t, last):
+    held = t.untyped_storage().nbytes() // t.element_size()
+    _op_fail(op, f"{name} (shape {tuple(t.shape)}, strides {t.stride()}, storage offset "
+                 f"{t.storage_offset()}) reaches element {last} of a storage of {held} elements "
+                 "(its storage was shrunk, or the view was made unsafely)")

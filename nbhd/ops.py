@@ -21,7 +21,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor as _is_wrapped
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import _lib, context
+from . import _lib, checks, context
 
 __all__ = ["na_forward", "na_backward", "na_forward_jvp", "na_forward_jvp_backward", "call"]
 
@@ -99,6 +99,28 @@ def _extra(kx: Tensor, vx: Tensor) -> dict:
     return {"kx": kx, "vx": vx} if kx.shape[1] > 0 else {}
 
 
+# (name, kind, required) of each op's tensor arguments, in order (checks.op_tensors)
+_PRIMALS = (("q", "q", True), ("k", "k", True), ("v", "v", True), ("kx", "kx", True), ("vx", "vx", True))
+_TANGENTS = (("t_q", "q", False), ("t_k", "k", False), ("t_v", "v", False), ("t_kx", "kx", False),
+             ("t_vx", "vx", False))
+_SPEC = {
+    "na_forward": _PRIMALS,
+    "na_backward": _PRIMALS + (("out", "o", True), ("lse", "l", True), ("d_out", "o", True),
+                               ("d_lse", "l", False)),
+    "na_forward_jvp": _PRIMALS + _TANGENTS,
+    "na_forward_jvp_backward": _PRIMALS + _TANGENTS + (
+        ("out", "o", True), ("lse", "l", True), ("t_out", "o", True), ("t_lse", "l", True),
+        ("d_out", "o", False), ("d_lse", "l", False), ("d_t_out", "o", False), ("d_t_lse", "l", False)),
+}
+
+
+def _check(name: str, tensors, kernel_size, stride, dilation, is_causal, tiles, real: bool) -> None:
+    """Validates one op call (the kernel: real=True; the fake: shapes, dtypes and devices)."""
+    op = f"nbhd::{name}"
+    rank = checks.op_geometry(op, kernel_size, stride, dilation, is_causal, tiles)
+    checks.op_tensors(op, rank, _SPEC[name], tensors, real)
+
+
 # ----------------------------------------------------------------------------
 # forward
 
@@ -106,6 +128,7 @@ def _na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, kernel_
                 stride: List[int], dilation: List[int], is_causal: List[bool],
                 scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor]:
     """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention."""
+    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, True)
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
     _lib.run(_lib.OP_FORWARD, p, {"q": q, "k": k, "v": v, **_extra(kx, vx), "out": out, "lse": lse},
@@ -118,6 +141,7 @@ na_forward = _kernel_op("na_forward", _na_forward)
 
 @na_forward.register_fake
 def _(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale, tiles):
+    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, False)
     return _forward_shapes(q, v, vx, len(kernel_size))
 
 
@@ -129,6 +153,8 @@ def _na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, out: T
                  dilation: List[int], is_causal: List[bool],
                  scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dkx, dvx), shaped like (q, k, v, kx, vx)."""
+    _check("na_backward", (q, k, v, kx, vx, out, lse, d_out, d_lse), kernel_size, stride, dilation,
+           is_causal, tiles, True)
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
     p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
     dq, dk, dv, dkx, dvx = grads
@@ -145,6 +171,8 @@ na_backward = _kernel_op("na_backward", _na_backward)
 
 @na_backward.register_fake
 def _(q, k, v, kx, vx, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale, tiles):
+    _check("na_backward", (q, k, v, kx, vx, out, lse, d_out, d_lse), kernel_size, stride, dilation,
+           is_causal, tiles, False)
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
 
 
@@ -157,6 +185,8 @@ def _na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, t_q
                     dilation: List[int], is_causal: List[bool],
                     scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, tangent_out, tangent_lse) in one pass; a None tangent is zero."""
+    _check("na_forward_jvp", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx), kernel_size, stride,
+           dilation, is_causal, tiles, True)
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     t_out, t_lse = torch.empty_like(out), torch.empty_like(lse)
     p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
@@ -173,6 +203,8 @@ na_forward_jvp = _kernel_op("na_forward_jvp", _na_forward_jvp)
 
 @na_forward_jvp.register_fake
 def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, kernel_size, stride, dilation, is_causal, scale, tiles):
+    _check("na_forward_jvp", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx), kernel_size, stride,
+           dilation, is_causal, tiles, False)
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     return out, lse, torch.empty_like(out), torch.empty_like(lse)
 
@@ -194,6 +226,8 @@ def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Te
                              scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
                                                     Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx), shaped like (q, k, v, kx, vx) twice."""
+    _check("na_forward_jvp_backward", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out,
+           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, True)
     new = torch.zeros_like if q.shape[-2] == 0 else torch.empty_like  # no heads: zero gradients
     grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx) * 2)
     p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
@@ -214,6 +248,8 @@ na_forward_jvp_backward = _kernel_op("na_forward_jvp_backward", _na_forward_jvp_
 @na_forward_jvp_backward.register_fake
 def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse, d_t_out,
       d_t_lse, kernel_size, stride, dilation, is_causal, scale, tiles):
+    _check("na_forward_jvp_backward", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out,
+           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, False)
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx) * 2)
 
 

@@ -23,6 +23,36 @@ Q3 = R(1, 4, 5, 6, 2, 8)      # [B, X, Y, Z, H, D]
 KX = R(2, 3, 4, 8)            # additional keys for Q1
 
 
+def _shrunk(t):
+    """A copy of t whose storage lost its last element under the view (resize_ of the storage)."""
+    t = t.clone()
+    t.untyped_storage().resize_(t.untyped_storage().nbytes() - t.element_size())
+    return t
+
+
+_OP_TENSORS = {
+    "na_forward": ("q", "k", "v", "kx", "vx"),
+    "na_backward": ("q", "k", "v", "kx", "vx", "out", "lse", "d_out", "d_lse"),
+    "na_forward_jvp": ("q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx"),
+    "na_forward_jvp_backward": ("q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx", "out", "lse",
+                                "t_out", "t_lse", "d_out", "d_lse", "d_t_out", "d_t_lse"),
+}
+
+
+def _op(name, **given):
+    """torch.ops.nbhd.<name> on a valid 1-D problem (Q1's shapes, window 3) with `given`
+    replacing some of its arguments."""
+    B, X, H, D = Q1.shape
+    kx = torch.empty(B, 0, H, D)
+    valid = {"q": Q1, "k": Q1, "v": Q1, "kx": kx, "vx": kx, "out": Q1, "lse": R(B, X, H), "d_out": Q1,
+             "d_lse": None, "t_out": Q1, "t_lse": R(B, X, H), "kernel_size": [3], "stride": [1],
+             "dilation": [1], "is_causal": [False], "scale": 0.5, "tiles": [0] * 4}
+    args = {**valid, **given}
+    tensors = [args.get(n) for n in _OP_TENSORS[name]]
+    geometry = [args[n] for n in ("kernel_size", "stride", "dilation", "is_causal", "scale", "tiles")]
+    return getattr(torch.ops.nbhd, name)(*tensors, *geometry)
+
+
 def _nested():
     return torch.nested.nested_tensor([Q1[0].clone(), Q1[1].clone()])
 
@@ -168,6 +198,42 @@ BAD = [
     ("jvp-stride-gt-kernel", lambda: na3d_jvp(Q3, Q3, Q3, Q3, None, None, 2, stride=3), ValueError,
      r"stride must be <= kernel_size"),
     ("jvp-rank", lambda: na2d_jvp(Q1, Q1, Q1, None, None, None, 3), ValueError, r"query must be 5-D"),
+    # the custom ops called directly (compiled and exported graphs do): every tensor checked
+    ("op-forward-short-keys", lambda: _op("na_forward", q=R(1, 4000, 1, 8), k=R(1, 4, 1, 8), v=R(1, 4, 1, 8)),
+     ValueError, r"nbhd::na_forward: k must have shape \(1, 4000, 1, 8\) \(\[B, \*S, Hkv, D\]"),
+    ("op-forward-value-heads", lambda: _op("na_forward", v=R(2, 10, 2, 8)), ValueError,
+     r"nbhd::na_forward: v must have shape \(2, 10, 4, 8\)"),
+    ("op-forward-q-rank", lambda: _op("na_forward", q=Q2), ValueError, r"nbhd::na_forward: q must be 4-D"),
+    ("op-forward-kx-tokens", lambda: _op("na_forward", kx=R(2, 3, 4, 8), vx=R(2, 2, 4, 8)), ValueError,
+     r"nbhd::na_forward: vx must have shape \(2, 3, 4, 8\)"),
+    ("op-forward-k-dtype", lambda: _op("na_forward", k=Q1.double()), ValueError,
+     r"nbhd::na_forward: k has dtype torch.float64; need torch.float32"),
+    ("op-forward-int-q", lambda: _op("na_forward", q=Q1.int(), k=Q1.int(), v=Q1.int()), ValueError,
+     r"nbhd::na_forward: q has dtype torch.int32"),
+    ("op-forward-shrunk-storage", lambda: _op("na_forward", v=_shrunk(Q1)), ValueError,
+     r"nbhd::na_forward: v .*reaches element 639 of a storage of 639 elements"),
+    ("op-forward-stride-entries", lambda: _op("na_forward", stride=[1, 1]), ValueError,
+     r"nbhd::na_forward: stride has 2 entries but kernel_size has 1"),
+    ("op-forward-tiles-entries", lambda: _op("na_forward", tiles=[0, 0]), ValueError,
+     r"nbhd::na_forward: tiles has 2 entries; need 4 x rank = 4"),
+    ("op-forward-kernel-beyond-int32", lambda: _op("na_forward", kernel_size=[2 ** 32 + 3]), ValueError,
+     r"nbhd::na_forward: kernel_size entry 4294967299 does not fit a 32-bit int"),
+    ("op-backward-short-d-out", lambda: _op("na_backward", d_out=R(2, 4, 4, 8)), ValueError,
+     r"nbhd::na_backward: d_out must have shape \(2, 10, 4, 8\) \(\[B, \*S, H, Dv\]"),
+    ("op-backward-short-lse", lambda: _op("na_backward", lse=R(2, 9, 4)), ValueError,
+     r"nbhd::na_backward: lse must have shape \(2, 10, 4\)"),
+    ("op-backward-lse-dtype", lambda: _op("na_backward", lse=R(2, 10, 4).half()), ValueError,
+     r"nbhd::na_backward: lse has dtype torch.float16; need torch.float32"),
+    ("op-backward-d-lse-expanded-short", lambda: _op("na_backward", d_lse=R(1, 1, 1).expand(2, 3, 4)),
+     ValueError, r"nbhd::na_backward: d_lse must have shape \(2, 10, 4\)"),
+    ("op-backward-out-meta", lambda: _op("na_backward", out=Q1.to("meta")), ValueError,
+     r"nbhd::na_backward: out is on meta but q is on cpu"),
+    ("op-jvp-tangent-shape", lambda: _op("na_forward_jvp", t_v=R(2, 10, 4, 7)), ValueError,
+     r"nbhd::na_forward_jvp: t_v must have shape \(2, 10, 4, 8\)"),
+    ("op-jvp-backward-d-t-lse", lambda: _op("na_forward_jvp_backward", d_t_lse=R(2, 10)), ValueError,
+     r"nbhd::na_forward_jvp_backward: d_t_lse must have shape \(2, 10, 4\)"),
+    ("op-jvp-backward-missing-t-out", lambda: _op("na_forward_jvp_backward", t_out=None), ValueError,
+     r"nbhd::na_forward_jvp_backward: t_out is required"),
 ]
 
 
@@ -282,3 +348,35 @@ def test_all_meta_inputs_give_meta_outputs():
     q = torch.empty(2, 10, 4, 8, device="meta")
     out = na1d(q, q, q, 3)
     assert out.device.type == "meta" and out.shape == (2, 10, 4, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# importing the source tree without a built library
+
+
+def test_source_tree_without_library_says_it_shadows_the_installed_package(tmp_path):
+    """Python started in a repository root imports that tree's nbhd; without a built library
+    the error says so and names the installed package it hides."""
+    import os
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(nbhd.__file__)))
+    shutil.copytree(os.path.join(root, "nbhd"), tmp_path / "nbhd",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    shutil.copy(os.path.join(root, "setup.py"), tmp_path / "setup.py")
+    installed = tmp_path / "site" / "nbhd"           # another nbhd, later on sys.path
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in ("NBHD_LIBRARY", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    run = subprocess.run([sys.executable, "-c", "import nbhd"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    message = run.stderr.strip().splitlines()[-1]
+    assert message.startswith("ImportError: nbhd was imported from its source tree " + str(tmp_path)), message
+    other = re.search(r"it shadows the installed nbhd at (\S+):", message)
+    assert other and os.path.realpath(other.group(1)) != os.path.realpath(tmp_path / "nbhd"), message
+    assert "pip install -e ." in message and "NBHD_LIBRARY" in message
