@@ -172,7 +172,7 @@ def _second_order(q, k, v, kx, vx, tangents, d_out, d_lse, geometry):
     """For f(x) = (out, lse), x = (q, k, v, kx, vx), a tangent t of x and a cotangent
     c = (d_out, d_lse): (grad_x <c, J(x) t>, J t) by the fused forward+JVP and its fused backward
     (the cotangent sits on the tangent outputs). Double backward and the JVP of the backward
-    are both made of it, at first-order memory (docs/design.md, autodiff). Differentiable: its
+    are both made of it, at first-order memory (docs/design.md §3.3). Differentiable: its
     parts are the differentiable Functions below. A None tangent is zero."""
     out, lse, t_out, t_lse = _ForwardJvp.apply(q, k, v, kx, vx, *tangents, geometry)
     grads = _ForwardJvpBackward.apply(q, k, v, kx, vx, *tangents, out, lse, t_out, t_lse,
