@@ -345,10 +345,8 @@ class _GatherHalo(torch.autograd.Function):
         _save_shapes(ctx, inputs, output)
 
     @staticmethod
-    def backward(ctx, *grads):
-        if all(g is None for g in grads):
-            return (None, None, *([None] * len(grads)))
-        return (None, None, *_ReduceHalo.apply(ctx.plan, ctx.dims, *_nonnull_out(ctx, grads)))
+    def backward(ctx, *grads):   # grads are materialized: zeros for unused outputs
+        return (None, None, *_ReduceHalo.apply(ctx.plan, ctx.dims, *grads))
 
     @staticmethod
     def jvp(ctx, _plan_t, _dims_t, *tangents):
@@ -372,10 +370,8 @@ class _ReduceHalo(torch.autograd.Function):
         _save_shapes(ctx, inputs, output)
 
     @staticmethod
-    def backward(ctx, *grads):
-        if all(g is None for g in grads):
-            return (None, None, *([None] * len(grads)))
-        return (None, None, *_GatherHalo.apply(ctx.plan, ctx.dims, *_nonnull_out(ctx, grads)))
+    def backward(ctx, *grads):   # grads are materialized: zeros for unused outputs
+        return (None, None, *_GatherHalo.apply(ctx.plan, ctx.dims, *grads))
 
     @staticmethod
     def jvp(ctx, _plan_t, _dims_t, *tangents):
@@ -390,17 +386,11 @@ class _ReduceHalo(torch.autograd.Function):
 def _save_shapes(ctx, inputs, output):
     ctx.plan, ctx.dims = inputs[0], inputs[1]
     ctx.shapes = [t.shape for t in inputs[2:]]
-    ctx.out_shapes = [t.shape for t in output]
     ctx.dtype, ctx.device = inputs[2].dtype, inputs[2].device
 
 
-def _nonnull_out(ctx, grads):
-    """Zero gradients for outputs that got none: every rank must still take part in the exchange."""
-    return [g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
-            for g, shape in zip(grads, ctx.out_shapes)]
-
-
 def _nonnull_in(ctx, tangents):
+    """Zero tangents for inputs that have none: every rank must still take part in the exchange."""
     return [t if t is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
             for t, shape in zip(tangents, ctx.shapes)]
 

@@ -22,7 +22,8 @@ Each rank's loss is its tokens' share of the global mean times the group size, w
 gradient average divides out again: the averaged gradient is exactly the full-video gradient.
 
 --check compares, at initialisation, the sharded model with the same weights run unsharded on
-the whole video on one rank (forward and jvp tangent) and prints the largest difference.
+the whole video on one rank (forward, jvp tangent, parameter gradients) and prints the largest
+differences.
 """
 from __future__ import annotations
 
@@ -222,8 +223,15 @@ def main(argv=None):
                                                                       torch.ones_like(t)))
             model.reshard()
         err = max((y_l - y[:, :, t0:t1]).abs().max().item(), (ty_l - ty[:, :, t0:t1]).abs().max().item())
+        # one loss's gradient: FSDP2 + context parallel against the unsharded twin
+        count = x.numel()
+        (twin(x, r, t).square().sum() / count).backward()
+        (model(x[:, :, t0:t1], r, t).square().sum() * (world / count)).backward()
+        grad_err = max((p.grad.full_tensor() - q.grad).abs().max().item() / q.grad.abs().max().item()
+                       for p, q in zip(model.parameters(), twin.parameters()) if q.grad.abs().max() > 0)
         print(f"rank {rank}: |sharded - unsharded| max over output and jvp tangent = {err:.3g} "
-              f"(output scale {y.abs().max().item():.3g})")
+              f"(output scale {y.abs().max().item():.3g}); parameter gradients, max relative "
+              f"difference {grad_err:.3g}")
         return
 
     global_count = args.batch * args.frames * args.size * args.size
