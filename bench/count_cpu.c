@@ -89,7 +89,7 @@ int main(int argc, char **argv) {
     nbhd_tensor out = tensor(&p, D, dt, &rng), d_out = tensor(&p, D, dt, &rng);
     nbhd_tensor lse = tensor(&p, 1, NBHD_F32, &rng), t_lse = tensor(&p, 1, NBHD_F32, &rng);
     nbhd_tensor dq = tensor(&p, D, dt, &rng), dk = tensor(&p, D, dt, &rng), dv = tensor(&p, D, dt, &rng);
-    const nbhd_tensor none = {NULL, {0, 0, 0, 0, 0, 0}};
+    const nbhd_tensor none = {NULL, {0, 0, 0, 0, 0, 0}, 0};
     const nbhd_op op = !strcmp(kind, "fwd") ? NBHD_OP_FORWARD
                        : !strcmp(kind, "bwd") ? NBHD_OP_BACKWARD : NBHD_OP_FORWARD_JVP;
     nbhd_exec e;

@@ -88,7 +88,7 @@ class _Problem(ctypes.Structure):
 
 
 class _Tensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("stride", ctypes.c_int64 * 6)]
+    _fields_ = [("data", ctypes.c_void_p), ("stride", ctypes.c_int64 * 6), ("elements", ctypes.c_int64)]
 
 
 class _Exec(ctypes.Structure):
@@ -259,6 +259,8 @@ def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -
         d.data = None
         return d
     d.data = t.data_ptr() if t.numel() else None
+    # the storage from data on: the library checks that the strides stay inside it
+    d.elements = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset() if t.numel() else 0
     st = t.stride()
     n_spatial = 1 if token_major else rank
     has_last = t.dim() == n_spatial + 3

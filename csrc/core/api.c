@@ -175,7 +175,8 @@ nbhd_geometry nbhd_geometry_of(const nbhd_problem *p) {
 }
 
 // ----------------------------------------------------------------------------
-// tensor checks: every tensor an op reads or writes must have data
+// tensor checks: every tensor an op reads or writes has data, and its view addresses only
+// elements it owns (nbhd_tensor)
 
 #define NEED(t, name)                                                                       \
     do {                                                                                    \
@@ -184,13 +185,90 @@ nbhd_geometry nbhd_geometry_of(const nbhd_problem *p) {
 
 static int is_empty(const nbhd_geometry *g) { return g->batch == 0 || g->heads == 0; }
 
+/* The extents of a tensor's 6-D view (nbhd.h legend); width 0: a row tensor (LSE), stride[5]
+ * unused. */
+typedef struct { int64_t n[6]; size_t esize; } tensor_view;
+
+/* [B, X, Y, Z, heads, width] of a spatial tensor, or [B, S, 1, 1, heads, width] of an extra-key
+ * tensor (extra = 1); rank 0's queries are [B, S_q, 1, 1, heads, width] */
+static tensor_view view_of(const nbhd_geometry *g, int extra, int64_t heads, int64_t width,
+                           size_t esize) {
+    tensor_view v = {{g->batch, 1, 1, 1, heads, width ? width : 1}, esize};
+    if (extra) v.n[1] = g->extra_kv;
+    else for (int a = 0; a < 3; ++a) v.n[1 + a] = g->axis[a].extent;
+    return v;
+}
+
+/* t's largest addressed element, or a rejection naming `name` and the rule */
+static nbhd_status check_view(const nbhd_tensor *t, const char *name, const tensor_view *v) {
+    if (t->elements < 0)
+        return nbhd_fail(NBHD_ERR_ARG, "%s: elements=%lld is invalid (need >= 0; 0: not checked)", name,
+                         (long long)t->elements);
+    int64_t last = 0;
+    int big = 0;   /* the axis with the largest contribution, for the message */
+    int64_t big_part = -1;
+    for (int i = 0; i < 6; ++i) {
+        if (v->n[i] == 0) return NBHD_OK;   /* no element addressed */
+        if (v->n[i] == 1) continue;
+        const int64_t s = t->stride[i], steps = v->n[i] - 1;
+        if (s < 0)
+            return nbhd_fail(NBHD_ERR_ARG, "%s: stride[%d]=%lld is negative (need >= 0 on an axis of extent %lld)",
+                             name, i, (long long)s, (long long)v->n[i]);
+        if (s > 0 && steps > (INT64_MAX - last) / s)
+            return nbhd_fail(NBHD_ERR_ARG,
+                             "%s: stride[%d]=%lld x extent %lld overflows 64-bit element offsets", name, i,
+                             (long long)s, (long long)v->n[i]);
+        last += steps * s;
+        if (steps * s > big_part) { big_part = steps * s; big = i; }
+    }
+    if (last >= INT64_MAX / (int64_t)v->esize)
+        return nbhd_fail(NBHD_ERR_ARG, "%s: element %lld is past 64-bit byte offsets", name, (long long)last);
+    if (t->elements > 0 && last >= t->elements)
+        return nbhd_fail(NBHD_ERR_ARG,
+                         "%s: stride[%d]=%lld addresses element %lld past its %lld elements (view [%lld, %lld, "
+                         "%lld, %lld, %lld, %lld], strides [%lld, %lld, %lld, %lld, %lld, %lld])",
+                         name, big, (long long)t->stride[big], (long long)last, (long long)t->elements,
+                         (long long)v->n[0], (long long)v->n[1], (long long)v->n[2], (long long)v->n[3],
+                         (long long)v->n[4], (long long)v->n[5], (long long)t->stride[0],
+                         (long long)t->stride[1], (long long)t->stride[2], (long long)t->stride[3],
+                         (long long)t->stride[4], (long long)t->stride[5]);
+    return NBHD_OK;
+}
+
+/* The kinds of tensor an op takes (nbhd.h legend). */
+typedef enum { T_Q, T_K, T_V, T_O, T_ROW, T_KX, T_VX } tensor_kind;
+
+static tensor_view kind_view(const nbhd_geometry *g, tensor_kind k) {
+    const size_t es = nbhd_dtype_size(g->dtype), ls = g->dtype == NBHD_F64 ? 8 : 4;
+    switch (k) {
+    case T_Q: return view_of(g, 0, g->heads, g->head_dim, es);
+    case T_K: return view_of(g, 0, g->kv_heads, g->head_dim, es);
+    case T_V: return view_of(g, 0, g->kv_heads, g->head_dim_v, es);
+    case T_O: return view_of(g, 0, g->heads, g->head_dim_v, es);
+    case T_ROW: return view_of(g, 0, g->heads, 0, ls);
+    case T_KX: return view_of(g, 1, g->kv_heads, g->head_dim, es);
+    case T_VX: return view_of(g, 1, g->kv_heads, g->head_dim_v, es);
+    }
+    return view_of(g, 0, 0, 0, es);
+}
+
+/* A tensor the op needs (required) or may take (optional: NULL data is absent): checked. */
+static nbhd_status check_tensor(const nbhd_geometry *g, const nbhd_tensor *t, const char *name,
+                                tensor_kind k, int required) {
+    if (!t->data) return required ? nbhd_fail(NBHD_ERR_ARG, "tensor %s has no data (NULL)", name) : NBHD_OK;
+    const tensor_view v = kind_view(g, k);
+    return check_view(t, name, &v);
+}
+
+#define REQUIRE(t, name, kind) if ((st = check_tensor(&g, &(t), name, kind, 1)) != NBHD_OK) return st
+#define OPTIONAL(t, name, kind) if ((st = check_tensor(&g, &(t), name, kind, 0)) != NBHD_OK) return st
+
 static nbhd_status check_extra(const nbhd_geometry *g, nbhd_tensor kx, nbhd_tensor vx,
                                const char *kx_name, const char *vx_name) {
-    if (g->extra_kv > 0) {
-        NEED(kx, kx_name);
-        NEED(vx, vx_name);
-    }
-    return NBHD_OK;
+    nbhd_status st = NBHD_OK;
+    if (g->extra_kv > 0 && (st = check_tensor(g, &kx, kx_name, T_KX, 1)) == NBHD_OK)
+        st = check_tensor(g, &vx, vx_name, T_VX, 1);
+    return st;
 }
 #define KX_NAMES "kx (additional keys)", "vx (additional values)"
 #define DKX_NAMES "d_kx (gradient of additional keys)", "d_vx (gradient of additional values)"
@@ -203,8 +281,15 @@ static nbhd_status check_workspace(const nbhd_problem *p, nbhd_op op, const nbhd
     return NBHD_OK;
 }
 
+static const nbhd_exec default_exec;
+
 size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e) {
     if (nbhd_validate(p) != NBHD_OK) return 0;
+    if ((unsigned)op > NBHD_OP_FORWARD_JVP_BACKWARD) {
+        nbhd_fail(NBHD_ERR_ARG, "op=%d is invalid (need NBHD_OP_FORWARD..NBHD_OP_FORWARD_JVP_BACKWARD)", (int)op);
+        return 0;
+    }
+    if (!e) e = &default_exec;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return 0;
 #ifdef NBHD_WITH_CUDA
@@ -213,8 +298,6 @@ size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *
     (void)e;
     return p->device == NBHD_CPU ? nbhd_cpu_workspace_bytes(&g, op) : 0;
 }
-
-static const nbhd_exec default_exec;
 
 /* Threads beyond this are a mistake (OpenMP aborts or crashes creating 10^5 of them). */
 #define NBHD_MAX_THREADS 1024
@@ -339,8 +422,8 @@ nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, cons
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return NBHD_OK;
-    NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
-    if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); }
+    REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
+    if (g.has_window) { REQUIRE(a->k, "k", T_K); REQUIRE(a->v, "v", T_V); }
     if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
     if ((st = check_workspace(p, NBHD_OP_FORWARD, e)) != NBHD_OK) return st;
     DISPATCH(forward, &g, a, e);
@@ -365,10 +448,14 @@ static void zero_host(nbhd_tensor t, int64_t B, const int64_t sp[3], int64_t Hkv
 /* heads == 0 with batch > 0: no query sees any key, so dK, dV, dKx, dVx are zero (and the
  * kernels are not called with zero query heads). */
 static nbhd_status backward_no_heads(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                     nbhd_device device) {
-    if (g->has_window) { NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
-    nbhd_status st = check_extra(g, a->d_kx, a->d_vx, DKX_NAMES);
-    if (st != NBHD_OK) return st;
+                                     nbhd_device device, const char *dk_name, const char *dv_name,
+                                     const char *dkx_name, const char *dvx_name) {
+    nbhd_status st;
+    if (g->has_window) {
+        if ((st = check_tensor(g, &a->d_k, dk_name, T_K, 1)) != NBHD_OK) return st;
+        if ((st = check_tensor(g, &a->d_v, dv_name, T_V, 1)) != NBHD_OK) return st;
+    }
+    if ((st = check_extra(g, a->d_kx, a->d_vx, dkx_name, dvx_name)) != NBHD_OK) return st;
     if (device != NBHD_CPU)  /* TODO: zero device gradients without a host loop */
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "backward with heads=0 is only supported on the CPU");
     const size_t es = nbhd_dtype_size(g->dtype);
@@ -392,11 +479,13 @@ nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, co
     nbhd_status st = enter(p, a, NBHD_OP_BACKWARD, &e, &tiled);
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
-    if (g.batch > 0 && g.heads == 0) return backward_no_heads(&g, a, p->device);
+    if (g.batch > 0 && g.heads == 0) return backward_no_heads(&g, a, p->device, "d_k", "d_v", DKX_NAMES);
     if (is_empty(&g)) return NBHD_OK;
-    NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse"); NEED(a->d_out, "d_out");
-    NEED(a->d_q, "d_q");
-    if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
+    REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
+    REQUIRE(a->d_out, "d_out", T_O); OPTIONAL(a->d_lse, "d_lse", T_ROW); REQUIRE(a->d_q, "d_q", T_Q);
+    if (g.has_window) {
+        REQUIRE(a->k, "k", T_K); REQUIRE(a->v, "v", T_V); REQUIRE(a->d_k, "d_k", T_K); REQUIRE(a->d_v, "d_v", T_V);
+    }
     if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
     if ((st = check_extra(&g, a->d_kx, a->d_vx, DKX_NAMES)) != NBHD_OK) return st;
     if ((st = check_workspace(p, NBHD_OP_BACKWARD, e)) != NBHD_OK) return st;
@@ -409,10 +498,14 @@ nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args 
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return NBHD_OK;
-    NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse");
-    NEED(a->t_out, "t_out"); NEED(a->t_lse, "t_lse");
-    if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); }
+    REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
+    REQUIRE(a->t_out, "t_out", T_O); REQUIRE(a->t_lse, "t_lse", T_ROW);
+    OPTIONAL(a->t_q, "t_q", T_Q);
+    if (g.has_window) {
+        REQUIRE(a->k, "k", T_K); REQUIRE(a->v, "v", T_V); OPTIONAL(a->t_k, "t_k", T_K); OPTIONAL(a->t_v, "t_v", T_V);
+    }
     if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
+    if (g.extra_kv > 0) { OPTIONAL(a->t_kx, "t_kx", T_KX); OPTIONAL(a->t_vx, "t_vx", T_VX); }
     if ((st = check_workspace(p, NBHD_OP_FORWARD_JVP, e)) != NBHD_OK) return st;
     DISPATCH(forward_jvp, &g, a, e);
 }
@@ -426,18 +519,28 @@ nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_
     if (g.batch > 0 && g.heads == 0) {  /* no query sees any key: key-side gradients are zero */
         nbhd_backward_args zero = {0};
         zero.d_k = a->d_k; zero.d_v = a->d_v; zero.d_kx = a->d_kx; zero.d_vx = a->d_vx;
-        if ((st = backward_no_heads(&g, &zero, p->device)) != NBHD_OK) return st;
+        if ((st = backward_no_heads(&g, &zero, p->device, "d_k", "d_v", DKX_NAMES)) != NBHD_OK) return st;
         const int has_t = a->d_t_k.data || a->d_t_v.data || a->d_t_kx.data || a->d_t_vx.data;
         if (!has_t) return NBHD_OK;
         zero.d_k = a->d_t_k; zero.d_v = a->d_t_v; zero.d_kx = a->d_t_kx; zero.d_vx = a->d_t_vx;
-        return backward_no_heads(&g, &zero, p->device);
+        return backward_no_heads(&g, &zero, p->device, "d_t_k", "d_t_v", "d_t_kx", "d_t_vx");
     }
     if (is_empty(&g)) return NBHD_OK;
-    NEED(a->q, "q"); NEED(a->out, "out"); NEED(a->lse, "lse"); NEED(a->t_out, "t_out");
-    NEED(a->t_lse, "t_lse"); NEED(a->d_q, "d_q");
-    if (g.has_window) { NEED(a->k, "k"); NEED(a->v, "v"); NEED(a->d_k, "d_k"); NEED(a->d_v, "d_v"); }
+    REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
+    REQUIRE(a->t_out, "t_out", T_O); REQUIRE(a->t_lse, "t_lse", T_ROW); REQUIRE(a->d_q, "d_q", T_Q);
+    OPTIONAL(a->t_q, "t_q", T_Q); OPTIONAL(a->d_out, "d_out", T_O); OPTIONAL(a->d_lse, "d_lse", T_ROW);
+    OPTIONAL(a->d_t_out, "d_t_out", T_O); OPTIONAL(a->d_t_lse, "d_t_lse", T_ROW); OPTIONAL(a->d_t_q, "d_t_q", T_Q);
+    if (g.has_window) {
+        REQUIRE(a->k, "k", T_K); REQUIRE(a->v, "v", T_V); REQUIRE(a->d_k, "d_k", T_K); REQUIRE(a->d_v, "d_v", T_V);
+        OPTIONAL(a->t_k, "t_k", T_K); OPTIONAL(a->t_v, "t_v", T_V);
+        OPTIONAL(a->d_t_k, "d_t_k", T_K); OPTIONAL(a->d_t_v, "d_t_v", T_V);
+    }
     if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
     if ((st = check_extra(&g, a->d_kx, a->d_vx, DKX_NAMES)) != NBHD_OK) return st;
+    if (g.extra_kv > 0) {
+        OPTIONAL(a->t_kx, "t_kx", T_KX); OPTIONAL(a->t_vx, "t_vx", T_VX);
+        OPTIONAL(a->d_t_kx, "d_t_kx", T_KX); OPTIONAL(a->d_t_vx, "d_t_vx", T_VX);
+    }
     if ((st = check_workspace(p, NBHD_OP_FORWARD_JVP_BACKWARD, e)) != NBHD_OK) return st;
     if (p->device == NBHD_CPU) return nbhd_cpu_forward_jvp_backward(&g, a, e);
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "forward_jvp_backward has no CUDA kernel yet");
@@ -469,14 +572,21 @@ nbhd_status nbhd_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, co
         return nbhd_fail(NBHD_ERR_ARG, "batch x tokens x heads x head_dim_v exceeds 2^56 elements");
     if (p->batch == 0 || p->tokens == 0) return NBHD_OK;
     char name[32];
+    /* rows [B, T, -, -, H] (stride[1] steps tokens) of Dv outputs, and of one LSE */
+    const tensor_view vo = {{p->batch, p->tokens, 1, 1, p->heads, p->head_dim_v}, nbhd_dtype_size(p->dtype)};
+    const tensor_view vl = {{p->batch, p->tokens, 1, 1, p->heads, 1}, p->dtype == NBHD_F64 ? 8 : 4};
     for (int i = 0; i < p->parts; ++i) {
         snprintf(name, sizeof name, "outs[%d]", i);
         NEED(a->outs[i], name);
+        if ((st = check_view(&a->outs[i], name, &vo)) != NBHD_OK) return st;
         snprintf(name, sizeof name, "lses[%d]", i);
         NEED(a->lses[i], name);
+        if ((st = check_view(&a->lses[i], name, &vl)) != NBHD_OK) return st;
     }
     NEED(a->out, "out");
+    if ((st = check_view(&a->out, "out", &vo)) != NBHD_OK) return st;
     NEED(a->lse, "lse");
+    if ((st = check_view(&a->lse, "lse", &vl)) != NBHD_OK) return st;
     if (p->device == NBHD_CPU) return nbhd_cpu_merge(p, a, e);
 #ifdef NBHD_WITH_CUDA
     return nbhd_cuda_merge(p, a, e);

@@ -93,6 +93,8 @@ int nbhd_cpu_amx_available(void) {
 typedef struct {
     const nbhd_tensor *q, *k, *v, *tq, *tk, *tv;
     const nbhd_tensor *out, *lse, *tout, *tlse;   /* tout, tlse NULL: the forward */
+    const nbhd_forward_args *fwd_args;            /* the call's arguments (one of them NULL) */
+    const nbhd_forward_jvp_args *jvp_args;
 } amx_io;
 
 /* The AMX kernels run a call when it is bf16 with head dims they tile (D % 32 == 0 and <= 256;
@@ -109,12 +111,13 @@ static int amx_takes(const nbhd_geometry *g, const nbhd_exec *e, int dv_multiple
 }
 
 static amx_io amx_io_forward(const nbhd_forward_args *a) {
-    const amx_io io = {&a->q, &a->k, &a->v, NULL, NULL, NULL, &a->out, &a->lse, NULL, NULL};
+    const amx_io io = {&a->q, &a->k, &a->v, NULL, NULL, NULL, &a->out, &a->lse, NULL, NULL, a, NULL};
     return io;
 }
 
 static amx_io amx_io_jvp(const nbhd_forward_jvp_args *a) {
-    const amx_io io = {&a->q, &a->k, &a->v, &a->t_q, &a->t_k, &a->t_v, &a->out, &a->lse, &a->t_out, &a->t_lse};
+    const amx_io io = {&a->q, &a->k, &a->v, &a->t_q, &a->t_k, &a->t_v, &a->out, &a->lse, &a->t_out, &a->t_lse,
+                       NULL, a};
     return io;
 }
 
@@ -219,18 +222,47 @@ static inline const uint16_t *amx_token(const nbhd_tensor *t, int64_t b, int64_t
 #define PIECE 256
 
 /* rows of line (x, y) (K, tK; Q, dO, V in the backward), in-group tokens [i0, i1) of group gr:
- * Kp[ZP x dim] */
-static void amx_pack_rows(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *k,
-                          int64_t dim, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
-                          int64_t i1) {
+ * Kp[ZP x dim]. Returns 1 when a value is a NaN or an infinity (all exponent bits set): the slab
+ * then runs on the reference kernels, as the other fast kernels' (fast.h). */
+static int amx_pack_rows(uint16_t *Kp, const amx_geo *G, const nbhd_geometry *g, const nbhd_tensor *k,
+                         int64_t dim, int64_t b, int64_t hk, int64_t x, int64_t y, int64_t gr, int64_t i0,
+                         int64_t i1) {
     const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
     uint16_t *dst = Kp + amx_goff(G, gr) * dim;
+    const __m512i ex = _mm512_set1_epi16(0x7f80);
+    __mmask32 bad = 0;
     for (int64_t i = i0; i < i1; ++i) {
         const uint16_t *src = amx_token(k, b, x, y, gr + i * G->dil, hk);
-        for (int64_t d = 0; d < dim; d += 32)   /* dim % 32 == 0 */
-            _mm512_storeu_si512((void *)(dst + i * dim + d), _mm512_loadu_si512((const void *)(src + d)));
+        for (int64_t d = 0; d < dim; d += 32) {   /* dim % 32 == 0 */
+            const __m512i w = _mm512_loadu_si512((const void *)(src + d));
+            _mm512_storeu_si512((void *)(dst + i * dim + d), w);
+            bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, ex), ex);
+        }
     }
     if (i1 == Lg) memset(dst + Lg * dim, 0, sizeof(uint16_t) * (size_t)(amx_gpad(Lg) * dim));
+    return bad != 0;
+}
+
+/* 1 when a bf16 element of in-group tokens [i0, i1) of group gr, line (x, y), head h of t (dim
+ * elements each) is a NaN or an infinity: the tensors packed as columns only (amx_pack_rows) */
+static int amx_nonfinite(const nbhd_tensor *t, const amx_geo *G, int64_t dim, int64_t b, int64_t h, int64_t x,
+                         int64_t y, int64_t gr, int64_t i0, int64_t i1) {
+    const __m512i ex = _mm512_set1_epi16(0x7f80);
+    const int64_t s5 = t->stride[5];
+    __mmask32 bad = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+        const uint16_t *src = amx_token(t, b, x, y, gr + i * G->dil, h);
+        for (int64_t d = 0; d < dim; d += 32) {
+            const __mmask32 m = dim - d >= 32 ? ~0u : (1u << (dim - d)) - 1;
+            if (s5 == 1) {
+                const __m512i w = _mm512_maskz_loadu_epi16(m, src + d);
+                bad |= _mm512_mask_cmpeq_epi16_mask(m, _mm512_and_si512(w, ex), ex);
+            } else {
+                for (int64_t j = d; j < dim && j < d + 32; ++j) bad |= (src[j * s5] & 0x7f80) == 0x7f80;
+            }
+        }
+    }
+    return bad != 0;
 }
 
 /* The column layout of a line (V^T, tV^T; K^T, Q^T, dO^T in the backward), in blocks of 32 packed
@@ -1170,6 +1202,13 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
                         (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL,
                         ns > 0 ? Vt : NULL, (const int32_t *)plan,
                         nbhd_cpu_stream_outputs((size_t)(B * G.lines * G.Z * g->heads * G.Dv) * 2 * (jvp ? 2 : 1), e)};
+    /* slabs whose operands hold a NaN or an infinity: the reference runs them (fast.h) */
+    unsigned char *to_ref = (unsigned char *)calloc((size_t)(B * Hk), 1);
+    if (!to_ref) {
+        free(W.blk);
+        free(plan);
+        return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -1187,10 +1226,18 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
                 int64_t ln, gr, i0, i1;
                 amx_piece(&W, g, it, &ln, &gr, &i0, &i1);
                 const int64_t x = ln / G.Y, y = ln % G.Y;
-                amx_pack_rows(Kp + ln * G.ZP * G.D, &G, g, io->k, G.D, b, hk, x, y, gr, i0, i1);
+                int bad = amx_pack_rows(Kp + ln * G.ZP * G.D, &G, g, io->k, G.D, b, hk, x, y, gr, i0, i1);
+                bad |= amx_nonfinite(io->v, &G, G.Dv, b, hk, x, y, gr, i0, i1);
                 if (!cx.Vc) amx_pack_cols(Vt + ln * G.Dv * G.ZP, &G, g, io->v, NULL, G.Dv, b, hk, x, y, gr, i0, i1);
-                if (has_tk) amx_pack_rows(tKp + ln * G.ZP * G.D, &G, g, io->tk, G.D, b, hk, x, y, gr, i0, i1);
-                if (has_tv) amx_pack_cols(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, NULL, G.Dv, b, hk, x, y, gr, i0, i1);
+                if (has_tk) bad |= amx_pack_rows(tKp + ln * G.ZP * G.D, &G, g, io->tk, G.D, b, hk, x, y, gr, i0, i1);
+                if (has_tv) {
+                    bad |= amx_nonfinite(io->tv, &G, G.Dv, b, hk, x, y, gr, i0, i1);
+                    amx_pack_cols(tVt + ln * G.Dv * G.ZP, &G, g, io->tv, NULL, G.Dv, b, hk, x, y, gr, i0, i1);
+                }
+                if (bad) {
+#pragma omp atomic write
+                    to_ref[slab] = 1;
+                }
             }
             /* V^T slices (amx_ctx) */
 #pragma omp for schedule(static)
@@ -1198,9 +1245,10 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
                 amx_pack_slice(Vt, plan, &G, g, io->v, NULL, G.Dv, b, hk, it);
             /* heads innermost: neighbouring items share key rows */
             const int64_t work = G.X * W.nblocks * Gq;
+            const int run = ok && !to_ref[slab];   /* after the barrier closing the slices */
 #pragma omp for schedule(static)
             for (int64_t w = 0; w < work; ++w) {
-                if (!ok) continue;
+                if (!run) continue;
                 const int64_t h = hk * Gq + w % Gq, c = (w / Gq) % W.nblocks, x = w / (Gq * W.nblocks);
                 amx_item(&cx, &sc, b, h, x, &W.blk[c]);
             }
@@ -1211,7 +1259,13 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     }
     free(W.blk);
     free(plan);
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
+    nbhd_status st = failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
+    for (int64_t slab = 0; st == NBHD_OK && slab < B * Hk; ++slab)
+        if (to_ref[slab])
+            st = jvp ? nbhd_cpu_fast_slab_forward_jvp(g, io->jvp_args, e, slab / Hk, slab % Hk, 1)
+                     : nbhd_cpu_fast_slab_forward(g, io->fwd_args, e, slab / Hk, slab % Hk, 1);
+    free(to_ref);
+    return st;
 }
 
 nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e) {
@@ -1478,6 +1532,13 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     amx_work W;
     if (!amx_work_init(&W, g, amx_choose_ny(&G, g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
     const int64_t nblocks = W.nblocks, npieces = W.npieces;
+    /* slabs whose operands hold a NaN or an infinity: the reference runs them (fast.h) */
+    unsigned char *to_ref = (unsigned char *)calloc((size_t)(B * Hk), 1);
+    if (!to_ref) {
+        free(W.blk);
+        free(plan);
+        return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    }
     const amx_bctx cx = {a, &G, g, K, Kt, V, Q, Qt, dO, dOt, L, Dd, (float)(g->scale * LOG2E),
                          ns > 0 ? Kt : NULL, (const int32_t *)plan, ns2 > 0 ? Qt : NULL, ns2 > 0 ? dOt : NULL,
                          (const int32_t *)plan2, qtn, otn,
@@ -1501,22 +1562,37 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
                 int64_t ln, gr, i0, i1;
                 amx_piece(&W, g, it % (G.lines * npieces), &ln, &gr, &i0, &i1);
                 const int64_t x = ln / G.Y, y = ln % G.Y;
+                int bad = 0;
                 if (which == 0) {   /* the key head */
-                    amx_pack_rows(K + ln * ZP * D, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
+                    bad |= amx_pack_rows(K + ln * ZP * D, &G, g, &a->k, D, b, hk, x, y, gr, i0, i1);
                     if (!cx.Kc) amx_pack_cols(Kt + ln * D * ZP, &G, g, &a->k, K + ln * ZP * D, D, b, hk, x, y, gr, i0,
                                               i1);
-                    amx_pack_rows(V + ln * ZP * Dv, &G, g, &a->v, Dv, b, hk, x, y, gr, i0, i1);
+                    bad |= amx_pack_rows(V + ln * ZP * Dv, &G, g, &a->v, Dv, b, hk, x, y, gr, i0, i1);
                 } else {            /* query head hq of its group */
                     const int64_t hq = which - 1, h = hk * Gq + hq;
                     uint16_t *qrows = Q + (hq * G.lines + ln) * ZP * D, *orows = dO + (hq * G.lines + ln) * ZP * Dv;
-                    amx_pack_rows(qrows, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
-                    amx_pack_rows(orows, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
+                    bad |= amx_pack_rows(qrows, &G, g, &a->q, D, b, h, x, y, gr, i0, i1);
+                    bad |= amx_pack_rows(orows, &G, g, &a->d_out, Dv, b, h, x, y, gr, i0, i1);
+                    /* D_i = dO.O - dLSE and L_i = LSE log2(e) come from these (pass 1) */
+                    bad |= amx_nonfinite(&a->out, &G, Dv, b, h, x, y, gr, i0, i1);
+                    float rows_bad = 0.0f;   /* 0 * value: NaN once one is not finite */
+                    for (int64_t i = i0; i < i1; ++i) {
+                        const int64_t z = gr + i * G.dil;
+                        rows_bad += 0.0f * *amx_scalar(&a->lse, b, x, y, z, h);
+                        if (a->d_lse.data) rows_bad += 0.0f * *amx_scalar(&a->d_lse, b, x, y, z, h);
+                    }
+                    bad |= rows_bad != rows_bad;
                     if (!cx.Qc) {   /* transposed from the rows just packed, not gathered again */
                         amx_pack_cols(Qt + hq * qtn + ln * D * ZP, &G, g, &a->q, qrows, D, b, h, x, y, gr, i0, i1);
                         amx_pack_cols(dOt + hq * otn + ln * Dv * ZP, &G, g, &a->d_out, orows, Dv, b, h, x, y, gr, i0, i1);
                     }
                 }
+                if (bad) {
+#pragma omp atomic write
+                    to_ref[slab] = 1;
+                }
             }
+            const int run = ok && !to_ref[slab];   /* after the barrier closing the packing */
             /* K^T slices (amx_bctx) */
 #pragma omp for schedule(static) nowait
             for (int64_t it = 0; it < (cx.Kc ? ns * G.lines : 0); ++it)
@@ -1532,7 +1608,7 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
             const int64_t work1 = G.X * nblocks * Gq;
 #pragma omp for schedule(static)
             for (int64_t w = 0; w < work1; ++w) {
-                if (!ok) continue;
+                if (!run) continue;
                 const int64_t hq = w % Gq, c = (w / Gq) % nblocks, x = w / (Gq * nblocks);
                 amx_bwd_dq(&cx, &sc, b, hk * Gq + hq, hq, x, &W.blk[c]);
             }
@@ -1540,7 +1616,7 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
             const int64_t work2 = G.X * nblocks;
 #pragma omp for schedule(static)
             for (int64_t w = 0; w < work2; ++w) {
-                if (!ok) continue;
+                if (!run) continue;
                 const int64_t c = w % nblocks, x = w / nblocks;
                 amx_bwd_dkdv(&cx, &sc, b, hk, x, &W.blk[c]);
             }
@@ -1551,7 +1627,11 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     }
     free(W.blk);
     free(plan);
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
+    nbhd_status st = failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
+    for (int64_t slab = 0; st == NBHD_OK && slab < B * Hk; ++slab)
+        if (to_ref[slab]) st = nbhd_cpu_fast_slab_backward(g, a, e, slab / Hk, slab % Hk, 1);
+    free(to_ref);
+    return st;
 }
 
 #else  /* not x86-64 Linux with GCC: never available */

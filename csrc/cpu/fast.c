@@ -9,6 +9,7 @@
 
 #include "amx.h"
 #include "fast.h"
+#include "reference.h"
 
 typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 } fast_isa;
 
@@ -138,3 +139,63 @@ nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forwar
     if (use_amx(g, NBHD_OP_FORWARD_JVP, &e1) && nbhd_cpu_amx_supports_jvp(g, a, &e1)) return nbhd_cpu_amx_forward_jvp(g, a, &e1);
     PICK(forward_jvp, g, a, &e1)
 }
+
+// ----------------------------------------------------------------------------
+// slabs with non-finite operands: the reference kernels on the slab's heads
+
+/* t moved to batch b, head h (element size es); absent tensors stay absent */
+static nbhd_tensor at_head(nbhd_tensor t, int64_t b, int64_t h, size_t es) {
+    if (t.data) t.data = (char *)t.data + (b * t.stride[0] + h * t.stride[4]) * (int64_t)es;
+    return t;
+}
+
+/* one batch, nh key/value heads and their query heads */
+static nbhd_geometry slab_geometry(const nbhd_geometry *g, int64_t nh) {
+    nbhd_geometry s = *g;
+    s.batch = 1;
+    s.kv_heads = (int32_t)nh;
+    s.heads = (int32_t)nh * g->group;
+    return s;
+}
+
+#define Q_SIDE(t) t = at_head(t, b, h0, es)
+#define K_SIDE(t) t = at_head(t, b, hk0, es)
+#define ROW_SIDE(t) t = at_head(t, b, h0, sizeof(float))
+
+nbhd_status nbhd_cpu_fast_slab_forward(const nbhd_geometry *g, const nbhd_forward_args *a0,
+                                       const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
+    const nbhd_geometry s = slab_geometry(g, nh);
+    const size_t es = nbhd_dtype_size(g->dtype);
+    const int64_t h0 = hk0 * g->group;
+    nbhd_forward_args a = *a0;
+    Q_SIDE(a.q); Q_SIDE(a.out); ROW_SIDE(a.lse);
+    K_SIDE(a.k); K_SIDE(a.v); K_SIDE(a.kx); K_SIDE(a.vx);
+    return nbhd_cpu_ref_forward(&s, &a, e);
+}
+
+nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backward_args *a0,
+                                        const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
+    const nbhd_geometry s = slab_geometry(g, nh);
+    const size_t es = nbhd_dtype_size(g->dtype);
+    const int64_t h0 = hk0 * g->group;
+    nbhd_backward_args a = *a0;
+    Q_SIDE(a.q); Q_SIDE(a.out); Q_SIDE(a.d_out); Q_SIDE(a.d_q); ROW_SIDE(a.lse); ROW_SIDE(a.d_lse);
+    K_SIDE(a.k); K_SIDE(a.v); K_SIDE(a.kx); K_SIDE(a.vx);
+    K_SIDE(a.d_k); K_SIDE(a.d_v); K_SIDE(a.d_kx); K_SIDE(a.d_vx);
+    return nbhd_cpu_ref_backward(&s, &a, e);
+}
+
+nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a0,
+                                           const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
+    const nbhd_geometry s = slab_geometry(g, nh);
+    const size_t es = nbhd_dtype_size(g->dtype);
+    const int64_t h0 = hk0 * g->group;
+    nbhd_forward_jvp_args a = *a0;
+    Q_SIDE(a.q); Q_SIDE(a.t_q); Q_SIDE(a.out); Q_SIDE(a.t_out); ROW_SIDE(a.lse); ROW_SIDE(a.t_lse);
+    K_SIDE(a.k); K_SIDE(a.v); K_SIDE(a.kx); K_SIDE(a.vx);
+    K_SIDE(a.t_k); K_SIDE(a.t_v); K_SIDE(a.t_kx); K_SIDE(a.t_vx);
+    return nbhd_cpu_ref_forward_jvp(&s, &a, e);
+}
+#undef Q_SIDE
+#undef K_SIDE
+#undef ROW_SIDE

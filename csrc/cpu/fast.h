@@ -31,6 +31,18 @@ nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g, const nbhd_backward_a
 nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                       const nbhd_exec *e);
 
+/* The scalar reference kernels on one slab of a fast kernel: batch b, key/value heads
+ * [hk0, hk0 + nh) and their query heads (g, a, e as the fast kernel got them). A fast kernel
+ * hands a slab over when its packed operands hold a NaN or an infinity: its masked lanes would
+ * multiply them by P = 0 (0 * inf = NaN outside the neighborhood), the reference visits only
+ * each query's own keys. */
+nbhd_status nbhd_cpu_fast_slab_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
+                                       const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh);
+nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                        const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh);
+nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                           const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh);
+
 #define NBHD_FAST_DECLARE(isa)                                                                  \
     int nbhd_cpu_fast_default_lines_##isa(int rank);                                            \
     size_t nbhd_cpu_fast_workspace_bytes_##isa(const nbhd_geometry *g, nbhd_op op);            \

@@ -240,11 +240,14 @@ static inline int64_t FAST(dims16)(const nbhd_tensor *t, int64_t dim) {
 }
 
 /* Packs one (b, h, x, y) line of tensor t into dst [dim][ZP] (Z group-major), times mul:
- * blocks of 16 tokens x 16 dims are transposed in registers. */
-static void FAST(pack_line)(float *dst, const FAST(geo) *G, const nbhd_tensor *t, nbhd_dtype dt,
+ * blocks of 16 tokens x 16 dims are transposed in registers. Returns 1 when a packed value is a
+ * NaN or an infinity (the slab then runs on the reference kernels: fast.h). */
+static int FAST(pack_line)(float *dst, const FAST(geo) *G, const nbhd_tensor *t, nbhd_dtype dt,
                             int64_t b, int64_t h, int64_t x, int64_t y, int64_t dim, float mul) {
     const int64_t ZP = G->ZP, s5 = t->stride[5], d16 = FAST(dims16)(t, dim);
     const vf vmul = vf_set1(mul);
+    vf bad = vf_zero();   /* sum of 0 * value: NaN once any value is not finite */
+    float bad_tail = 0.0f;
     for (int64_t gr = 0; gr < G->dil; ++gr)
         for (int64_t i0 = 0; i0 < G->glen[gr]; i0 += 16) {
             const int nz = (int)(G->glen[gr] - i0 < 16 ? G->glen[gr] - i0 : 16);
@@ -262,12 +265,25 @@ static void FAST(pack_line)(float *dst, const FAST(geo) *G, const nbhd_tensor *t
                 vf r[NBHD_LANES];
                 FAST(load_rows16)(r, t->data, dt, tok, nz, d0);
                 vf_transpose16(r);
-                for (int i = 0; i < NBHD_LANES; ++i) vf_store(dp + (d0 + i) * ZP, vf_mul(r[i], vmul));
+                for (int i = 0; i < NBHD_LANES; ++i) {
+                    const vf x = vf_mul(r[i], vmul);
+                    vf_store(dp + (d0 + i) * ZP, x);
+                    bad = vf_fma(x, vf_zero(), bad);
+                }
             }
             for (int64_t d = d16; d < dim; ++d)
-                for (int l = 0; l < nz; ++l) dp[d * ZP + l] = mul * FAST(ld)(t->data, tok[l] + d * s5, dt);
+                for (int l = 0; l < nz; ++l) {
+                    const float x = mul * FAST(ld)(t->data, tok[l] + d * s5, dt);
+                    dp[d * ZP + l] = x;
+                    bad_tail += x * 0.0f;
+                }
         }
     FAST(zero_margins)(dst, G, dim);
+    float lanes[NBHD_LANES];
+    vf_store(lanes, bad);
+    int any = bad_tail != bad_tail;
+    for (int l = 0; l < NBHD_LANES; ++l) any |= lanes[l] != lanes[l];
+    return any;
 }
 
 /* Packs the extra keys of (b, hk) of tensor t ([B, S, -, -, Hk, dim]) into dst [dim][SP]. */
@@ -293,16 +309,18 @@ typedef struct {
  * (heads innermost: each token's pages are visited once) and half of the np tensors (even
  * ones, or odd: keys or values), so that a slab of one line packs on two threads
  * (bench/ab_cpu.py A.so B.so 1d fp32 jvp). */
-static void FAST(pack_item)(const FAST(geo) *G, const FAST(packed) *p, int np, nbhd_dtype dt,
-                            int64_t b, int64_t hk0, int64_t nh, int64_t it) {
+static int FAST(pack_item)(const FAST(geo) *G, const FAST(packed) *p, int np, nbhd_dtype dt,
+                           int64_t b, int64_t hk0, int64_t nh, int64_t it) {
     const int64_t i = it / 2, hk = hk0 + i % nh, r = i / nh, x = r / G->Y, y = r % G->Y,
                   ln = (hk - hk0) * G->X * G->Y + r;
+    int bad = 0;   /* the extra keys need no check: every query sees every one, nothing masks them */
     for (int k = (int)(it % 2); k < np; k += 2) {
         const int64_t dim = p[k].dim;
-        if (p[k].t) FAST(pack_line)(p[k].rows + ln * dim * G->ZP, G, p[k].t, dt, b, hk, x, y, dim, p[k].mul);
+        if (p[k].t) bad |= FAST(pack_line)(p[k].rows + ln * dim * G->ZP, G, p[k].t, dt, b, hk, x, y, dim, p[k].mul);
         if (G->S && r == 0 && p[k].tx)
             FAST(pack_extra)(p[k].extra + (hk - hk0) * dim * G->SP, G, p[k].tx, dt, b, hk, dim, p[k].mul);
     }
+    return bad;
 }
 
 /* Lane ranges along Z of one chunk: lane l covers in-group positions [lo_l, hi_l).
@@ -975,6 +993,13 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
     const int64_t nhk = FAST(slab_heads)(g, NBHD_OP_FORWARD), per_b = (G.Hk + nhk - 1) / nhk;
     const int stream = FAST(stream_outputs)(&G, e, Dv, 1);
     const FAST(packed) pk[2] = {{KT, KXT, &a->k, &a->kx, D, 1.0f}, {VT, VXT, &a->v, &a->vx, Dv, 1.0f}};
+    /* slabs whose packed operands hold a NaN or an infinity: the reference runs them (fast.h) */
+    unsigned char *to_ref = (unsigned char *)calloc((size_t)(G.B * per_b), 1);
+    if (!to_ref) {
+        free(YB.g);
+        FAST(geo_free)(&G);
+        return nbhd_fail(NBHD_ERR_ALLOC, "out of host memory");
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -991,11 +1016,16 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
                       nh = G.Hk - hk0 < nhk ? G.Hk - hk0 : nhk, rows = G.X * G.Y;
         /* pack K, V (and the extra keys) as fp32 rows [dim][ZP], slab line (hk - hk0, x, y) */
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < 2 * nh * rows; ++it) FAST(pack_item)(&G, pk, 2, dt, b, hk0, nh, it);
+        for (int64_t it = 0; it < 2 * nh * rows; ++it)
+            if (FAST(pack_item)(&G, pk, 2, dt, b, hk0, nh, it)) {
+#pragma omp atomic write
+                to_ref[slab] = 1;
+            }
         const int64_t nqh = nh * G.G, work = G.X * YB.n * G.nruns * nqh;
+        const int run = ok && !to_ref[slab];
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
-            if (!ok) continue;
+            if (!run) continue;
             FAST(qitem) it;
             FAST(qitem_of)(&it, g, &G, &YB, ylines, w, nqh, hk0 * G.G);
             const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, slab_line0 = (hk - hk0) * rows;
@@ -1079,8 +1109,15 @@ nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forwa
     }
     free(YB.g);
     FAST(geo_free)(&G);
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory for per-thread scratch")
-                  : NBHD_OK;
+    nbhd_status st = failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory for per-thread scratch")
+                            : NBHD_OK;
+    for (int64_t slab = 0; st == NBHD_OK && slab < G.B * per_b; ++slab)
+        if (to_ref[slab]) {
+            const int64_t hk0 = (slab % per_b) * nhk;
+            st = nbhd_cpu_fast_slab_forward(g, a, e, slab / per_b, hk0, G.Hk - hk0 < nhk ? G.Hk - hk0 : nhk);
+        }
+    free(to_ref);
+    return st;
 }
 
 // ----------------------------------------------------------------------------
@@ -1340,6 +1377,13 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
                                 {VT, VXT, &a->v, &a->vx, Dv, 1.0f},
                                 {TKT, TKXT, has_tk ? &a->t_k : NULL, has_tkx ? &a->t_kx : NULL, D, tkmul},
                                 {TVT, TVXT, has_tv ? &a->t_v : NULL, has_tvx ? &a->t_vx : NULL, Dv, 1.0f}};
+    /* slabs whose packed operands hold a NaN or an infinity: the reference runs them (fast.h) */
+    unsigned char *to_ref = (unsigned char *)calloc((size_t)(G.B * per_b), 1);
+    if (!to_ref) {
+        free(YB.g);
+        FAST(geo_free)(&G);
+        return nbhd_fail(NBHD_ERR_ALLOC, "out of host memory");
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -1354,11 +1398,16 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
         const int64_t b = slab / per_b, hk0 = (slab % per_b) * nhk,
                       nh = G.Hk - hk0 < nhk ? G.Hk - hk0 : nhk, rows = G.X * G.Y;
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < 2 * nh * rows; ++it) FAST(pack_item)(&G, pk, 4, dt, b, hk0, nh, it);
+        for (int64_t it = 0; it < 2 * nh * rows; ++it)
+            if (FAST(pack_item)(&G, pk, 4, dt, b, hk0, nh, it)) {
+#pragma omp atomic write
+                to_ref[slab] = 1;
+            }
         const int64_t nqh = nh * G.G, work = G.X * YB.n * G.nruns * nqh;
+        const int run = ok && !to_ref[slab];
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; ++w) {
-            if (!ok) continue;
+            if (!run) continue;
             FAST(qitem) it;
             FAST(qitem_of)(&it, g, &G, &YB, ylines, w, nqh, hk0 * G.G);
             const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, slab_line0 = (hk - hk0) * rows;
@@ -1484,8 +1533,15 @@ nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_f
     }
     free(YB.g);
     FAST(geo_free)(&G);
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory for per-thread scratch")
-                  : NBHD_OK;
+    nbhd_status st = failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory for per-thread scratch")
+                            : NBHD_OK;
+    for (int64_t slab = 0; st == NBHD_OK && slab < G.B * per_b; ++slab)
+        if (to_ref[slab]) {
+            const int64_t hk0 = (slab % per_b) * nhk;
+            st = nbhd_cpu_fast_slab_forward_jvp(g, a, e, slab / per_b, hk0, G.Hk - hk0 < nhk ? G.Hk - hk0 : nhk);
+        }
+    free(to_ref);
+    return st;
 }
 
 // ----------------------------------------------------------------------------
@@ -1544,6 +1600,13 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
     const FAST(packed) pk[2] = {{KT, KXT, &a->k, &a->kx, D, 1.0f}, {VT, VXT, &a->v, &a->vx, Dv, 1.0f}};
     /* dQ, dK, dV are written once and not read here (counted as [.., H, D + Dv], at most their size) */
     const int stream = FAST(stream_outputs)(&G, e, D + Dv, 1);
+    /* slabs whose packed operands hold a NaN or an infinity: the reference runs them (fast.h) */
+    unsigned char *to_ref = (unsigned char *)calloc((size_t)(G.B * per_b), 1);
+    if (!to_ref) {
+        free(YB.g);
+        FAST(geo_free)(&G);
+        return nbhd_fail(NBHD_ERR_ALLOC, "out of host memory");
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
@@ -1589,15 +1652,20 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                       h0 = hk0 * G.G, nqh = nh * G.G;
         /* no barrier between independent loops (nowait); one after the packing, one at the end */
 #pragma omp for schedule(static) nowait
-        for (int64_t it = 0; it < 2 * nh * rows; ++it) FAST(pack_item)(&G, pk, 2, dt, b, hk0, nh, it);
+        for (int64_t it = 0; it < 2 * nh * rows; ++it)
+            if (FAST(pack_item)(&G, pk, 2, dt, b, hk0, nh, it)) {
+#pragma omp atomic write
+                to_ref[slab] = 1;
+            }
         /* query lines: Q^T scale log2e, dO^T, LSE log2e, D = dO.O - dLSE */
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < nqh * rows; ++it) {
             const int64_t h = h0 + it % nqh, x = (it / nqh) / G.Y, y = (it / nqh) % G.Y,
                           ln = (h - h0) * rows + it / nqh;
-            FAST(pack_line)(QT + ln * D * ZP, &G, &a->q, dt, b, h, x, y, D, qmul);
+            int bad = FAST(pack_line)(QT + ln * D * ZP, &G, &a->q, dt, b, h, x, y, D, qmul);
             float *dO = DOT + ln * Dv * ZP, *Lr = LR + ln * ZP, *Dr = DR + ln * ZP;
-            FAST(pack_line)(dO, &G, &a->d_out, dt, b, h, x, y, Dv, 1.0f);
+            bad |= FAST(pack_line)(dO, &G, &a->d_out, dt, b, h, x, y, Dv, 1.0f);
+            float rows_bad = 0.0f;   /* 0 * (D_i + L_i): NaN once either is not finite */
             for (int64_t z = 0; z < G.Z; ++z) {
                 const int64_t p = G.goff[z % G.dil] + z / G.dil, oo = FAST(off)(&a->out, b, x, y, z, h);
                 float Di = 0.0f;
@@ -1606,16 +1674,22 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
                 if (a->d_lse.data) Di -= ((const float *)a->d_lse.data)[FAST(off)(&a->d_lse, b, x, y, z, h)];
                 Dr[p] = Di;
                 Lr[p] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
+                rows_bad += 0.0f * (Di + Lr[p]);
             }
             FAST(zero_margins)(Dr, &G, 1);
             FAST(zero_margins)(Lr, &G, 1);
+            if (bad || rows_bad != rows_bad) {
+#pragma omp atomic write
+                to_ref[slab] = 1;
+            }
         }
+        const int skip = to_ref[slab];
         /* pass 1, query-stationary over blocks of query lines (as the forward's):
          * S = Q.k, T = dO.v, P = exp2(S - L), dS = P (T - D), dQ += dS k */
         const int64_t work_q = G.X * YB.n * G.nruns * nqh;
 #pragma omp for schedule(static) nowait
         for (int64_t w = 0; w < work_q; ++w) {
-            if (!run) continue;
+            if (!run || skip) continue;
             FAST(qitem) it;
             FAST(qitem_of)(&it, g, &G, &YB, lines, w, nqh, h0);
             const int64_t h = it.h, hk = h / G.G, x = it.x, gr = it.gr, i0 = it.i0, U = it.U, fx = it.fx,
@@ -1723,7 +1797,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
         const int64_t work_k = G.X * YB.n * G.nchunks * nh;
 #pragma omp for schedule(static) nowait
         for (int64_t w = 0; w < work_k; ++w) {
-            if (!run) continue;
+            if (!run || skip) continue;
             const int64_t hk = hk0 + w % nh, ch = (w / nh) % G.nchunks,
                           yb = (w / (nh * G.nchunks)) % YB.n, x = w / (nh * G.nchunks * YB.n);
             const int64_t gr = G.chunk_g[ch], j0 = G.chunk_i0[ch], Lg = G.glen[gr];
@@ -1806,7 +1880,7 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
         const int64_t work_x = nh * xchunks;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work_x; ++w) {
-            if (!ok) continue;
+            if (!ok || skip) continue;
             const int64_t xc = w % xchunks, hk = hk0 + w / xchunks;
             const int64_t e0 = xc * 16, bh = hk - hk0;
             const int nl = (int)(G.S - e0 < 16 ? G.S - e0 : 16);
@@ -1845,6 +1919,13 @@ nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_back
     }
     free(YB.g);
     FAST(geo_free)(&G);
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for per-thread scratch")
-                  : NBHD_OK;
+    nbhd_status st = failed ? nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for per-thread scratch")
+                            : NBHD_OK;
+    for (int64_t slab = 0; st == NBHD_OK && slab < G.B * per_b; ++slab)
+        if (to_ref[slab]) {
+            const int64_t hk0 = (slab % per_b) * nhk;
+            st = nbhd_cpu_fast_slab_backward(g, a, e, slab / per_b, hk0, G.Hk - hk0 < nhk ? G.Hk - hk0 : nhk);
+        }
+    free(to_ref);
+    return st;
 }

@@ -24,6 +24,10 @@
  * F32 LSE and accumulate in F32. Outputs are write-only: they are never read, so poisoned or
  * uninitialised output buffers are fine. The library never allocates on the hot path: scratch
  * memory comes from the caller (nbhd_workspace_bytes).
+ *
+ * Non-finite inputs: a NaN or an infinity reaches exactly the outputs that depend on it through
+ * the formulas below (a query's window, its inverse window for key gradients), never a query
+ * that does not see it (docs/nonfinite.md).
  */
 #ifndef NBHD_H
 #define NBHD_H
@@ -82,10 +86,14 @@ typedef struct {
     nbhd_device device;
 } nbhd_problem;
 
-/* A tensor: data pointer and element strides of its [B, X, Y, Z, H, D] view (see legend). */
+/* A tensor: data pointer and element strides of its [B, X, Y, Z, H, D] view (see legend).
+ * Every entry point checks each tensor it reads or writes: data not NULL, strides >= 0 on the
+ * axes of extent > 1, the largest addressed element (sum of (extent - 1) * stride) within int64
+ * byte offsets, and, when `elements` is set, below it. */
 typedef struct {
     void *data;
     int64_t stride[6];
+    int64_t elements;   /* elements of the allocation from data on (0: unknown, not checked) */
 } nbhd_tensor;
 
 /* How to run it. Zero-initialised is a valid default. */

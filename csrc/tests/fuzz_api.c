@@ -3,14 +3,17 @@
  *
  * Decodes the input bytes into a problem descriptor (every field, including invalid and extreme
  * values), an exec (threads, use_reference, tiles), a mode (all tensors, one tensor NULL, a short
- * workspace, NULL args/exec) and a seed for layouts and data. Then:
+ * workspace, one tensor's allocation smaller than its view, NULL args/exec) and a seed for
+ * layouts and data. Then:
  *   invalid problem      every entry point returns an error status, nbhd_workspace_bytes is 0,
  *                        and nothing is read or written (the tensors are 1-byte allocations)
  *   valid, empty         batch 0 or heads 0: the calls succeed without data (backward with
  *                        heads 0 writes zero key gradients)
  *   valid, small         tensors allocated exactly from the descriptor and the strides chosen
  *                        (under ASan an access one element out is reported), outputs poisoned;
- *                        forward, backward and forward_jvp are checked against naive.h
+ *                        forward, backward and forward_jvp are checked against naive.h; every
+ *                        tensor states its extent (nbhd_tensor.elements), and one shrunk to a
+ *                        single element is refused naming it, before anything is read
  *   valid, large         nbhd_workspace_bytes only (no buffers that big)
  * Any mismatch or unexpected status aborts, which libFuzzer reports as a crash.
  *
@@ -268,8 +271,27 @@ static void *fz_workspace(const nbhd_problem *p, nbhd_op op, nbhd_exec *e) {
     return e->workspace;
 }
 
-/* the valid, small problem: exact buffers, all three ops against the oracle. mode 1 nulls one
- * required tensor (expect NBHD_ERR_ARG), mode 2 gives one byte less workspace. */
+/* Mode 3's victim: a view of more than one element over a one-byte allocation that says it
+ * holds one element (ASan reports any read); 0 when the view has one element (nothing to shrink). */
+static int fz_shrink(nbhd_tensor *t, void **tiny) {
+    if (t->elements <= 1) return 0;
+    *tiny = malloc(1);
+    t->data = *tiny;
+    t->elements = 1;
+    return 1;
+}
+
+/* refused with NBHD_ERR_ARG and a message naming the element past the allocation */
+#define FZ_SHORT(call, what)                                                                  \
+    do {                                                                                      \
+        FZ_CHECK((call) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "past its 1 elements"),  \
+                 "%s accepted a tensor larger than its allocation (%s)", what, nbhd_last_error()); \
+        free(tiny);                                                                           \
+    } while (0)
+
+/* the valid, small problem: exact buffers (each tensor's `elements` is its view's extent), all
+ * ops against the oracle. mode 1 nulls one required tensor (expect NBHD_ERR_ARG), mode 2 gives
+ * one byte less workspace, mode 3 shrinks one required tensor's allocation below its view. */
 static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t victim, uint64_t seed) {
     rng_t r = {seed};
     if (getenv("NBHD_FUZZ_VERBOSE")) {  /* which problem a sanitizer report is about */
@@ -301,6 +323,7 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
                   svx[6] = {B, S, 1, 1, Hk, Dv};
     const int has_k = p->rank > 0, has_x = S > 0;
     int64_t st[6];
+    void *tiny = NULL;
 #define MAKE_IN(name, dims, type, dense, ign, bc)                                  \
     double *dense = dense_random(&r, dims_count(dims), -range, range);             \
     random_layout(&r, dims, bc, ign, st);                                          \
@@ -333,6 +356,8 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
         } else if (mode == 2 && e->workspace_bytes) {
             e->workspace_bytes--;
             FZ_CHECK(nbhd_forward(p, &a, e) == NBHD_ERR_WORKSPACE, "forward accepted a short workspace");
+        } else if (mode == 3 && fz_shrink(req[victim % 5], &tiny)) {
+            FZ_SHORT(nbhd_forward(p, &a, e), "forward");
         } else {
             FZ_CHECK(nbhd_forward(p, &a, e) == NBHD_OK, "forward failed");
             fz_close(p, "forward out", &O, out, tol);
@@ -370,6 +395,8 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
         } else if (mode == 2 && e->workspace_bytes) {
             e->workspace_bytes--;
             FZ_CHECK(nbhd_backward(p, &a, e) == NBHD_ERR_WORKSPACE, "backward accepted a short workspace");
+        } else if (mode == 3 && fz_shrink(req[victim % 6], &tiny)) {
+            FZ_SHORT(nbhd_backward(p, &a, e), "backward");
         } else {
             FZ_CHECK(nbhd_backward(p, &a, e) == NBHD_OK, "backward failed");
             const int64_t nq = dims_count(sq), nk = dims_count(sk), nv = dims_count(sv),
@@ -419,6 +446,8 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
         } else if (mode == 2 && e->workspace_bytes) {
             e->workspace_bytes--;
             FZ_CHECK(nbhd_forward_jvp(p, &a, e) == NBHD_ERR_WORKSPACE, "forward_jvp accepted a short workspace");
+        } else if (mode == 3 && fz_shrink(req[victim % 4], &tiny)) {
+            FZ_SHORT(nbhd_forward_jvp(p, &a, e), "forward_jvp");
         } else {
             FZ_CHECK(nbhd_forward_jvp(p, &a, e) == NBHD_OK, "forward_jvp failed");
             const int64_t no = dims_count(so), nl = dims_count(sl);
@@ -508,6 +537,8 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
             e->workspace_bytes--;
             FZ_CHECK(nbhd_forward_jvp_backward(p, &a, e) == NBHD_ERR_WORKSPACE,
                      "forward_jvp_backward accepted a short workspace");
+        } else if (mode == 3 && fz_shrink(req[victim % 5], &tiny)) {
+            FZ_SHORT(nbhd_forward_jvp_backward(p, &a, e), "forward_jvp_backward");
         } else {
             FZ_CHECK(nbhd_forward_jvp_backward(p, &a, e) == NBHD_OK, "forward_jvp_backward failed");
             const int64_t nq = dims_count(sq), nk = dims_count(sk), nv = dims_count(sv),
@@ -590,7 +621,7 @@ static void fz_empty(const nbhd_problem *p, nbhd_exec *e) {
 
 static struct {
     long inputs, invalid, absurd_threads, null_args, device_refused, empty, too_large, computed,
-        null_tensor, short_workspace;
+        null_tensor, short_workspace, short_tensor;
 } fz_count;
 
 static void fz_report(void) {
@@ -599,10 +630,10 @@ static void fz_report(void) {
             "(refused), %ld NULL-args probes, %ld CUDA problems refused, %ld empty (batch or heads "
             "0), %ld valid but too large to allocate (workspace size only), %ld computed and "
             "checked against naive.h (%ld with one required tensor NULL, %ld with a short "
-            "workspace: refused)\n",
+            "workspace, %ld with a tensor past its allocation: refused)\n",
             fz_count.inputs, fz_count.invalid, fz_count.absurd_threads, fz_count.null_args,
             fz_count.device_refused, fz_count.empty, fz_count.too_large, fz_count.computed,
-            fz_count.null_tensor, fz_count.short_workspace);
+            fz_count.null_tensor, fz_count.short_workspace, fz_count.short_tensor);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -710,10 +741,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         for (int op = 0; op < 3; ++op) (void)nbhd_workspace_bytes(p, (nbhd_op)op, &e);
         return 0;
     }
-    const int m = (mode == 1 || mode == 2) && p->heads > 0 ? mode : 0;
+    const int m = (mode == 1 || mode == 2 || mode == 3) && p->heads > 0 ? mode : 0;
     fz_count.computed++;
     fz_count.null_tensor += m == 1;
     fz_count.short_workspace += m == 2;
+    fz_count.short_tensor += m == 3;
     fz_compute(p, &e, m, victim, seed);
     return 0;
 }

@@ -19,7 +19,7 @@ static int failures;
 
 /* contiguous [B, X.., H, D] strides on the library's 6-D view */
 static nbhd_tensor dense(void *data, const nbhd_problem *p, int64_t H, int64_t D) {
-    nbhd_tensor t = {data, {0}};
+    nbhd_tensor t = {data, {0}, 0};
     int64_t at = H * D;
     t.stride[5] = 1;
     t.stride[4] = D;
@@ -112,7 +112,7 @@ static void run_case(uint64_t seed) {
           *tvx = random_floats(&r, nvx), *dout = random_floats(&r, no), *dlse = random_floats(&r, nl);
     nbhd_tensor Q = dense(q, &p, H, D), K = dense(k, &p, Hk, D), V = dense(v, &p, Hk, Dv);
     nbhd_tensor TQ = dense(tq, &p, H, D), TK = dense(tk, &p, Hk, D), TV = dense(tv, &p, Hk, Dv);
-    nbhd_tensor none = {NULL, {0}}, KX = none, VX = none, TKX = none, TVX = none;
+    nbhd_tensor none = {NULL, {0}, 0}, KX = none, VX = none, TKX = none, TVX = none;
     if (S) {
         /* [B, S, -, -, Hk, dim] */
         KX.data = kx; KX.stride[0] = S * Hk * D; KX.stride[1] = Hk * D; KX.stride[4] = D; KX.stride[5] = 1;

@@ -310,6 +310,150 @@ static void tensor_rules(void) {
     }
 }
 
+/* Tensor extents: every tensor of every entry point, given exactly its elements, runs; one
+ * element short, a negative stride, a stride that overflows 64-bit offsets or a negative
+ * `elements` is refused with NBHD_ERR_ARG, the message starting with the tensor's name (and
+ * nothing is read: the buffers are exact, so ASan sees any access past them). */
+enum { K_Q, K_K, K_V, K_O, K_ROW, K_KX, K_VX };
+
+static nbhd_tensor exact(const nbhd_problem *p, int kind) {
+    const int64_t B = p->batch, X = p->extent[0], Y = p->extent[1], S = p->extra_kv;
+    const int64_t H = kind == K_K || kind == K_V || kind == K_KX || kind == K_VX ? p->kv_heads : p->heads;
+    const int64_t W = kind == K_Q || kind == K_K || kind == K_KX ? p->head_dim : kind == K_ROW ? 1 : p->head_dim_v;
+    nbhd_tensor t;
+    memset(&t, 0, sizeof t);
+    t.stride[5] = kind == K_ROW ? 0 : 1;
+    t.stride[4] = W;
+    if (kind == K_KX || kind == K_VX) {
+        t.stride[1] = H * W;
+        t.stride[0] = S * H * W;
+        t.elements = B * S * H * W;
+    } else {   /* rank 2: [B, X, Y, 1, H, W] */
+        t.stride[3] = H * W;
+        t.stride[2] = H * W;
+        t.stride[1] = Y * H * W;
+        t.stride[0] = X * Y * H * W;
+        t.elements = B * X * Y * H * W;
+    }
+    t.data = calloc((size_t)t.elements, sizeof(float));
+    return t;
+}
+
+static int names_tensor(const char *name) {
+    const char *e = nbhd_last_error();
+    const size_t n = strlen(name);
+    return strncmp(e, name, n) == 0 && (e[n] == ':' || e[n] == ' ');
+}
+
+typedef nbhd_status (*entry_fn)(const nbhd_problem *, const void *, const nbhd_exec *);
+static nbhd_status call_fwd(const nbhd_problem *p, const void *a, const nbhd_exec *e) { return nbhd_forward(p, a, e); }
+static nbhd_status call_bwd(const nbhd_problem *p, const void *a, const nbhd_exec *e) { return nbhd_backward(p, a, e); }
+static nbhd_status call_jvp(const nbhd_problem *p, const void *a, const nbhd_exec *e) { return nbhd_forward_jvp(p, a, e); }
+static nbhd_status call_jvpb(const nbhd_problem *p, const void *a, const nbhd_exec *e) {
+    return nbhd_forward_jvp_backward(p, a, e);
+}
+
+static void extent_rules_of(const char *op_name, nbhd_op op, entry_fn fn, nbhd_tensor *f, int n,
+                            const char *const *names, const int *kinds, const nbhd_problem *p) {
+    char what[192];
+    for (int i = 0; i < n; ++i) f[i] = exact(p, kinds[i]);
+    nbhd_exec e;
+    memset(&e, 0, sizeof e);
+    e.workspace_bytes = nbhd_workspace_bytes(p, op, &e);
+    e.workspace = e.workspace_bytes ? malloc(e.workspace_bytes) : NULL;
+    snprintf(what, sizeof what, "%s runs with every tensor exactly its elements", op_name);
+    expect(fn(p, f, &e) == NBHD_OK, what);
+    for (int i = 0; i < n; ++i) {
+        const nbhd_tensor keep = f[i];
+        f[i].elements = keep.elements - 1;
+        snprintf(what, sizeof what, "%s with %s one element short -> NBHD_ERR_ARG naming it", op_name, names[i]);
+        expect(fn(p, f, &e) == NBHD_ERR_ARG && names_tensor(names[i]) && strstr(nbhd_last_error(), "past its"), what);
+        f[i] = keep;
+        f[i].stride[1] = -keep.stride[1];
+        snprintf(what, sizeof what, "%s with %s stride[1] negative -> NBHD_ERR_ARG naming it", op_name, names[i]);
+        expect(fn(p, f, &e) == NBHD_ERR_ARG && names_tensor(names[i]) && strstr(nbhd_last_error(), "negative"), what);
+        f[i] = keep;
+        f[i].stride[1] = INT64_MAX / 4;   /* x extent 9 (or 2 extra keys, 4-byte elements) */
+        f[i].elements = 0;   /* unknown size: the overflow alone is refused */
+        snprintf(what, sizeof what, "%s with %s stride[1] overflowing -> NBHD_ERR_ARG naming it", op_name, names[i]);
+        expect(fn(p, f, &e) == NBHD_ERR_ARG && names_tensor(names[i]) && strstr(nbhd_last_error(), "64-bit"), what);
+        f[i] = keep;
+        f[i].elements = -1;
+        snprintf(what, sizeof what, "%s with %s elements=-1 -> NBHD_ERR_ARG naming it", op_name, names[i]);
+        expect(fn(p, f, &e) == NBHD_ERR_ARG && names_tensor(names[i]) && strstr(nbhd_last_error(), "elements"), what);
+        f[i] = keep;
+    }
+    for (int i = 0; i < n; ++i) free(f[i].data);
+    free(e.workspace);
+}
+
+static void extent_rules(void) {
+    nbhd_problem p = valid();
+    p.batch = 1;
+    {
+        static const char *names[] = {"q", "k", "v", "kx", "vx", "out", "lse"};
+        static const int kinds[] = {K_Q, K_K, K_V, K_KX, K_VX, K_O, K_ROW};
+        nbhd_forward_args a;
+        extent_rules_of("forward", NBHD_OP_FORWARD, call_fwd, &a.q, 7, names, kinds, &p);
+    }
+    {
+        static const char *names[] = {"q", "k", "v", "kx", "vx", "out", "lse", "d_out", "d_lse",
+                                      "d_q", "d_k", "d_v", "d_kx", "d_vx"};
+        static const int kinds[] = {K_Q, K_K, K_V, K_KX, K_VX, K_O, K_ROW, K_O, K_ROW,
+                                    K_Q, K_K, K_V, K_KX, K_VX};
+        nbhd_backward_args a;
+        extent_rules_of("backward", NBHD_OP_BACKWARD, call_bwd, &a.q, 14, names, kinds, &p);
+    }
+    {
+        static const char *names[] = {"q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx",
+                                      "out", "lse", "t_out", "t_lse"};
+        static const int kinds[] = {K_Q, K_K, K_V, K_KX, K_VX, K_Q, K_K, K_V, K_KX, K_VX,
+                                    K_O, K_ROW, K_O, K_ROW};
+        nbhd_forward_jvp_args a;
+        extent_rules_of("forward_jvp", NBHD_OP_FORWARD_JVP, call_jvp, &a.q, 14, names, kinds, &p);
+    }
+    {
+        static const char *names[] = {"q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx",
+                                      "out", "lse", "t_out", "t_lse", "d_out", "d_lse", "d_t_out", "d_t_lse",
+                                      "d_q", "d_k", "d_v", "d_kx", "d_vx", "d_t_q", "d_t_k", "d_t_v",
+                                      "d_t_kx", "d_t_vx"};
+        static const int kinds[] = {K_Q, K_K, K_V, K_KX, K_VX, K_Q, K_K, K_V, K_KX, K_VX,
+                                    K_O, K_ROW, K_O, K_ROW, K_O, K_ROW, K_O, K_ROW,
+                                    K_Q, K_K, K_V, K_KX, K_VX, K_Q, K_K, K_V, K_KX, K_VX};
+        nbhd_forward_jvp_backward_args a;
+        extent_rules_of("forward_jvp_backward", NBHD_OP_FORWARD_JVP_BACKWARD, call_jvpb, &a.q, 28, names,
+                        kinds, &p);
+    }
+    {   /* heads 0: the backward zeroes d_k, d_v, d_kx, d_vx, so their extents are checked too */
+        nbhd_problem z = p;
+        z.heads = 0;
+        nbhd_backward_args a;
+        memset(&a, 0, sizeof a);
+        a.d_k = exact(&z, K_K); a.d_v = exact(&z, K_V); a.d_kx = exact(&z, K_KX); a.d_vx = exact(&z, K_VX);
+        expect(nbhd_backward(&z, &a, NULL) == NBHD_OK, "heads 0: backward zeroes exact d_k, d_v, d_kx, d_vx");
+        a.d_v.elements -= 1;
+        expect(nbhd_backward(&z, &a, NULL) == NBHD_ERR_ARG && names_tensor("d_v"),
+               "heads 0: backward refuses a short d_v naming it");
+        free(a.d_k.data); free(a.d_v.data); free(a.d_kx.data); free(a.d_vx.data);
+    }
+    {   /* the message names the stride, the element and the size */
+        nbhd_problem one = p;
+        one.rank = 1; one.extent[0] = 400000; one.kernel[0] = 3; one.stride[0] = 1; one.dilation[0] = 1;
+        one.causal[0] = 0; one.extra_kv = 0; one.heads = one.kv_heads = 1; one.head_dim = one.head_dim_v = 1;
+        static float small[400];
+        nbhd_forward_args a;
+        memset(&a, 0, sizeof a);
+        nbhd_tensor t = {small, {400000, 1, 0, 0, 1, 1}, 400};
+        a.q = a.k = a.v = a.out = t;
+        a.lse = (nbhd_tensor){small, {400000, 1, 0, 0, 1, 0}, 400};
+        expect(nbhd_forward(&one, &a, NULL) == NBHD_ERR_ARG &&
+                   strstr(nbhd_last_error(), "q: stride[1]=1 addresses element 399999 past its 400 elements"),
+               "a 400000-token query over a 400-element buffer: the message names stride, element, size");
+    }
+    expect(nbhd_workspace_bytes(&p, (nbhd_op)7, NULL) == 0 && strstr(nbhd_last_error(), "op"),
+           "workspace_bytes refuses an invalid op naming it");
+}
+
 static void strings(void) {
     expect(strcmp(nbhd_status_string(NBHD_OK), "NBHD_OK") == 0, "status string OK");
     expect(strcmp(nbhd_status_string(NBHD_ERR_ARG), "NBHD_ERR_ARG") == 0, "status string ARG");
@@ -385,11 +529,11 @@ static void merge_rules(void) {
     nbhd_merge_args a;
     memset(&a, 0, sizeof a);
     for (int i = 0; i < 2; ++i) {
-        a.outs[i] = (nbhd_tensor){outs[i], {4, 2, 0, 0, 2, 1}};
-        a.lses[i] = (nbhd_tensor){lses[i], {2, 1, 0, 0, 1, 0}};
+        a.outs[i] = (nbhd_tensor){outs[i], {4, 2, 0, 0, 2, 1}, 4};
+        a.lses[i] = (nbhd_tensor){lses[i], {2, 1, 0, 0, 1, 0}, 2};
     }
-    a.out = (nbhd_tensor){out, {4, 2, 0, 0, 2, 1}};
-    a.lse = (nbhd_tensor){lse, {2, 1, 0, 0, 1, 0}};
+    a.out = (nbhd_tensor){out, {4, 2, 0, 0, 2, 1}, 4};
+    a.lse = (nbhd_tensor){lse, {2, 1, 0, 0, 1, 0}, 2};
     expect(nbhd_merge(&p, &a, NULL) == NBHD_OK, "a valid merge runs");
     /* row 0: equal weights; row 1: only part 0 has keys */
     expect(fabsf(out[0] - 3) < 1e-6f && fabsf(out[1] - 4) < 1e-6f && fabsf(lse[0] - logf(2)) < 1e-6f,
@@ -416,6 +560,18 @@ static void merge_rules(void) {
            "merge names a NULL part");
     expect(nbhd_merge(NULL, &a, NULL) == NBHD_ERR_ARG && nbhd_merge(&p, NULL, NULL) == NBHD_ERR_ARG,
            "merge refuses NULL problem and args");
+    nbhd_merge_args shrt = a;
+    shrt.out.elements = 3;   /* 4 addressed */
+    expect(nbhd_merge(&p, &shrt, NULL) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "out: ") &&
+               strstr(nbhd_last_error(), "past its 3 elements"),
+           "merge refuses an out one element short naming it");
+    shrt = a;
+    shrt.lses[1].stride[1] = -1;
+    expect(nbhd_merge(&p, &shrt, NULL) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "lses[1]: stride[1]=-1"),
+           "merge refuses a negative stride naming the part");
+    shrt = a;
+    shrt.outs[0].elements = 4;
+    expect(nbhd_merge(&p, &shrt, NULL) == NBHD_OK, "merge runs with parts of exactly their elements");
     nbhd_merge_problem cuda = p;
     cuda.device = NBHD_CUDA;
     if (!nbhd_has_cuda())
@@ -425,6 +581,7 @@ static void merge_rules(void) {
 int main(void) {
     descriptor_rules();
     tensor_rules();
+    extent_rules();
     strings();
     tile_rules();
     merge_rules();

@@ -1,0 +1,170 @@
+"""NaN and +inf stay in their neighborhood: one non-finite token of q, k, v (or of a tangent)
+makes exactly the outputs non-finite that attend to it, on every CPU kernel family (the ISA
+builds NBHD_CPU_ISA=avx2|generic, avx512 and AMX where the CPU has them, the scalar reference)
+and on CUDA when present; forward (out, lse), backward (dq, dk, dv) and forward+JVP (out, t_out).
+
+The expected set comes from an exact float64 oracle that gathers each query's keys (no masked
+slots, so no 0 * NaN anywhere): shapes [B, *S, H, D] as in nbhd.na*d.
+"""
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import nbhd
+from nbhd import _lib, ops
+from nbhd.reference import neighborhood_index
+
+# shape, kernel, stride, dilation, causal; 4 heads over 2 key/value heads (GQA); batch 3: batch 0
+# finite, batch 1 with a NaN, batch 2 with a +inf
+GEOMETRIES = {
+    1: [((40,), (3,), (1,), (1,), (False,)),            # 1-D window 3: border chunk masked
+        ((37,), (5,), (2,), (2,), (True,))],            # stride, dilation, causal
+    2: [((9, 21), (3, 5), (1, 1), (1, 1), (False, False)),
+        ((8, 20), (3, 4), (2, 1), (1, 2), (True, False))],
+    3: [((4, 5, 18), (3, 3, 5), (1, 1, 1), (1, 1, 1), (False, False, True))],
+}
+B, H, HK, D, DV = 3, 4, 2, 16, 8
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def _isas():
+    """The fast-kernel builds this CPU can run, plus the scalar reference."""
+    have = _lib.cpu_isa()
+    order = ["amx", "avx512", "avx2", "generic"]
+    return [i for i in order[order.index(have):]] + ["reference"]
+
+
+def _oracle(geom, q, k, v, tq, tk, tv, d_out, d_lse):
+    """float64 over each query's own keys: (out, lse, dq, dk, dv, jvp out, t_out). The keys are
+    gathered [B, N, W] and the padding slots of short windows are replaced (torch.where, whose
+    derivatives select rather than multiply) by zero keys with score -inf, so no product ever
+    touches a key outside a query's window."""
+    shape, ks, st, dil, causal = geom
+    idx, valid = neighborhood_index(shape, ks, st, dil, causal)
+    Bq, N, G, D, DV = q.shape[0], idx.shape[0], H // HK, q.shape[-1], v.shape[-1]
+    scale = D ** -0.5
+    vk = valid[None, :, :, None, None]
+
+    def forward(q, k, v):
+        q = q.double().reshape(Bq, N, H, D)
+        kg = torch.where(vk, k.double().reshape(Bq, N, HK, D)[:, idx], 0.0).repeat_interleave(G, dim=3)
+        vg = torch.where(vk, v.double().reshape(Bq, N, HK, DV)[:, idx], 0.0).repeat_interleave(G, dim=3)
+        s = torch.where(valid[None, :, None, :], scale * torch.einsum("bnhd,bnwhd->bnhw", q, kg), -torch.inf)
+        out = torch.einsum("bnhw,bnwhd->bnhd", torch.softmax(s, dim=-1), vg)
+        return out.reshape(Bq, *shape, H, DV), torch.logsumexp(s, dim=-1).reshape(Bq, *shape, H)
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, lse = forward(*leaves)
+    grads = torch.autograd.grad((out, lse), leaves, (d_out.double(), d_lse.double()))
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(p.detach().double(), t.double()) for p, t in zip((q, k, v), (tq, tk, tv))]
+        jo, jt = fwAD.unpack_dual(forward(*duals)[0])
+    return [out.detach(), lse.detach(), *grads, jo, jt]
+
+
+def _nbhd(geom, q, k, v, tq, tk, tv, d_out, d_lse):
+    """The same quantities from nbhd's kernels (whatever the options and NBHD_CPU_ISA pick)."""
+    shape, ks, st, dil, causal = geom
+    na = getattr(nbhd, f"na{len(shape)}d")
+    na_jvp = getattr(nbhd, f"na{len(shape)}d_jvp")
+    kw = dict(kernel_size=ks, stride=st, dilation=dil, is_causal=causal)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = na(*leaves, **kw, return_lse=True)
+    grads = torch.autograd.grad((out, lse), leaves, (d_out, d_lse))
+    jo, jt = na_jvp(q, k, v, tq, tk, tv, **kw)
+    return [out.detach(), lse.detach(), *grads, jo, jt]
+
+
+NAMES = ["out", "lse", "dq", "dk", "dv", "jvp out", "jvp t_out"]
+
+
+def _inputs(geom, dtype, which, device="cpu", seed=0, D=D, DV=DV):
+    """Random inputs with NaN (batch 1) and +inf (batch 2) in every element of one token of head
+    0 of tensor `which`: batch 0 and the other heads stay finite, and must come out as without."""
+    shape = geom[0]
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    t = dict(q=rnd(B, *shape, H, D), k=rnd(B, *shape, HK, D), v=rnd(B, *shape, HK, DV),
+             tq=rnd(B, *shape, H, D), tk=rnd(B, *shape, HK, D), tv=rnd(B, *shape, HK, DV),
+             d_out=rnd(B, *shape, H, DV))
+    d_lse = rnd(B, *shape, H).float()
+    # a token near the first border along the last axis (a masked chunk) and mid-way elsewhere
+    pos = tuple(n // 2 for n in shape[:-1]) + (5,)
+    t[which][(1, *pos, 0)] = float("nan")
+    t[which][(2, *pos, 0)] = float("inf")
+    t = {n: x.to(device=device, dtype=dtype) for n, x in t.items()}
+    return t, d_lse.to(device)
+
+
+def _check(geom, dtype, which, device="cpu", dims=(D, DV)):
+    t, d_lse = _inputs(geom, dtype, which, device, D=dims[0], DV=dims[1])
+    args = (t["q"], t["k"], t["v"], t["tq"], t["tk"], t["tv"], t["d_out"], d_lse)
+    got = _nbhd(geom, *args)
+    want = _oracle(geom, *(x.cpu() for x in args))
+    tangent = which.startswith("t")
+    assert not torch.isfinite(want[6 if tangent else 0]).all(), "the oracle saw no non-finite input"
+    for name, a, w in zip(NAMES, got, want):
+        if tangent and name not in ("jvp out", "jvp t_out"):
+            continue   # a tangent reaches only the JVP's outputs
+        bad, expected = ~torch.isfinite(a.cpu().double()), ~torch.isfinite(w)
+        extra = (bad & ~expected).nonzero().tolist()
+        missing = (expected & ~bad).nonzero().tolist()
+        assert not extra and not missing, (
+            f"{name} ({dtype}, {which}, geometry {geom}): non-finite outside the "
+            f"neighborhood at {extra[:8]} ({len(extra)}), finite where the oracle is not at "
+            f"{missing[:8]} ({len(missing)})")
+        # and the finite outputs are right (relative to the largest of them)
+        fin = ~expected
+        a64 = a.cpu().double()
+        err = ((a64 - w).abs()[fin].max() / w.abs()[fin].max().clamp(min=1e-30)).item()
+        assert err < TOL[dtype], f"{name} ({dtype}, {which}): finite outputs off by {err:.3g}"
+
+
+CASES = [(r, i) for r in GEOMETRIES for i in range(len(GEOMETRIES[r]))]
+
+
+# every fast-kernel build with every dtype; the scalar reference (the fast kernels' fallback for a
+# slab holding a non-finite value, so run with every dtype through them) with fp32
+ISA_DTYPES = [(isa, dt) for isa in _isas() for dt in (torch.float32, torch.bfloat16, torch.float16)
+              if isa != "reference" or dt == torch.float32]
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
+@pytest.mark.parametrize("isa,dtype", ISA_DTYPES, ids=lambda x: str(x))
+def test_nonfinite_stays_in_neighborhood_cpu(isa, dtype, case, which, monkeypatch):
+    geom = GEOMETRIES[case[0]][case[1]]
+    if isa == "reference":
+        monkeypatch.setitem(ops._OPTIONS, "use_reference", True)
+    else:
+        monkeypatch.setenv("NBHD_CPU_ISA", isa)
+    _check(geom, dtype, which)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
+def test_nonfinite_stays_in_neighborhood_float64(case, which):
+    _check(GEOMETRIES[case[0]][case[1]], torch.float64, which)
+
+
+def test_nonfinite_1d_window3_exact_queries():
+    # the geometry spelled out: window 3 around token 5 is queries 4..6 (and their dq; dk over
+    # the keys those queries see, 3..7)
+    geom = ((40,), (3,), (1,), (1,), (False,))
+    t, d_lse = _inputs(geom, torch.float32, "v")
+    got = _nbhd(geom, t["q"], t["k"], t["v"], t["tq"], t["tk"], t["tv"], t["d_out"], d_lse)
+    rows = lambda x: sorted({i[0] for i in (~torch.isfinite(x[1])).nonzero().tolist()})  # noqa: E731
+    assert rows(got[0]) == [4, 5, 6]
+    assert rows(got[2]) == [4, 5, 6]
+    assert rows(got[3]) == [3, 4, 5, 6, 7]
+    assert rows(got[4]) == []
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and _lib.has_cuda()), reason="needs CUDA")
+@pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
+@pytest.mark.parametrize("dims", [(16, 8), (32, 32), (64, 64)], ids=lambda d: f"D{d[0]}-Dv{d[1]}")
+def test_nonfinite_stays_in_neighborhood_cuda(dims, case, dtype, which):
+    # (16, 8): the plain kernels; 32 and 64 with fp16/bf16: the tensor-core kernels
+    _check(GEOMETRIES[case[0]][case[1]], dtype, which, device="cuda", dims=dims)
