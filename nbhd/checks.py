@@ -5,7 +5,6 @@ for wrong types, NotImplementedError for valid but unsupported combinations.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Optional, Sequence, Tuple
 
@@ -13,6 +12,7 @@ import torch
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def per_axis_ints(name: str, value, rank: int, minimum: int) -> Tuple[int, ...]:
@@ -69,9 +69,11 @@ def scale_of(scale, head_dim: int, dtype: Optional[torch.dtype] = None) -> float
         return head_dim ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
-    if not math.isfinite(float(scale)):
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float scale is a
+    # symbolic float, which Dynamo can compare but not pass to math functions
+    if not scale - scale == 0:   # NaN and +-inf
         raise ValueError(f"scale must be finite, got scale={scale!r}")
-    if dtype is not None and dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
+    if dtype is not None and dtype != torch.float64 and abs(scale) > _FLOAT32_MAX:
         raise ValueError(f"scale={scale!r} is out of range for {dtype} inputs (need |scale| <= "
                          f"3.4e38: scores are computed in float32)")
     return float(scale)
