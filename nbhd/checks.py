@@ -255,12 +255,24 @@ def op_tensors(op: str, rank: int, spec, tensors, real: bool) -> None:
         if (t.shape != shapes[kind] or t.dtype is not want or t.device != device
                 or t.layout is not strided):
             _explain(op, name, t, shapes[kind], _LEGEND[kind], want, dtype, device)
-        if real and t.numel():
-            last = t.storage_offset()
-            for n, s in zip(t.shape, t.stride()):
-                last += (n - 1) * s
-            if last * t.element_size() >= t.untyped_storage().nbytes():
-                _outside_storage(op, name, t, last)
+        if real:
+            in_storage(f"{op}: {name}", t)
+
+
+def in_storage(name: str, t: Tensor) -> None:
+    """The last element a (real, strided) tensor addresses lies inside its storage: a view
+    whose storage was shrunk by resize_, or made unsafely, would let the C library read past
+    its end."""
+    if not t.numel():
+        return
+    last = t.storage_offset()
+    for n, s in zip(t.shape, t.stride()):
+        last += (n - 1) * s
+    if last * t.element_size() >= t.untyped_storage().nbytes():
+        held = t.untyped_storage().nbytes() // t.element_size()
+        raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}, storage offset "
+                         f"{t.storage_offset()}) reaches element {last} of a storage of {held} "
+                         "elements (its storage was shrunk, or the view was made unsafely)")
 
 
 def _explain(op, name, t, shape, legend, want, dtype, device):
@@ -271,10 +283,3 @@ def _explain(op, name, t, shape, legend, want, dtype, device):
     if t.dtype != want:
         _op_fail(op, f"{name} has dtype {t.dtype}; need {want} (q has {dtype})")
     _op_fail(op, f"{name} is on {t.device} but q is on {device}; they must match")
-
-
-def _outside_storage(op, name, t, last):
-    held = t.untyped_storage().nbytes() // t.element_size()
-    _op_fail(op, f"{name} (shape {tuple(t.shape)}, strides {t.stride()}, storage offset "
-                 f"{t.storage_offset()}) reaches element {last} of a storage of {held} elements "
-                 "(its storage was shrunk, or the view was made unsafely)")
