@@ -30,9 +30,15 @@ demo: install
 	$(PY) examples/demo.py
 
 # ---- C library on its own (no Python) ------------------------------------
-$(BUILD)/libnbhd.so: $(C_SRCS) $(wildcard csrc/*/*.h csrc/include/*.h)
-	@mkdir -p $(BUILD)
-	$(CC) $(CFLAGS) -fPIC -shared $(C_INCS) $(C_SRCS) -o $@ -lm
+# one object per source, so `make -j` compiles them side by side
+C_HEADERS := $(wildcard csrc/*/*.h csrc/include/*.h)
+C_OBJS := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(C_SRCS))
+$(BUILD)/obj/%.o: csrc/%.c $(C_HEADERS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -fPIC $(C_INCS) -c $< -o $@
+
+$(BUILD)/libnbhd.so: $(C_OBJS)
+	$(CC) $(CFLAGS) -fPIC -shared $(C_OBJS) -o $@ -lm
 
 # a C program on the library and csrc/tests/harness.h
 LINK_C_PROGRAM = $(CC) $(CFLAGS) $(C_INCS) -Icsrc/tests $< -o $@ -L$(BUILD) -lnbhd -Wl,-rpath,$(abspath $(BUILD)) -lm
@@ -62,6 +68,7 @@ clean:
 
 # ---- sanitizers, fuzzing, valgrind ------------------------------------------
 # test-c-sanitized: every C test with the library compiled in, under ASan + UBSan (gcc).
+# test-py-sanitized: the fuzz test of the custom ops, Python on the sanitized library.
 # fuzz-smoke: libFuzzer (clang) on the public API for FUZZ_SECONDS, from the seed corpus
 #   csrc/tests/fuzz_corpus/ (new inputs go to build/fuzz/corpus, crashes to build/fuzz/).
 # valgrind-c: one C test under valgrind's memcheck (no leaks, no invalid access).
@@ -76,7 +83,7 @@ SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 U
 C_TEST_HEADERS := $(wildcard csrc/tests/*.h) csrc/tests/fuzz_api.c
 SAN_C_TESTS := $(patsubst csrc/tests/%.c,$(SAN_BUILD)/%,$(wildcard csrc/tests/test_*.c))
 
-.PHONY: test-c-sanitized fuzz-smoke fuzz-build valgrind-c ci-tools
+.PHONY: test-c-sanitized test-py-sanitized fuzz-smoke fuzz-build valgrind-c ci-tools
 
 # CI machines start bare: clang (libFuzzer) and valgrind from apt when missing
 ci-tools:
@@ -97,11 +104,24 @@ SAN_OPT := -O1
 build/c-san-obj/cpu/fast_generic.o: SAN_OPT := -O0
 build/c-san-obj/%.o: csrc/%.c $(wildcard csrc/*/*.h csrc/include/*.h)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(SAN_OPT) $(SAN_FLAGS) $(C_INCS) -c $< -o $@
+	$(CC) $(CFLAGS) $(SAN_OPT) $(SAN_FLAGS) -fPIC $(C_INCS) -c $< -o $@
 
 $(SAN_BUILD)/%: csrc/tests/%.c $(SAN_OBJS) $(C_TEST_HEADERS)
 	@mkdir -p $(SAN_BUILD)
 	$(CC) $(CFLAGS) -O1 $(SAN_FLAGS) $(C_INCS) $< $(SAN_OBJS) -o $@ -lm
+
+# the same objects as a shared library, for Python with the ASan runtime preloaded
+$(SAN_BUILD)/libnbhd.so: $(SAN_OBJS)
+	@mkdir -p $(SAN_BUILD)
+	$(CC) $(CFLAGS) $(SAN_FLAGS) -shared $(SAN_OBJS) -o $@ -lm
+
+# test-py-sanitized: the custom-op fuzz test (tests/test_op_fuzz.py) on that library, under
+# ASan + UBSan (leak checks off: CPython and torch keep their allocations until exit)
+test-py-sanitized: $(SAN_BUILD)/libnbhd.so venv
+	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		NBHD_LIBRARY=$(abspath $(SAN_BUILD)/libnbhd.so) PYTHONPATH=$(CURDIR) \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_op_fuzz.py
 
 test-c-sanitized: $(SAN_C_TESTS)
 	@set -e; for t in $(SAN_C_TESTS); do echo "== $$t (ASan+UBSan)"; $(SAN_ENV) $$t; done

@@ -1,9 +1,17 @@
 """Builds the nbhd C library (csrc/) as a plain shared object inside the package.
 
 The library has no Python API and does not link libtorch: nbhd/_lib.py loads it with ctypes.
-CUDA sources (csrc/cuda/*.cu) are compiled with nvcc when it is found; NBHD_CUDA_ARCH selects
-the targets (default "80;90a"), NBHD_NO_CUDA=1 skips them.
+The C sources compile in parallel (NBHD_BUILD_JOBS, default: the CPU count).
+
+CUDA kernels (csrc/cuda/*.cu, with nvcc) are built only when asked for or useful:
+  NBHD_CUDA=1      build them (fails without nvcc)
+  NBHD_CUDA=0      never build them
+  unset            build them when nvcc is found and either a GPU is present (nvidia-smi lists
+                   one, or /dev/nvidia0 exists) or NBHD_CUDA_ARCH is set
+NBHD_CUDA_ARCH selects the targets (default "80;90a"). They take far longer to compile than the
+C library, so a machine without a GPU skips them unless told.
 """
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -19,13 +27,57 @@ INCLUDES = ["csrc/include", "csrc/core", "csrc/cpu"]
 
 
 def find_nvcc():
-    if os.environ.get("NBHD_NO_CUDA") == "1":
-        return None
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
         return os.path.join(home, "bin", "nvcc")
     return shutil.which("nvcc") or (
         "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+
+def gpu_present():
+    if os.path.exists("/dev/nvidia0"):
+        return True
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return listed.returncode == 0 and "GPU" in listed.stdout
+
+
+def cuda_nvcc():
+    """nvcc when the CUDA kernels are to be built (the module docstring's rule), else None."""
+    switch = os.environ.get("NBHD_CUDA", "").strip()
+    if switch not in ("", "0", "1"):
+        raise RuntimeError(f"NBHD_CUDA={switch!r}: use 1 (build the CUDA kernels), 0 (skip them) "
+                           "or leave it unset (build them when a GPU or NBHD_CUDA_ARCH is present)")
+    if switch == "0" or not CU_SOURCES:
+        return None
+    nvcc = find_nvcc()
+    if switch == "1":
+        if not nvcc:
+            raise RuntimeError("NBHD_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+        return nvcc
+    if nvcc and (os.environ.get("NBHD_CUDA_ARCH") or gpu_present()):
+        return nvcc
+    if nvcc:
+        print("nbhd: nvcc found but no GPU and no NBHD_CUDA_ARCH: building the CPU library only "
+              "(NBHD_CUDA=1 builds the CUDA kernels)")
+    return None
+
+
+def compile_in_parallel(compiler, jobs, then=lambda: None):
+    """Makes compiler.compile build its sources `jobs` at a time (one gcc per source), then
+    call `then` (waiting for the nvcc jobs) before the link."""
+    serial = compiler.compile
+
+    def compile(sources, *args, **kwargs):
+        with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+            objects = [o for objs in pool.map(lambda src: serial([src], *args, **kwargs), sources)
+                       for o in objs]
+        then()
+        return objects
+
+    compiler.compile = compile
 
 
 def cuda_gencode_flags():
@@ -60,47 +112,58 @@ def cuda_home_of(nvcc):
 
 
 class BuildNbhd(build_ext):
-    """Adds nvcc-compiled objects for csrc/cuda when nvcc exists."""
+    """Compiles the C sources in parallel; adds nvcc-compiled objects for csrc/cuda when the
+    CUDA kernels are built (cuda_nvcc)."""
 
     def build_extension(self, ext):
-        nvcc = find_nvcc() if CU_SOURCES else None
-        if nvcc:
+        nvcc = cuda_nvcc()
+        nvcc_jobs = []
+        if nvcc:   # nvcc runs while gcc compiles the C sources; the link waits for both
             cuda_home = cuda_home_of(nvcc)
-            objects = []
             os.makedirs(self.build_temp, exist_ok=True)
-            jobs = []
+            objects = []
             for src in CU_SOURCES:
                 obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
                 cmd = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo",
                        "--expt-relaxed-constexpr", "-DNBHD_WITH_CUDA",
                        *[f"-I{i}" for i in INCLUDES], *cuda_gencode_flags(), "-c", src, "-o", obj]
                 print(" ".join(cmd))
-                jobs.append(subprocess.Popen(cmd))
+                nvcc_jobs.append(subprocess.Popen(cmd))
                 objects.append(obj)
-            if any(j.wait() != 0 for j in jobs):
-                raise RuntimeError("nvcc failed on csrc/cuda (see the messages above)")
             ext.extra_objects = objects
             ext.define_macros = [*ext.define_macros, ("NBHD_WITH_CUDA", "1")]
             lib_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
             ext.library_dirs = [d for d in lib_dirs if os.path.isdir(d)]
             ext.libraries = [*ext.libraries, "cudart", "stdc++"]  # nvcc host code needs the C++ runtime
             ext.runtime_library_dirs = ext.library_dirs
-        super().build_extension(ext)
+
+        def wait_for_nvcc():
+            if [j.wait() for j in nvcc_jobs] and any(j.returncode != 0 for j in nvcc_jobs):
+                raise RuntimeError("nvcc failed on csrc/cuda (see the messages above)")
+
+        compile_in_parallel(self.compiler, int(os.environ.get("NBHD_BUILD_JOBS") or os.cpu_count() or 1),
+                            then=wait_for_nvcc)
+        try:
+            super().build_extension(ext)
+        finally:
+            wait_for_nvcc()
 
     def get_export_symbols(self, ext):
         return []  # a plain C library: no PyInit_ symbol
 
 
-setup(
-    ext_modules=[
-        Extension(
-            "nbhd._nbhd",
-            sources=C_SOURCES,
-            include_dirs=INCLUDES,
-            extra_compile_args=["-std=c11", "-O3", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-psabi"],
-            extra_link_args=["-fopenmp"],
-            libraries=["m"],
-        )
-    ],
-    cmdclass={"build_ext": BuildNbhd},
-)
+
+if __name__ == "__main__":   # setup.py's helpers can be imported (tests/test_build.py)
+    setup(
+        ext_modules=[
+            Extension(
+                "nbhd._nbhd",
+                sources=C_SOURCES,
+                include_dirs=INCLUDES,
+                extra_compile_args=["-std=c11", "-O3", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-psabi"],
+                extra_link_args=["-fopenmp"],
+                libraries=["m"],
+            )
+        ],
+        cmdclass={"build_ext": BuildNbhd},
+    )

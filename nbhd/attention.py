@@ -245,17 +245,29 @@ def _merge(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Tensor, T
     Plain torch ops: autograd, jvp and vmap follow from PyTorch's own rules, and they give
     exactly the §4 tangents tL = sum w_a mu_a, to = sum w_a (to_a + (mu_a - tL) o_a)."""
     stacked = torch.stack([l.to(lses[0].dtype) for l in lses])           # [n, B, *S, H]
-    # a row with every part empty (all lse = -inf) merges to output 0 and lse -inf, and its
-    # derivatives are 0, not NaN: logsumexp sees zeros there and its result is masked
+    # a row with every part empty (all lse = -inf) merges to output 0 and lse -inf; a row with
+    # parts of lse +inf (and no NaN) to lse +inf and the mean of those parts (the limit as
+    # their lse grow together). Their derivatives are 0, not NaN: logsumexp sees zeros there
+    # and its result is masked.
     empty = torch.isneginf(stacked).all(0)
-    safe = torch.where(empty, torch.zeros_like(stacked), stacked)
+    infinite, n_inf = _infinite_parts(stacked)
+    safe = torch.where(empty | (n_inf > 0), torch.zeros_like(stacked), stacked)
     merged = torch.where(empty, torch.full_like(empty, float("-inf"), dtype=stacked.dtype),
                          torch.logsumexp(safe, dim=0))                      # [B, *S, H]
+    merged = torch.where(n_inf > 0, torch.full_like(merged, float("inf")), merged)
     finite = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
-    weights = torch.exp(stacked - finite)                                   # [n, B, *S, H]
+    exponent = torch.where(n_inf > 0, torch.zeros_like(stacked), stacked) - finite
+    weights = torch.where(n_inf > 0, infinite / n_inf.clamp(min=1), torch.exp(exponent))  # [n, B, *S, H]
     work = torch.promote_types(outputs[0].dtype, weights.dtype)
     out = sum(weights[a].unsqueeze(-1).to(work) * outputs[a].to(work) for a in range(len(outputs)))
     return out.to(outputs[0].dtype), merged
+
+
+def _infinite_parts(stacked: Tensor) -> Tuple[Tensor, Tensor]:
+    """(is +inf [n, B, *S, H] in stacked's dtype, their count per row [B, *S, H], 0 where
+    the row has a NaN)."""
+    infinite = torch.isposinf(stacked) & ~torch.isnan(stacked).any(0)
+    return infinite.to(stacked.dtype), infinite.sum(0)
 
 
 def _merge_backward(outputs, lses, out, lse, g_out, g_lse):
@@ -265,12 +277,15 @@ def _merge_backward(outputs, lses, out, lse, g_out, g_lse):
     work = torch.promote_types(outputs[0].dtype, lse.dtype)
     g_out = g_out.to(work) if g_out is not None else torch.zeros_like(out, dtype=work)
     g_lse = g_lse.to(lse.dtype) if g_lse is not None else torch.zeros_like(lse)
+    infinite, n_inf = _infinite_parts(torch.stack([l.to(lse.dtype) for l in lses]))
     g_outputs, g_lses = [], []
-    for o_a, l_a in zip(outputs, lses):
-        w = torch.exp(l_a.to(lse.dtype) - finite)
+    for a, (o_a, l_a) in enumerate(zip(outputs, lses)):
+        # rows of lse +inf: out is the mean of the +inf parts, constant in every lse
+        w = torch.where(n_inf > 0, infinite[a] / n_inf.clamp(min=1),
+                        torch.exp(torch.where(n_inf > 0, finite, l_a.to(lse.dtype)) - finite))
         g_outputs.append((w.unsqueeze(-1).to(work) * g_out).to(o_a.dtype))
         dot = (g_out * (o_a.to(work) - out.to(work))).sum(-1).to(lse.dtype)
-        g_lses.append((w * (dot + g_lse)).to(l_a.dtype))
+        g_lses.append(torch.where(n_inf > 0, 0, w * (dot + g_lse)).to(l_a.dtype))
     return g_outputs, g_lses
 
 
@@ -281,6 +296,9 @@ class _MergeKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, n, *tensors):
         outputs, lses = tensors[:n], tensors[n:]
+        for i, (o, l) in enumerate(zip(outputs, lses)):   # the C kernel reads them as they are
+            checks.in_storage(f"merge_attentions: outputs[{i}]", o)
+            checks.in_storage(f"merge_attentions: lse_tensors[{i}]", l)
         B, H, Dv = outputs[0].shape[0], outputs[0].shape[-2], outputs[0].shape[-1]
         T = math.prod(outputs[0].shape[1:-2])
         tokens = lambda t, last: t.reshape(B, T, *t.shape[last:])
@@ -337,6 +355,10 @@ def merge_attentions(outputs: List[Tensor], lse_tensors: List[Tensor], torch_com
 
     Returns:
         merged output [B, *S, H, Dv] in the outputs' dtype, or (output, lse) when return_lse.
+        Rows whose parts all have lse -inf (no keys) merge to output 0, lse -inf; rows where
+        some parts have lse +inf merge to lse +inf and the mean of those parts' outputs (the
+        limit as their lse grow together); a NaN lse gives a NaN row. The C kernel and the
+        torch ops agree on all three.
 
     Example:
         >>> o1, l1 = nbhd.attention(q, k1, v1, return_lse=True)

@@ -5,7 +5,6 @@ for wrong types, NotImplementedError for valid but unsupported combinations.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Optional, Sequence, Tuple
 
@@ -13,6 +12,7 @@ import torch
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def per_axis_ints(name: str, value, rank: int, minimum: int) -> Tuple[int, ...]:
@@ -69,9 +69,11 @@ def scale_of(scale, head_dim: int, dtype: Optional[torch.dtype] = None) -> float
         return head_dim ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
-    if not math.isfinite(float(scale)):
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float scale is a
+    # symbolic float, which Dynamo can compare but not pass to math functions
+    if not scale - scale == 0:   # NaN and +-inf
         raise ValueError(f"scale must be finite, got scale={scale!r}")
-    if dtype is not None and dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
+    if dtype is not None and dtype != torch.float64 and abs(scale) > _FLOAT32_MAX:
         raise ValueError(f"scale={scale!r} is out of range for {dtype} inputs (need |scale| <= "
                          f"3.4e38: scores are computed in float32)")
     return float(scale)
@@ -253,12 +255,24 @@ def op_tensors(op: str, rank: int, spec, tensors, real: bool) -> None:
         if (t.shape != shapes[kind] or t.dtype is not want or t.device != device
                 or t.layout is not strided):
             _explain(op, name, t, shapes[kind], _LEGEND[kind], want, dtype, device)
-        if real and t.numel():
-            last = t.storage_offset()
-            for n, s in zip(t.shape, t.stride()):
-                last += (n - 1) * s
-            if last * t.element_size() >= t.untyped_storage().nbytes():
-                _outside_storage(op, name, t, last)
+        if real:
+            in_storage(f"{op}: {name}", t)
+
+
+def in_storage(name: str, t: Tensor) -> None:
+    """The last element a (real, strided) tensor addresses lies inside its storage: a view
+    whose storage was shrunk by resize_, or made unsafely, would let the C library read past
+    its end."""
+    if not t.numel():
+        return
+    last = t.storage_offset()
+    for n, s in zip(t.shape, t.stride()):
+        last += (n - 1) * s
+    if last * t.element_size() >= t.untyped_storage().nbytes():
+        held = t.untyped_storage().nbytes() // t.element_size()
+        raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}, storage offset "
+                         f"{t.storage_offset()}) reaches element {last} of a storage of {held} "
+                         "elements (its storage was shrunk, or the view was made unsafely)")
 
 
 def _explain(op, name, t, shape, legend, want, dtype, device):
@@ -269,10 +283,3 @@ def _explain(op, name, t, shape, legend, want, dtype, device):
     if t.dtype != want:
         _op_fail(op, f"{name} has dtype {t.dtype}; need {want} (q has {dtype})")
     _op_fail(op, f"{name} is on {t.device} but q is on {device}; they must match")
-
-
-def _outside_storage(op, name, t, last):
-    held = t.untyped_storage().nbytes() // t.element_size()
-    _op_fail(op, f"{name} (shape {tuple(t.shape)}, strides {t.stride()}, storage offset "
-                 f"{t.storage_offset()}) reaches element {last} of a storage of {held} elements "
-                 "(its storage was shrunk, or the view was made unsafely)")

@@ -304,3 +304,71 @@ def test_merge_kernel_cuda(dtype):
     torch.testing.assert_close(out.cpu().double(), r_out, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.cpu().double(), r_lse, atol=tol, rtol=tol)
     assert torch.equal(out[1, 2, 6].cpu(), torch.zeros_like(out[1, 2, 6].cpu()))
+
+
+def _non_finite_lse_parts(dtype, device="cpu"):
+    """Three parts [2, 4, 2, 3] whose rows cover every non-finite case: row (0, 0) one part of
+    lse +inf; (0, 1) two parts +inf; (0, 2) +inf and -inf; (0, 3) all -inf; (1, 0) +inf and NaN;
+    every other row finite. Returns (outs, lses, expected out [float64], expected lse)."""
+    outs, lses = _parts(3, (2, 4, 2, 3), dtype)
+    inf, nan = float("inf"), float("nan")
+    lses[1][0, 0] = inf
+    lses[0][0, 1], lses[2][0, 1] = inf, inf
+    lses[0][0, 2], lses[1][0, 2] = inf, -inf
+    for l in lses:
+        l[0, 3] = -inf
+    lses[0][1, 0], lses[2][1, 0] = inf, nan
+    o = [x.double() for x in outs]
+    l = torch.stack([x.double() for x in lses])
+    exp_lse = torch.logsumexp(l, 0)
+    exp_out = sum(torch.exp(l[a] - exp_lse).unsqueeze(-1) * o[a] for a in range(3))
+    exp_lse[0, 0], exp_out[0, 0] = inf, o[1][0, 0]
+    exp_lse[0, 1], exp_out[0, 1] = inf, (o[0][0, 1] + o[2][0, 1]) / 2
+    exp_lse[0, 2], exp_out[0, 2] = inf, o[0][0, 2]
+    exp_lse[0, 3], exp_out[0, 3] = -inf, 0.0
+    exp_lse[1, 0], exp_out[1, 0] = nan, nan
+    return ([x.to(device) for x in outs], [x.to(device) for x in lses], exp_out, exp_lse)
+
+
+def _merge_paths():
+    """(name, merge function) of every path of this machine: the C kernel (CPU; CUDA when there)
+    and the torch ops (what torch.compile and the torch.func transforms trace)."""
+    from nbhd.attention import _merge, _MergeKernel
+    kernel = lambda outs, lses: _MergeKernel.apply(len(outs), *outs, *lses)
+    paths = [("kernel-cpu", "cpu", kernel), ("torch-ops", "cpu", _merge)]
+    if torch.cuda.is_available() and nbhd.has_cuda():
+        paths += [("kernel-cuda", "cuda", kernel), ("torch-ops-cuda", "cuda", _merge)]
+    return paths
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", _merge_paths(), ids=lambda p: p[0])
+def test_merge_non_finite_lse_is_defined_on_every_path(path, dtype):
+    _, device, merge = path
+    outs, lses, exp_out, exp_lse = _non_finite_lse_parts(dtype, device)
+    out, lse = merge(outs, lses)
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    torch.testing.assert_close(lse.cpu().double(), exp_lse, rtol=tol, atol=tol, equal_nan=True)
+    torch.testing.assert_close(out.cpu().double(), exp_out, rtol=tol, atol=tol, equal_nan=True)
+
+
+def test_merge_gradients_at_infinite_lse_are_finite_and_agree():
+    """Rows of lse +inf: out is the mean of the +inf parts, so d out_a = g / count there and
+    d lse = 0; the kernel's closed-form backward and autograd through the torch ops agree."""
+    from nbhd.attention import _merge, _MergeKernel
+    outs, lses, _, _ = _non_finite_lse_parts(torch.float64)
+    lses = [l.nan_to_num(nan=0.0, posinf=float("inf"), neginf=float("-inf")) for l in lses]
+    g = torch.Generator().manual_seed(9)
+    g_out, g_lse = torch.randn(2, 4, 2, 3, generator=g, dtype=DT), torch.randn(2, 4, 2, generator=g, dtype=DT)
+    grads = []
+    for merge in (_merge, lambda o, l: _MergeKernel.apply(len(o), *o, *l)):
+        leaves = [t.clone().requires_grad_() for t in outs + lses]
+        out, lse = merge(leaves[:3], leaves[3:])
+        finite = torch.isfinite(lse)
+        loss = (out * g_out).sum() + torch.where(finite, lse * g_lse, 0).sum()
+        grads.append(torch.autograd.grad(loss, leaves))
+    for a, b in zip(*grads):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(grads[0][0][0, 1], g_out[0, 1] / 2)   # two +inf parts share the row
+    assert (grads[0][3][0, 1] == 0).all()                             # d lse = 0 on a +inf row

@@ -232,6 +232,8 @@ BAD = [
      r"nbhd::na_forward_jvp: t_v must have shape \(2, 10, 4, 8\)"),
     ("op-jvp-backward-d-t-lse", lambda: _op("na_forward_jvp_backward", d_t_lse=R(2, 10)), ValueError,
      r"nbhd::na_forward_jvp_backward: d_t_lse must have shape \(2, 10, 4\)"),
+    ("merge-shrunk-storage", lambda: nbhd.merge_attentions([Q1, _shrunk(Q1)], [R(2, 10, 4), R(2, 10, 4)]),
+     ValueError, r"merge_attentions: outputs\[1\] .*reaches element 639 of a storage of 639 elements"),
     ("op-jvp-backward-missing-t-out", lambda: _op("na_forward_jvp_backward", t_out=None), ValueError,
      r"nbhd::na_forward_jvp_backward: t_out is required"),
 ]

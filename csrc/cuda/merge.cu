@@ -20,15 +20,25 @@ __global__ void merge_kernel(nbhd_merge_problem p, nbhd_merge_args a) {
         const int64_t h = r % p.heads, tok = r / p.heads % p.tokens, b = r / p.heads / p.tokens;
         A m = -INFINITY;
         bool any_nan = false;
+        int n_inf = 0;
         for (int k = 0; k < p.parts; ++k) {
             const nbhd_tensor &t = a.lses[k];
             const A x = ((const L *)t.data)[row_at(t, b, tok, h)];
             any_nan |= isnan(x);
+            n_inf += x == (A)INFINITY;
             m = x > m ? x : m;
         }
-        /* NaN anywhere: NaN row (like logsumexp); no keys in any part: out 0, lse -inf */
-        A lse = any_nan ? (A)NAN : (A)-INFINITY, acc = any_nan ? (A)NAN : (A)0;
-        if (!any_nan && m > -INFINITY) {
+        /* NaN anywhere: NaN row (like logsumexp); no keys in any part: out 0, lse -inf;
+         * +inf in some parts: lse +inf, out the mean of those parts (nbhd.h) */
+        A lse = any_nan ? (A)NAN : n_inf ? (A)INFINITY : (A)-INFINITY, acc = any_nan ? (A)NAN : (A)0;
+        if (!any_nan && n_inf) {
+            for (int k = 0; k < p.parts; ++k) {
+                const nbhd_tensor &t = a.lses[k], &o = a.outs[k];
+                if (((const L *)t.data)[row_at(t, b, tok, h)] == (A)INFINITY)
+                    acc += ld<T, A>(o, row_at(o, b, tok, h) + c * o.stride[5]);
+            }
+            acc /= (A)n_inf;
+        } else if (!any_nan && m > -INFINITY) {
             A sum = 0;
             for (int k = 0; k < p.parts; ++k) {
                 const nbhd_tensor &t = a.lses[k];

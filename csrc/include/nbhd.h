@@ -159,8 +159,11 @@ typedef struct {
 
 /* Merge (docs/design.md §4.5): n partial attentions of the same queries, as if their keys had been
  * concatenated: LSE = log sum_a exp(LSE_a), O = sum_a exp(LSE_a - LSE) O_a. A row whose parts
- * all have LSE = -inf gets O = 0 and LSE = -inf. Rows are [B, T, H] (T tokens in any layout the
- * strides describe); every part, and the result, may have its own strides. */
+ * all have LSE = -inf gets O = 0 and LSE = -inf. A row where some parts have LSE = +inf gets
+ * LSE = +inf and O = the mean of those parts' O_a (the limit as their LSE grow together; the
+ * other parts' weights go to 0). A NaN LSE in any part gives a NaN row. Rows are [B, T, H]
+ * (T tokens in any layout the strides describe); every part, and the result, may have its own
+ * strides. */
 #define NBHD_MERGE_MAX_PARTS 32
 typedef struct {
     int32_t parts;                    /* 1 <= parts <= NBHD_MERGE_MAX_PARTS */
