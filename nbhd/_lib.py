@@ -9,11 +9,12 @@ import ctypes
 import glob
 import os
 import sys
+import threading
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["NbhdError", "lib", "Problem", "run", "tile_configs", "merge"]
+__all__ = ["NbhdError", "lib", "Problem", "FIELDS", "run", "tile_configs", "merge"]
 
 
 class NbhdError(RuntimeError):
@@ -167,6 +168,45 @@ def _load():
 
 lib = _load()
 
+_C_STRUCTS = {"nbhd_problem": _Problem, "nbhd_tensor": _Tensor, "nbhd_exec": _Exec,
+              "nbhd_tile_config": _TileConfig, "nbhd_merge_problem": _MergeProblem,
+              "nbhd_merge_args": _MergeArgs, "nbhd_forward_args": _ARGS[OP_FORWARD],
+              "nbhd_backward_args": _ARGS[OP_BACKWARD], "nbhd_forward_jvp_args": _ARGS[OP_FORWARD_JVP],
+              "nbhd_forward_jvp_backward_args": _ARGS[OP_FORWARD_JVP_BACKWARD]}
+
+
+def _check_layout() -> None:
+    """The ctypes structs above against the library's own sizes and offsets (nbhd_layout): a
+    header changed without them, or a stale library, fails at import instead of corrupting
+    calls."""
+    if not hasattr(lib, "nbhd_layout"):
+        raise ImportError(f"{lib._name} has no nbhd_layout: it is older than this package; rebuild it")
+    lib.nbhd_layout.restype = ctypes.c_int64
+    lib.nbhd_layout.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    for c_name, struct in _C_STRUCTS.items():
+        checks = [("", ctypes.sizeof(struct))] + [(f, getattr(struct, f).offset) for f, _ in struct._fields_]
+        for field, ours in checks:
+            theirs = lib.nbhd_layout(c_name.encode(), field.encode())
+            if theirs != ours:
+                what = f"{c_name}.{field} offset" if field else f"sizeof({c_name})"
+                raise ImportError(f"nbhd/_lib.py disagrees with {lib._name} on {what}: {ours} here, "
+                                  f"{theirs} in the library (-1: unknown there); update the ctypes "
+                                  f"structs to csrc/include/nbhd.h, or rebuild the library")
+
+
+_check_layout()
+
+
+def _by_address(name: str):
+    """The entry point again, taking the structs' addresses as plain ints (no conversion)."""
+    fn = getattr(ctypes.CDLL(lib._name), name)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3
+    return fn
+
+
+_ENTRY_POINTS = {op: _by_address(name) for op, name in _ENTRY.items()}
+
 
 def version() -> str:
     return lib.nbhd_version().decode()
@@ -275,36 +315,104 @@ def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -
 
 _TOKEN_MAJOR = frozenset({"kx", "vx", "d_kx", "d_vx", "t_kx", "t_vx", "d_t_kx", "d_t_vx"})
 
+# The C argument structs' fields in order: `run` takes its tensors in this order.
+FIELDS = {op: tuple(name for name, _ in struct._fields_) for op, struct in _ARGS.items()}
 
-def run(op: int, problem: Problem, tensors: dict, threads: int = 0, use_reference: bool = False,
-        q_tile=None, kv_tile=None, kv_parallel: bool = False) -> None:
-    """Calls one entry point. `tensors` maps the C argument names to tensors (or None)."""
-    args = _ARGS[op]()   # ctypes structures start zeroed: absent tensors stay NULL
-    rank = problem.rank
-    for name, t in tensors.items():
-        if t is not None:
-            setattr(args, name, _describe(t, rank, token_major=rank == 0 or name in _TOKEN_MAJOR))
-    ex = _Exec()
-    ex.threads = threads
-    ex.use_reference = 1 if use_reference else 0
-    ex.kv_parallel = 1 if kv_parallel else 0
-    if q_tile:
-        ex.q_tile[:len(q_tile)] = q_tile
-    if kv_tile:
-        ex.kv_tile[:len(kv_tile)] = kv_tile
-    dev = problem.device
-    if dev.type == "cuda":
-        ex.stream = torch.cuda.current_stream(dev).cuda_stream
-    nbytes = lib.nbhd_workspace_bytes(ctypes.byref(problem.c), op, ctypes.byref(ex))
-    workspace = None
-    if nbytes:
-        workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        ex.workspace = workspace.data_ptr()
-        ex.workspace_bytes = nbytes
-    fn = getattr(lib, _ENTRY[op])
-    status = fn(ctypes.byref(problem.c), ctypes.byref(args), ctypes.byref(ex))
-    del workspace  # kept alive until the call returned (the caching allocator orders GPU reuse)
-    _check(status)
+# Workspaces up to this size stay with the calling thread between CPU calls; larger ones are
+# allocated per call (their kernels dwarf the allocation, and nothing large stays resident).
+_KEPT_WORKSPACE_BYTES = 8 << 20
+
+
+class _Plan:
+    """One op's C arguments for one geometry and tensor layout, built once: a call writes the
+    data pointers (and on CUDA the stream and workspace) into them and calls the library."""
+
+    def __init__(self, op, geometry, tensors, threads, use_reference, q_tile, kv_tile, kv_parallel):
+        rank, kernel_size, stride, dilation, is_causal, scale = geometry
+        q, k, v, kx, vx = tensors[:5]
+        self.problem = Problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
+        self.args = _ARGS[op]()   # ctypes structures start zeroed: absent tensors stay NULL
+        self.slots = []           # (64-bit word of the data pointer, position in `tensors`)
+        if len(tensors) != len(FIELDS[op]):
+            raise ValueError(f"{_ENTRY[op]} takes {len(FIELDS[op])} tensors {FIELDS[op]}, got {len(tensors)}")
+        for pos, (name, t) in enumerate(zip(FIELDS[op], tensors)):
+            if t is None:
+                continue
+            setattr(self.args, name, _describe(t, rank, token_major=rank == 0 or name in _TOKEN_MAJOR))
+            if t.numel():
+                offset = getattr(type(self.args), name).offset + _Tensor.data.offset
+                self.slots.append((offset // 8, pos))
+        self.words = (ctypes.c_int64 * (ctypes.sizeof(self.args) // 8)).from_buffer(self.args)
+        ex = self.exec = _Exec()
+        ex.threads = threads
+        ex.use_reference = 1 if use_reference else 0
+        ex.kv_parallel = 1 if kv_parallel else 0
+        if q_tile:
+            ex.q_tile[:len(q_tile)] = q_tile
+        if kv_tile:
+            ex.kv_tile[:len(kv_tile)] = kv_tile
+        self.device = q.device
+        self.cuda = q.device.type == "cuda"
+        self.workspace_bytes = lib.nbhd_workspace_bytes(ctypes.byref(self.problem.c), op, ctypes.byref(ex))
+        self.fn = _ENTRY_POINTS[op]
+        self.addresses = (ctypes.addressof(self.problem.c), ctypes.addressof(self.args), ctypes.addressof(ex))
+
+    def launch(self, tensors) -> None:
+        words = self.words
+        for word, pos in self.slots:
+            words[word] = tensors[pos].data_ptr()
+        nbytes, ex, workspace = self.workspace_bytes, self.exec, None
+        if self.cuda:
+            ex.stream = torch.cuda.current_stream(self.device).cuda_stream
+            if nbytes:  # from the caching allocator, which orders its reuse on the stream
+                workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                ex.workspace, ex.workspace_bytes = workspace.data_ptr(), nbytes
+        elif nbytes:
+            workspace = _cpu_workspace(nbytes)
+            ex.workspace, ex.workspace_bytes = workspace.data_ptr(), nbytes
+        status = self.fn(*self.addresses)
+        del workspace  # kept alive until the call returned
+        if status:
+            _check(status)
+
+
+_local = threading.local()   # per Python thread: its plans (their structs are written per call)
+_MAX_PLANS = 256
+
+
+def _cpu_workspace(nbytes: int) -> torch.Tensor:
+    """A host buffer of at least nbytes, kept by the calling thread when small."""
+    if nbytes > _KEPT_WORKSPACE_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    kept = getattr(_local, "workspace", None)
+    if kept is None or kept.numel() < nbytes:
+        kept = _local.workspace = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return kept
+
+
+def _layout(t: Optional[torch.Tensor]):
+    return None if t is None else (t.shape, t.stride())
+
+
+def run(op: int, geometry, tensors: Sequence[Optional[torch.Tensor]], threads: int = 0,
+        use_reference: bool = False, q_tile=(), kv_tile=(), kv_parallel: bool = False) -> None:
+    """Calls one entry point. geometry = (rank, kernel_size, stride, dilation, is_causal, scale)
+    with tuples of length rank; `tensors` are the op's C arguments in FIELDS[op] order (None:
+    absent). The C structs are built once per geometry, layout and options (per thread)."""
+    q = tensors[0]
+    key = (op, geometry, tuple(q_tile), tuple(kv_tile), kv_parallel, use_reference, threads,
+           q.dtype, q.device, *map(_layout, tensors))
+    try:
+        plans = _local.plans
+    except AttributeError:
+        plans = _local.plans = {}
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plan = plans[key] = _Plan(op, geometry, tensors, threads, use_reference, q_tile, kv_tile,
+                                  kv_parallel)
+    plan.launch(tensors)
 
 
 def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], out: torch.Tensor,

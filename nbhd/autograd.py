@@ -68,8 +68,9 @@ def _reference_backward(q, k, v, kx, vx, d_out, d_lse, geometry):
 
 
 def _reference_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
-    """(out, lse, t_out, t_lse) by the reference's jvp."""
-    (out, lse), (t_out, t_lse) = torch.func.jvp(
+    """(out, lse, t_out, t_lse) by the reference's jvp, taken as a vjp of its vjp: reverse mode
+    only, so it also runs inside a forward-mode level (PyTorch nests no forward-mode AD)."""
+    (out, lse), (t_out, t_lse) = _jvp_by_double_vjp(
         lambda *x: _reference(*x, geometry), (q, k, v, kx, vx), (tq, tk, tv, tkx, tvx))
     return out, lse, t_out, t_lse
 

@@ -158,7 +158,9 @@ def choose(q: Tensor, backend: Optional[str], **kwargs) -> str:
         name = resolve_name(q, backend)
         CAN_RUN[name](q, raise_error=True, **kwargs)
         return name
-    if torch.compiler.is_compiling():  # Dynamo traces no logging and no caught exceptions
+    # without raising unless the reasons are logged: Dynamo traces no caught exceptions, and a
+    # raise per call costs microseconds
+    if torch.compiler.is_compiling() or not log.isEnabledFor(logging.DEBUG):
         for name in AUTO_ORDER:
             if CAN_RUN[name](q, raise_error=False, **kwargs):
                 return name

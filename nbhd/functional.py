@@ -12,6 +12,8 @@ import torch
 import torch._functorch.eager_transforms as _eager_transforms
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
+from torch._C._functorch import is_batchedtensor as _is_functorch_batched
+from torch._C._functorch import is_legacy_batchedtensor as _is_legacy_batched
 
 from . import backends, checks, configs
 from .autograd import Geometry, na_autograd, na_compiled, na_jvp_autograd, na_jvp_compiled
@@ -44,6 +46,16 @@ class _Call:
         self.geometry = Geometry(ks, st, dil, causal, checks.scale_of(scale, q.shape[-1], q.dtype))
         self.backend = backends.choose(q, backend)
 
+    @classmethod
+    def checked(cls, rank, q, k, v, kx, vx, geometry, backend) -> "_Call":
+        """A call whose arguments were validated before (the same shapes, dtypes and options):
+        its normalised geometry and backend, without checking again."""
+        call = cls.__new__(cls)
+        call.q, call.k, call.v, call.kx, call.vx = q, k, v, kx, vx
+        call.spatial = tuple(q.shape[1:-2])
+        call.geometry, call.backend = geometry, backend
+        return call
+
     def set_tiles(self, tiles) -> None:
         """The ops' tile list (configs.validate_tiles); given tiles keep the tiled kernels."""
         self.geometry.tiles = list(tiles)
@@ -55,7 +67,19 @@ class _Call:
         return all(k == n for k, n in zip(ks, self.spatial)) and not any(causal) and not any(tiles)
 
     def empty_extra(self, like: Tensor) -> Tensor:
-        return like.new_empty((like.shape[0], 0, *like.shape[-2:]))
+        """[B, 0, H, D]: absent additional keys. Eager calls share one per shape, dtype and
+        device (it has no elements to write); traced calls make their own."""
+        shape = (like.shape[0], 0, *like.shape[-2:])
+        if torch.compiler.is_compiling():
+            return like.new_empty(shape)
+        key = (shape, like.dtype, like.device)
+        empty = _EMPTY.get(key)
+        if empty is None:
+            if len(_EMPTY) >= _MAX_CACHED:
+                _EMPTY.clear()
+            with torch._C._DisableFuncTorch():   # a plain tensor, whatever transform is active
+                empty = _EMPTY[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return empty
 
     def kernel_args(self):
         """(q, k, v, kx, vx, geometry) for the ops: self attention becomes dense attention of the
@@ -74,6 +98,8 @@ class _Call:
         return q, k, v, kx, vx, self.geometry
 
     def restore(self, out: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
+        if out.dim() == self.q.dim():   # not flattened (flattening merges the spatial axes)
+            return out, lse
         B = self.q.shape[0]
         return (out.reshape(B, *self.spatial, *out.shape[-2:]),
                 lse.reshape(B, *self.spatial, lse.shape[-1]))
@@ -127,8 +153,34 @@ def _forward(call: _Call, torch_compile: bool = False) -> Tuple[Tensor, Tensor]:
     if _use_custom_op():
         out, lse = na_compiled(*args)
     else:
-        out, lse = na_autograd(*args)
+        fused = _forward_ad_active() and _dual_outputs(*args)
+        out, lse = fused if fused else na_autograd(*args)
     return call.restore(out, lse)
+
+
+def _is_batched(t: Tensor) -> bool:
+    """Batched by vmap (functorch's) or by the legacy vmap of gradcheck's batched checks."""
+    return _is_functorch_batched(t) or _is_legacy_batched(t)
+
+
+def _dual_outputs(q, k, v, kx, vx, geometry) -> Optional[Tuple[Tensor, Tensor]]:
+    """Under forward-mode AD (torch.func.jvp, jacfwd, forward_ad duals) with a tangent on an
+    input at the innermost level: (out, lse) as duals whose primals and tangents come from one
+    fused forward+JVP kernel (NeighborhoodAttention's jvp rule would run the forward kernel
+    first and then the fused one). None when no input carries a tangent there."""
+    unpacked = [_forward_ad.unpack_dual(t) for t in (q, k, v, kx, vx)]
+    tangents = [u.tangent for u in unpacked]
+    if all(t is None for t in tangents):
+        return None
+    if any(t is not None and _is_batched(t) and not _is_batched(u.primal)
+           for u, t in zip(unpacked, tangents)):
+        return None  # tangents batched apart from their primals: no dual pairs the two
+    # The fused Function takes the dual inputs themselves, so that its backward graph keeps
+    # their tangents (forward-over-reverse differentiates it), with forward-mode AD off while
+    # it runs: it computes the tangents, its own jvp rule must not.
+    with _forward_ad._set_fwd_grad_enabled(False):
+        out, lse, t_out, t_lse = na_jvp_autograd(q, k, v, kx, vx, *tangents, geometry)
+    return _forward_ad.make_dual(out, t_out), _forward_ad.make_dual(lse, t_lse)
 
 
 def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -224,12 +276,45 @@ _DOC = """{rank}-D neighborhood attention (NATTEN-compatible).
     """
 
 
+_MAX_CACHED = 512
+_EMPTY: dict = {}      # (shape, dtype, device) -> [B, 0, H, D] absent additional keys
+_CHECKED: dict = {}    # the arguments of a validated call -> (geometry, backend) it normalised to
+
+
+def _tensor_key(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, type(t))
+
+
+def _checked_key(rank, tensors, options):
+    """What validation reads from a call: the tensors' shapes, strides, dtypes and devices, and
+    the options by repr (so that True and 1, or 1 and 1.0, stay apart). None when the call is
+    traced or an argument has no such key (validation then runs, and raises if it must)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return (rank, repr(options), *map(_tensor_key, tensors))
+    except Exception:  # not tensors, nested tensors: the checks will say what is wrong
+        return None
+
+
 def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
         try_fuse_additional_kv=False, return_lse=False):
+    tensors = (query, key, value, additional_keys, additional_values)
+    cache_key = None
+    if attention_kwargs is None and backend in (None, "cpu-fna", "cuda-fna", "reference"):
+        cache_key = _checked_key(rank, tensors, (
+            kernel_size, stride, dilation, is_causal, scale, backend, q_tile_shape, kv_tile_shape,
+            backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
+            backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
+            try_fuse_additional_kv, return_lse))
+        checked = _CHECKED.get(cache_key) if cache_key is not None else None
+        if checked is not None:
+            out, lse = _forward(_Call.checked(rank, *tensors, *checked), torch_compile)
+            return (out, lse) if return_lse else out
     checks.flags(return_lse=return_lse, torch_compile=torch_compile,
                  backward_use_pt_reduction=backward_use_pt_reduction,
                  run_persistent_kernel=run_persistent_kernel,
@@ -243,6 +328,10 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
     call.set_tiles(configs.validate_tiles(
         call.backend, call.q, call.k, call.v, q_tile_shape, kv_tile_shape, backward_q_tile_shape,
         backward_kv_tile_shape, window=dict(kernel_size=ks, stride=st, dilation=dil, is_causal=causal)))
+    if cache_key is not None and call.backend != "flex-fna":
+        if len(_CHECKED) >= _MAX_CACHED:
+            _CHECKED.clear()
+        _CHECKED[cache_key] = (call.geometry, call.backend)
     out, lse = _forward(call, torch_compile)
     return (out, lse) if return_lse else out
 

@@ -75,7 +75,11 @@ def _run_options(tiles: List[int], backward: bool) -> dict:
     tiles of this pass."""
     rank = len(tiles) // 4
     first = 2 * rank if backward else 0
-    return {**_OPTIONS, "kv_parallel": context.kv_parallelism_for_run(),
+    # the count torch.set_num_threads gave (on any thread), as an upper bound the library
+    # lowers for small problems; a count in _OPTIONS is used exactly
+    threads = _OPTIONS["threads"] or -torch.get_num_threads()
+    return {"threads": threads, "use_reference": _OPTIONS["use_reference"],
+            "kv_parallel": context.kv_parallelism_for_run(),
             "q_tile": tiles[first:first + rank], "kv_tile": tiles[first + rank:first + 2 * rank]}
 
 
@@ -90,13 +94,15 @@ def _forward_shapes(q: Tensor, v: Tensor, vx: Tensor, rank: int):
     return out, lse
 
 
-def _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale):
-    return _lib.Problem(q, k, v, kx if kx.shape[1] > 0 else None, vx if vx.shape[1] > 0 else None,
-                        kernel_size, stride, dilation, is_causal, scale)
+def _geometry(kernel_size, stride, dilation, is_causal, scale):
+    """The geometry as _lib.run keys its plans: (rank, per-axis tuples, scale)."""
+    return (len(kernel_size), tuple(kernel_size), tuple(stride), tuple(dilation), tuple(is_causal),
+            scale)
 
 
-def _extra(kx: Tensor, vx: Tensor) -> dict:
-    return {"kx": kx, "vx": vx} if kx.shape[1] > 0 else {}
+def _extra(kx: Tensor, vx: Tensor, *more: Optional[Tensor]) -> tuple:
+    """The additional keys' tensors, or Nones when there are none (zero-length kx)."""
+    return (kx, vx, *more) if kx.shape[1] > 0 else (None,) * (2 + len(more))
 
 
 # (name, kind, required) of each op's tensor arguments, in order (checks.op_tensors)
@@ -130,9 +136,8 @@ def _na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, kernel_
     """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention."""
     _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, True)
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
-    p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
-    _lib.run(_lib.OP_FORWARD, p, {"q": q, "k": k, "v": v, **_extra(kx, vx), "out": out, "lse": lse},
-             **_run_options(tiles, backward=False))
+    _lib.run(_lib.OP_FORWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
+             (q, k, v, *_extra(kx, vx), out, lse), **_run_options(tiles, backward=False))
     return out, lse
 
 
@@ -156,13 +161,11 @@ def _na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, out: T
     _check("na_backward", (q, k, v, kx, vx, out, lse, d_out, d_lse), kernel_size, stride, dilation,
            is_causal, tiles, True)
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
-    p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
     dq, dk, dv, dkx, dvx = grads
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "d_out": d_out, "d_lse": d_lse,
-               "d_q": dq, "d_k": dk, "d_v": dv, **_extra(kx, vx)}
-    if kx.shape[1] > 0:
-        tensors.update(d_kx=dkx, d_vx=dvx)
-    _lib.run(_lib.OP_BACKWARD, p, tensors, **_run_options(tiles, backward=True))
+    kx_, vx_, dkx, dvx = _extra(kx, vx, dkx, dvx)
+    _lib.run(_lib.OP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
+             (q, k, v, kx_, vx_, out, lse, d_out, d_lse, dq, dk, dv, dkx, dvx),
+             **_run_options(tiles, backward=True))
     return grads
 
 
@@ -189,12 +192,10 @@ def _na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, t_q
            dilation, is_causal, tiles, True)
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     t_out, t_lse = torch.empty_like(out), torch.empty_like(lse)
-    p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
-    tensors = {"q": q, "k": k, "v": v, **_extra(kx, vx), "t_q": t_q, "t_k": t_k, "t_v": t_v,
-               "out": out, "lse": lse, "t_out": t_out, "t_lse": t_lse}
-    if kx.shape[1] > 0:
-        tensors.update(t_kx=t_kx, t_vx=t_vx)
-    _lib.run(_lib.OP_FORWARD_JVP, p, tensors, **_run_options(tiles, backward=False))
+    kx_, vx_, t_kx, t_vx = _extra(kx, vx, t_kx, t_vx)
+    _lib.run(_lib.OP_FORWARD_JVP, _geometry(kernel_size, stride, dilation, is_causal, scale),
+             (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse),
+             **_run_options(tiles, backward=False))
     return out, lse, t_out, t_lse
 
 
@@ -230,15 +231,12 @@ def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Te
            t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, True)
     new = torch.zeros_like if q.shape[-2] == 0 else torch.empty_like  # no heads: zero gradients
     grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx) * 2)
-    p = _problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
     dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx = grads
-    tensors = {"q": q, "k": k, "v": v, **_extra(kx, vx), "t_q": t_q, "t_k": t_k, "t_v": t_v,
-               "out": out, "lse": lse, "t_out": t_out, "t_lse": t_lse, "d_out": d_out,
-               "d_lse": d_lse, "d_t_out": d_t_out, "d_t_lse": d_t_lse, "d_q": dq, "d_k": dk,
-               "d_v": dv, "d_t_q": dtq, "d_t_k": dtk, "d_t_v": dtv}
-    if kx.shape[1] > 0:
-        tensors.update(t_kx=t_kx, t_vx=t_vx, d_kx=dkx, d_vx=dvx, d_t_kx=dtkx, d_t_vx=dtvx)
-    _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, p, tensors, **_run_options(tiles, backward=True))
+    kx_, vx_, t_kx, t_vx, dkx, dvx, dtkx, dtvx = _extra(kx, vx, t_kx, t_vx, dkx, dvx, dtkx, dtvx)
+    _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
+             (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse,
+              d_t_out, d_t_lse, dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx),
+             **_run_options(tiles, backward=True))
     return grads
 
 

@@ -303,9 +303,9 @@ size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *
 #define NBHD_MAX_THREADS 1024
 
 static nbhd_status check_exec(const nbhd_exec *e) {
-    if (e->threads > NBHD_MAX_THREADS)
-        return nbhd_fail(NBHD_ERR_ARG, "exec threads=%d is invalid (need threads <= %d; <= 0 picks OpenMP's default)",
-                         e->threads, NBHD_MAX_THREADS);
+    if (e->threads > NBHD_MAX_THREADS || e->threads < -NBHD_MAX_THREADS)
+        return nbhd_fail(NBHD_ERR_ARG, "exec threads=%d is invalid (need |threads| <= %d; 0 picks up to "
+                         "OpenMP's count, < 0 up to -threads)", e->threads, NBHD_MAX_THREADS);
     return NBHD_OK;
 }
 

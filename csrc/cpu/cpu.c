@@ -16,11 +16,33 @@
 
 int nbhd_cpu_threads(const nbhd_exec *e) {
 #ifdef _OPENMP
-    return e && e->threads > 0 ? e->threads : omp_get_max_threads();
+    if (e && e->threads != 0) return e->threads > 0 ? e->threads : -e->threads;
+    return omp_get_max_threads();
 #else
     (void)e;
     return 1;
 #endif
+}
+
+/* Multiply-adds a thread must have before a call takes another: a team costs a wake-up and a
+ * barrier per parallel loop, microseconds on an idle machine and a scheduler time slice on a
+ * busy one, so small problems run on the calling thread (bench/bench_overhead.py). */
+#define NBHD_CPU_MACS_PER_THREAD (1 << 18)
+
+/* exec with threads set to what the problem's work pays for when exec leaves the count open
+ * (threads <= 0: at most -threads, or OpenMP's count for 0); `passes` weighs the op (the
+ * forward's two products per key count 1). A positive count is kept as given. */
+static nbhd_exec sized_exec(const nbhd_geometry *g, const nbhd_exec *e, int64_t passes) {
+    nbhd_exec s = *e;
+    if (e->threads > 0) return s;
+    double keys = (double)g->extra_kv;  /* in doubles: the product can pass 2^63 */
+    if (g->has_window) keys += (double)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
+    const double macs = (double)g->batch * (double)g->tokens * g->heads * keys *
+                        (g->head_dim + g->head_dim_v) * (double)passes;
+    const int most = nbhd_cpu_threads(e);
+    const double paid = macs / (double)NBHD_CPU_MACS_PER_THREAD;
+    s.threads = paid < 1.0 ? 1 : paid < (double)most ? (int32_t)paid : most;
+    return s;
 }
 
 static int fast_supports(const nbhd_geometry *g) {
@@ -41,24 +63,28 @@ size_t nbhd_cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
 
 nbhd_status nbhd_cpu_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                              const nbhd_exec *e) {
-    if (use_fast(g, e)) return nbhd_cpu_fast_forward(g, a, e);
-    return nbhd_cpu_ref_forward(g, a, e);
+    const nbhd_exec s = sized_exec(g, e, 1);
+    if (use_fast(g, &s)) return nbhd_cpu_fast_forward(g, a, &s);
+    return nbhd_cpu_ref_forward(g, a, &s);
 }
 
 nbhd_status nbhd_cpu_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
                               const nbhd_exec *e) {
-    if (use_fast(g, e)) return nbhd_cpu_fast_backward(g, a, e);
-    return nbhd_cpu_ref_backward(g, a, e);
+    const nbhd_exec s = sized_exec(g, e, 3);
+    if (use_fast(g, &s)) return nbhd_cpu_fast_backward(g, a, &s);
+    return nbhd_cpu_ref_backward(g, a, &s);
 }
 
 nbhd_status nbhd_cpu_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                  const nbhd_exec *e) {
-    if (use_fast(g, e)) return nbhd_cpu_fast_forward_jvp(g, a, e);
-    return nbhd_cpu_ref_forward_jvp(g, a, e);
+    const nbhd_exec s = sized_exec(g, e, 2);
+    if (use_fast(g, &s)) return nbhd_cpu_fast_forward_jvp(g, a, &s);
+    return nbhd_cpu_ref_forward_jvp(g, a, &s);
 }
 
 nbhd_status nbhd_cpu_forward_jvp_backward(const nbhd_geometry *g,
                                           const nbhd_forward_jvp_backward_args *a,
                                           const nbhd_exec *e) {
-    return nbhd_cpu_ref_forward_jvp_backward(g, a, e);  /* no fast kernel yet */
+    const nbhd_exec s = sized_exec(g, e, 6);
+    return nbhd_cpu_ref_forward_jvp_backward(g, a, &s);  /* no fast kernel yet */
 }

@@ -101,7 +101,8 @@ typedef struct {
     void *stream;                     /* cudaStream_t for NBHD_CUDA, ignored on the CPU */
     void *workspace;                  /* at least nbhd_workspace_bytes(...) bytes, or NULL if 0 */
     size_t workspace_bytes;
-    int32_t threads;                  /* CPU threads; <= 0: OpenMP's default */
+    int32_t threads;                  /* CPU threads: > 0 exactly that many; 0 up to OpenMP's
+                                         count, < 0 up to -threads, fewer for small problems */
     int32_t kv_parallel;              /* GPU backward may add dQ with fp32 atomics (f16/bf16,
                                          D <= 64; D = 128 on Hopper's 128-row patches): not
                                          bitwise deterministic; 0: deterministic. Pass the same
@@ -211,6 +212,10 @@ NBHD_API nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_
 NBHD_API nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p,
                                                const nbhd_forward_jvp_backward_args *a,
                                                const nbhd_exec *e);
+
+/* The byte offset of `field` in the public struct named `type` (field "": the struct's size),
+ * or -1 when there is no such struct or field: bindings check their own declarations with it. */
+NBHD_API int64_t nbhd_layout(const char *type, const char *field);
 
 /* Merge partial attentions (nbhd_merge_problem). Deterministic; no workspace. */
 NBHD_API nbhd_status nbhd_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a,

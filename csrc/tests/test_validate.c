@@ -286,8 +286,8 @@ static void tensor_rules(void) {
     }
     /* exec: absurd thread counts are refused before OpenMP tries to create them */
     {
-        const int32_t bad[3] = {1025, 100000, INT32_MAX};
-        for (int i = 0; i < 3; ++i) {
+        const int32_t bad[5] = {1025, 100000, INT32_MAX, -1025, INT32_MIN};
+        for (int i = 0; i < 5; ++i) {
             nbhd_exec x;
             memset(&x, 0, sizeof x);
             x.threads = bad[i];

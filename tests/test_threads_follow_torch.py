@@ -1,0 +1,43 @@
+"""nbhd's CPU kernels take at most torch.get_num_threads() threads, on every Python thread (the
+library lowers the count for small problems; a count set in ops._OPTIONS is used exactly)."""
+import threading
+
+import torch
+
+import nbhd
+from nbhd import _lib, ops
+
+
+def _threads_seen(monkeypatch, fn):
+    seen = []
+    real = _lib.run
+    monkeypatch.setattr(_lib, "run", lambda *a, **k: (seen.append(k["threads"]), real(*a, **k))[1])
+    fn()
+    return seen
+
+
+def test_threads_follow_set_num_threads_on_every_thread(monkeypatch):
+    before = torch.get_num_threads()
+    q = torch.randn(1, 8, 8, 2, 8)
+    try:
+        torch.set_num_threads(1)
+
+        def both():
+            nbhd.na2d(q, q, q, 3)                               # this thread
+            worker = threading.Thread(target=lambda: nbhd.na2d(q, q, q, 3))
+            worker.start()                                      # a thread torch never set
+            worker.join()
+
+        assert _threads_seen(monkeypatch, both) == [-1, -1]
+    finally:
+        torch.set_num_threads(before)
+    assert _threads_seen(monkeypatch, lambda: nbhd.na2d(q, q, q, 3)) == [-before]
+
+
+def test_an_explicit_count_is_passed_as_is(monkeypatch):
+    monkeypatch.setitem(ops._OPTIONS, "threads", 2)
+    q = torch.randn(1, 8, 8, 2, 8)
+    out = nbhd.na2d(q, q, q, 3)
+    assert _threads_seen(monkeypatch, lambda: nbhd.na2d(q, q, q, 3)) == [2]
+    monkeypatch.setitem(ops._OPTIONS, "threads", 0)
+    torch.testing.assert_close(nbhd.na2d(q, q, q, 3), out, rtol=0, atol=0)  # same result either way
