@@ -50,15 +50,21 @@ CASES = {
 }
 
 
+SUBGROUP_CASES = [
+    ((9, 11), (3, 5), (2, 1), (1, 2), (False, True), (1,), None, None),
+    ((6, 7, 5), (3, 3, 3), (1, 1, 1), (1, 1, 1), (True, False, False), (0, 2), (1, 2), None),
+]
+
+
 def _full(shape, gen, device, dtype=torch.float32):
     return torch.randn(shape, generator=gen, dtype=dtype).to(device)
 
 
-def _run_case(case, device, results):
+def _run_case(case, device, results, group=None):
     shape, ks, st, dil, causal, axes, mesh, sizes = case
     rank = len(shape)
     na, na_cp = getattr(nbhd, f"na{rank}d"), getattr(cp, f"na{rank}d")
-    sharding = cp.Sharding(shape, axes=axes, mesh_shape=mesh, sizes=sizes)
+    sharding = cp.Sharding(shape, axes=axes, group=group, mesh_shape=mesh, sizes=sizes)
     geo = dict(kernel_size=ks, stride=st, dilation=dil, is_causal=causal)
     gen = torch.Generator().manual_seed(len(results))        # the same tensors on every rank
     B, H, Hkv, D, Dv = 2, 4, 2, 8, 6                          # GQA and Dv != D
@@ -155,6 +161,30 @@ def _run_transforms(device, results):
                                                 (gx - sh(gx_ref)).abs().max().item())))
 
 
+def _errors():
+    """Bad arguments: each raises and names the argument and the rule."""
+    out = []
+    def expect(exc, words, fn):
+        try:
+            fn()
+        except exc as e:
+            out.append(dict(case=f"error {words}", err=0.0 if all(w in str(e) for w in words) else 1.0,
+                            message=str(e)))
+        else:
+            out.append(dict(case=f"error {words}", err=1.0, message="did not raise"))
+    expect(ValueError, ["axes"], lambda: cp.Sharding((8, 8), axes=(2,)))
+    expect(ValueError, ["mesh_shape"], lambda: cp.Sharding((8, 8), axes=(0, 1), mesh_shape=(2, 2)))
+    expect(ValueError, ["sizes", "summing"], lambda: cp.Sharding((8,), sizes=((3, 4),)))
+    sharding = cp.Sharding((8, 6), axes=(0,))
+    q = torch.randn(1, 4, 6, 2, 4)
+    expect(ValueError, ["local_shape"], lambda: cp.na2d(q[:, :3], q[:, :3], q[:, :3], 3, sharding=sharding))
+    expect(ValueError, ["na1d", "spatial axes"], lambda: cp.na1d(q[:, :, 0], q[:, :, 0], q[:, :, 0], 3, sharding=sharding))
+    expect(TypeError, ["sharding"], lambda: cp.na2d(q, q, q, 3, sharding=(8, 6)))
+    expect(ValueError, ["kernel_size*dilation"], lambda: cp.na2d(q, q, q, 7, sharding=sharding))
+    expect(ValueError, ["global_shape"], lambda: cp.shard(q, sharding))
+    return out
+
+
 def _worker(rank, world, backend, result_dir):
     # a file store: no rank hosts a server that could vanish while another tears down
     dist.init_process_group(backend, init_method=f"file://{os.path.join(result_dir, 'store')}",
@@ -169,6 +199,12 @@ def _worker(rank, world, backend, result_dir):
         _run_case(case, device, results)
     if world == 2:
         _run_transforms(device, transforms)
+        if backend == "gloo":
+            transforms += _errors()
+    if world == 4:   # two context-parallel groups of 2 in one world: group ranks are not global ranks
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for case in SUBGROUP_CASES:
+            _run_case(case, device, results, group=groups[rank // 2])
     torch.save({"cases": results, "transforms": transforms},
                os.path.join(result_dir, f"{backend}{world}_{rank}.pt"))
     dist.barrier()
