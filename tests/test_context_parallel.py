@@ -93,7 +93,7 @@ def _run_case(case, device, results, group=None):
         case=case,
         forward_bitwise=torch.equal(out_l, sh(out.detach())),
         forward_err=(out_l - sh(out)).abs().max().item() / out.abs().max().item(),
-        gathered_err=(gathered - out).abs().max().item(),
+        gathered_err=(gathered - out).abs().max().item() / out.abs().max().item(),
         reference_bitwise=torch.equal(ref_l, sh(ref_full)),
         grad_err=max((g_l - sh(g)).abs().max().item() / (g.abs().max().item() + 1e-30)
                      for g_l, g in zip(grads_l, grads)),
@@ -221,13 +221,19 @@ def _spawn(world, backend):
                 for r in range(world)]
 
 
-def _check(ranks, tol):
+def _check(ranks, tol, bitwise):
+    """bitwise: on the CPU the sharded forward equals the single-process one exactly (each
+    query's keys are reduced in the same order on any grid that holds its window); the GPU
+    kernels are held to rounding only, their key tiles being free to depend on the grid."""
     for r, res in enumerate(ranks):
         for c in res["cases"]:
             label = (r, c["case"], c["box"], c["key_box"])
-            assert c["forward_bitwise"], (label, c["forward_err"])
-            assert c["reference_bitwise"], label
-            assert c["gathered_err"] == 0, label
+            if bitwise:
+                assert c["forward_bitwise"], (label, c["forward_err"])
+                assert c["reference_bitwise"], label
+                assert c["gathered_err"] == 0, label
+            assert c["forward_err"] < tol, (label, c["forward_err"])
+            assert c["gathered_err"] < tol, (label, c["gathered_err"])
             assert c["finite"], label
             assert c["grad_err"] < tol, (label, c["grad_err"])
             assert c["jvp_err"] < tol, (label, c["jvp_err"])
@@ -244,7 +250,7 @@ def _needs_distributed():
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_against_single_process(world):
     _needs_distributed()
-    ranks = _check(_spawn(world, "gloo"), tol=1e-5)
+    ranks = _check(_spawn(world, "gloo"), tol=1e-5, bitwise=True)
     if world == 4:   # thin 1-D shards: some rank's halo comes from every other rank
         assert max(c["peers"] for res in ranks for c in res["cases"] if len(c["case"][0]) == 1) == 3
 
@@ -253,7 +259,7 @@ def test_nccl_two_gpus():
     _needs_distributed()
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available():
         pytest.skip("needs 2 CUDA GPUs and NCCL")
-    _check(_spawn(2, "nccl"), tol=1e-4)
+    _check(_spawn(2, "nccl"), tol=1e-4, bitwise=False)
 
 
 @pytest.mark.parametrize("extent", [7, 11])
