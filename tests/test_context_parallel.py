@@ -15,8 +15,7 @@ import torch.multiprocessing as mp
 
 import nbhd
 from nbhd import distributed as cp
-from nbhd.distributed import axis_key_range
-from nbhd.reference import axis_windows
+from nbhd.distributed import _windows_match, axis_key_range
 
 # (global shape, kernel, stride, dilation, causal, shard axes, mesh shape or None, sizes or None)
 CASES = {
@@ -264,13 +263,13 @@ def test_nccl_two_gpus():
 
 @pytest.mark.parametrize("extent", [7, 11])
 def test_axis_key_range_exhaustive(extent):
-    """Every kernel/stride/dilation/causal and query range [a, b) of small axes: the range holds
-    the windows (axis_key_range checks exact sub-axis windows itself, raising otherwise) and is
-    no wider than the windows' span, widened only by the stated rules."""
+    """Every kernel/stride/dilation/causal and query range [a, b) of small axes: the sub-axis
+    gives the queries their windows (axis_key_range checks that itself, raising otherwise), the
+    range follows the extent and alignment rules, and it is minimal: one aligned step less on
+    the left or one token less on the right breaks a window."""
     N = extent
     for K in range(2, N + 1):
         for d in range(1, N // K + 1):
-            keys, valid = axis_windows(N, K, 1, d, False)
             for s in range(1, K + 1):
                 for causal in (False, True):
                     for a in range(N):
@@ -278,5 +277,9 @@ def test_axis_key_range_exhaustive(extent):
                             lo, hi = axis_key_range(N, K, s, d, causal, a, b)
                             assert 0 <= lo <= a and b <= hi <= N
                             assert hi - lo >= K * d
-                            if s > 1:
-                                assert lo % (s * d) == 0
+                            align = s * d if s > 1 else 1
+                            assert lo % align == 0
+                            for lo2, hi2 in ((lo + align, hi), (lo, hi - 1)):
+                                if lo2 <= a and b <= hi2 and hi2 - lo2 >= K * d:
+                                    assert not _windows_match(N, K, s, d, causal, a, b, lo2, hi2), \
+                                        (N, K, s, d, causal, a, b, lo, hi, lo2, hi2)
