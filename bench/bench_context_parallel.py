@@ -9,7 +9,8 @@ slowest rank's time counts. Problems (bf16 on GPUs, B = 1):
   strong: 30x48x80, window 18x24x24 (stride 1 and 16x8x8), the same grid on 1 and on N devices;
   weak:   the strided problem with N x 30 frames on N devices against 30 frames on one.
 For each sharded axis: forward and forward+backward time, speedup (strong) or efficiency
-(weak), the halo exchange alone (k and v), the halo bytes a rank receives per step (forward:
+(weak), the halo exchange alone (k and v), the forward kernel alone on the rank's key box (the
+compute share; the rest is exchange, padding and slicing), the halo bytes a rank receives per step (forward:
 k, v; backward: their gradients, as many bytes), and the key box / owned tokens ratio (the
 queries each rank computes, halo ones included, per query it owns).
 Times: CUDA events (CPU: perf_counter) around `--reps` calls after a warm-up, median of 5.
@@ -129,6 +130,11 @@ def main():
             t_fb = slowest(run(lambda: fwd_and_bwd(na, q, k, v), args.reps), device)
             with torch.no_grad():
                 t_halo = slowest(run(lambda: cp.exchange_halo(plan, k, v), args.reps), device)
+                # the kernel alone on this rank's key box: the compute share of the sharded time
+                box_shape = [hi - lo for lo, hi in plan.key_box]
+                qb, kb, vb = make_qkv(box_shape, heads, dim, dtype, device, False)
+                t_box = slowest(run(lambda: nbhd.na3d(qb, kb, vb, **geo), args.reps), device)
+                del qb, kb, vb
             halo_tokens = torch.tensor([plan.halo_tokens], dtype=torch.float64, device=device)
             dist.all_reduce(halo_tokens, op=dist.ReduceOp.MAX)
             bytes_fwd = int(halo_tokens.item()) * heads * dim * 2 * q.element_size()   # k and v
@@ -142,14 +148,15 @@ def main():
                        base_fwd_ms=round(b_fwd, 3), base_fwdbwd_ms=round(b_fb, 3),
                        fwd_ms=round(t_fwd, 3), fwdbwd_ms=round(t_fb, 3),
                        fwd_score=round(score[0], 3), fwdbwd_score=round(score[1], 3),
-                       halo_ms=round(t_halo, 3), halo_bytes_fwd=bytes_fwd, halo_bytes_step=2 * bytes_fwd,
+                       halo_ms=round(t_halo, 3), keybox_kernel_fwd_ms=round(t_box, 3), halo_bytes_fwd=bytes_fwd, halo_bytes_step=2 * bytes_fwd,
                        keybox_over_owned=round(ratio.item(), 3))
             rows.append(row)
             if rank == 0:
                 label = "speedup" if kind == "strong" else "efficiency"
                 print(f"{name} {kind} {row['grid']} on {world} ({backend}, axis {axis}): fwd {t_fwd:.3f} ms "
                       f"(1 device {b_fwd:.3f}, {label} {score[0]:.2f}), fwd+bwd {t_fb:.3f} ms "
-                      f"(1 device {b_fb:.3f}, {label} {score[1]:.2f}); halo exchange {t_halo:.3f} ms, "
+                      f"(1 device {b_fb:.3f}, {label} {score[1]:.2f}); halo exchange {t_halo:.3f} ms, kernel on "
+                      f"the key box alone {t_box:.3f} ms (fwd), "
                       f"{bytes_fwd / 2**20:.2f} MiB fwd + as much bwd per rank; key box / owned "
                       f"{ratio.item():.2f}", flush=True)
             del q, k, v

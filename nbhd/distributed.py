@@ -85,9 +85,11 @@ def axis_key_range(extent: int, kernel: int, stride: int, dilation: int, causal:
     lo = lo // align * align
     span = kernel * dilation
     if hi - lo < span:
-        hi = min(extent, lo + span)
-        if hi - lo < span:
-            lo = (hi - span) // align * align
+        grown = min(extent, lo + span)
+        if grown - lo < span:   # at the end of the axis: grow downwards instead
+            lo = (grown - span) // align * align
+            grown = max(hi, lo + span)
+        hi = grown
     if not _windows_match(extent, kernel, stride, dilation, causal, start, end, lo, hi):
         raise RuntimeError(
             f"nbhd.distributed: the key range [{lo}, {hi}) does not reproduce the windows of queries "
