@@ -283,3 +283,17 @@ def test_axis_key_range_exhaustive(extent):
                                 if lo2 <= a and b <= hi2 and hi2 - lo2 >= K * d:
                                     assert not _windows_match(N, K, s, d, causal, a, b, lo2, hi2), \
                                         (N, K, s, d, causal, a, b, lo, hi, lo2, hi2)
+
+
+def test_train_video_example_check_and_steps():
+    """README's recipe: the example, 2 gloo processes, against the unsharded model, then steps."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for extra in (["--check"], ["--steps", "2"]):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              os.path.join(root, "examples", "context_parallel", "train_video.py"), *extra],
+                             capture_output=True, text=True, timeout=600, env=env)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]

@@ -232,6 +232,8 @@ def main(argv=None):
         print(f"rank {rank}: |sharded - unsharded| max over output and jvp tangent = {err:.3g} "
               f"(output scale {y.abs().max().item():.3g}); parameter gradients, max relative "
               f"difference {grad_err:.3g}")
+        if err > 1e-5 * max(y.abs().max().item(), 1.0) or grad_err > 1e-4:
+            raise SystemExit(f"rank {rank}: the sharded model disagrees with the unsharded one")
         return
 
     global_count = args.batch * args.frames * args.size * args.size
