@@ -1,4 +1,5 @@
-"""Validation of user input, done once at the entry (functional.py), in one module.
+"""Validation of user input, done once at the entry (functional.py), and of the custom ops'
+arguments, which compiled and exported graphs pass straight to the ops (ops.py), in one module.
 
 Every error names the argument, the rule and the values. ValueError for bad values, TypeError
 for wrong types, NotImplementedError for valid but unsupported combinations.
@@ -210,7 +211,7 @@ def _op_shapes(op: str, rank: int, q: Tensor, k: Tensor, v: Tensor, kx: Tensor) 
                      f"{tuple(q.shape)}")
     for name, t, dims in (("k", k, q.dim()), ("v", v, q.dim()), ("kx", kx, 4)):
         if t.dim() != dims:
-            _op_fail(op, f"{name} must be {dims}-D like q, got shape {tuple(t.shape)}")
+            _op_fail(op, f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
     qs = q.shape
     B, S, H, D = qs[0], tuple(qs[1:-2]), qs[-2], qs[-1]
     Hkv, Dv, S_add = k.shape[-2], v.shape[-1], kx.shape[1]
