@@ -116,12 +116,13 @@ $(SAN_BUILD)/libnbhd.so: $(SAN_OBJS)
 	$(CC) $(CFLAGS) $(SAN_FLAGS) -shared $(SAN_OBJS) -o $@ -lm
 
 # test-py-sanitized: the custom-op fuzz test (tests/test_op_fuzz.py) on that library, under
-# ASan + UBSan (leak checks off: CPython and torch keep their allocations until exit)
+# ASan + UBSan (leak checks off: CPython and torch keep their allocations until exit; -s: a
+# sanitizer report goes to the terminal, not to a capture the abort discards)
 test-py-sanitized: $(SAN_BUILD)/libnbhd.so venv
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		NBHD_LIBRARY=$(abspath $(SAN_BUILD)/libnbhd.so) PYTHONPATH=$(CURDIR) \
-		$(PY) -m pytest -q -p no:cacheprovider tests/test_op_fuzz.py
+		$(PY) -m pytest -q -s -p no:cacheprovider tests/test_op_fuzz.py
 
 test-c-sanitized: $(SAN_C_TESTS)
 	@set -e; for t in $(SAN_C_TESTS); do echo "== $$t (ASan+UBSan)"; $(SAN_ENV) $$t; done

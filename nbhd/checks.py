@@ -1,4 +1,5 @@
-"""Validation of user input, done once at the entry (functional.py), in one module.
+"""Validation of user input, done once at the entry (functional.py), and of the custom ops'
+arguments, which compiled and exported graphs pass straight to the ops (ops.py), in one module.
 
 Every error names the argument, the rule and the values. ValueError for bad values, TypeError
 for wrong types, NotImplementedError for valid but unsupported combinations.
@@ -183,20 +184,23 @@ def op_geometry(op: str, kernel_size, stride, dilation, is_causal, tiles) -> int
     """The rank of an op call's geometry lists, after checking their lengths and that every int
     fits the C library's int32 fields (their values are nbhd_validate's rules)."""
     rank = len(kernel_size)
-    if rank > 3:
-        _op_fail(op, f"kernel_size has {rank} entries; at most 3 spatial axes")
-    for name, values in (("stride", stride), ("dilation", dilation), ("is_causal", is_causal)):
-        if len(values) != rank:
-            _op_fail(op, f"{name} has {len(values)} entries but kernel_size has {rank} "
-                         "(one per spatial axis)")
-    if len(tiles) != 4 * rank:
+    if (rank > 3 or len(stride) != rank or len(dilation) != rank or len(is_causal) != rank
+            or len(tiles) != 4 * rank):
+        if rank > 3:
+            _op_fail(op, f"kernel_size has {rank} entries; at most 3 spatial axes")
+        for name, values in (("stride", stride), ("dilation", dilation), ("is_causal", is_causal)):
+            if len(values) != rank:
+                _op_fail(op, f"{name} has {len(values)} entries but kernel_size has {rank} "
+                             "(one per spatial axis)")
         _op_fail(op, f"tiles has {len(tiles)} entries; need 4 x rank = {4 * rank} "
                      "(q, kv, backward q, backward kv tile per axis)")
-    for name, values in (("kernel_size", kernel_size), ("stride", stride), ("dilation", dilation),
-                         ("tiles", tiles)):
-        for x in values:
-            if not -_INT32_MAX <= x <= _INT32_MAX:
-                _op_fail(op, f"{name} entry {x} does not fit a 32-bit int")
+    ints = (*kernel_size, *stride, *dilation, *tiles)
+    if ints and (min(ints) < -_INT32_MAX or max(ints) > _INT32_MAX):
+        for name, values in (("kernel_size", kernel_size), ("stride", stride),
+                             ("dilation", dilation), ("tiles", tiles)):
+            for x in values:
+                if not -_INT32_MAX <= x <= _INT32_MAX:
+                    _op_fail(op, f"{name} entry {x} does not fit a 32-bit int")
     return rank
 
 
@@ -207,7 +211,7 @@ def _op_shapes(op: str, rank: int, q: Tensor, k: Tensor, v: Tensor, kx: Tensor) 
                      f"{tuple(q.shape)}")
     for name, t, dims in (("k", k, q.dim()), ("v", v, q.dim()), ("kx", kx, 4)):
         if t.dim() != dims:
-            _op_fail(op, f"{name} must be {dims}-D like q, got shape {tuple(t.shape)}")
+            _op_fail(op, f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
     qs = q.shape
     B, S, H, D = qs[0], tuple(qs[1:-2]), qs[-2], qs[-1]
     Hkv, Dv, S_add = k.shape[-2], v.shape[-1], kx.shape[1]
@@ -224,11 +228,13 @@ def op_tensors(op: str, rank: int, spec, tensors, real: bool) -> None:
     _LEGEND's keys; the first four are always (q, k, v, kx). Every tensor must have its kind's
     exact shape, q's dtype (the LSE kinds: float32, float64 for float64 q) and q's device.
     `real` (the kernel, not the fake, whose sizes may be symbolic): also the storage bounds,
-    the devices the C library runs on, and sizes within its int32 fields."""
+    the devices the C library runs on, and sizes within its int32 fields. Each tensor's
+    attributes are read once: this runs on every call."""
     q, k, v, kx = tensors[0], tensors[1], tensors[2], tensors[3]
     dtype, device = q.dtype, q.device
+    sizes = [None if t is None else t.shape for t in tensors]
     if real:
-        key = (rank, q.shape, k.shape, v.shape, kx.shape)
+        key = (rank, sizes[0], sizes[1], sizes[2], sizes[3])
         shapes = _SHAPES.get(key)
         if shapes is None:
             shapes = _op_shapes(op, rank, q, k, v, kx)
@@ -238,7 +244,7 @@ def op_tensors(op: str, rank: int, spec, tensors, real: bool) -> None:
             if len(_SHAPES) > 256:
                 _SHAPES.clear()
             _SHAPES[key] = shapes
-        if device.type not in ("cpu", "cuda"):
+        if not (q.is_cpu or q.is_cuda):
             _op_fail(op, f"q is on {device}; the kernels run on cpu and cuda")
     else:
         shapes = _op_shapes(op, rank, q, k, v, kx)
@@ -246,33 +252,37 @@ def op_tensors(op: str, rank: int, spec, tensors, real: bool) -> None:
         _op_fail(op, f"q has dtype {dtype}; need float16, bfloat16, float32 or float64")
     lse_dtype = torch.float64 if dtype is torch.float64 else torch.float32
     strided = torch.strided
-    for (name, kind, required), t in zip(spec, tensors):
+    for (name, kind, required), t, size in zip(spec, tensors, sizes):
         if t is None:
             if required:
                 _op_fail(op, f"{name} is required")
             continue
         want = lse_dtype if kind == "l" else dtype
-        if (t.shape != shapes[kind] or t.dtype is not want or t.device != device
-                or t.layout is not strided):
+        if size != shapes[kind] or t.dtype is not want or t.device != device or t.layout is not strided:
             _explain(op, name, t, shapes[kind], _LEGEND[kind], want, dtype, device)
         if real:
-            in_storage(f"{op}: {name}", t)
+            in_storage(name, t, size, op)
 
 
-def in_storage(name: str, t: Tensor) -> None:
+def in_storage(name: str, t: Tensor, size=None, op: str = "") -> None:
     """The last element a (real, strided) tensor addresses lies inside its storage: a view
     whose storage was shrunk by resize_, or made unsafely, would let the C library read past
-    its end."""
-    if not t.numel():
+    its end. `size`: t.shape when the caller has it."""
+    n = t.numel()
+    if not n:
         return
-    last = t.storage_offset()
-    for n, s in zip(t.shape, t.stride()):
-        last += (n - 1) * s
+    if t.is_contiguous():
+        last = t.storage_offset() + n - 1
+    else:
+        last = t.storage_offset()
+        for extent, step in zip(t.shape if size is None else size, t.stride()):
+            last += (extent - 1) * step
     if last * t.element_size() >= t.untyped_storage().nbytes():
         held = t.untyped_storage().nbytes() // t.element_size()
-        raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}, storage offset "
-                         f"{t.storage_offset()}) reaches element {last} of a storage of {held} "
-                         "elements (its storage was shrunk, or the view was made unsafely)")
+        raise ValueError(f"{op + ': ' if op else ''}{name} (shape {tuple(t.shape)}, strides "
+                         f"{t.stride()}, storage offset {t.storage_offset()}) reaches element "
+                         f"{last} of a storage of {held} elements (its storage was shrunk, or the "
+                         "view was made unsafely)")
 
 
 def _explain(op, name, t, shape, legend, want, dtype, device):

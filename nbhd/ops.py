@@ -7,6 +7,11 @@ kernel_size/stride/dilation/is_causal are lists of length rank (0 for dense atte
 the kernel chooses): forward-type ops pass the first half to the C library, backward-type ops
 the second.
 
+Every op checks its geometry lists and tensors (checks.op_geometry, checks.op_tensors: shapes
+against q, k, v and kx, dtypes, devices, views inside their storage) before the C library
+reads them, since compiled and exported graphs call the ops directly; the fakes run the same
+shape, dtype and device checks.
+
 Tensor arguments are always present: absent additional keys (and, for rank 0, absent
 neighborhood keys) are zero-length tensors [B, 0, Hkv, D], so every op has fixed arity and vmap
 can fold every argument the same way.
