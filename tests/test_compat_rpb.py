@@ -242,3 +242,17 @@ def test_fold_gradients_and_transforms():
     batched = torch.func.vmap(lambda b: fold(*primals[:3], b, None, None)[0])(tables)
     for i in range(3):
         torch.testing.assert_close(batched[i], comp(*primals[:3], tables[i]), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_fold_on_cuda(rank):
+    q, k, v, rpb, ks, st, dil, kx, vx = _case(rank, 100 + rank, gqa=True, extra=True, dtype=torch.float32)
+    cuda = [t.cuda().requires_grad_() for t in (q, k, v, rpb)]
+    out, _ = R.na_with_rpb_fused(*cuda, ks, st, dil, 0.4, kx.cuda(), vx.cuda())
+    ref, _ = dense_reference(q.double(), k.double(), v.double(), rpb.double(), ks, st, dil, 0.4,
+                             kx.double(), vx.double())
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-3, atol=1e-3)
+    out.sum().backward()
+    assert cuda[3].grad is not None and torch.isfinite(cuda[3].grad).all()

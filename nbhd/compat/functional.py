@@ -18,7 +18,6 @@ from torch import Tensor
 
 from ..attention import attention as _nbhd_attention
 from ..attention import merge_attentions as _nbhd_merge_attentions
-from .. import backends as _nbhd_backends
 from .. import checks as _nbhd_checks
 from .. import functional as _nbhd_functional
 from .. import rpb as _rpb
