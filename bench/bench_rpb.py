@@ -1,16 +1,25 @@
-"""Cost of relative positional bias: na2d/na3d with rpb against the same call without it
-(nbhd.compat's na*d: the fused kernels without rpb, nbhd.rpb's composed path with it today).
-Forward, and forward+backward with --bwd; configurations interleaved, median over --rounds.
+"""Cost of relative positional bias: na*d with rpb against the same call without it.
+"fold" is nbhd.compat's na*d(rpb=...) (nbhd.rpb.na_with_rpb_fused: the bias folded into the
+fused kernels' dot product), "composed" nbhd.rpb.na_with_rpb (gather + softmax, the
+reference). Forward, or forward+backward with --bwd; configurations interleaved; min and
+median over --rounds, in ms. --threads sets torch's and (before import) OpenMP's threads.
 
-    python bench/bench_rpb.py [--device cpu] [--dtype fp32] [--problems 2d-32,3d-12] [--bwd]
+    python bench/bench_rpb.py [--device cpu] [--dtype fp32] [--problems 1d-1024,2d-32,3d-12]
+                              [--threads 1] [--bwd]
 """
 import argparse
+import os
 import statistics
+import sys
 import time
+
+if "--threads" in sys.argv:   # OpenMP reads it once, at the library's load
+    os.environ["OMP_NUM_THREADS"] = sys.argv[sys.argv.index("--threads") + 1]
 
 import torch
 
 import nbhd.compat as natten
+from nbhd import rpb as nbhd_rpb
 
 PROBLEMS = {  # name: (spatial, kernel_size, heads, head_dim)
     "1d-1024": ((1024,), (13,), 4, 32),
@@ -35,13 +44,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    ap.add_argument("--problems", default="2d-32,3d-12")
+    ap.add_argument("--problems", default="1d-1024,2d-32,3d-12")
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--bwd", action="store_true")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    print(f"device={device} dtype={args.dtype} {'fwd+bwd' if args.bwd else 'fwd'} "
-          f"(median of {args.rounds} rounds, ms)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
+          f"{'fwd+bwd' if args.bwd else 'fwd'} (min / median of {args.rounds} rounds, ms)")
     for name in args.problems.split(","):
         spatial, ks, heads, dim = PROBLEMS[name]
         na = {1: natten.na1d, 2: natten.na2d, 3: natten.na3d}[len(spatial)]
@@ -49,7 +61,11 @@ def main() -> None:
                                requires_grad=args.bwd) for _ in range(3))
         rpb = torch.randn(heads, *(2 * x - 1 for x in ks), device=device, dtype=dtype,
                           requires_grad=args.bwd)
-        runs = {"no rpb": lambda: na(q, k, v, ks), "rpb": lambda: na(q, k, v, ks, rpb=rpb)}
+        rank = len(spatial)
+        runs = {"no rpb": lambda: na(q, k, v, ks),
+                "fold": lambda: na(q, k, v, ks, rpb=rpb),
+                "composed": lambda: nbhd_rpb.na_with_rpb(q, k, v, rpb, ks, (1,) * rank, (1,) * rank,
+                                                         (False,) * rank, dim ** -0.5)[0]}
 
         def step(run):
             out = run()
@@ -62,8 +78,12 @@ def main() -> None:
         for _ in range(args.rounds):
             for label, run in runs.items():
                 times[label].append(timed(lambda: step(run), device) * 1e3)
-        base, with_rpb = (statistics.median(times[x]) for x in ("no rpb", "rpb"))
-        print(f"{name:8s} no rpb {base:9.2f}  rpb {with_rpb:9.2f}  ratio {with_rpb / base:6.2f}")
+        cells = []
+        for label in runs:
+            lo, med = min(times[label]), statistics.median(times[label])
+            ratio = "" if label == "no rpb" else f" (x{lo / min(times['no rpb']):.2f})"
+            cells.append(f"{label} {lo:8.2f} / {med:8.2f}{ratio}")
+        print(f"{name:8s} " + "  ".join(cells))
 
 
 if __name__ == "__main__":

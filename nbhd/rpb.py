@@ -33,7 +33,7 @@ from torch import Tensor
 from .reference import axis_windows, neighborhood_index
 
 __all__ = ["rpb_shape", "check_rpb", "rpb_index", "window_bias", "na_qk", "na_av",
-           "na_with_rpb"]
+           "na_with_rpb", "na_with_rpb_fused"]
 
 
 def rpb_shape(num_heads: int, kernel_size: Sequence[int]) -> Tuple[int, ...]:
@@ -166,3 +166,68 @@ def na_with_rpb(query: Tensor, key: Tensor, value: Tensor, rpb: Optional[Tensor]
         weights = attn_dropout(weights)
     out = na_av(weights, up(value), kernel_size, stride, dilation, is_causal, up(additional_values))
     return out.to(dtype), lse.to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+# ----------------------------------------------------------------------------
+# rpb through the fused kernels: the bias folded into the dot product
+
+@functools.lru_cache(maxsize=64)
+def _fold_index_cached(shape, kernel_size, dilation, device_str) -> Tuple[Tensor, Tensor]:
+    device = torch.device(device_str)
+    key_slot = torch.zeros((1,), dtype=torch.long, device=device)
+    table = torch.zeros((1, 1), dtype=torch.long, device=device)
+    for extent, k, d in zip(shape, kernel_size, dilation):
+        p = 2 * k - 1
+        u = torch.div(torch.arange(extent, device=device), d, rounding_mode="floor")
+        key_slot = (key_slot[:, None] * p + (u % p)[None, :]).flatten()
+        t = (torch.arange(p, device=device)[None, :] - u[:, None] + (k - 1)) % p   # [extent, p]
+        table = (table[:, None, :, None] * p + t[None, :, None, :]).flatten(0, 1).flatten(1, 2)
+    return key_slot, table
+
+
+def fold_index(shape: Sequence[int], kernel_size: Sequence[int], dilation: Sequence[int],
+               device=None) -> Tuple[Tensor, Tensor]:
+    """(key_slot [N], table_index [N, M]) with M = prod(2K-1): every key token's slot
+    (y // d mod 2K-1 per axis, row-major) and, for every query token and slot, the flat table
+    entry of the offset that slot stands for ((m - x // d + K - 1) mod 2K-1 per axis)."""
+    args = (tuple(int(x) for x in shape), tuple(int(k) for k in kernel_size),
+            tuple(int(d) for d in dilation),
+            str(torch.device(device) if device is not None else torch.device("cpu")))
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        return _fold_index_cached.__wrapped__(*args)
+    with torch._C._DisableFuncTorch():
+        return _fold_index_cached(*args)
+
+
+def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
+                      kernel_size: Sequence[int], stride: Sequence[int],
+                      dilation: Sequence[int], scale: float,
+                      additional_keys: Optional[Tensor] = None,
+                      additional_values: Optional[Tensor] = None,
+                      backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """na_with_rpb (non-causal, scale != 0) through nbhd's fused kernels, exactly: the bias is
+    folded into the dot product. Every key gets a one-hot of its slot (y // d mod 2K-1 per
+    axis) appended, every query the table rotated to its position and divided by scale, so
+    scale * <q', k'> = scale * <q, k> + rpb[h, (y - x) / d + K - 1] for every key y of x's
+    window (y - x is a multiple of d and within (K-1)d: no two window keys share a slot).
+    Additional keys get zeros (no bias). Query/key head dim grows by M = prod(2K-1) (49 more
+    for 4x4, 169 for 7x7): the cost of the score product grows accordingly. Differentiable
+    like the fused ops (the table's gradient is autograd's scatter-add through the gather).
+    Shapes as na_with_rpb; returns (out, lse)."""
+    from .functional import na1d, na2d, na3d   # functional imports nothing from here
+    spatial = tuple(query.shape[1:-2])
+    B, H = query.shape[0], query.shape[-2]
+    key_slot, table = fold_index(spatial, kernel_size, dilation, query.device)
+    m = table.shape[1]
+    bias = (rpb.to(query.dtype) / scale).reshape(H, -1)[:, table]              # [H, N, M]
+    q_fold = bias.permute(1, 0, 2).reshape(1, *spatial, H, m).expand(B, *spatial, H, m)
+    one_hot = torch.nn.functional.one_hot(key_slot, m).to(key.dtype)
+    k_fold = one_hot.reshape(1, *spatial, 1, m).expand(B, *spatial, key.shape[-2], m)
+    kx = additional_keys
+    if kx is not None:
+        kx = torch.cat([kx, kx.new_zeros(*kx.shape[:-1], m)], -1)
+    na = {1: na1d, 2: na2d, 3: na3d}[len(spatial)]
+    return na(torch.cat([query, q_fold], -1), torch.cat([key, k_fold], -1), value,
+              tuple(kernel_size), stride=tuple(stride), dilation=tuple(dilation), scale=scale,
+              additional_keys=kx, additional_values=additional_values, backend=backend,
+              return_lse=True)

@@ -192,3 +192,67 @@ def test_half_inputs_compute_in_float32():
                              rpb.half().double(), ks, st, dil, 0.5)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
+
+
+# ----------------------------------------------------------------------------
+# the folded path: the bias through nbhd's fused kernels
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+@pytest.mark.parametrize("gqa,extra", [(False, False), (True, True)])
+def test_fold_matches_dense_reference(rank, gqa, extra):
+    q, k, v, rpb, ks, st, dil, kx, vx = _case(rank, 70 + rank, gqa, extra)
+    out, lse = R.na_with_rpb_fused(q, k, v, rpb, ks, st, dil, 0.4, kx, vx)
+    ref_out, ref_lse = dense_reference(q, k, v, rpb, ks, st, dil, 0.4, kx, vx)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,ks,dil", [((8,), (4,), (2,)), ((6, 7), (6, 7), (1, 1)),
+                                          ((9, 10), (2, 3), (3, 2))])
+def test_fold_even_kernels_and_whole_extent(shape, ks, dil):
+    g = torch.Generator().manual_seed(80)
+    q, k, v = (torch.randn(1, *shape, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    rpb = torch.randn(R.rpb_shape(2, ks), generator=g, dtype=torch.float64)
+    ones = (1,) * len(shape)
+    out, _ = R.na_with_rpb_fused(q, k, v, rpb, ks, ones, dil, 0.5)
+    ref, _ = dense_reference(q, k, v, rpb, ks, ones, dil, 0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_fold_gradients_and_transforms():
+    g = torch.Generator().manual_seed(90)
+    make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+    ks, st, dil = (3, 3), (1, 2), (2, 1)
+    q, k, v = make(1, 6, 5, 2, 3), make(1, 6, 5, 1, 3), make(1, 6, 5, 1, 2)
+    rpb, kx, vx = make(2, 5, 5), make(1, 2, 1, 3), make(1, 2, 1, 2)
+    fold = lambda q, k, v, b, kx, vx: R.na_with_rpb_fused(q, k, v, b, ks, st, dil, 0.7, kx, vx)
+    assert torch.autograd.gradcheck(fold, (q, k, v, rpb, kx, vx))
+    # double backward through the fused ops' backward: a 1-D problem keeps it quick
+    small = (make(1, 5, 1, 2), make(1, 5, 1, 2), make(1, 5, 1, 2), make(1, 3), make(1, 1, 1, 2),
+             make(1, 1, 1, 2))
+    fold1 = lambda q, k, v, b, kx, vx: R.na_with_rpb_fused(q, k, v, b, (2,), (1,), (2,), 0.7, kx, vx)
+    assert torch.autograd.gradgradcheck(fold1, small)
+    comp = lambda q, k, v, b: R.na_with_rpb(q, k, v, b, ks, st, dil, (False, False), 0.7)[0]
+    primals = tuple(t.detach() for t in (q, k, v, rpb))
+    tangents = tuple(torch.randn_like(t) for t in primals)
+    _, t_fold = torch.func.jvp(lambda *a: fold(*a, None, None)[0], primals, tangents)
+    _, t_comp = torch.func.jvp(comp, primals, tangents)
+    torch.testing.assert_close(t_fold, t_comp, rtol=1e-10, atol=1e-12)
+    tables = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+    batched = torch.func.vmap(lambda b: fold(*primals[:3], b, None, None)[0])(tables)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], comp(*primals[:3], tables[i]), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_fold_on_cuda(rank):
+    q, k, v, rpb, ks, st, dil, kx, vx = _case(rank, 100 + rank, gqa=True, extra=True, dtype=torch.float32)
+    cuda = [t.cuda().requires_grad_() for t in (q, k, v, rpb)]
+    out, _ = R.na_with_rpb_fused(*cuda, ks, st, dil, 0.4, kx.cuda(), vx.cuda())
+    ref, _ = dense_reference(q.double(), k.double(), v.double(), rpb.double(), ks, st, dil, 0.4,
+                             kx.double(), vx.double())
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-3, atol=1e-3)
+    out.sum().backward()
+    assert cuda[3].grad is not None and torch.isfinite(cuda[3].grad).all()

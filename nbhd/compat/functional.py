@@ -18,7 +18,6 @@ from torch import Tensor
 
 from ..attention import attention as _nbhd_attention
 from ..attention import merge_attentions as _nbhd_merge_attentions
-from .. import backends as _nbhd_backends
 from .. import checks as _nbhd_checks
 from .. import functional as _nbhd_functional
 from .. import rpb as _rpb
@@ -79,18 +78,15 @@ def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale
                        ("run_persistent_kernel", run_persistent_kernel),
                        ("try_fuse_additional_kv", try_fuse_additional_kv)):
         _flag(name, flag)
-    if rpb is not None:   # the composed path, whichever backend is named (docs/rpb.md)
+    if rpb is not None:   # folded into the fused kernels' dot product (nbhd.rpb, docs/rpb.md)
         name = map_backend(query, backend)
-        if name is not None and name not in _nbhd_backends.CAN_RUN:
-            raise ValueError(f"backend={backend!r} is unknown; choose one of "
-                             f"{sorted(_nbhd_backends.CAN_RUN)}, None, or a NATTEN name")
         q, k, v = _nbhd_checks.qkv(query, key, value, rank)
         kx, vx = _nbhd_checks.additional_kv(additional_keys, additional_values, q, k, v)
         _checks.check_args_against_input(q, ks, st, dil, causal)
         _rpb.check_rpb(rpb, q.shape[-2], ks, causal, q)
-        out, lse = _rpb.na_with_rpb(
-            q, k, v, rpb, ks, st, dil, causal,
-            _nbhd_checks.scale_of(scale, q.shape[-1], q.dtype), kx, vx)
+        out, lse = _rpb.na_with_rpb_fused(
+            q, k, v, rpb, ks, st, dil, _nbhd_checks.scale_of(scale, q.shape[-1], q.dtype), kx, vx,
+            backend=name)
         return (out, lse) if return_lse else out
     return _NBHD_NA[rank](
         query, key, value, ks, stride=st, dilation=dil, is_causal=causal, scale=scale,
@@ -109,8 +105,8 @@ _NA_DOC = """{rank}-D neighborhood attention with NATTEN's signature (see nbhd.n
     query/key/value [B, {dims}, H(kv), D]; kernel_size, stride, dilation, is_causal: int/bool or
     {rank}-tuple (None: the default); scale: falsy means head_dim ** -0.5. rpb (NATTEN 0.17):
     [H, 2*kernel_size-1 per axis], added to the scores with NATTEN's indexing (nbhd.rpb);
-    not with causal masking; it runs nbhd.rpb's composed path (tile arguments have no effect
-    there). The positional order is NATTEN 0.21's (stride before dilation). Returns [B, {dims}, H, Dv], or (output, lse) with return_lse.
+    not with causal masking; it runs the fused kernels with the bias folded into the dot
+    product (nbhd.rpb.na_with_rpb_fused; tile arguments have no effect there). The positional order is NATTEN 0.21's (stride before dilation). Returns [B, {dims}, H, Dv], or (output, lse) with return_lse.
     """
 
 

@@ -7,9 +7,9 @@ are qkv, proj and, with rel_pos_bias, rpb [num_heads, 2K-1 per axis]: the state 
 NATTEN 0.14-0.21 modules load with strict=True. The qkv projection's output channels are
 ordered (q|k|v, head, head_dim), as in NATTEN.
 
-forward runs nbhd's fused kernels; with rpb, or with attention dropout while training, it
-runs the composed path (scores, softmax, dropout, weighted values; nbhd.rpb), as NATTEN's
-unfused path did.
+forward runs nbhd's fused kernels, with rpb folded into their dot product
+(nbhd.rpb.na_with_rpb_fused); with attention dropout while training it runs the composed path
+(scores, softmax, dropout, weighted values; nbhd.rpb.na_with_rpb), as NATTEN's unfused path did.
 """
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ class _CompatNeighborhoodAttention(_nbhd_modules._NeighborhoodAttention):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [B, *S, C] -> [B, *S, C]"""
-        if self.rpb is None and not (self.training and self.attn_drop_rate > 0):
+        dropout = self.training and self.attn_drop_rate > 0
+        if self.rpb is None and not dropout:
             return super().forward(x)
         if x.dim() != self.expected_input_tensor_rank:
             raise ValueError(f"{type(self).__name__} expected a tensor of rank "
@@ -70,9 +71,13 @@ class _CompatNeighborhoodAttention(_nbhd_modules._NeighborhoodAttention):
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
         if self.rpb is not None:
             _rpb.check_rpb(self.rpb, self.num_heads, self.kernel_size, self.is_causal, q)
-        out, _ = _rpb.na_with_rpb(q, k, v, self.rpb, self.kernel_size, self.stride,
-                                  self.dilation, self.is_causal, self.scale,
-                                  attn_dropout=self.attn_drop)
+        if dropout:   # on the attention weights: the composed path holds them
+            out, _ = _rpb.na_with_rpb(q, k, v, self.rpb, self.kernel_size, self.stride,
+                                      self.dilation, self.is_causal, self.scale,
+                                      attn_dropout=self.attn_drop)
+        else:
+            out, _ = _rpb.na_with_rpb_fused(q, k, v, self.rpb, self.kernel_size, self.stride,
+                                            self.dilation, self.scale)
         return self.proj_drop(self.proj(out.flatten(-2)))
 
     def extra_repr(self) -> str:
