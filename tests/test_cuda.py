@@ -102,7 +102,10 @@ def with_patch(inputs, geo, op, queries):
         return geo
     ks, st, dil, causal, scale, tiles = geo
     rank = len(ks)
-    for q_tile, kv_tile in _lib.tile_configs(ops._problem(*inputs, ks, st, dil, causal, scale), op):
+    q, k, v, kx, vx = inputs
+    problem = _lib.Problem(q, k, v, kx if kx.shape[1] else None, vx if vx.shape[1] else None,
+                           ks, st, dil, causal, scale)
+    for q_tile, kv_tile in _lib.tile_configs(problem, op):
         if math.prod(q_tile) == queries:
             first = 2 * rank if op == _lib.OP_BACKWARD else 0
             tiles = list(tiles)
