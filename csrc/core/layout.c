@@ -22,7 +22,7 @@ static const nbhd_layout_entry entries[] = {
     AT(nbhd_problem, batch), AT(nbhd_problem, extra_kv), AT(nbhd_problem, heads),
     AT(nbhd_problem, kv_heads), AT(nbhd_problem, head_dim), AT(nbhd_problem, head_dim_v),
     AT(nbhd_problem, scale), AT(nbhd_problem, dtype), AT(nbhd_problem, device),
-    SIZE(nbhd_tensor), AT(nbhd_tensor, data), AT(nbhd_tensor, stride),
+    SIZE(nbhd_tensor), AT(nbhd_tensor, data), AT(nbhd_tensor, stride), AT(nbhd_tensor, elements),
     SIZE(nbhd_exec), AT(nbhd_exec, stream), AT(nbhd_exec, workspace), AT(nbhd_exec, workspace_bytes),
     AT(nbhd_exec, threads), AT(nbhd_exec, kv_parallel), AT(nbhd_exec, use_reference),
     AT(nbhd_exec, q_tile), AT(nbhd_exec, kv_tile),
