@@ -10,7 +10,9 @@ Models (pre-norm blocks: LayerNorm, qkv, attention, projection, MLP 4x):
   --smoke: 2 blocks, 8x8 (2d) / 4x6x6 (3d) tokens, window 3, 2 heads, D 16, batch 2 (CI)
 Steps: forward (no grad); training (forward, backward); MeanFlow (torch.func.jvp of the model
 along a tangent, then backward of a loss on the primal with the tangent as a stopped target);
-each eager and under torch.compile, and on CUDA also replayed from a CUDA graph (forward).
+each eager; forward and training also under torch.compile (a compiled graph drops custom
+forward-mode rules, so the MeanFlow step stays eager); on CUDA the forward also replayed from
+a CUDA graph.
 "dense" runs scaled_dot_product_attention with the boolean neighborhood mask (the math
 backend where forward-mode AD needs it). "kernels" is the summed self time of nbhd's ops
 (self device time on CUDA, self CPU time of the kernel ops on the CPU) in one profiled step;

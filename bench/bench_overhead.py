@@ -77,7 +77,9 @@ def main() -> None:
             env["OMP_NUM_THREADS"] = value
         run = subprocess.run([sys.executable, __file__, "--child", "--calls", str(a.calls),
                               "--rounds", str(a.rounds), "--device", a.device],
-                             env=env, capture_output=True, text=True, check=True)
+                             env=env, capture_output=True, text=True)
+        if run.returncode:
+            sys.exit(f"the OMP_NUM_THREADS={label} run failed:\n{run.stderr}")
         results[label] = json.loads(run.stdout.strip().splitlines()[-1])
     print(f"us per call, best of {a.rounds} x {a.calls} calls, {a.device}, "
           f"torch {torch.__version__}, nbhd ISA {nbhd._lib.cpu_isa()}")

@@ -291,6 +291,11 @@ def tile_configs(problem: Problem, op: int):
     return [(tuple(c.q_tile[:rank]), tuple(c.kv_tile[:rank])) for c in out]
 
 
+def _elements(t: torch.Tensor) -> int:
+    """Elements of t's storage from its data on (the library checks the strides stay inside)."""
+    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+
+
 def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -> _Tensor:
     """Tensor -> (pointer, 6 strides). Spatial tensors are [B, *spatial(rank), H, D?]; token
     tensors (additional keys, rank-0 queries) are [B, S, H, D?]."""
@@ -300,7 +305,7 @@ def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -
         return d
     d.data = t.data_ptr() if t.numel() else None
     # the storage from data on: the library checks that the strides stay inside it
-    d.elements = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset() if t.numel() else 0
+    d.elements = _elements(t) if t.numel() else 0
     st = t.stride()
     n_spatial = 1 if token_major else rank
     has_last = t.dim() == n_spatial + 3
@@ -325,12 +330,18 @@ _KEPT_WORKSPACE_BYTES = 8 << 20
 
 class _Plan:
     """One op's C arguments for one geometry and tensor layout, built once: a call writes the
-    data pointers (and on CUDA the stream and workspace) into them and calls the library."""
+    data pointers (and on CUDA the stream and workspace) into them and calls the library.
 
-    def __init__(self, op, geometry, tensors, threads, use_reference, q_tile, kv_tile, kv_parallel):
+    Each tensor's `elements` (its storage from data on) is the first call's: a later tensor of
+    the same shape and strides reaches the same span, which PyTorch keeps inside its storage,
+    so the library's extent check holds for it as well (a storage shrunk in place by resize_
+    afterwards is the one case it no longer sees)."""
+
+    def __init__(self, op, geometry, tensors, threads, use_reference, q_tile, kv_tile, kv_parallel,
+                 problem=None):
         rank, kernel_size, stride, dilation, is_causal, scale = geometry
         q, k, v, kx, vx = tensors[:5]
-        self.problem = Problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
+        self.problem = problem or Problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
         self.args = _ARGS[op]()   # ctypes structures start zeroed: absent tensors stay NULL
         self.slots = []           # (64-bit word of the data pointer, position in `tensors`)
         if len(tensors) != len(FIELDS[op]):
@@ -340,8 +351,8 @@ class _Plan:
                 continue
             setattr(self.args, name, _describe(t, rank, token_major=rank == 0 or name in _TOKEN_MAJOR))
             if t.numel():
-                offset = getattr(type(self.args), name).offset + _Tensor.data.offset
-                self.slots.append((offset // 8, pos))
+                field = getattr(type(self.args), name).offset
+                self.slots.append(((field + _Tensor.data.offset) // 8, pos))
         self.words = (ctypes.c_int64 * (ctypes.sizeof(self.args) // 8)).from_buffer(self.args)
         ex = self.exec = _Exec()
         ex.threads = threads
@@ -395,10 +406,16 @@ def _layout(t: Optional[torch.Tensor]):
 
 
 def run(op: int, geometry, tensors: Sequence[Optional[torch.Tensor]], threads: int = 0,
-        use_reference: bool = False, q_tile=(), kv_tile=(), kv_parallel: bool = False) -> None:
+        use_reference: bool = False, q_tile=(), kv_tile=(), kv_parallel: bool = False,
+        problem: Optional[Problem] = None) -> None:
     """Calls one entry point. geometry = (rank, kernel_size, stride, dilation, is_causal, scale)
     with tuples of length rank; `tensors` are the op's C arguments in FIELDS[op] order (None:
-    absent). The C structs are built once per geometry, layout and options (per thread)."""
+    absent). The C structs are built once per geometry, layout and options (per thread).
+    `problem` replaces the one the tensors describe, uncached (tests of the library's checks)."""
+    if problem is not None:
+        _Plan(op, geometry, tensors, threads, use_reference, q_tile, kv_tile, kv_parallel,
+              problem).launch(tensors)
+        return
     q = tensors[0]
     key = (op, geometry, tuple(q_tile), tuple(kv_tile), kv_parallel, use_reference, threads,
            q.dtype, q.device, *map(_layout, tensors))

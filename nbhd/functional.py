@@ -167,7 +167,13 @@ def _dual_outputs(q, k, v, kx, vx, geometry) -> Optional[Tuple[Tensor, Tensor]]:
     """Under forward-mode AD (torch.func.jvp, jacfwd, forward_ad duals) with a tangent on an
     input at the innermost level: (out, lse) as duals whose primals and tangents come from one
     fused forward+JVP kernel (NeighborhoodAttention's jvp rule would run the forward kernel
-    first and then the fused one). None when no input carries a tangent there."""
+    first and then the fused one). None, for that two-kernel path, when no input carries a
+    tangent there or one requires grad (docs/overhead.md)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kx, vx)):
+        # a backward may follow inside the dual level (forward-over-reverse), and the fused
+        # Function's backward has its jvp only in reference math: keep the two-kernel path,
+        # whose second-order rules are fused
+        return None
     unpacked = [_forward_ad.unpack_dual(t) for t in (q, k, v, kx, vx)]
     tangents = [u.tangent for u in unpacked]
     if all(t is None for t in tangents):
@@ -175,9 +181,7 @@ def _dual_outputs(q, k, v, kx, vx, geometry) -> Optional[Tuple[Tensor, Tensor]]:
     if any(t is not None and _is_batched(t) and not _is_batched(u.primal)
            for u, t in zip(unpacked, tangents)):
         return None  # tangents batched apart from their primals: no dual pairs the two
-    # The fused Function takes the dual inputs themselves, so that its backward graph keeps
-    # their tangents (forward-over-reverse differentiates it), with forward-mode AD off while
-    # it runs: it computes the tangents, its own jvp rule must not.
+    # forward-mode AD off while it runs: it computes the tangents, its own jvp rule must not
     with _forward_ad._set_fwd_grad_enabled(False):
         out, lse, t_out, t_lse = na_jvp_autograd(q, k, v, kx, vx, *tangents, geometry)
     return _forward_ad.make_dual(out, t_out), _forward_ad.make_dual(lse, t_lse)
