@@ -670,8 +670,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     nbhd_exec e;
     memset(&e, 0, sizeof e);
     e.threads = fz_i32(&rd, -1, 3);
-    const int absurd_threads = e.threads > 1024;           /* refused by every entry point */
+    /* |threads| > 1024 is refused by every entry point; < 0 means "up to -threads" */
+    const int absurd_threads = e.threads > 1024 || e.threads < -1024;
     if (e.threads > 8 && !absurd_threads) e.threads = 8;   /* valid, but slow to fuzz with */
+    if (e.threads < -8 && !absurd_threads) e.threads = -8;
     e.use_reference = fz_u8(&rd) & 1;
     e.kv_parallel = fz_u8(&rd) & 1;
     for (int a = 0; a < 3; ++a) {
