@@ -1,6 +1,6 @@
 """Bad input gets a specific exception naming the argument; valid edge cases compute correctly.
 
-Issue 8. The table below holds invalid calls of na1d/na2d/na3d and na*d_jvp, each with the
+The table below holds invalid calls of na1d/na2d/na3d and na*d_jvp, each with the
 exception type and a regex that must match the message (naming the argument). Then valid edge
 cases (empty batch or heads, extent == kernel*dilation, kernel == extent on some axes only,
 extent-2 axes, non-contiguous inputs) against the float64 reference.
