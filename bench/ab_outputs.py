@@ -33,8 +33,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 
 def battery(device: str, threads: int, quick: bool) -> dict:
     """{key: tensor} of every op's outputs on every problem and dtype (fixed seeds)."""
+    import nbhd
     from nbhd import ops
     ops._OPTIONS["threads"] = threads
+    nbhd.use_kv_parallelism_in_fused_na(False)  # the KV-parallel backward sums dQ by atomics
     results = {}
     for pi, (name, B, ext, H, Hkv, D, Dv, ks, st, dil, causal, nx) in enumerate(PROBLEMS):
         for dname, dt in DTYPES.items():

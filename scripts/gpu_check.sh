@@ -3,7 +3,8 @@
 # compute-sanitizer (memcheck, racecheck) on a small sweep, then the benchmark.
 # Logs go to $OUT (or ./out); the summary table prints last.
 #   STAGES="build test sanitize bench" (the default; "ab" adds the A/B of the listed tile
-#   configurations of the forward and forward+JVP, bench/ab_gpu.py)
+#   configurations of the forward and forward+JVP, bench/ab_gpu.py; "ab_ref" the A/B against
+#   the library of another source tree, AB_REF=<dir>, AB_BENCH_ARGS="..." for its bench)
 #   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."  AB_KINDS="fwd jvp" (which A/Bs: fwd, jvp, bwd)
 set -u
 OUT=${OUT:-out}
@@ -15,6 +16,14 @@ summary=()
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+
+# ab_ref: outputs (bitwise, bench/ab_outputs.py) and speed (bench/bench_gpu.py, back to back) of
+# this tree's library against one built from the source tree $AB_REF (e.g. a `git worktree` of
+# the commit before a change), built alongside this tree's
+if has ab_ref; then
+    (cd "$AB_REF" && NBHD_CUDA=1 $PY setup.py -q build_ext --inplace >"$OUT/ab_ref_build.log" 2>&1) &
+    ab_ref_build=$!
+fi
 
 if has build; then
     t0=$SECONDS
@@ -29,6 +38,21 @@ if has build; then
         tail -40 "$OUT/build.log"; summary+=("build: FAILED (see build.log)")
         printf '%s\n' "${summary[@]}"; exit 1
     fi
+fi
+
+if has ab_ref; then
+    wait $ab_ref_build
+    ref=$(ls "$AB_REF"/nbhd/_nbhd*.so 2>/dev/null | head -1)
+    new=$(ls nbhd/_nbhd*.so 2>/dev/null | head -1)
+    for dev in cuda cpu; do
+        $PY bench/ab_outputs.py "$ref" "$new" --device $dev >"$OUT/ab_outputs_$dev.log" 2>&1
+        summary+=("ab_outputs $dev (reference $AB_REF): rc=$?, $(tail -1 "$OUT/ab_outputs_$dev.log")")
+    done
+    for lib in "$ref" "$new" "$ref" "$new"; do
+        echo "== NBHD_LIBRARY=$lib" >>"$OUT/ab_speed.log"
+        NBHD_LIBRARY=$lib $PY bench/bench_gpu.py ${AB_BENCH_ARGS:-} >>"$OUT/ab_speed.log" 2>&1
+    done
+    summary+=("speed A/B (reference, this tree, twice): ab_speed.log")
 fi
 
 if has test; then

@@ -62,14 +62,15 @@ def _oracle(geom, q, k, v, tq, tk, tv, d_out, d_lse):
     return [out.detach(), lse.detach(), *grads, jo, jt]
 
 
-def _nbhd(geom, q, k, v, tq, tk, tv, d_out, d_lse):
-    """The same quantities from nbhd's kernels (whatever the options and NBHD_CPU_ISA pick)."""
+def _nbhd(geom, q, k, v, tq, tk, tv, d_out, d_lse, tiles=None):
+    """The same quantities from nbhd's kernels (whatever the options and NBHD_CPU_ISA pick;
+    tiles: na*d's tile keywords)."""
     shape, ks, st, dil, causal = geom
     na = getattr(nbhd, f"na{len(shape)}d")
     na_jvp = getattr(nbhd, f"na{len(shape)}d_jvp")
     kw = dict(kernel_size=ks, stride=st, dilation=dil, is_causal=causal)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out, lse = na(*leaves, **kw, return_lse=True)
+    out, lse = na(*leaves, **kw, **(tiles or {}), return_lse=True)
     grads = torch.autograd.grad((out, lse), leaves, (d_out, d_lse))
     jo, jt = na_jvp(q, k, v, tq, tk, tv, **kw)
     return [out.detach(), lse.detach(), *grads, jo, jt]
@@ -96,10 +97,10 @@ def _inputs(geom, dtype, which, device="cpu", seed=0, D=D, DV=DV):
     return t, d_lse.to(device)
 
 
-def _check(geom, dtype, which, device="cpu", dims=(D, DV)):
+def _check(geom, dtype, which, device="cpu", dims=(D, DV), tiles=None):
     t, d_lse = _inputs(geom, dtype, which, device, D=dims[0], DV=dims[1])
     args = (t["q"], t["k"], t["v"], t["tq"], t["tk"], t["tv"], t["d_out"], d_lse)
-    got = _nbhd(geom, *args)
+    got = _nbhd(geom, *args, tiles=tiles)
     want = _oracle(geom, *(x.cpu() for x in args))
     tangent = which.startswith("t")
     assert not torch.isfinite(want[6 if tangent else 0]).all(), "the oracle saw no non-finite input"
@@ -160,15 +161,34 @@ def test_nonfinite_1d_window3_exact_queries():
     assert rows(got[4]) == []
 
 
+# the tensor-core kernels' 128-query patches (on Hopper the wgmma forward and backward; the
+# forward+JVP takes them by default at D = 128 there), per rank
+PATCH_128 = {1: (128,), 2: (16, 8), 3: (8, 4, 4)}
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and _lib.has_cuda()), reason="needs CUDA")
+@pytest.mark.parametrize("kv_parallel", [True, False], ids=["kvp", "deterministic"])
 @pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
-@pytest.mark.parametrize("dims", [(16, 8), (32, 32), (64, 64)], ids=lambda d: f"D{d[0]}-Dv{d[1]}")
-def test_nonfinite_stays_in_neighborhood_cuda(dims, case, dtype, which, request):
-    # (16, 8): the plain kernels; 32 and 64 with fp16/bf16: the tensor-core kernels
-    if dims != (16, 8) and dtype != torch.float32:
-        request.applymarker(pytest.mark.xfail(
-            strict=False, reason="the tensor-core kernels still multiply a masked P = 0 by the "
-                                 "tile's rows: a non-finite key or value spreads (docs/nonfinite.md)"))
-    _check(GEOMETRIES[case[0]][case[1]], dtype, which, device="cuda", dims=dims)
+@pytest.mark.parametrize("dims,patch", [((16, 8), 64), ((32, 32), 64), ((64, 64), 64), ((64, 64), 128),
+                                        ((128, 128), 64), ((128, 128), 128)],
+                         ids=lambda x: f"D{x[0]}-Dv{x[1]}" if isinstance(x, tuple) else f"patch{x}")
+def test_nonfinite_stays_in_neighborhood_cuda(dims, patch, case, dtype, which, kv_parallel):
+    # (16, 8) and fp32: the plain kernels; 32, 64 and 128 with fp16/bf16: the tensor-core kernels,
+    # which repair the rows a masked slot made non-finite
+    half = dtype != torch.float32 and dims != (16, 8)
+    if not half and (patch != 64 or not kv_parallel):
+        pytest.skip("tiles and KV parallelism choose among the tensor-core kernels only")
+    geom = GEOMETRIES[case[0]][case[1]]
+    tiles = None
+    if patch == 128:
+        shape = PATCH_128[len(geom[0])]
+        tiles = dict(q_tile_shape=shape, kv_tile_shape=shape, backward_q_tile_shape=shape,
+                     backward_kv_tile_shape=shape)
+    was = nbhd.is_kv_parallelism_in_fused_na_enabled()
+    nbhd.use_kv_parallelism_in_fused_na(kv_parallel)
+    try:
+        _check(geom, dtype, which, device="cuda", dims=dims, tiles=tiles)
+    finally:
+        nbhd.use_kv_parallelism_in_fused_na(was)

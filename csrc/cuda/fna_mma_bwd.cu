@@ -254,10 +254,19 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
     }
     cp_async_wait<0>();
     const float scale = P.scale_log2 * 0.69314718055994531f;
+    bool bad[2] = {false, false};
     for (int hrow = 0; hrow < 2; ++hrow) {
         if (!rvalid[hrow]) continue;
         const int64_t *c = rfull[hrow];
         store_pairs<T>((T *)a.d_q.data + offset_of(a.d_q, b, c[0], c[1], c[2], h), dq, HD / 8, hrow, cq, scale);
+        bad[hrow] = !pairs_finite<HD / 8>(dq, hrow);
+    }
+    if (__syncthreads_or(bad[0] || bad[1])) {  /* non-finite rows again, exactly (exact_rows.cuh) */
+        float *scratch = (float *)smem_raw + w * exact_dq_scratch(HD, HD);
+        for (int hrow = 0; hrow < 2; ++hrow)
+            redo_rows(bad[hrow], rfull[hrow], [&](const int64_t c[3]) {
+                redo_dq_row<T>(g, a, Dws, b, c, h, scratch, lane);
+            });
     }
 }
 
@@ -323,23 +332,44 @@ __device__ __forceinline__ void tile_dq_atomic(const T *dST, const int *warp_act
 /* KV-parallel epilogue: dQ = scale * accumulator, in the caller's layout. One thread per 8
  * channels of a row (HD is a multiple of 8): two 16-byte loads, four 4-byte stores (dQ rows
  * are 4-byte aligned), and the row's coordinates decoded once for the 8 (a thread per pair
- * spends its time in 64-bit divisions: bench/profile_kernels.py --op bwd). */
+ * spends its time in 64-bit divisions: bench/profile_kernels.py --op bwd). A row that comes out
+ * non-finite is computed again exactly by its warp (exact_rows.cuh), given D_i in Dws. */
 template <typename T>
-__global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, const nbhd_tensor dq,
-                                                         const float *acc, float scale) {
+__global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, const nbhd_backward_args a,
+                                                         const float *acc, const float *Dws, float scale) {
+    __shared__ float scratch[256 / 32][exact_dq_scratch(128, 128)];  /* D = Dv <= 128 on this path */
     const int64_t per_row = g.head_dim / 8;
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= g.batch * g.tokens * g.heads * per_row) return;
-    const int64_t row = i / per_row, d = (i - row * per_row) * 8;
+    const bool valid = i < g.batch * g.tokens * g.heads * per_row;
+    const int64_t ii = valid ? i : 0;
+    const int64_t row = ii / per_row, d = (ii - row * per_row) * 8;
     const int64_t h = row % g.heads, tok = (row / g.heads) % g.tokens, b = row / (g.heads * g.tokens);
     int64_t c[3];
     token_coords(g, tok, c);
-    const float4 lo = ((const float4 *)acc)[2 * i], hi = ((const float4 *)acc)[2 * i + 1];
-    uint32_t *dst = (uint32_t *)((T *)dq.data + offset_of(dq, b, c[0], c[1], c[2], h) + d);
-    dst[0] = pack2<T>(lo.x * scale, lo.y * scale);
-    dst[1] = pack2<T>(lo.z * scale, lo.w * scale);
-    dst[2] = pack2<T>(hi.x * scale, hi.y * scale);
-    dst[3] = pack2<T>(hi.z * scale, hi.w * scale);
+    bool bad = false;
+    if (valid) {
+        const float4 lo = ((const float4 *)acc)[2 * i], hi = ((const float4 *)acc)[2 * i + 1];
+        uint32_t *dst = (uint32_t *)((T *)a.d_q.data + offset_of(a.d_q, b, c[0], c[1], c[2], h) + d);
+        dst[0] = pack2<T>(lo.x * scale, lo.y * scale);
+        dst[1] = pack2<T>(lo.z * scale, lo.w * scale);
+        dst[2] = pack2<T>(hi.x * scale, hi.y * scale);
+        dst[3] = pack2<T>(hi.z * scale, hi.w * scale);
+        bad = !(finite_value(lo.x) && finite_value(lo.y) && finite_value(lo.z) && finite_value(lo.w) &&
+                finite_value(hi.x) && finite_value(hi.y) && finite_value(hi.z) && finite_value(hi.w));
+    }
+    unsigned lanes = __ballot_sync(EXACT_FULL, bad);
+    int64_t done = -1;  /* a row's lanes are adjacent: each row once */
+    while (lanes) {
+        const int src = __ffs(lanes) - 1;
+        lanes &= lanes - 1;
+        const int64_t r = __shfl_sync(EXACT_FULL, row, src);
+        if (r == done) continue;
+        done = r;
+        int64_t rc[3];
+        for (int ax = 0; ax < 3; ++ax) rc[ax] = __shfl_sync(EXACT_FULL, c[ax], src);
+        redo_dq_row<T>(g, a, Dws, __shfl_sync(EXACT_FULL, b, src), rc, __shfl_sync(EXACT_FULL, h, src),
+                       scratch[threadIdx.x >> 5], threadIdx.x & 31);
+    }
 }
 
 template <typename T, int HD, bool EXTRA, bool KVP, int MINB = 2>
@@ -573,10 +603,21 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     cp_async_wait<0>();
     const float scale = P.scale_log2 * 0.69314718055994531f;
     const nbhd_tensor &dkt = EXTRA ? a.d_kx : a.d_k, &dvt = EXTRA ? a.d_vx : a.d_v;
+    bool bad[2] = {false, false};
+    int64_t full[2][3];
     for (int hrow = 0; hrow < 2; ++hrow) {
+        for (int ax = 0; ax < 3; ++ax) full[hrow][ax] = EXTRA ? rc[hrow][ax] : pr.grp[ax] + rc[hrow][ax] * dil[ax];
         if (!rvalid[hrow]) continue;
         store_pairs<T>((T *)dkt.data + row_offset(dkt, rc[hrow]), dk, HD / 8, hrow, cq, scale);
         store_pairs<T>((T *)dvt.data + row_offset(dvt, rc[hrow]), dv, HD / 8, hrow, cq, 1.f);
+        bad[hrow] = !pairs_finite<HD / 8>(dk, hrow) || !pairs_finite<HD / 8>(dv, hrow);
+    }
+    if (__syncthreads_or(bad[0] || bad[1])) {  /* non-finite rows again, exactly (exact_rows.cuh) */
+        float *scratch = (float *)smem_raw + w * exact_dkv_scratch(HD, HD);
+        for (int hrow = 0; hrow < 2; ++hrow)
+            redo_rows(bad[hrow], full[hrow], [&](const int64_t c[3]) {
+                exact_dkv_row<T, float, EXTRA>(g, a, Dws, b, c, hk, scratch, lane);
+            });
     }
 }
 
@@ -678,7 +719,7 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
         s = launch_key_stationary<T, HD, false>(g, a, Dws, nullptr, P, st);
     }
     if (s != NBHD_OK || !kv_parallel) return s;
-    dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, a->d_q, dq_acc, (float)g->scale);
+    dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, dq_acc, Dws, (float)g->scale);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (dq from the accumulator)");
     return NBHD_OK;
 }

@@ -226,7 +226,8 @@ fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const m
     }
     cp_async_wait<0>();
 
-    jvp_store<T, HD>(a, b, h, o, ct, m, l, r, cq, [&](int hrow, int64_t c[3]) {
+    jvp_store<T, HD>(g, a, b, h, o, ct, m, l, r, lane, (float *)Qs + w * exact_jvp_scratch(HD, HD),
+                     [&](int hrow, int64_t c[3]) {
         if (!rvalid[hrow]) return false;
         int64_t iq[3];
         patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);

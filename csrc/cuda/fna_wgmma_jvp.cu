@@ -170,7 +170,8 @@ fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const
     cp_async_wait<0>();
 
     const int64_t dil[3] = {g.axis[0].dilation, g.axis[1].dilation, g.axis[2].dilation};
-    jvp_store<T, HD>(a, C.b, C.h, o, ct, m, l, r, cq, [&](int hrow, int64_t c[3]) {
+    jvp_store<T, HD>(g, a, C.b, C.h, o, ct, m, l, r, lane, (float *)Qs + w * exact_jvp_scratch(HD, HD),
+                     [&](int hrow, int64_t c[3]) {
         int iq[3];
         if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, iq)) return false;
         for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + (int64_t)iq[ax] * dil[ax];

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include "cuda_common.cuh"
+#include "exact_rows.cuh"
 
 #define KEY_NONE (-(1 << 30))
 
@@ -593,7 +594,9 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[MB][HD / 8][4], const flo
 /* The end of a forward: O /= l, LSE = (m + log2 l) ln 2, for rows my_row(mb, hrow) of the CTA
  * whose in-group coordinates row_coords gives (false: outside the grid). The warp's output goes
  * out in 16-byte row chunks staged through its own rows of St (the swz<HD> layout, rows
- * row0 .. row0 + 16 MB, which no other warp touches) when the output allows it. */
+ * row0 .. row0 + 16 MB, which no other warp touches) when the output allows it. Rows that come
+ * out non-finite are computed again exactly (exact_rows.cuh), after a barrier of the whole CTA:
+ * every thread calls this. */
 template <typename T, int MB, int HD, typename RowCoords, typename MyRow>
 __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_forward_args &a,
                                           const int64_t grp[3], int64_t b, int h,
@@ -606,6 +609,8 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
                          a.out.stride[3] % 8 == 0 && a.out.stride[4] % 8 == 0;
     const group_ptr<T> op = group_ptr_of<T>(a.out, g, b, grp, h);
     float inv[MB][2];
+    int64_t rc[MB][2][3];
+    bool bad[MB][2], any_bad = false;
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
@@ -615,13 +620,16 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
             lt += __shfl_xor_sync(0xffffffffu, lt, 2);
             inv[mb][hrow] = 1.f / lt;
             int iq[3];
-            if (row_coords(my_row(mb, hrow), iq) && cq == 0) {
-                const int64_t x = grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
-                              y = grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
-                              z = grp[2] + (int64_t)iq[2] * g.axis[2].dilation;
-                ((float *)a.lse.data)[offset_of(a.lse, b, x, y, z, h)] =
-                    (m[mb][hrow] + log2f(lt)) * 0.69314718055994531f;
-            }
+            const bool valid = row_coords(my_row(mb, hrow), iq);
+            for (int ax = 0; ax < 3; ++ax) rc[mb][hrow][ax] = grp[ax] + (int64_t)iq[ax] * g.axis[ax].dilation;
+            const float lse = (m[mb][hrow] + log2f(lt)) * 0.69314718055994531f;
+            if (valid && cq == 0) ((float *)a.lse.data)[offset_of(a.lse, b, rc[mb][hrow][0], rc[mb][hrow][1], rc[mb][hrow][2], h)] = lse;
+            bool fin = finite_value(lse);
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; ++nd)
+                fin = fin && finite_value(o[mb][nd][2 * hrow]) && finite_value(o[mb][nd][2 * hrow + 1]);
+            bad[mb][hrow] = valid && !fin;
+            any_bad |= bad[mb][hrow];
         }
     if (out_vec) {
         __syncwarp();
@@ -659,6 +667,16 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
                         pack2<T>(o[mb][nd][2 * hrow] * inv[mb][hrow], o[mb][nd][2 * hrow + 1] * inv[mb][hrow]);
                 }
             }
+    }
+    if (__syncthreads_or(any_bad)) {  /* shared memory is free: each warp takes its scratch */
+        float *scratch = (float *)St + (row0 / (16 * MB)) * exact_forward_scratch(HD, HD);
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow)
+                redo_rows(bad[mb][hrow], rc[mb][hrow], [&](const int64_t c[3]) {
+                    exact_forward_row<T, float>(g, a, b, c, h, scratch, lane);
+                });
     }
 }
 
@@ -735,12 +753,17 @@ __device__ __forceinline__ bool jvp_softmax_tile(float (&sc)[BN / 8][4], float (
 
 /* The end of a forward+JVP for the thread's rows hrow = 0, 1: o = O/l, mu = r/l, tO = C/l - mu o,
  * lse = (m + log2 l) ln 2, tLSE = mu. coords(hrow, c): the row's full-axis coordinates, false
- * outside the grid. */
+ * outside the grid. Rows that come out non-finite are computed again exactly (exact_rows.cuh)
+ * after a barrier of the whole CTA (every thread calls this), in the warp's `scratch` (shared
+ * memory, exact_jvp_scratch floats). */
 template <typename T, int HD, typename Coords>
-__device__ __forceinline__ void jvp_store(const nbhd_forward_jvp_args &a, int64_t b, int h,
+__device__ __forceinline__ void jvp_store(const nbhd_geometry &g, const nbhd_forward_jvp_args &a, int64_t b, int h,
                                           const float (&o)[HD / 8][4], const float (&ct)[HD / 8][4],
                                           const float (&m)[2], const float (&l)[2],
-                                          const float (&r)[2], int cq, Coords &&coords) {
+                                          const float (&r)[2], int lane, float *scratch, Coords &&coords) {
+    const int cq = lane & 3;
+    int64_t rc[2][3] = {{0, 0, 0}, {0, 0, 0}};
+    bool bad[2], any_bad = false;
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         float lt = l[hrow], rt = r[hrow];
@@ -748,24 +771,36 @@ __device__ __forceinline__ void jvp_store(const nbhd_forward_jvp_args &a, int64_
         lt += __shfl_xor_sync(0xffffffffu, lt, 2);
         rt += __shfl_xor_sync(0xffffffffu, rt, 1);
         rt += __shfl_xor_sync(0xffffffffu, rt, 2);
-        int64_t c[3];
+        int64_t *c = rc[hrow];
+        bad[hrow] = false;
         if (!coords(hrow, c)) continue;
         const float inv = 1.f / lt, mu_t = rt * inv;
         T *out = (T *)a.out.data + offset_of(a.out, b, c[0], c[1], c[2], h);
         T *tout = (T *)a.t_out.data + offset_of(a.t_out, b, c[0], c[1], c[2], h);
+        const float lse = (m[hrow] + log2f(lt)) * 0.69314718055994531f;
+        bool fin = finite_value(lse) && finite_value(mu_t);
 #pragma unroll
         for (int nd = 0; nd < HD / 8; ++nd) {
             const int col = nd * 8 + 2 * cq;
             const float o0 = o[nd][2 * hrow] * inv, o1 = o[nd][2 * hrow + 1] * inv;
+            const float t0 = ct[nd][2 * hrow] * inv - mu_t * o0, t1 = ct[nd][2 * hrow + 1] * inv - mu_t * o1;
             *(uint32_t *)(out + col) = pack2<T>(o0, o1);
-            *(uint32_t *)(tout + col) = pack2<T>(ct[nd][2 * hrow] * inv - mu_t * o0,
-                                                 ct[nd][2 * hrow + 1] * inv - mu_t * o1);
+            *(uint32_t *)(tout + col) = pack2<T>(t0, t1);
+            fin = fin && finite_value(o0) && finite_value(o1) && finite_value(t0) && finite_value(t1);
         }
         if (cq == 0) {
-            ((float *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)] =
-                (m[hrow] + log2f(lt)) * 0.69314718055994531f;
+            ((float *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)] = lse;
             ((float *)a.t_lse.data)[offset_of(a.t_lse, b, c[0], c[1], c[2], h)] = mu_t;
         }
+        bad[hrow] = !fin;
+        any_bad |= !fin;
+    }
+    if (__syncthreads_or(any_bad)) {  /* shared memory is free */
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow)
+            redo_rows(bad[hrow], rc[hrow], [&](const int64_t c[3]) {
+                exact_forward_jvp_row<T, float>(g, a, b, c, h, scratch, lane);
+            });
     }
 }
 

@@ -1,0 +1,353 @@
+/*
+ * exact_rows.cuh — one warp computes one row of an op exactly: each key (or, for a key row,
+ * each query) of the row's own neighborhood in turn, never a masked slot, so a non-finite input
+ * reaches exactly the rows that attend to it (docs/nonfinite.md). They follow
+ * csrc/cpu/reference_impl.h line by line (docs/design.md §4).
+ *
+ * Two users: the simple kernels (simple.cu: one warp per row, every dtype and geometry), and
+ * the tensor-core kernels, which multiply whole tiles, so a masked P = 0 times a non-finite key or
+ * value spreads NaN to rows that never see it. A row that such a kernel stored is exact when it
+ * is finite (a non-finite term makes its sum non-finite); the kernels recompute their rows that
+ * are not (redo_rows below) with these functions, after a barrier that frees shared memory.
+ *
+ * Keys are taken 32 at a time: lane j scores key j of the chunk (its whole dot product), the warp
+ * updates the online softmax once per chunk, then the lanes split the value dimension and
+ * accumulate the chunk's 32 value rows (p_j broadcast by shuffle). The row's inputs and
+ * accumulators live in `scratch` (per warp, lanes own the elements d = lane + 32 n, so only
+ * __syncwarp is needed); the sizes are *_SCRATCH below, in accumulation elements. Row
+ * coordinates c are full-axis token coordinates (an extra key: c[0] is its index).
+ */
+#ifndef NBHD_CUDA_EXACT_ROWS_CUH
+#define NBHD_CUDA_EXACT_ROWS_CUH
+
+#include "cuda_common.cuh"
+
+#define EXACT_FULL 0xffffffffu
+
+/* scratch per warp, in elements of the accumulation type */
+__host__ __device__ constexpr int exact_forward_scratch(int D, int Dv) { return D + Dv; }
+__host__ __device__ constexpr int exact_dq_scratch(int D, int Dv) { return 2 * D + Dv; }
+__host__ __device__ constexpr int exact_dkv_scratch(int D, int Dv) { return 2 * D + 2 * Dv; }
+__host__ __device__ constexpr int exact_jvp_scratch(int D, int Dv) { return 2 * D + 2 * Dv; }
+
+template <typename A> __device__ __forceinline__ A exp_acc(A x);
+template <> __device__ __forceinline__ float exp_acc<float>(float x) { return expf(x); }
+template <> __device__ __forceinline__ double exp_acc<double>(double x) { return exp(x); }
+/* the backward's P = exp(x), x = s - lse <= 0 but for rounding: clamped as prob_exp2 (mma_util.cuh) */
+template <typename A> __device__ __forceinline__ A prob_acc(A x) { return exp_acc<A>(x > A(0) ? A(0) : x); }
+template <typename A> __device__ __forceinline__ A log_acc(A x);
+template <> __device__ __forceinline__ float log_acc<float>(float x) { return logf(x); }
+template <> __device__ __forceinline__ double log_acc<double>(double x) { return log(x); }
+
+template <typename T, typename A>
+__device__ __forceinline__ A dot_row(const nbhd_tensor &t, int64_t off, const A *x, int n) {
+    A acc = 0;
+    const int64_t s = t.stride[5];
+    for (int i = 0; i < n; ++i) acc += ld<T, A>(t, off + i * s) * x[i];
+    return acc;
+}
+
+__device__ __forceinline__ int64_t token_of(const nbhd_geometry &g, const int64_t c[3]) {
+    return (c[0] * g.axis[1].extent + c[1]) * g.axis[2].extent + c[2];
+}
+
+// ----------------------------------------------------------------------------
+// forward: O, LSE of query (b, c, h)
+
+template <typename T, typename A>
+__device__ __forceinline__ void exact_forward_row(const nbhd_geometry &g, const nbhd_forward_args &a,
+                                                  int64_t b, const int64_t c[3], int64_t h, A *scratch,
+                                                  int lane) {
+    const int D = g.head_dim, Dv = g.head_dim_v;
+    A *q = scratch, *acc = q + D;
+    const int64_t hk = h / g.group;
+    const keyset ks = window_keys(g, c);
+    const int64_t total = ks.box + ks.extra;
+    const A scale = (A)g.scale;
+
+    const int64_t q_off = offset_of(a.q, b, c[0], c[1], c[2], h);
+    for (int d = lane; d < D; d += 32) q[d] = ld<T, A>(a.q, q_off + d * a.q.stride[5]);
+    for (int d = lane; d < Dv; d += 32) acc[d] = 0;
+    __syncwarp();
+
+    A m = -INFINITY, l = 0;
+    for (int64_t n0 = 0; n0 < total; n0 += 32) {
+        const int64_t n = n0 + lane;
+        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
+        A s = -INFINITY;
+        int64_t v_off = 0;
+        if (n < total) {
+            s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, member_offset(ks, n, a.k, a.kx, b, hk), q, D);
+            v_off = member_offset(ks, n, a.v, a.vx, b, hk);
+        }
+        // the chunk holds at least one key, so m_new is finite
+        const A m_new = fmax(m, warp_max(s));
+        const A corr = exp_acc<A>(m - m_new);  // acc = acc*exp(m_old - m) + sum p v
+        const A p = n < total ? exp_acc<A>(s - m_new) : (A)0;
+        l = l * corr + warp_sum(p);
+        for (int d = lane; d < Dv; d += 32) acc[d] *= corr;
+        for (int j = 0; j < cnt; ++j) {
+            const A pj = __shfl_sync(EXACT_FULL, p, j);
+            const int64_t vo = __shfl_sync(EXACT_FULL, v_off, j);
+            const nbhd_tensor &src = n0 + j < ks.box ? a.v : a.vx;
+            const int64_t s5 = src.stride[5];
+            for (int d = lane; d < Dv; d += 32) acc[d] += pj * ld<T, A>(src, vo + d * s5);
+        }
+        m = m_new;
+    }
+    const int64_t o_off = offset_of(a.out, b, c[0], c[1], c[2], h);
+    const A inv_l = (A)1 / l;
+    for (int d = lane; d < Dv; d += 32)
+        ((T *)a.out.data)[o_off + d * a.out.stride[5]] = from_acc<T>((double)(acc[d] * inv_l));
+    if (lane == 0) ((A *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)] = m + log_acc<A>(l);
+    __syncwarp();  /* scratch is free for the warp's next row */
+}
+
+// ----------------------------------------------------------------------------
+// backward, query rows: D_i = dO_i.O_i - dLSE_i, then dQ_i = s sum_j dS_ij k_j
+
+template <typename T, typename A>
+__device__ __forceinline__ A exact_di(const nbhd_geometry &g, const nbhd_backward_args &a, int64_t b,
+                                      const int64_t c[3], int64_t h, int lane) {
+    const int64_t do_off = offset_of(a.d_out, b, c[0], c[1], c[2], h);
+    const int64_t o_off = offset_of(a.out, b, c[0], c[1], c[2], h);
+    A Di = 0;
+    for (int d = lane; d < g.head_dim_v; d += 32)
+        Di += ld<T, A>(a.d_out, do_off + d * a.d_out.stride[5]) * ld<T, A>(a.out, o_off + d * a.out.stride[5]);
+    Di = warp_sum(Di);
+    if (a.d_lse.data) Di -= ((const A *)a.d_lse.data)[offset_of(a.d_lse, b, c[0], c[1], c[2], h)];
+    return Di;
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ void exact_dq_row(const nbhd_geometry &g, const nbhd_backward_args &a, int64_t b,
+                                             const int64_t c[3], int64_t h, A Di, A *scratch, int lane) {
+    const int D = g.head_dim, Dv = g.head_dim_v;
+    A *q = scratch, *dout = q + D, *acc = dout + Dv;
+    const int64_t hk = h / g.group;
+    const keyset ks = window_keys(g, c);
+    const int64_t total = ks.box + ks.extra;
+    const A scale = (A)g.scale;
+
+    const int64_t q_off = offset_of(a.q, b, c[0], c[1], c[2], h);
+    const int64_t do_off = offset_of(a.d_out, b, c[0], c[1], c[2], h);
+    for (int d = lane; d < D; d += 32) {
+        q[d] = ld<T, A>(a.q, q_off + d * a.q.stride[5]);
+        acc[d] = 0;
+    }
+    for (int d = lane; d < Dv; d += 32) dout[d] = ld<T, A>(a.d_out, do_off + d * a.d_out.stride[5]);
+    const A lse = ((const A *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)];
+    __syncwarp();
+
+    for (int64_t n0 = 0; n0 < total; n0 += 32) {
+        const int64_t n = n0 + lane;
+        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
+        A ds = 0;
+        int64_t k_off = 0;
+        if (n < total) {
+            // P_ij = exp(S_ij - lse_i), dS_ij = P_ij (dO_i.v_j - D_i)
+            k_off = member_offset(ks, n, a.k, a.kx, b, hk);
+            const A s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, k_off, q, D);
+            const int64_t v_off = member_offset(ks, n, a.v, a.vx, b, hk);
+            const A p = prob_acc<A>(s - lse);
+            ds = p * (dot_row<T, A>(n < ks.box ? a.v : a.vx, v_off, dout, Dv) - Di);
+        }
+        for (int j = 0; j < cnt; ++j) {
+            const A dsj = __shfl_sync(EXACT_FULL, ds, j);
+            const int64_t ko = __shfl_sync(EXACT_FULL, k_off, j);
+            const nbhd_tensor &src = n0 + j < ks.box ? a.k : a.kx;
+            const int64_t s5 = src.stride[5];
+            for (int d = lane; d < D; d += 32) acc[d] += dsj * ld<T, A>(src, ko + d * s5);
+        }
+    }
+    const int64_t dq_off = offset_of(a.d_q, b, c[0], c[1], c[2], h);
+    for (int d = lane; d < D; d += 32)
+        ((T *)a.d_q.data)[dq_off + d * a.d_q.stride[5]] = from_acc<T>((double)(acc[d] * scale));
+    __syncwarp();
+}
+
+// ----------------------------------------------------------------------------
+// backward, key rows: dK_j = s sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i over the queries i that
+// see key j (inverse neighborhood, or every query for an extra key) x group heads. Dws: D_i per
+// query row (b, token, head), as exact_di gives it.
+
+template <typename T, typename A, bool EXTRA>
+__device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd_backward_args &a, const A *Dws,
+                                              int64_t b, const int64_t c[3], int64_t hk, A *scratch, int lane) {
+    const int D = g.head_dim, Dv = g.head_dim_v;
+    A *k = scratch, *v = k + D, *dk = v + Dv, *dv = dk + D;
+    const A scale = (A)g.scale;
+    const nbhd_tensor &kt = EXTRA ? a.kx : a.k, &vt = EXTRA ? a.vx : a.v;
+    const nbhd_tensor &dkt = EXTRA ? a.d_kx : a.d_k, &dvt = EXTRA ? a.d_vx : a.d_v;
+    const int64_t k_off = offset_of(kt, b, c[0], c[1], c[2], hk);
+    const int64_t v_off = offset_of(vt, b, c[0], c[1], c[2], hk);
+    for (int d = lane; d < D; d += 32) {
+        k[d] = ld<T, A>(kt, k_off + d * kt.stride[5]);
+        dk[d] = 0;
+    }
+    for (int d = lane; d < Dv; d += 32) {
+        v[d] = ld<T, A>(vt, v_off + d * vt.stride[5]);
+        dv[d] = 0;
+    }
+    __syncwarp();
+    const keyset qs = EXTRA ? all_queries(g) : inverse_window_queries(g, c);
+    const int64_t total = qs.box * g.group;
+
+    for (int64_t n0 = 0; n0 < total; n0 += 32) {
+        const int64_t n = n0 + lane;
+        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
+        A p = 0, ds = 0;
+        int64_t q_off = 0, do_off = 0;
+        if (n < total) {
+            const int64_t h = hk * g.group + n % g.group;
+            int64_t qc[3];
+            member_coords(qs, n / g.group, qc);
+            q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
+            do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
+            const A lse = ((const A *)a.lse.data)[offset_of(a.lse, b, qc[0], qc[1], qc[2], h)];
+            const A Di = Dws[(b * g.tokens + token_of(g, qc)) * g.heads + h];
+            p = prob_acc<A>(scale * dot_row<T, A>(a.q, q_off, k, D) - lse);
+            ds = p * (dot_row<T, A>(a.d_out, do_off, v, Dv) - Di);
+        }
+        for (int j = 0; j < cnt; ++j) {
+            const A pj = __shfl_sync(EXACT_FULL, p, j), dsj = __shfl_sync(EXACT_FULL, ds, j);
+            const int64_t qo = __shfl_sync(EXACT_FULL, q_off, j), doo = __shfl_sync(EXACT_FULL, do_off, j);
+            for (int d = lane; d < D; d += 32) dk[d] += dsj * ld<T, A>(a.q, qo + d * a.q.stride[5]);
+            for (int d = lane; d < Dv; d += 32)
+                dv[d] += pj * ld<T, A>(a.d_out, doo + d * a.d_out.stride[5]);
+        }
+    }
+    const int64_t dk_off = offset_of(dkt, b, c[0], c[1], c[2], hk);
+    const int64_t dv_off = offset_of(dvt, b, c[0], c[1], c[2], hk);
+    for (int d = lane; d < D; d += 32)
+        ((T *)dkt.data)[dk_off + d * dkt.stride[5]] = from_acc<T>((double)(dk[d] * scale));
+    for (int d = lane; d < Dv; d += 32)
+        ((T *)dvt.data)[dv_off + d * dvt.stride[5]] = from_acc<T>((double)dv[d]);
+    __syncwarp();
+}
+
+// ----------------------------------------------------------------------------
+// forward + JVP: tS = s (tq.k + q.tk); r = sum p tS; acc_t = sum p (tv + tS v) (docs/design.md §4.3)
+
+template <typename T, typename A>
+__device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, const nbhd_forward_jvp_args &a,
+                                                      int64_t b, const int64_t c[3], int64_t h, A *scratch,
+                                                      int lane) {
+    const int D = g.head_dim, Dv = g.head_dim_v;
+    A *q = scratch, *tq = q + D, *acc = tq + D, *acc_t = acc + Dv;
+    const int64_t hk = h / g.group;
+    const keyset ks = window_keys(g, c);
+    const int64_t total = ks.box + ks.extra;
+    const A scale = (A)g.scale;
+    const bool has_tq = a.t_q.data != nullptr;
+
+    const int64_t q_off = offset_of(a.q, b, c[0], c[1], c[2], h);
+    const int64_t tq_off = offset_of(a.t_q, b, c[0], c[1], c[2], h);
+    for (int d = lane; d < D; d += 32) {
+        q[d] = ld<T, A>(a.q, q_off + d * a.q.stride[5]);
+        tq[d] = has_tq ? ld<T, A>(a.t_q, tq_off + d * a.t_q.stride[5]) : (A)0;
+    }
+    for (int d = lane; d < Dv; d += 32) acc[d] = acc_t[d] = 0;
+    __syncwarp();
+
+    A m = -INFINITY, l = 0, r_t = 0;
+    for (int64_t n0 = 0; n0 < total; n0 += 32) {
+        const int64_t n = n0 + lane;
+        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
+        A s = -INFINITY, ts = 0;
+        if (n < total) {
+            const bool in_box = n < ks.box;
+            const int64_t k_off = member_offset(ks, n, a.k, a.kx, b, hk);
+            s = scale * dot_row<T, A>(in_box ? a.k : a.kx, k_off, q, D);
+            if (has_tq) ts += dot_row<T, A>(in_box ? a.k : a.kx, k_off, tq, D);
+            const nbhd_tensor &tks = in_box ? a.t_k : a.t_kx;
+            if (tks.data) ts += dot_row<T, A>(tks, member_offset(ks, n, a.t_k, a.t_kx, b, hk), q, D);
+            ts *= scale;
+        }
+        const A m_new = fmax(m, warp_max(s));
+        const A corr = exp_acc<A>(m - m_new);
+        const A p = n < total ? exp_acc<A>(s - m_new) : (A)0;
+        l = l * corr + warp_sum(p);
+        r_t = r_t * corr + warp_sum(p * ts);
+        for (int d = lane; d < Dv; d += 32) {
+            acc[d] *= corr;
+            acc_t[d] *= corr;
+        }
+        for (int j = 0; j < cnt; ++j) {
+            const A pj = __shfl_sync(EXACT_FULL, p, j), pts = __shfl_sync(EXACT_FULL, p * ts, j);
+            const int64_t nj = n0 + j;
+            const bool in_box = nj < ks.box;
+            const nbhd_tensor &vs = in_box ? a.v : a.vx, &tvs = in_box ? a.t_v : a.t_vx;
+            const int64_t vo = member_offset(ks, nj, a.v, a.vx, b, hk);
+            for (int d = lane; d < Dv; d += 32) {
+                const A vd = ld<T, A>(vs, vo + d * vs.stride[5]);
+                acc[d] += pj * vd;
+                acc_t[d] += pts * vd;
+            }
+            if (tvs.data) {
+                const int64_t tvo = member_offset(ks, nj, a.t_v, a.t_vx, b, hk);
+                for (int d = lane; d < Dv; d += 32)
+                    acc_t[d] += pj * ld<T, A>(tvs, tvo + d * tvs.stride[5]);
+            }
+        }
+        m = m_new;
+    }
+    // o = acc/l, mu = r_t/l, tO = acc_t/l - mu o, lse = m + log l, tLSE = mu
+    const A inv_l = (A)1 / l, mu = r_t * inv_l;
+    const int64_t o_off = offset_of(a.out, b, c[0], c[1], c[2], h);
+    const int64_t to_off = offset_of(a.t_out, b, c[0], c[1], c[2], h);
+    for (int d = lane; d < Dv; d += 32) {
+        const A o = acc[d] * inv_l;
+        ((T *)a.out.data)[o_off + d * a.out.stride[5]] = from_acc<T>((double)o);
+        ((T *)a.t_out.data)[to_off + d * a.t_out.stride[5]] = from_acc<T>((double)(acc_t[d] * inv_l - mu * o));
+    }
+    if (lane == 0) {
+        ((A *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)] = m + log_acc<A>(l);
+        ((A *)a.t_lse.data)[offset_of(a.t_lse, b, c[0], c[1], c[2], h)] = mu;
+    }
+    __syncwarp();
+}
+
+// ----------------------------------------------------------------------------
+// the tensor-core kernels' repair of non-finite rows
+
+/* Whether x is finite (no NaN, no inf): what a stored row must be for the tile product to be
+ * trusted. */
+__device__ __forceinline__ bool finite_value(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+/* Rows held in mma.sync accumulator layout: the four lanes of a quad (lane >> 2) hold one row.
+ * bad: this lane's part of its row is not finite (false for rows outside the grid); c: the
+ * row's coordinates (read from the quad's first lane). Calls redo(c) for each row of the warp
+ * with a bad part, one row at a time, on all 32 lanes. */
+template <typename Redo>
+__device__ __forceinline__ void redo_rows(bool bad, const int64_t c[3], Redo &&redo) {
+    bad |= __shfl_xor_sync(EXACT_FULL, (int)bad, 1) != 0;
+    bad |= __shfl_xor_sync(EXACT_FULL, (int)bad, 2) != 0;
+    unsigned rows = __ballot_sync(EXACT_FULL, bad) & 0x11111111u;
+    while (rows) {
+        const int src = __ffs(rows) - 1;
+        rows &= rows - 1;
+        int64_t rc[3];
+        for (int ax = 0; ax < 3; ++ax) rc[ax] = __shfl_sync(EXACT_FULL, c[ax], src);
+        redo(rc);
+    }
+}
+
+/* whether the row hrow of accumulator fragments acc[N8][4] (mma.sync layout) is finite in this lane */
+template <int N8>
+__device__ __forceinline__ bool pairs_finite(const float (*acc)[4], int hrow) {
+    bool fin = true;
+#pragma unroll
+    for (int nd = 0; nd < N8; ++nd) fin = fin && finite_value(acc[nd][2 * hrow]) && finite_value(acc[nd][2 * hrow + 1]);
+    return fin;
+}
+
+/* dQ of query (b, c, h) exactly, given the tensor-core backward's D_i (float, [b, token, h]) */
+template <typename T>
+__device__ __forceinline__ void redo_dq_row(const nbhd_geometry &g, const nbhd_backward_args &a, const float *Dws,
+                                            int64_t b, const int64_t c[3], int64_t h, float *scratch, int lane) {
+    const float Di = Dws[(b * g.tokens + token_of(g, c)) * g.heads + h];
+    exact_dq_row<T, float>(g, a, b, c, h, Di, scratch, lane);
+}
+
+#endif /* NBHD_CUDA_EXACT_ROWS_CUH */
