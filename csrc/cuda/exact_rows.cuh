@@ -309,11 +309,22 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
 }
 
 // ----------------------------------------------------------------------------
-// the tensor-core kernels' repair of non-finite rows
+// the tensor-core kernels' repair of non-finite rows. The repairs are out-of-line calls taking
+// their arguments by value, so that the kernels' main loops are compiled as without them (inlined,
+// they cost 5-10 % of the forward: bench/bench_gpu.py through scripts/gpu_check.sh's ab_ref stage).
 
 /* Whether x is finite (no NaN, no inf): what a stored row must be for the tile product to be
  * trusted. */
 __device__ __forceinline__ bool finite_value(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+/* whether the row hrow of accumulator fragments acc[N8][4] (mma.sync layout) is finite in this lane */
+template <int N8>
+__device__ __forceinline__ bool pairs_finite(const float (*acc)[4], int hrow) {
+    bool fin = true;
+#pragma unroll
+    for (int nd = 0; nd < N8; ++nd) fin = fin && finite_value(acc[nd][2 * hrow]) && finite_value(acc[nd][2 * hrow + 1]);
+    return fin;
+}
 
 /* Rows held in mma.sync accumulator layout: the four lanes of a quad (lane >> 2) hold one row.
  * bad: this lane's part of its row is not finite (false for rows outside the grid); c: the
@@ -333,21 +344,34 @@ __device__ __forceinline__ void redo_rows(bool bad, const int64_t c[3], Redo &&r
     }
 }
 
-/* whether the row hrow of accumulator fragments acc[N8][4] (mma.sync layout) is finite in this lane */
-template <int N8>
-__device__ __forceinline__ bool pairs_finite(const float (*acc)[4], int hrow) {
-    bool fin = true;
-#pragma unroll
-    for (int nd = 0; nd < N8; ++nd) fin = fin && finite_value(acc[nd][2 * hrow]) && finite_value(acc[nd][2 * hrow + 1]);
-    return fin;
+template <typename T>
+__device__ __noinline__ void redo_forward_row(const nbhd_geometry g, const nbhd_forward_args a, int64_t b,
+                                              int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
+    const int64_t c[3] = {c0, c1, c2};
+    exact_forward_row<T, float>(g, a, b, c, h, scratch, threadIdx.x & 31);
+}
+
+template <typename T>
+__device__ __noinline__ void redo_forward_jvp_row(const nbhd_geometry g, const nbhd_forward_jvp_args a, int64_t b,
+                                                  int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
+    const int64_t c[3] = {c0, c1, c2};
+    exact_forward_jvp_row<T, float>(g, a, b, c, h, scratch, threadIdx.x & 31);
 }
 
 /* dQ of query (b, c, h) exactly, given the tensor-core backward's D_i (float, [b, token, h]) */
 template <typename T>
-__device__ __forceinline__ void redo_dq_row(const nbhd_geometry &g, const nbhd_backward_args &a, const float *Dws,
-                                            int64_t b, const int64_t c[3], int64_t h, float *scratch, int lane) {
+__device__ __noinline__ void redo_dq_row(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+                                         int64_t b, int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
+    const int64_t c[3] = {c0, c1, c2};
     const float Di = Dws[(b * g.tokens + token_of(g, c)) * g.heads + h];
-    exact_dq_row<T, float>(g, a, b, c, h, Di, scratch, lane);
+    exact_dq_row<T, float>(g, a, b, c, h, Di, scratch, threadIdx.x & 31);
+}
+
+template <typename T, bool EXTRA>
+__device__ __noinline__ void redo_dkv_row(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+                                          int64_t b, int64_t c0, int64_t c1, int64_t c2, int64_t hk, float *scratch) {
+    const int64_t c[3] = {c0, c1, c2};
+    exact_dkv_row<T, float, EXTRA>(g, a, Dws, b, c, hk, scratch, threadIdx.x & 31);
 }
 
 #endif /* NBHD_CUDA_EXACT_ROWS_CUH */

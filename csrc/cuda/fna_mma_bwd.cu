@@ -254,18 +254,18 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
     }
     cp_async_wait<0>();
     const float scale = P.scale_log2 * 0.69314718055994531f;
-    bool bad[2] = {false, false};
+    unsigned bad = 0;
     for (int hrow = 0; hrow < 2; ++hrow) {
         if (!rvalid[hrow]) continue;
         const int64_t *c = rfull[hrow];
         store_pairs<T>((T *)a.d_q.data + offset_of(a.d_q, b, c[0], c[1], c[2], h), dq, HD / 8, hrow, cq, scale);
-        bad[hrow] = !pairs_finite<HD / 8>(dq, hrow);
+        if (!pairs_finite<HD / 8>(dq, hrow)) bad |= 1u << hrow;
     }
-    if (__syncthreads_or(bad[0] || bad[1])) {  /* non-finite rows again, exactly (exact_rows.cuh) */
+    if (__syncthreads_or(bad != 0)) {  /* non-finite rows again, exactly (exact_rows.cuh) */
         float *scratch = (float *)smem_raw + w * exact_dq_scratch(HD, HD);
         for (int hrow = 0; hrow < 2; ++hrow)
-            redo_rows(bad[hrow], rfull[hrow], [&](const int64_t c[3]) {
-                redo_dq_row<T>(g, a, Dws, b, c, h, scratch, lane);
+            redo_rows((bad >> hrow) & 1u, rfull[hrow], [&](const int64_t c[3]) {
+                redo_dq_row<T>(g, a, Dws, b, c[0], c[1], c[2], h, scratch);
             });
     }
 }
@@ -367,8 +367,8 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, 
         done = r;
         int64_t rc[3];
         for (int ax = 0; ax < 3; ++ax) rc[ax] = __shfl_sync(EXACT_FULL, c[ax], src);
-        redo_dq_row<T>(g, a, Dws, __shfl_sync(EXACT_FULL, b, src), rc, __shfl_sync(EXACT_FULL, h, src),
-                       scratch[threadIdx.x >> 5], threadIdx.x & 31);
+        redo_dq_row<T>(g, a, Dws, __shfl_sync(EXACT_FULL, b, src), rc[0], rc[1], rc[2],
+                       __shfl_sync(EXACT_FULL, h, src), scratch[threadIdx.x >> 5]);
     }
 }
 
@@ -603,21 +603,22 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     cp_async_wait<0>();
     const float scale = P.scale_log2 * 0.69314718055994531f;
     const nbhd_tensor &dkt = EXTRA ? a.d_kx : a.d_k, &dvt = EXTRA ? a.d_vx : a.d_v;
-    bool bad[2] = {false, false};
-    int64_t full[2][3];
+    unsigned bad = 0;
     for (int hrow = 0; hrow < 2; ++hrow) {
-        for (int ax = 0; ax < 3; ++ax) full[hrow][ax] = EXTRA ? rc[hrow][ax] : pr.grp[ax] + rc[hrow][ax] * dil[ax];
         if (!rvalid[hrow]) continue;
         store_pairs<T>((T *)dkt.data + row_offset(dkt, rc[hrow]), dk, HD / 8, hrow, cq, scale);
         store_pairs<T>((T *)dvt.data + row_offset(dvt, rc[hrow]), dv, HD / 8, hrow, cq, 1.f);
-        bad[hrow] = !pairs_finite<HD / 8>(dk, hrow) || !pairs_finite<HD / 8>(dv, hrow);
+        if (!pairs_finite<HD / 8>(dk, hrow) || !pairs_finite<HD / 8>(dv, hrow)) bad |= 1u << hrow;
     }
-    if (__syncthreads_or(bad[0] || bad[1])) {  /* non-finite rows again, exactly (exact_rows.cuh) */
+    if (__syncthreads_or(bad != 0)) {  /* non-finite rows again, exactly (exact_rows.cuh) */
         float *scratch = (float *)smem_raw + w * exact_dkv_scratch(HD, HD);
-        for (int hrow = 0; hrow < 2; ++hrow)
-            redo_rows(bad[hrow], full[hrow], [&](const int64_t c[3]) {
-                exact_dkv_row<T, float, EXTRA>(g, a, Dws, b, c, hk, scratch, lane);
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int64_t c[3];
+            for (int ax = 0; ax < 3; ++ax) c[ax] = EXTRA ? rc[hrow][ax] : pr.grp[ax] + rc[hrow][ax] * dil[ax];
+            redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
+                redo_dkv_row<T, EXTRA>(g, a, Dws, b, r[0], r[1], r[2], hk, scratch);
             });
+        }
     }
 }
 

@@ -189,23 +189,25 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
     cp_async_wait<0>();
 
     const float scale = sl2 * 0.69314718055994531f;
-    bool bad[2] = {false, false};
-    int64_t full[2][3];
+    unsigned bad = 0;
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
-        int iq[3] = {0, 0, 0};
-        const bool ok = C.row(w * 16 + (lane >> 2) + 8 * hrow, iq);
-        for (int ax = 0; ax < 3; ++ax) full[hrow][ax] = C.grp[ax] + (int64_t)iq[ax] * g.axis[ax].dilation;
-        if (!ok) continue;
+        int iq[3];
+        if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, iq)) continue;
         store_pairs<T>((T *)a.d_q.data + C.offset(a.d_q, g, iq, C.h), dq, HD / 8, hrow, cq, scale);
-        bad[hrow] = !pairs_finite<HD / 8>(dq, hrow);
+        if (!pairs_finite<HD / 8>(dq, hrow)) bad |= 1u << hrow;
     }
-    if (__syncthreads_or(bad[0] || bad[1])) {  /* non-finite rows again, exactly (exact_rows.cuh) */
+    if (__syncthreads_or(bad != 0)) {  /* non-finite rows again, exactly (exact_rows.cuh) */
         float *scratch = (float *)Qs + w * exact_dq_scratch(HD, HD);
-        for (int hrow = 0; hrow < 2; ++hrow)
-            redo_rows(bad[hrow], full[hrow], [&](const int64_t c[3]) {
-                redo_dq_row<T>(g, a, Dws, C.b, c, C.h, scratch, lane);
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int iq[3] = {0, 0, 0};
+            C.row(w * 16 + (lane >> 2) + 8 * hrow, iq);
+            int64_t c[3];
+            for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + (int64_t)iq[ax] * g.axis[ax].dilation;
+            redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
+                redo_dq_row<T>(g, a, Dws, C.b, r[0], r[1], r[2], C.h, scratch);
             });
+        }
     }
 #endif
 }
@@ -450,24 +452,26 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
     cp_async_wait<0>();
 
     const float scale = sl2 * 0.69314718055994531f;
-    bool bad[2] = {false, false};
-    int64_t full[2][3];
+    unsigned bad = 0;
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
-        int ik[3] = {0, 0, 0};
-        const bool ok = C.row(w * 16 + (lane >> 2) + 8 * hrow, ik);
-        for (int ax = 0; ax < 3; ++ax) full[hrow][ax] = C.grp[ax] + (int64_t)ik[ax] * g.axis[ax].dilation;
-        if (!ok) continue;
+        int ik[3];
+        if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, ik)) continue;
         store_pairs<T>((T *)a.d_k.data + C.offset(a.d_k, g, ik, hk), dk, HD / 8, hrow, cq, scale);
         store_pairs<T>((T *)a.d_v.data + C.offset(a.d_v, g, ik, hk), dv, HD / 8, hrow, cq, 1.f);
-        bad[hrow] = !pairs_finite<HD / 8>(dk, hrow) || !pairs_finite<HD / 8>(dv, hrow);
+        if (!pairs_finite<HD / 8>(dk, hrow) || !pairs_finite<HD / 8>(dv, hrow)) bad |= 1u << hrow;
     }
-    if (__syncthreads_or(bad[0] || bad[1])) {  /* non-finite rows again, exactly (exact_rows.cuh) */
+    if (__syncthreads_or(bad != 0)) {  /* non-finite rows again, exactly (exact_rows.cuh) */
         float *scratch = (float *)Ks + w * exact_dkv_scratch(HD, HD);
-        for (int hrow = 0; hrow < 2; ++hrow)
-            redo_rows(bad[hrow], full[hrow], [&](const int64_t c[3]) {
-                exact_dkv_row<T, float, false>(g, a, Dws, C.b, c, hk, scratch, lane);
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int ik[3] = {0, 0, 0};
+            C.row(w * 16 + (lane >> 2) + 8 * hrow, ik);
+            int64_t c[3];
+            for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + (int64_t)ik[ax] * g.axis[ax].dilation;
+            redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
+                redo_dkv_row<T, false>(g, a, Dws, C.b, r[0], r[1], r[2], hk, scratch);
             });
+        }
     }
 #endif
 }

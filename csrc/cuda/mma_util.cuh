@@ -609,8 +609,7 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
                          a.out.stride[3] % 8 == 0 && a.out.stride[4] % 8 == 0;
     const group_ptr<T> op = group_ptr_of<T>(a.out, g, b, grp, h);
     float inv[MB][2];
-    int64_t rc[MB][2][3];
-    bool bad[MB][2], any_bad = false;
+    unsigned bad = 0;  /* bit 2 mb + hrow: that row of this lane is not finite */
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
@@ -621,15 +620,18 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
             inv[mb][hrow] = 1.f / lt;
             int iq[3];
             const bool valid = row_coords(my_row(mb, hrow), iq);
-            for (int ax = 0; ax < 3; ++ax) rc[mb][hrow][ax] = grp[ax] + (int64_t)iq[ax] * g.axis[ax].dilation;
             const float lse = (m[mb][hrow] + log2f(lt)) * 0.69314718055994531f;
-            if (valid && cq == 0) ((float *)a.lse.data)[offset_of(a.lse, b, rc[mb][hrow][0], rc[mb][hrow][1], rc[mb][hrow][2], h)] = lse;
+            if (valid && cq == 0) {
+                const int64_t x = grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
+                              y = grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
+                              z = grp[2] + (int64_t)iq[2] * g.axis[2].dilation;
+                ((float *)a.lse.data)[offset_of(a.lse, b, x, y, z, h)] = lse;
+            }
             bool fin = finite_value(lse);
 #pragma unroll
             for (int nd = 0; nd < HD / 8; ++nd)
                 fin = fin && finite_value(o[mb][nd][2 * hrow]) && finite_value(o[mb][nd][2 * hrow + 1]);
-            bad[mb][hrow] = valid && !fin;
-            any_bad |= bad[mb][hrow];
+            if (valid && !fin) bad |= 1u << (2 * mb + hrow);
         }
     if (out_vec) {
         __syncwarp();
@@ -668,15 +670,18 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
                 }
             }
     }
-    if (__syncthreads_or(any_bad)) {  /* shared memory is free: each warp takes its scratch */
+    if (__syncthreads_or(bad != 0)) {  /* shared memory is free: each warp takes its scratch */
         float *scratch = (float *)St + (row0 / (16 * MB)) * exact_forward_scratch(HD, HD);
-#pragma unroll
         for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow)
-                redo_rows(bad[mb][hrow], rc[mb][hrow], [&](const int64_t c[3]) {
-                    exact_forward_row<T, float>(g, a, b, c, h, scratch, lane);
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                int iq[3];
+                row_coords(my_row(mb, hrow), iq);
+                int64_t c[3];
+                for (int ax = 0; ax < 3; ++ax) c[ax] = grp[ax] + (int64_t)iq[ax] * g.axis[ax].dilation;
+                redo_rows((bad >> (2 * mb + hrow)) & 1u, c, [&](const int64_t rc[3]) {
+                    redo_forward_row<T>(g, a, b, rc[0], rc[1], rc[2], h, scratch);
                 });
+            }
     }
 }
 
@@ -762,8 +767,7 @@ __device__ __forceinline__ void jvp_store(const nbhd_geometry &g, const nbhd_for
                                           const float (&m)[2], const float (&l)[2],
                                           const float (&r)[2], int lane, float *scratch, Coords &&coords) {
     const int cq = lane & 3;
-    int64_t rc[2][3] = {{0, 0, 0}, {0, 0, 0}};
-    bool bad[2], any_bad = false;
+    unsigned bad = 0;  /* bit hrow: that row of this lane is not finite */
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         float lt = l[hrow], rt = r[hrow];
@@ -771,8 +775,7 @@ __device__ __forceinline__ void jvp_store(const nbhd_geometry &g, const nbhd_for
         lt += __shfl_xor_sync(0xffffffffu, lt, 2);
         rt += __shfl_xor_sync(0xffffffffu, rt, 1);
         rt += __shfl_xor_sync(0xffffffffu, rt, 2);
-        int64_t *c = rc[hrow];
-        bad[hrow] = false;
+        int64_t c[3];
         if (!coords(hrow, c)) continue;
         const float inv = 1.f / lt, mu_t = rt * inv;
         T *out = (T *)a.out.data + offset_of(a.out, b, c[0], c[1], c[2], h);
@@ -792,15 +795,16 @@ __device__ __forceinline__ void jvp_store(const nbhd_geometry &g, const nbhd_for
             ((float *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)] = lse;
             ((float *)a.t_lse.data)[offset_of(a.t_lse, b, c[0], c[1], c[2], h)] = mu_t;
         }
-        bad[hrow] = !fin;
-        any_bad |= !fin;
+        if (!fin) bad |= 1u << hrow;
     }
-    if (__syncthreads_or(any_bad)) {  /* shared memory is free */
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow)
-            redo_rows(bad[hrow], rc[hrow], [&](const int64_t c[3]) {
-                exact_forward_jvp_row<T, float>(g, a, b, c, h, scratch, lane);
+    if (__syncthreads_or(bad != 0)) {  /* shared memory is free */
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int64_t c[3] = {0, 0, 0};
+            coords(hrow, c);
+            redo_rows((bad >> hrow) & 1u, c, [&](const int64_t rc[3]) {
+                redo_forward_jvp_row<T>(g, a, b, rc[0], rc[1], rc[2], h, scratch);
             });
+        }
     }
 }
 
