@@ -309,9 +309,11 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
 }
 
 // ----------------------------------------------------------------------------
-// the tensor-core kernels' repair of non-finite rows. The repairs are out-of-line calls taking
-// their arguments by value, so that the kernels' main loops are compiled as without them (inlined,
-// they cost 5-10 % of the forward: bench/bench_gpu.py through scripts/gpu_check.sh's ab_ref stage).
+// the tensor-core kernels' repair of non-finite rows. The repairs are out-of-line calls, so that
+// the kernels' main loops compile as without them (inlined, they cost 5-10 % of the forward), and
+// take the kernels' parameters by address: the kernels declare them __grid_constant__, else each
+// thread would copy them to local memory (another 5-10 %; bench/bench_gpu.py through
+// scripts/gpu_check.sh's ab_ref stage).
 
 /* Whether x is finite (no NaN, no inf): what a stored row must be for the tile product to be
  * trusted. */
@@ -345,33 +347,33 @@ __device__ __forceinline__ void redo_rows(bool bad, const int64_t c[3], Redo &&r
 }
 
 template <typename T>
-__device__ __noinline__ void redo_forward_row(const nbhd_geometry g, const nbhd_forward_args a, int64_t b,
+__device__ __noinline__ void redo_forward_row(const nbhd_geometry *g, const nbhd_forward_args *a, int64_t b,
                                               int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
     const int64_t c[3] = {c0, c1, c2};
-    exact_forward_row<T, float>(g, a, b, c, h, scratch, threadIdx.x & 31);
+    exact_forward_row<T, float>(*g, *a, b, c, h, scratch, threadIdx.x & 31);
 }
 
 template <typename T>
-__device__ __noinline__ void redo_forward_jvp_row(const nbhd_geometry g, const nbhd_forward_jvp_args a, int64_t b,
+__device__ __noinline__ void redo_forward_jvp_row(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, int64_t b,
                                                   int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
     const int64_t c[3] = {c0, c1, c2};
-    exact_forward_jvp_row<T, float>(g, a, b, c, h, scratch, threadIdx.x & 31);
+    exact_forward_jvp_row<T, float>(*g, *a, b, c, h, scratch, threadIdx.x & 31);
 }
 
 /* dQ of query (b, c, h) exactly, given the tensor-core backward's D_i (float, [b, token, h]) */
 template <typename T>
-__device__ __noinline__ void redo_dq_row(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+__device__ __noinline__ void redo_dq_row(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                          int64_t b, int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
     const int64_t c[3] = {c0, c1, c2};
-    const float Di = Dws[(b * g.tokens + token_of(g, c)) * g.heads + h];
-    exact_dq_row<T, float>(g, a, b, c, h, Di, scratch, threadIdx.x & 31);
+    const float Di = Dws[(b * g->tokens + token_of(*g, c)) * g->heads + h];
+    exact_dq_row<T, float>(*g, *a, b, c, h, Di, scratch, threadIdx.x & 31);
 }
 
 template <typename T, bool EXTRA>
-__device__ __noinline__ void redo_dkv_row(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+__device__ __noinline__ void redo_dkv_row(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                           int64_t b, int64_t c0, int64_t c1, int64_t c2, int64_t hk, float *scratch) {
     const int64_t c[3] = {c0, c1, c2};
-    exact_dkv_row<T, float, EXTRA>(g, a, Dws, b, c, hk, scratch, threadIdx.x & 31);
+    exact_dkv_row<T, float, EXTRA>(*g, *a, Dws, b, c, hk, scratch, threadIdx.x & 31);
 }
 
 #endif /* NBHD_CUDA_EXACT_ROWS_CUH */

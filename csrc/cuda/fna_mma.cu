@@ -39,7 +39,7 @@ template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windo
           bool QREG /* Q fragments held in registers (else re-read from shared memory per tile,
                        32 registers fewer per m-block at D = 128) */>
 __global__ void __launch_bounds__(MMA_THREADS, MINB)
-fna_mma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
+fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_args a, const mma_plan P) {
     constexpr int BM = 64 * MB;  /* queries per CTA */
     constexpr int ST = FWD_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];

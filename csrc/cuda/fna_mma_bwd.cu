@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nb
  * despite the spills (bench/bench_gpu.py) */
 template <typename T, int HD>
 __global__ void __launch_bounds__(BW_THREADS, 3)
-fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                   const mma_plan P) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)smem_raw;          /* [BR][HD] */
@@ -265,7 +265,7 @@ fna_mma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float
         float *scratch = (float *)smem_raw + w * exact_dq_scratch(HD, HD);
         for (int hrow = 0; hrow < 2; ++hrow)
             redo_rows((bad >> hrow) & 1u, rfull[hrow], [&](const int64_t c[3]) {
-                redo_dq_row<T>(g, a, Dws, b, c[0], c[1], c[2], h, scratch);
+                redo_dq_row<T>(&g, &a, Dws, b, c[0], c[1], c[2], h, scratch);
             });
     }
 }
@@ -335,7 +335,7 @@ __device__ __forceinline__ void tile_dq_atomic(const T *dST, const int *warp_act
  * spends its time in 64-bit divisions: bench/profile_kernels.py --op bwd). A row that comes out
  * non-finite is computed again exactly by its warp (exact_rows.cuh), given D_i in Dws. */
 template <typename T>
-__global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, const nbhd_backward_args a,
+__global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a,
                                                          const float *acc, const float *Dws, float scale) {
     __shared__ float scratch[256 / 32][exact_dq_scratch(128, 128)];  /* D = Dv <= 128 on this path */
     const int64_t per_row = g.head_dim / 8;
@@ -367,14 +367,14 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, 
         done = r;
         int64_t rc[3];
         for (int ax = 0; ax < 3; ++ax) rc[ax] = __shfl_sync(EXACT_FULL, c[ax], src);
-        redo_dq_row<T>(g, a, Dws, __shfl_sync(EXACT_FULL, b, src), rc[0], rc[1], rc[2],
+        redo_dq_row<T>(&g, &a, Dws, __shfl_sync(EXACT_FULL, b, src), rc[0], rc[1], rc[2],
                        __shfl_sync(EXACT_FULL, h, src), scratch[threadIdx.x >> 5]);
     }
 }
 
 template <typename T, int HD, bool EXTRA, bool KVP, int MINB = 2>
 __global__ void __launch_bounds__(BW_THREADS, MINB)
-fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                     float *dq_acc, const mma_plan P) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Ks = (T *)smem_raw;            /* [BR][HD] */
@@ -616,7 +616,7 @@ fna_mma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
             int64_t c[3];
             for (int ax = 0; ax < 3; ++ax) c[ax] = EXTRA ? rc[hrow][ax] : pr.grp[ax] + rc[hrow][ax] * dil[ax];
             redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
-                redo_dkv_row<T, EXTRA>(g, a, Dws, b, r[0], r[1], r[2], hk, scratch);
+                redo_dkv_row<T, EXTRA>(&g, &a, Dws, b, r[0], r[1], r[2], hk, scratch);
             });
         }
     }

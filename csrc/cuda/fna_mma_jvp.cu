@@ -23,7 +23,7 @@
  * bench/bench_gpu.py) */
 template <typename T, int HD, int WARPS, int MINB>
 __global__ void __launch_bounds__(32 * WARPS, MINB)
-fna_mma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const mma_plan P) {
+fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_args a, const mma_plan P) {
     constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS, ST = JVP_STAGES;
     static_assert(THREADS / BC <= HD / 8, "a key row needs a 16-byte chunk per thread");
     extern __shared__ __align__(128) unsigned char smem_raw[];

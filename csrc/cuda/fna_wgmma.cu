@@ -22,7 +22,7 @@
 
 template <typename T, int HD, int BN, int RANK, int MINB>
 __global__ void __launch_bounds__(WGMMA_THREADS, MINB)
-fna_wgmma_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a, const mma_plan P) {
+fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     constexpr int BM = WGMMA_BM, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];

@@ -57,7 +57,7 @@ static constexpr size_t dkdv_smem_bytes() {
 /* one CTA per SM: at two (128 registers) ptxas serialises the wgmma (C7512) even at D = 64 */
 template <typename T, int HD, int BN, int RANK>
 __global__ void __launch_bounds__(WGMMA_THREADS, 1)
-fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                     const mma_plan P) {
 #if NBHD_HAS_WGMMA
     constexpr int BM = WGMMA_BM, KST = WGB_DQ_K_STAGES, VST = WGB_DQ_V_STAGES;
@@ -205,7 +205,7 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
             int64_t c[3];
             for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + (int64_t)iq[ax] * g.axis[ax].dilation;
             redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
-                redo_dq_row<T>(g, a, Dws, C.b, r[0], r[1], r[2], C.h, scratch);
+                redo_dq_row<T>(&g, &a, Dws, C.b, r[0], r[1], r[2], C.h, scratch);
             });
         }
     }
@@ -217,7 +217,7 @@ fna_wgmma_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, const flo
 
 template <typename T, int HD, int BN, int RANK, bool KVP>
 __global__ void __launch_bounds__(WGMMA_THREADS, 1)
-fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const float *Dws,
+fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                       float *dq_acc, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     constexpr int BM = WGMMA_BM, ST = WGB_KV_STAGES;
@@ -469,7 +469,7 @@ fna_wgmma_dkdv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const f
             int64_t c[3];
             for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + (int64_t)ik[ax] * g.axis[ax].dilation;
             redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
-                redo_dkv_row<T, false>(g, a, Dws, C.b, r[0], r[1], r[2], hk, scratch);
+                redo_dkv_row<T, false>(&g, &a, Dws, C.b, r[0], r[1], r[2], hk, scratch);
             });
         }
     }

@@ -23,7 +23,7 @@ static constexpr size_t wgj_smem_bytes(int rank) {
 
 template <typename T, int HD, int BN, int RANK>
 __global__ void __launch_bounds__(WGMMA_THREADS, 1)
-fna_wgmma_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a, const mma_plan P) {
+fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     constexpr int BM = WGMMA_BM, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES, TILE = BN * HD;
     extern __shared__ __align__(128) unsigned char smem_raw[];

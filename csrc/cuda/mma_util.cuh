@@ -679,7 +679,7 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
                 int64_t c[3];
                 for (int ax = 0; ax < 3; ++ax) c[ax] = grp[ax] + (int64_t)iq[ax] * g.axis[ax].dilation;
                 redo_rows((bad >> (2 * mb + hrow)) & 1u, c, [&](const int64_t rc[3]) {
-                    redo_forward_row<T>(g, a, b, rc[0], rc[1], rc[2], h, scratch);
+                    redo_forward_row<T>(&g, &a, b, rc[0], rc[1], rc[2], h, scratch);
                 });
             }
     }
@@ -802,7 +802,7 @@ __device__ __forceinline__ void jvp_store(const nbhd_geometry &g, const nbhd_for
             int64_t c[3] = {0, 0, 0};
             coords(hrow, c);
             redo_rows((bad >> hrow) & 1u, c, [&](const int64_t rc[3]) {
-                redo_forward_jvp_row<T>(g, a, b, rc[0], rc[1], rc[2], h, scratch);
+                redo_forward_jvp_row<T>(&g, &a, b, rc[0], rc[1], rc[2], h, scratch);
             });
         }
     }
