@@ -63,6 +63,7 @@ __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nb
             z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
+    if (dq_acc && i == 0) *repair_flag(g, dq_acc) = 0u;
     for (int o = per_row / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (valid && d == 0) {
         if (a.d_lse.data) acc -= ((const float *)a.d_lse.data)[offset_of(a.d_lse, b, c[0], c[1], c[2], h)];
@@ -332,43 +333,50 @@ __device__ __forceinline__ void tile_dq_atomic(const T *dST, const int *warp_act
 /* KV-parallel epilogue: dQ = scale * accumulator, in the caller's layout. One thread per 8
  * channels of a row (HD is a multiple of 8): two 16-byte loads, four 4-byte stores (dQ rows
  * are 4-byte aligned), and the row's coordinates decoded once for the 8 (a thread per pair
- * spends its time in 64-bit divisions: bench/profile_kernels.py --op bwd). A row that comes out
- * non-finite is computed again exactly by its warp (exact_rows.cuh), given D_i in Dws. */
+ * spends its time in 64-bit divisions: bench/profile_kernels.py --op bwd). A non-finite
+ * accumulator raises the repair flag (dq_repair_kernel). */
 template <typename T>
-__global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a,
-                                                         const float *acc, const float *Dws, float scale) {
-    __shared__ float scratch[256 / 32][exact_dq_scratch(128, 128)];  /* D = Dv <= 128 on this path */
+__global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, const nbhd_tensor dq,
+                                                         const float *acc, float scale) {
     const int64_t per_row = g.head_dim / 8;
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool valid = i < g.batch * g.tokens * g.heads * per_row;
-    const int64_t ii = valid ? i : 0;
-    const int64_t row = ii / per_row, d = (ii - row * per_row) * 8;
+    if (i >= g.batch * g.tokens * g.heads * per_row) return;
+    const int64_t row = i / per_row, d = (i - row * per_row) * 8;
     const int64_t h = row % g.heads, tok = (row / g.heads) % g.tokens, b = row / (g.heads * g.tokens);
     int64_t c[3];
     token_coords(g, tok, c);
-    bool bad = false;
-    if (valid) {
-        const float4 lo = ((const float4 *)acc)[2 * i], hi = ((const float4 *)acc)[2 * i + 1];
-        uint32_t *dst = (uint32_t *)((T *)a.d_q.data + offset_of(a.d_q, b, c[0], c[1], c[2], h) + d);
-        dst[0] = pack2<T>(lo.x * scale, lo.y * scale);
-        dst[1] = pack2<T>(lo.z * scale, lo.w * scale);
-        dst[2] = pack2<T>(hi.x * scale, hi.y * scale);
-        dst[3] = pack2<T>(hi.z * scale, hi.w * scale);
-        bad = !(finite_value(lo.x) && finite_value(lo.y) && finite_value(lo.z) && finite_value(lo.w) &&
-                finite_value(hi.x) && finite_value(hi.y) && finite_value(hi.z) && finite_value(hi.w));
-    }
-    unsigned lanes = __ballot_sync(EXACT_FULL, bad);
-    int64_t done = -1;  /* a row's lanes are adjacent: each row once */
-    while (lanes) {
-        const int src = __ffs(lanes) - 1;
-        lanes &= lanes - 1;
-        const int64_t r = __shfl_sync(EXACT_FULL, row, src);
-        if (r == done) continue;
-        done = r;
-        int64_t rc[3];
-        for (int ax = 0; ax < 3; ++ax) rc[ax] = __shfl_sync(EXACT_FULL, c[ax], src);
-        redo_dq_row<T>(&g, &a, Dws, __shfl_sync(EXACT_FULL, b, src), rc[0], rc[1], rc[2],
-                       __shfl_sync(EXACT_FULL, h, src), scratch[threadIdx.x >> 5]);
+    const float4 lo = ((const float4 *)acc)[2 * i], hi = ((const float4 *)acc)[2 * i + 1];
+    uint32_t *dst = (uint32_t *)((T *)dq.data + offset_of(dq, b, c[0], c[1], c[2], h) + d);
+    dst[0] = pack2<T>(lo.x * scale, lo.y * scale);
+    dst[1] = pack2<T>(lo.z * scale, lo.w * scale);
+    dst[2] = pack2<T>(hi.x * scale, hi.y * scale);
+    dst[3] = pack2<T>(hi.z * scale, hi.w * scale);
+    if (!(finite_value(lo.x + lo.y + lo.z + lo.w) && finite_value(hi.x + hi.y + hi.z + hi.w)))
+        atomicOr(repair_flag(g, acc), 1u);
+}
+
+/* The KV-parallel dQ's repair (exact_rows.cuh): dQ sums over CTAs by atomics, so its rows are
+ * checked once complete. Exits at once unless dq_convert_kernel raised the flag; then each warp
+ * takes rows in turn and computes its non-finite ones again exactly. A small grid: launched on
+ * every KV-parallel backward, it costs one launch when there is nothing to repair. */
+#define REPAIR_CTAS 264
+template <typename T>
+__global__ void __launch_bounds__(256) dq_repair_kernel(const __grid_constant__ nbhd_geometry g,
+                                                        const __grid_constant__ nbhd_backward_args a,
+                                                        const float *Dws, const float *acc) {
+    __shared__ float scratch[256 / 32][exact_dq_scratch(128, 128)];  /* D = Dv <= 128 on this path */
+    if (*repair_flag(g, acc) == 0u) return;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t rows = g.batch * g.tokens * g.heads;
+    for (int64_t r = (int64_t)blockIdx.x * 8 + w; r < rows; r += (int64_t)gridDim.x * 8) {
+        const int64_t h = r % g.heads, b = r / (g.heads * g.tokens);
+        int64_t c[3];
+        token_coords(g, (r / g.heads) % g.tokens, c);
+        const int64_t off = offset_of(a.d_q, b, c[0], c[1], c[2], h);
+        bool fin = true;
+        for (int d = lane; d < g.head_dim; d += 32) fin = fin && finite_value(ld<T, float>(a.d_q, off + d * a.d_q.stride[5]));
+        if (__all_sync(EXACT_FULL, fin)) continue;
+        redo_dq_row<T>(&g, &a, Dws, b, c[0], c[1], c[2], h, scratch[w]);
     }
 }
 
@@ -720,8 +728,11 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
         s = launch_key_stationary<T, HD, false>(g, a, Dws, nullptr, P, st);
     }
     if (s != NBHD_OK || !kv_parallel) return s;
-    dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, dq_acc, Dws, (float)g->scale);
+    dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, a->d_q, dq_acc, (float)g->scale);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (dq from the accumulator)");
+    const int64_t repair_ctas = (rows + 7) / 8 < REPAIR_CTAS ? (rows + 7) / 8 : REPAIR_CTAS;
+    dq_repair_kernel<T><<<(unsigned)repair_ctas, 256, 0, st>>>(*g, *a, Dws, dq_acc);
+    NBHD_CUDA_CHECK_LAUNCH("mma backward (dq repair)");
     return NBHD_OK;
 }
 
@@ -737,7 +748,8 @@ static bool kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e) {
 }
 
 size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, const nbhd_exec *e) {
-    return di_bytes(g) + (kv_parallel_applies(g, e) ? dq_accumulator_bytes(g) : 0);
+    /* KV-parallel: the accumulator, then dq_repair_kernel's flag */
+    return di_bytes(g) + (kv_parallel_applies(g, e) ? dq_accumulator_bytes(g) + 16 : 0);
 }
 
 nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,

@@ -357,6 +357,10 @@ __host__ __device__ inline nbhd_tensor di_tensor(const nbhd_geometry &g, const f
 __host__ __device__ inline nbhd_tensor dq_accumulator(const nbhd_geometry &g, float *data) {
     return workspace_tensor(g, data, g.head_dim);
 }
+/* the KV-parallel backward's repair flag, after its dQ accumulator (fna_mma_bwd.cu dq_repair_kernel) */
+__device__ __forceinline__ unsigned *repair_flag(const nbhd_geometry &g, const float *dq_acc) {
+    return (unsigned *)(dq_acc + g.batch * g.tokens * g.heads * (int64_t)g.head_dim);
+}
 
 /* the union of the inverse neighbourhoods of the in-group keys first..last of group grp on one
  * axis, in-group: [*lo, *lo + *cnt) (cnt >= 0) */
