@@ -2,7 +2,7 @@
  * simple.cu — the plain CUDA kernels: every dtype (f64 accumulates in double, the others in
  * float) and every geometry (ranks 0-3, stride, dilation, causal, GQA, D != Dv, any element
  * strides, extra keys). They are the fallback path and what exec.use_reference forces; they
- * follow csrc/cpu/reference_impl.h line by line (docs/design.md §4).
+ * follow csrc/cpu/scalar/scalar_impl.h line by line (docs/design.md §4).
  *
  * One warp per row. Keys are taken 32 at a time: lane j scores key j of the chunk (its whole
  * dot product), the warp updates the online softmax once per chunk, then the lanes split the
