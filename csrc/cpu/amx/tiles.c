@@ -281,7 +281,8 @@ void amx_softmax(amx_scratch *sc, const amx_seg *seg, int nseg, int64_t delta, i
                  vf vscale, vf *m, vf *l, vf *r, int64_t Dv, int fresh) {
     const vf ninf = vf_set1(-INFINITY);
     const int jvp = sc->T != NULL;
-    int64_t fa[USLOTS / 32], fb[USLOTS / 32];   /* amx_seg_pairs */
+    /* amx_seg_pairs per segment: up to USLOTS / 16 of them (rows of 16 slots on row pairs) */
+    int64_t fa[USLOTS / 16], fb[USLOTS / 16];
     /* two running maxima and sums (even and odd slots), so that no chain of dependent maxima or
      * adds (4 cycles each) sets the pace */
     vf mx0 = ninf, mx1 = ninf;
