@@ -159,7 +159,7 @@ def test_backward_huge_scores_finite(isa, scale, monkeypatch):
     assert (dv.double().abs() <= bound).all()
 
 
-# The AMX forward (csrc/cpu/amx.c): bf16, D % 32 == 0, Dv % 16 == 0, no extra keys.
+# The AMX forward (csrc/cpu/amx/): bf16, D % 32 == 0, Dv % 16 == 0, no extra keys.
 AMX_CASES = [
     # shape, kernel, stride, dilation, causal, B, H, Hk, D, Dv
     ((40,), (7,), (1,), (1,), (False,), 1, 2, 2, 32, 32),          # partial last chunk
@@ -184,6 +184,8 @@ AMX_CASES = [
     ((6, 7, 20), (2, 3, 3), (1, 1, 1), (1, 1, 1), (True, True, False), 1, 2, 2, 32, 16),   # ny 2
     # row pairs of 16-slot rows: a unit holds up to USLOTS/16 rows (05bc4ea overflowed at /32)
     ((6, 15, 10), (5, 7, 3), (1, 1, 1), (1, 1, 1), (False, False, False), 1, 2, 2, 128, 128),
+    # a unit of more than 32 such rows (the softmax's per-segment bounds overflowed at USLOTS/32)
+    ((6, 12, 12), (5, 5, 5), (1, 1, 1), (1, 1, 1), (False, False, False), 1, 2, 1, 64, 64),
 ]
 
 

@@ -1,9 +1,9 @@
 /*
- * cpu.c — the CPU entry points: chooses between the fast kernels (fast.h) and the plain
- * reference (reference.c), in one place, by named conditions.
+ * cpu.c — the CPU entry points: chooses between the fast kernels (fast.h) and the exact scalar
+ * reference kernels (scalar/scalar.c), in one place, by named conditions.
  *
  *   fast       fp32/fp16/bf16, rank 1..3 (any strides, geometry, GQA, extra keys); fast.c picks
- *              the ISA, and the AMX-BF16 kernels (amx.c) for bf16 where the CPU has them
+ *              the ISA, and the AMX-BF16 kernels (amx/) for bf16 where the CPU has them
  *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only)
  */
 #ifdef _OPENMP
@@ -12,7 +12,7 @@
 
 #include "fast.h"
 #include "internal.h"
-#include "reference.h"
+#include "scalar/scalar.h"
 
 int nbhd_cpu_threads(const nbhd_exec *e) {
 #ifdef _OPENMP

@@ -7,9 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "amx.h"
+#include "amx/amx.h"
 #include "fast.h"
-#include "reference.h"
+#include "scalar/scalar.h"
 
 typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 } fast_isa;
 

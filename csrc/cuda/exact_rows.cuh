@@ -2,7 +2,7 @@
  * exact_rows.cuh — one warp computes one row of an op exactly: each key (or, for a key row,
  * each query) of the row's own neighborhood in turn, never a masked slot, so a non-finite input
  * reaches exactly the rows that attend to it (docs/nonfinite.md). They follow
- * csrc/cpu/reference_impl.h line by line (docs/design.md §4).
+ * csrc/cpu/scalar/scalar_impl.h line by line (docs/design.md §4).
  *
  * Two users: the simple kernels (simple.cu: one warp per row, every dtype and geometry), and
  * the tensor-core kernels, which multiply whole tiles, so a masked P = 0 times a non-finite key or

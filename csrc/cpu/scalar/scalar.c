@@ -1,7 +1,10 @@
 /*
- * reference.c — the plain scalar CPU kernels: forward, backward and forward+JVP, written to read
- * like docs/design.md §4, one query (or one key) at a time. They are the oracle of the C tests and
- * can be forced at run time with nbhd_exec.use_reference; the fast kernels sit beside them.
+ * scalar.c — the exact scalar CPU kernels: forward, backward and forward+JVP, written to read
+ * like docs/design.md §4, one query (or one key) at a time. They are the C library's reference
+ * path (not nbhd/reference.py, the PyTorch float64 oracle of the Python tests): the oracle of the
+ * C tests, the kernels of fp64, rank 0 and the backward through forward+JVP, of slabs holding
+ * non-finite values (fast.h), and what nbhd_exec.use_reference forces; the fast kernels sit
+ * beside them.
  *
  *   forward      O, LSE by online softmax over each query's keys (window, then extra keys)
  *   backward     pass 1 query-stationary (D_i, dQ); pass 2 key-stationary over the inverse
@@ -9,14 +12,14 @@
  *                output written by one thread: deterministic.
  *   forward_jvp  O, LSE, tO, mu in one online-softmax pass
  *
- * Accumulation is double for F64 and float otherwise (reference_impl.h is instantiated twice).
+ * Accumulation is double for F64 and float otherwise (scalar_impl.h is instantiated twice).
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "convert.h"
 #include "internal.h"
-#include "reference.h"
+#include "scalar.h"
 
 // ----------------------------------------------------------------------------
 // addressing: token t = (x*Y + y)*Z + z; n-th key of a key set
@@ -90,6 +93,11 @@ static inline int64_t member_offset(const nbhd_keyset *s, int64_t n, const nbhd_
            h * t->stride[4];
 }
 
+/* Offset of extra key e ([B, extra, H, D] in axes 0, 1, 4 of t), head h. */
+static inline int64_t extra_offset(const nbhd_tensor *t, int64_t b, int64_t e, int64_t h) {
+    return b * t->stride[0] + e * t->stride[1] + h * t->stride[4];
+}
+
 /* Token index of the n-th box member (for workspace rows indexed by token). */
 static inline int64_t member_token(const nbhd_geometry *g, const nbhd_keyset *s, int64_t n) {
     int64_t c[3];
@@ -102,13 +110,13 @@ static inline int64_t member_token(const nbhd_geometry *g, const nbhd_keyset *s,
 
 #define ACC float
 #define FN(name) name##_f32
-#include "reference_impl.h"
+#include "scalar_impl.h"
 #undef ACC
 #undef FN
 
 #define ACC double
 #define FN(name) name##_f64
-#include "reference_impl.h"
+#include "scalar_impl.h"
 #undef ACC
 #undef FN
 

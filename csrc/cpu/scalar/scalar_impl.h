@@ -1,28 +1,48 @@
 /*
- * reference_impl.h — body of reference.c, included once per accumulation type with
+ * scalar_impl.h — body of scalar.c, included once per accumulation type with
  * ACC (float or double) and FN(name) (adds the type suffix) defined. Not a public header.
  */
 
-/* One conversion loop per dtype (not a dtype switch per element), unit stride vectorised. */
-#define FN_LOAD_LOOP(expr)                                                   \
-    do {                                                                     \
-        if (s == 1)                                                          \
-            for (int i = 0; i < n; ++i) { const int64_t j = off + i; dst[i] = (ACC)(expr); } \
-        else                                                                 \
-            for (int i = 0; i < n; ++i) { const int64_t j = off + i * s; dst[i] = (ACC)(expr); } \
-    } while (0)
+/* One conversion loop per dtype (not a dtype switch per element), unit stride vectorised:
+ * n elements from src[off], element stride s. */
+static inline void FN(load_f64)(ACC *dst, const double *src, int64_t off, int64_t s, int n) {
+    if (s == 1)
+        for (int i = 0; i < n; ++i) { const int64_t j = off + i; dst[i] = (ACC)(src[j]); }
+    else
+        for (int i = 0; i < n; ++i) { const int64_t j = off + i * s; dst[i] = (ACC)(src[j]); }
+}
+
+static inline void FN(load_f32)(ACC *dst, const float *src, int64_t off, int64_t s, int n) {
+    if (s == 1)
+        for (int i = 0; i < n; ++i) { const int64_t j = off + i; dst[i] = (ACC)(src[j]); }
+    else
+        for (int i = 0; i < n; ++i) { const int64_t j = off + i * s; dst[i] = (ACC)(src[j]); }
+}
+
+static inline void FN(load_f16)(ACC *dst, const uint16_t *src, int64_t off, int64_t s, int n) {
+    if (s == 1)
+        for (int i = 0; i < n; ++i) { const int64_t j = off + i; dst[i] = (ACC)(nbhd_f16_to_f32(src[j])); }
+    else
+        for (int i = 0; i < n; ++i) { const int64_t j = off + i * s; dst[i] = (ACC)(nbhd_f16_to_f32(src[j])); }
+}
+
+static inline void FN(load_bf16)(ACC *dst, const uint16_t *src, int64_t off, int64_t s, int n) {
+    if (s == 1)
+        for (int i = 0; i < n; ++i) { const int64_t j = off + i; dst[i] = (ACC)(nbhd_bf16_to_f32(src[j])); }
+    else
+        for (int i = 0; i < n; ++i) { const int64_t j = off + i * s; dst[i] = (ACC)(nbhd_bf16_to_f32(src[j])); }
+}
 
 static inline void FN(load_row)(ACC *dst, const nbhd_tensor *t, int64_t off, int n,
                                 nbhd_dtype dt) {
     const int64_t s = t->stride[5];
     switch (dt) {
-    case NBHD_F64: FN_LOAD_LOOP(((const double *)t->data)[j]); break;
-    case NBHD_F32: FN_LOAD_LOOP(((const float *)t->data)[j]); break;
-    case NBHD_F16: FN_LOAD_LOOP(nbhd_f16_to_f32(((const uint16_t *)t->data)[j])); break;
-    case NBHD_BF16: FN_LOAD_LOOP(nbhd_bf16_to_f32(((const uint16_t *)t->data)[j])); break;
+    case NBHD_F64: FN(load_f64)(dst, (const double *)t->data, off, s, n); break;
+    case NBHD_F32: FN(load_f32)(dst, (const float *)t->data, off, s, n); break;
+    case NBHD_F16: FN(load_f16)(dst, (const uint16_t *)t->data, off, s, n); break;
+    case NBHD_BF16: FN(load_bf16)(dst, (const uint16_t *)t->data, off, s, n); break;
     }
 }
-#undef FN_LOAD_LOOP
 
 /* Loads the n-th member of a key set: from t (box members) or tx (extra keys). */
 static inline void FN(load_member)(ACC *dst, const nbhd_keyset *ks, int64_t n,
@@ -152,14 +172,90 @@ static void FN(key_gradients)(const nbhd_geometry *g, const nbhd_backward_args *
     }
 }
 
+/* Scratch rows of one thread of the backward, max(D, Dv) elements each. */
+typedef struct { ACC *q, *k, *v, *dout, *o, *acc; } FN(bwd_rows);
+
+/* pass 1, query-stationary, query row r: D_i = dO_i.O_i - dLSE_i (into Dws[r]);
+ * dQ_i = s sum_j dS_ij k_j */
+static void FN(backward_query_row)(const nbhd_geometry *g, const nbhd_backward_args *a, double *Dws,
+                                   int64_t r, const FN(bwd_rows) *w) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const ACC scale = (ACC)g->scale;
+    ACC *q = w->q, *k = w->k, *v = w->v, *dout = w->dout, *o = w->o, *acc = w->acc;
+    const FN(row_index) ri = FN(row_of)(g, r);
+    const int64_t hk = ri.h / g->group;
+    int64_t c[3];
+    token_coords(g, ri.tok, c);
+    const nbhd_keyset ks = window_of(g, ri.tok);
+    FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
+    FN(load_row)(dout, &a->d_out, token_offset(&a->d_out, g, ri.b, c[0], c[1], c[2], ri.h), Dv, dt);
+    FN(load_row)(o, &a->out, token_offset(&a->out, g, ri.b, c[0], c[1], c[2], ri.h), Dv, dt);
+    const ACC lse = (ACC)nbhd_load(a->lse.data, token_offset(&a->lse, g, ri.b, c[0], c[1], c[2], ri.h), lt);
+    ACC Di = FN(dot)(dout, o, Dv);
+    if (a->d_lse.data)
+        Di -= (ACC)nbhd_load(a->d_lse.data, token_offset(&a->d_lse, g, ri.b, c[0], c[1], c[2], ri.h), lt);
+    Dws[r] = (double)Di;
+    FN(zero)(acc, D);
+    for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
+        FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
+        FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
+        const ACC p = FN(weight)(scale * FN(dot)(q, k, D), lse);
+        const ACC ds = p * (FN(dot)(dout, v, Dv) - Di);
+        FN(axpy)(acc, ds, k, D);
+    }
+    FN(store_row)(&a->d_q, token_offset(&a->d_q, g, ri.b, c[0], c[1], c[2], ri.h), acc,
+                  scale, D, dt);
+}
+
+/* pass 2, key-stationary over the inverse neighborhood of key row r ([B, tokens, Hkv]): dK, dV */
+static void FN(backward_key_row)(const nbhd_geometry *g, const nbhd_backward_args *a, const double *Dws,
+                                 int64_t r, const FN(bwd_rows) *w) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype;
+    const ACC scale = (ACC)g->scale;
+    ACC *q = w->q, *k = w->k, *v = w->v, *dout = w->dout;
+    ACC *dk = w->acc, *dv = w->o;
+    const int64_t hk = r % g->kv_heads, tok = (r / g->kv_heads) % g->tokens,
+                  b = r / (g->kv_heads * g->tokens);
+    int64_t c[3];
+    token_coords(g, tok, c);
+    const nbhd_keyset qs = inverse_window_of(g, tok);
+    /* k and v rows stay in `k` and `v`; `q` and `dout` are scratch in key_gradients */
+    FN(load_row)(k, &a->k, token_offset(&a->k, g, b, c[0], c[1], c[2], hk), D, dt);
+    FN(load_row)(v, &a->v, token_offset(&a->v, g, b, c[0], c[1], c[2], hk), Dv, dt);
+    FN(key_gradients)(g, a, Dws, b, hk, &qs, k, v, q, dout, dk, dv);
+    FN(store_row)(&a->d_k, token_offset(&a->d_k, g, b, c[0], c[1], c[2], hk), dk, scale, D, dt);
+    FN(store_row)(&a->d_v, token_offset(&a->d_v, g, b, c[0], c[1], c[2], hk), dv, 1, Dv, dt);
+}
+
+/* pass 3, extra key row r ([B, extra, Hkv]), seen by every query (all_queries): dKx, dVx */
+static void FN(backward_extra_row)(const nbhd_geometry *g, const nbhd_backward_args *a, const double *Dws,
+                                   int64_t r, const nbhd_keyset *all_queries, const FN(bwd_rows) *w) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype;
+    const ACC scale = (ACC)g->scale;
+    ACC *q = w->q, *k = w->k, *v = w->v, *dout = w->dout;
+    ACC *dk = w->acc, *dv = w->o;
+    const int64_t hk = r % g->kv_heads, ex = (r / g->kv_heads) % g->extra_kv,
+                  b = r / (g->kv_heads * g->extra_kv);
+    const int64_t kx_off = b * a->kx.stride[0] + ex * a->kx.stride[1] + hk * a->kx.stride[4];
+    const int64_t vx_off = b * a->vx.stride[0] + ex * a->vx.stride[1] + hk * a->vx.stride[4];
+    FN(load_row)(k, &a->kx, kx_off, D, dt);
+    FN(load_row)(v, &a->vx, vx_off, Dv, dt);
+    FN(key_gradients)(g, a, Dws, b, hk, all_queries, k, v, q, dout, dk, dv);
+    FN(store_row)(&a->d_kx, b * a->d_kx.stride[0] + ex * a->d_kx.stride[1] + hk * a->d_kx.stride[4],
+                  dk, scale, D, dt);
+    FN(store_row)(&a->d_vx, b * a->d_vx.stride[0] + ex * a->d_vx.stride[1] + hk * a->d_vx.stride[4],
+                  dv, 1, Dv, dt);
+}
+
 static nbhd_status FN(backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
                                 const nbhd_exec *e) {
     const int D = g->head_dim, Dv = g->head_dim_v;
-    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
     const int64_t rows = g->batch * g->tokens * g->heads;
     const int64_t key_rows = g->has_window ? g->batch * g->tokens * g->kv_heads : 0;
     const int64_t extra_rows = g->batch * g->extra_kv * g->kv_heads;
-    const ACC scale = (ACC)g->scale;
     double *Dws = (double *)e->workspace;  /* D_i per query row, see nbhd_cpu_ref_workspace_bytes */
     /* all query tokens, for the extra keys that every query sees */
     const nbhd_keyset all_queries = {{0, 0, 0},
@@ -174,73 +270,21 @@ static nbhd_status FN(backward)(const nbhd_geometry *g, const nbhd_backward_args
 #pragma omp atomic write
             failed = 1;
         }
-        ACC *q = buf, *k = q + width, *v = k + width, *dout = v + width, *o = dout + width,
-            *acc = o + width;
+        const FN(bwd_rows) w = {buf, buf + width, buf + 2 * width, buf + 3 * width, buf + 4 * width,
+                                buf + 5 * width};
 
-        /* pass 1, query-stationary: D_i = dO_i.O_i - dLSE_i;  dQ_i = s sum_j dS_ij k_j */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            if (!buf) continue;
-            const FN(row_index) ri = FN(row_of)(g, r);
-            const int64_t hk = ri.h / g->group;
-            int64_t c[3];
-            token_coords(g, ri.tok, c);
-            const nbhd_keyset ks = window_of(g, ri.tok);
-            FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
-            FN(load_row)(dout, &a->d_out, token_offset(&a->d_out, g, ri.b, c[0], c[1], c[2], ri.h), Dv, dt);
-            FN(load_row)(o, &a->out, token_offset(&a->out, g, ri.b, c[0], c[1], c[2], ri.h), Dv, dt);
-            const ACC lse = (ACC)nbhd_load(a->lse.data, token_offset(&a->lse, g, ri.b, c[0], c[1], c[2], ri.h), lt);
-            ACC Di = FN(dot)(dout, o, Dv);
-            if (a->d_lse.data)
-                Di -= (ACC)nbhd_load(a->d_lse.data, token_offset(&a->d_lse, g, ri.b, c[0], c[1], c[2], ri.h), lt);
-            Dws[r] = (double)Di;
-            FN(zero)(acc, D);
-            for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
-                FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
-                FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
-                const ACC p = FN(weight)(scale * FN(dot)(q, k, D), lse);
-                const ACC ds = p * (FN(dot)(dout, v, Dv) - Di);
-                FN(axpy)(acc, ds, k, D);
-            }
-            FN(store_row)(&a->d_q, token_offset(&a->d_q, g, ri.b, c[0], c[1], c[2], ri.h), acc,
-                          scale, D, dt);
-        }
+        for (int64_t r = 0; r < rows; ++r)
+            if (buf) FN(backward_query_row)(g, a, Dws, r, &w);
         /* (implicit barrier: every D_i is written) */
 
-        /* pass 2, key-stationary over each key's inverse neighborhood: dK, dV */
-        ACC *dk = acc, *dv = o;
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < key_rows; ++r) {
-            if (!buf) continue;
-            const int64_t hk = r % g->kv_heads, tok = (r / g->kv_heads) % g->tokens,
-                          b = r / (g->kv_heads * g->tokens);
-            int64_t c[3];
-            token_coords(g, tok, c);
-            const nbhd_keyset qs = inverse_window_of(g, tok);
-            /* k and v rows stay in `k` and `v`; `q` and `dout` are scratch in key_gradients */
-            FN(load_row)(k, &a->k, token_offset(&a->k, g, b, c[0], c[1], c[2], hk), D, dt);
-            FN(load_row)(v, &a->v, token_offset(&a->v, g, b, c[0], c[1], c[2], hk), Dv, dt);
-            FN(key_gradients)(g, a, Dws, b, hk, &qs, k, v, q, dout, dk, dv);
-            FN(store_row)(&a->d_k, token_offset(&a->d_k, g, b, c[0], c[1], c[2], hk), dk, scale, D, dt);
-            FN(store_row)(&a->d_v, token_offset(&a->d_v, g, b, c[0], c[1], c[2], hk), dv, 1, Dv, dt);
-        }
+        for (int64_t r = 0; r < key_rows; ++r)
+            if (buf) FN(backward_key_row)(g, a, Dws, r, &w);
 
-        /* pass 3: extra keys are seen by every query */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < extra_rows; ++r) {
-            if (!buf) continue;
-            const int64_t hk = r % g->kv_heads, ex = (r / g->kv_heads) % g->extra_kv,
-                          b = r / (g->kv_heads * g->extra_kv);
-            const int64_t kx_off = b * a->kx.stride[0] + ex * a->kx.stride[1] + hk * a->kx.stride[4];
-            const int64_t vx_off = b * a->vx.stride[0] + ex * a->vx.stride[1] + hk * a->vx.stride[4];
-            FN(load_row)(k, &a->kx, kx_off, D, dt);
-            FN(load_row)(v, &a->vx, vx_off, Dv, dt);
-            FN(key_gradients)(g, a, Dws, b, hk, &all_queries, k, v, q, dout, dk, dv);
-            FN(store_row)(&a->d_kx, b * a->d_kx.stride[0] + ex * a->d_kx.stride[1] + hk * a->d_kx.stride[4],
-                          dk, scale, D, dt);
-            FN(store_row)(&a->d_vx, b * a->d_vx.stride[0] + ex * a->d_vx.stride[1] + hk * a->d_vx.stride[4],
-                          dv, 1, Dv, dt);
-        }
+        for (int64_t r = 0; r < extra_rows; ++r)
+            if (buf) FN(backward_extra_row)(g, a, Dws, r, &all_queries, &w);
         free(buf);
     }
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for scratch rows")
@@ -399,15 +443,125 @@ static void FN(jvp_key_gradients)(const nbhd_geometry *g, const nbhd_forward_jvp
     }
 }
 
+/* Scratch rows of one thread of the backward through the JVP, max(D, Dv) elements each. */
+typedef struct {
+    ACC *q, *tq, *dout, *G, *o, *to, *k, *tk, *v, *tv, *acc, *acc_t, *acc_v, *acc_tv;
+} FN(jvpb_rows);
+
+/* pass 1, query-stationary, query row r: D', c, E (into ws[3r..]);
+ * dQ = s sum (dS k + dtS tk),  dtQ = s sum dtS k */
+static void FN(jvpb_query_row)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, double *ws,
+                               int64_t r, const FN(jvpb_rows) *w) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const ACC scale = (ACC)g->scale;
+    ACC *q = w->q, *tq = w->tq, *dout = w->dout, *G = w->G, *o = w->o, *to = w->to, *k = w->k, *tk = w->tk,
+        *v = w->v, *tv = w->tv, *acc = w->acc, *acc_t = w->acc_t;
+    const FN(row_index) ri = FN(row_of)(g, r);
+    const int64_t hk = ri.h / g->group;
+    int64_t c3[3];
+    token_coords(g, ri.tok, c3);
+    FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c3[0], c3[1], c3[2], ri.h), D, dt);
+    if (a->t_q.data) FN(load_row)(tq, &a->t_q, token_offset(&a->t_q, g, ri.b, c3[0], c3[1], c3[2], ri.h), D, dt);
+    FN(load_row)(o, &a->out, token_offset(&a->out, g, ri.b, c3[0], c3[1], c3[2], ri.h), Dv, dt);
+    FN(load_row)(to, &a->t_out, token_offset(&a->t_out, g, ri.b, c3[0], c3[1], c3[2], ri.h), Dv, dt);
+    if (a->d_out.data)
+        FN(load_row)(dout, &a->d_out, token_offset(&a->d_out, g, ri.b, c3[0], c3[1], c3[2], ri.h), Dv, dt);
+    if (a->d_t_out.data)
+        FN(load_row)(G, &a->d_t_out, token_offset(&a->d_t_out, g, ri.b, c3[0], c3[1], c3[2], ri.h), Dv, dt);
+    const ACC lse = (ACC)nbhd_load(a->lse.data, token_offset(&a->lse, g, ri.b, c3[0], c3[1], c3[2], ri.h), lt);
+    const ACC mu = (ACC)nbhd_load(a->t_lse.data, token_offset(&a->t_lse, g, ri.b, c3[0], c3[1], c3[2], ri.h), lt);
+    const ACC g_mu = a->d_t_lse.data
+        ? (ACC)nbhd_load(a->d_t_lse.data, token_offset(&a->d_t_lse, g, ri.b, c3[0], c3[1], c3[2], ri.h), lt) : 0;
+    ACC Dp = a->d_out.data ? FN(dot)(dout, o, Dv) : 0;
+    if (a->d_lse.data)
+        Dp -= (ACC)nbhd_load(a->d_lse.data, token_offset(&a->d_lse, g, ri.b, c3[0], c3[1], c3[2], ri.h), lt);
+    const ACC c = a->d_t_out.data ? FN(dot)(G, o, Dv) : 0;
+    const ACC E = a->d_t_out.data ? FN(dot)(G, to, Dv) : 0;
+    ws[3 * r] = (double)Dp;
+    ws[3 * r + 1] = (double)c;
+    ws[3 * r + 2] = (double)E;
+    const nbhd_keyset ks = window_of(g, ri.tok);
+    FN(zero)(acc, D);
+    FN(zero)(acc_t, D);
+    for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
+        const int in_box = n < ks.box;
+        const nbhd_tensor *tk_src = in_box ? &a->t_k : &a->t_kx;
+        const nbhd_tensor *tv_src = in_box ? &a->t_v : &a->t_vx;
+        FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
+        FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
+        if (tk_src->data) FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, hk, D, dt);
+        if (tv_src->data) FN(load_member)(tv, &ks, n, &a->t_v, &a->t_vx, ri.b, hk, Dv, dt);
+        const FN(pair) pr = FN(jvp_pair)(g, q, a->t_q.data ? tq : NULL, a->d_out.data ? dout : NULL,
+                                         a->d_t_out.data ? G : NULL, k, tk_src->data ? tk : NULL,
+                                         v, tv_src->data ? tv : NULL, lse, mu, g_mu, Dp, c, E);
+        FN(axpy)(acc, pr.ds, k, D);
+        if (tk_src->data) FN(axpy)(acc, pr.dts, tk, D);
+        FN(axpy)(acc_t, pr.dts, k, D);
+    }
+    FN(store_row)(&a->d_q, token_offset(&a->d_q, g, ri.b, c3[0], c3[1], c3[2], ri.h), acc, scale, D, dt);
+    if (a->d_t_q.data)
+        FN(store_row)(&a->d_t_q, token_offset(&a->d_t_q, g, ri.b, c3[0], c3[1], c3[2], ri.h), acc_t, scale, D, dt);
+}
+
+/* pass 2, key-stationary over the inverse neighborhood of key row r ([B, tokens, Hkv]):
+ * dK, dtK, dV, dtV */
+static void FN(jvpb_key_row)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, const double *ws,
+                             int64_t r, const FN(jvpb_rows) *w) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype;
+    const ACC scale = (ACC)g->scale;
+    ACC *k = w->k, *tk = w->tk, *v = w->v, *tv = w->tv;
+    const int64_t hk = r % g->kv_heads, tok = (r / g->kv_heads) % g->tokens,
+                  b = r / (g->kv_heads * g->tokens);
+    int64_t c3[3];
+    token_coords(g, tok, c3);
+    FN(load_row)(k, &a->k, token_offset(&a->k, g, b, c3[0], c3[1], c3[2], hk), D, dt);
+    FN(load_row)(v, &a->v, token_offset(&a->v, g, b, c3[0], c3[1], c3[2], hk), Dv, dt);
+    if (a->t_k.data) FN(load_row)(tk, &a->t_k, token_offset(&a->t_k, g, b, c3[0], c3[1], c3[2], hk), D, dt);
+    if (a->t_v.data) FN(load_row)(tv, &a->t_v, token_offset(&a->t_v, g, b, c3[0], c3[1], c3[2], hk), Dv, dt);
+    const nbhd_keyset qs = inverse_window_of(g, tok);
+    FN(jvp_key_gradients)(g, a, ws, b, hk, &qs, k, a->t_k.data ? tk : NULL, v,
+                          a->t_v.data ? tv : NULL, w->q, w->tq, w->dout, w->G, w->acc, w->acc_t, w->acc_v,
+                          w->acc_tv);
+    FN(store_row)(&a->d_k, token_offset(&a->d_k, g, b, c3[0], c3[1], c3[2], hk), w->acc, scale, D, dt);
+    FN(store_row)(&a->d_v, token_offset(&a->d_v, g, b, c3[0], c3[1], c3[2], hk), w->acc_v, 1, Dv, dt);
+    if (a->d_t_k.data)
+        FN(store_row)(&a->d_t_k, token_offset(&a->d_t_k, g, b, c3[0], c3[1], c3[2], hk), w->acc_t, scale, D, dt);
+    if (a->d_t_v.data)
+        FN(store_row)(&a->d_t_v, token_offset(&a->d_t_v, g, b, c3[0], c3[1], c3[2], hk), w->acc_tv, 1, Dv, dt);
+}
+
+/* pass 3, extra key row r ([B, extra, Hkv]), seen by every query (all_queries): dKx, dtKx, dVx,
+ * dtVx */
+static void FN(jvpb_extra_row)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, const double *ws,
+                               int64_t r, const nbhd_keyset *all_queries, const FN(jvpb_rows) *w) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const nbhd_dtype dt = g->dtype;
+    const ACC scale = (ACC)g->scale;
+    ACC *k = w->k, *tk = w->tk, *v = w->v, *tv = w->tv;
+    const int64_t hk = r % g->kv_heads, ex = (r / g->kv_heads) % g->extra_kv,
+                  b = r / (g->kv_heads * g->extra_kv);
+    FN(load_row)(k, &a->kx, extra_offset(&a->kx, b, ex, hk), D, dt);
+    FN(load_row)(v, &a->vx, extra_offset(&a->vx, b, ex, hk), Dv, dt);
+    if (a->t_kx.data) FN(load_row)(tk, &a->t_kx, extra_offset(&a->t_kx, b, ex, hk), D, dt);
+    if (a->t_vx.data) FN(load_row)(tv, &a->t_vx, extra_offset(&a->t_vx, b, ex, hk), Dv, dt);
+    FN(jvp_key_gradients)(g, a, ws, b, hk, all_queries, k, a->t_kx.data ? tk : NULL, v,
+                          a->t_vx.data ? tv : NULL, w->q, w->tq, w->dout, w->G, w->acc, w->acc_t, w->acc_v,
+                          w->acc_tv);
+    FN(store_row)(&a->d_kx, extra_offset(&a->d_kx, b, ex, hk), w->acc, scale, D, dt);
+    FN(store_row)(&a->d_vx, extra_offset(&a->d_vx, b, ex, hk), w->acc_v, 1, Dv, dt);
+    if (a->d_t_kx.data) FN(store_row)(&a->d_t_kx, extra_offset(&a->d_t_kx, b, ex, hk), w->acc_t, scale, D, dt);
+    if (a->d_t_vx.data) FN(store_row)(&a->d_t_vx, extra_offset(&a->d_t_vx, b, ex, hk), w->acc_tv, 1, Dv, dt);
+}
+
 static nbhd_status FN(forward_jvp_backward)(const nbhd_geometry *g,
                                             const nbhd_forward_jvp_backward_args *a,
                                             const nbhd_exec *e) {
     const int D = g->head_dim, Dv = g->head_dim_v;
-    const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
     const int64_t rows = g->batch * g->tokens * g->heads;
     const int64_t key_rows = g->has_window ? g->batch * g->tokens * g->kv_heads : 0;
     const int64_t extra_rows = g->batch * g->extra_kv * g->kv_heads;
-    const ACC scale = (ACC)g->scale;
     double *ws = (double *)e->workspace;  /* (D', c, E) per query row */
     const nbhd_keyset all_queries = {{0, 0, 0},
                                      {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent},
@@ -421,100 +575,22 @@ static nbhd_status FN(forward_jvp_backward)(const nbhd_geometry *g,
 #pragma omp atomic write
             failed = 1;
         }
-        ACC *q = buf, *tq = q + width, *dout = tq + width, *G = dout + width, *o = G + width,
-            *to = o + width, *k = to + width, *tk = k + width, *v = tk + width, *tv = v + width,
-            *acc = tv + width, *acc_t = acc + width, *acc_v = acc_t + width, *acc_tv = acc_v + width;
+        const FN(jvpb_rows) w = {buf, buf + width, buf + 2 * width, buf + 3 * width, buf + 4 * width,
+                                 buf + 5 * width, buf + 6 * width, buf + 7 * width, buf + 8 * width,
+                                 buf + 9 * width, buf + 10 * width, buf + 11 * width, buf + 12 * width,
+                                 buf + 13 * width};
 
-        /* pass 1, query-stationary: D', c, E;  dQ = s sum (dS k + dtS tk),  dtQ = s sum dtS k */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            if (!buf) continue;
-            const FN(row_index) ri = FN(row_of)(g, r);
-            const int64_t hk = ri.h / g->group;
-            int64_t c3[3];
-            token_coords(g, ri.tok, c3);
-#define AT(t) token_offset(&a->t, g, ri.b, c3[0], c3[1], c3[2], ri.h)
-            FN(load_row)(q, &a->q, AT(q), D, dt);
-            if (a->t_q.data) FN(load_row)(tq, &a->t_q, AT(t_q), D, dt);
-            FN(load_row)(o, &a->out, AT(out), Dv, dt);
-            FN(load_row)(to, &a->t_out, AT(t_out), Dv, dt);
-            if (a->d_out.data) FN(load_row)(dout, &a->d_out, AT(d_out), Dv, dt);
-            if (a->d_t_out.data) FN(load_row)(G, &a->d_t_out, AT(d_t_out), Dv, dt);
-            const ACC lse = (ACC)nbhd_load(a->lse.data, AT(lse), lt);
-            const ACC mu = (ACC)nbhd_load(a->t_lse.data, AT(t_lse), lt);
-            const ACC g_mu = a->d_t_lse.data ? (ACC)nbhd_load(a->d_t_lse.data, AT(d_t_lse), lt) : 0;
-            ACC Dp = a->d_out.data ? FN(dot)(dout, o, Dv) : 0;
-            if (a->d_lse.data) Dp -= (ACC)nbhd_load(a->d_lse.data, AT(d_lse), lt);
-            const ACC c = a->d_t_out.data ? FN(dot)(G, o, Dv) : 0;
-            const ACC E = a->d_t_out.data ? FN(dot)(G, to, Dv) : 0;
-            ws[3 * r] = (double)Dp;
-            ws[3 * r + 1] = (double)c;
-            ws[3 * r + 2] = (double)E;
-            const nbhd_keyset ks = window_of(g, ri.tok);
-            FN(zero)(acc, D);
-            FN(zero)(acc_t, D);
-            for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
-                const int in_box = n < ks.box;
-                const nbhd_tensor *tk_src = in_box ? &a->t_k : &a->t_kx;
-                const nbhd_tensor *tv_src = in_box ? &a->t_v : &a->t_vx;
-                FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
-                FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
-                if (tk_src->data) FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, hk, D, dt);
-                if (tv_src->data) FN(load_member)(tv, &ks, n, &a->t_v, &a->t_vx, ri.b, hk, Dv, dt);
-                const FN(pair) pr = FN(jvp_pair)(g, q, a->t_q.data ? tq : NULL, a->d_out.data ? dout : NULL,
-                                                 a->d_t_out.data ? G : NULL, k, tk_src->data ? tk : NULL,
-                                                 v, tv_src->data ? tv : NULL, lse, mu, g_mu, Dp, c, E);
-                FN(axpy)(acc, pr.ds, k, D);
-                if (tk_src->data) FN(axpy)(acc, pr.dts, tk, D);
-                FN(axpy)(acc_t, pr.dts, k, D);
-            }
-            FN(store_row)(&a->d_q, AT(d_q), acc, scale, D, dt);
-            if (a->d_t_q.data) FN(store_row)(&a->d_t_q, AT(d_t_q), acc_t, scale, D, dt);
-#undef AT
-        }
+        for (int64_t r = 0; r < rows; ++r)
+            if (buf) FN(jvpb_query_row)(g, a, ws, r, &w);
 
-        /* pass 2, key-stationary over each key's inverse neighborhood: dK, dtK, dV, dtV */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < key_rows; ++r) {
-            if (!buf) continue;
-            const int64_t hk = r % g->kv_heads, tok = (r / g->kv_heads) % g->tokens,
-                          b = r / (g->kv_heads * g->tokens);
-            int64_t c3[3];
-            token_coords(g, tok, c3);
-#define AT(t) token_offset(&a->t, g, b, c3[0], c3[1], c3[2], hk)
-            FN(load_row)(k, &a->k, AT(k), D, dt);
-            FN(load_row)(v, &a->v, AT(v), Dv, dt);
-            if (a->t_k.data) FN(load_row)(tk, &a->t_k, AT(t_k), D, dt);
-            if (a->t_v.data) FN(load_row)(tv, &a->t_v, AT(t_v), Dv, dt);
-            const nbhd_keyset qs = inverse_window_of(g, tok);
-            FN(jvp_key_gradients)(g, a, ws, b, hk, &qs, k, a->t_k.data ? tk : NULL, v,
-                                  a->t_v.data ? tv : NULL, q, tq, dout, G, acc, acc_t, acc_v, acc_tv);
-            FN(store_row)(&a->d_k, AT(d_k), acc, scale, D, dt);
-            FN(store_row)(&a->d_v, AT(d_v), acc_v, 1, Dv, dt);
-            if (a->d_t_k.data) FN(store_row)(&a->d_t_k, AT(d_t_k), acc_t, scale, D, dt);
-            if (a->d_t_v.data) FN(store_row)(&a->d_t_v, AT(d_t_v), acc_tv, 1, Dv, dt);
-#undef AT
-        }
+        for (int64_t r = 0; r < key_rows; ++r)
+            if (buf) FN(jvpb_key_row)(g, a, ws, r, &w);
 
-        /* pass 3: extra keys are seen by every query */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < extra_rows; ++r) {
-            if (!buf) continue;
-            const int64_t hk = r % g->kv_heads, ex = (r / g->kv_heads) % g->extra_kv,
-                          b = r / (g->kv_heads * g->extra_kv);
-#define AT(t) (b * a->t.stride[0] + ex * a->t.stride[1] + hk * a->t.stride[4])
-            FN(load_row)(k, &a->kx, AT(kx), D, dt);
-            FN(load_row)(v, &a->vx, AT(vx), Dv, dt);
-            if (a->t_kx.data) FN(load_row)(tk, &a->t_kx, AT(t_kx), D, dt);
-            if (a->t_vx.data) FN(load_row)(tv, &a->t_vx, AT(t_vx), Dv, dt);
-            FN(jvp_key_gradients)(g, a, ws, b, hk, &all_queries, k, a->t_kx.data ? tk : NULL, v,
-                                  a->t_vx.data ? tv : NULL, q, tq, dout, G, acc, acc_t, acc_v, acc_tv);
-            FN(store_row)(&a->d_kx, AT(d_kx), acc, scale, D, dt);
-            FN(store_row)(&a->d_vx, AT(d_vx), acc_v, 1, Dv, dt);
-            if (a->d_t_kx.data) FN(store_row)(&a->d_t_kx, AT(d_t_kx), acc_t, scale, D, dt);
-            if (a->d_t_vx.data) FN(store_row)(&a->d_t_vx, AT(d_t_vx), acc_tv, 1, Dv, dt);
-#undef AT
-        }
+        for (int64_t r = 0; r < extra_rows; ++r)
+            if (buf) FN(jvpb_extra_row)(g, a, ws, r, &all_queries, &w);
         free(buf);
     }
     return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp_backward: out of host memory for scratch rows")
