@@ -12,12 +12,12 @@ Build a library with `make build/c/libnbhd.so` and copy it aside before changing
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 os.environ["NBHD_LIBRARY"] = sys.argv[1]
 from nbhd import _lib, ops  # noqa: E402
+from timing import sample  # noqa: E402
 
 libs = [_lib.lib]
 os.environ["NBHD_LIBRARY"] = sys.argv[2]
@@ -52,12 +52,7 @@ times = [[], []]
 for _ in range(rounds):
     for i, lib in enumerate(libs):
         _lib.lib = lib
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-        times[i].append(best)
+        times[i].append(min(sample(fn, rounds=3)))
 flop = 4 * B * H * torch.tensor(ext).prod().item() * W ** r * D * {"fwd": 1, "bwd": 2.5, "jvp": 3}[kind]
 for i in range(2):
     b, m = min(times[i]), statistics.median(times[i])

@@ -20,6 +20,7 @@ import torch
 
 import nbhd
 from nbhd import _lib, ops
+from timing import sample
 
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),
@@ -95,18 +96,12 @@ def main():
                 elif not torch.allclose(res.float(), ref.float(), atol=2e-2, rtol=2e-2):
                     print(f"  MISMATCH {name} D={D} {label}: {(res.float() - ref.float()).abs().max()}")
             times = {label: [] for label, _, _ in configs}
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(args.rounds):
                 for label, tiles, kvp in configs:
                     nbhd.use_kv_parallelism_in_fused_na(kvp)
-                    fn(tiles)
-                    torch.cuda.synchronize()
-                    s.record()
-                    for _ in range(args.loop):
-                        fn(tiles)
-                    e.record()
-                    torch.cuda.synchronize()
-                    times[label].append(s.elapsed_time(e) / args.loop)
+                    (s,) = sample(lambda: fn(tiles), rounds=1, calls=args.loop, warmup=1,
+                                  device=torch.device("cuda"), events=True)
+                    times[label].append(s * 1e3)
             cells = [f"{label}: {statistics.median(t):.3f} ms {flop / statistics.median(t) / 1e9:.1f} TF"
                      for label, t in times.items()]
             print(f"{name:20s} D={D:<4d} " + "   ".join(cells), flush=True)

@@ -14,11 +14,11 @@ import csv
 import gc
 import statistics
 import sys
-import time
 
 import torch
 
 import nbhd
+from timing import sample
 
 PROBLEMS = [  # name, rank, spatial, kernel, B, H, D
     ("1d 4096 w63", 1, (4096,), 63, 1, 4, 32),
@@ -40,17 +40,13 @@ def measure(fn, repeats):
     """(median seconds, peak extra MiB over the resident set before the call)."""
     fn()  # warm up
     gc.collect()
-    times = []
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         pass
     base = rss_kib("VmRSS:")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    times = sample(fn, rounds=repeats)
     peak = max(rss_kib("VmHWM:") - base, 0)
     return statistics.median(times), peak / 1024
 

@@ -21,13 +21,13 @@ import argparse
 import csv
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import nbhd
 from nbhd import distributed as cp
+from timing import sample
 
 PROBLEMS = [
     # name, kind, one-device extents, kernel, stride, sharded axes to try, axis scaled (weak)
@@ -53,25 +53,10 @@ def parse_args():
 
 def timer(device):
     def run(fn, reps):
-        fn()                                         # warm-up
-        samples = []
-        for _ in range(5):
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(reps):
-                    fn()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) / reps)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    fn()
-                samples.append((time.perf_counter() - t0) * 1e3 / reps)
-        return statistics.median(samples)
+        # ms per call, median of 5 loops of `reps` calls, each after a barrier of every rank
+        samples = sample(fn, rounds=5, calls=reps, warmup=1, device=device,
+                         events=device.type == "cuda", before=dist.barrier)
+        return statistics.median(samples) * 1e3
     return run
 
 

@@ -24,7 +24,6 @@ import math
 import re
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 import nbhd
 from nbhd import ops
 from nbhd.reference import na_mask
+from timing import sample
 
 PROBLEMS = [
     # name, spatial shape, kernel, batch, heads, head dim
@@ -45,17 +45,10 @@ NA_JVP = {1: nbhd.na1d_jvp, 2: nbhd.na2d_jvp, 3: nbhd.na3d_jvp}
 
 
 def timeit(fn, reps, min_time=0.3):
-    """Best of `reps` timings (each >= one call), after one warm-up call."""
-    fn()
-    best = math.inf
-    t_end = time.perf_counter() + min_time
-    for i in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if i >= 2 and time.perf_counter() > t_end + 10 * best:
-            break
-    return best
+    """Best of up to `reps` single calls after one warm-up call; stops after 3 once min_time
+    plus 10 of the best call have passed."""
+    stop = lambda times, elapsed: len(times) >= 3 and elapsed > min_time + 10 * min(times)
+    return min(sample(fn, rounds=reps, warmup=1, stop=stop))
 
 
 def mm_rate(reps):

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import nbhd
+from timing import sample
 
 # name, batch, extents, kernel, stride
 MAIN_PROBLEMS = [
@@ -66,28 +67,14 @@ def time_ms(fn, warmup=2, reps=7, slow_s=1.0, loop_ms=5.0, max_loop=20):
     Each rep times a loop of back-to-back calls (up to max_loop, about loop_ms in all), so the
     host's time per call overlaps the GPU's: the figure is the kernels' rate, for nbhd and the
     anchors alike. Returns (ms, timed_once)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()  # first call: compilation, autotuning, allocator warm-up
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    first = start.elapsed_time(end)
+    cuda = torch.device("cuda")
+    # the first call compiles, autotunes and warms the allocator; the second is timed
+    first = sample(fn, rounds=1, warmup=1, device=cuda, events=True)[0] * 1e3
     if first > slow_s * 1000:
         return first, True
     loop = max(1, min(max_loop, int(loop_ms / max(first, 1e-3))))
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(loop):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / loop)
-    return statistics.median(times), False
+    times = sample(fn, rounds=reps, calls=loop, warmup=warmup, device=cuda, events=True)
+    return statistics.median(times) * 1e3, False
 
 
 def flex_forward(qt, kt, vt, extents, kernel, stride):

@@ -6,16 +6,15 @@ checks on and off (ops._check replaced by a no-op), min over repeats, interleave
 
     python bench/bench_op_checks.py
 """
-import timeit
-
 import torch
 
 import nbhd
 from nbhd import ops
+from timing import per_call_us
 
 
 def best(fn, number=300, repeat=15):
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+    return per_call_us(fn, calls=number, rounds=repeat, warmup=0)
 
 
 def main():

@@ -11,7 +11,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 if "--threads" in sys.argv:   # OpenMP reads it once, at the library's load
     os.environ["OMP_NUM_THREADS"] = sys.argv[sys.argv.index("--threads") + 1]
@@ -20,6 +19,7 @@ import torch
 
 import nbhd.compat as natten
 from nbhd import rpb as nbhd_rpb
+from timing import sample
 
 PROBLEMS = {  # name: (spatial, kernel_size, heads, head_dim)
     "1d-1024": ((1024,), (13,), 4, 32),
@@ -31,13 +31,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t
+    return sample(fn, rounds=1, device=device)[0]
 
 
 def main() -> None:

@@ -4,22 +4,22 @@ Shape legend (heads-last): B batch, S_q query tokens, S_kv key tokens, H query h
 key/value heads (H % Hkv == 0), D query/key head dim, Dv value head dim.
 
 `attention` runs nbhd's own fused kernels (rank 0 of the ops: every query sees every key), so
-it has the same fused backward and forward-mode AD as na1d/na2d/na3d. `merge_attentions` is
-plain differentiable PyTorch (docs/design.md §4.5), so every transform goes through it.
+it has the same fused backward and forward-mode AD as na1d/na2d/na3d. `merge_attentions` runs
+the custom op nbhd::merge_attentions (the C kernel nbhd_merge) with the rules of rules.py
+(docs/design.md §4.5), like the attention ops.
 """
 from __future__ import annotations
 
 import itertools
-import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import _lib, backends, checks, ops
-from .autograd import Geometry, na_autograd, na_compiled
+from . import _torch_internals, backends, checks, ops
+from .autograd import Geometry, merge_autograd, na_autograd, na_compiled
 from .functional import _use_custom_op, na1d
-from .reference import na_reference
+from .reference import merge_reference, na_reference
 
 __all__ = ["attention", "merge_attentions", "generate_varlen_parameters"]
 
@@ -239,102 +239,15 @@ def _varlen_attention(q: Tensor, k: Tensor, v: Tensor, offsets_q: List[int],
 # ----------------------------------------------------------------------------
 # merging
 
-def _merge(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
-    """L = logsumexp_a lse_a, w_a = exp(lse_a - L), o = sum_a w_a o_a (docs/design.md §4.5).
-
-    Plain torch ops: autograd, jvp and vmap follow from PyTorch's own rules, and they give
-    exactly the §4 tangents tL = sum w_a mu_a, to = sum w_a (to_a + (mu_a - tL) o_a)."""
-    stacked = torch.stack([l.to(lses[0].dtype) for l in lses])           # [n, B, *S, H]
-    # a row with every part empty (all lse = -inf) merges to output 0 and lse -inf; a row with
-    # parts of lse +inf (and no NaN) to lse +inf and the mean of those parts (the limit as
-    # their lse grow together). Their derivatives are 0, not NaN: logsumexp sees zeros there
-    # and its result is masked.
-    empty = torch.isneginf(stacked).all(0)
-    infinite, n_inf = _infinite_parts(stacked)
-    safe = torch.where(empty | (n_inf > 0), torch.zeros_like(stacked), stacked)
-    merged = torch.where(empty, torch.full_like(empty, float("-inf"), dtype=stacked.dtype),
-                         torch.logsumexp(safe, dim=0))                      # [B, *S, H]
-    merged = torch.where(n_inf > 0, torch.full_like(merged, float("inf")), merged)
-    finite = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
-    exponent = torch.where(n_inf > 0, torch.zeros_like(stacked), stacked) - finite
-    weights = torch.where(n_inf > 0, infinite / n_inf.clamp(min=1), torch.exp(exponent))  # [n, B, *S, H]
-    work = torch.promote_types(outputs[0].dtype, weights.dtype)
-    out = sum(weights[a].unsqueeze(-1).to(work) * outputs[a].to(work) for a in range(len(outputs)))
-    return out.to(outputs[0].dtype), merged
-
-
-def _infinite_parts(stacked: Tensor) -> Tuple[Tensor, Tensor]:
-    """(is +inf [n, B, *S, H] in stacked's dtype, their count per row [B, *S, H], 0 where
-    the row has a NaN)."""
-    infinite = torch.isposinf(stacked) & ~torch.isnan(stacked).any(0)
-    return infinite.to(stacked.dtype), infinite.sum(0)
-
-
-def _merge_backward(outputs, lses, out, lse, g_out, g_lse):
-    """Gradients of _merge in closed form (torch ops, so double backward follows):
-    d o_a = w_a g_o, d lse_a = w_a (g_o.(o_a - o) + g_L), with w_a = exp(lse_a - L)."""
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    work = torch.promote_types(outputs[0].dtype, lse.dtype)
-    g_out = g_out.to(work) if g_out is not None else torch.zeros_like(out, dtype=work)
-    g_lse = g_lse.to(lse.dtype) if g_lse is not None else torch.zeros_like(lse)
-    infinite, n_inf = _infinite_parts(torch.stack([l.to(lse.dtype) for l in lses]))
-    g_outputs, g_lses = [], []
-    for a, (o_a, l_a) in enumerate(zip(outputs, lses)):
-        # rows of lse +inf: out is the mean of the +inf parts, constant in every lse
-        w = torch.where(n_inf > 0, infinite[a] / n_inf.clamp(min=1),
-                        torch.exp(torch.where(n_inf > 0, finite, l_a.to(lse.dtype)) - finite))
-        g_outputs.append((w.unsqueeze(-1).to(work) * g_out).to(o_a.dtype))
-        dot = (g_out * (o_a.to(work) - out.to(work))).sum(-1).to(lse.dtype)
-        g_lses.append(torch.where(n_inf > 0, 0, w * (dot + g_lse)).to(l_a.dtype))
-    return g_outputs, g_lses
-
-
-class _MergeKernel(torch.autograd.Function):
-    """(out, lse) of the merge by the C kernel (nbhd_merge); used outside torch.func transforms,
-    forward-mode AD and torch.compile, where _merge's torch ops serve instead."""
-
-    @staticmethod
-    def forward(ctx, n, *tensors):
-        outputs, lses = tensors[:n], tensors[n:]
-        for i, (o, l) in enumerate(zip(outputs, lses)):   # the C kernel reads them as they are
-            checks.in_storage(f"merge_attentions: outputs[{i}]", o)
-            checks.in_storage(f"merge_attentions: lse_tensors[{i}]", l)
-        B, H, Dv = outputs[0].shape[0], outputs[0].shape[-2], outputs[0].shape[-1]
-        T = math.prod(outputs[0].shape[1:-2])
-        tokens = lambda t, last: t.reshape(B, T, *t.shape[last:])
-        out = outputs[0].new_empty((B, T, H, Dv))
-        lse = lses[0].new_empty(out.shape[:-1])
-        _lib.merge([tokens(o, -2) for o in outputs], [tokens(l, -1) for l in lses], out, lse,
-                   threads=ops._OPTIONS["threads"])
-        out, lse = out.reshape(outputs[0].shape), lse.reshape(lses[0].shape)
-        ctx.n = n
-        ctx.save_for_backward(*tensors, out, lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, g_out, g_lse):
-        *tensors, out, lse = ctx.saved_tensors
-        g_outputs, g_lses = _merge_backward(tensors[:ctx.n], tensors[ctx.n:], out, lse, g_out, g_lse)
-        return (None, *g_outputs, *g_lses)
-
-
-def _kernel_can_merge(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> bool:
-    """The C merge kernel runs eager calls whose tensors it takes as they are; transforms,
-    forward-mode AD and torch.compile trace _merge's torch ops instead."""
-    tensors = list(outputs) + list(lses)
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
-        return False
-    if backends.forward_ad_requested(*tensors) or len(outputs) > _lib.MERGE_MAX_PARTS:
-        return False
-    dtype, device = outputs[0].dtype, outputs[0].device
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    if dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-        return False
-    if device.type == "cuda" and not _lib.has_cuda():
-        return False
-    return device.type in ("cpu", "cuda") and all(
-        o.dtype == dtype and l.dtype == lse_dtype and o.device == device and l.device == device
-        for o, l in zip(outputs, lses))
+def _merge(outputs: List[Tensor], lses: List[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The merge for this call: the custom op under torch.compile (its registered rules), the
+    torch formula when torch.compile traces forward-mode AD (the op has no forward-mode rule),
+    else the eager Function (forward-mode, vmap and every torch.func transform)."""
+    if torch.compiler.is_compiling():
+        if _torch_internals.forward_ad_active():
+            return merge_reference(outputs, lses)
+        return ops.merge_attentions(outputs, lses)
+    return merge_autograd(outputs, lses)
 
 
 def merge_attentions(outputs: List[Tensor], lse_tensors: List[Tensor], torch_compile: bool = True,
@@ -348,9 +261,9 @@ def merge_attentions(outputs: List[Tensor], lse_tensors: List[Tensor], torch_com
     Args:
         outputs: n >= 2 tensors [B, *S, H, Dv] (heads-last; NATTEN uses [B, S, H, Dv])
         lse_tensors: n tensors [B, *S, H], the logsumexp of each part
-        torch_compile: accepted for NATTEN compatibility; nbhd merges eager calls with its C
-            kernel (nbhd_merge, CPU and CUDA) and traces torch ops under torch.compile and the
-            torch.func transforms
+        torch_compile: accepted for NATTEN compatibility; nbhd merges with its C kernel
+            (nbhd_merge, CPU and CUDA) through the custom op nbhd::merge_attentions, eagerly and
+            under torch.compile
         return_lse: also return the merged logsumexp [B, *S, H]
 
     Returns:
@@ -389,9 +302,5 @@ def merge_attentions(outputs: List[Tensor], lse_tensors: List[Tensor], torch_com
         if l.shape != ref.shape[:-1]:
             raise ValueError(f"lse_tensors[{i}] must have shape {tuple(ref.shape[:-1])} (the "
                              f"output's without head_dim), got {tuple(l.shape)}")
-    outputs, lse_tensors = list(outputs), list(lse_tensors)
-    if _kernel_can_merge(outputs, lse_tensors):
-        out, lse = _MergeKernel.apply(len(outputs), *outputs, *lse_tensors)
-    else:
-        out, lse = _merge(outputs, lse_tensors)
+    out, lse = _merge(list(outputs), list(lse_tensors))
     return (out, lse) if return_lse else out

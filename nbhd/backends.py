@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _lib, context
+from . import _lib, _torch_internals, context
 from .reference import axis_windows
 
 __all__ = ["BACKENDS", "AUTO_ORDER", "BackendUnavailable", "can_run_cpu_fna", "can_run_cuda_fna",
@@ -186,7 +186,7 @@ def compatible_backends(q: Tensor, **kwargs) -> List[str]:
 def _axis_bounds(extent, kernel, stride, dilation, causal, device_str):
     """Per axis, for every coordinate x: its dilation group g and the in-group key range
     [start, end) of its window (docs/design.md §1, from reference.axis_windows)."""
-    with torch._C._DisableFuncTorch():
+    with _torch_internals.disable_functorch():
         keys, valid = axis_windows(extent, kernel, stride, dilation, causal, torch.device(device_str))
         start = keys[:, 0] // dilation
         end = start + valid.sum(1)

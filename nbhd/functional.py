@@ -9,13 +9,10 @@ import math
 from typing import Optional, Tuple, Union
 
 import torch
-import torch._functorch.eager_transforms as _eager_transforms
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
-from torch._C._functorch import is_batchedtensor as _is_functorch_batched
-from torch._C._functorch import is_legacy_batchedtensor as _is_legacy_batched
 
-from . import backends, checks, configs
+from . import _torch_internals, backends, checks, configs
 from .autograd import Geometry, na_autograd, na_compiled, na_jvp_autograd, na_jvp_compiled
 from .reference import na_reference
 
@@ -77,7 +74,7 @@ class _Call:
         if empty is None:
             if len(_EMPTY) >= _MAX_CACHED:
                 _EMPTY.clear()
-            with torch._C._DisableFuncTorch():   # a plain tensor, whatever transform is active
+            with _torch_internals.disable_functorch():   # a plain tensor, whatever transform is active
                 empty = _EMPTY[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
         return empty
 
@@ -105,11 +102,7 @@ class _Call:
                 lse.reshape(B, *self.spatial, lse.shape[-1]))
 
 
-def _forward_ad_active() -> bool:
-    """True inside torch.func.jvp/jacfwd/hessian or a forward_ad.dual_level. Reads the Python
-    globals those set, which Dynamo tracks while it inlines them (C-level queries of the
-    functorch stack are not answered faithfully under Dynamo)."""
-    return _eager_transforms.JVP_NESTING > 0 or _forward_ad._current_level >= 0
+_forward_ad_active = _torch_internals.forward_ad_active
 
 
 def _use_custom_op() -> bool:
@@ -153,14 +146,12 @@ def _forward(call: _Call, torch_compile: bool = False) -> Tuple[Tensor, Tensor]:
     if _use_custom_op():
         out, lse = na_compiled(*args)
     else:
-        fused = _forward_ad_active() and _dual_outputs(*args)
+        fused = _torch_internals.ONE_KERNEL_JVP and _forward_ad_active() and _dual_outputs(*args)
         out, lse = fused if fused else na_autograd(*args)
     return call.restore(out, lse)
 
 
-def _is_batched(t: Tensor) -> bool:
-    """Batched by vmap (functorch's) or by the legacy vmap of gradcheck's batched checks."""
-    return _is_functorch_batched(t) or _is_legacy_batched(t)
+_is_batched = _torch_internals.is_batched
 
 
 def _dual_outputs(q, k, v, kx, vx, geometry) -> Optional[Tuple[Tensor, Tensor]]:
@@ -182,7 +173,7 @@ def _dual_outputs(q, k, v, kx, vx, geometry) -> Optional[Tuple[Tensor, Tensor]]:
            for u, t in zip(unpacked, tangents)):
         return None  # tangents batched apart from their primals: no dual pairs the two
     # forward-mode AD off while it runs: it computes the tangents, its own jvp rule must not
-    with _forward_ad._set_fwd_grad_enabled(False):
+    with _torch_internals.forward_grad_disabled():
         out, lse, t_out, t_lse = na_jvp_autograd(q, k, v, kx, vx, *tangents, geometry)
     return _forward_ad.make_dual(out, t_out), _forward_ad.make_dual(lse, t_lse)
 

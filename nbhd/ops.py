@@ -1,4 +1,5 @@
-"""torch.library custom ops, one per C kernel, with fake (meta) and vmap rules.
+"""torch.library custom ops, one per C entry point, with fake (meta) implementations; their
+autograd and vmap rules are registered by autograd.py from the rule table (rules.py).
 
 Each op allocates fresh outputs, and the C library writes into them. One shape function per op
 serves both the real op and its fake. Geometry arrives canonical (functional.py validated it):
@@ -14,21 +15,21 @@ shape, dtype and device checks.
 
 Tensor arguments are always present: absent additional keys (and, for rank 0, absent
 neighborhood keys) are zero-length tensors [B, 0, Hkv, D], so every op has fixed arity and vmap
-can fold every argument the same way.
+can fold every argument the same way. merge_attentions takes its n parts as two lists.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import math
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from torch._C._functorch import is_functorch_wrapped_tensor as _is_wrapped
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from . import _lib, _torch_internals, checks, context
+from .reference import merge_reference
 
-from . import _lib, checks, context
-
-__all__ = ["na_forward", "na_backward", "na_forward_jvp", "na_forward_jvp_backward", "call"]
+__all__ = ["na_forward", "na_backward", "na_forward_jvp", "na_forward_jvp_backward",
+           "merge_attentions", "call"]
 
 _OPTIONS = {"threads": 0, "use_reference": False}
 
@@ -46,30 +47,28 @@ def _kernel_op(name: str, fn):
     return op
 
 
-_CPU, _CUDA = torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA
-
-
-def _plain(t: Tensor) -> bool:
-    """A dense CPU/CUDA tensor with storage: no subclass (fake, functional, DTensor), no
-    functorch wrapper, no legacy batched tensor (gradcheck's batched grads), not meta."""
-    if type(t) is not Tensor or _is_wrapped(t):
-        return False
-    keys = torch._C._dispatch_keys(t)
-    return keys.has(_CPU) or keys.has(_CUDA)
+_plain = _torch_internals.plain_tensor
 
 
 def _needs_dispatcher(args) -> bool:
-    """True unless every tensor is plain and no torch function or dispatch mode (tracing,
-    FlopCounterMode, ...) nor the profiler is watching: then the op's dispatch adds nothing."""
-    if (torch._C._is_torch_function_mode_enabled() or _get_current_dispatch_mode() is not None
-            or torch.autograd.profiler._is_profiler_enabled):
+    """True unless every tensor (also inside a list argument) is plain and no torch function or
+    dispatch mode (tracing, FlopCounterMode, ...) nor the profiler is watching: then the op's
+    dispatch adds nothing."""
+    if _torch_internals.dispatch_watched():
         return True
-    return not all(_plain(a) for a in args if isinstance(a, Tensor))
+    for a in args:
+        if isinstance(a, Tensor):
+            if not _plain(a):
+                return True
+        elif type(a) is list and a and isinstance(a[0], Tensor) and not all(_plain(t) for t in a):
+            return True
+    return False
 
 
 def call(op, *args):
     """op(*args) for the autograd.Functions' eager forwards. The custom op's dispatch costs about
-    30 us a call, as much as a small kernel; plain tensors go straight to the kernel."""
+    30 us a call, as much as a small kernel; plain tensors go straight to the kernel
+    (_torch_internals: the private checks this takes)."""
     if _needs_dispatcher(args):
         return op(*args)
     return _KERNELS[op](*args)
@@ -257,30 +256,71 @@ def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out,
 
 
 # ----------------------------------------------------------------------------
-# vmap: fold the vmapped dimension into the batch dimension
+# merge of partial attentions (docs/design.md §4.5)
 
-def _fold(x: Optional[Tensor], bdim: Optional[int], size: int) -> Optional[Tensor]:
-    if x is None:
-        return None
-    x = x.movedim(bdim, 0) if bdim is not None else x.unsqueeze(0).expand(size, *x.shape)
-    return x.flatten(0, 1)
-
-
-def _unfold(x: Tensor, size: int) -> Tensor:
-    return x.unflatten(0, (size, x.shape[0] // size if size else 0))
-
-
-def _register_batch_folding(op, n_tensors: int):
-    def rule(info, in_dims, *args):
-        size = info.batch_size
-        tensors = [_fold(a, d, size) for a, d in zip(args[:n_tensors], in_dims[:n_tensors])]
-        outs = op(*tensors, *args[n_tensors:])
-        return tuple(_unfold(o, size) for o in outs), tuple(0 for _ in outs)
-
-    torch.library.register_vmap(op, rule)
+def can_merge_with_kernel(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> bool:
+    """The C merge kernel (nbhd_merge) takes these parts: at most NBHD_MERGE_MAX_PARTS, one
+    dtype it has, LSEs of the matching dtype, all on one CPU or (CUDA build) CUDA device. Other
+    parts merge by the torch formula (reference.merge_reference) inside the op."""
+    if len(outputs) > _lib.MERGE_MAX_PARTS:
+        return False
+    dtype, device = outputs[0].dtype, outputs[0].device
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    if dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if device.type == "cuda" and not _lib.has_cuda():
+        return False
+    return device.type in ("cpu", "cuda") and all(
+        o.dtype == dtype and l.dtype == lse_dtype and o.device == device and l.device == device
+        for o, l in zip(outputs, lses))
 
 
-_register_batch_folding(na_forward, 5)
-_register_batch_folding(na_backward, 9)
-_register_batch_folding(na_forward_jvp, 10)
-_register_batch_folding(na_forward_jvp_backward, 18)
+def _check_merge(outputs: List[Tensor], lses: List[Tensor]) -> None:
+    """The parts the op merges: n >= 1 outputs [B, *S, H, Dv] of one shape and device, and n
+    LSEs [B, *S, H] (merge_attentions checked the user's arguments; graphs call the op)."""
+    op = "nbhd::merge_attentions"
+    if not outputs or len(outputs) != len(lses):
+        raise ValueError(f"{op}: needs n >= 1 outputs and as many LSEs, got {len(outputs)} and {len(lses)}")
+    ref = outputs[0]
+    if ref.dim() < 3:
+        raise ValueError(f"{op}: outputs must be [batch, *tokens, heads, head_dim], got {tuple(ref.shape)}")
+    for i, (o, l) in enumerate(zip(outputs, lses)):
+        if o.shape != ref.shape or l.shape != ref.shape[:-1]:
+            raise ValueError(f"{op}: part {i} has output {tuple(o.shape)} and LSE {tuple(l.shape)}, "
+                             f"need {tuple(ref.shape)} and {tuple(ref.shape[:-1])}")
+        if o.device != ref.device or l.device != ref.device:
+            raise ValueError(f"{op}: part {i} is on {o.device} / {l.device}, outputs[0] on {ref.device}")
+        if not o.is_floating_point() or not l.is_floating_point():
+            raise TypeError(f"{op}: part {i} is {o.dtype} / {l.dtype}, need floating point")
+
+
+def _merge_shapes(outputs: List[Tensor], lses: List[Tensor]) -> Tuple[Tensor, Tensor]:
+    return outputs[0].new_empty(outputs[0].shape), lses[0].new_empty(lses[0].shape)
+
+
+def _merge_attentions(outputs: List[Tensor], lses: List[Tensor]) -> Tuple[Tensor, Tensor]:
+    """(out [B, *S, H, Dv], lse [B, *S, H]) of n partial attentions of the same queries, as if
+    their keys had been concatenated."""
+    _check_merge(outputs, lses)
+    if not can_merge_with_kernel(outputs, lses):
+        return merge_reference(outputs, lses)
+    for i, (o, l) in enumerate(zip(outputs, lses)):   # the C kernel reads them as they are
+        checks.in_storage(f"merge_attentions: outputs[{i}]", o)
+        checks.in_storage(f"merge_attentions: lse_tensors[{i}]", l)
+    B, H, Dv = outputs[0].shape[0], outputs[0].shape[-2], outputs[0].shape[-1]
+    T = math.prod(outputs[0].shape[1:-2])
+    tokens = lambda t, last: t.reshape(B, T, *t.shape[last:])
+    out = outputs[0].new_empty((B, T, H, Dv))
+    lse = lses[0].new_empty(out.shape[:-1])
+    _lib.merge([tokens(o, -2) for o in outputs], [tokens(l, -1) for l in lses], out, lse,
+               threads=_OPTIONS["threads"])
+    return out.reshape(outputs[0].shape), lse.reshape(lses[0].shape)
+
+
+merge_attentions = _kernel_op("merge_attentions", _merge_attentions)
+
+
+@merge_attentions.register_fake
+def _(outputs, lses):
+    _check_merge(outputs, lses)
+    return _merge_shapes(outputs, lses)

@@ -24,13 +24,13 @@ import argparse
 import math
 import statistics
 import sys
-import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from . import backends, configs
+from ._timing import sample
 from .functional import na1d, na1d_jvp, na2d, na2d_jvp, na3d, na3d_jvp
 
 __all__ = ["main", "time_fn", "Problem"]
@@ -82,23 +82,9 @@ class Problem:
                 f"dtype={self.dtype} device={self.device}")
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_fn(fn: Callable[[], object], device, warmup: int, repeats: int) -> float:
     """Median wall-clock milliseconds of fn() (device-synchronised)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(sample(fn, rounds=repeats, warmup=warmup, device=device)) * 1e3
 
 
 # ----------------------------------------------------------------------------

@@ -13,14 +13,14 @@ q [B, S_q, H, D] over the additional keys alone.
 from __future__ import annotations
 
 import functools
-
-import torch._guards
 from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["axis_windows", "neighborhood_index", "na_reference", "na_mask"]
+from . import _torch_internals
+
+__all__ = ["axis_windows", "neighborhood_index", "na_reference", "na_mask", "merge_reference"]
 
 
 def axis_windows(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
@@ -64,14 +64,14 @@ def neighborhood_index(shape: Sequence[int], kernel_size, stride, dilation, is_c
                        device=None) -> Tuple[Tensor, Tensor]:
     """Key token index [N, W] and validity [N, W] of every query token (row-major tokens)."""
     dev = str(torch.device(device) if device is not None else torch.device("cpu"))
-    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+    if torch.compiler.is_compiling() or _torch_internals.detect_fake_mode() is not None:
         # tracing: build the index inside the trace (a cached real tensor cannot enter fake mode)
         return _neighborhood_index_cached.__wrapped__(
             tuple(int(x) for x in shape), tuple(kernel_size), tuple(stride), tuple(dilation),
             tuple(bool(c) for c in is_causal), dev)
     # Plain tensors, even when called inside torch.func transforms: they are cached and shared
     # across calls, so they must not be wrapped at the transform level of the first caller.
-    with torch._C._DisableFuncTorch():
+    with _torch_internals.disable_functorch():
         return _neighborhood_index_cached(tuple(int(x) for x in shape), tuple(kernel_size), tuple(stride),
                                       tuple(dilation), tuple(bool(c) for c in is_causal), dev)
 
@@ -144,3 +144,36 @@ def na_reference(q: Tensor, k: Tensor, v: Tensor, kernel_size: Sequence[int], st
     out = out.reshape(B, *spatial, H, -1).to(in_dtype)
     lse = lse.reshape(B, *spatial, H).to(_lse_dtype(in_dtype))
     return out, lse
+
+
+# ----------------------------------------------------------------------------
+# merging partial attentions (docs/design.md §4.5)
+
+def merge_reference(outputs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
+    """L = logsumexp_a lse_a, w_a = exp(lse_a - L), o = sum_a w_a o_a, in plain torch ops (the
+    merge op's formula for parts its C kernel does not take, and the oracle of its tests).
+
+    A row with every part empty (all lse = -inf) merges to output 0 and lse -inf; a row with
+    parts of lse +inf (and no NaN) to lse +inf and the mean of those parts (the limit as their
+    lse grow together). Their derivatives are 0, not NaN: logsumexp sees zeros there and its
+    result is masked."""
+    stacked = torch.stack([l.to(lses[0].dtype) for l in lses])           # [n, B, *S, H]
+    empty = torch.isneginf(stacked).all(0)
+    infinite, n_inf = merge_infinite_parts(stacked)
+    safe = torch.where(empty | (n_inf > 0), torch.zeros_like(stacked), stacked)
+    merged = torch.where(empty, torch.full_like(empty, float("-inf"), dtype=stacked.dtype),
+                         torch.logsumexp(safe, dim=0))                      # [B, *S, H]
+    merged = torch.where(n_inf > 0, torch.full_like(merged, float("inf")), merged)
+    finite = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
+    exponent = torch.where(n_inf > 0, torch.zeros_like(stacked), stacked) - finite
+    weights = torch.where(n_inf > 0, infinite / n_inf.clamp(min=1), torch.exp(exponent))  # [n, B, *S, H]
+    work = torch.promote_types(outputs[0].dtype, weights.dtype)
+    out = sum(weights[a].unsqueeze(-1).to(work) * outputs[a].to(work) for a in range(len(outputs)))
+    return out.to(outputs[0].dtype), merged
+
+
+def merge_infinite_parts(stacked: Tensor) -> Tuple[Tensor, Tensor]:
+    """(is +inf [n, B, *S, H] in stacked's dtype, their count per row [B, *S, H], 0 where
+    the row has a NaN)."""
+    infinite = torch.isposinf(stacked) & ~torch.isnan(stacked).any(0)
+    return infinite.to(stacked.dtype), infinite.sum(0)

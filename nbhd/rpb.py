@@ -27,9 +27,9 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import torch
-import torch._guards
 from torch import Tensor
 
+from . import _torch_internals
 from .reference import axis_windows, neighborhood_index
 
 __all__ = ["rpb_shape", "check_rpb", "rpb_index", "window_bias", "na_qk", "na_av",
@@ -80,9 +80,9 @@ def rpb_index(shape: Sequence[int], kernel_size: Sequence[int], stride: Sequence
     args = (tuple(int(x) for x in shape), tuple(int(k) for k in kernel_size),
             tuple(int(s) for s in stride), tuple(int(d) for d in dilation),
             str(torch.device(device) if device is not None else torch.device("cpu")))
-    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+    if torch.compiler.is_compiling() or _torch_internals.detect_fake_mode() is not None:
         return _rpb_index_cached.__wrapped__(*args)   # a cached real tensor cannot enter a trace
-    with torch._C._DisableFuncTorch():   # shared across calls: never wrapped by a transform
+    with _torch_internals.disable_functorch():   # shared across calls: never wrapped by a transform
         return _rpb_index_cached(*args)
 
 
@@ -193,9 +193,9 @@ def fold_index(shape: Sequence[int], kernel_size: Sequence[int], dilation: Seque
     args = (tuple(int(x) for x in shape), tuple(int(k) for k in kernel_size),
             tuple(int(d) for d in dilation),
             str(torch.device(device) if device is not None else torch.device("cpu")))
-    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+    if torch.compiler.is_compiling() or _torch_internals.detect_fake_mode() is not None:
         return _fold_index_cached.__wrapped__(*args)
-    with torch._C._DisableFuncTorch():
+    with _torch_internals.disable_functorch():
         return _fold_index_cached(*args)
 
 

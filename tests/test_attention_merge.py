@@ -235,7 +235,8 @@ def _parts(n, shape, dtype, seed=5):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(2, 5, 3, 4), (1, 3, 4, 2, 6), (2, 2, 3, 2, 1, 5)])
 def test_merge_kernel_matches_torch_formulas(dtype, shape):
-    from nbhd.attention import _kernel_can_merge, _merge
+    from nbhd.ops import can_merge_with_kernel as _kernel_can_merge
+    from nbhd.reference import merge_reference as _merge
     outs, lses = _parts(3, shape, dtype)
     lses[1][0, 0] = float("-inf")                        # a part without keys for some rows
     for l in lses:
@@ -259,7 +260,7 @@ def test_merge_kernel_matches_torch_formulas(dtype, shape):
 
 
 def test_merge_kernel_double_backward_nan_and_fallbacks():
-    from nbhd.attention import _kernel_can_merge
+    from nbhd.ops import can_merge_with_kernel as _kernel_can_merge
     outs, lses = _parts(2, (1, 4, 2, 3), torch.float64)
     assert torch.autograd.gradgradcheck(lambda *t: nbhd.merge_attentions(t[:2], t[2:], return_lse=True),
                                         [t.requires_grad_() for t in outs + lses])
@@ -283,7 +284,8 @@ def test_merge_kernel_double_backward_nan_and_fallbacks():
                     reason="needs a CUDA GPU and nbhd built with nvcc")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_merge_kernel_cuda(dtype):
-    from nbhd.attention import _kernel_can_merge, _merge
+    from nbhd.ops import can_merge_with_kernel as _kernel_can_merge
+    from nbhd.reference import merge_reference as _merge
     outs, lses = _parts(5, (2, 3, 7, 4, 16), dtype)
     lses[0][0, 0] = float("-inf")
     for l in lses:
@@ -333,8 +335,8 @@ def _non_finite_lse_parts(dtype, device="cpu"):
 def _merge_paths():
     """(name, merge function) of every path of this machine: the C kernel (CPU; CUDA when there)
     and the torch ops (what torch.compile and the torch.func transforms trace)."""
-    from nbhd.attention import _merge, _MergeKernel
-    kernel = lambda outs, lses: _MergeKernel.apply(len(outs), *outs, *lses)
+    from nbhd.autograd import merge_autograd as kernel
+    from nbhd.reference import merge_reference as _merge
     paths = [("kernel-cpu", "cpu", kernel), ("torch-ops", "cpu", _merge)]
     if torch.cuda.is_available() and nbhd.has_cuda():
         paths += [("kernel-cuda", "cuda", kernel), ("torch-ops-cuda", "cuda", _merge)]
@@ -355,13 +357,14 @@ def test_merge_non_finite_lse_is_defined_on_every_path(path, dtype):
 def test_merge_gradients_at_infinite_lse_are_finite_and_agree():
     """Rows of lse +inf: out is the mean of the +inf parts, so d out_a = g / count there and
     d lse = 0; the kernel's closed-form backward and autograd through the torch ops agree."""
-    from nbhd.attention import _merge, _MergeKernel
+    from nbhd.autograd import merge_autograd
+    from nbhd.reference import merge_reference as _merge
     outs, lses, _, _ = _non_finite_lse_parts(torch.float64)
     lses = [l.nan_to_num(nan=0.0, posinf=float("inf"), neginf=float("-inf")) for l in lses]
     g = torch.Generator().manual_seed(9)
     g_out, g_lse = torch.randn(2, 4, 2, 3, generator=g, dtype=DT), torch.randn(2, 4, 2, generator=g, dtype=DT)
     grads = []
-    for merge in (_merge, lambda o, l: _MergeKernel.apply(len(o), *o, *l)):
+    for merge in (_merge, merge_autograd):
         leaves = [t.clone().requires_grad_() for t in outs + lses]
         out, lse = merge(leaves[:3], leaves[3:])
         finite = torch.isfinite(lse)
@@ -372,3 +375,68 @@ def test_merge_gradients_at_infinite_lse_are_finite_and_agree():
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(grads[0][0][0, 1], g_out[0, 1] / 2)   # two +inf parts share the row
     assert (grads[0][3][0, 1] == 0).all()                             # d lse = 0 on a +inf row
+
+
+# ----------------------------------------------------------------------------
+# the custom op nbhd::merge_attentions and its rules (rules.py), on every path
+
+def test_merge_op_passes_opcheck():
+    from nbhd import ops
+    outs, lses = _parts(3, (2, 4, 3, 5), torch.float64)
+    outs = [o.requires_grad_() for o in outs]
+    lses = [l.requires_grad_() for l in lses]
+    torch.library.opcheck(ops.merge_attentions, (outs, lses))
+    many_outs, many_lses = _parts(33, (1, 2, 1, 2), torch.float32)   # the torch formula inside
+    torch.library.opcheck(ops.merge_attentions, (many_outs, many_lses))
+
+
+@pytest.mark.parametrize("absent", [(), (1, 4)])
+def test_merge_jvp_rule_matches_the_torch_formula(absent):
+    """The eager Function's jvp (closed form) against forward-mode AD through the torch formula,
+    rows without keys, with +inf and with NaN LSEs included; absent tangents are zero."""
+    from nbhd.reference import merge_reference
+    outs, lses, _, _ = _non_finite_lse_parts(torch.float64)
+    g = torch.Generator().manual_seed(3)
+    tangents = [None if i in absent else torch.randn(t.shape, generator=g, dtype=DT)
+                for i, t in enumerate(outs + lses)]
+    zeros = [torch.zeros_like(t) if d is None else d for d, t in zip(tangents, outs + lses)]
+    f = lambda *t: nbhd.merge_attentions(list(t[:3]), list(t[3:]), return_lse=True)
+    r = lambda *t: merge_reference(list(t[:3]), list(t[3:]))
+    (o, l), (to, tl) = torch.func.jvp(f, tuple(outs + lses), tuple(zeros))
+    (ro, rl), (rto, rtl) = torch.func.jvp(r, tuple(outs + lses), tuple(zeros))
+    for a, b in ((o, ro), (l, rl), (to, rto), (tl, rtl)):
+        torch.testing.assert_close(a, b, equal_nan=True)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        duals = [t if d is None else fwAD.make_dual(t, d) for t, d in zip(outs + lses, tangents)]
+        out, lse = f(*duals)
+        torch.testing.assert_close(fwAD.unpack_dual(out).tangent, rto, equal_nan=True)
+        torch.testing.assert_close(fwAD.unpack_dual(lse).tangent, rtl, equal_nan=True)
+
+
+def test_merge_vmap_grad_and_compile():
+    from torch._dynamo.utils import counters
+    outs, lses = _parts(2, (2, 3, 2, 4), torch.float64)
+    stacked = torch.stack([outs[0], 2 * outs[0] + 1])
+    merged = torch.func.vmap(lambda o: nbhd.merge_attentions([o, outs[1]], lses))(stacked)
+    for i in range(2):
+        torch.testing.assert_close(merged[i], nbhd.merge_attentions([stacked[i], outs[1]], lses))
+    f = lambda *t: nbhd.merge_attentions(list(t[:2]), list(t[2:]), return_lse=True)
+    leaves = [t.clone().requires_grad_() for t in outs + lses]
+    torch._dynamo.reset()
+    counters.clear()
+    out, lse = torch.compile(f, fullgraph=True)(*leaves)
+    got = torch.autograd.grad(out.square().sum() + lse.sin().sum(), leaves)
+    r_out, r_lse = f(*leaves)
+    want = torch.autograd.grad(r_out.square().sum() + r_lse.sin().sum(), leaves)
+    torch.testing.assert_close(out, r_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert sum(counters["graph_break"].values()) == 0
+    # forward-mode AD traced by compile: the torch formula (the op has no forward-mode rule)
+    t = [torch.randn_like(x) for x in outs + lses]
+    _, (to, tl) = torch.compile(lambda *x: torch.func.jvp(f, tuple(x), tuple(t)))(*outs, *lses)
+    _, (rto, rtl) = torch.func.jvp(f, tuple(outs + lses), tuple(t))
+    torch.testing.assert_close(to, rto)
+    torch.testing.assert_close(tl, rtl)
+    torch._dynamo.reset()

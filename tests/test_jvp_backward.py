@@ -7,7 +7,7 @@ import torch
 from torch.func import jvp, vjp
 
 from nbhd import ops
-from nbhd.autograd import _reference_forward_jvp, Geometry
+from nbhd.rules import _reference_forward_jvp, Geometry
 from utils import Case, random_case, rel_err
 
 CASES = [random_case(300 + i) for i in range(10)] + [

@@ -8,7 +8,7 @@ import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import nbhd
-from nbhd import autograd as nbhd_autograd, ops
+from nbhd import autograd as nbhd_autograd, ops, rules
 from utils import Case, random_case, rel_err
 
 CASES = [random_case(700 + i) for i in range(8)] + [
@@ -22,7 +22,7 @@ def no_reference(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a second-order rule ran the reference math")
     for name in ("_reference_backward", "_reference_forward_jvp", "_reference_forward_jvp_backward"):
-        monkeypatch.setattr(nbhd_autograd, name, refuse)
+        monkeypatch.setattr(rules, name, refuse)
 
 
 def fns(case):
@@ -130,3 +130,42 @@ def test_double_backward_low_precision(dtype, no_reference):
     got = double_backward(fused, (q, k, v, kx, vx), 5)
     want = double_backward(ref, tuple(t.double() for t in (q, k, v, kx, vx)), 5)
     close(got, want, 1e-4 if dtype == torch.float32 else 5e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the rules' reference branches (rules.py), which devices without the fused backward through
+# forward+JVP take (CUDA today): the same table, on the CPU with the fused devices emptied
+
+@pytest.fixture
+def unfused(monkeypatch):
+    monkeypatch.setattr(ops, "FUSED_JVP_BACKWARD_DEVICES", ())
+
+
+def test_reference_rules_second_order_eager(unfused):
+    case = CASES[-1]
+    q, k, v, kx, vx = case.tensors(torch.float64, 4)
+    fused, ref = fns(case)
+    close(double_backward(fused, (q, k, v, kx, vx), 4), double_backward(ref, (q, k, v, kx, vx), 4))
+    loss = lambda fn: (lambda q, k, v: fn(q, k, v, kx, vx)[0].sin().sum() + fn(q, k, v, kx, vx)[1].square().sum())
+    t = tuple(torch.randn_like(x) for x in (q, k, v))
+    hvp = lambda fn: jvp(grad(loss(fn), argnums=(0, 1, 2)), (q, k, v), t)[1]
+    close(hvp(fused), hvp(ref))
+
+
+def test_reference_rules_of_the_custom_ops(unfused):
+    """The graph path's rules (register_autograd on the ops), eagerly and under torch.compile."""
+    case = CASES[-1]
+    q, k, v, kx, vx = case.tensors(torch.float64, 6)
+    geo = nbhd_autograd.Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, 0.3)
+    fused = lambda *x: ops.na_forward(*x, *geo.args())
+    ref = lambda *x: case.reference(*x, scale=0.3)
+    close(double_backward(fused, (q, k, v, kx, vx), 6), double_backward(ref, (q, k, v, kx, vx), 6))
+    # the backward through the forward+JVP op (a loss on the tangent output), compiled
+    tq = torch.randn_like(q)
+    f = lambda q, k, v: case.na_jvp()(q, k, v, tq, None, None, **case.kwargs(), additional_keys=kx,
+                                      additional_values=vx, scale=0.3)[1].square().sum()
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True)(*xs), xs)
+    r = lambda q, k, v: jvp(lambda q: case.reference(q, k, v, kx, vx, scale=0.3)[0], (q,), (tq,))[1]
+    want = torch.autograd.grad(r(*xs).square().sum(), xs)
+    close(got, want)

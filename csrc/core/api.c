@@ -1,52 +1,17 @@
 /*
- * api.c — the public entry points: errors, validation of every descriptor rule (docs/design.md §1),
- * and dispatch to the CPU or CUDA kernels. Nothing here touches tensor data, except zeroing
- * the key gradients of a backward pass with no query heads (backward_no_heads).
+ * api.c — the public entry points: validation of every descriptor rule (docs/design.md §1), the
+ * checks of tensors, exec, tiles and workspace, then dispatch through the problem's device's
+ * table of operations (nbhd_device_ops, internal.h). Errors are errors.c's; nothing here
+ * touches tensor data.
  */
 #include <float.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
 
-// ----------------------------------------------------------------------------
-// errors
-
-static _Thread_local char last_error[512];
-
-nbhd_status nbhd_fail(nbhd_status status, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
-    va_end(ap);
-    return status;
-}
-
-const char *nbhd_last_error(void) { return last_error; }
-
 const char *nbhd_version(void) { return "0.1.0"; }
-
-const char *nbhd_status_string(nbhd_status status) {
-    switch (status) {
-    case NBHD_OK: return "NBHD_OK";
-    case NBHD_ERR_ARG: return "NBHD_ERR_ARG";
-    case NBHD_ERR_UNSUPPORTED: return "NBHD_ERR_UNSUPPORTED";
-    case NBHD_ERR_DEVICE: return "NBHD_ERR_DEVICE";
-    case NBHD_ERR_WORKSPACE: return "NBHD_ERR_WORKSPACE";
-    case NBHD_ERR_ALLOC: return "NBHD_ERR_ALLOC";
-    }
-    return "NBHD_ERR_UNKNOWN";
-}
-
-int nbhd_has_cuda(void) {
-#ifdef NBHD_WITH_CUDA
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 size_t nbhd_dtype_size(nbhd_dtype t) {
     switch (t) {
@@ -56,6 +21,38 @@ size_t nbhd_dtype_size(nbhd_dtype t) {
     }
     return 0;
 }
+
+// ----------------------------------------------------------------------------
+// devices: each entry point calls its op in the table of the problem's device
+
+/* The table of a validated device, or NULL where this build has none (CUDA without nvcc). */
+static const nbhd_device_ops *device_ops(nbhd_device device) {
+#ifdef NBHD_WITH_CUDA
+    static const nbhd_device_ops *const tables[] = {[NBHD_CPU] = &nbhd_cpu_ops, [NBHD_CUDA] = &nbhd_cuda_ops};
+#else
+    static const nbhd_device_ops *const tables[] = {[NBHD_CPU] = &nbhd_cpu_ops, [NBHD_CUDA] = NULL};
+#endif
+    return tables[device];
+}
+
+int nbhd_has_cuda(void) { return device_ops(NBHD_CUDA) != NULL; }
+
+static nbhd_status no_device(void) {
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "this build of nbhd has no CUDA kernels (nvcc was not found when it was built)");
+}
+
+static nbhd_status no_kernel(const nbhd_device_ops *ops, const char *op) {
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "%s has no %s kernel yet", op, ops->name);
+}
+
+/* ops->fn(args...) for the problem's device, or the refusal of a device or op the build lacks */
+#define DISPATCH(device, fn, ...)                                                              \
+    do {                                                                                       \
+        const nbhd_device_ops *ops_ = device_ops(device);                                      \
+        if (!ops_) return no_device();                                                         \
+        if (!ops_->fn) return no_kernel(ops_, #fn);                                            \
+        return ops_->fn(__VA_ARGS__);                                                          \
+    } while (0)
 
 // ----------------------------------------------------------------------------
 // validation: one rule per check, the message names the field, the value and the rule
@@ -78,32 +75,32 @@ static int64_t count_product(int64_t a, int64_t b, int64_t c, int64_t d) {
 nbhd_status nbhd_validate(const nbhd_problem *p) {
     if (!p) return nbhd_fail(NBHD_ERR_ARG, "problem is NULL");
     if (p->rank < 0 || p->rank > NBHD_MAX_RANK)
-        return nbhd_fail(NBHD_ERR_ARG, "rank=%d is invalid (need 0 <= rank <= 3)", p->rank);
+        return nbhd_fail_rule(NBHD_ERR_ARG, "0 <= rank <= 3", "rank=%d is invalid", p->rank);
     if ((unsigned)p->dtype > NBHD_BF16)
-        return nbhd_fail(NBHD_ERR_ARG, "dtype=%d is invalid (need NBHD_F64..NBHD_BF16)", (int)p->dtype);
+        return nbhd_fail_rule(NBHD_ERR_ARG, "NBHD_F64..NBHD_BF16", "dtype=%d is invalid", (int)p->dtype);
     if ((unsigned)p->device > NBHD_CUDA)
-        return nbhd_fail(NBHD_ERR_ARG, "device=%d is invalid (need NBHD_CPU or NBHD_CUDA)", (int)p->device);
+        return nbhd_fail_rule(NBHD_ERR_ARG, "NBHD_CPU or NBHD_CUDA", "device=%d is invalid", (int)p->device);
     if (p->batch < 0 || p->batch > NBHD_MAX_COUNT)
-        return nbhd_fail(NBHD_ERR_ARG, "batch=%lld is invalid (need 0 <= batch < 2^56)", (long long)p->batch);
+        return nbhd_fail_rule(NBHD_ERR_ARG, "0 <= batch < 2^56", "batch=%lld is invalid", (long long)p->batch);
     if (p->heads < 0 || p->kv_heads < 1)
-        return nbhd_fail(NBHD_ERR_ARG, "heads=%d, kv_heads=%d are invalid (need heads >= 0, kv_heads >= 1)",
+        return nbhd_fail_rule(NBHD_ERR_ARG, "heads >= 0, kv_heads >= 1", "heads=%d, kv_heads=%d are invalid",
                          p->heads, p->kv_heads);
     if (p->heads % p->kv_heads != 0)
         return nbhd_fail(NBHD_ERR_ARG, "heads=%d is not a multiple of kv_heads=%d (GQA/MQA need heads %% kv_heads == 0)",
                          p->heads, p->kv_heads);
     if (p->head_dim < 1 || p->head_dim_v < 1)
-        return nbhd_fail(NBHD_ERR_ARG, "head_dim=%d, head_dim_v=%d are invalid (need >= 1)",
+        return nbhd_fail_rule(NBHD_ERR_ARG, ">= 1", "head_dim=%d, head_dim_v=%d are invalid",
                          p->head_dim, p->head_dim_v);
     if (!isfinite(p->scale))
-        return nbhd_fail(NBHD_ERR_ARG, "scale=%g is invalid (need a finite number)", p->scale);
+        return nbhd_fail_rule(NBHD_ERR_ARG, "a finite number", "scale=%g is invalid", p->scale);
     if (p->dtype != NBHD_F64 && fabs(p->scale) > FLT_MAX)  /* scores are float: inf - inf */
         return nbhd_fail(NBHD_ERR_ARG, "scale=%g is out of range for a float32/float16/bfloat16 problem "
                          "(need |scale| <= 3.4e38: scores are computed in float)", p->scale);
     if (p->extra_kv < 0 || p->extra_kv > NBHD_MAX_COUNT)
-        return nbhd_fail(NBHD_ERR_ARG, "extra_kv=%lld is invalid (need 0 <= extra_kv < 2^56)", (long long)p->extra_kv);
+        return nbhd_fail_rule(NBHD_ERR_ARG, "0 <= extra_kv < 2^56", "extra_kv=%lld is invalid", (long long)p->extra_kv);
     if (p->rank == 0) {
         if (p->extent[0] < 1 || p->extent[0] > NBHD_MAX_COUNT)
-            return nbhd_fail(NBHD_ERR_ARG, "extent[0]=%lld is invalid for rank 0 (need >= 1 queries)",
+            return nbhd_fail_rule(NBHD_ERR_ARG, ">= 1 queries", "extent[0]=%lld is invalid for rank 0",
                              (long long)p->extent[0]);
         if (p->extra_kv < 1)
             return nbhd_fail(NBHD_ERR_ARG, "rank 0 (dense attention) needs extra_kv >= 1 keys, got %lld",
@@ -114,11 +111,11 @@ nbhd_status nbhd_validate(const nbhd_problem *p) {
         const int64_t L = p->extent[a];
         const int32_t K = p->kernel[a], s = p->stride[a], d = p->dilation[a];
         if (L < 1 || L > NBHD_MAX_COUNT)
-            return nbhd_fail(NBHD_ERR_ARG, "extent[%d]=%lld is invalid (need 1 <= extent < 2^56)", a, (long long)L);
+            return nbhd_fail_rule(NBHD_ERR_ARG, "1 <= extent < 2^56", "extent[%d]=%lld is invalid", a, (long long)L);
         if (K < 2)
-            return nbhd_fail(NBHD_ERR_ARG, "kernel[%d]=%d is invalid (need kernel >= 2)", a, K);
+            return nbhd_fail_rule(NBHD_ERR_ARG, "kernel >= 2", "kernel[%d]=%d is invalid", a, K);
         if (d < 1)
-            return nbhd_fail(NBHD_ERR_ARG, "dilation[%d]=%d is invalid (need dilation >= 1)", a, d);
+            return nbhd_fail_rule(NBHD_ERR_ARG, "dilation >= 1", "dilation[%d]=%d is invalid", a, d);
         if ((int64_t)K * d > L)
             return nbhd_fail(NBHD_ERR_ARG,
                              "kernel[%d]=%d with dilation %d exceeds extent %lld on axis %d (need kernel*dilation <= extent)",
@@ -126,7 +123,7 @@ nbhd_status nbhd_validate(const nbhd_problem *p) {
         if (s < 1 || s > K)
             return nbhd_fail(NBHD_ERR_ARG, "stride[%d]=%d is invalid (need 1 <= stride <= kernel=%d)", a, s, K);
         if (p->causal[a] > 1)
-            return nbhd_fail(NBHD_ERR_ARG, "causal[%d]=%d is invalid (need 0 or 1)", a, p->causal[a]);
+            return nbhd_fail_rule(NBHD_ERR_ARG, "0 or 1", "causal[%d]=%d is invalid", a, p->causal[a]);
         if (L > NBHD_MAX_COUNT / tokens)  /* tokens*L > 2^56, checked without overflowing */
             return nbhd_fail(NBHD_ERR_ARG, "extent product over axes 0..%d exceeds 2^56 tokens", a);
         tokens *= L;
@@ -202,7 +199,7 @@ static tensor_view view_of(const nbhd_geometry *g, int extra, int64_t heads, int
 /* t's largest addressed element, or a rejection naming `name` and the rule */
 static nbhd_status check_view(const nbhd_tensor *t, const char *name, const tensor_view *v) {
     if (t->elements < 0)
-        return nbhd_fail(NBHD_ERR_ARG, "%s: elements=%lld is invalid (need >= 0; 0: not checked)", name,
+        return nbhd_fail_rule(NBHD_ERR_ARG, ">= 0; 0: not checked", "%s: elements=%lld is invalid", name,
                          (long long)t->elements);
     int64_t last = 0;
     int big = 0;   /* the axis with the largest contribution, for the message */
@@ -286,17 +283,14 @@ static const nbhd_exec default_exec;
 size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e) {
     if (nbhd_validate(p) != NBHD_OK) return 0;
     if ((unsigned)op > NBHD_OP_FORWARD_JVP_BACKWARD) {
-        nbhd_fail(NBHD_ERR_ARG, "op=%d is invalid (need NBHD_OP_FORWARD..NBHD_OP_FORWARD_JVP_BACKWARD)", (int)op);
+        nbhd_fail_rule(NBHD_ERR_ARG, "NBHD_OP_FORWARD..NBHD_OP_FORWARD_JVP_BACKWARD", "op=%d is invalid", (int)op);
         return 0;
     }
     if (!e) e = &default_exec;
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (is_empty(&g)) return 0;
-#ifdef NBHD_WITH_CUDA
-    if (p->device == NBHD_CUDA) return nbhd_cuda_workspace_bytes(&g, op, e);
-#endif
-    (void)e;
-    return p->device == NBHD_CPU ? nbhd_cpu_workspace_bytes(&g, op) : 0;
+    const nbhd_device_ops *ops = device_ops(p->device);
+    return ops ? ops->workspace_bytes(&g, op, e) : 0;
 }
 
 /* Threads beyond this are a mistake (OpenMP aborts or crashes creating 10^5 of them). */
@@ -317,22 +311,18 @@ static nbhd_status check_exec(const nbhd_exec *e) {
 int32_t nbhd_tile_configs(const nbhd_problem *p, nbhd_op op, nbhd_tile_config *out, int32_t max) {
     if (nbhd_validate(p) != NBHD_OK) return -1;
     if ((unsigned)op > NBHD_OP_FORWARD_JVP_BACKWARD) {
-        nbhd_fail(NBHD_ERR_ARG, "op=%d is invalid (need NBHD_OP_FORWARD..NBHD_OP_FORWARD_JVP_BACKWARD)", (int)op);
+        nbhd_fail_rule(NBHD_ERR_ARG, "NBHD_OP_FORWARD..NBHD_OP_FORWARD_JVP_BACKWARD", "op=%d is invalid", (int)op);
         return -1;
     }
     if (max < 0 || (max > 0 && !out)) {
-        nbhd_fail(NBHD_ERR_ARG, "max=%d with out=%p is invalid (need max >= 0 and out != NULL when max > 0)",
+        nbhd_fail_rule(NBHD_ERR_ARG, "max >= 0 and out != NULL when max > 0", "max=%d with out=%p is invalid",
                   max, (void *)out);
         return -1;
     }
     const nbhd_geometry g = nbhd_geometry_of(p);
     if (max > 0) memset(out, 0, (size_t)max * sizeof *out);
-    if (p->device == NBHD_CPU) return nbhd_cpu_tile_configs(&g, p->rank, op, out, max);
-#ifdef NBHD_WITH_CUDA
-    return nbhd_cuda_tile_configs(&g, p->rank, op, out, max);
-#else
-    return 0;
-#endif
+    const nbhd_device_ops *ops = device_ops(p->device);
+    return ops ? ops->tile_configs(&g, p->rank, op, out, max) : 0;
 }
 
 static int tile_matches(const nbhd_tile_config *c, const nbhd_exec *e, int32_t rank) {
@@ -390,18 +380,6 @@ static nbhd_status resolve_tiles(const nbhd_problem *p, nbhd_op op, const nbhd_e
                      q, kv, p->device == NBHD_CPU ? "CPU" : "CUDA", count, first);
 }
 
-#define DISPATCH(fn, g, a, e)                                                                 \
-    do {                                                                                      \
-        if (p->device == NBHD_CPU) return nbhd_cpu_##fn(g, a, e);                             \
-        CUDA_DISPATCH(fn, g, a, e);                                                           \
-        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "this build of nbhd has no CUDA kernels (nvcc was not found when it was built)"); \
-    } while (0)
-#ifdef NBHD_WITH_CUDA
-#define CUDA_DISPATCH(fn, g, a, e) return nbhd_cuda_##fn(g, a, e)
-#else
-#define CUDA_DISPATCH(fn, g, a, e) (void)0
-#endif
-
 /* What every entry point checks first: the problem, the args pointer, the exec (NULL: the
  * defaults) and its tiles; *e then points at `tiled`, the exec with the tiles resolved. */
 static nbhd_status enter(const nbhd_problem *p, const void *args, nbhd_op op, const nbhd_exec **e,
@@ -426,23 +404,7 @@ nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, cons
     if (g.has_window) { REQUIRE(a->k, "k", T_K); REQUIRE(a->v, "v", T_V); }
     if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
     if ((st = check_workspace(p, NBHD_OP_FORWARD, e)) != NBHD_OK) return st;
-    DISPATCH(forward, &g, a, e);
-}
-
-/* Zeroes the [B, X, Y, Z, Hkv, W] (or [B, S, -, -, Hkv, W]) elements of a host tensor; all-zero
- * bytes are +0 in every nbhd_dtype. */
-static void zero_host(nbhd_tensor t, int64_t B, const int64_t sp[3], int64_t Hkv, int64_t W,
-                      size_t esize) {
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t x = 0; x < sp[0]; ++x)
-            for (int64_t y = 0; y < sp[1]; ++y)
-                for (int64_t z = 0; z < sp[2]; ++z)
-                    for (int64_t h = 0; h < Hkv; ++h)
-                        for (int64_t c = 0; c < W; ++c) {
-                            const int64_t off = b * t.stride[0] + x * t.stride[1] + y * t.stride[2] +
-                                                z * t.stride[3] + h * t.stride[4] + c * t.stride[5];
-                            memset((char *)t.data + off * (int64_t)esize, 0, esize);
-                        }
+    DISPATCH(p->device, forward, &g, a, e);
 }
 
 /* heads == 0 with batch > 0: no query sees any key, so dK, dV, dKx, dVx are zero (and the
@@ -456,20 +418,21 @@ static nbhd_status backward_no_heads(const nbhd_geometry *g, const nbhd_backward
         if ((st = check_tensor(g, &a->d_v, dv_name, T_V, 1)) != NBHD_OK) return st;
     }
     if ((st = check_extra(g, a->d_kx, a->d_vx, dkx_name, dvx_name)) != NBHD_OK) return st;
-    if (device != NBHD_CPU)  /* TODO: zero device gradients without a host loop */
+    const nbhd_device_ops *ops = device_ops(device);
+    if (!ops || !ops->zero)  /* TODO: a CUDA zero, without a host loop */
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "backward with heads=0 is only supported on the CPU");
     const size_t es = nbhd_dtype_size(g->dtype);
     const int64_t sp[3] = {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent};
     const int64_t sx[3] = {g->extra_kv, 1, 1};
     if (g->has_window) {
-        zero_host(a->d_k, g->batch, sp, g->kv_heads, g->head_dim, es);
-        zero_host(a->d_v, g->batch, sp, g->kv_heads, g->head_dim_v, es);
+        ops->zero(a->d_k, g->batch, sp, g->kv_heads, g->head_dim, es);
+        ops->zero(a->d_v, g->batch, sp, g->kv_heads, g->head_dim_v, es);
     }
     if (g->extra_kv > 0) {  /* extra tensors: stride[1] steps tokens, stride[2..3] unused */
         nbhd_tensor kx = a->d_kx, vx = a->d_vx;
         kx.stride[2] = kx.stride[3] = vx.stride[2] = vx.stride[3] = 0;
-        zero_host(kx, g->batch, sx, g->kv_heads, g->head_dim, es);
-        zero_host(vx, g->batch, sx, g->kv_heads, g->head_dim_v, es);
+        ops->zero(kx, g->batch, sx, g->kv_heads, g->head_dim, es);
+        ops->zero(vx, g->batch, sx, g->kv_heads, g->head_dim_v, es);
     }
     return NBHD_OK;
 }
@@ -489,7 +452,7 @@ nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, co
     if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
     if ((st = check_extra(&g, a->d_kx, a->d_vx, DKX_NAMES)) != NBHD_OK) return st;
     if ((st = check_workspace(p, NBHD_OP_BACKWARD, e)) != NBHD_OK) return st;
-    DISPATCH(backward, &g, a, e);
+    DISPATCH(p->device, backward, &g, a, e);
 }
 
 nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args *a, const nbhd_exec *e) {
@@ -507,7 +470,7 @@ nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args 
     if ((st = check_extra(&g, a->kx, a->vx, KX_NAMES)) != NBHD_OK) return st;
     if (g.extra_kv > 0) { OPTIONAL(a->t_kx, "t_kx", T_KX); OPTIONAL(a->t_vx, "t_vx", T_VX); }
     if ((st = check_workspace(p, NBHD_OP_FORWARD_JVP, e)) != NBHD_OK) return st;
-    DISPATCH(forward_jvp, &g, a, e);
+    DISPATCH(p->device, forward_jvp, &g, a, e);
 }
 
 nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_jvp_backward_args *a,
@@ -542,8 +505,7 @@ nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_
         OPTIONAL(a->d_t_kx, "d_t_kx", T_KX); OPTIONAL(a->d_t_vx, "d_t_vx", T_VX);
     }
     if ((st = check_workspace(p, NBHD_OP_FORWARD_JVP_BACKWARD, e)) != NBHD_OK) return st;
-    if (p->device == NBHD_CPU) return nbhd_cpu_forward_jvp_backward(&g, a, e);
-    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "forward_jvp_backward has no CUDA kernel yet");
+    DISPATCH(p->device, forward_jvp_backward, &g, a, e);
 }
 
 // ----------------------------------------------------------------------------
@@ -559,15 +521,15 @@ nbhd_status nbhd_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, co
         return nbhd_fail(NBHD_ERR_ARG, "parts=%d is invalid (need 1 <= parts <= %d)", p->parts,
                          NBHD_MERGE_MAX_PARTS);
     if (p->batch < 0 || p->tokens < 0 || p->batch > NBHD_MAX_COUNT || p->tokens > NBHD_MAX_COUNT)
-        return nbhd_fail(NBHD_ERR_ARG, "batch=%lld, tokens=%lld are invalid (need 0 <= each < 2^56)",
+        return nbhd_fail_rule(NBHD_ERR_ARG, "0 <= each < 2^56", "batch=%lld, tokens=%lld are invalid",
                          (long long)p->batch, (long long)p->tokens);
     if (p->heads < 1 || p->head_dim_v < 1)
-        return nbhd_fail(NBHD_ERR_ARG, "heads=%d, head_dim_v=%d are invalid (need >= 1)", p->heads,
+        return nbhd_fail_rule(NBHD_ERR_ARG, ">= 1", "heads=%d, head_dim_v=%d are invalid", p->heads,
                          p->head_dim_v);
     if ((unsigned)p->dtype > NBHD_BF16)
-        return nbhd_fail(NBHD_ERR_ARG, "dtype=%d is invalid (need NBHD_F64..NBHD_BF16)", (int)p->dtype);
+        return nbhd_fail_rule(NBHD_ERR_ARG, "NBHD_F64..NBHD_BF16", "dtype=%d is invalid", (int)p->dtype);
     if ((unsigned)p->device > NBHD_CUDA)
-        return nbhd_fail(NBHD_ERR_ARG, "device=%d is invalid (need NBHD_CPU or NBHD_CUDA)", (int)p->device);
+        return nbhd_fail_rule(NBHD_ERR_ARG, "NBHD_CPU or NBHD_CUDA", "device=%d is invalid", (int)p->device);
     if (count_product(p->batch, p->tokens, p->heads, p->head_dim_v) > NBHD_MAX_COUNT)
         return nbhd_fail(NBHD_ERR_ARG, "batch x tokens x heads x head_dim_v exceeds 2^56 elements");
     if (p->batch == 0 || p->tokens == 0) return NBHD_OK;
@@ -587,10 +549,5 @@ nbhd_status nbhd_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, co
     if ((st = check_view(&a->out, "out", &vo)) != NBHD_OK) return st;
     NEED(a->lse, "lse");
     if ((st = check_view(&a->lse, "lse", &vl)) != NBHD_OK) return st;
-    if (p->device == NBHD_CPU) return nbhd_cpu_merge(p, a, e);
-#ifdef NBHD_WITH_CUDA
-    return nbhd_cuda_merge(p, a, e);
-#else
-    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "this build of nbhd has no CUDA kernels (nvcc was not found when it was built)");
-#endif
+    DISPATCH(p->device, merge, p, a, e);
 }

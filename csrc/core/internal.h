@@ -1,23 +1,18 @@
 /*
- * internal.h — what the library's parts share and the public header does not show:
- * error reporting, the normalised problem (always 3 spatial axes) and the per-device kernels.
+ * internal.h — what the library's parts share and the public header does not show: error
+ * reporting (errors.h), the normalised problem (always 3 spatial axes) and the table of
+ * operations each device provides (nbhd_device_ops), through which api.c dispatches.
  */
 #ifndef NBHD_CORE_INTERNAL_H
 #define NBHD_CORE_INTERNAL_H
 
+#include "errors.h"
 #include "nbhd.h"
 #include "window.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* Records the message for nbhd_last_error() and returns status. */
-nbhd_status nbhd_fail(nbhd_status status, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
 
 /* A validated problem with unused axes padded (extent = kernel = stride = dilation = 1). */
 typedef struct {
@@ -34,36 +29,38 @@ typedef struct {
 nbhd_geometry nbhd_geometry_of(const nbhd_problem *p);
 size_t nbhd_dtype_size(nbhd_dtype t);
 
-nbhd_status nbhd_cpu_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
-                             const nbhd_exec *e);
-nbhd_status nbhd_cpu_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                              const nbhd_exec *e);
-nbhd_status nbhd_cpu_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                 const nbhd_exec *e);
-nbhd_status nbhd_cpu_forward_jvp_backward(const nbhd_geometry *g,
-                                          const nbhd_forward_jvp_backward_args *a,
-                                          const nbhd_exec *e);
-size_t nbhd_cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
+/* The operations of one device, called by the entry points (api.c) once the problem, exec,
+ * tiles, tensors and workspace are checked. A NULL entry: the device has no kernel for it
+ * (the entry point refuses with NBHD_ERR_UNSUPPORTED). One table per device: nbhd_cpu_ops
+ * (csrc/cpu/cpu.c), nbhd_cuda_ops (csrc/cuda/dispatch.cu, in builds with nvcc). */
+typedef struct {
+    const char *name;  /* "CPU", "CUDA": for messages */
+    nbhd_status (*forward)(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
+    nbhd_status (*backward)(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e);
+    nbhd_status (*forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                               const nbhd_exec *e);
+    nbhd_status (*forward_jvp_backward)(const nbhd_geometry *g,
+                                        const nbhd_forward_jvp_backward_args *a, const nbhd_exec *e);
+    nbhd_status (*merge)(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);
+    /* scratch bytes the op needs in exec.workspace (nbhd_workspace_bytes) */
+    size_t (*workspace_bytes)(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e);
+    /* tile configurations of the tiled kernels for g (rank = the problem's rank): fills up to
+     * max entries of out and returns the count, the default first (nbhd_tile_configs) */
+    int32_t (*tile_configs)(const nbhd_geometry *g, int32_t rank, nbhd_op op,
+                            nbhd_tile_config *out, int32_t max);
+    /* zeroes the [B, X, Y, Z, heads, width] elements of t (extent[] = {X, Y, Z}); the key
+     * gradients of a backward with no query heads */
+    void (*zero)(nbhd_tensor t, int64_t batch, const int64_t extent[3], int64_t heads,
+                 int64_t width, size_t esize);
+} nbhd_device_ops;
+
+extern const nbhd_device_ops nbhd_cpu_ops;
+#ifdef NBHD_WITH_CUDA
+extern const nbhd_device_ops nbhd_cuda_ops;
+#endif
+
 /* OpenMP threads for a CPU call: exec.threads, or OpenMP's default when <= 0 (1 without OpenMP) */
 int nbhd_cpu_threads(const nbhd_exec *e);
-nbhd_status nbhd_cpu_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);
-/* Tile configurations of the device's tiled kernels for g (rank = the problem's rank): fills
- * up to max entries of out and returns the count, the default first (nbhd_tile_configs). */
-int32_t nbhd_cpu_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
-                              nbhd_tile_config *out, int32_t max);
-
-#ifdef NBHD_WITH_CUDA
-nbhd_status nbhd_cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
-                              const nbhd_exec *e);
-nbhd_status nbhd_cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                               const nbhd_exec *e);
-nbhd_status nbhd_cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                  const nbhd_exec *e);
-size_t nbhd_cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e);
-nbhd_status nbhd_cuda_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);
-int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
-                               nbhd_tile_config *out, int32_t max);
-#endif
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,7 @@
 /*
- * cpu.c — the CPU entry points: chooses between the fast kernels (fast.h) and the exact scalar
- * reference kernels (scalar/scalar.c), in one place, by named conditions.
+ * cpu.c — the CPU's table of operations (nbhd_cpu_ops, internal.h): per op, chooses between the
+ * fast kernels (fast.h) and the exact scalar reference kernels (scalar/scalar.c), in one place,
+ * by named conditions.
  *
  *   fast       fp32/fp16/bf16, rank 1..3 (any strides, geometry, GQA, extra keys); fast.c picks
  *              the ISA, and the AMX-BF16 kernels (amx/) for bf16 where the CPU has them
@@ -10,8 +11,10 @@
 #include <omp.h>
 #endif
 
+#include <string.h>
+
+#include "cpu.h"
 #include "fast.h"
-#include "internal.h"
 #include "scalar/scalar.h"
 
 int nbhd_cpu_threads(const nbhd_exec *e) {
@@ -55,36 +58,64 @@ static int use_fast(const nbhd_geometry *g, const nbhd_exec *e) {
 }
 
 /* The caller does not say yet whether it forces the reference: room for either path. */
-size_t nbhd_cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
+static size_t cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
+    (void)e;
     const size_t ref = nbhd_cpu_ref_workspace_bytes(g, op);
     const size_t fast = fast_supports(g) ? nbhd_cpu_fast_workspace_bytes(g, op) : 0;
     return ref > fast ? ref : fast;
 }
 
-nbhd_status nbhd_cpu_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
-                             const nbhd_exec *e) {
+static nbhd_status cpu_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
+                               const nbhd_exec *e) {
     const nbhd_exec s = sized_exec(g, e, 1);
     if (use_fast(g, &s)) return nbhd_cpu_fast_forward(g, a, &s);
     return nbhd_cpu_ref_forward(g, a, &s);
 }
 
-nbhd_status nbhd_cpu_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                              const nbhd_exec *e) {
+static nbhd_status cpu_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                const nbhd_exec *e) {
     const nbhd_exec s = sized_exec(g, e, 3);
     if (use_fast(g, &s)) return nbhd_cpu_fast_backward(g, a, &s);
     return nbhd_cpu_ref_backward(g, a, &s);
 }
 
-nbhd_status nbhd_cpu_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                 const nbhd_exec *e) {
+static nbhd_status cpu_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                   const nbhd_exec *e) {
     const nbhd_exec s = sized_exec(g, e, 2);
     if (use_fast(g, &s)) return nbhd_cpu_fast_forward_jvp(g, a, &s);
     return nbhd_cpu_ref_forward_jvp(g, a, &s);
 }
 
-nbhd_status nbhd_cpu_forward_jvp_backward(const nbhd_geometry *g,
-                                          const nbhd_forward_jvp_backward_args *a,
-                                          const nbhd_exec *e) {
+static nbhd_status cpu_forward_jvp_backward(const nbhd_geometry *g,
+                                            const nbhd_forward_jvp_backward_args *a,
+                                            const nbhd_exec *e) {
     const nbhd_exec s = sized_exec(g, e, 6);
     return nbhd_cpu_ref_forward_jvp_backward(g, a, &s);  /* no fast kernel yet */
 }
+
+/* Host memory: a plain loop; all-zero bytes are +0 in every nbhd_dtype. */
+static void cpu_zero(nbhd_tensor t, int64_t B, const int64_t sp[3], int64_t H, int64_t W,
+                     size_t esize) {
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t x = 0; x < sp[0]; ++x)
+            for (int64_t y = 0; y < sp[1]; ++y)
+                for (int64_t z = 0; z < sp[2]; ++z)
+                    for (int64_t h = 0; h < H; ++h)
+                        for (int64_t c = 0; c < W; ++c) {
+                            const int64_t off = b * t.stride[0] + x * t.stride[1] + y * t.stride[2] +
+                                                z * t.stride[3] + h * t.stride[4] + c * t.stride[5];
+                            memset((char *)t.data + off * (int64_t)esize, 0, esize);
+                        }
+}
+
+const nbhd_device_ops nbhd_cpu_ops = {
+    .name = "CPU",
+    .forward = cpu_forward,
+    .backward = cpu_backward,
+    .forward_jvp = cpu_forward_jvp,
+    .forward_jvp_backward = cpu_forward_jvp_backward,
+    .merge = nbhd_cpu_merge,
+    .workspace_bytes = cpu_workspace_bytes,
+    .tile_configs = nbhd_cpu_tile_configs,
+    .zero = cpu_zero,
+};

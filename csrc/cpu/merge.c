@@ -5,7 +5,7 @@
 #include <math.h>
 
 #include "convert.h"
-#include "internal.h"
+#include "cpu.h"
 
 static inline int64_t row_offset(const nbhd_tensor *t, int64_t b, int64_t tok, int64_t h) {
     return b * t->stride[0] + tok * t->stride[1] + h * t->stride[4];

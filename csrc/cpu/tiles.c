@@ -13,6 +13,7 @@
  * axis, 16 positions per vector) at a time, so it is 16 along the last axis and 1 elsewhere.
  * The scalar reference kernels (fp64, rank 0, the tangent backward) have no tiles.
  */
+#include "cpu.h"
 #include "fast.h"
 
 int32_t nbhd_cpu_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,

@@ -165,7 +165,7 @@ static inline nbhd_status nbhd_cuda_grid_fits(int64_t ctas, const char *what) {
 }
 
 // ----------------------------------------------------------------------------
-// the kernel families, each in its own file, called by dispatch.cu
+// the kernel families, each in its own file, gathered by dispatch.cu into nbhd_cuda_ops
 
 /* simple.cu: one warp per query (or key) row, any dtype and geometry */
 nbhd_status nbhd_cuda_simple_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
@@ -211,6 +211,13 @@ nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward
 
 /* fna_mma_jvp.cu: shared memory of the forward+JVP kernel on `warps` warps (4 or 8) */
 size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps);
+
+/* tiles.cu: the tile configurations of the tensor-core kernels (nbhd_device_ops.tile_configs) */
+int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
+                               nbhd_tile_config *out, int32_t max);
+
+/* merge.cu: nbhd_merge on the GPU (nbhd_device_ops.merge) */
+nbhd_status nbhd_cuda_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);
 
 /* tiles.cu: the patch of the forward, forward+JVP or backward kernels (op), as mma_plan_of's
  * mb (1: 64 rows, 2: 128): the requested tile's, else the library's choice */

@@ -1,6 +1,6 @@
 /*
- * dispatch.cu — the CUDA entry points (internal.h): choose a kernel family per op, in one place,
- * by named conditions, and own the workspace layout.
+ * dispatch.cu — the CUDA's table of operations (nbhd_cuda_ops, internal.h): choose a kernel
+ * family per op, in one place, by named conditions, and own the workspace layout.
  *
  *   forward      mma.sync tensor-core kernel (fna_mma.cu) when f16/bf16, D = Dv in {32,64,128},
  *                16-byte aligned rows with unit element stride; else the simple kernel
@@ -34,7 +34,7 @@ static nbhd_status refuse_tiles(const char *op) {
                      op);
 }
 
-size_t nbhd_cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
+static size_t cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
     /* backward: D_i per query row, float (mma and simple f16/bf16/f32) or double (simple f64);
      * the KV-parallel mma backward adds its fp32 dQ accumulator */
     const size_t simple = nbhd_cuda_simple_workspace_bytes(g, op);
@@ -42,8 +42,8 @@ size_t nbhd_cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_
     return simple > mma ? simple : mma;
 }
 
-nbhd_status nbhd_cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
-                              const nbhd_exec *e) {
+static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
+                                const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     const bool use_mma = !e->use_reference && nbhd_cuda_mma_forward_supported(g, a);
     if (use_mma) return nbhd_cuda_mma_forward(g, a, e, stream);
@@ -51,8 +51,8 @@ nbhd_status nbhd_cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a
     return nbhd_cuda_simple_forward(g, a, stream);
 }
 
-nbhd_status nbhd_cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                               const nbhd_exec *e) {
+static nbhd_status cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                 const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     const bool use_mma = !e->use_reference && nbhd_cuda_mma_backward_supported(g, a);
     if (use_mma) return nbhd_cuda_mma_backward(g, a, e, stream);
@@ -60,11 +60,26 @@ nbhd_status nbhd_cuda_backward(const nbhd_geometry *g, const nbhd_backward_args 
     return nbhd_cuda_simple_backward(g, a, e->workspace, stream);
 }
 
-nbhd_status nbhd_cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                  const nbhd_exec *e) {
+static nbhd_status cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                    const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     const bool use_mma = !e->use_reference && nbhd_cuda_mma_forward_jvp_supported(g, a);
     if (use_mma) return nbhd_cuda_mma_forward_jvp(g, a, e, stream);
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward+JVP");
     return nbhd_cuda_simple_forward_jvp(g, a, stream);
 }
+
+/* No forward_jvp_backward kernel yet (the front end differentiates its reference there), and
+ * no device-side zeroing (a backward with no query heads is refused). Positional: C++17 has
+ * no designated initializers; the order is nbhd_device_ops's. */
+extern "C" const nbhd_device_ops nbhd_cuda_ops = {
+    "CUDA",
+    cuda_forward,
+    cuda_backward,
+    cuda_forward_jvp,
+    nullptr,                 /* forward_jvp_backward */
+    nbhd_cuda_merge,
+    cuda_workspace_bytes,
+    nbhd_cuda_tile_configs,
+    nullptr,                 /* zero */
+};

@@ -1,0 +1,72 @@
+"""The one timing helper of nbhd's benchmarks (bench/*.py, through bench/timing.py) and of
+`python -m nbhd.profiler`.
+
+    from timing import per_call_us, sample
+    us = per_call_us(fn, calls=400, rounds=3)                  # best of 3 loops of 400 calls
+    ms = statistics.median(sample(fn, rounds=7, device=dev)) * 1e3
+
+`sample` times `rounds` loops of `calls` back-to-back calls after `warmup` calls, synchronised
+on CUDA (or timed by CUDA events), and returns seconds per call for each loop; the caller picks
+the statistic. Best-of where the figure is a cost (on a shared machine other processes only
+ever add time), the median where it is a typical step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional
+
+import torch
+
+__all__ = ["sample", "per_call_us"]
+
+
+def _sync(device: Optional[torch.device]) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def sample(fn: Callable[[], object], rounds: int, calls: int = 1, warmup: int = 0,
+           device: Optional[torch.device] = None, events: bool = False,
+           before: Optional[Callable[[], object]] = None,
+           stop: Optional[Callable[[List[float], float], bool]] = None) -> List[float]:
+    """Seconds per call of fn() in each of `rounds` loops of `calls` calls.
+
+    warmup: calls before the first loop. device: a CUDA device is synchronised after the warm-up
+    and after every loop. events: time each loop by CUDA events on the current stream (the
+    GPU's time between the loop's first and last launch) instead of the host clock.
+    before: called before each loop, untimed (a barrier). stop(times, elapsed): after each
+    loop, True ends the sampling early (elapsed: seconds since the first loop began)."""
+    device = torch.device(device) if isinstance(device, str) else device
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    if events:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: List[float] = []
+    began = time.perf_counter()
+    for _ in range(rounds):
+        if before is not None:
+            before()
+            _sync(device)
+        if events:
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            times.append((time.perf_counter() - t0) / calls)
+        if stop is not None and stop(times, time.perf_counter() - began):
+            break
+    return times
+
+
+def per_call_us(fn: Callable[[], object], calls: int = 400, rounds: int = 3, warmup: int = 3,
+                device: Optional[torch.device] = None) -> float:
+    """Microseconds per call of fn(): the best of `rounds` timings of `calls` calls each."""
+    return min(sample(fn, rounds, calls, warmup, device)) * 1e6

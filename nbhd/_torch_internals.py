@@ -1,0 +1,159 @@
+"""Every private PyTorch symbol nbhd uses, in one place, each with why and what runs without it.
+
+A new PyTorch may rename or drop any of them. The fast paths then fall back to PyTorch's public
+path (correct, slower), and `MISSING` names what was not found; the few symbols nbhd needs for
+correctness raise at import instead. tests/test_torch_internals.py fails when one is missing,
+when a fast path no longer beats the public path it skips, and when any other module of nbhd
+reaches into a private PyTorch name.
+
+Fast paths (fallback: the public path):
+  eager op shortcut  ops.call runs a custom op's kernel directly for plain tensors when no mode,
+                     tracer or profiler watches (`plain_tensor`, `dispatch_watched`): the op's
+                     dispatch costs about 30 us, as much as a small kernel
+  Function.apply     autograd.Function.apply binds the arguments to forward's signature on
+                     every call (inspect, about 40 us); `FastApplyFunction` skips the binding
+                     outside functorch transforms
+  one-kernel jvp     functional._dual_outputs runs the fused forward+JVP with forward-mode AD
+                     switched off (`forward_grad_disabled`) and pairs the results as duals
+
+Needed (import fails without them):
+  forward_ad_active  functional.py refuses forward-mode AD traced by torch.compile, which would
+                     drop nbhd's jvp rule and return a wrong tangent
+  disable_functorch  caches (absent additional keys, window indices) hold plain tensors shared
+                     across calls, never wrapped by the transform of their first caller
+  detect_fake_mode   a cached real tensor cannot enter a trace: tracing builds its own
+  is_batched         a dual cannot pair an unbatched primal with a batched tangent
+"""
+from __future__ import annotations
+
+import importlib
+from typing import List
+
+import torch
+from torch import Tensor
+
+__all__ = ["MISSING", "plain_tensor", "dispatch_watched", "FastApplyFunction", "forward_ad_active",
+           "forward_grad_disabled", "is_batched", "disable_functorch", "detect_fake_mode"]
+
+MISSING: List[str] = []   # private symbols this PyTorch lacks; their fast paths are off
+
+
+def _find(module: str, name: str, needed: bool = False):
+    """module.name, or None (recorded in MISSING) when this PyTorch has no such symbol."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        if needed:
+            raise ImportError(f"nbhd needs {module}.{name}, which this PyTorch ({torch.__version__}) "
+                              "lacks; see nbhd/_torch_internals.py")
+        MISSING.append(f"{module}.{name}")
+        return None
+
+
+# ----------------------------------------------------------------------------
+# eager op shortcut (ops.call)
+
+_is_wrapped = _find("torch._C._functorch", "is_functorch_wrapped_tensor")
+_dispatch_keys = _find("torch._C", "_dispatch_keys")
+_DispatchKey = _find("torch._C", "DispatchKey")
+_torch_function_mode_enabled = _find("torch._C", "_is_torch_function_mode_enabled")
+_current_dispatch_mode = _find("torch.utils._python_dispatch", "_get_current_dispatch_mode")
+_profiler = importlib.import_module("torch.autograd.profiler")
+if not hasattr(_profiler, "_is_profiler_enabled"):
+    MISSING.append("torch.autograd.profiler._is_profiler_enabled")
+EAGER_SHORTCUT = None not in (_is_wrapped, _dispatch_keys, _DispatchKey, _torch_function_mode_enabled,
+                              _current_dispatch_mode) and hasattr(_profiler, "_is_profiler_enabled")
+if EAGER_SHORTCUT:
+    _CPU, _CUDA = _DispatchKey.CPU, _DispatchKey.CUDA
+
+
+def plain_tensor(t: Tensor) -> bool:
+    """A dense CPU/CUDA tensor with storage: no subclass (fake, functional, DTensor), no
+    functorch wrapper, no legacy batched tensor (gradcheck's batched grads), not meta. False
+    for every tensor when the shortcut is off."""
+    if not EAGER_SHORTCUT or type(t) is not Tensor or _is_wrapped(t):
+        return False
+    keys = _dispatch_keys(t)
+    return keys.has(_CPU) or keys.has(_CUDA)
+
+
+def dispatch_watched() -> bool:
+    """A torch function or dispatch mode (tracing, FlopCounterMode, ...) or the profiler is
+    active: every op must go through the dispatcher."""
+    return (_torch_function_mode_enabled() or _current_dispatch_mode() is not None
+            or _profiler._is_profiler_enabled)
+
+
+# ----------------------------------------------------------------------------
+# Function.apply without argument binding
+
+_transforms_active = _find("torch._C", "_are_functorch_transforms_active")
+_unwrap_dead_wrappers = _find("torch._functorch.utils", "unwrap_dead_wrappers")
+FAST_APPLY = _transforms_active is not None and _unwrap_dead_wrappers is not None
+
+
+class FastApplyFunction(torch.autograd.Function):
+    """A base for autograd.Functions whose forward takes positional arguments without defaults:
+    binding them to forward's signature changes nothing, so outside functorch transforms apply
+    does what Function.apply ends in (unwrap dead functorch wrappers, the C++ apply) without
+    it; functorch transforms keep PyTorch's path."""
+
+    @classmethod
+    def apply(cls, *args):
+        if FAST_APPLY and not _transforms_active():
+            return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))
+        return super().apply(*args)
+
+
+# ----------------------------------------------------------------------------
+# forward-mode AD
+
+_eager_transforms = importlib.import_module("torch._functorch.eager_transforms")
+_forward_ad = importlib.import_module("torch.autograd.forward_ad")
+for _module, _name in ((_eager_transforms, "JVP_NESTING"), (_forward_ad, "_current_level")):
+    if not hasattr(_module, _name):
+        raise ImportError(f"nbhd needs {_module.__name__}.{_name}, which this PyTorch "
+                          f"({torch.__version__}) lacks; see nbhd/_torch_internals.py")
+_set_fwd_grad_enabled = _find("torch.autograd.forward_ad", "_set_fwd_grad_enabled")
+ONE_KERNEL_JVP = _set_fwd_grad_enabled is not None
+
+
+def forward_ad_active() -> bool:
+    """True inside torch.func.jvp/jacfwd/hessian or a forward_ad.dual_level. Reads the Python
+    globals those set, which Dynamo tracks while it inlines them (C-level queries of the
+    functorch stack are not answered faithfully under Dynamo)."""
+    return _eager_transforms.JVP_NESTING > 0 or _forward_ad._current_level >= 0
+
+
+def forward_grad_disabled():
+    """A context with forward-mode AD off (only with ONE_KERNEL_JVP)."""
+    return _set_fwd_grad_enabled(False)
+
+
+_is_functorch_batched = _find("torch._C._functorch", "is_batchedtensor", needed=True)
+_is_legacy_batched = _find("torch._C._functorch", "is_legacy_batchedtensor", needed=True)
+
+
+def is_batched(t: Tensor) -> bool:
+    """Batched by vmap (functorch's) or by the legacy vmap of gradcheck's batched checks."""
+    return _is_functorch_batched(t) or _is_legacy_batched(t)
+
+
+# ----------------------------------------------------------------------------
+# caches of plain tensors
+
+_DisableFuncTorch = _find("torch._C", "_DisableFuncTorch", needed=True)
+_detect_fake_mode = _find("torch._guards", "detect_fake_mode", needed=True)
+
+
+def disable_functorch():
+    """A context in which new tensors are plain, whatever transform is active."""
+    return _DisableFuncTorch()
+
+
+def detect_fake_mode():
+    """The active fake mode (tracing), or None."""
+    return _detect_fake_mode()
+
+
+del _module, _name
