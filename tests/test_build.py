@@ -88,7 +88,8 @@ def test_makefile_builds_one_object_per_source():
     assert dry.returncode == 0, dry.stderr
     compiled = re.findall(r" -c (csrc/\S+\.c) -o build/c/obj/(\S+)\.o", dry.stdout)
     sources = sorted(os.path.relpath(os.path.join(d, f), ROOT)
-                     for d in (os.path.join(ROOT, "csrc/core"), os.path.join(ROOT, "csrc/cpu"))
+                     for d in (os.path.join(ROOT, "csrc/core"), os.path.join(ROOT, "csrc/cpu"),
+                               os.path.join(ROOT, "csrc/cpu/fast"))
                      for f in os.listdir(d) if f.endswith(".c"))
     assert sorted(src for src, _ in compiled) == sources
     assert all(src == f"csrc/{obj}.c" for src, obj in compiled)
