@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 CC ?= gcc
 CFLAGS ?= -std=c11 -O3 -g -Wall -Wextra -Wno-psabi -fopenmp
 BUILD := build/c
-C_SRCS := $(wildcard csrc/core/*.c csrc/cpu/*.c csrc/cpu/amx/*.c csrc/cpu/scalar/*.c)
+C_SRCS := $(wildcard csrc/core/*.c csrc/cpu/*.c csrc/cpu/fast/*.c csrc/cpu/amx/*.c csrc/cpu/scalar/*.c)
 C_INCS := -Icsrc/include -Icsrc/core -Icsrc/cpu
 
 .PHONY: all venv install demo test test-c test-py bench-cpu clean
@@ -97,12 +97,12 @@ $(C_TESTS): $(C_TEST_HEADERS)
 # the library's objects are compiled once, then linked into each test
 SAN_OBJS := $(patsubst csrc/%.c,build/c-san-obj/%.o,$(C_SRCS))
 .SECONDARY: $(SAN_OBJS)
-# The portable fast kernels (fast_generic.c: 16-lane vectors as arrays, register-blocked) take
+# The portable fast kernels (fast/generic.c: 16-lane vectors as arrays, register-blocked) take
 # the compilers 5-15 minutes to optimise under ASan+UBSan; at -O0 they keep every check and
 # compile in under a minute.
 SAN_OPT := -O1
-build/c-san-obj/cpu/fast_generic.o: SAN_OPT := -O0
-build/c-san-obj/%.o: csrc/%.c $(wildcard csrc/*/*.h csrc/*/*/*.h csrc/include/*.h)
+build/c-san-obj/cpu/fast/generic.o: SAN_OPT := -O0
+build/c-san-obj/%.o: csrc/%.c $(C_HEADERS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(SAN_OPT) $(SAN_FLAGS) -fPIC $(C_INCS) -c $< -o $@
 
@@ -131,13 +131,13 @@ test-c-sanitized: $(SAN_C_TESTS)
 		NBHD_CPU_ISA=$$isa $(SAN_ENV) $(SAN_BUILD)/test_kernels 60 1000; done
 
 FUZZ_FLAGS := -std=c11 -g -Wno-psabi -fsanitize=address,undefined -fno-sanitize-recover=undefined $(C_INCS)
-$(FUZZ_BUILD)/fast_generic.o: csrc/cpu/fast_generic.c $(wildcard csrc/*/*.h csrc/*/*/*.h csrc/include/*.h)
+$(FUZZ_BUILD)/fast_generic.o: csrc/cpu/fast/generic.c $(C_HEADERS)
 	@mkdir -p $(FUZZ_BUILD)
 	$(CLANG) $(FUZZ_FLAGS) -O0 -fsanitize=fuzzer-no-link -c $< -o $@
 
-$(FUZZ_BUILD)/fuzz_api: csrc/tests/fuzz_api.c $(FUZZ_BUILD)/fast_generic.o $(C_SRCS) $(C_TEST_HEADERS) $(wildcard csrc/*/*.h csrc/*/*/*.h csrc/include/*.h)
+$(FUZZ_BUILD)/fuzz_api: csrc/tests/fuzz_api.c $(FUZZ_BUILD)/fast_generic.o $(C_SRCS) $(C_TEST_HEADERS) $(C_HEADERS)
 	@mkdir -p $(FUZZ_BUILD)/corpus
-	$(CLANG) $(FUZZ_FLAGS) -O1 -fsanitize=fuzzer $< $(filter-out csrc/cpu/fast_generic.c,$(C_SRCS)) \
+	$(CLANG) $(FUZZ_FLAGS) -O1 -fsanitize=fuzzer $< $(filter-out csrc/cpu/fast/generic.c,$(C_SRCS)) \
 		$(FUZZ_BUILD)/fast_generic.o -o $@ -lm
 
 fuzz-build: $(FUZZ_BUILD)/fuzz_api

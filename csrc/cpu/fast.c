@@ -73,9 +73,23 @@ static void rotate_tensor(nbhd_tensor *t, int shift) {
     for (int j = 0; j < 3; ++j) t->stride[1 + j] = j >= shift ? in.stride[1 + j - shift] : 0;
 }
 
+/* the kernels of the chosen ISA (AMX: the AVX-512 kernels for what amx.c does not run) */
+static const nbhd_cpu_fast_kernels *kernels(void) {
+#ifdef NBHD_FAST_X86
+    switch (isa()) {
+    case ISA_AMX:
+    case ISA_AVX512: return &nbhd_cpu_fast_avx512;
+    case ISA_AVX2: return &nbhd_cpu_fast_avx2;
+    default: return &nbhd_cpu_fast_generic;
+    }
+#else
+    return &nbhd_cpu_fast_generic;
+#endif
+}
+
 size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
     const nbhd_geometry r = rotated(g, 3 - rank_of(g));
-    const size_t simd = nbhd_cpu_fast_workspace_bytes_generic(&r, op);
+    const size_t simd = nbhd_cpu_fast_generic.workspace_bytes(&r, op);   /* the same for every ISA */
     const size_t amx = g->dtype == NBHD_BF16 && isa() == ISA_AMX ? nbhd_cpu_amx_workspace_bytes(&r, op) : 0;
     return simd > amx ? simd : amx;
 }
@@ -86,19 +100,7 @@ static int use_amx(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
     return isa() == ISA_AMX && e->workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g, op);
 }
 
-#ifdef NBHD_FAST_X86
-#define PICK(fn, ...)                                                     \
-    switch (isa()) {                                                      \
-    case ISA_AMX:                                                         \
-    case ISA_AVX512: return nbhd_cpu_fast_##fn##_avx512(__VA_ARGS__);     \
-    case ISA_AVX2: return nbhd_cpu_fast_##fn##_avx2(__VA_ARGS__);         \
-    default: return nbhd_cpu_fast_##fn##_generic(__VA_ARGS__);            \
-    }
-#else
-#define PICK(fn, ...) return nbhd_cpu_fast_##fn##_generic(__VA_ARGS__);
-#endif
-
-int nbhd_cpu_fast_default_lines(int rank) { PICK(default_lines, rank) }
+int nbhd_cpu_fast_default_lines(int rank) { return kernels()->default_lines(rank); }
 
 nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_args *a0,
                                   const nbhd_exec *e0) {
@@ -109,7 +111,7 @@ nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_ar
     rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
     if (use_amx(g, NBHD_OP_FORWARD, &e1) && nbhd_cpu_amx_supports(g, a, &e1)) return nbhd_cpu_amx_forward(g, a, &e1);
-    PICK(forward, g, a, &e1)
+    return kernels()->forward(g, a, &e1);
 }
 
 nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g0, const nbhd_backward_args *a0,
@@ -123,7 +125,7 @@ nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g0, const nbhd_backward_
     rotate_tensor(&a1.d_q, shift); rotate_tensor(&a1.d_k, shift); rotate_tensor(&a1.d_v, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
     if (use_amx(g, NBHD_OP_BACKWARD, &e1) && nbhd_cpu_amx_supports_backward(g, a, &e1)) return nbhd_cpu_amx_backward(g, a, &e1);
-    PICK(backward, g, a, &e1)
+    return kernels()->backward(g, a, &e1);
 }
 
 nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forward_jvp_args *a0,
@@ -137,7 +139,7 @@ nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forwar
     rotate_tensor(&a1.t_out, shift); rotate_tensor(&a1.t_lse, shift);
     const nbhd_exec e1 = rotated_exec(e0, shift);
     if (use_amx(g, NBHD_OP_FORWARD_JVP, &e1) && nbhd_cpu_amx_supports_jvp(g, a, &e1)) return nbhd_cpu_amx_forward_jvp(g, a, &e1);
-    PICK(forward_jvp, g, a, &e1)
+    return kernels()->forward_jvp(g, a, &e1);
 }
 
 // ----------------------------------------------------------------------------
@@ -158,44 +160,53 @@ static nbhd_geometry slab_geometry(const nbhd_geometry *g, int64_t nh) {
     return s;
 }
 
-#define Q_SIDE(t) t = at_head(t, b, h0, es)
-#define K_SIDE(t) t = at_head(t, b, hk0, es)
-#define ROW_SIDE(t) t = at_head(t, b, h0, sizeof(float))
+/* the slab's query-side tensors (heads from h0) and key-side ones (from hk0); row scalars fp32 */
+typedef struct {
+    int64_t b, h0, hk0;
+    size_t es;
+} slab_at;
+
+static nbhd_tensor q_side(nbhd_tensor t, const slab_at *s) { return at_head(t, s->b, s->h0, s->es); }
+static nbhd_tensor k_side(nbhd_tensor t, const slab_at *s) { return at_head(t, s->b, s->hk0, s->es); }
+static nbhd_tensor row_side(nbhd_tensor t, const slab_at *s) { return at_head(t, s->b, s->h0, sizeof(float)); }
+
+static slab_at slab_at_of(const nbhd_geometry *g, int64_t b, int64_t hk0) {
+    const slab_at s = {b, hk0 * g->group, hk0, nbhd_dtype_size(g->dtype)};
+    return s;
+}
 
 nbhd_status nbhd_cpu_fast_slab_forward(const nbhd_geometry *g, const nbhd_forward_args *a0,
                                        const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
     const nbhd_geometry s = slab_geometry(g, nh);
-    const size_t es = nbhd_dtype_size(g->dtype);
-    const int64_t h0 = hk0 * g->group;
+    const slab_at at = slab_at_of(g, b, hk0);
     nbhd_forward_args a = *a0;
-    Q_SIDE(a.q); Q_SIDE(a.out); ROW_SIDE(a.lse);
-    K_SIDE(a.k); K_SIDE(a.v); K_SIDE(a.kx); K_SIDE(a.vx);
+    a.q = q_side(a.q, &at); a.out = q_side(a.out, &at); a.lse = row_side(a.lse, &at);
+    a.k = k_side(a.k, &at); a.v = k_side(a.v, &at); a.kx = k_side(a.kx, &at); a.vx = k_side(a.vx, &at);
     return nbhd_cpu_ref_forward(&s, &a, e);
 }
 
 nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backward_args *a0,
                                         const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
     const nbhd_geometry s = slab_geometry(g, nh);
-    const size_t es = nbhd_dtype_size(g->dtype);
-    const int64_t h0 = hk0 * g->group;
+    const slab_at at = slab_at_of(g, b, hk0);
     nbhd_backward_args a = *a0;
-    Q_SIDE(a.q); Q_SIDE(a.out); Q_SIDE(a.d_out); Q_SIDE(a.d_q); ROW_SIDE(a.lse); ROW_SIDE(a.d_lse);
-    K_SIDE(a.k); K_SIDE(a.v); K_SIDE(a.kx); K_SIDE(a.vx);
-    K_SIDE(a.d_k); K_SIDE(a.d_v); K_SIDE(a.d_kx); K_SIDE(a.d_vx);
+    a.q = q_side(a.q, &at); a.out = q_side(a.out, &at); a.d_out = q_side(a.d_out, &at);
+    a.d_q = q_side(a.d_q, &at); a.lse = row_side(a.lse, &at); a.d_lse = row_side(a.d_lse, &at);
+    a.k = k_side(a.k, &at); a.v = k_side(a.v, &at); a.kx = k_side(a.kx, &at); a.vx = k_side(a.vx, &at);
+    a.d_k = k_side(a.d_k, &at); a.d_v = k_side(a.d_v, &at);
+    a.d_kx = k_side(a.d_kx, &at); a.d_vx = k_side(a.d_vx, &at);
     return nbhd_cpu_ref_backward(&s, &a, e);
 }
 
 nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a0,
                                            const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
     const nbhd_geometry s = slab_geometry(g, nh);
-    const size_t es = nbhd_dtype_size(g->dtype);
-    const int64_t h0 = hk0 * g->group;
+    const slab_at at = slab_at_of(g, b, hk0);
     nbhd_forward_jvp_args a = *a0;
-    Q_SIDE(a.q); Q_SIDE(a.t_q); Q_SIDE(a.out); Q_SIDE(a.t_out); ROW_SIDE(a.lse); ROW_SIDE(a.t_lse);
-    K_SIDE(a.k); K_SIDE(a.v); K_SIDE(a.kx); K_SIDE(a.vx);
-    K_SIDE(a.t_k); K_SIDE(a.t_v); K_SIDE(a.t_kx); K_SIDE(a.t_vx);
+    a.q = q_side(a.q, &at); a.t_q = q_side(a.t_q, &at); a.out = q_side(a.out, &at);
+    a.t_out = q_side(a.t_out, &at); a.lse = row_side(a.lse, &at); a.t_lse = row_side(a.t_lse, &at);
+    a.k = k_side(a.k, &at); a.v = k_side(a.v, &at); a.kx = k_side(a.kx, &at); a.vx = k_side(a.vx, &at);
+    a.t_k = k_side(a.t_k, &at); a.t_v = k_side(a.t_v, &at);
+    a.t_kx = k_side(a.t_kx, &at); a.t_vx = k_side(a.t_vx, &at);
     return nbhd_cpu_ref_forward_jvp(&s, &a, e);
 }
-#undef Q_SIDE
-#undef K_SIDE
-#undef ROW_SIDE

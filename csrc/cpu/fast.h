@@ -1,6 +1,6 @@
 /*
- * fast.h — the fast CPU kernels (fast_impl.h, compiled per ISA by fast_avx512.c, fast_avx2.c,
- * fast_generic.c; the bf16 kernels on AMX tiles in amx.c) and the run-time choice of ISA (fast.c).
+ * fast.h — the fast CPU kernels (csrc/cpu/fast/, compiled per ISA by its generic.c, avx2.c and
+ * avx512.c; the bf16 kernels on AMX tiles in amx.c) and the run-time choice of ISA (fast.c).
  * fp32/fp16/bf16, rank >= 1.
  */
 #ifndef NBHD_CPU_FAST_H
@@ -43,21 +43,19 @@ nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backw
 nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                            const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh);
 
-#define NBHD_FAST_DECLARE(isa)                                                                  \
-    int nbhd_cpu_fast_default_lines_##isa(int rank);                                            \
-    size_t nbhd_cpu_fast_workspace_bytes_##isa(const nbhd_geometry *g, nbhd_op op);            \
-    nbhd_status nbhd_cpu_fast_forward_##isa(const nbhd_geometry *g, const nbhd_forward_args *a, \
-                                            const nbhd_exec *e);                                \
-    nbhd_status nbhd_cpu_fast_backward_##isa(const nbhd_geometry *g,                            \
-                                             const nbhd_backward_args *a, const nbhd_exec *e);  \
-    nbhd_status nbhd_cpu_fast_forward_jvp_##isa(const nbhd_geometry *g,                         \
-                                                const nbhd_forward_jvp_args *a,                 \
-                                                const nbhd_exec *e);
-NBHD_FAST_DECLARE(generic)
+/* The fast kernels of one ISA (csrc/cpu/fast/: generic.c, avx2.c, avx512.c) */
+typedef struct {
+    int (*default_lines)(int rank);
+    size_t (*workspace_bytes)(const nbhd_geometry *g, nbhd_op op);
+    nbhd_status (*forward)(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
+    nbhd_status (*backward)(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e);
+    nbhd_status (*forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_exec *e);
+} nbhd_cpu_fast_kernels;
+
+extern const nbhd_cpu_fast_kernels nbhd_cpu_fast_generic;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define NBHD_FAST_X86 1
-NBHD_FAST_DECLARE(avx2)
-NBHD_FAST_DECLARE(avx512)
+extern const nbhd_cpu_fast_kernels nbhd_cpu_fast_avx2, nbhd_cpu_fast_avx512;
 #endif
 
 #endif /* NBHD_CPU_FAST_H */

@@ -1,7 +1,7 @@
 /*
  * simd.h — the one SIMD mapping of the fast CPU kernels: a vector of 16 fp32 lanes (`vf`).
  *
- * Each fast_<isa>.c translation unit defines one of
+ * Each ISA's translation unit (csrc/cpu/fast/generic.c, avx2.c, avx512.c) defines one of
  *   NBHD_SIMD_AVX512   AVX-512F intrinsics (one zmm register per vf)
  *   NBHD_SIMD_AVX2     AVX2 + FMA + F16C intrinsics (two ymm registers per vf)
  *   (neither)          portable C over float[16], vectorised by the compiler for the baseline
@@ -124,7 +124,7 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
 /* lanes 0-7 in lo, 8-15 in hi */
 typedef struct { __m256 lo, hi; } vf;
 
-/* 16 ymm registers: the Z-line runs are off here (ZLINES_PAY, fast_impl.h) */
+/* 16 ymm registers: the Z-line runs are off here (zlines_pay, fast/geometry.h) */
 #define NBHD_UNROLL _Pragma("GCC unroll 16")
 #define NBHD_VREGS 8    /* vf registers: 16 ymm */
 /* 2 query lines per work item (rank >= 2): their 3-slot score blocks (12 ymm) stay in registers

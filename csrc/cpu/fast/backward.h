@@ -1,0 +1,428 @@
+/*
+ * backward.h — the fast CPU backward (docs/design.md §4.2, §5.2): D_i = dO_i.O_i - dLSE_i,
+ * P = exp(S - LSE), dS = P (dO.v - D), deterministic without atomics. Per slab:
+ *   pack_q   the query lines: Q^T scale log2e, dO^T, LSE log2e and D_i (besides K, V)
+ *   pass 1   query-stationary over blocks of query lines, as the forward's items (dQ)
+ *   pass 2   key-stationary over blocks of key lines and their inverse neighborhoods, all query
+ *            heads of the GQA group (dK, dV)
+ *   pass 3   the extra keys over every query of the group (dKx, dVx)
+ * Each output row is written by one thread.
+ */
+
+typedef struct {
+    FAST(call) c;
+    const nbhd_backward_args *a;
+    const float *KT, *VT, *KXT, *VXT;
+    float *QT, *DOT, *LR, *DR;
+    float qmul;          /* scale * log2(e) */
+    int64_t max_rows;    /* rows of a pass 3 unit at most: the slab's query lines per head */
+} FAST(bwd);
+
+/* per-thread scratch: per line S, T, two lane operands (A1, A2) and two accumulators (O1, O2);
+ * a unit's value rows; pass 3's operands and row pointers */
+typedef struct {
+    float *S[MAXLINES], *T[MAXLINES], *A1[MAXLINES], *A2[MAXLINES], *O1[MAXLINES], *O2[MAXLINES];
+    int8_t *ra, *rb;
+    int32_t *ns;
+    const float **v1, **v2;
+    const float **p1, **p2, **p3, **p4;   /* pass 3: Q^T, dO^T, L, D rows [max_rows] */
+} FAST(bwd_scratch);
+
+static void *FAST(bwd_scratch_new)(const FAST(call) *c) {
+    const int64_t wdim = c->G.D > c->G.Dv ? c->G.D : c->G.Dv, max_rows = ((const FAST(bwd) *)c)->max_rows;
+    const size_t bytes = sizeof(float) * MAXLINES * (2 * (size_t)SMAX * 16 + 4 * (size_t)wdim * 16) +
+                         SMAX * (2 + sizeof(int32_t) + 2 * sizeof(float *)) + 4 * sizeof(float *) * (size_t)max_rows + 128;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)malloc(sizeof *s + bytes);
+    if (!s) return NULL;
+    float *f = FAST(align64)(s + 1);
+    for (int r = 0; r < MAXLINES; ++r) {
+        s->S[r] = f; f += SMAX * 16; s->T[r] = f; f += SMAX * 16;
+        s->A1[r] = f; f += wdim * 16; s->A2[r] = f; f += wdim * 16;
+        s->O1[r] = f; f += wdim * 16; s->O2[r] = f; f += wdim * 16;
+    }
+    const float **pp = (const float **)f;
+    s->v1 = pp; pp += SMAX;
+    s->v2 = pp; pp += SMAX;
+    s->p1 = pp; pp += max_rows;
+    s->p2 = pp; pp += max_rows;
+    s->p3 = pp; pp += max_rows;
+    s->p4 = pp; pp += max_rows;
+    s->ns = (int32_t *)pp;
+    s->ra = (int8_t *)(s->ns + SMAX);
+    s->rb = s->ra + SMAX;
+    return s;
+}
+
+// ----------------------------------------------------------------------------
+// packing of the query lines
+
+static int64_t FAST(bwd_pack_q_count)(const FAST(call) *c, const FAST(slab) *sl) {
+    (void)c;
+    return sl->nqh * sl->rows;
+}
+
+/* D_i = dO_i.O_i - dLSE_i and L_i = LSE_i log2e of line (b, h, x, y) into rows Dr, Lr; dO: its
+ * packed dO^T. Returns 0 * (D_i + L_i) summed: NaN once either is not finite. */
+static float FAST(bwd_row_scalars)(const FAST(bwd) *f, const float *dO, float *Lr, float *Dr, int64_t b,
+                                   int64_t h, int64_t x, int64_t y) {
+    const nbhd_backward_args *a = f->a;
+    const FAST(geo) *G = &f->c.G;
+    const nbhd_dtype dt = f->c.g->dtype;
+    float rows_bad = 0.0f;
+    for (int64_t z = 0; z < G->Z; ++z) {
+        const int64_t p = G->goff[z % G->dil] + z / G->dil, oo = FAST(off)(&a->out, b, x, y, z, h);
+        float Di = 0.0f;
+        for (int64_t d = 0; d < G->Dv; ++d)
+            Di += dO[d * G->ZP + p] * FAST(ld)(a->out.data, oo + d * a->out.stride[5], dt);
+        if (a->d_lse.data) Di -= ((const float *)a->d_lse.data)[FAST(off)(&a->d_lse, b, x, y, z, h)];
+        Dr[p] = Di;
+        Lr[p] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
+        rows_bad += 0.0f * (Di + Lr[p]);
+    }
+    FAST(zero_margins)(Dr, G, 1);
+    FAST(zero_margins)(Lr, G, 1);
+    return rows_bad;
+}
+
+/* query line `it` of the slab (heads innermost): Q^T scale log2e, dO^T, LSE log2e, D */
+static int FAST(bwd_pack_q)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t it) {
+    const FAST(bwd) *f = (const FAST(bwd) *)c;
+    const FAST(geo) *G = &c->G;
+    const nbhd_dtype dt = c->g->dtype;
+    (void)scratch;
+    const int64_t h = sl->h0 + it % sl->nqh, x = (it / sl->nqh) / G->Y, y = (it / sl->nqh) % G->Y,
+                  ln = (h - sl->h0) * sl->rows + it / sl->nqh, D = G->D, Dv = G->Dv, ZP = G->ZP;
+    int bad = FAST(pack_line)(f->QT + ln * D * ZP, G, &f->a->q, dt, sl->b, h, x, y, D, f->qmul);
+    float *dO = f->DOT + ln * Dv * ZP;
+    bad |= FAST(pack_line)(dO, G, &f->a->d_out, dt, sl->b, h, x, y, Dv, 1.0f);
+    const float rows_bad = FAST(bwd_row_scalars)(f, dO, f->LR + ln * ZP, f->DR + ln * ZP, sl->b, h, x, y);
+    return bad || rows_bad != rows_bad;
+}
+
+// ----------------------------------------------------------------------------
+// pass 1, query-stationary over blocks of query lines (as the forward's items):
+// S = Q.k, T = dO.v, P = exp2(S - L), dS = P (T - D), dQ += dS k
+
+/* line r's operands: Q^T, dO^T into A1, A2, its L and D lanes; dQ (O1) zeroed. lq0: the
+ * slab line of the item's query head */
+static void FAST(bwd_q_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(qitem) *it, int64_t lq0,
+                              vf *Lq, vf *Dq) {
+    const FAST(geo) *G = &f->c.G;
+    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP;
+    for (int r = 0; r < it->nly; ++r) {
+        const int64_t lq = lq0 + it->x * G->Y + it->ys[r], at_q = G->goff[it->gr] + it->i0 + it->zoff[r];
+        for (int64_t d = 0; d < D; ++d) vf_store(s->A1[r] + 16 * d, vf_load(f->QT + lq * D * ZP + d * ZP + at_q));
+        for (int64_t d = 0; d < Dv; ++d) vf_store(s->A2[r] + 16 * d, vf_load(f->DOT + lq * Dv * ZP + d * ZP + at_q));
+        Lq[r] = vf_load(f->LR + lq * ZP + at_q);
+        Dq[r] = vf_load(f->DR + lq * ZP + at_q);
+        memset(s->O1[r], 0, sizeof(float) * 16 * (size_t)D);
+    }
+}
+
+/* One unit of a pass 1 item: S, T of its key rows per line, dS in T, then dQ += dS k */
+static void FAST(bwd_q_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(qitem) *it,
+                             const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const vf *Lq,
+                             const vf *Dq) {
+    const FAST(geo) *G = &f->c.G;
+    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP, nn = u->nn, at = G->goff[it->gr] + it->zd.base + u->c0;
+    int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
+    for (int64_t t = 0; t < u->nr; ++t) {
+        const int64_t ln = FAST(qrow_line)(&f->c, it, line0, u->r0 + t);
+        const float *krow = f->KT + ln * D * ZP + at, *vrow = f->VT + ln * Dv * ZP + at;
+        FAST(rowsegs) ys;
+        const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, nn);
+        for (int i = 0; i < sg->n; ++i, ++ne) {
+            const int ra = sg->ra[i], rb = sg->rb[i];
+            const int64_t p = sg->p[i];
+            float *Sr[MAXLINES], *Tr[MAXLINES];
+            for (int r = ra; r < rb; ++r) {
+                Sr[r - ra] = s->S[r] + 16 * (nn * cnt[r] + p - FAST(line_zoff)(it, r));
+                Tr[r - ra] = s->T[r] + 16 * (nn * cnt[r] + p - FAST(line_zoff)(it, r));
+            }
+            FAST(score_lines)(Sr, (const float *const *)s->A1 + ra, rb - ra, D, krow + p, ZP, sg->ns[i], it->zd.bcast);
+            FAST(score_lines)(Tr, (const float *const *)s->A2 + ra, rb - ra, Dv, vrow + p, ZP, sg->ns[i], it->zd.bcast);
+            s->ra[ne] = (int8_t)ra;
+            s->rb[ne] = (int8_t)rb;
+            s->v1[ne] = krow + p;
+            s->ns[ne] = (int32_t)sg->ns[i];
+        }
+        for (int r = sg->la; r < sg->lb; ++r) {   /* Z lines are pure shifts: nothing masked */
+            float *S = s->S[r] + 16 * nn * cnt[r], *T = s->T[r] + 16 * nn * cnt[r]++;
+            if (it->zd.masked) FAST(apply_mask)(S, 1, nn, &it->zd, it->zd.base + u->c0, -INFINITY);
+            FAST(query_ds)(S, T, nn, Lq[r], Dq[r]);
+        }
+    }
+    const FAST(rowset) rs = {s->ra, s->rb, s->v1, ne, it->zlines ? s->ns : NULL};
+    FAST(values_lines)(s->O1, it->nly, D, (const float *const *)s->T, &rs, nn, ZP, it->zd.bcast);
+}
+
+/* line r after its window: the extra keys of the slab's key head xo into its dQ */
+static void FAST(bwd_q_extra)(const FAST(bwd) *f, FAST(bwd_scratch) *s, int r, int64_t xo, vf Lqr, vf Dqr) {
+    const FAST(geo) *G = &f->c.G;
+    const int64_t D = G->D, Dv = G->Dv, SP = G->SP;
+    FAST(unit) u;
+    for (int more = FAST(unit_first)(&u, 1, G->S); more; more = FAST(unit_next)(&u)) {
+        const float *kp[1] = {f->KXT + xo * D * SP + u.c0}, *vp[1] = {f->VXT + xo * Dv * SP + u.c0};
+        FAST(score_rows)(s->S[0], s->A1[r], D, kp, 1, u.nn, SP, 1, 0);
+        FAST(score_rows)(s->T[0], s->A2[r], Dv, vp, 1, u.nn, SP, 1, 0);
+        FAST(query_ds)(s->S[0], s->T[0], u.nn, Lqr, Dqr);
+        FAST(accum_rows)(s->O1[r], D, s->T[0], kp, 1, u.nn, SP, 1);
+    }
+}
+
+static int FAST(bwd_q_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
+    const FAST(bwd) *f = (const FAST(bwd) *)c;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
+    FAST(qitem) it;
+    FAST(qitem_of)(&it, c->g, &c->G, &c->YB, c->ylines, w, sl->nqh, sl->h0);
+    vf Lq[MAXLINES], Dq[MAXLINES];
+    FAST(bwd_q_start)(f, s, &it, (it.h - sl->h0) * sl->rows, Lq, Dq);
+    FAST(rowsegs) zs;
+    if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
+    const int64_t xo = it.h / c->G.G - sl->hk0;
+    FAST(unit) u;
+    for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
+        FAST(bwd_q_unit)(f, s, &it, &zs, xo * sl->rows, &u, Lq, Dq);
+    float mul[16];
+    for (int l = 0; l < 16; ++l) mul[l] = (float)c->g->scale;
+    for (int r = 0; r < it.nly; ++r) {
+        if (c->G.S) FAST(bwd_q_extra)(f, s, r, xo, Lq[r], Dq[r]);
+        FAST(store_lanes)(&f->a->d_q, c->g->dtype, c->G.D, sl->b, it.x, it.ys[r], it.zl[r], it.nl[r], it.h,
+                          s->O1[r], mul, c->stream);
+    }
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// pass 2, key-stationary over blocks of key lines and their inverse neighborhoods, all heads of
+// the GQA group: keys in lanes, queries in slots;
+// S = K.q, T = V.dO, P = exp2(S - L_q), dS = P (T - D_q), dV += P dO, dK += dS q
+
+/* A key work item: head hk, one chunk (group gr, first in-group key j0, nl live lanes zl) on up
+ * to `lines` rows ys[r] along Y at x, whose inverse windows [fy_r, fy_r + cy_r) make union rows
+ * [0, U) (line r sees [ua[r], ub[r]); lines before `first` see no query); X inverse window
+ * [fx, fx + cx); zd: the chunk's inverse windows along Z. */
+typedef struct {
+    int64_t hk, x, gr, j0, fx, cx, U;
+    int nl, nly, first;
+    int64_t zl[NBHD_LANES], ys[MAXLINES], fy[MAXLINES], cy[MAXLINES], ua[MAXLINES], ub[MAXLINES];
+    FAST(zdesc) zd;
+} FAST(kitem);
+
+/* item w of a slab (heads innermost, then chunks, Y blocks, X) */
+static void FAST(kitem_of)(FAST(kitem) *it, const FAST(call) *c, const FAST(slab) *sl, int64_t w) {
+    const FAST(geo) *G = &c->G;
+    const nbhd_geometry *g = c->g;
+    const int64_t ch = (w / sl->nh) % G->nchunks, yb = (w / (sl->nh * G->nchunks)) % c->YB.n,
+                  dy = g->axis[1].dilation;
+    it->hk = sl->hk0 + w % sl->nh;
+    it->x = w / (sl->nh * G->nchunks * c->YB.n);
+    it->gr = G->chunk_g[ch];
+    it->j0 = G->chunk_i0[ch];
+    it->nl = FAST(chunk_lanes)(G->glen[it->gr], it->j0);
+    for (int l = 0; l < it->nl; ++l) it->zl[l] = it->gr + (it->j0 + l) * G->dil;
+    FAST(zdesc_inverse)(&it->zd, &g->axis[2], it->gr, it->j0, it->nl);
+    const int64_t gy = c->YB.g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
+    it->nly = (int)FAST(min)(Lgy - c->YB.i0[yb], c->ylines);
+    for (int r = 0; r < it->nly; ++r) {
+        it->ys[r] = gy + (c->YB.i0[yb] + r) * dy;
+        nbhd_inverse_window(&g->axis[1], it->ys[r], &it->fy[r], &it->cy[r]);
+    }
+    /* lines whose inverse window is empty (possible with causal or stride) see no query */
+    it->first = 0;
+    while (it->first < it->nly && it->cy[it->first] == 0) ++it->first;
+    it->U = 0;
+    for (int r = 0; r < it->nly; ++r) {
+        it->ua[r] = it->cy[r] ? (it->fy[r] - it->fy[it->first]) / dy : 0;
+        it->ub[r] = it->cy[r] ? it->ua[r] + it->cy[r] : 0;
+        if (r >= it->first && it->ub[r] > it->U) it->U = it->ub[r];
+    }
+    nbhd_inverse_window(&g->axis[0], it->x, &it->fx, &it->cx);
+}
+
+/* line r's operands: K^T, V^T of its keys into A1, A2; dK (O1), dV (O2) zeroed */
+static void FAST(bwd_k_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(kitem) *it, int64_t lk0) {
+    const FAST(geo) *G = &f->c.G;
+    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP, at_k = G->goff[it->gr] + it->j0;
+    for (int r = 0; r < it->nly; ++r) {
+        const int64_t lk = lk0 + it->x * G->Y + it->ys[r];
+        for (int64_t d = 0; d < D; ++d) vf_store(s->A1[r] + 16 * d, vf_load(f->KT + lk * D * ZP + d * ZP + at_k));
+        for (int64_t d = 0; d < Dv; ++d) vf_store(s->A2[r] + 16 * d, vf_load(f->VT + lk * Dv * ZP + d * ZP + at_k));
+        memset(s->O1[r], 0, sizeof(float) * 16 * (size_t)D);
+        memset(s->O2[r], 0, sizeof(float) * 16 * (size_t)Dv);
+    }
+}
+
+/* the lines of a key item that see query row u of its union: [*ra, *rb), empty ones skipped */
+static inline void FAST(kitem_lines)(const FAST(kitem) *it, int64_t u, int *ra, int *rb) {
+    int a = it->first;
+    while (a < it->nly && (it->cy[a] == 0 || it->ub[a] <= u)) ++a;
+    int b = a;
+    while (b < it->nly && it->cy[b] && it->ua[b] <= u) ++b;
+    *ra = a;
+    *rb = b;
+}
+
+/* One unit of a pass 2 item for query head rows from slab line l0: S, T per line, P and dS,
+ * then dV += P dO, dK += dS q */
+static void FAST(bwd_k_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(kitem) *it, int64_t l0,
+                             const FAST(unit) *u) {
+    const FAST(geo) *G = &f->c.G;
+    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP, nn = u->nn, at = G->goff[it->gr] + it->zd.base + u->c0;
+    const int64_t dx = f->c.g->axis[0].dilation, dy = f->c.g->axis[1].dilation;
+    const int bcast = it->zd.bcast;
+    int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+    for (int64_t t = 0; t < u->nr; ++t) {
+        const int64_t q = u->r0 + t, uu = q % it->U, qx = it->fx + (q / it->U) * dx;
+        int ra, rb;
+        FAST(kitem_lines)(it, uu, &ra, &rb);
+        const int64_t ln = l0 + qx * G->Y + it->fy[it->first] + uu * dy;
+        const float *qrow = f->QT + ln * D * ZP + at, *orow = f->DOT + ln * Dv * ZP + at;
+        const float *lrow = f->LR + ln * ZP + at, *drow = f->DR + ln * ZP + at;
+        float *Sr[MAXLINES], *Tr[MAXLINES];
+        for (int r = ra; r < rb; ++r) { Sr[r - ra] = s->S[r] + 16 * nn * cnt[r]; Tr[r - ra] = s->T[r] + 16 * nn * cnt[r]++; }
+        FAST(score_lines)(Sr, (const float *const *)s->A1 + ra, rb - ra, D, qrow, ZP, nn, bcast);
+        FAST(score_lines)(Tr, (const float *const *)s->A2 + ra, rb - ra, Dv, orow, ZP, nn, bcast);
+        for (int r = ra; r < rb; ++r) {
+            if (it->zd.masked) FAST(apply_mask)(Sr[r - ra], 1, nn, &it->zd, it->zd.base + u->c0, -INFINITY);
+            FAST(key_ds)(Sr[r - ra], Tr[r - ra], nn, lrow, drow, bcast);
+        }
+        s->ra[t] = (int8_t)ra;
+        s->rb[t] = (int8_t)rb;
+        s->v1[t] = orow;
+        s->v2[t] = qrow;
+    }
+    const FAST(rowset) rs_v = {s->ra, s->rb, s->v1, u->nr, NULL}, rs_k = {s->ra, s->rb, s->v2, u->nr, NULL};
+    FAST(values_lines)(s->O2, it->nly, Dv, (const float *const *)s->S, &rs_v, nn, ZP, bcast);
+    FAST(values_lines)(s->O1, it->nly, D, (const float *const *)s->T, &rs_k, nn, ZP, bcast);
+}
+
+static int64_t FAST(bwd_k_count)(const FAST(call) *c, const FAST(slab) *sl) {
+    return c->G.X * c->YB.n * c->G.nchunks * sl->nh;
+}
+
+static int FAST(bwd_k_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
+    const FAST(bwd) *f = (const FAST(bwd) *)c;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
+    FAST(kitem) it;
+    FAST(kitem_of)(&it, c, sl, w);
+    FAST(bwd_k_start)(f, s, &it, (it.hk - sl->hk0) * sl->rows);
+    for (int64_t h = it.hk * c->G.G; it.first < it.nly && h < (it.hk + 1) * c->G.G; ++h) {
+        FAST(unit) u;
+        for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
+            FAST(bwd_k_unit)(f, s, &it, (h - sl->h0) * sl->rows, &u);
+    }
+    /* dK = scale sum dS q = (sum dS Q^T_packed) / log2e */
+    float mk[16], mv[16];
+    for (int l = 0; l < 16; ++l) { mk[l] = (float)LN2; mv[l] = 1.0f; }
+    const nbhd_dtype dt = c->g->dtype;
+    for (int r = 0; r < it.nly; ++r) {
+        FAST(store_lanes)(&f->a->d_k, dt, c->G.D, sl->b, it.x, it.ys[r], it.zl, it.nl, it.hk, s->O1[r], mk, c->stream);
+        FAST(store_lanes)(&f->a->d_v, dt, c->G.Dv, sl->b, it.x, it.ys[r], it.zl, it.nl, it.hk, s->O2[r], mv, c->stream);
+    }
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// pass 3: the extra keys are seen by every query of every head in the group
+
+/* Key-stationary unit: keys in lanes (KA: K^T, VA: V^T chunks), queries in slots (rows p1: Q^T
+ * scaled by scale*log2e, p2: dO^T, p3: LSE*log2e, p4: D, all [.][ZP] rows at the unit's first
+ * slot, broadcast). P^T = exp2(S^T - L), dS^T = P^T (V.dO - D), dV += P^T dO, dK += dS^T Q. */
+static void FAST(kv_unit)(FAST(bwd_scratch) *s, const float *KA, const float *VA, int64_t D, int64_t Dv,
+                          int64_t nr, int64_t nn, int64_t ld, float *dK, float *dV) {
+    float *S = s->S[0], *T = s->T[0];
+    FAST(score_rows)(S, KA, D, s->p1, nr, nn, ld, 1, 0);
+    FAST(score_rows)(T, VA, Dv, s->p2, nr, nn, ld, 1, 0);
+    for (int64_t r = 0; r < nr; ++r) FAST(key_ds)(S + 16 * r * nn, T + 16 * r * nn, nn, s->p3[r], s->p4[r], 1);
+    FAST(accum_rows)(dV, Dv, S, s->p2, nr, nn, ld, 1);
+    FAST(accum_rows)(dK, D, T, s->p1, nr, nn, ld, 1);
+}
+
+static int64_t FAST(bwd_x_count)(const FAST(call) *c, const FAST(slab) *sl) {
+    return sl->nh * ((c->G.S + 15) / 16);
+}
+
+/* the 16 extra keys from e0 of head hk: pass 3 over every query line of its group's heads */
+static void FAST(bwd_x_walk)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(slab) *sl, int64_t hk,
+                             const float *KA, const float *VA, float *dK, float *dV) {
+    const FAST(geo) *G = &f->c.G;
+    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP;
+    for (int64_t h = hk * G->G; h < (hk + 1) * G->G; ++h) {
+        const int64_t l0 = (h - sl->h0) * sl->rows;
+        /* group by group: the zero margins between them are not queries */
+        for (int64_t gr = 0; gr < G->dil; ++gr) {
+            FAST(unit) u;
+            for (int more = FAST(unit_first)(&u, G->X * G->Y, G->glen[gr]); more; more = FAST(unit_next)(&u)) {
+                for (int64_t r = 0; r < u.nr; ++r) {
+                    const int64_t ln = l0 + u.r0 + r, at = G->goff[gr] + u.c0;
+                    s->p1[r] = f->QT + ln * D * ZP + at;
+                    s->p2[r] = f->DOT + ln * Dv * ZP + at;
+                    s->p3[r] = f->LR + ln * ZP + at;
+                    s->p4[r] = f->DR + ln * ZP + at;
+                }
+                FAST(kv_unit)(s, KA, VA, D, Dv, u.nr, u.nn, ZP, dK, dV);
+            }
+        }
+    }
+}
+
+static int FAST(bwd_x_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
+    const FAST(bwd) *f = (const FAST(bwd) *)c;
+    const nbhd_backward_args *a = f->a;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
+    const int64_t xchunks = (c->G.S + 15) / 16, D = c->G.D, Dv = c->G.Dv, SP = c->G.SP;
+    const int64_t e0 = (w % xchunks) * 16, hk = sl->hk0 + w / xchunks, bh = hk - sl->hk0;
+    const int nl = (int)FAST(min)(c->G.S - e0, 16);
+    float *KA = s->A1[0], *VA = s->A2[0], *dK = s->O1[0], *dV = s->O2[0];
+    for (int64_t d = 0; d < D; ++d) vf_store(KA + 16 * d, vf_load(f->KXT + bh * D * SP + d * SP + e0));
+    for (int64_t d = 0; d < Dv; ++d) vf_store(VA + 16 * d, vf_load(f->VXT + bh * Dv * SP + d * SP + e0));
+    memset(dK, 0, sizeof(float) * 16 * (size_t)D);
+    memset(dV, 0, sizeof(float) * 16 * (size_t)Dv);
+    FAST(bwd_x_walk)(f, s, sl, hk, KA, VA, dK, dV);
+    const nbhd_dtype dt = c->g->dtype;
+    for (int l = 0; l < nl; ++l) {
+        const int64_t ok = sl->b * a->d_kx.stride[0] + (e0 + l) * a->d_kx.stride[1] + hk * a->d_kx.stride[4];
+        const int64_t ov = sl->b * a->d_vx.stride[0] + (e0 + l) * a->d_vx.stride[1] + hk * a->d_vx.stride[4];
+        for (int64_t d = 0; d < D; ++d) FAST(st)(a->d_kx.data, ok + d * a->d_kx.stride[5], dt, (float)LN2 * dK[16 * d + l]);
+        for (int64_t d = 0; d < Dv; ++d) FAST(st)(a->d_vx.data, ov + d * a->d_vx.stride[5], dt, dV[16 * d + l]);
+    }
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// entry
+
+static nbhd_status FAST(bwd_reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh) {
+    return nbhd_cpu_fast_slab_backward(c->g, ((const FAST(bwd) *)c)->a, c->e, b, hk0, nh);
+}
+
+static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
+                                                const nbhd_exec *e) {
+    /* no barrier between independent loops (nowait); one after the packing, one at the end */
+    static const FAST(phase) phases[5] = {{FAST(pack_count), FAST(pack_kv), 1, 0},
+                                          {FAST(bwd_pack_q_count), FAST(bwd_pack_q), 1, 1},
+                                          {FAST(qitem_count), FAST(bwd_q_item), 0, 0},
+                                          {FAST(bwd_k_count), FAST(bwd_k_item), 0, 0},
+                                          {FAST(bwd_x_count), FAST(bwd_x_item), 0, 1}};
+    static const FAST(driver) drv = {phases, 5, FAST(bwd_scratch_new), FAST(bwd_reference)};
+    FAST(bwd) f;
+    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_BACKWARD);
+    if (st != NBHD_OK) return st;
+    const int64_t D = f.c.G.D, Dv = f.c.G.Dv;
+    float *ws = f.c.ws;
+    const FAST(layout_t) *L = &f.c.L;
+    f.a = a;
+    f.KT = ws + L->kt; f.VT = ws + L->vt; f.KXT = ws + L->kxt; f.VXT = ws + L->vxt;
+    f.QT = ws + L->qt; f.DOT = ws + L->dot; f.LR = ws + L->lr; f.DR = ws + L->dr;
+    f.qmul = (float)(g->scale * LOG2E);
+    f.max_rows = f.c.G.X * f.c.G.Y;   /* pass 3 units walk query lines */
+    f.c.pk[0] = (FAST(packed)){ws + L->kt, ws + L->kxt, &a->k, &a->kx, D, 1.0f};
+    f.c.pk[1] = (FAST(packed)){ws + L->vt, ws + L->vxt, &a->v, &a->vx, Dv, 1.0f};
+    f.c.np = 2;
+    /* dQ, dK, dV are written once and not read here (counted as [.., H, D + Dv], at most their size) */
+    f.c.stream = FAST(stream_outputs)(&f.c.G, e, D + Dv, 1);
+    st = FAST(drive)(&f.c, &drv);
+    FAST(call_free)(&f.c);
+    return st;
+}

@@ -1,0 +1,168 @@
+/*
+ * driver.h — the one skeleton of the fast CPU kernels (docs/design.md §5.2 "Slabs", "Threads"):
+ * the set-up of a call, one OpenMP team per call, the slabs one at a time, each a sequence of
+ * phases (a static `omp for` over the phase's items: packing, then the op's work items), the
+ * per-thread scratch, and the reference kernels for the slabs whose packed operands are not all
+ * finite. forward.h, forward_jvp.h and backward.h give it their phases.
+ */
+
+/* One call of a fast kernel: the problem, its blocking, its packed workspace. An op's context
+ * starts with it (the phases get the call and cast it to the op's). */
+typedef struct {
+    const nbhd_geometry *g;
+    const nbhd_exec *e;
+    nbhd_op op;
+    const char *name;          /* the op in messages */
+    FAST(geo) G;
+    FAST(yblocks) YB;          /* blocks of `ylines` rows along Y */
+    int ylines;                /* query (and key) lines per Y block: 1 in Z-line mode (rank 1) */
+    FAST(layout_t) L;
+    float *ws;                 /* the workspace, 64-byte aligned */
+    int64_t nhk, per_b;        /* key heads per slab, slabs per batch */
+    FAST(packed) pk[4];        /* the key-side tensors every slab packs first (FAST(pack_phase)) */
+    int np;
+    int stream;                /* outputs bypass the caches (nbhd_cpu_stream_outputs) */
+} FAST(call);
+
+/* A slab: batch b, key heads [hk0, hk0 + nh), their query heads [h0, h0 + nqh); rows = X * Y */
+typedef struct {
+    int64_t index, b, hk0, nh, h0, nqh, rows;
+} FAST(slab);
+
+/* A loop of a slab: count(c, slab) items, each item(c, scratch, slab, w), returning 1 when it
+ * packed a NaN or an infinity (the slab then goes to the reference kernels). A packing phase
+ * runs on every slab; the others skip the slabs the reference takes, and run only with scratch.
+ * barrier: every thread waits at the end (else the next phase may start: nowait). */
+typedef struct {
+    int64_t (*count)(const FAST(call) *c, const FAST(slab) *sl);
+    int (*item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w);
+    int packs, barrier;
+} FAST(phase);
+
+/* An op: its phases per slab, its per-thread scratch (one block that free() releases; NULL
+ * when out of memory) and the reference kernels on one slab (fast.h). */
+typedef struct {
+    const FAST(phase) *phase;
+    int nphases;
+    void *(*scratch_new)(const FAST(call) *c);
+    nbhd_status (*reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh);
+} FAST(driver);
+
+/* p rounded up to 64 bytes */
+static inline float *FAST(align64)(void *p) { return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+
+/* the tile message's name of op */
+static const char *FAST(op_title)(nbhd_op op) {
+    return op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward+JVP" : "backward";
+}
+
+/* Sets up a call of op (blocking of exec's tile, geometry, runs, Y blocks, workspace layout with
+ * its front margins zeroed); on success the caller frees it with FAST(call_free). */
+static nbhd_status FAST(call_init)(FAST(call) *c, const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op) {
+    memset(c, 0, sizeof *c);
+    c->g = g;
+    c->e = e;
+    c->op = op;
+    c->name = op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward_jvp" : "backward";
+    const int lines = FAST(tile_lines)(e, g, MAXLINES);
+    if (!lines)
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "exec.q_tile/kv_tile is not a tile of the fast CPU %s (see nbhd_tile_configs)",
+                         FAST(op_title)(op));
+    if (!FAST(geo_init)(&c->G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "%s: out of host memory", c->name);
+    const int zmode = FAST(zline_mode)(g);
+    c->ylines = zmode ? 1 : lines;
+    FAST(geo_runs)(&c->G, g, zmode && FAST(zlines_pay)() ? lines : 1);
+    if (!FAST(yblocks_init)(&c->YB, &g->axis[1], c->ylines)) {
+        FAST(geo_free)(&c->G);
+        return nbhd_fail(NBHD_ERR_ALLOC, "%s: out of host memory", c->name);
+    }
+    c->L = FAST(layout)(g, op);
+    c->ws = FAST(ws_base)(e);
+    FAST(zero_front_margins)(c->ws, &c->L, op);
+    c->nhk = FAST(slab_heads)(g, op);
+    c->per_b = (c->G.Hk + c->nhk - 1) / c->nhk;
+    return NBHD_OK;
+}
+
+static void FAST(call_free)(FAST(call) *c) {
+    free(c->YB.g);
+    FAST(geo_free)(&c->G);
+}
+
+static FAST(slab) FAST(slab_of)(const FAST(call) *c, int64_t index) {
+    FAST(slab) sl;
+    sl.index = index;
+    sl.b = index / c->per_b;
+    sl.hk0 = (index % c->per_b) * c->nhk;
+    sl.nh = FAST(min)(c->G.Hk - sl.hk0, c->nhk);
+    sl.h0 = sl.hk0 * c->G.G;
+    sl.nqh = sl.nh * c->G.G;
+    sl.rows = c->G.X * c->G.Y;
+    return sl;
+}
+
+// ----------------------------------------------------------------------------
+// the key-side packing every op starts a slab with
+
+/* items: each line (hk, x, y) of the slab twice, one per half of the packed tensors */
+static int64_t FAST(pack_count)(const FAST(call) *c, const FAST(slab) *sl) {
+    (void)c;
+    return 2 * sl->nh * sl->rows;
+}
+
+static int FAST(pack_kv)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
+    (void)scratch;
+    return FAST(pack_item)(&c->G, c->pk, c->np, c->g->dtype, sl->b, sl->hk0, sl->nh, w);
+}
+
+// ----------------------------------------------------------------------------
+// the team
+
+/* one phase of slab sl on this thread's share of its items; to_ref: the slabs' flags */
+static void FAST(run_phase)(const FAST(call) *c, const FAST(phase) *ph, void *scratch, const FAST(slab) *sl,
+                            unsigned char *to_ref) {
+    const int64_t n = ph->count(c, sl);
+    const int run = ph->packs || (scratch && !to_ref[sl->index]);
+#pragma omp for schedule(static) nowait
+    for (int64_t w = 0; w < n; ++w)
+        if (run && ph->item(c, scratch, sl, w)) {
+#pragma omp atomic write
+            to_ref[sl->index] = 1;
+        }
+    if (ph->barrier) {
+#pragma omp barrier
+    }
+}
+
+/* Runs op d over every slab of call c: one slab (b, key heads [hk0, hk0 + nh)) at a time, its
+ * phases in order (packing first: the barriers order them), then the reference kernels on the
+ * slabs whose packed operands hold a NaN or an infinity (fast.h). */
+static nbhd_status FAST(drive)(const FAST(call) *c, const FAST(driver) *d) {
+    const int64_t nslabs = c->G.B * c->per_b;
+    unsigned char *to_ref = (unsigned char *)calloc((size_t)nslabs, 1);
+    if (!to_ref) return nbhd_fail(NBHD_ERR_ALLOC, "out of host memory");
+    int failed = 0;
+#pragma omp parallel num_threads(nbhd_cpu_threads(c->e))
+    {
+        void *scratch = d->scratch_new(c);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t i = 0; i < nslabs; ++i) {
+            const FAST(slab) sl = FAST(slab_of)(c, i);
+            for (int p = 0; p < d->nphases; ++p) FAST(run_phase)(c, &d->phase[p], scratch, &sl, to_ref);
+        }
+        free(scratch);
+        vf_fence();   /* the streamed outputs */
+    }
+    nbhd_status st = failed ? nbhd_fail(NBHD_ERR_ALLOC, "%s: out of host memory for per-thread scratch", c->name)
+                            : NBHD_OK;
+    for (int64_t i = 0; st == NBHD_OK && i < nslabs; ++i)
+        if (to_ref[i]) {
+            const FAST(slab) sl = FAST(slab_of)(c, i);
+            st = d->reference(c, sl.b, sl.hk0, sl.nh);
+        }
+    free(to_ref);
+    return st;
+}

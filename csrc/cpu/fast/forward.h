@@ -1,0 +1,177 @@
+/*
+ * forward.h — the fast CPU forward (docs/design.md §4.1, §5.2):
+ *   q      [B, X, Y, Z, H,  D ]     out [B, X, Y, Z, H, Dv]   lse [B, X, Y, Z, H]
+ *   k, v   [B, X, Y, Z, Hk, D/Dv]   kx, vx [B, S, -, -, Hk, D/Dv]
+ * A work item is (b, x, block of Y lines or run of Z chunks, h); its key rows are the union of
+ * the lines' windows on Y (rows u of the union) times the common window on X.
+ */
+
+typedef struct {
+    FAST(call) c;
+    const nbhd_forward_args *a;
+    const float *KT, *VT, *KXT, *VXT;
+    float qmul;   /* scale * log2(e): scores in log2 units */
+} FAST(fwd);
+
+/* per-thread scratch: per line its scores S, Q^T, accumulator O, running max m and sum l; the
+ * unit's value rows */
+typedef struct {
+    float *S[MAXLINES], *Q[MAXLINES], *O[MAXLINES], *m[MAXLINES], *l[MAXLINES];
+    int8_t *ra, *rb;
+    int32_t *ns;
+    const float **v;
+} FAST(fwd_scratch);
+
+static void *FAST(fwd_scratch_new)(const FAST(call) *c) {
+    const int64_t D = c->G.D, Dv = c->G.Dv;
+    const size_t per_line = (size_t)SMAX * 16 + (size_t)(D + Dv) * 16 + 32;
+    const size_t bytes = sizeof(float) * MAXLINES * per_line + SMAX * (2 + sizeof(int32_t) + sizeof(float *)) + 128;
+    FAST(fwd_scratch) *s = (FAST(fwd_scratch) *)malloc(sizeof *s + bytes);
+    if (!s) return NULL;
+    float *f = FAST(align64)(s + 1);
+    for (int r = 0; r < MAXLINES; ++r) {
+        s->S[r] = f; f += SMAX * 16;
+        s->Q[r] = f; f += D * 16;
+        s->O[r] = f; f += Dv * 16;
+        s->m[r] = f; f += 16;
+        s->l[r] = f; f += 16;
+    }
+    s->v = (const float **)f;
+    s->ns = (int32_t *)(s->v + SMAX);
+    s->ra = (int8_t *)(s->ns + SMAX);
+    s->rb = s->ra + SMAX;
+    return s;
+}
+
+/* the slab line of the item's key row q (rows u of the Y union innermost, then X) */
+static inline int64_t FAST(qrow_line)(const FAST(call) *c, const FAST(qitem) *it, int64_t line0, int64_t q) {
+    const int64_t kx = it->fx + (q / it->U) * c->g->axis[0].dilation;
+    return line0 + kx * c->G.Y + it->fy[0] + (q % it->U) * c->g->axis[1].dilation;
+}
+
+/* the segments of key row q of an item's unit of n slots: zs (Z lines), or y (Y lines) */
+static inline const FAST(rowsegs) *FAST(qrow_segments)(const FAST(qitem) *it, const FAST(rowsegs) *zs,
+                                                      FAST(rowsegs) *y, int64_t q, int64_t n) {
+    if (it->zlines) return zs;
+    FAST(yline_segment)(y, it, q % it->U, n);
+    return y;
+}
+
+/* One unit of a work item: scores of its key rows for every line that sees them, the online
+ * softmax per line, then the values */
+static void FAST(fwd_unit)(const FAST(fwd) *f, FAST(fwd_scratch) *s, const FAST(qitem) *it,
+                           const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u) {
+    const FAST(geo) *G = &f->c.G;
+    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP, nn = u->nn, at = G->goff[it->gr] + it->zd.base + u->c0;
+    int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
+    for (int64_t t = 0; t < u->nr; ++t) {
+        const int64_t ln = FAST(qrow_line)(&f->c, it, line0, u->r0 + t);
+        const float *krow = f->KT + ln * D * ZP + at, *vrow = f->VT + ln * Dv * ZP + at;
+        FAST(rowsegs) ys;
+        const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, nn);
+        for (int i = 0; i < sg->n; ++i, ++ne) {
+            const int ra = sg->ra[i], rb = sg->rb[i];
+            float *Sr[MAXLINES];
+            for (int r = ra; r < rb; ++r) Sr[r - ra] = s->S[r] + 16 * (nn * cnt[r] + sg->p[i] - FAST(line_zoff)(it, r));
+            FAST(score_lines)(Sr, (const float *const *)s->Q + ra, rb - ra, D, krow + sg->p[i], ZP, sg->ns[i],
+                              it->zd.bcast);
+            s->ra[ne] = (int8_t)ra;
+            s->rb[ne] = (int8_t)rb;
+            s->v[ne] = vrow + sg->p[i];
+            s->ns[ne] = (int32_t)sg->ns[i];
+        }
+        for (int r = sg->la; r < sg->lb; ++r) ++cnt[r];
+    }
+    const int64_t dims[1] = {Dv};
+    for (int r = 0; r < it->nly; ++r) {
+        if (!cnt[r]) continue;
+        if (it->zd.masked) FAST(apply_mask)(s->S[r], cnt[r], nn, &it->zd, it->zd.base + u->c0, -INFINITY);
+        FAST(softmax_step)(s->S[r], cnt[r] * nn, s->m[r], s->l[r], NULL, &s->O[r], dims, 1);
+    }
+    const FAST(rowset) rs = {s->ra, s->rb, s->v, ne, it->zlines ? s->ns : NULL};
+    FAST(values_lines)(s->O, it->nly, Dv, (const float *const *)s->S, &rs, nn, ZP, it->zd.bcast);
+}
+
+/* line r after its window: the extra keys of the slab's key head xo (every lane sees every one) */
+static void FAST(fwd_extra)(const FAST(fwd) *f, FAST(fwd_scratch) *s, int r, int64_t xo) {
+    const FAST(geo) *G = &f->c.G;
+    const int64_t D = G->D, Dv = G->Dv, SP = G->SP, dims[1] = {Dv};
+    const float *kx_row = f->KXT + xo * D * SP, *vx_row = f->VXT + xo * Dv * SP;
+    float *accs[1] = {s->O[r]};
+    FAST(unit) u;
+    for (int more = FAST(unit_first)(&u, 1, G->S); more; more = FAST(unit_next)(&u)) {
+        const float *kp[1] = {kx_row + u.c0}, *vp[1] = {vx_row + u.c0};
+        FAST(score_rows)(s->S[0], s->Q[r], D, kp, 1, u.nn, SP, 1, 0);
+        FAST(softmax_step)(s->S[0], u.nn, s->m[r], s->l[r], NULL, accs, dims, 1);
+        FAST(accum_rows)(s->O[r], Dv, s->S[0], vp, 1, u.nn, SP, 1);
+    }
+}
+
+/* line r's outputs: o = acc / l,  lse = ln2 * (m + log2 l) */
+static void FAST(fwd_store)(const FAST(fwd) *f, const FAST(fwd_scratch) *s, const FAST(qitem) *it, int r,
+                            int64_t b) {
+    const nbhd_forward_args *a = f->a;
+    float inv[16];
+    for (int l = 0; l < it->nl[r]; ++l) {
+        inv[l] = 1.0f / s->l[r][l];
+        const int64_t o = FAST(off)(&a->lse, b, it->x, it->ys[r], it->zl[r][l], it->h);
+        ((float *)a->lse.data)[o] = (float)(LN2 * ((double)s->m[r][l] + log2((double)s->l[r][l])));
+    }
+    FAST(store_lanes)(&a->out, f->c.g->dtype, f->c.G.Dv, b, it->x, it->ys[r], it->zl[r], it->nl[r], it->h,
+                      s->O[r], inv, f->c.stream);
+}
+
+/* items: heads innermost, then runs of Z chunks, Y blocks, X (FAST(qitem_of)) */
+static int64_t FAST(qitem_count)(const FAST(call) *c, const FAST(slab) *sl) {
+    return c->G.X * c->YB.n * c->G.nruns * sl->nqh;
+}
+
+static int FAST(fwd_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
+    const FAST(fwd) *f = (const FAST(fwd) *)c;
+    FAST(fwd_scratch) *s = (FAST(fwd_scratch) *)scratch;
+    const int64_t D = c->G.D, Dv = c->G.Dv;
+    FAST(qitem) it;
+    FAST(qitem_of)(&it, c->g, &c->G, &c->YB, c->ylines, w, sl->nqh, sl->h0);
+    for (int r = 0; r < it.nly; ++r) {
+        FAST(load_lanes)(s->Q[r], &f->a->q, c->g->dtype, D, sl->b, it.x, it.ys[r], it.zl[r], it.nl[r], it.h, f->qmul);
+        for (int l = 0; l < 16; ++l) { s->m[r][l] = -INFINITY; s->l[r][l] = 0.0f; }
+        memset(s->O[r], 0, sizeof(float) * 16 * (size_t)Dv);
+    }
+    FAST(rowsegs) zs;
+    if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
+    const int64_t xo = it.h / c->G.G - sl->hk0;   /* the key head within the slab */
+    FAST(unit) u;
+    for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
+        FAST(fwd_unit)(f, s, &it, &zs, xo * sl->rows, &u);
+    for (int r = 0; r < it.nly; ++r) {
+        if (c->G.S) FAST(fwd_extra)(f, s, r, xo);
+        FAST(fwd_store)(f, s, &it, r, sl->b);
+    }
+    return 0;
+}
+
+static nbhd_status FAST(fwd_reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh) {
+    return nbhd_cpu_fast_slab_forward(c->g, ((const FAST(fwd) *)c)->a, c->e, b, hk0, nh);
+}
+
+static nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forward_args *a,
+                                               const nbhd_exec *e) {
+    static const FAST(phase) phases[2] = {{FAST(pack_count), FAST(pack_kv), 1, 1},
+                                          {FAST(qitem_count), FAST(fwd_item), 0, 1}};
+    static const FAST(driver) drv = {phases, 2, FAST(fwd_scratch_new), FAST(fwd_reference)};
+    FAST(fwd) f;
+    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD);
+    if (st != NBHD_OK) return st;
+    const int64_t D = f.c.G.D, Dv = f.c.G.Dv;
+    float *ws = f.c.ws;
+    f.a = a;
+    f.KT = ws + f.c.L.kt; f.VT = ws + f.c.L.vt; f.KXT = ws + f.c.L.kxt; f.VXT = ws + f.c.L.vxt;
+    f.qmul = (float)(g->scale * LOG2E);
+    f.c.pk[0] = (FAST(packed)){ws + f.c.L.kt, ws + f.c.L.kxt, &a->k, &a->kx, D, 1.0f};
+    f.c.pk[1] = (FAST(packed)){ws + f.c.L.vt, ws + f.c.L.vxt, &a->v, &a->vx, Dv, 1.0f};
+    f.c.np = 2;
+    f.c.stream = FAST(stream_outputs)(&f.c.G, e, Dv, 1);
+    st = FAST(drive)(&f.c, &drv);
+    FAST(call_free)(&f.c);
+    return st;
+}
