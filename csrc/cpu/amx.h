@@ -1,7 +1,7 @@
 /*
- * amx.h — the bf16 forward, forward+JVP and backward on Intel AMX tiles (csrc/cpu/amx/;
- * amx_internal.h describes them), chosen by fast.c where the CPU and the OS allow AMX-BF16. Takes
- * the rotated geometry of the fast kernels (chunks along Z).
+ * amx.h — the bf16 forward, forward+JVP and backward on Intel AMX tiles (amx.c), chosen by
+ * fast.c where the CPU and the OS allow AMX-BF16. Takes the rotated geometry of the fast kernels
+ * (chunks along Z).
  */
 #ifndef NBHD_CPU_AMX_H
 #define NBHD_CPU_AMX_H
