@@ -295,8 +295,7 @@ size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *
 #ifdef NBHD_WITH_CUDA
     if (p->device == NBHD_CUDA) return nbhd_cuda_workspace_bytes(&g, op, e);
 #endif
-    (void)e;
-    return p->device == NBHD_CPU ? nbhd_cpu_workspace_bytes(&g, op) : 0;
+    return p->device == NBHD_CPU ? nbhd_cpu_workspace_bytes(&g, op, e) : 0;
 }
 
 /* Threads beyond this are a mistake (OpenMP aborts or crashes creating 10^5 of them). */

@@ -43,7 +43,7 @@ nbhd_status nbhd_cpu_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_
 nbhd_status nbhd_cpu_forward_jvp_backward(const nbhd_geometry *g,
                                           const nbhd_forward_jvp_backward_args *a,
                                           const nbhd_exec *e);
-size_t nbhd_cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
+size_t nbhd_cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e);
 /* OpenMP threads for a CPU call: exec.threads, or OpenMP's default when <= 0 (1 without OpenMP) */
 int nbhd_cpu_threads(const nbhd_exec *e);
 nbhd_status nbhd_cpu_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);
