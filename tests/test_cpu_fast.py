@@ -1,4 +1,4 @@
-"""The fast CPU kernels (csrc/cpu/fast_*) against the forced scalar reference
+"""The fast CPU kernels (csrc/cpu/fast/) against the forced scalar reference
 (nbhd.ops._OPTIONS["use_reference"]) and the float64 reference, on cases chosen to hit their
 branches: several 16-query patches per row and a partial last one, border patches (exact union
 with a per-lane mask) and interior ones (shifted loads), rank-1 runs of chunks sharing key loads, causal starts, stride groups, dilation

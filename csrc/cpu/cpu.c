@@ -57,12 +57,12 @@ static int use_fast(const nbhd_geometry *g, const nbhd_exec *e) {
     return !e->use_reference && fast_supports(g);
 }
 
-/* The caller does not say yet whether it forces the reference: room for either path. */
+/* The workspace of the path exec takes (the fast kernels allocate the reference's for the slabs
+ * they hand over). The fast kernels may run on fewer threads than exec's count (sized_exec):
+ * their workspace never grows with fewer. */
 static size_t cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
-    (void)e;
-    const size_t ref = nbhd_cpu_ref_workspace_bytes(g, op);
-    const size_t fast = fast_supports(g) ? nbhd_cpu_fast_workspace_bytes(g, op) : 0;
-    return ref > fast ? ref : fast;
+    if (use_fast(g, e) && op != NBHD_OP_FORWARD_JVP_BACKWARD) return nbhd_cpu_fast_workspace_bytes(g, op, e);
+    return nbhd_cpu_ref_workspace_bytes(g, op);
 }
 
 static nbhd_status cpu_forward(const nbhd_geometry *g, const nbhd_forward_args *a,

@@ -87,11 +87,22 @@ static const nbhd_cpu_fast_kernels *kernels(void) {
 #endif
 }
 
-size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
+size_t nbhd_cpu_fast_tile_bytes(int threads) {
+    const size_t bytes = ((size_t)32 << 20) + (size_t)threads * ((size_t)2 << 20);
+    const char *env = getenv("NBHD_CPU_TILE_BYTES");
+    const long long want = env ? atoll(env) : 0;
+    return want > 0 ? (size_t)want : bytes;
+}
+
+/* The AMX kernels pack whole heads: where that outgrows the SIMD kernels' workspace and the tile
+ * budget, the workspace is not sized for them and the AVX-512 kernels run (use_amx). */
+size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
     const nbhd_geometry r = rotated(g, 3 - rank_of(g));
-    const size_t simd = nbhd_cpu_fast_generic.workspace_bytes(&r, op);   /* the same for every ISA */
+    const int threads = nbhd_cpu_threads(e);
+    const size_t simd = nbhd_cpu_fast_generic.workspace_bytes(&r, op, threads);   /* the same for every ISA */
     const size_t amx = g->dtype == NBHD_BF16 && isa() == ISA_AMX ? nbhd_cpu_amx_workspace_bytes(&r, op) : 0;
-    return simd > amx ? simd : amx;
+    const size_t bound = simd > nbhd_cpu_fast_tile_bytes(threads) ? simd : nbhd_cpu_fast_tile_bytes(threads);
+    return amx > simd && amx <= bound ? amx : simd;
 }
 
 /* the op's AMX kernel may run: AMX chosen, and the caller's workspace holds its packed tensors
@@ -185,6 +196,17 @@ nbhd_status nbhd_cpu_fast_slab_forward(const nbhd_geometry *g, const nbhd_forwar
     return nbhd_cpu_ref_forward(&s, &a, e);
 }
 
+/* the reference backward on slab geometry s with a workspace of its own */
+static nbhd_status ref_backward_alone(const nbhd_geometry *s, const nbhd_backward_args *a, const nbhd_exec *e) {
+    nbhd_exec own = *e;
+    own.workspace_bytes = nbhd_cpu_ref_workspace_bytes(s, NBHD_OP_BACKWARD);
+    own.workspace = malloc(own.workspace_bytes ? own.workspace_bytes : 1);
+    if (!own.workspace) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for the reference kernels");
+    const nbhd_status st = nbhd_cpu_ref_backward(s, a, &own);
+    free(own.workspace);
+    return st;
+}
+
 nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backward_args *a0,
                                         const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
     const nbhd_geometry s = slab_geometry(g, nh);
@@ -195,7 +217,7 @@ nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backw
     a.k = k_side(a.k, &at); a.v = k_side(a.v, &at); a.kx = k_side(a.kx, &at); a.vx = k_side(a.vx, &at);
     a.d_k = k_side(a.d_k, &at); a.d_v = k_side(a.d_v, &at);
     a.d_kx = k_side(a.d_kx, &at); a.d_vx = k_side(a.d_vx, &at);
-    return nbhd_cpu_ref_backward(&s, &a, e);
+    return ref_backward_alone(&s, &a, e);
 }
 
 nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a0,

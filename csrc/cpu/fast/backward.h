@@ -5,7 +5,9 @@
  *   pass 1   query-stationary over blocks of query lines, as the forward's items (dQ)
  *   pass 2   key-stationary over blocks of key lines and their inverse neighborhoods, all query
  *            heads of the GQA group (dK, dV)
- *   pass 3   the extra keys over every query of the group (dKx, dVx)
+ *   pass 3   the extra keys over every query of the group (dKx, dVx); on a tiled slab once
+ *            after its tiles, packing each unit's query rows itself (the same values, the same
+ *            order of sums)
  * Each output row is written by one thread.
  */
 
@@ -15,7 +17,7 @@ typedef struct {
     const float *KT, *VT, *KXT, *VXT;
     float *QT, *DOT, *LR, *DR;
     float qmul;          /* scale * log2(e) */
-    int64_t max_rows;    /* rows of a pass 3 unit at most: the slab's query lines per head */
+    int64_t max_rows;    /* rows of a pass 3 unit at most: the query lines of a head */
 } FAST(bwd);
 
 /* per-thread scratch: per line S, T, two lane operands (A1, A2) and two accumulators (O1, O2);
@@ -26,11 +28,13 @@ typedef struct {
     int32_t *ns;
     const float **v1, **v2;
     const float **p1, **p2, **p3, **p4;   /* pass 3: Q^T, dO^T, L, D rows [max_rows] */
+    float *xq;                            /* pass 3 of a tiled slab: a unit's rows [SMAX][D + Dv + 2] */
 } FAST(bwd_scratch);
 
 static void *FAST(bwd_scratch_new)(const FAST(call) *c) {
     const int64_t wdim = c->G.D > c->G.Dv ? c->G.D : c->G.Dv, max_rows = ((const FAST(bwd) *)c)->max_rows;
-    const size_t bytes = sizeof(float) * MAXLINES * (2 * (size_t)SMAX * 16 + 4 * (size_t)wdim * 16) +
+    const size_t xq = c->plan.tiled ? (size_t)SMAX * (size_t)(c->G.D + c->G.Dv + 2) : 0;
+    const size_t bytes = sizeof(float) * (MAXLINES * (2 * (size_t)SMAX * 16 + 4 * (size_t)wdim * 16) + xq) +
                          SMAX * (2 + sizeof(int32_t) + 2 * sizeof(float *)) + 4 * sizeof(float *) * (size_t)max_rows + 128;
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)malloc(sizeof *s + bytes);
     if (!s) return NULL;
@@ -40,6 +44,8 @@ static void *FAST(bwd_scratch_new)(const FAST(call) *c) {
         s->A1[r] = f; f += wdim * 16; s->A2[r] = f; f += wdim * 16;
         s->O1[r] = f; f += wdim * 16; s->O2[r] = f; f += wdim * 16;
     }
+    s->xq = f;
+    f += xq;
     const float **pp = (const float **)f;
     s->v1 = pp; pp += SMAX;
     s->v2 = pp; pp += SMAX;
@@ -58,44 +64,51 @@ static void *FAST(bwd_scratch_new)(const FAST(call) *c) {
 
 static int64_t FAST(bwd_pack_q_count)(const FAST(call) *c, const FAST(slab) *sl) {
     (void)c;
-    return sl->nqh * sl->rows;
+    return sl->nqh * sl->tile.qm.lines;
 }
 
-/* D_i = dO_i.O_i - dLSE_i and L_i = LSE_i log2e of line (b, h, x, y) into rows Dr, Lr; dO: its
- * packed dO^T. Returns 0 * (D_i + L_i) summed: NaN once either is not finite. */
-static float FAST(bwd_row_scalars)(const FAST(bwd) *f, const float *dO, float *Lr, float *Dr, int64_t b,
-                                   int64_t h, int64_t x, int64_t y) {
+/* D_i = dO_i.O_i - dLSE_i (dO: a query's dO^T, `stride` apart; oo, ol: its offsets in out, d_lse) */
+static inline float FAST(row_d)(const float *dO, int64_t stride, const nbhd_backward_args *a, nbhd_dtype dt,
+                                int64_t Dv, int64_t oo, int64_t ol) {
+    float Di = 0.0f;
+    for (int64_t d = 0; d < Dv; ++d) Di += dO[d * stride] * FAST(ld)(a->out.data, oo + d * a->out.stride[5], dt);
+    if (a->d_lse.data) Di -= ((const float *)a->d_lse.data)[ol];
+    return Di;
+}
+
+/* D_i and L_i = LSE_i log2e of the packed positions of line (b, h, x, y) (map m) into rows Dr,
+ * Lr; dO: its packed dO^T. Returns 0 * (D_i + L_i) summed: NaN once either is not finite. */
+static float FAST(bwd_row_scalars)(const FAST(bwd) *f, const FAST(map) *m, const float *dO, float *Lr, float *Dr,
+                                   int64_t b, int64_t h, int64_t x, int64_t y) {
     const nbhd_backward_args *a = f->a;
     const FAST(geo) *G = &f->c.G;
-    const nbhd_dtype dt = f->c.g->dtype;
     float rows_bad = 0.0f;
-    for (int64_t z = 0; z < G->Z; ++z) {
-        const int64_t p = G->goff[z % G->dil] + z / G->dil, oo = FAST(off)(&a->out, b, x, y, z, h);
-        float Di = 0.0f;
-        for (int64_t d = 0; d < G->Dv; ++d)
-            Di += dO[d * G->ZP + p] * FAST(ld)(a->out.data, oo + d * a->out.stride[5], dt);
-        if (a->d_lse.data) Di -= ((const float *)a->d_lse.data)[FAST(off)(&a->d_lse, b, x, y, z, h)];
-        Dr[p] = Di;
-        Lr[p] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
-        rows_bad += 0.0f * (Di + Lr[p]);
-    }
-    FAST(zero_margins)(Dr, G, 1);
-    FAST(zero_margins)(Lr, G, 1);
+    for (int64_t gr = m->g0; gr <= m->g1; ++gr)
+        for (int64_t j = FAST(map_zlo)(m), hi = FAST(map_zhi)(m, G, gr); j < hi; ++j) {
+            const int64_t z = gr + j * G->dil, p = FAST(map_z)(m, G, gr) + j;
+            Dr[p] = FAST(row_d)(dO + p, m->ZP, a, f->c.g->dtype, G->Dv, FAST(off)(&a->out, b, x, y, z, h),
+                                FAST(off)(&a->d_lse, b, x, y, z, h));
+            Lr[p] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
+            rows_bad += 0.0f * (Dr[p] + Lr[p]);
+        }
+    FAST(zero_margins)(Dr, G, m, 1);
+    FAST(zero_margins)(Lr, G, m, 1);
     return rows_bad;
 }
 
-/* query line `it` of the slab (heads innermost): Q^T scale log2e, dO^T, LSE log2e, D */
+/* query line `it` of the tile (heads innermost): Q^T scale log2e, dO^T, LSE log2e, D */
 static int FAST(bwd_pack_q)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t it) {
     const FAST(bwd) *f = (const FAST(bwd) *)c;
     const FAST(geo) *G = &c->G;
+    const FAST(map) *m = &sl->tile.qm;
     const nbhd_dtype dt = c->g->dtype;
     (void)scratch;
-    const int64_t h = sl->h0 + it % sl->nqh, x = (it / sl->nqh) / G->Y, y = (it / sl->nqh) % G->Y,
-                  ln = (h - sl->h0) * sl->rows + it / sl->nqh, D = G->D, Dv = G->Dv, ZP = G->ZP;
-    int bad = FAST(pack_line)(f->QT + ln * D * ZP, G, &f->a->q, dt, sl->b, h, x, y, D, f->qmul);
+    const int64_t h = sl->h0 + it % sl->nqh, r = it / sl->nqh, x = FAST(map_x)(m, r), y = FAST(map_y)(m, r),
+                  ln = (h - sl->h0) * m->lines + r, D = G->D, Dv = G->Dv, ZP = m->ZP;
+    int bad = FAST(pack_line)(f->QT + ln * D * ZP, G, m, &f->a->q, dt, sl->b, h, x, y, D, f->qmul);
     float *dO = f->DOT + ln * Dv * ZP;
-    bad |= FAST(pack_line)(dO, G, &f->a->d_out, dt, sl->b, h, x, y, Dv, 1.0f);
-    const float rows_bad = FAST(bwd_row_scalars)(f, dO, f->LR + ln * ZP, f->DR + ln * ZP, sl->b, h, x, y);
+    bad |= FAST(pack_line)(dO, G, m, &f->a->d_out, dt, sl->b, h, x, y, Dv, 1.0f);
+    const float rows_bad = FAST(bwd_row_scalars)(f, m, dO, f->LR + ln * ZP, f->DR + ln * ZP, sl->b, h, x, y);
     return bad || rows_bad != rows_bad;
 }
 
@@ -103,14 +116,15 @@ static int FAST(bwd_pack_q)(const FAST(call) *c, void *scratch, const FAST(slab)
 // pass 1, query-stationary over blocks of query lines (as the forward's items):
 // S = Q.k, T = dO.v, P = exp2(S - L), dS = P (T - D), dQ += dS k
 
-/* line r's operands: Q^T, dO^T into A1, A2, its L and D lanes; dQ (O1) zeroed. lq0: the
- * slab line of the item's query head */
-static void FAST(bwd_q_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(qitem) *it, int64_t lq0,
-                              vf *Lq, vf *Dq) {
+/* line r's operands: Q^T, dO^T into A1, A2, its L and D lanes; dQ (O1) zeroed. qm: the tile's
+ * query side, head: the item's query head in the slab */
+static void FAST(bwd_q_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(map) *qm, const FAST(qitem) *it,
+                              int64_t head, vf *Lq, vf *Dq) {
     const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP;
+    const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP;
     for (int r = 0; r < it->nly; ++r) {
-        const int64_t lq = lq0 + it->x * G->Y + it->ys[r], at_q = G->goff[it->gr] + it->i0 + it->zoff[r];
+        const int64_t lq = head * qm->lines + FAST(map_line)(qm, it->x, it->ys[r]),
+                      at_q = FAST(map_z)(qm, G, it->gr) + it->i0 + it->zoff[r];
         for (int64_t d = 0; d < D; ++d) vf_store(s->A1[r] + 16 * d, vf_load(f->QT + lq * D * ZP + d * ZP + at_q));
         for (int64_t d = 0; d < Dv; ++d) vf_store(s->A2[r] + 16 * d, vf_load(f->DOT + lq * Dv * ZP + d * ZP + at_q));
         Lq[r] = vf_load(f->LR + lq * ZP + at_q);
@@ -119,15 +133,16 @@ static void FAST(bwd_q_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FA
     }
 }
 
-/* One unit of a pass 1 item: S, T of its key rows per line, dS in T, then dQ += dS k */
-static void FAST(bwd_q_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(qitem) *it,
+/* One unit of a pass 1 item: S, T of its key rows per line, dS in T, then dQ += dS k (km: the
+ * tile's key side) */
+static void FAST(bwd_q_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
                              const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const vf *Lq,
                              const vf *Dq) {
     const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP, nn = u->nn, at = G->goff[it->gr] + it->zd.base + u->c0;
+    const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, nn = u->nn, at = FAST(map_z)(km, G, it->gr) + it->zd.base + u->c0;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
     for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t ln = FAST(qrow_line)(&f->c, it, line0, u->r0 + t);
+        const int64_t ln = FAST(qrow_line)(km, it, line0, u->r0 + t);
         const float *krow = f->KT + ln * D * ZP + at, *vrow = f->VT + ln * Dv * ZP + at;
         FAST(rowsegs) ys;
         const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, nn);
@@ -174,15 +189,16 @@ static int FAST(bwd_q_item)(const FAST(call) *c, void *scratch, const FAST(slab)
     const FAST(bwd) *f = (const FAST(bwd) *)c;
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
     FAST(qitem) it;
-    FAST(qitem_of)(&it, c->g, &c->G, &c->YB, c->ylines, w, sl->nqh, sl->h0);
+    FAST(qitem_of)(&it, c->g, &c->G, &c->YB, &sl->tile.wk, c->ylines, w, sl->nqh, sl->h0);
     vf Lq[MAXLINES], Dq[MAXLINES];
-    FAST(bwd_q_start)(f, s, &it, (it.h - sl->h0) * sl->rows, Lq, Dq);
+    FAST(bwd_q_start)(f, s, &sl->tile.qm, &it, it.h - sl->h0, Lq, Dq);
     FAST(rowsegs) zs;
     if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
     const int64_t xo = it.h / c->G.G - sl->hk0;
+    const FAST(map) *km = &sl->tile.km;
     FAST(unit) u;
     for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-        FAST(bwd_q_unit)(f, s, &it, &zs, xo * sl->rows, &u, Lq, Dq);
+        FAST(bwd_q_unit)(f, s, km, &it, &zs, FAST(qrow_line0)(km, &it, xo), &u, Lq, Dq);
     float mul[16];
     for (int l = 0; l < 16; ++l) mul[l] = (float)c->g->scale;
     for (int r = 0; r < it.nly; ++r) {
@@ -209,14 +225,15 @@ typedef struct {
     FAST(zdesc) zd;
 } FAST(kitem);
 
-/* item w of a slab (heads innermost, then chunks, Y blocks, X) */
+/* item w of the tile (heads innermost, then chunks, Y blocks, X) */
 static void FAST(kitem_of)(FAST(kitem) *it, const FAST(call) *c, const FAST(slab) *sl, int64_t w) {
     const FAST(geo) *G = &c->G;
+    const FAST(work) *wk = &sl->tile.wk;
     const nbhd_geometry *g = c->g;
-    const int64_t ch = (w / sl->nh) % G->nchunks, yb = (w / (sl->nh * G->nchunks)) % c->YB.n,
+    const int64_t ch = wk->ch0 + (w / sl->nh) % wk->nch, yb = wk->yb0 + (w / (sl->nh * wk->nch)) % wk->nyb,
                   dy = g->axis[1].dilation;
     it->hk = sl->hk0 + w % sl->nh;
-    it->x = w / (sl->nh * G->nchunks * c->YB.n);
+    it->x = wk->x0 + (w / (sl->nh * wk->nch * wk->nyb)) * wk->xstep;
     it->gr = G->chunk_g[ch];
     it->j0 = G->chunk_i0[ch];
     it->nl = FAST(chunk_lanes)(G->glen[it->gr], it->j0);
@@ -240,12 +257,14 @@ static void FAST(kitem_of)(FAST(kitem) *it, const FAST(call) *c, const FAST(slab
     nbhd_inverse_window(&g->axis[0], it->x, &it->fx, &it->cx);
 }
 
-/* line r's operands: K^T, V^T of its keys into A1, A2; dK (O1), dV (O2) zeroed */
-static void FAST(bwd_k_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(kitem) *it, int64_t lk0) {
+/* line r's operands: K^T, V^T of its keys into A1, A2; dK (O1), dV (O2) zeroed (km: the tile's
+ * key side, head: the item's key head in the slab) */
+static void FAST(bwd_k_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(map) *km, const FAST(kitem) *it,
+                              int64_t head) {
     const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP, at_k = G->goff[it->gr] + it->j0;
+    const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, at_k = FAST(map_z)(km, G, it->gr) + it->j0;
     for (int r = 0; r < it->nly; ++r) {
-        const int64_t lk = lk0 + it->x * G->Y + it->ys[r];
+        const int64_t lk = head * km->lines + FAST(map_line)(km, it->x, it->ys[r]);
         for (int64_t d = 0; d < D; ++d) vf_store(s->A1[r] + 16 * d, vf_load(f->KT + lk * D * ZP + d * ZP + at_k));
         for (int64_t d = 0; d < Dv; ++d) vf_store(s->A2[r] + 16 * d, vf_load(f->VT + lk * Dv * ZP + d * ZP + at_k));
         memset(s->O1[r], 0, sizeof(float) * 16 * (size_t)D);
@@ -263,20 +282,19 @@ static inline void FAST(kitem_lines)(const FAST(kitem) *it, int64_t u, int *ra, 
     *rb = b;
 }
 
-/* One unit of a pass 2 item for query head rows from slab line l0: S, T per line, P and dS,
- * then dV += P dO, dK += dS q */
-static void FAST(bwd_k_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(kitem) *it, int64_t l0,
-                             const FAST(unit) *u) {
+/* One unit of a pass 2 item for one query head (line0: the packed line of its query row 0 in
+ * qm, the tile's query side): S, T per line, P and dS, then dV += P dO, dK += dS q */
+static void FAST(bwd_k_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(map) *qm, const FAST(kitem) *it,
+                             int64_t line0, const FAST(unit) *u) {
     const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP, nn = u->nn, at = G->goff[it->gr] + it->zd.base + u->c0;
-    const int64_t dx = f->c.g->axis[0].dilation, dy = f->c.g->axis[1].dilation;
+    const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP, nn = u->nn, at = FAST(map_z)(qm, G, it->gr) + it->zd.base + u->c0;
     const int bcast = it->zd.bcast;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
     for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t q = u->r0 + t, uu = q % it->U, qx = it->fx + (q / it->U) * dx;
+        const int64_t q = u->r0 + t, uu = q % it->U;
         int ra, rb;
         FAST(kitem_lines)(it, uu, &ra, &rb);
-        const int64_t ln = l0 + qx * G->Y + it->fy[it->first] + uu * dy;
+        const int64_t ln = line0 + (q / it->U) * qm->xstep + uu * qm->ystep;
         const float *qrow = f->QT + ln * D * ZP + at, *orow = f->DOT + ln * Dv * ZP + at;
         const float *lrow = f->LR + ln * ZP + at, *drow = f->DR + ln * ZP + at;
         float *Sr[MAXLINES], *Tr[MAXLINES];
@@ -298,7 +316,8 @@ static void FAST(bwd_k_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAS
 }
 
 static int64_t FAST(bwd_k_count)(const FAST(call) *c, const FAST(slab) *sl) {
-    return c->G.X * c->YB.n * c->G.nchunks * sl->nh;
+    (void)c;
+    return sl->tile.wk.nx * sl->tile.wk.nyb * sl->tile.wk.nch * sl->nh;
 }
 
 static int FAST(bwd_k_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
@@ -306,11 +325,13 @@ static int FAST(bwd_k_item)(const FAST(call) *c, void *scratch, const FAST(slab)
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
     FAST(kitem) it;
     FAST(kitem_of)(&it, c, sl, w);
-    FAST(bwd_k_start)(f, s, &it, (it.hk - sl->hk0) * sl->rows);
+    const FAST(map) *qm = &sl->tile.qm;
+    FAST(bwd_k_start)(f, s, &sl->tile.km, &it, it.hk - sl->hk0);
     for (int64_t h = it.hk * c->G.G; it.first < it.nly && h < (it.hk + 1) * c->G.G; ++h) {
+        const int64_t line0 = (h - sl->h0) * qm->lines + FAST(map_line)(qm, it.fx, it.fy[it.first]);
         FAST(unit) u;
         for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-            FAST(bwd_k_unit)(f, s, &it, (h - sl->h0) * sl->rows, &u);
+            FAST(bwd_k_unit)(f, s, qm, &it, line0, &u);
     }
     /* dK = scale sum dS q = (sum dS Q^T_packed) / log2e */
     float mk[16], mv[16];
@@ -343,28 +364,60 @@ static int64_t FAST(bwd_x_count)(const FAST(call) *c, const FAST(slab) *sl) {
     return sl->nh * ((c->G.S + 15) / 16);
 }
 
-/* the 16 extra keys from e0 of head hk: pass 3 over every query line of its group's heads */
+/* A pass 3 unit's query rows (query head h, Z group gr): those packed with the slab (rows of
+ * its one tile, whole heads); returns their stride */
+static int64_t FAST(bwd_x_packed)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(slab) *sl, int64_t h,
+                                  int64_t gr, const FAST(unit) *u) {
+    const FAST(geo) *G = &f->c.G;
+    const FAST(map) *qm = &sl->tile.qm;
+    const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP, at = FAST(map_z)(qm, G, gr) + u->c0;
+    for (int64_t r = 0; r < u->nr; ++r) {
+        const int64_t ln = (h - sl->h0) * qm->lines + u->r0 + r;
+        s->p1[r] = f->QT + ln * D * ZP + at;
+        s->p2[r] = f->DOT + ln * Dv * ZP + at;
+        s->p3[r] = f->LR + ln * ZP + at;
+        s->p4[r] = f->DR + ln * ZP + at;
+    }
+    return ZP;
+}
+
+/* ... on a tiled slab: packed here into xq, as bwd_pack_q packs them (the same values) */
+static int64_t FAST(bwd_x_own)(const FAST(bwd) *f, FAST(bwd_scratch) *s, int64_t b, int64_t h, int64_t gr,
+                               const FAST(unit) *u) {
+    const FAST(geo) *G = &f->c.G;
+    const nbhd_backward_args *a = f->a;
+    const nbhd_dtype dt = f->c.g->dtype;
+    const int64_t D = G->D, Dv = G->Dv, nn = u->nn;
+    for (int64_t r = 0; r < u->nr; ++r) {
+        const int64_t x = (u->r0 + r) / G->Y, y = (u->r0 + r) % G->Y;
+        float *Q = s->xq + r * (D + Dv + 2) * nn, *dO = Q + D * nn, *Lr = dO + Dv * nn, *Dr = Lr + nn;
+        s->p1[r] = Q; s->p2[r] = dO; s->p3[r] = Lr; s->p4[r] = Dr;
+        for (int64_t c = 0; c < nn; ++c) {
+            const int64_t z = gr + (u->c0 + c) * G->dil, oq = FAST(off)(&a->q, b, x, y, z, h),
+                          od = FAST(off)(&a->d_out, b, x, y, z, h);
+            for (int64_t d = 0; d < D; ++d) Q[d * nn + c] = f->qmul * FAST(ld)(a->q.data, oq + d * a->q.stride[5], dt);
+            for (int64_t d = 0; d < Dv; ++d) dO[d * nn + c] = 1.0f * FAST(ld)(a->d_out.data, od + d * a->d_out.stride[5], dt);
+            Dr[c] = FAST(row_d)(dO + c, nn, a, dt, Dv, FAST(off)(&a->out, b, x, y, z, h), FAST(off)(&a->d_lse, b, x, y, z, h));
+            Lr[c] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
+        }
+    }
+    return nn;
+}
+
+/* the 16 extra keys of head hk (KA, VA): pass 3 over every query of its group's heads, dK, dV */
 static void FAST(bwd_x_walk)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(slab) *sl, int64_t hk,
                              const float *KA, const float *VA, float *dK, float *dV) {
     const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP;
-    for (int64_t h = hk * G->G; h < (hk + 1) * G->G; ++h) {
-        const int64_t l0 = (h - sl->h0) * sl->rows;
+    for (int64_t h = hk * G->G; h < (hk + 1) * G->G; ++h)
         /* group by group: the zero margins between them are not queries */
         for (int64_t gr = 0; gr < G->dil; ++gr) {
             FAST(unit) u;
             for (int more = FAST(unit_first)(&u, G->X * G->Y, G->glen[gr]); more; more = FAST(unit_next)(&u)) {
-                for (int64_t r = 0; r < u.nr; ++r) {
-                    const int64_t ln = l0 + u.r0 + r, at = G->goff[gr] + u.c0;
-                    s->p1[r] = f->QT + ln * D * ZP + at;
-                    s->p2[r] = f->DOT + ln * Dv * ZP + at;
-                    s->p3[r] = f->LR + ln * ZP + at;
-                    s->p4[r] = f->DR + ln * ZP + at;
-                }
-                FAST(kv_unit)(s, KA, VA, D, Dv, u.nr, u.nn, ZP, dK, dV);
+                const int64_t ld = f->c.plan.tiled ? FAST(bwd_x_own)(f, s, sl->b, h, gr, &u)
+                                                   : FAST(bwd_x_packed)(f, s, sl, h, gr, &u);
+                FAST(kv_unit)(s, KA, VA, G->D, G->Dv, u.nr, u.nn, ld, dK, dV);
             }
         }
-    }
 }
 
 static int FAST(bwd_x_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
@@ -405,7 +458,13 @@ static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nb
                                           {FAST(qitem_count), FAST(bwd_q_item), 0, 0},
                                           {FAST(bwd_k_count), FAST(bwd_k_item), 0, 0},
                                           {FAST(bwd_x_count), FAST(bwd_x_item), 0, 1}};
-    static const FAST(driver) drv = {phases, 5, FAST(bwd_scratch_new), FAST(bwd_reference)};
+    /* tiles: pass 2 waits for every thread before the next tile packs; pass 3 after the tiles */
+    static const FAST(phase) tiled[4] = {{FAST(pack_count), FAST(pack_kv), 1, 0},
+                                         {FAST(bwd_pack_q_count), FAST(bwd_pack_q), 1, 1},
+                                         {FAST(qitem_count), FAST(bwd_q_item), 0, 0},
+                                         {FAST(bwd_k_count), FAST(bwd_k_item), 0, 1}};
+    static const FAST(driver) whole = {phases, NULL, 5, 0, FAST(bwd_scratch_new), FAST(bwd_reference)};
+    static const FAST(driver) tiles = {tiled, phases + 4, 4, 1, FAST(bwd_scratch_new), FAST(bwd_reference)};
     FAST(bwd) f;
     nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_BACKWARD);
     if (st != NBHD_OK) return st;
@@ -422,7 +481,7 @@ static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nb
     f.c.np = 2;
     /* dQ, dK, dV are written once and not read here (counted as [.., H, D + Dv], at most their size) */
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, D + Dv, 1);
-    st = FAST(drive)(&f.c, &drv);
+    st = FAST(drive)(&f.c, f.c.plan.tiled ? &tiles : &whole);
     FAST(call_free)(&f.c);
     return st;
 }

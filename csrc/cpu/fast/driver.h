@@ -16,6 +16,7 @@ typedef struct {
     FAST(geo) G;
     FAST(yblocks) YB;          /* blocks of `ylines` rows along Y */
     int ylines;                /* query (and key) lines per Y block: 1 in Z-line mode (rank 1) */
+    FAST(plan) plan;           /* whole heads or tiles (slab.h) */
     FAST(layout_t) L;
     float *ws;                 /* the workspace, 64-byte aligned */
     int64_t nhk, per_b;        /* key heads per slab, slabs per batch */
@@ -24,9 +25,11 @@ typedef struct {
     int stream;                /* outputs bypass the caches (nbhd_cpu_stream_outputs) */
 } FAST(call);
 
-/* A slab: batch b, key heads [hk0, hk0 + nh), their query heads [h0, h0 + nqh); rows = X * Y */
+/* A slab: batch b, key heads [hk0, hk0 + nh), their query heads [h0, h0 + nqh); the tile of it
+ * being run (slab.h: all of it unless the plan tiles heads) */
 typedef struct {
-    int64_t index, b, hk0, nh, h0, nqh, rows;
+    int64_t index, b, hk0, nh, h0, nqh;
+    FAST(tile) tile;
 } FAST(slab);
 
 /* A loop of a slab: count(c, slab) items, each item(c, scratch, slab, w), returning 1 when it
@@ -39,11 +42,12 @@ typedef struct {
     int packs, barrier;
 } FAST(phase);
 
-/* An op: its phases per slab, its per-thread scratch (one block that free() releases; NULL
- * when out of memory) and the reference kernels on one slab (fast.h). */
+/* An op: its phases per tile of a slab, then once per slab its tail phases; its per-thread
+ * scratch (one block that free() releases; NULL when out of memory) and the reference kernels
+ * on one slab (fast.h). */
 typedef struct {
-    const FAST(phase) *phase;
-    int nphases;
+    const FAST(phase) *phase, *tail;
+    int nphases, ntail;
     void *(*scratch_new)(const FAST(call) *c);
     nbhd_status (*reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh);
 } FAST(driver);
@@ -54,6 +58,11 @@ static inline float *FAST(align64)(void *p) { return (float *)(((uintptr_t)p + 6
 /* the tile message's name of op */
 static const char *FAST(op_title)(nbhd_op op) {
     return op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward+JVP" : "backward";
+}
+
+static void FAST(call_free)(FAST(call) *c) {
+    free(c->YB.g);
+    FAST(geo_free)(&c->G);
 }
 
 /* Sets up a call of op (blocking of exec's tile, geometry, runs, Y blocks, workspace layout with
@@ -71,22 +80,23 @@ static nbhd_status FAST(call_init)(FAST(call) *c, const nbhd_geometry *g, const 
     if (!FAST(geo_init)(&c->G, g)) return nbhd_fail(NBHD_ERR_ALLOC, "%s: out of host memory", c->name);
     const int zmode = FAST(zline_mode)(g);
     c->ylines = zmode ? 1 : lines;
-    FAST(geo_runs)(&c->G, g, zmode && FAST(zlines_pay)() ? lines : 1);
+    c->plan = FAST(plan_of)(g, op, nbhd_cpu_threads(e));
+    FAST(geo_runs)(&c->G, g, zmode && FAST(zlines_pay)() ? lines : 1, c->plan.tiled ? c->plan.t[2] : 0);
     if (!FAST(yblocks_init)(&c->YB, &g->axis[1], c->ylines)) {
         FAST(geo_free)(&c->G);
         return nbhd_fail(NBHD_ERR_ALLOC, "%s: out of host memory", c->name);
     }
-    c->L = FAST(layout)(g, op);
+    c->L = FAST(layout)(g, op, &c->plan);
+    if (e->workspace_bytes < c->L.total * sizeof(float)) {   /* sized for more threads than run: never less */
+        FAST(call_free)(c);
+        return nbhd_fail(NBHD_ERR_WORKSPACE, "%s: workspace of %zu bytes given, %zu needed (see nbhd_workspace_bytes)",
+                         c->name, e->workspace_bytes, c->L.total * sizeof(float));
+    }
     c->ws = FAST(ws_base)(e);
     FAST(zero_front_margins)(c->ws, &c->L, op);
-    c->nhk = FAST(slab_heads)(g, op);
+    c->nhk = c->plan.nhk;
     c->per_b = (c->G.Hk + c->nhk - 1) / c->nhk;
     return NBHD_OK;
-}
-
-static void FAST(call_free)(FAST(call) *c) {
-    free(c->YB.g);
-    FAST(geo_free)(&c->G);
 }
 
 static FAST(slab) FAST(slab_of)(const FAST(call) *c, int64_t index) {
@@ -97,22 +107,22 @@ static FAST(slab) FAST(slab_of)(const FAST(call) *c, int64_t index) {
     sl.nh = FAST(min)(c->G.Hk - sl.hk0, c->nhk);
     sl.h0 = sl.hk0 * c->G.G;
     sl.nqh = sl.nh * c->G.G;
-    sl.rows = c->G.X * c->G.Y;
+    FAST(tile_of)(&sl.tile, &c->plan, c->g, &c->G, &c->YB, c->ylines, 0);
     return sl;
 }
 
 // ----------------------------------------------------------------------------
 // the key-side packing every op starts a slab with
 
-/* items: each line (hk, x, y) of the slab twice, one per half of the packed tensors */
+/* items: each packed line (hk, x, y) of the tile twice, one per half of the packed tensors */
 static int64_t FAST(pack_count)(const FAST(call) *c, const FAST(slab) *sl) {
     (void)c;
-    return 2 * sl->nh * sl->rows;
+    return 2 * sl->nh * sl->tile.km.lines;
 }
 
 static int FAST(pack_kv)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
     (void)scratch;
-    return FAST(pack_item)(&c->G, c->pk, c->np, c->g->dtype, sl->b, sl->hk0, sl->nh, w);
+    return FAST(pack_item)(&c->G, &sl->tile.km, c->pk, c->np, c->g->dtype, sl->b, sl->hk0, sl->nh, w);
 }
 
 // ----------------------------------------------------------------------------
@@ -134,9 +144,10 @@ static void FAST(run_phase)(const FAST(call) *c, const FAST(phase) *ph, void *sc
     }
 }
 
-/* Runs op d over every slab of call c: one slab (b, key heads [hk0, hk0 + nh)) at a time, its
- * phases in order (packing first: the barriers order them), then the reference kernels on the
- * slabs whose packed operands hold a NaN or an infinity (fast.h). */
+/* Runs op d over every slab of call c: one slab (b, key heads [hk0, hk0 + nh)) at a time, per
+ * tile its phases in order (packing first: the barriers order them), then its tail phases;
+ * then the reference kernels on the slabs whose packed operands hold a NaN or an infinity
+ * (fast.h). */
 static nbhd_status FAST(drive)(const FAST(call) *c, const FAST(driver) *d) {
     const int64_t nslabs = c->G.B * c->per_b;
     unsigned char *to_ref = (unsigned char *)calloc((size_t)nslabs, 1);
@@ -150,8 +161,12 @@ static nbhd_status FAST(drive)(const FAST(call) *c, const FAST(driver) *d) {
             failed = 1;
         }
         for (int64_t i = 0; i < nslabs; ++i) {
-            const FAST(slab) sl = FAST(slab_of)(c, i);
-            for (int p = 0; p < d->nphases; ++p) FAST(run_phase)(c, &d->phase[p], scratch, &sl, to_ref);
+            FAST(slab) sl = FAST(slab_of)(c, i);
+            for (int64_t t = 0; t < c->plan.ntiles; ++t) {
+                FAST(tile_of)(&sl.tile, &c->plan, c->g, &c->G, &c->YB, c->ylines, t);
+                for (int p = 0; p < d->nphases; ++p) FAST(run_phase)(c, &d->phase[p], scratch, &sl, to_ref);
+            }
+            for (int p = 0; p < d->ntail; ++p) FAST(run_phase)(c, &d->tail[p], scratch, &sl, to_ref);
         }
         free(scratch);
         vf_fence();   /* the streamed outputs */

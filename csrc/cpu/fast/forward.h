@@ -43,10 +43,14 @@ static void *FAST(fwd_scratch_new)(const FAST(call) *c) {
     return s;
 }
 
-/* the slab line of the item's key row q (rows u of the Y union innermost, then X) */
-static inline int64_t FAST(qrow_line)(const FAST(call) *c, const FAST(qitem) *it, int64_t line0, int64_t q) {
-    const int64_t kx = it->fx + (q / it->U) * c->g->axis[0].dilation;
-    return line0 + kx * c->G.Y + it->fy[0] + (q % it->U) * c->g->axis[1].dilation;
+/* the packed line (map m) of the item's key row q (rows u of the Y union innermost, then X);
+ * line0: its row 0's, FAST(qrow_line0) */
+static inline int64_t FAST(qrow_line)(const FAST(map) *m, const FAST(qitem) *it, int64_t line0, int64_t q) {
+    return line0 + (q / it->U) * m->xstep + (q % it->U) * m->ystep;
+}
+
+static inline int64_t FAST(qrow_line0)(const FAST(map) *m, const FAST(qitem) *it, int64_t head) {
+    return head * m->lines + FAST(map_line)(m, it->fx, it->fy[0]);
 }
 
 /* the segments of key row q of an item's unit of n slots: zs (Z lines), or y (Y lines) */
@@ -58,14 +62,14 @@ static inline const FAST(rowsegs) *FAST(qrow_segments)(const FAST(qitem) *it, co
 }
 
 /* One unit of a work item: scores of its key rows for every line that sees them, the online
- * softmax per line, then the values */
-static void FAST(fwd_unit)(const FAST(fwd) *f, FAST(fwd_scratch) *s, const FAST(qitem) *it,
+ * softmax per line, then the values (km: the tile's key side) */
+static void FAST(fwd_unit)(const FAST(fwd) *f, FAST(fwd_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
                            const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u) {
     const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP, nn = u->nn, at = G->goff[it->gr] + it->zd.base + u->c0;
+    const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, nn = u->nn, at = FAST(map_z)(km, G, it->gr) + it->zd.base + u->c0;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
     for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t ln = FAST(qrow_line)(&f->c, it, line0, u->r0 + t);
+        const int64_t ln = FAST(qrow_line)(km, it, line0, u->r0 + t);
         const float *krow = f->KT + ln * D * ZP + at, *vrow = f->VT + ln * Dv * ZP + at;
         FAST(rowsegs) ys;
         const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, nn);
@@ -121,9 +125,10 @@ static void FAST(fwd_store)(const FAST(fwd) *f, const FAST(fwd_scratch) *s, cons
                       s->O[r], inv, f->c.stream);
 }
 
-/* items: heads innermost, then runs of Z chunks, Y blocks, X (FAST(qitem_of)) */
+/* items of the tile: heads innermost, then runs of Z chunks, Y blocks, X (FAST(qitem_of)) */
 static int64_t FAST(qitem_count)(const FAST(call) *c, const FAST(slab) *sl) {
-    return c->G.X * c->YB.n * c->G.nruns * sl->nqh;
+    (void)c;
+    return sl->tile.wk.nx * sl->tile.wk.nyb * sl->tile.wk.nruns * sl->nqh;
 }
 
 static int FAST(fwd_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
@@ -131,7 +136,7 @@ static int FAST(fwd_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
     FAST(fwd_scratch) *s = (FAST(fwd_scratch) *)scratch;
     const int64_t D = c->G.D, Dv = c->G.Dv;
     FAST(qitem) it;
-    FAST(qitem_of)(&it, c->g, &c->G, &c->YB, c->ylines, w, sl->nqh, sl->h0);
+    FAST(qitem_of)(&it, c->g, &c->G, &c->YB, &sl->tile.wk, c->ylines, w, sl->nqh, sl->h0);
     for (int r = 0; r < it.nly; ++r) {
         FAST(load_lanes)(s->Q[r], &f->a->q, c->g->dtype, D, sl->b, it.x, it.ys[r], it.zl[r], it.nl[r], it.h, f->qmul);
         for (int l = 0; l < 16; ++l) { s->m[r][l] = -INFINITY; s->l[r][l] = 0.0f; }
@@ -140,9 +145,10 @@ static int FAST(fwd_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
     FAST(rowsegs) zs;
     if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
     const int64_t xo = it.h / c->G.G - sl->hk0;   /* the key head within the slab */
+    const FAST(map) *km = &sl->tile.km;
     FAST(unit) u;
     for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-        FAST(fwd_unit)(f, s, &it, &zs, xo * sl->rows, &u);
+        FAST(fwd_unit)(f, s, km, &it, &zs, FAST(qrow_line0)(km, &it, xo), &u);
     for (int r = 0; r < it.nly; ++r) {
         if (c->G.S) FAST(fwd_extra)(f, s, r, xo);
         FAST(fwd_store)(f, s, &it, r, sl->b);
@@ -158,7 +164,7 @@ static nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbh
                                                const nbhd_exec *e) {
     static const FAST(phase) phases[2] = {{FAST(pack_count), FAST(pack_kv), 1, 1},
                                           {FAST(qitem_count), FAST(fwd_item), 0, 1}};
-    static const FAST(driver) drv = {phases, 2, FAST(fwd_scratch_new), FAST(fwd_reference)};
+    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(fwd_scratch_new), FAST(fwd_reference)};
     FAST(fwd) f;
     nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD);
     if (st != NBHD_OK) return st;

@@ -49,14 +49,15 @@ static void *FAST(jvp_scratch_new)(const FAST(call) *c) {
     return s;
 }
 
-/* One unit of a work item: S and T of its key rows, the softmax step per line, the values */
-static void FAST(jvp_unit)(const FAST(jvp) *f, FAST(jvp_scratch) *s, const FAST(qitem) *it,
+/* One unit of a work item: S and T of its key rows, the softmax step per line, the values
+ * (km: the tile's key side) */
+static void FAST(jvp_unit)(const FAST(jvp) *f, FAST(jvp_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
                            const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u) {
     const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP, nn = u->nn, at = G->goff[it->gr] + it->zd.base + u->c0;
+    const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, nn = u->nn, at = FAST(map_z)(km, G, it->gr) + it->zd.base + u->c0;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
     for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t ln = FAST(qrow_line)(&f->c, it, line0, u->r0 + t), ko = ln * D * ZP + at, vo = ln * Dv * ZP + at;
+        const int64_t ln = FAST(qrow_line)(km, it, line0, u->r0 + t), ko = ln * D * ZP + at, vo = ln * Dv * ZP + at;
         FAST(rowsegs) ys;
         const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, nn);
         for (int i = 0; i < sg->n; ++i, ++ne) {
@@ -140,7 +141,7 @@ static int FAST(jvp_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
     const int64_t D = c->G.D, Dv = c->G.Dv;
     const nbhd_dtype dt = c->g->dtype;
     FAST(qitem) it;
-    FAST(qitem_of)(&it, c->g, &c->G, &c->YB, c->ylines, w, sl->nqh, sl->h0);
+    FAST(qitem_of)(&it, c->g, &c->G, &c->YB, &sl->tile.wk, c->ylines, w, sl->nqh, sl->h0);
     for (int r = 0; r < it.nly; ++r) {
         FAST(load_lanes)(s->Q[r], &f->a->q, dt, D, sl->b, it.x, it.ys[r], it.zl[r], it.nl[r], it.h, f->qmul);
         if (f->has_tq)
@@ -152,9 +153,10 @@ static int FAST(jvp_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
     FAST(rowsegs) zs;
     if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
     const int64_t xo = it.h / c->G.G - sl->hk0;
+    const FAST(map) *km = &sl->tile.km;
     FAST(unit) u;
     for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-        FAST(jvp_unit)(f, s, &it, &zs, xo * sl->rows, &u);
+        FAST(jvp_unit)(f, s, km, &it, &zs, FAST(qrow_line0)(km, &it, xo), &u);
     for (int r = 0; r < it.nly; ++r) {
         if (c->G.S) FAST(jvp_extra)(f, s, r, xo);
         FAST(jvp_store)(f, s, &it, r, sl->b);
@@ -186,7 +188,7 @@ static nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const
                                                    const nbhd_exec *e) {
     static const FAST(phase) phases[2] = {{FAST(pack_count), FAST(pack_kv), 1, 1},
                                           {FAST(qitem_count), FAST(jvp_item), 0, 1}};
-    static const FAST(driver) drv = {phases, 2, FAST(jvp_scratch_new), FAST(jvp_reference)};
+    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(jvp_scratch_new), FAST(jvp_reference)};
     FAST(jvp) f;
     nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD_JVP);
     if (st != NBHD_OK) return st;

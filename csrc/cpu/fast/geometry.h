@@ -61,7 +61,9 @@ typedef struct {
     int64_t *goff, *glen;                     /* [dil] first packed position, length of each group */
     int64_t nchunks;                          /* chunks of 16 in-group queries per (x, y) line */
     int64_t *chunk_g, *chunk_i0;              /* [nchunks] */
+    int64_t *chunk_first;                     /* [dil] the first chunk of each group */
     int64_t nruns, *run_c0, *run_len;         /* work items' runs of chunks (FAST(geo_runs)) */
+    int64_t *chunk_run;                       /* [nchunks] the run holding each chunk */
 } FAST(geo);
 
 static void FAST(geo_sizes)(FAST(geo) *G, const nbhd_geometry *g) {
@@ -75,22 +77,25 @@ static void FAST(geo_sizes)(FAST(geo) *G, const nbhd_geometry *g) {
 /* 0 when out of memory (nothing to free then) */
 static int FAST(geo_init)(FAST(geo) *G, const nbhd_geometry *g) {
     FAST(geo_sizes)(G, g);
-    G->goff = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)G->dil);
+    G->goff = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)G->dil);
     if (!G->goff) return 0;
     G->glen = G->goff + G->dil;
+    G->chunk_first = G->glen + G->dil;
     G->nchunks = 0;
     for (int64_t gr = 0, at = 0; gr < G->dil; ++gr) {
         const int64_t Lg = nbhd_group_len(&g->axis[2], gr);
         G->goff[gr] = at;
         G->glen[gr] = Lg;
+        G->chunk_first[gr] = G->nchunks;
         at += Lg + PAD;
         G->nchunks += (Lg + 15) / 16;
     }
-    G->chunk_g = (int64_t *)malloc(sizeof(int64_t) * 4 * (size_t)G->nchunks);
+    G->chunk_g = (int64_t *)malloc(sizeof(int64_t) * 5 * (size_t)G->nchunks);
     if (!G->chunk_g) { free(G->goff); return 0; }
     G->chunk_i0 = G->chunk_g + G->nchunks;
     G->run_c0 = G->chunk_i0 + G->nchunks;
     G->run_len = G->run_c0 + G->nchunks;
+    G->chunk_run = G->run_len + G->nchunks;
     G->nruns = 0;
     int64_t c = 0;
     for (int64_t gr = 0; gr < G->dil; ++gr)
@@ -174,8 +179,10 @@ static void FAST(zdesc_inverse)(FAST(zdesc) *zd, const nbhd_axis *az, int64_t gr
 /* Groups the chunks into the runs work items own: up to `zlines` consecutive chunks of one
  * dilation group whose windows are pure shifts 16 slots apart (interior chunks of a window of
  * at least 16), so that one shifted load of a key row feeds one FMA per chunk where their
- * windows overlap; any other chunk is a run of its own. zlines = 1: every chunk alone. */
-static void FAST(geo_runs)(FAST(geo) *G, const nbhd_geometry *g, int zlines) {
+ * windows overlap; any other chunk is a run of its own. zlines = 1: every chunk alone. A run
+ * never crosses an in-group index that is a multiple of tz (tz > 0: where tiles meet, slab.h).
+ * Runs change which loads are shared, never a query's arithmetic. */
+static void FAST(geo_runs)(FAST(geo) *G, const nbhd_geometry *g, int zlines, int64_t tz) {
     FAST(zdesc) prev = {0};   /* read only once `open` (set after the first chunk) */
     int open = 0;   /* whether the last run may take the next chunk */
     G->nruns = 0;
@@ -185,7 +192,8 @@ static void FAST(geo_runs)(FAST(geo) *G, const nbhd_geometry *g, int zlines) {
         FAST(zdesc_window)(&zd, &g->axis[2], i0, FAST(chunk_lanes)(Lg, i0), Lg);
         const int pure = !zd.masked && !zd.bcast && zd.n >= 16 && zd.n <= SMAX;
         const int64_t last = G->nruns - 1;
-        if (open && pure && G->run_len[last] < zlines && G->chunk_g[ch - 1] == gr && zd.n == prev.n &&
+        const int cut = tz > 0 && i0 % tz == 0;
+        if (open && pure && !cut && G->run_len[last] < zlines && G->chunk_g[ch - 1] == gr && zd.n == prev.n &&
             zd.base == prev.base + 16) {
             ++G->run_len[last];
         } else {
@@ -193,6 +201,7 @@ static void FAST(geo_runs)(FAST(geo) *G, const nbhd_geometry *g, int zlines) {
             G->run_len[G->nruns++] = 1;
             open = pure && zlines > 1;
         }
+        G->chunk_run[ch] = G->nruns - 1;
         prev = zd;
     }
 }
@@ -241,19 +250,29 @@ static int FAST(tile_lines)(const nbhd_exec *e, const nbhd_geometry *g, int max_
 /* The lines a work item owns: up to `lines` consecutive in-group rows along Y. */
 typedef struct {
     int64_t n, *g, *i0;   /* [n] Y dilation group and first in-group index of each block */
+    int64_t *gfirst;      /* [dilation] the first block of each group */
 } FAST(yblocks);
 
 static int FAST(yblocks_init)(FAST(yblocks) *yb, const nbhd_axis *ay, int lines) {
     yb->n = 0;
     for (int64_t gr = 0; gr < ay->dilation; ++gr) yb->n += (nbhd_group_len(ay, gr) + lines - 1) / lines;
-    yb->g = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)yb->n);
+    yb->g = (int64_t *)malloc(sizeof(int64_t) * (2 * (size_t)yb->n + (size_t)ay->dilation));
     if (!yb->g) return 0;
     yb->i0 = yb->g + yb->n;
+    yb->gfirst = yb->i0 + yb->n;
     int64_t at = 0;
-    for (int64_t gr = 0; gr < ay->dilation; ++gr)
+    for (int64_t gr = 0; gr < ay->dilation; ++gr) {
+        yb->gfirst[gr] = at;
         for (int64_t i0 = 0; i0 < nbhd_group_len(ay, gr); i0 += lines) { yb->g[at] = gr; yb->i0[at++] = i0; }
+    }
     return 1;
 }
+
+/* The work of one tile (slab.h): query lines at x = x0 + i * xstep (i < nx), the Y blocks
+ * [yb0, yb0 + nyb), the runs [run0, run0 + nruns) of the chunks [ch0, ch0 + nch) */
+typedef struct {
+    int64_t x0, xstep, nx, yb0, nyb, run0, nruns, ch0, nch;
+} FAST(work);
 
 /* A query work item w of a slab (heads innermost, then runs of Z chunks, Y blocks, X;
  * neighbouring items share token rows): head h0 + w % nqh and up to MAXLINES lines r of 16 lanes
@@ -289,11 +308,12 @@ static void FAST(qitem_z)(FAST(qitem) *it, const nbhd_geometry *g, const FAST(ge
     FAST(zdesc_window)(&it->zd, &g->axis[2], it->i0, it->nl[0], Lg);
 }
 
-static void FAST(qitem_of)(FAST(qitem) *it, const nbhd_geometry *g, const FAST(geo) *G,
-                           const FAST(yblocks) *YB, int lines, int64_t w, int64_t nqh, int64_t h0) {
-    const int64_t run = (w / nqh) % G->nruns, yb = (w / (nqh * G->nruns)) % YB->n;
+/* item w of work wk (heads innermost, then runs, Y blocks, X) */
+static void FAST(qitem_of)(FAST(qitem) *it, const nbhd_geometry *g, const FAST(geo) *G, const FAST(yblocks) *YB,
+                           const FAST(work) *wk, int lines, int64_t w, int64_t nqh, int64_t h0) {
+    const int64_t run = wk->run0 + (w / nqh) % wk->nruns, yb = wk->yb0 + (w / (nqh * wk->nruns)) % wk->nyb;
     it->h = h0 + w % nqh;
-    it->x = w / (nqh * G->nruns * YB->n);
+    it->x = wk->x0 + (w / (nqh * wk->nruns * wk->nyb)) * wk->xstep;
     FAST(qitem_z)(it, g, G, run);
     const int64_t dy = g->axis[1].dilation, gy = YB->g[yb], Lgy = nbhd_group_len(&g->axis[1], gy);
     if (!it->zlines) it->nly = (int)FAST(min)(Lgy - YB->i0[yb], lines);

@@ -5,13 +5,16 @@
  * table (fast.h) to fast.c.
  *
  *   geometry.h      sizes, chunks, runs, Y blocks, lane ranges, query work items
- *   pack.h          the workspace layout and the packing of K, V (and Q, dO, ...) into it
+ *   slab.h          which tokens a slab packs (whole heads, or tiles of one) and where: the
+ *                   workspace layout
+ *   pack.h          the packing of K, V (and Q, dO, ...) into it
  *   kernels.h       micro-kernels: scores, values, masks, online softmax
  *   kernels_jvp.h   their forward+JVP variants
  *   driver.h        set-up, slabs, the OpenMP team, phases, scratch, the reference fallback
  *   forward.h, forward_jvp.h, backward.h   the ops' phases
  */
 #include "geometry.h"
+#include "slab.h"
 #include "pack.h"
 #include "kernels.h"
 #include "kernels_jvp.h"
