@@ -2,13 +2,16 @@
 
     torchrun --nproc_per_node 2 bench/bench_context_parallel.py [--dim 128] [--heads 24] [--csv out.csv]
     torchrun --nproc_per_node 2 bench/bench_context_parallel.py --tiny     # CPU/gloo smoke run
+    torchrun --nproc_per_node 4 bench/bench_context_parallel.py --axes 2,0+2 --reps 2
 
 Rank 0 first times the one-device baseline (nbhd.na3d on the whole original problem) while the
 other ranks wait; then every rank runs the sharded problem (nbhd.distributed.na3d) and the
 slowest rank's time counts. Problems (bf16 on GPUs, B = 1):
   strong: 30x48x80, window 18x24x24 (stride 1 and 16x8x8), the same grid on 1 and on N devices;
   weak:   the strided problem with N x 30 frames on N devices against 30 frames on one.
-For each sharded axis: forward and forward+backward time, speedup (strong) or efficiency
+For each sharded axis (`--axes`: a list of axes, `0+2` shards two axes on a balanced mesh):
+forward, forward+backward and MeanFlow step time (torch.func.jvp with tangents on q, k, v,
+then the backward of the primal output), speedup (strong) or efficiency
 (weak), the halo exchange alone (k and v), the forward kernel alone on the rank's key box (the
 compute share; the rest is exchange, padding and slicing), the halo bytes a rank receives per step (forward:
 k, v; backward: their gradients, as many bytes), and the key box / owned tokens ratio (the
@@ -47,14 +50,18 @@ def parse_args():
     p.add_argument("--heads", type=int, default=24)
     p.add_argument("--reps", type=int, default=5, help="calls per timing")
     p.add_argument("--tiny", action="store_true", help="small problems (CPU smoke run)")
+    p.add_argument("--rounds", type=int, default=5, help="timed loops; the median counts")
+    p.add_argument("--axes", default="", help="sharded axes to try, e.g. '2,0+2' (default: per problem)")
+    p.add_argument("--problems", default="", help="comma-separated substrings of problem names to keep")
+    p.add_argument("--no-meanflow", action="store_true", help="skip the MeanFlow step timings")
     p.add_argument("--csv", default="")
     return p.parse_args()
 
 
-def timer(device):
+def timer(device, rounds):
     def run(fn, reps):
-        # ms per call, median of 5 loops of `reps` calls, each after a barrier of every rank
-        samples = sample(fn, rounds=5, calls=reps, warmup=1, device=device,
+        # ms per call, median of `rounds` loops of `reps` calls, each after a barrier of every rank
+        samples = sample(fn, rounds=rounds, calls=reps, warmup=1, device=device,
                          events=device.type == "cuda", before=dist.barrier)
         return statistics.median(samples) * 1e3
     return run
@@ -77,6 +84,19 @@ def fwd_and_bwd(fn, q, k, v):
     out.backward(torch.ones_like(out))
 
 
+def meanflow_step(fn, q, k, v, tangents):
+    # the flow-map pattern: the jvp's tangent is a detached target, the loss backpropagates
+    # through the primal output
+    out, t_out = torch.func.jvp(fn, (q, k, v), tangents)
+    (out * t_out.detach()).sum().backward()
+
+
+def parse_axes(spec, default):
+    if not spec:
+        return [(a,) for a in default]
+    return [tuple(int(a) for a in item.split("+")) for item in spec.split(",")]
+
+
 def main():
     args = parse_args()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -87,32 +107,46 @@ def main():
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads, dim = (2, 16) if args.tiny else (args.heads, args.dim)
-    run = timer(device)
+    run = timer(device, args.rounds)
+    meanflow = not args.no_meanflow
+    problems = [p for p in (TINY if args.tiny else PROBLEMS)
+                if not args.problems or any(f in f"{p[0]}-{p[1]}" for f in args.problems.split(","))]
     rows = []
-    for name, kind, shape, ks, st, axes, scaled in (TINY if args.tiny else PROBLEMS):
+    for name, kind, shape, ks, st, default_axes, scaled in problems:
         geo = dict(kernel_size=ks, stride=st)
         # the one-device baseline: the original problem on rank 0
         base = {}
         if rank == 0:
             q, k, v = make_qkv(shape, heads, dim, dtype, device, True)
-            base["fwd"] = run(lambda: nbhd.na3d(q, k, v, **geo), args.reps)
-            base["fwdbwd"] = run(lambda: fwd_and_bwd(lambda *t: nbhd.na3d(*t, **geo), q, k, v), args.reps)
+            one = lambda *t: nbhd.na3d(*t, **geo)
+            base["fwd"] = run(lambda: one(q, k, v), args.reps)
+            base["fwdbwd"] = run(lambda: fwd_and_bwd(one, q, k, v), args.reps)
+            if meanflow:
+                tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+                base["meanflow"] = run(lambda: meanflow_step(one, q, k, v, tangents), args.reps)
+                del tangents
             del q, k, v
         else:
-            for _ in range(2 * 5):                   # rank 0's barriers: 2 timings of 5 samples
+            for _ in range((3 if meanflow else 2) * args.rounds):   # rank 0's barriers
                 dist.barrier()
-        base_t = torch.tensor([base.get("fwd", 0.0), base.get("fwdbwd", 0.0)], dtype=torch.float64, device=device)
+        base_t = torch.tensor([base.get(key, 0.0) for key in ("fwd", "fwdbwd", "meanflow")],
+                              dtype=torch.float64, device=device)
         dist.broadcast(base_t, 0)
         full = list(shape)
         if kind == "weak":
             full[scaled] *= world
-        for axis in axes:
-            sharding = cp.Sharding(tuple(full), axes=(axis,))
+        for axis in parse_axes(args.axes, default_axes):
+            sharding = cp.Sharding(tuple(full), axes=axis)
             plan = sharding.plan(ks, st, 1, False)
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
             na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding)
             t_fwd = slowest(run(lambda: na(q, k, v), args.reps), device)
             t_fb = slowest(run(lambda: fwd_and_bwd(na, q, k, v), args.reps), device)
+            t_mf = 0.0
+            if meanflow:
+                tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+                t_mf = slowest(run(lambda: meanflow_step(na, q, k, v, tangents), args.reps), device)
+                del tangents
             with torch.no_grad():
                 t_halo = slowest(run(lambda: cp.exchange_halo(plan, k, v), args.reps), device)
                 # the kernel alone on this rank's key box: the compute share of the sharded time
@@ -125,22 +159,27 @@ def main():
             bytes_fwd = int(halo_tokens.item()) * heads * dim * 2 * q.element_size()   # k and v
             ratio = torch.tensor([plan.key_box_tokens / plan.owned_tokens], dtype=torch.float64, device=device)
             dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
-            b_fwd, b_fb = base_t.tolist()
+            b_fwd, b_fb, b_mf = base_t.tolist()
             # strong: the speedup; weak (the same work per device): the efficiency
-            score = (b_fwd / t_fwd, b_fb / t_fb)
-            row = dict(problem=name, kind=kind, world=world, grid="x".join(map(str, full)), axis=axis,
+            score = (b_fwd / t_fwd, b_fb / t_fb, b_mf / t_mf if meanflow else 0.0)
+            row = dict(problem=name, kind=kind, world=world, grid="x".join(map(str, full)),
+                       axis="+".join(map(str, axis)), mesh="x".join(map(str, sharding.mesh_shape)),
                        heads=heads, dim=dim, dtype=str(dtype).replace("torch.", ""),
-                       base_fwd_ms=round(b_fwd, 3), base_fwdbwd_ms=round(b_fb, 3),
-                       fwd_ms=round(t_fwd, 3), fwdbwd_ms=round(t_fb, 3),
+                       base_fwd_ms=round(b_fwd, 3), base_fwdbwd_ms=round(b_fb, 3), base_meanflow_ms=round(b_mf, 3),
+                       fwd_ms=round(t_fwd, 3), fwdbwd_ms=round(t_fb, 3), meanflow_ms=round(t_mf, 3),
                        fwd_score=round(score[0], 3), fwdbwd_score=round(score[1], 3),
+                       meanflow_score=round(score[2], 3),
                        halo_ms=round(t_halo, 3), keybox_kernel_fwd_ms=round(t_box, 3), halo_bytes_fwd=bytes_fwd, halo_bytes_step=2 * bytes_fwd,
                        keybox_over_owned=round(ratio.item(), 3))
             rows.append(row)
             if rank == 0:
                 label = "speedup" if kind == "strong" else "efficiency"
-                print(f"{name} {kind} {row['grid']} on {world} ({backend}, axis {axis}): fwd {t_fwd:.3f} ms "
+                mf = (f", MeanFlow step {t_mf:.3f} ms (1 device {b_mf:.3f}, {label} {score[2]:.2f})"
+                      if meanflow else "")
+                print(f"{name} {kind} {row['grid']} on {world} ({backend}, axes {row['axis']}, mesh "
+                      f"{row['mesh']}): fwd {t_fwd:.3f} ms "
                       f"(1 device {b_fwd:.3f}, {label} {score[0]:.2f}), fwd+bwd {t_fb:.3f} ms "
-                      f"(1 device {b_fb:.3f}, {label} {score[1]:.2f}); halo exchange {t_halo:.3f} ms, kernel on "
+                      f"(1 device {b_fb:.3f}, {label} {score[1]:.2f}){mf}; halo exchange {t_halo:.3f} ms, kernel on "
                       f"the key box alone {t_box:.3f} ms (fwd), "
                       f"{bytes_fwd / 2**20:.2f} MiB fwd + as much bwd per rank; key box / owned "
                       f"{ratio.item():.2f}", flush=True)

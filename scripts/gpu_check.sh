@@ -5,6 +5,8 @@
 #   STAGES="build test sanitize bench" (the default; "ab" adds the A/B of the listed tile
 #   configurations of the forward and forward+JVP, bench/ab_gpu.py; "ab_ref" the A/B against
 #   the library of another source tree, AB_REF=<dir>, AB_BENCH_ARGS="..." for its bench)
+#   "cp" runs bench/bench_context_parallel.py under torchrun on each of CP_WORLDS="2 4" GPUs
+#   (CP_ARGS="...", e.g. "--axes 2,0+2 --reps 2")
 #   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."  AB_KINDS="fwd jvp" (which A/Bs: fwd, jvp, bwd)
 set -u
 OUT=${OUT:-out}
@@ -87,6 +89,15 @@ if has ab; then
     if ab_kind bwd; then
         $PY bench/ab_gpu.py --bwd ${AB_ARGS:-} 2>&1 | tee "$OUT/ab_bwd.log"
     fi
+fi
+
+if has cp; then
+    for world in ${CP_WORLDS:-2 4}; do
+        [ "$(nvidia-smi -L | wc -l)" -ge "$world" ] || { summary+=("cp on $world GPUs: skipped (fewer GPUs)"); continue; }
+        PYTHONPATH=bench $PY -m torch.distributed.run --nproc_per_node "$world" bench/bench_context_parallel.py \
+            ${CP_ARGS:-} --csv "$OUT/cp_$world.csv" >"$OUT/cp_$world.log" 2>&1
+        summary+=("cp on $world GPUs: rc=$? (cp_$world.log, cp_$world.csv)")
+    done
 fi
 
 if has bench; then

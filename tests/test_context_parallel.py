@@ -5,7 +5,10 @@ jvp tangents, vmap, double backward, the module wrapper and torch.compile; every
 dilation and causal case, uneven and thin shards (halos several ranks deep), one and two
 sharded axes. One process group per world size runs all cases (spawning dominates the time).
 """
+import csv
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -254,11 +257,12 @@ def test_gloo_against_single_process(world):
         assert max(c["peers"] for res in ranks for c in res["cases"] if len(c["case"][0]) == 1) == 3
 
 
-def test_nccl_two_gpus():
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_against_single_process(world):
     _needs_distributed()
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available():
-        pytest.skip("needs 2 CUDA GPUs and NCCL")
-    _check(_spawn(2, "nccl"), tol=1e-4, bitwise=False)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world or not dist.is_nccl_available():
+        pytest.skip(f"needs {world} CUDA GPUs and NCCL")
+    _check(_spawn(world, "nccl"), tol=1e-4, bitwise=False)
 
 
 @pytest.mark.parametrize("extent", [7, 11])
@@ -297,3 +301,24 @@ def test_train_video_example_check_and_steps():
                               os.path.join(root, "examples", "context_parallel", "train_video.py"), *extra],
                              capture_output=True, text=True, timeout=600, env=env)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_bench_context_parallel_smoke():
+    """bench/bench_context_parallel.py --tiny under torchrun with 2 gloo processes: every row
+    (one and two sharded axes) prints forward, backward and MeanFlow times."""
+    _needs_distributed()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "cp.csv")
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              os.path.join(root, "bench", "bench_context_parallel.py"), "--tiny", "--axes", "0,0+2",
+                              "--reps", "1", "--rounds", "1", "--csv", out],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "bench")])})
+        assert run.returncode == 0, run.stderr[-3000:]
+        with open(out) as f:
+            rows = list(csv.DictReader(f))
+    assert [(r["kind"], r["axis"], r["mesh"]) for r in rows] == [
+        ("strong", "0", "2"), ("strong", "0+2", "1x2"), ("weak", "0", "2"), ("weak", "0+2", "1x2")]
+    for r in rows:
+        assert min(float(r[key]) for key in ("fwd_ms", "fwdbwd_ms", "meanflow_ms", "halo_ms")) > 0, r
