@@ -60,6 +60,7 @@ def _eager_function(name: str, rule: Rule, doc: str):
     (ops.call), backward and jvp by the rule with the Functions as its Calls."""
     op, call = getattr(ops, rule.op), ops.call
     op_args, save, vjp, jvp, optional = rule.op_args, rule.save, rule.vjp, rule.jvp, rule.optional
+    sparse = rule.sparse_cotangents
 
     # the forward and its context run on every eager call: kept to what the rule needs
     if rule.geometry:
@@ -72,6 +73,8 @@ def _eager_function(name: str, rule: Rule, doc: str):
     def setup_context(ctx, inputs, output):
         tensors = inputs[:-1]
         ctx.extra = extra = inputs[-1]
+        if sparse:
+            ctx.set_materialize_grads(False)
         if optional:
             ctx.absent = _absent(rule, tensors)
         for_backward, for_forward, ctx.info = save(tensors, output, extra)
@@ -146,6 +149,8 @@ def _register(rule: Rule) -> None:
     def setup_context(ctx, inputs, output):
         tensors, extra = split(inputs)
         ctx.extra = extra
+        if rule.sparse_cotangents:
+            ctx.set_materialize_grads(False)
         ctx.absent = _absent(rule, tensors) if rule.optional else ()
         for_backward, _, ctx.info = save(tensors, output, extra)
         ctx.save_for_backward(*for_backward)

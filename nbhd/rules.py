@@ -78,6 +78,7 @@ class Rule:
     split     the op's arguments -> (tensors, extra)
     op_grads  (gradients per tensor, extra) -> the op's gradients (None for non-tensors)
     geometry  extra is a Geometry whose args() follow the tensors (the na_* ops)
+    sparse_cotangents  vjp takes None for an output that got no gradient (unmaterialized)
     """
     op: str
     tensors: int
@@ -89,6 +90,7 @@ class Rule:
     split: Callable
     op_grads: Callable
     geometry: bool = False
+    sparse_cotangents: bool = False
 
 
 def _fused(device: torch.device) -> bool:
@@ -237,6 +239,14 @@ def _forward_jvp_save(tensors, outputs, geometry):
 
 def _forward_jvp_vjp(calls, saved, fused, geometry, grads):
     *inputs, out, lse, t_out, t_lse = saved
+    d_out, d_lse, d_t_out, d_t_lse = grads
+    if d_t_out is None and d_t_lse is None:
+        # no cotangent on the tangent outputs (a flow-map loss detaches its jvp target): out and
+        # lse do not depend on the tangents, so this is the first-order backward
+        if d_out is None and d_lse is None:
+            return (None,) * len(inputs)
+        d_out = torch.zeros_like(out) if d_out is None else d_out
+        return (*calls.backward(*inputs[:5], out, lse, d_out, d_lse, geometry), *(None,) * 5)
     if fused:
         return calls.forward_jvp_backward(*inputs, out, lse, t_out, t_lse, *grads, geometry)
     outs = (out, lse, t_out, t_lse)
@@ -336,20 +346,21 @@ def _merge_jvp(calls, saved, info, n, tangents):
 # ----------------------------------------------------------------------------
 # the table
 
-def _geometry_op(n_tensors: int, optional: Tuple[int, ...], save, vjp, jvp, name: str) -> Rule:
+def _geometry_op(n_tensors: int, optional: Tuple[int, ...], save, vjp, jvp, name: str,
+                 sparse_cotangents: bool = False) -> Rule:
     """A rule of an na_* op: `n_tensors` tensors, then the Geometry's six arguments."""
     return Rule(op=name, tensors=n_tensors, optional=optional, save=save, vjp=vjp, jvp=jvp,
                 op_args=lambda tensors, geometry: (*tensors, *geometry.args()),
                 split=lambda args: (args[:n_tensors], Geometry(*args[n_tensors:])),
                 op_grads=lambda grads, geometry: (*grads, None, None, None, None, None, None),
-                geometry=True)
+                geometry=True, sparse_cotangents=sparse_cotangents)
 
 
 RULES = {
     "na_forward": _geometry_op(5, (), _forward_save, _forward_vjp, _forward_jvp, "na_forward"),
     "na_backward": _geometry_op(9, (8,), _backward_save, _backward_vjp, _backward_jvp, "na_backward"),
     "na_forward_jvp": _geometry_op(10, (5, 6, 7, 8, 9), _forward_jvp_save, _forward_jvp_vjp,
-                                   _forward_jvp_jvp, "na_forward_jvp"),
+                                   _forward_jvp_jvp, "na_forward_jvp", sparse_cotangents=True),
     "na_forward_jvp_backward": _geometry_op(
         18, (5, 6, 7, 8, 9, 14, 15, 16, 17), _forward_jvp_backward_save, _forward_jvp_backward_vjp,
         _forward_jvp_backward_jvp, "na_forward_jvp_backward"),

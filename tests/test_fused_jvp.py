@@ -105,6 +105,31 @@ def test_jvp_then_backward_matches_reference():
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_jvp_with_detached_tangent_backward_is_first_order(kernel_calls, device):
+    """The flow-map loss detaches the jvp's tangent: the backward through the fused
+    forward+JVP is then the first-order backward kernel (no forward+JVP backward, whose
+    CUDA form is reference math), and its gradients are the reference's."""
+    if device == "cuda" and not (torch.cuda.is_available() and _lib.has_cuda()):
+        pytest.skip("needs a CUDA GPU and nbhd built with nvcc")
+    q, k, v, tq, tk, tv = [t.to(device) for t in inputs(5)]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    w = torch.randn_like(q)
+    grads = {}
+
+    def step():
+        out, t_out = torch.func.jvp(lambda a, b, c: nbhd.na2d(a, b, c, 3), tuple(leaves), (tq, tk, tv))
+        grads["g"] = torch.autograd.grad((out * (w + t_out.detach())).sum(), leaves)
+    calls = kernel_calls(step)
+    assert calls == {"nbhd::na_forward": 0, "nbhd::na_forward_jvp": 1, "nbhd::na_backward": 1,
+                     "nbhd::na_forward_jvp_backward": 0}
+    ref_leaves = [t.double().cpu().requires_grad_() for t in (q, k, v)]
+    want, t_want = reference_jvp(*ref_leaves, tq.cpu(), tk.cpu(), tv.cpu())
+    ref_grads = torch.autograd.grad((want * (w.double().cpu() + t_want.detach())).sum(), ref_leaves)
+    for g, r in zip(grads["g"], ref_grads):
+        torch.testing.assert_close(g.double().cpu(), r, rtol=1e-4, atol=1e-4)
+
+
 def test_no_tangent_keeps_the_forward_kernel(kernel_calls):
     """Inside a dual level but without a tangent on nbhd's inputs, the forward kernel runs."""
     q, k, v, *_ = inputs(4)
