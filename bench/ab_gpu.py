@@ -1,5 +1,5 @@
 """Interleaved A/B of the CUDA kernels' tile configurations in one process: for each problem,
-every (q_tile, kv_tile) the C library lists for the op (`nbhd_tile_configs`, csrc/cuda/tiles.cu;
+every (q_tile, kv_tile) the C library lists for the op (`nbhd_tile_configs`, csrc/cuda/kernel_choice.cu;
 the default first: 64- or 128-query patches, hence the mma.sync or, on Hopper, the wgmma
 kernels), and for the backward each with KV parallelism on and off. Each timing is a loop of
 --loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,

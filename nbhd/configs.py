@@ -6,7 +6,7 @@ worker owns and the shape of the key tiles it walks over the union of the patch'
 (docs/design.md §2.4). An empty list means the backend cannot run these tensors with tiles.
 
   cpu-fna, cuda-fna  the C library's own list (`nbhd_tile_configs`, csrc/cpu/tiles.c and
-             csrc/cuda/tiles.cu): what the fused kernels are built for, the default first. The
+             csrc/cuda/kernel_choice.cu): what the fused kernels are built for, the default first. The
              kernels run the tile they are given (na1d/2d/3d's q_tile_shape, kv_tile_shape,
              backward_q_tile_shape, backward_kv_tile_shape) and refuse any other.
   flex-fna   flex_attention block sizes as shapes: (q, kv) tokens per block, 64 or 128 each.

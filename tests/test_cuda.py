@@ -350,7 +350,7 @@ def check_forward_jvp(case, dtype, absent, patch=0):
 
 
 # ----------------------------------------------------------------------------
-# tile configurations: every one nbhd_tile_configs lists (csrc/cuda/tiles.cu) gives the right
+# tile configurations: every one nbhd_tile_configs lists (csrc/cuda/kernel_choice.cu) gives the right
 # result, and a tile it does not list is refused
 
 TILE_CASES = [

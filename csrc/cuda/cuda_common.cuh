@@ -164,6 +164,18 @@ static inline nbhd_status nbhd_cuda_grid_fits(int64_t ctas, const char *what) {
     return NBHD_OK;
 }
 
+/* a kernel on a one-dimensional grid: shared memory reserved, grid checked, launch checked */
+template <typename... Params, typename... Args>
+static inline nbhd_status nbhd_cuda_launch(void (*kernel)(Params...), int64_t ctas, int threads, size_t smem,
+                                           const char *what, cudaStream_t st, Args... args) {
+    nbhd_status s;
+    if ((s = nbhd_cuda_reserve_smem(kernel, smem, what)) != NBHD_OK || (s = nbhd_cuda_grid_fits(ctas, what)) != NBHD_OK)
+        return s;
+    kernel<<<(unsigned)ctas, threads, smem, st>>>(args...);
+    NBHD_CUDA_CHECK_LAUNCH(what);
+    return NBHD_OK;
+}
+
 // ----------------------------------------------------------------------------
 // the kernel families, each in its own file, gathered by dispatch.cu into nbhd_cuda_ops
 
@@ -176,56 +188,98 @@ nbhd_status nbhd_cuda_simple_forward_jvp(const nbhd_geometry *g,
                                          const nbhd_forward_jvp_args *a, cudaStream_t stream);
 size_t nbhd_cuda_simple_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
 
+// ----------------------------------------------------------------------------
+// the choice of kernel and tiles (kernel_choice.cu), which the launchers below follow
+
+/* what a choice depends on in the device: nbhd_cuda_device_facts() of the current device */
+typedef struct {
+    int wgmma;          /* it runs the sm_90a image, which has the Hopper (wgmma) kernels */
+    size_t smem_optin;  /* shared memory a block may opt into, bytes */
+} nbhd_cuda_device;
+
+typedef enum {
+    NBHD_CUDA_SIMPLE,  /* simple.cu: a warp per row, any dtype, layout and geometry */
+    NBHD_CUDA_MMA,     /* fna_mma*.cu: mma.sync tensor-core kernels */
+    NBHD_CUDA_WGMMA,   /* fna_wgmma*.cu: the Hopper kernels (the backward's extra keys on mma.sync) */
+} nbhd_cuda_family;
+
+/* the kernels of an op and their tiles; 0 in a field: the kernel's own fixed value */
+typedef struct {
+    nbhd_cuda_family family;
+    int mb;           /* patches of 64 * mb rows (queries; keys in dK/dV): 1 or 2 */
+    int bn;           /* keys per tile of the walk (wgmma backward: also queries per dK/dV tile) */
+    int minb;         /* CTAs per SM the registers are budgeted for */
+    int qreg;         /* mma.sync forward: Q fragments held in registers */
+    int kv_parallel;  /* backward: one key-stationary pass adding dQ by fp32 atomics */
+} nbhd_cuda_choice;
+
+nbhd_cuda_device nbhd_cuda_device_facts(void);
+
+/* A pure function of its arguments. layout_ok: the tensors suit the tensor-core kernels (the
+ * op's nbhd_cuda_mma_*_supported); exec: use_reference, the requested tiles (already checked
+ * against nbhd_cuda_tile_configs), kv_parallel and the workspace's alignment. */
+nbhd_cuda_choice nbhd_cuda_choose(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, int layout_ok,
+                                  const nbhd_cuda_device *dev);
+
+/* backward: the KV-parallel path is asked for and applies (its workspace is larger) */
+int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_cuda_device *dev);
+
+/* the tile configurations of the tensor-core kernels (nbhd_device_ops.tile_configs) */
+int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
+                               nbhd_tile_config *out, int32_t max);
+
+/* windows of 512 keys or more: the tensor-core forward's large-window tiles */
+static inline bool nbhd_cuda_mma_large_window(const nbhd_geometry *g) {
+    return (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel >= 512;
+}
+
+/* a launcher given a choice it has no kernel for (kernel_choice.cu and it disagree) */
+static inline nbhd_status nbhd_cuda_no_kernel(const char *what, const nbhd_cuda_choice *c) {
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "%s: no kernel for the choice (family %d, mb %d, bn %d, minb %d, qreg %d)",
+                     what, (int)c->family, c->mb, c->bn, c->minb, c->qreg);
+}
+
+// ----------------------------------------------------------------------------
+// the tensor-core launchers: conditions on the tensors, and the launch of a choice
+
 /* fna_mma.cu: tensor-core (mma.sync) forward for f16/bf16, D = Dv in {32, 64, 128} */
 int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_args *a);
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
-                                  const nbhd_exec *e, cudaStream_t stream);
+                                  const nbhd_cuda_choice *c, cudaStream_t stream);
 
 /* fna_wgmma.cu: the Hopper (sm_90a, wgmma) forward on 128-query patches, D = Dv in {64, 128},
  * on the same conditions as the mma.sync forward; ready: this device runs an sm_90a image */
 int nbhd_cuda_wgmma_ready(void);
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
-                                    cudaStream_t stream);
+                                    const nbhd_cuda_choice *c, cudaStream_t stream);
 /* fna_wgmma_jvp.cu: the Hopper forward+JVP on 128-query patches, D = Dv in {64, 128}, on the
  * mma.sync forward+JVP's conditions */
 nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                        cudaStream_t stream);
+                                        const nbhd_cuda_choice *c, cudaStream_t stream);
 
 /* fna_wgmma_bwd.cu: the Hopper backward's dQ and window-key dK/dV on 128-row patches, D = Dv in
  * {64, 128}, given D_i in Dws (fna_mma_bwd.cu runs it on the mma.sync backward's conditions).
  * dq_acc (KV-parallel): the window keys' dQ is added to this zeroed fp32
  * accumulator (mma_util.cuh dq_accumulator) in the dK/dV pass; null: two deterministic passes */
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                     const float *Dws, float *dq_acc, cudaStream_t stream);
+                                     const float *Dws, float *dq_acc, const nbhd_cuda_choice *c,
+                                     cudaStream_t stream);
 
 /* fna_mma_bwd.cu: tensor-core backward (D_i, dQ query-stationary, dK/dV key-stationary) */
 int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward_args *a);
-nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                   const nbhd_exec *e, cudaStream_t stream);
-size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, const nbhd_exec *e);
+nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a, void *workspace,
+                                   const nbhd_cuda_choice *c, cudaStream_t stream);
+size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, int kv_parallel);
 
 /* fna_mma_jvp.cu: tensor-core forward + JVP */
 int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forward_jvp_args *a);
 nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                      const nbhd_exec *e, cudaStream_t stream);
+                                      const nbhd_cuda_choice *c, cudaStream_t stream);
 
 /* fna_mma_jvp.cu: shared memory of the forward+JVP kernel on `warps` warps (4 or 8) */
 size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps);
 
-/* tiles.cu: the tile configurations of the tensor-core kernels (nbhd_device_ops.tile_configs) */
-int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
-                               nbhd_tile_config *out, int32_t max);
-
 /* merge.cu: nbhd_merge on the GPU (nbhd_device_ops.merge) */
 nbhd_status nbhd_cuda_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);
-
-/* tiles.cu: the patch of the forward, forward+JVP or backward kernels (op), as mma_plan_of's
- * mb (1: 64 rows, 2: 128): the requested tile's, else the library's choice */
-int nbhd_cuda_mma_patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op);
-
-/* windows of 512 keys or more: the tensor-core forward's large-window tiles (tiles.cu, fna_mma.cu) */
-static inline bool nbhd_cuda_mma_large_window(const nbhd_geometry *g) {
-    return (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel >= 512;
-}
 
 #endif /* NBHD_CUDA_COMMON_CUH */

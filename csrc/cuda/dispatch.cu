@@ -1,9 +1,11 @@
 /*
- * dispatch.cu — the CUDA's table of operations (nbhd_cuda_ops, internal.h): choose a kernel
- * family per op, in one place, by named conditions, and own the workspace layout.
+ * dispatch.cu — the CUDA's table of operations (nbhd_cuda_ops, internal.h): each op asks
+ * kernel_choice.cu for its kernels (nbhd_cuda_choose) and runs them; this file owns the
+ * workspace layout.
  *
- *   forward      mma.sync tensor-core kernel (fna_mma.cu) when f16/bf16, D = Dv in {32,64,128},
- *                16-byte aligned rows with unit element stride; else the simple kernel
+ *   forward      mma.sync tensor-core kernel (fna_mma.cu; on Hopper's 128-query patches
+ *                fna_wgmma.cu) when f16/bf16, D = Dv in {32,64,128}, 16-byte aligned rows with
+ *                unit element stride; else the simple kernel
  *   backward     mma.sync kernels (fna_mma_bwd.cu) under the forward's conditions plus aligned
  *                dO and gradients; else the simple kernels (deterministic). The mma backward is
  *                deterministic with exec.kv_parallel off (dQ query-stationary, dK/dV
@@ -11,12 +13,12 @@
  *                into a workspace accumulator (faster, summation order not fixed; D <= 64). On
  *                128-row patches (Hopper, D >= 64: windows of 512+ keys) both run on wgmma
  *                (fna_wgmma_bwd.cu).
- *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu) under the forward's conditions plus aligned
- *                tangents (absent ones skipped); else the simple kernel
+ *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu; fna_wgmma_jvp.cu on Hopper's 128-query
+ *                patches) under the forward's conditions plus aligned tangents (absent ones
+ *                skipped); else the simple kernel
  * exec.use_reference forces the simple kernels. Tiles in exec (q_tile/kv_tile, already checked
- * against tiles.cu's list by the entry points) are honoured by the mma kernels (the forward and
- * forward+JVP run the 64- or 128-query patch given; tiles.cu nbhd_cuda_mma_patch_mb); a problem
- * that would fall back to a simple kernel (a layout the mma kernels do not take) refuses them.
+ * against nbhd_cuda_tile_configs by the entry points) are honoured by the tensor-core kernels; a
+ * problem that would fall back to a simple kernel (a layout they do not take) refuses them.
  */
 #include "cuda_common.cuh"
 
@@ -37,16 +39,24 @@ static nbhd_status refuse_tiles(const char *op) {
 static size_t cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
     /* backward: D_i per query row, float (mma and simple f16/bf16/f32) or double (simple f64);
      * the KV-parallel mma backward adds its fp32 dQ accumulator */
+    const nbhd_cuda_device dev = nbhd_cuda_device_facts();
     const size_t simple = nbhd_cuda_simple_workspace_bytes(g, op);
-    const size_t mma = op == NBHD_OP_BACKWARD ? nbhd_cuda_mma_backward_workspace_bytes(g, e) : 0;
+    const size_t mma = op == NBHD_OP_BACKWARD
+                           ? nbhd_cuda_mma_backward_workspace_bytes(g, nbhd_cuda_kv_parallel_applies(g, e, &dev))
+                           : 0;
     return simple > mma ? simple : mma;
+}
+
+static nbhd_cuda_choice choose(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, int layout_ok) {
+    const nbhd_cuda_device dev = nbhd_cuda_device_facts();
+    return nbhd_cuda_choose(g, op, e, layout_ok, &dev);
 }
 
 static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                 const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
-    const bool use_mma = !e->use_reference && nbhd_cuda_mma_forward_supported(g, a);
-    if (use_mma) return nbhd_cuda_mma_forward(g, a, e, stream);
+    const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD, e, nbhd_cuda_mma_forward_supported(g, a));
+    if (c.family != NBHD_CUDA_SIMPLE) return nbhd_cuda_mma_forward(g, a, &c, stream);
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward");
     return nbhd_cuda_simple_forward(g, a, stream);
 }
@@ -54,8 +64,8 @@ static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args 
 static nbhd_status cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
                                  const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
-    const bool use_mma = !e->use_reference && nbhd_cuda_mma_backward_supported(g, a);
-    if (use_mma) return nbhd_cuda_mma_backward(g, a, e, stream);
+    const nbhd_cuda_choice c = choose(g, NBHD_OP_BACKWARD, e, nbhd_cuda_mma_backward_supported(g, a));
+    if (c.family != NBHD_CUDA_SIMPLE) return nbhd_cuda_mma_backward(g, a, e->workspace, &c, stream);
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("backward");
     return nbhd_cuda_simple_backward(g, a, e->workspace, stream);
 }
@@ -63,8 +73,8 @@ static nbhd_status cuda_backward(const nbhd_geometry *g, const nbhd_backward_arg
 static nbhd_status cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                     const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
-    const bool use_mma = !e->use_reference && nbhd_cuda_mma_forward_jvp_supported(g, a);
-    if (use_mma) return nbhd_cuda_mma_forward_jvp(g, a, e, stream);
+    const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD_JVP, e, nbhd_cuda_mma_forward_jvp_supported(g, a));
+    if (c.family != NBHD_CUDA_SIMPLE) return nbhd_cuda_mma_forward_jvp(g, a, &c, stream);
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward+JVP");
     return nbhd_cuda_simple_forward_jvp(g, a, stream);
 }

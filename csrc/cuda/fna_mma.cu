@@ -49,99 +49,23 @@ fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_con
     int *kc = (int *)(Vs + ST * BN * HD);           /* [ST][RANK][BN] in-group key coordinates */
 
     constexpr int WT[3] = {patch_wt(RANK, 0), patch_wt(RANK, 1), patch_wt(RANK, 2)};
-    constexpr int WC1 = patch_wc(RANK, 1, MB), WC2 = patch_wc(RANK, 2, MB);
-    const int ct[3] = {patch_ct(RANK, 0, MB), patch_ct(RANK, 1, MB), patch_ct(RANK, 2, MB)};
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
-    // CTA -> (b, head, patch), in 32 bits (the grid has < 2^31 CTAs); neighbouring CTAs take
-    // neighbouring patches of one head (their key boxes overlap in L2)
-    uint32_t idx = blockIdx.x;
-    const uint32_t patches = (uint32_t)P.patches, heads = (uint32_t)g.heads;
-    uint32_t patch = idx % patches;
-    idx /= patches;
-    const int h = (int)(idx % heads);
-    const int64_t b = idx / heads;
-    const int64_t hk = g.group == 1 ? h : h / g.group;
+    cta_patch<RANK, MB> C;  /* (b, head, patch) and the patch's key walk */
+    if (!C.place_queries(g, P, BN)) return;
+    const int win_tiles = C.win_tiles, tiles = C.tiles;
+    const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
+    const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
+    auto row_coords = [&](int qr, int iq[3]) -> bool { return C.row(qr, iq); };
 
-    // per axis: dilation group, first in-group query of the patch, group length
-    int64_t grp[3] = {0, 0, 0};
-    int i0[3] = {0, 0, 0}, Lg[3] = {1, 1, 1};
-#pragma unroll
-    for (int ax = RANK - 1; ax >= 0; --ax) {
-        const uint32_t ns = (uint32_t)P.slots[ax], slot = patch % ns;
-        patch /= ns;
-        const int d = g.axis[ax].dilation;
-        grp[ax] = d == 1 ? 0 : (int)(slot % (uint32_t)d);
-        i0[ax] = (d == 1 ? (int)slot : (int)(slot / (uint32_t)d)) * ct[ax];
-        Lg[ax] = d == 1 ? (int)g.axis[ax].extent : ((int)g.axis[ax].extent - (int)grp[ax] + d - 1) / d;
-        if (i0[ax] >= Lg[ax]) return;  /* an empty slot (uniform over the CTA) */
-    }
-    const key_box kb = key_box_of(g, i0, ct, Lg);
-    const int nk = kb.total;
-    const int64_t nx = g.extra_kv;
-    const int win_tiles = (nk + BN - 1) / BN;
-    const int tiles = win_tiles + (int)((nx + BN - 1) / BN);
-    const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, b, grp, hk);
-    const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, b, grp, hk);
-
-    // query row qr of the CTA (m-block qr / 16; warp w owns m-blocks w*MB ..) -> in-group
-    // coordinates; valid if inside every axis
-    auto row_coords = [&](int qr, int iq[3]) -> bool {
-        const int ww = qr >> 4, r = qr & 15;
-        const int w2 = ww % WC2, w1 = (ww / WC2) % WC1, w0 = ww / (WC1 * WC2);
-        const int r2 = r % WT[2], r1 = (r / WT[2]) % WT[1], r0 = r / (WT[1] * WT[2]);
-        iq[0] = i0[0] + w0 * WT[0] + r0;
-        iq[1] = i0[1] + w1 * WT[1] + r1;
-        iq[2] = i0[2] + w2 * WT[2] + r2;
-        return iq[0] < Lg[0] && iq[1] < Lg[1] && iq[2] < Lg[2];
-    };
-
-    // load Q (zero rows outside the grid)
-    {
-        constexpr int CH = HD / 8;
-        constexpr int TPR = MMA_THREADS / BM, CPT = CH / TPR;  /* threads per row, chunks each */
-        const int row = tid / TPR;
-        int iq[3];
-        const bool ok = row_coords(row, iq);
-        const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, b, grp, h);
-        const T *src = ok ? qp.at(iq[0], iq[1], iq[2]) : qp.base;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
-            cp_async16(smem_u32(Qs + swz<HD>(row, ch * 8)), src + ch * 8, ok);
-        }
-    }
+    C.template copy_rows<T, HD, BM, MMA_THREADS, false>(g, P, a.q, a.q, C.h, Qs, Qs, tid,  /* Q, zero outside */
+                                                       [](int r, int ch) { return swz<HD>(r, ch * 8); });
 
     // K, V (and key coordinates) of tile t into stage s: one key per TPR threads
     auto load_tile = [&](int t, int s) {
-        constexpr int CH = HD / 8;
-        constexpr int TPR = MMA_THREADS / BN, CPT = CH / TPR;
-        T *Kd = Ks + s * BN * HD, *Vd = Vs + s * BN * HD;
-        int *kcd = kc + s * RANK * BN;
-        const int kr = tid / TPR;
-        const T *ksrc, *vsrc;
-        bool ok;
-        int j[3] = {0, 0, 0};
-        if (t < win_tiles) {
-            const int n = t * BN + kr;
-            ok = n < nk;
-            if (ok) key_box_at<RANK>(kb, n, j);
-            ksrc = kp.at(j[0], j[1], j[2]);
-            vsrc = vp.at(j[0], j[1], j[2]);
-        } else {
-            const int64_t e = (int64_t)(t - win_tiles) * BN + kr;
-            ok = e < nx;
-            const int64_t ee = ok ? e : 0;
-            ksrc = (const T *)a.kx.data + b * a.kx.stride[0] + ee * a.kx.stride[1] + hk * a.kx.stride[4];
-            vsrc = (const T *)a.vx.data + b * a.vx.stride[0] + ee * a.vx.stride[1] + hk * a.vx.stride[4];
-        }
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
-            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ksrc + ch * 8, ok);
-            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vsrc + ch * 8, ok);
-        }
-        if (tid % TPR == 0) put_coords<RANK, BN>(kcd, kr, ok, j);
+        C.template load_kv_tile<T, HD, BN, MMA_THREADS>(g, a, kp, vp, t, Ks + s * BN * HD, Vs + s * BN * HD,
+                                                        kc + s * RANK * BN, tid,
+                                                        [](int r, int ch) { return swz<HD>(r, ch * 8); });
     };
 
     // this thread's rows (r, r+8 of each of the warp's m-blocks): validity and in-group
@@ -159,7 +83,7 @@ fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_con
 #pragma unroll
             for (int ax = 0; ax < RANK; ++ax) {
                 int64_t st = 0, en = 0;
-                if (rvalid[mb][hrow]) window32(&g.axis[ax], iq[ax], Lg[ax], &st, &en);
+                if (rvalid[mb][hrow]) window32(&g.axis[ax], iq[ax], C.Lg[ax], &st, &en);
                 wst[mb][hrow][ax] = (int)st;
                 wen[mb][hrow][ax] = rvalid[mb][hrow] ? (int)en : 0;
             }
@@ -176,15 +100,15 @@ fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_con
         row_coords(w * MB * 16, wq);  /* the warp's first row */
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
-            warp_has_rows &= wq[ax] < Lg[ax];
-            all_rows &= wq[ax] + WX[ax] <= Lg[ax];
+            warp_has_rows &= wq[ax] < C.Lg[ax];
+            all_rows &= wq[ax] + WX[ax] <= C.Lg[ax];
         }
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
-            const int f = min(wq[ax], Lg[ax] - 1), l = min(wq[ax] + WX[ax], Lg[ax]) - 1;
+            const int f = min(wq[ax], C.Lg[ax] - 1), l = min(wq[ax] + WX[ax], C.Lg[ax]) - 1;
             int64_t sf, ef, sl, el;
-            window32(&g.axis[ax], f, Lg[ax], &sf, &ef);
-            window32(&g.axis[ax], l, Lg[ax], &sl, &el);
+            window32(&g.axis[ax], f, C.Lg[ax], &sf, &ef);
+            window32(&g.axis[ax], l, C.Lg[ax], &sl, &el);
             ulo[ax] = warp_has_rows ? (int)sf : 1 << 30;
             uhi[ax] = warp_has_rows ? (int)el : -(1 << 30);
             ilo[ax] = all_rows ? (int)sl : 1 << 30;
@@ -312,7 +236,7 @@ fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_con
 
     // O /= l, LSE, O out (the warp's ldmatrix reads of its Qs rows come first: with a single
     // tile no barrier follows them)
-    fwd_store<T, MB, HD>(g, a, grp, b, h, o, m, l, Qs, w * MB * 16, lane, row_coords, my_row);
+    fwd_store<T, MB, HD>(g, a, C.grp, C.b, C.h, o, m, l, Qs, w * MB * 16, lane, row_coords, my_row);
 }
 
 // ----------------------------------------------------------------------------
@@ -335,63 +259,50 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
 }
 
 template <typename T, int HD, int BN, int RANK, int MB, int MINB, bool QREG>
-static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
-                             cudaStream_t st) {
+static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
+                               cudaStream_t st) {
     constexpr int ST = FWD_STAGES;
     const size_t smem = sizeof(T) * (size_t)(64 * MB * HD + 2 * ST * BN * HD) + sizeof(int) * ST * RANK * BN;
-    auto kernel = fna_mma_forward_kernel<T, HD, BN, RANK, MB, MINB, QREG>;
-    const int64_t ctas = g->batch * g->heads * P.patches;
-    nbhd_status s;
-    if ((s = nbhd_cuda_reserve_smem(kernel, smem, "mma forward")) != NBHD_OK ||
-        (s = nbhd_cuda_grid_fits(ctas, "mma forward")) != NBHD_OK)
-        return s;
-    kernel<<<(unsigned)ctas, MMA_THREADS, smem, st>>>(*g, *a, P);
-    NBHD_CUDA_CHECK_LAUNCH("mma forward");
-    return NBHD_OK;
+    return nbhd_cuda_launch(fna_mma_forward_kernel<T, HD, BN, RANK, MB, MINB, QREG>, g->batch * g->heads * P.patches,
+                            MMA_THREADS, smem, "mma forward", st, *g, *a, P);
 }
 
+/* the kernel of the choice (kernel_choice.cu choose_forward), if it is one of these */
 template <typename T, int HD, int BN, int MB, int MINB, bool QREG>
-static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+static nbhd_status launch_choice(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_cuda_choice &c,
+                                 cudaStream_t st) {
+    if (c.bn != BN || c.mb != MB || c.minb != MINB || c.qreg != (int)QREG) return nbhd_cuda_no_kernel("mma forward", &c);
     const mma_plan P = mma_plan_of(g, MB);
     switch (P.rank) {
-    case 1: return launch_bn<T, HD, BN, 1, MB, MINB, QREG>(g, a, P, st);
-    case 2: return launch_bn<T, HD, BN, 2, MB, MINB, QREG>(g, a, P, st);
-    default: return launch_bn<T, HD, BN, 3, MB, MINB, QREG>(g, a, P, st);
+    case 1: return launch_rank<T, HD, BN, 1, MB, MINB, QREG>(g, a, P, st);
+    case 2: return launch_rank<T, HD, BN, 2, MB, MINB, QREG>(g, a, P, st);
+    default: return launch_rank<T, HD, BN, 3, MB, MINB, QREG>(g, a, P, st);
     }
 }
 
-/* Small windows (|window| < 512 keys) take 64-query patches and 32-key tiles: finer per-warp
- * tile skipping and less padding of the union. Large ones (at D >= 64) take 128-query patches:
- * two m-blocks per warp, so each K and V fragment read from shared memory feeds two MMAs; with
- * 32-key tiles at D = 128 and on 1-D (fewer spills), else 64-key ones. The loop is
- * latency-bound, so registers are budgeted for as many CTAs per SM as spill little: 64-query
- * patches at D <= 64 4 CTAs (32-key tiles), at D = 128 3, where the 32-key kernels re-read Q from
- * shared memory each tile (docs/design.md §6.4). Reproduce: bench/bench_gpu.py, A/B of two builds. */
+/* the instantiated kernels: 128-query patches at D >= 64 only */
 template <typename T, int HD>
-static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e,
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_cuda_choice &c,
                           cudaStream_t st) {
-    const bool small_window = g->has_window && !nbhd_cuda_mma_large_window(g);
-    const int mb = nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD);
-    const bool bn32 = small_window || (mb == 2 && (HD == 128 || mma_rank_of(g) == 1));
     constexpr int extra_cta = HD <= 64 ? 1 : 0;
-    if constexpr (HD >= 64) {  /* tiles.cu: 128-query patches at D >= 64 only */
-        if (mb == 2 && nbhd_cuda_wgmma_ready()) return nbhd_cuda_wgmma_forward(g, a, st);
-        if (mb == 2) {
-            if (bn32) return launch_rank<T, HD, 32, 2, 2, HD != 128>(g, a, st);
-            return launch_rank<T, HD, 64, 2, 2, HD != 128>(g, a, st);
+    if constexpr (HD >= 64) {
+        if (c.family == NBHD_CUDA_WGMMA) return nbhd_cuda_wgmma_forward(g, a, &c, st);
+        if (c.mb == 2) {
+            if (c.bn == 32) return launch_choice<T, HD, 32, 2, 2, HD != 128>(g, a, c, st);
+            return launch_choice<T, HD, 64, 2, 2, HD != 128>(g, a, c, st);
         }
     }
-    if (bn32) return launch_rank<T, HD, 32, 1, 3 + extra_cta, HD != 128>(g, a, st);
-    return launch_rank<T, HD, 64, 1, 2 + extra_cta, true>(g, a, st);
+    if (c.bn == 32) return launch_choice<T, HD, 32, 1, 3 + extra_cta, HD != 128>(g, a, c, st);
+    return launch_choice<T, HD, 64, 1, 2 + extra_cta, true>(g, a, c, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
-                                  const nbhd_exec *e, cudaStream_t st) {
+                                  const nbhd_cuda_choice *c, cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;
     switch (g->head_dim) {
-    case 32: return bf ? launch<__nv_bfloat16, 32>(g, a, e, st) : launch<__half, 32>(g, a, e, st);
-    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, e, st) : launch<__half, 64>(g, a, e, st);
-    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, e, st) : launch<__half, 128>(g, a, e, st);
+    case 32: return bf ? launch<__nv_bfloat16, 32>(g, a, *c, st) : launch<__half, 32>(g, a, *c, st);
+    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, *c, st) : launch<__half, 64>(g, a, *c, st);
+    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, *c, st) : launch<__half, 128>(g, a, *c, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward: head_dim %d", g->head_dim);
 }

@@ -14,7 +14,7 @@
  *   dQ += dS K per tile (dS staged in shared memory) and add it with fp32 atomics into a zeroed
  *   workspace, which dq_convert_kernel scales into dQ: one pass over S and dP instead of two,
  *   summation order left to the hardware.
- * 128-row patches (on Hopper, D >= 64; tiles.cu): steps 2 and 3 for the window keys run on
+ * 128-row patches (on Hopper, D >= 64; kernel_choice.cu): steps 2 and 3 for the window keys run on
  *   wgmma instead (fna_wgmma_bwd.cu; KV-parallel at D = 64 as one pass adding dQ to the same
  *   accumulator), the extra keys' dK/dV (and KV-parallel dQ) here.
  */
@@ -88,99 +88,34 @@ fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant
     int *kc = (int *)(Vs + 2 * BC * HD); /* [2][3][BC] */
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
-    int64_t idx = blockIdx.x;
-    const int hg = (int)(idx % g.group);
-    idx /= g.group;
-    const int64_t patch = idx % P.patches;
-    idx /= P.patches;
-    const int hk = (int)(idx % g.kv_heads);
-    const int64_t b = idx / g.kv_heads;
-    const int h = hk * g.group + hg;
-
-    patch_rows pr;
-    if (!patch_of(g, P, patch, pr)) return;
-    const key_box kb = key_box_of(g, pr.i0, P.ct, pr.Lg);
-    const int nk = kb.total;
-    const int64_t nx = g.extra_kv;
-    const int win_tiles = (int)((nk + BC - 1) / BC);
-    const int tiles = win_tiles + (int)((nx + BC - 1) / BC);
+    cta_patch<0, 1> C;  /* (b, kv head, patch, query head); the patch shape from the plan */
+    if (!C.locate(g, P, C.group_major(g, P))) return;
+    const int64_t b = C.b;
+    const int h = C.h, hk = (int)C.hk;
+    C.walk(g, P, BC);
+    const int win_tiles = C.win_tiles, tiles = C.tiles;
     const int64_t dil[3] = {g.axis[0].dilation, g.axis[1].dilation, g.axis[2].dilation};
-    const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, b, pr.grp, hk);
-    const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, b, pr.grp, hk);
+    const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, b, C.grp, hk);
+    const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, b, C.grp, hk);
 
-    {   // Q and dO rows
-        constexpr int CH = HD / 8;
-        constexpr int TPR = BW_THREADS / BR, CPT = CH / TPR;  /* threads per row, chunks each */
-        const int row = tid / TPR;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
-            int64_t iq[3];
-            const bool ok = patch_row(P, pr, row, iq);
-            const T *qs = (const T *)a.q.data, *ds = (const T *)a.d_out.data;
-            if (ok) {
-                const int64_t x = pr.grp[0] + iq[0] * dil[0], y = pr.grp[1] + iq[1] * dil[1],
-                              z = pr.grp[2] + iq[2] * dil[2];
-                qs += offset_of(a.q, b, x, y, z, h) + ch * 8;
-                ds += offset_of(a.d_out, b, x, y, z, h) + ch * 8;
-            }
-            cp_async16(smem_u32(Qs + swz<HD>(row, ch * 8)), qs, ok);
-            cp_async16(smem_u32(dOs + swz<HD>(row, ch * 8)), ds, ok);
-        }
-    }
+    C.template copy_rows<T, HD, BR, BW_THREADS, true>(g, P, a.q, a.d_out, h, Qs, dOs, tid,  /* Q, dO rows */
+                                               [](int r, int ch) { return swz<HD>(r, ch * 8); });
     auto load_tile = [&](int t, int s) {
-        constexpr int CH = HD / 8;
-        T *Kd = Ks + s * BC * HD, *Vd = Vs + s * BC * HD;
-        int *kcd = kc + s * 3 * BC;
-        const bool win = t < win_tiles;
-        // BW_THREADS / BC threads per row, each a run of chunks: one coordinate computation
-        constexpr int TPR = BW_THREADS / BC, CPT = CH / TPR;
-        const int kr = tid / TPR;
-        int j[3] = {0, 0, 0};
-        const T *ksrc, *vsrc;
-        bool ok;
-        if (win) {
-            const int n = t * BC + kr;
-            ok = n < nk;
-            if (ok) key_box_at(kb, n, j);
-            ksrc = kp.at(j[0], j[1], j[2]);
-            vsrc = vp.at(j[0], j[1], j[2]);
-        } else {
-            const int64_t e = (int64_t)(t - win_tiles) * BC + kr;
-            ok = e < nx;
-            const int64_t ee = ok ? e : 0;
-            ksrc = (const T *)a.kx.data + b * a.kx.stride[0] + ee * a.kx.stride[1] + hk * a.kx.stride[4];
-            vsrc = (const T *)a.vx.data + b * a.vx.stride[0] + ee * a.vx.stride[1] + hk * a.vx.stride[4];
-        }
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
-            cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ksrc + ch * 8, ok);
-            cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vsrc + ch * 8, ok);
-        }
-        if (tid % TPR == 0) {
-            kcd[kr] = ok ? j[0] : KEY_NONE;
-            kcd[BC + kr] = j[1];
-            kcd[2 * BC + kr] = j[2];
-        }
+        C.template load_kv_tile<T, HD, BC, BW_THREADS>(g, a, kp, vp, t, Ks + s * BC * HD, Vs + s * BC * HD,
+                                                       kc + s * 3 * BC, tid,
+                                                       [](int r, int ch) { return swz<HD>(r, ch * 8); });
     };
 
     // this thread's rows: windows, lse (base 2), D_i
-    const int rq = lane >> 2, cq = lane & 3;
+    const int cq = lane & 3;
     int wst[2][3], wen[2][3];
     bool rvalid[2];
     int64_t rfull[2][3];
     float lse2[2], Di[2];
+    int iq[2][3];
+    C.fragment_rows(g, P, w, lane, wst, wen, rvalid, iq);
     for (int hrow = 0; hrow < 2; ++hrow) {
-        int64_t iq[3];
-        rvalid[hrow] = patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
-        for (int ax = 0; ax < 3; ++ax) {
-            int64_t st = 0, en = 0;
-            if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], pr.Lg[ax], &st, &en);
-            wst[hrow][ax] = (int)st;
-            wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
-            rfull[hrow][ax] = pr.grp[ax] + iq[ax] * dil[ax];
-        }
+        for (int ax = 0; ax < 3; ++ax) rfull[hrow][ax] = C.grp[ax] + iq[hrow][ax] * dil[ax];
         lse2[hrow] = 0.f;
         Di[hrow] = 0.f;
         if (rvalid[hrow]) {
@@ -192,20 +127,7 @@ fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant
         }
     }
     int ulo[3], uhi[3];
-    for (int ax = 0; ax < 3; ++ax) {
-        int l0 = 1 << 30, h0 = -(1 << 30);
-        for (int hrow = 0; hrow < 2; ++hrow)
-            if (rvalid[hrow]) {
-                l0 = min(l0, wst[hrow][ax]);
-                h0 = max(h0, wen[hrow][ax]);
-            }
-        for (int o = 16; o > 0; o >>= 1) {
-            l0 = min(l0, __shfl_xor_sync(0xffffffffu, l0, o));
-            h0 = max(h0, __shfl_xor_sync(0xffffffffu, h0, o));
-        }
-        ulo[ax] = l0;
-        uhi[ax] = h0;
-    }
+    warp_union(wst, wen, rvalid, ulo, uhi);
 
     float dq[HD / 8][4];
 #pragma unroll
@@ -397,21 +319,19 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const nbhd_tensor &kt = EXTRA ? a.kx : a.k, &vt = EXTRA ? a.vx : a.v;
 
-    int64_t idx = blockIdx.x;
-    const int64_t patch = idx % P.patches;
-    idx /= P.patches;
-    const int hk = (int)(idx % g.kv_heads);
-    const int64_t b = idx / g.kv_heads;
+    cta_patch<0, 1> C;  /* (b, kv head, patch); the patch shape from the plan */
+    const uint32_t patch = C.head_major(P, (uint32_t)g.kv_heads);
+    const int64_t b = C.b;
+    const int hk = C.h;
     const int64_t dil[3] = {EXTRA ? 1 : g.axis[0].dilation, EXTRA ? 1 : g.axis[1].dilation,
                             EXTRA ? 1 : g.axis[2].dilation};
 
     // rows: keys of the patch (EXTRA: extra keys patch*64 + r)
-    patch_rows pr;
     if (EXTRA) {
-        for (int ax = 0; ax < 3; ++ax) { pr.grp[ax] = 0; pr.i0[ax] = 0; pr.Lg[ax] = 1; }
-        pr.i0[0] = patch * BR;
-        pr.Lg[0] = g.extra_kv;
-    } else if (!patch_of(g, P, patch, pr)) {
+        for (int ax = 0; ax < 3; ++ax) { C.grp[ax] = 0; C.i0[ax] = 0; C.Lg[ax] = 1; }
+        C.i0[0] = (int)patch * BR;
+        C.Lg[0] = (int)g.extra_kv;
+    } else if (!C.locate(g, P, patch)) {
         return;
     }
     // columns: the union of the rows' inverse neighborhoods (EXTRA: every query token)
@@ -422,7 +342,7 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
             lo[ax] = 0;
             cnt[ax] = g.axis[ax].extent;
         } else {
-            inverse_union(&g.axis[ax], pr.grp[ax], pr.i0[ax], min(pr.i0[ax] + P.ct[ax], pr.Lg[ax]) - 1,
+            inverse_union(&g.axis[ax], C.grp[ax], C.i0[ax], min(C.i0[ax] + P.ct[ax], C.Lg[ax]) - 1,
                           &lo[ax], &cnt[ax]);
         }
     }
@@ -430,40 +350,30 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     const int tiles_per_head = (int)((ncol + BC - 1) / BC);
     const int tiles = tiles_per_head * g.group;
 
-    auto row_coords = [&](int qr, int64_t iq[3]) -> bool {
+    auto row_coords = [&](int qr, int iq[3]) -> bool {
         if (EXTRA) {
-            iq[0] = pr.i0[0] + qr;
+            iq[0] = C.i0[0] + qr;
             iq[1] = iq[2] = 0;
-            return iq[0] < pr.Lg[0];
+            return iq[0] < C.Lg[0];
         }
-        return patch_row(P, pr, qr, iq);
+        return C.row(P, qr, iq);
     };
-    auto row_offset = [&](const nbhd_tensor &t, const int64_t iq[3]) -> int64_t {
+    auto row_offset = [&](const nbhd_tensor &t, const int iq[3]) -> int64_t {
         if (EXTRA) return b * t.stride[0] + iq[0] * t.stride[1] + hk * t.stride[4];
-        return offset_of(t, b, pr.grp[0] + iq[0] * dil[0], pr.grp[1] + iq[1] * dil[1],
-                         pr.grp[2] + iq[2] * dil[2], hk);
+        return offset_of(t, b, C.grp[0] + iq[0] * dil[0], C.grp[1] + iq[1] * dil[1],
+                         C.grp[2] + iq[2] * dil[2], hk);
     };
 
-    {   // K and V rows
-        constexpr int CH = HD / 8;
-        constexpr int TPR = BW_THREADS / BR, CPT = CH / TPR;  /* threads per row, chunks each */
-        const int row = tid / TPR;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
-            int64_t iq[3];
-            const bool ok = row_coords(row, iq);
-            const T *ks = (const T *)kt.data, *vs = (const T *)vt.data;
-            if (ok) {
-                ks += row_offset(kt, iq) + ch * 8;
-                vs += row_offset(vt, iq) + ch * 8;
-            }
-            cp_async16(smem_u32(Ks + swz<HD>(row, ch * 8)), ks, ok);
-            cp_async16(smem_u32(Vs + swz<HD>(row, ch * 8)), vs, ok);
-        }
-    }
+    load_row_tiles<T, HD, BR, BW_THREADS, true>(tid, Ks, Vs, [](int r, int ch) { return swz<HD>(r, ch * 8); },
+                                                [&](int r, const T *&ks, const T *&vs, bool &ok2) {  /* K, V */
+        int iq[3];
+        const bool ok = ok2 = row_coords(r, iq);
+        ks = (const T *)kt.data + (ok ? row_offset(kt, iq) : 0);
+        vs = (const T *)vt.data + (ok ? row_offset(vt, iq) : 0);
+        return ok;
+    });
     // column addressing: in-group (EXTRA: full-axis) coordinates of query head hk * group
-    const int64_t cgrp[3] = {EXTRA ? 0 : pr.grp[0], EXTRA ? 0 : pr.grp[1], EXTRA ? 0 : pr.grp[2]};
+    const int64_t cgrp[3] = {EXTRA ? 0 : C.grp[0], EXTRA ? 0 : C.grp[1], EXTRA ? 0 : C.grp[2]};
     const nbhd_tensor dws_t = di_tensor(g, Dws);
     const int64_t h0 = (int64_t)hk * g.group;
     const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, b, cgrp, h0, EXTRA);
@@ -513,7 +423,7 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     const int rq = lane >> 2, cq = lane & 3;
     int ist[2][3], ien[2][3];
     bool rvalid[2];
-    int64_t rc[2][3];
+    int rc[2][3];
     /* unrolled, these stay in registers (else a 112-byte local frame read in the tile loop) */
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
@@ -522,26 +432,13 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
         for (int ax = 0; ax < 3; ++ax) {
             int64_t f = 0, c = 0;
             if (!EXTRA && rvalid[hrow])
-                inverse32(&g.axis[ax], pr.grp[ax] + rc[hrow][ax] * dil[ax], &f, &c);
+                inverse32(&g.axis[ax], C.grp[ax] + rc[hrow][ax] * dil[ax], &f, &c);
             ist[hrow][ax] = (int)(f / dil[ax]);
             ien[hrow][ax] = rvalid[hrow] ? (int)(f / dil[ax] + c) : 0;
         }
     }
     int ulo[3], uhi[3];
-    for (int ax = 0; ax < 3; ++ax) {
-        int l0 = 1 << 30, h0 = -(1 << 30);
-        for (int hrow = 0; hrow < 2; ++hrow)
-            if (rvalid[hrow]) {
-                l0 = min(l0, ist[hrow][ax]);
-                h0 = max(h0, ien[hrow][ax]);
-            }
-        for (int o = 16; o > 0; o >>= 1) {
-            l0 = min(l0, __shfl_xor_sync(0xffffffffu, l0, o));
-            h0 = max(h0, __shfl_xor_sync(0xffffffffu, h0, o));
-        }
-        ulo[ax] = l0;
-        uhi[ax] = h0;
-    }
+    warp_union(ist, ien, rvalid, ulo, uhi);
     const bool warp_has_rows = __any_sync(0xffffffffu, rvalid[0] || rvalid[1]);
 
     float dk[HD / 8][4], dv[HD / 8][4];
@@ -622,7 +519,7 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
         float *scratch = (float *)smem_raw + w * exact_dkv_scratch(HD, HD);
         for (int hrow = 0; hrow < 2; ++hrow) {
             int64_t c[3];
-            for (int ax = 0; ax < 3; ++ax) c[ax] = EXTRA ? rc[hrow][ax] : pr.grp[ax] + rc[hrow][ax] * dil[ax];
+            for (int ax = 0; ax < 3; ++ax) c[ax] = EXTRA ? rc[hrow][ax] : C.grp[ax] + rc[hrow][ax] * dil[ax];
             redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
                 redo_dkv_row<T, EXTRA>(&g, &a, Dws, b, r[0], r[1], r[2], hk, scratch);
             });
@@ -693,16 +590,20 @@ static nbhd_status launch_key_stationary(const nbhd_geometry *g, const nbhd_back
     return NBHD_OK;
 }
 
+/* the kernels of the choice (kernel_choice.cu choose_backward) */
 template <typename T, int HD>
 static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *a, void *workspace,
-                              bool kv_parallel, int mb, cudaStream_t st) {
+                              const nbhd_cuda_choice &c, cudaStream_t st) {
+    const bool kv_parallel = c.kv_parallel, hopper = c.family == NBHD_CUDA_WGMMA;
+    if (c.mb != (hopper ? 2 : 1) || (kv_parallel && !hopper && HD > 64))
+        return nbhd_cuda_no_kernel("mma backward", &c);
     const mma_plan P = mma_plan_of(g);
     float *Dws = (float *)workspace;
     nbhd_status s;
     const int64_t rows = g->batch * g->tokens * g->heads;
     const int64_t ctas = g->batch * g->heads * P.patches;
     if ((s = nbhd_cuda_grid_fits(ctas, "mma backward")) != NBHD_OK) return s;
-    /* KV-parallel (kv_parallel_applies: D <= 64, or D = 128 on 128-row patches): the fp32 dQ
+    /* KV-parallel (nbhd_cuda_kv_parallel_applies: D <= 64, or D = 128 on 128-row patches): the fp32 dQ
      * accumulator after D_i, cleared by the D_i pass */
     float *dq_acc = kv_parallel ? (float *)((unsigned char *)workspace + di_bytes(g)) : nullptr;
     const int64_t chunks = rows * (HD / 8);  /* a thread per 8 channels: D_i and the conversion */
@@ -712,8 +613,8 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
         di_kernel<T, false><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
-    if (mb == 2) {  /* 128-row patches (tiles.cu: Hopper, D >= 64): wgmma for the window keys */
-        if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, st)) != NBHD_OK) return s;
+    if (hopper) {  /* 128-row patches (Hopper, D >= 64): wgmma for the window keys */
+        if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, &c, st)) != NBHD_OK) return s;
         if (g->extra_kv > 0)  /* the extra keys' dK/dV (and dQ) on mma.sync */
             s = kv_parallel ? launch_dkdv<T, HD, true, true>(g, a, Dws, dq_acc, P, st)
                             : launch_dkdv<T, HD, true, false>(g, a, Dws, nullptr, P, st);
@@ -736,33 +637,18 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     return NBHD_OK;
 }
 
-/* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64, and D = 128
- * on 128-row patches (the wgmma pass). On the 64-row mma.sync kernels at D = 128 the
- * key-stationary kernel already holds dK and dV in 256 registers, and its dQ phase costs more
- * than the separate dq_kernel (bench/bench_gpu.py: bwd against bdet). */
-static bool kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e) {
-    const int D = g->head_dim;
-    if (!e || !e->kv_parallel || (g->dtype != NBHD_F16 && g->dtype != NBHD_BF16) || D != g->head_dim_v)
-        return false;
-    return D == 32 || D == 64 || (D == 128 && nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_BACKWARD) == 2);
-}
-
-size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, const nbhd_exec *e) {
+size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, int kv_parallel) {
     /* KV-parallel: the accumulator, then dq_repair_kernel's flag */
-    return di_bytes(g) + (kv_parallel_applies(g, e) ? dq_accumulator_bytes(g) + 16 : 0);
+    return di_bytes(g) + (kv_parallel ? dq_accumulator_bytes(g) + 16 : 0);
 }
 
-nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                   const nbhd_exec *e, cudaStream_t st) {
-    /* the accumulator is read as float4: a workspace not 16-byte aligned takes the two passes */
-    const bool kvp = kv_parallel_applies(g, e) && (uintptr_t)e->workspace % 16 == 0;
-    const int mb = nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_BACKWARD);
+nbhd_status nbhd_cuda_mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a, void *ws,
+                                   const nbhd_cuda_choice *c, cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;
-    void *ws = e->workspace;
     switch (g->head_dim) {
-    case 32: return bf ? launch_bwd<__nv_bfloat16, 32>(g, a, ws, kvp, mb, st) : launch_bwd<__half, 32>(g, a, ws, kvp, mb, st);
-    case 64: return bf ? launch_bwd<__nv_bfloat16, 64>(g, a, ws, kvp, mb, st) : launch_bwd<__half, 64>(g, a, ws, kvp, mb, st);
-    case 128: return bf ? launch_bwd<__nv_bfloat16, 128>(g, a, ws, kvp, mb, st) : launch_bwd<__half, 128>(g, a, ws, kvp, mb, st);
+    case 32: return bf ? launch_bwd<__nv_bfloat16, 32>(g, a, ws, *c, st) : launch_bwd<__half, 32>(g, a, ws, *c, st);
+    case 64: return bf ? launch_bwd<__nv_bfloat16, 64>(g, a, ws, *c, st) : launch_bwd<__half, 64>(g, a, ws, *c, st);
+    case 128: return bf ? launch_bwd<__nv_bfloat16, 128>(g, a, ws, *c, st) : launch_bwd<__half, 128>(g, a, ws, *c, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma backward: head_dim %d", g->head_dim);
 }

@@ -40,49 +40,24 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
     key_box *kbs = (key_box *)(kvp + 4);  /* the union box, likewise */
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
-    int64_t idx = blockIdx.x;
-    const int hg = (int)(idx % g.group);
-    idx /= g.group;
-    const int64_t patch = idx % P.patches;
-    idx /= P.patches;
-    const int hk = (int)(idx % g.kv_heads);
-    const int64_t b = idx / g.kv_heads;
-    const int h = hk * g.group + hg;
-
-    patch_rows pr;
-    if (!patch_of(g, P, patch, pr)) return;
-    const int nk = key_box_of(g, pr.i0, P.ct, pr.Lg).total;
+    cta_patch<0, 1> C;  /* (b, kv head, patch, query head); the patch shape from the plan */
+    if (!C.locate(g, P, C.group_major(g, P))) return;
+    const int64_t b = C.b;
+    const int h = C.h, hk = (int)C.hk;
+    const int nk = C.keys(g, P).total;
     const int64_t nx = g.extra_kv;
     const int win_tiles = (int)((nk + BC - 1) / BC);
     const int tiles = win_tiles + (int)((nx + BC - 1) / BC);
     const int64_t dil[3] = {g.axis[0].dilation, g.axis[1].dilation, g.axis[2].dilation};
     const bool has_tq = a.t_q.data != nullptr;
 
-    {   // Q and tQ rows
-        constexpr int CH = HD / 8;
-        constexpr int TPR = THREADS / ROWS, CPT = CH / TPR;  /* threads per row, chunks each */
-        const int row = tid / TPR;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
-            int64_t iq[3];
-            const bool ok = patch_row(P, pr, row, iq);
-            const T *qs = (const T *)a.q.data, *ts = (const T *)(has_tq ? a.t_q.data : a.q.data);
-            if (ok) {
-                const int64_t x = pr.grp[0] + iq[0] * dil[0], y = pr.grp[1] + iq[1] * dil[1],
-                              z = pr.grp[2] + iq[2] * dil[2];
-                qs += offset_of(a.q, b, x, y, z, h) + ch * 8;
-                if (has_tq) ts += offset_of(a.t_q, b, x, y, z, h) + ch * 8;
-            }
-            cp_async16(smem_u32(Qs + swz<HD>(row, ch * 8)), qs, ok);
-            if (has_tq) cp_async16(smem_u32(tQs + swz<HD>(row, ch * 8)), ts, ok);
-        }
-    }
+    C.template copy_rows<T, HD, ROWS, THREADS, true>(g, P, a.q, a.t_q, h, Qs, tQs, tid,  /* Q, tQ rows */
+                                              [](int r, int ch) { return swz<HD>(r, ch * 8); });
     if (tid < 4) {
         const nbhd_tensor &x = tid == 0 ? a.k : tid == 1 ? a.v : tid == 2 ? a.t_k : a.t_v;
-        kvp[tid] = group_ptr_of<const T>(x, g, b, pr.grp, hk);
+        kvp[tid] = group_ptr_of<const T>(x, g, b, C.grp, hk);
     }
-    if (tid == 4) *kbs = key_box_of(g, pr.i0, P.ct, pr.Lg);
+    if (tid == 4) *kbs = C.keys(g, P);
     __syncthreads();
     auto load_tile = [&](int t, int s) {
         constexpr int CH = HD / 8;
@@ -126,46 +101,25 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
             if (has_tk) cp_async16(smem_u32(tKd + swz<HD>(kr, ch * 8)), tks + ch * 8, ok);
             if (has_tv) cp_async16(smem_u32(tVd + swz<HD>(kr, ch * 8)), tvs + ch * 8, ok);
         }
-        if (tid % TPR == 0) {
-            kcd[kr] = ok ? j[0] : KEY_NONE;
-            kcd[BC + kr] = j[1];
-            kcd[2 * BC + kr] = j[2];
-        }
+        if (tid % TPR == 0) put_coords<3, BC>(kcd, kr, ok, j);
     };
 
     const int rq = lane >> 2, cq = lane & 3;
     int wst[2][3], wen[2][3];
     bool rvalid[2];
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        int64_t iq[3];
-        rvalid[hrow] = patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
-        for (int ax = 0; ax < 3; ++ax) {
-            int64_t st = 0, en = 0;
-            if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], pr.Lg[ax], &st, &en);
-            wst[hrow][ax] = (int)st;
-            wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
-        }
-    }
+    int iq[2][3];
+    C.fragment_rows(g, P, w, lane, wst, wen, rvalid, iq);
     // the warp's key union (tiles outside it are skipped) and, when all its rows are valid,
     // the intersection of its windows (tiles inside it need no mask)
     int ulo[3], uhi[3], ilo[3], ihi[3];
+    warp_union(wst, wen, rvalid, ulo, uhi);
     const bool all_rows = __all_sync(0xffffffffu, rvalid[0] && rvalid[1]);
     for (int ax = 0; ax < 3; ++ax) {
-        int l0 = 1 << 30, h0 = -(1 << 30);
-        for (int hrow = 0; hrow < 2; ++hrow)
-            if (rvalid[hrow]) {
-                l0 = min(l0, wst[hrow][ax]);
-                h0 = max(h0, wen[hrow][ax]);
-            }
         int l1 = max(wst[0][ax], wst[1][ax]), h1 = min(wen[0][ax], wen[1][ax]);
         for (int o = 16; o > 0; o >>= 1) {
-            l0 = min(l0, __shfl_xor_sync(0xffffffffu, l0, o));
-            h0 = max(h0, __shfl_xor_sync(0xffffffffu, h0, o));
             l1 = max(l1, __shfl_xor_sync(0xffffffffu, l1, o));
             h1 = min(h1, __shfl_xor_sync(0xffffffffu, h1, o));
         }
-        ulo[ax] = l0;
-        uhi[ax] = h0;
         ilo[ax] = all_rows ? l1 : 1 << 30;
         ihi[ax] = all_rows ? h1 : -(1 << 30);
     }
@@ -229,9 +183,9 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
     jvp_store<T, HD>(g, a, b, h, o, ct, m, l, r, lane, (float *)Qs + w * exact_jvp_scratch(HD, HD),
                      [&](int hrow, int64_t c[3]) {
         if (!rvalid[hrow]) return false;
-        int64_t iq[3];
-        patch_row(P, pr, w * 16 + rq + 8 * hrow, iq);
-        for (int ax = 0; ax < 3; ++ax) c[ax] = pr.grp[ax] + iq[ax] * dil[ax];
+        int iq[3];
+        C.row(P, w * 16 + rq + 8 * hrow, iq);
+        for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + iq[ax] * dil[ax];
         return true;
     });
 }
@@ -273,36 +227,31 @@ static nbhd_status launch_kernel(const nbhd_geometry *g, const nbhd_forward_jvp_
     static_assert(sizeof(T) == 2, "f16/bf16 tiles");
     const mma_plan P = mma_plan_of(g, WARPS / 4);
     const size_t smem = nbhd_cuda_mma_jvp_smem_bytes(g, WARPS);
-    auto kernel = fna_mma_jvp_kernel<T, HD, WARPS, MINB>;
-    const int64_t ctas = g->batch * g->heads * P.patches;
-    nbhd_status s;
-    if ((s = nbhd_cuda_reserve_smem(kernel, smem, "mma forward_jvp")) != NBHD_OK ||
-        (s = nbhd_cuda_grid_fits(ctas, "mma forward_jvp")) != NBHD_OK)
-        return s;
-    kernel<<<(unsigned)ctas, 32 * WARPS, smem, st>>>(*g, *a, P);
-    NBHD_CUDA_CHECK_LAUNCH("mma forward_jvp");
-    return NBHD_OK;
+    return nbhd_cuda_launch(fna_mma_jvp_kernel<T, HD, WARPS, MINB>, g->batch * g->heads * P.patches, 32 * WARPS,
+                            smem, "mma forward_jvp", st, *g, *a, P);
 }
 
-/* The patch (tiles.cu nbhd_cuda_mma_patch_mb): 128 queries on 8 warps (one CTA per SM; on
- * Hopper the wgmma kernel, fna_wgmma_jvp.cu), or 64 on 4 (three CTAs per SM at D = 64, else two) */
+/* the kernel of the choice (kernel_choice.cu choose_forward_jvp): 128 queries on 8 warps (on
+ * Hopper the wgmma kernel), or 64 on 4 */
 template <typename T, int HD>
 static nbhd_status launch_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                              const nbhd_exec *e, cudaStream_t st) {
-    if constexpr (HD >= 64)
-        if (nbhd_cuda_mma_patch_mb(g, e, NBHD_OP_FORWARD_JVP) == 2)
-            return nbhd_cuda_wgmma_ready() ? nbhd_cuda_wgmma_forward_jvp(g, a, st)
-                                           : launch_kernel<T, HD, 8, 1>(g, a, st);
-    return launch_kernel<T, HD, 4, HD == 64 ? 3 : 2>(g, a, st);
+                              const nbhd_cuda_choice &c, cudaStream_t st) {
+    if constexpr (HD >= 64) {
+        if (c.family == NBHD_CUDA_WGMMA) return nbhd_cuda_wgmma_forward_jvp(g, a, &c, st);
+        if (c.mb == 2 && c.minb == 1) return launch_kernel<T, HD, 8, 1>(g, a, st);
+    }
+    constexpr int MINB = HD == 64 ? 3 : 2;
+    if (c.mb != 1 || c.minb != MINB) return nbhd_cuda_no_kernel("mma forward_jvp", &c);
+    return launch_kernel<T, HD, 4, MINB>(g, a, st);
 }
 
 nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                      const nbhd_exec *e, cudaStream_t st) {
+                                      const nbhd_cuda_choice *c, cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;
     switch (g->head_dim) {
-    case 32: return bf ? launch_jvp<__nv_bfloat16, 32>(g, a, e, st) : launch_jvp<__half, 32>(g, a, e, st);
-    case 64: return bf ? launch_jvp<__nv_bfloat16, 64>(g, a, e, st) : launch_jvp<__half, 64>(g, a, e, st);
-    case 128: return bf ? launch_jvp<__nv_bfloat16, 128>(g, a, e, st) : launch_jvp<__half, 128>(g, a, e, st);
+    case 32: return bf ? launch_jvp<__nv_bfloat16, 32>(g, a, *c, st) : launch_jvp<__half, 32>(g, a, *c, st);
+    case 64: return bf ? launch_jvp<__nv_bfloat16, 64>(g, a, *c, st) : launch_jvp<__half, 64>(g, a, *c, st);
+    case 128: return bf ? launch_jvp<__nv_bfloat16, 128>(g, a, *c, st) : launch_jvp<__half, 128>(g, a, *c, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "mma forward_jvp: head_dim %d", g->head_dim);
 }

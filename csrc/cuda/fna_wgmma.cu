@@ -31,133 +31,33 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     T *Vs = Ks + KST * BN * HD;                    /* [VST][BN][HD] */
     int *kc = (int *)(Vs + VST * BN * HD);         /* [KST][RANK][BN] in-group key coordinates */
 
-    constexpr int WT[3] = {patch_wt(RANK, 0), patch_wt(RANK, 1), patch_wt(RANK, 2)};
-    const int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
+    wg_cta<RANK> C;  /* (b, head, patch) and the patch's key walk */
+    if (!C.place_queries(g, P, BN)) return;
+    const int win_tiles = C.win_tiles, tiles = C.tiles;
+    auto row_coords = [&](int qr, int iq[3]) -> bool { return C.row(qr, iq); };
 
-    // CTA -> (b, head, patch), as fna_mma.cu; written out rather than through wgmma.cuh wg_cta,
-    // which is slower here on large windows (bench/bench_gpu.py --only 1d,3d-30).
-    uint32_t idx = blockIdx.x;
-    const uint32_t patches = (uint32_t)P.patches, heads = (uint32_t)g.heads;
-    uint32_t patch = idx % patches;
-    idx /= patches;
-    const int h = (int)(idx % heads);
-    const int64_t b = idx / heads;
-    const int64_t hk = g.group == 1 ? h : h / g.group;
-
-    int64_t grp[3] = {0, 0, 0};
-    int i0[3] = {0, 0, 0}, Lg[3] = {1, 1, 1};
-#pragma unroll
-    for (int ax = RANK - 1; ax >= 0; --ax) {
-        const uint32_t ns = (uint32_t)P.slots[ax], slot = patch % ns;
-        patch /= ns;
-        const int d = g.axis[ax].dilation;
-        grp[ax] = d == 1 ? 0 : (int)(slot % (uint32_t)d);
-        i0[ax] = (d == 1 ? (int)slot : (int)(slot / (uint32_t)d)) * ct[ax];
-        Lg[ax] = d == 1 ? (int)g.axis[ax].extent : ((int)g.axis[ax].extent - (int)grp[ax] + d - 1) / d;
-        if (i0[ax] >= Lg[ax]) return;  /* an empty slot (uniform over the CTA) */
-    }
-    const key_box kb = key_box_of(g, i0, ct, Lg);
-    const int nk = kb.total;
-    const int64_t nx = g.extra_kv;
-    const int win_tiles = (nk + BN - 1) / BN;
-    const int tiles = win_tiles + (int)((nx + BN - 1) / BN);
-    const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, b, grp, hk);
-    const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, b, grp, hk);
-
-    // query row qr of the CTA (m-block qr / 16, stacked along axis 0) -> in-group coordinates
-    auto row_coords = [&](int qr, int iq[3]) -> bool {
-        const int mblock = qr >> 4, r = qr & 15;
-        const int r2 = r % WT[2], r1 = (r / WT[2]) % WT[1], r0 = r / (WT[1] * WT[2]);
-        iq[0] = i0[0] + mblock * WT[0] + r0;
-        iq[1] = i0[1] + r1;
-        iq[2] = i0[2] + r2;
-        return iq[0] < Lg[0] && iq[1] < Lg[1] && iq[2] < Lg[2];
-    };
-
-    // load Q (zero rows outside the grid)
-    {
-        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BM, CPT = CH / TPR;
-        const int row = tid / TPR;
-        int iq[3];
-        const bool ok = row_coords(row, iq);
-        const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, b, grp, h);
-        const T *src = ok ? qp.at(iq[0], iq[1], iq[2]) : qp.base;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
-            cp_async16(smem_u32(Qs + gmma_off<BM>(row, ch)), src + ch * 8, ok);
-        }
-    }
+    C.template load_rows<T, HD, false>(g, P, a.q, a.q, C.h, Qs, Qs, tid);  /* zero rows outside the grid */
 
     // K, V (and key coordinates) of tile t into their stages: one key per TPR threads
+    const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
+    const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
     auto load_tile = [&](int t, int) {
-        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BN, CPT = CH / TPR;
-        T *Kd = Ks + (t % KST) * BN * HD, *Vd = Vs + (t % VST) * BN * HD;
-        int *kcd = kc + (t % KST) * RANK * BN;
-        const int kr = tid / TPR;
-        const T *ksrc, *vsrc;
-        bool ok;
-        int j[3] = {0, 0, 0};
-        if (t < win_tiles) {
-            const int n = t * BN + kr;
-            ok = n < nk;
-            if (ok) key_box_at<RANK>(kb, n, j);
-            ksrc = kp.at(j[0], j[1], j[2]);
-            vsrc = vp.at(j[0], j[1], j[2]);
-        } else {
-            const int64_t e = (int64_t)(t - win_tiles) * BN + kr;
-            ok = e < nx;
-            const int64_t ee = ok ? e : 0;
-            ksrc = (const T *)a.kx.data + b * a.kx.stride[0] + ee * a.kx.stride[1] + hk * a.kx.stride[4];
-            vsrc = (const T *)a.vx.data + b * a.vx.stride[0] + ee * a.vx.stride[1] + hk * a.vx.stride[4];
-        }
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
-            cp_async16(smem_u32(Kd + gmma_off<BN>(kr, ch)), ksrc + ch * 8, ok);
-            cp_async16(smem_u32(Vd + gmma_off<BN>(kr, ch)), vsrc + ch * 8, ok);
-        }
-        if (tid % TPR == 0) put_coords<RANK, BN>(kcd, kr, ok, j);
+        C.template load_kv_tile<T, HD, BN, WGMMA_THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
+                                                          Vs + (t % VST) * BN * HD, kc + (t % KST) * RANK * BN, tid,
+                                                          [](int r, int ch) { return gmma_off<BN>(r, ch); });
     };
 
-    // this thread's rows (r, r + 8 of its warp's m-block): validity and in-group windows
+    // this thread's rows (r, r + 8 of its warp's m-block): validity and in-group windows; the
+    // intersection of the warpgroup's windows (a tile inside it skips the mask)
     const int rq = lane >> 2, cq = lane & 3;
     auto my_row = [&](int, int hrow) { return w * 16 + rq + 8 * hrow; };
     int wst[1][2][RANK], wen[1][2][RANK];
     bool rvalid[1][2];
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        int iq[3];
-        rvalid[0][hrow] = row_coords(my_row(0, hrow), iq);
-#pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) {
-            int64_t st = 0, en = 0;
-            if (rvalid[0][hrow]) window32(&g.axis[ax], iq[ax], Lg[ax], &st, &en);
-            wst[0][hrow][ax] = (int)st;
-            wen[0][hrow][ax] = rvalid[0][hrow] ? (int)en : 0;
-        }
-    }
-    // The warpgroup's rows are a box: the intersection of their windows (a tile inside it skips
-    // the mask), as fna_mma.cu computes it per warp
+    int iq[2][3];
+    C.fragment_rows(g, P, w, lane, wst[0], wen[0], rvalid[0], iq);
     int ilo[RANK], ihi[RANK];
-    {
-        constexpr int WX[3] = {WT[0] * 4, WT[1], WT[2]};
-        int wq[3];
-        row_coords(wg * 64, wq);
-        bool all_rows = true;
-#pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) all_rows &= wq[ax] + WX[ax] <= Lg[ax];
-#pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) {
-            const int f = min(wq[ax], Lg[ax] - 1), l = min(wq[ax] + WX[ax], Lg[ax]) - 1;
-            int64_t sf, ef, sl, el;
-            window32(&g.axis[ax], f, Lg[ax], &sf, &ef);
-            window32(&g.axis[ax], l, Lg[ax], &sl, &el);
-            ilo[ax] = all_rows ? (int)sl : 1 << 30;
-            ihi[ax] = all_rows ? (int)ef : -(1 << 30);
-        }
-    }
+    C.box_inside(g, wg, ilo, ihi);
 
     float o[1][HD / 8][4];
 #pragma unroll
@@ -232,7 +132,7 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     cp_async_wait<0>();
     __syncthreads();  /* both warpgroups' wgmma reads of Qs are done before it stages O */
 
-    fwd_store<T, 1, HD>(g, a, grp, b, h, o, m, l, Qs, w * 16, lane, row_coords, my_row);
+    fwd_store<T, 1, HD>(g, a, C.grp, C.b, C.h, o, m, l, Qs, w * 16, lane, row_coords, my_row);
 #endif
 }
 
@@ -263,19 +163,17 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *
                                cudaStream_t st) {
     const size_t smem = 1024 + sizeof(T) * (size_t)(WGMMA_BM + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
                         sizeof(int) * WGMMA_K_STAGES * RANK * BN;
-    auto kernel = fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB>;
-    const int64_t ctas = g->batch * g->heads * P.patches;
-    nbhd_status s;
-    if ((s = nbhd_cuda_reserve_smem(kernel, smem, "wgmma forward")) != NBHD_OK ||
-        (s = nbhd_cuda_grid_fits(ctas, "wgmma forward")) != NBHD_OK)
-        return s;
-    kernel<<<(unsigned)ctas, WGMMA_THREADS, smem, st>>>(*g, *a, P);
-    NBHD_CUDA_CHECK_LAUNCH("wgmma forward");
-    return NBHD_OK;
+    return nbhd_cuda_launch(fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB>, g->batch * g->heads * P.patches,
+                            WGMMA_THREADS, smem, "wgmma forward", st, *g, *a, P);
 }
 
-template <typename T, int HD, int BN, int MINB>
-static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+/* the kernel of the choice (kernel_choice.cu choose_forward): key tiles of 64, two CTAs per SM
+ * at D = 64, one at D = 128 */
+template <typename T, int HD>
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_cuda_choice &c,
+                          cudaStream_t st) {
+    constexpr int BN = 64, MINB = HD == 64 ? 2 : 1;
+    if (c.bn != BN || c.minb != MINB || c.mb != 2) return nbhd_cuda_no_kernel("wgmma forward", &c);
     const mma_plan P = mma_plan_of(g, 2);
     switch (P.rank) {
     case 1: return launch_rank<T, HD, BN, 1, MINB>(g, a, P, st);
@@ -284,18 +182,12 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_args *a,
     }
 }
 
-/* Key tiles of 64: at D = 128 115 KiB of shared memory and one CTA per SM, at D = 64 two CTAs per
- * SM in 128 registers; 128-key tiles are slower on both (bench/bench_gpu.py --only 1d,3d-30). */
-template <typename T, int HD>
-static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
-    return launch_bn<T, HD, 64, HD == 64 ? 2 : 1>(g, a, st);
-}
-
-nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
+                                    const nbhd_cuda_choice *c, cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;
     switch (g->head_dim) {
-    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, st) : launch<__half, 64>(g, a, st);
-    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, st) : launch<__half, 128>(g, a, st);
+    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, *c, st) : launch<__half, 64>(g, a, *c, st);
+    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, *c, st) : launch<__half, 128>(g, a, *c, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward: head_dim %d", g->head_dim);
 }

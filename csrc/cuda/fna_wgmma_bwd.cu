@@ -70,40 +70,25 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
     wg_cta<RANK> C;
-    if (!C.init(g, P, BN)) return;
+    if (!C.place_queries(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
 
-    C.template load_rows<T, HD>(g, a.q, a.d_out, C.h, Qs, dOs, tid);  /* zero rows outside the grid */
+    C.template load_rows<T, HD>(g, P, a.q, a.d_out, C.h, Qs, dOs, tid);  /* zero rows outside the grid */
 
     // K, V (and key coordinates) of tile t: one key per TPR threads
     const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
     const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
     auto load_tile = [&](int t, int) {
-        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BN, CPT = CH / TPR;
-        const int kr = tid / TPR;
-        int j[3];
-        int64_t e;
-        const bool ok = C.key(g, t, kr, BN, j, e);
-        const bool win = t < win_tiles;
-        const T *ks = win ? kp.at(j[0], j[1], j[2]) : C.template extra_row<T>(a.kx, e);
-        const T *vs = win ? vp.at(j[0], j[1], j[2]) : C.template extra_row<T>(a.vx, e);
-        T *Kd = Ks + (t % KST) * BN * HD, *Vd = Vs + (t % VST) * BN * HD;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BN>(kr, ch);
-            cp_async16(smem_u32(Kd + off), ks + ch * 8, ok);
-            cp_async16(smem_u32(Vd + off), vs + ch * 8, ok);
-        }
-        if (tid % TPR == 0) put_coords<RANK, BN>(kc + (t % VST) * RANK * BN, kr, ok, j);
+        C.template load_kv_tile<T, HD, BN, WGMMA_THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
+                                                          Vs + (t % VST) * BN * HD, kc + (t % VST) * RANK * BN, tid,
+                                                          [](int r, int ch) { return gmma_off<BN>(r, ch); });
     };
 
     // this thread's rows: windows, lse (base 2), D_i
     const int cq = lane & 3;
-    int wst[2][RANK], wen[2][RANK];
+    int wst[2][RANK], wen[2][RANK], ilo[RANK], ihi[RANK];
     bool rvalid[2];
-    C.thread_rows(g, w, lane, wst, wen, rvalid);
-    int ilo[RANK], ihi[RANK];
-    C.box_inside(g, wg, ilo, ihi);
+    C.row_windows(g, P, w, lane, wst, wen, rvalid, ilo, ihi);
     float lse2[2], Di[2];
     {
         const group_ptr<const float> lp = group_ptr_of<const float>(a.lse, g, C.b, C.grp, C.h);
@@ -237,7 +222,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
     wg_cta<RANK> C;  /* rows: the patch's keys; C.h the key head */
-    if (!C.place(g, P, (uint32_t)g.kv_heads)) return;
+    if (!C.place_keys(g, P)) return;
     const int hk = C.h;
     constexpr int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
 
@@ -262,7 +247,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
     const int tiles_per_head = (qb.total + BN - 1) / BN;
     const int tiles = tiles_per_head * g.group;
 
-    C.template load_rows<T, HD>(g, a.k, a.v, hk, Ks, Vs, tid);  /* K and V rows, zero outside the grid */
+    C.template load_rows<T, HD>(g, P, a.k, a.v, hk, Ks, Vs, tid);  /* K and V rows, zero outside the grid */
 
     // Q, dO (and query coordinates, lse, D_i) of tile t: query head hk * group + t / tiles_per_head
     const int64_t h0 = (int64_t)hk * g.group;
@@ -479,16 +464,6 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
 // ----------------------------------------------------------------------------
 // launch
 
-template <typename... Params, typename... Args>
-static nbhd_status launch_kernel(void (*kernel)(Params...), size_t smem, int64_t ctas, const char *what,
-                                 cudaStream_t st, Args... args) {
-    const nbhd_status s = nbhd_cuda_reserve_smem(kernel, smem, what);
-    if (s != NBHD_OK) return s;
-    kernel<<<(unsigned)ctas, WGMMA_THREADS, smem, st>>>(args...);
-    NBHD_CUDA_CHECK_LAUNCH(what);
-    return NBHD_OK;
-}
-
 /* dq_acc: the KV-parallel pass (tiles of 128 at D = 64, 64 at D = 128): dK/dV and dQ by atomics,
  * no dq kernel */
 template <typename T, int HD, int BN, int RANK>
@@ -499,19 +474,25 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
     if ((s = nbhd_cuda_grid_fits(q_ctas, "wgmma backward")) != NBHD_OK) return s;
     if constexpr ((BN / 64) * (HD / 64) == 2) {
         if (dq_acc)
-            return launch_kernel(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true>, dkdv_smem_bytes<HD, BN, RANK, true>(),
-                                 kv_ctas, "wgmma backward (dk, dv, dq)", st, *g, *a, Dws, dq_acc, P);
+            return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true>, kv_ctas, WGMMA_THREADS,
+                                    dkdv_smem_bytes<HD, BN, RANK, true>(), "wgmma backward (dk, dv, dq)", st,
+                                    *g, *a, Dws, dq_acc, P);
     }
-    if ((s = launch_kernel(fna_wgmma_dq_kernel<T, HD, BN, RANK>, dq_smem_bytes<HD, BN, RANK>(), q_ctas,
-                           "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
+    if ((s = nbhd_cuda_launch(fna_wgmma_dq_kernel<T, HD, BN, RANK>, q_ctas, WGMMA_THREADS,
+                              dq_smem_bytes<HD, BN, RANK>(), "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
         return s;
-    return launch_kernel(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false>, dkdv_smem_bytes<HD, BN, RANK, false>(),
-                         kv_ctas, "wgmma backward (dk, dv)", st, *g, *a, Dws, (float *)nullptr, P);
+    return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false>, kv_ctas, WGMMA_THREADS,
+                            dkdv_smem_bytes<HD, BN, RANK, false>(), "wgmma backward (dk, dv)", st,
+                            *g, *a, Dws, (float *)nullptr, P);
 }
 
-template <typename T, int HD, int BN>
-static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
-                             float *dq_acc, cudaStream_t st) {
+/* the kernels of the choice (kernel_choice.cu choose_backward): tiles of 64 at D = 128, of 128
+ * at D = 64 */
+template <typename T, int HD>
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
+                          float *dq_acc, const nbhd_cuda_choice &c, cudaStream_t st) {
+    constexpr int BN = HD == 64 ? 128 : 64;
+    if (c.bn != BN || c.mb != 2) return nbhd_cuda_no_kernel("wgmma backward", &c);
     const mma_plan P = mma_plan_of(g, 2);
     switch (P.rank) {
     case 1: return launch_rank<T, HD, BN, 1>(g, a, Dws, dq_acc, P, st);
@@ -520,20 +501,13 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_backward_args *a
     }
 }
 
-/* Tiles (keys of dQ, queries of dK/dV) of 64 at D = 128, of 128 at D = 64: twice the products
- * per barrier and softmax pass where registers allow (bench/bench_gpu.py --only 1d,3d-30). */
-template <typename T, int HD>
-static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
-                          float *dq_acc, cudaStream_t st) {
-    return launch_bn<T, HD, HD == 64 ? 128 : 64>(g, a, Dws, dq_acc, st);
-}
-
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                     const float *Dws, float *dq_acc, cudaStream_t st) {
+                                     const float *Dws, float *dq_acc, const nbhd_cuda_choice *c,
+                                     cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;
     switch (g->head_dim) {
-    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, Dws, dq_acc, st) : launch<__half, 64>(g, a, Dws, dq_acc, st);
-    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, Dws, dq_acc, st) : launch<__half, 128>(g, a, Dws, dq_acc, st);
+    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, Dws, dq_acc, *c, st) : launch<__half, 64>(g, a, Dws, dq_acc, *c, st);
+    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, Dws, dq_acc, *c, st) : launch<__half, 128>(g, a, Dws, dq_acc, *c, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: head_dim %d", g->head_dim);
 }

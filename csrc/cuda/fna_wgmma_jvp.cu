@@ -37,10 +37,10 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
     wg_cta<RANK> C;
-    if (!C.init(g, P, BN)) return;
+    if (!C.place_queries(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
 
-    C.template load_rows<T, HD>(g, a.q, a.t_q, C.h, Qs, tQs, tid);  /* zero rows outside the grid; tQ when absent */
+    C.template load_rows<T, HD>(g, P, a.q, a.t_q, C.h, Qs, tQs, tid);  /* zero rows outside the grid; tQ when absent */
 
     // K, tK, V, tV (and key coordinates) of tile t: one key per TPR threads
     auto load_tile = [&](int t, int) {
@@ -73,11 +73,9 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
     };
 
     const int cq = lane & 3;
-    int wst[2][RANK], wen[2][RANK];
+    int wst[2][RANK], wen[2][RANK], ilo[RANK], ihi[RANK];
     bool rvalid[2];
-    C.thread_rows(g, w, lane, wst, wen, rvalid);
-    int ilo[RANK], ihi[RANK];
-    C.box_inside(g, wg, ilo, ihi);
+    C.row_windows(g, P, w, lane, wst, wen, rvalid, ilo, ihi);
 
     float o[HD / 8][4], ct[HD / 8][4];
 #pragma unroll
@@ -188,19 +186,16 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_ar
                                cudaStream_t st) {
     constexpr size_t smem = wgj_smem_bytes<HD, BN>(RANK);
     static_assert(smem <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
-    auto kernel = fna_wgmma_jvp_kernel<T, HD, BN, RANK>;
-    const int64_t ctas = g->batch * g->heads * P.patches;
-    nbhd_status s;
-    if ((s = nbhd_cuda_reserve_smem(kernel, smem, "wgmma forward_jvp")) != NBHD_OK ||
-        (s = nbhd_cuda_grid_fits(ctas, "wgmma forward_jvp")) != NBHD_OK)
-        return s;
-    kernel<<<(unsigned)ctas, WGMMA_THREADS, smem, st>>>(*g, *a, P);
-    NBHD_CUDA_CHECK_LAUNCH("wgmma forward_jvp");
-    return NBHD_OK;
+    return nbhd_cuda_launch(fna_wgmma_jvp_kernel<T, HD, BN, RANK>, g->batch * g->heads * P.patches,
+                            WGMMA_THREADS, smem, "wgmma forward_jvp", st, *g, *a, P);
 }
 
-template <typename T, int HD, int BN>
-static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+/* the kernel of the choice (kernel_choice.cu choose_forward_jvp): key tiles of 64 */
+template <typename T, int HD>
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_cuda_choice &c,
+                          cudaStream_t st) {
+    constexpr int BN = 64;
+    if (c.bn != BN || c.mb != 2) return nbhd_cuda_no_kernel("wgmma forward_jvp", &c);
     const mma_plan P = mma_plan_of(g, 2);
     switch (P.rank) {
     case 1: return launch_rank<T, HD, BN, 1>(g, a, P, st);
@@ -209,19 +204,12 @@ static nbhd_status launch_bn(const nbhd_geometry *g, const nbhd_forward_jvp_args
     }
 }
 
-/* Key tiles of 64, faster than 32 although at D = 128 the kernel spills 128 bytes and takes
- * 227 KiB of shared memory, one CTA per SM (bench/bench_gpu.py --only 1d,3d-30). */
-template <typename T, int HD>
-static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
-    return launch_bn<T, HD, 64>(g, a, st);
-}
-
 nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                        cudaStream_t st) {
+                                        const nbhd_cuda_choice *c, cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;
     switch (g->head_dim) {
-    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, st) : launch<__half, 64>(g, a, st);
-    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, st) : launch<__half, 128>(g, a, st);
+    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, *c, st) : launch<__half, 64>(g, a, *c, st);
+    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, *c, st) : launch<__half, 128>(g, a, *c, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward_jvp: head_dim %d", g->head_dim);
 }

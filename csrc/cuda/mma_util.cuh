@@ -266,77 +266,7 @@ __device__ __forceinline__ uint32_t udiv(uint32_t n, const udiv32 &u) {
     return q;
 }
 
-/* The exact union of a CTA's windows: per axis the in-group range [lo, lo + cnt) from the
- * start of its first query to the end of its last (starts and ends never decrease along an
- * axis), walked row-major: walk index n -> in-group key coordinates. */
-struct key_box {
-    int lo[3], cnt[3];
-    udiv32 d1, d2;  /* by cnt[1], cnt[2] */
-    int total;      /* keys in the box; 0 without a window */
-};
-
-template <typename I>
-__device__ __forceinline__ key_box key_box_of(const nbhd_geometry &g, const I i0[3], const int ct[3],
-                                              const I Lg[3]) {
-    key_box kb;
-    int64_t total = g.has_window ? 1 : 0;
-#pragma unroll
-    for (int ax = 0; ax < 3; ++ax) {
-        int64_t st, en, st2, en2;
-        const int last = (int)min((int64_t)i0[ax] + ct[ax], (int64_t)Lg[ax]) - 1;
-        window32(&g.axis[ax], i0[ax], Lg[ax], &st, &en);
-        window32(&g.axis[ax], last, Lg[ax], &st2, &en2);
-        kb.lo[ax] = (int)st;
-        kb.cnt[ax] = max((int)(en2 - st), 1);
-        total *= kb.cnt[ax];
-    }
-    kb.d1 = udiv32_of((uint32_t)kb.cnt[1]);
-    kb.d2 = udiv32_of((uint32_t)kb.cnt[2]);
-    kb.total = (int)total;
-    return kb;
-}
-
-/* RANK < 3: the box is one key thick on the padded axes, whose coordinates stay 0 */
-template <int RANK = 3>
-__device__ __forceinline__ void key_box_at(const key_box &kb, int n, int j[3]) {
-    if (RANK == 1) {
-        j[0] = kb.lo[0] + n;
-    } else if (RANK == 2) {
-        const uint32_t q1 = udiv((uint32_t)n, kb.d1);
-        j[1] = kb.lo[1] + (int)((uint32_t)n - q1 * (uint32_t)kb.cnt[1]);
-        j[0] = kb.lo[0] + (int)q1;
-    } else {
-        const uint32_t q2 = udiv((uint32_t)n, kb.d2), q1 = udiv(q2, kb.d1);
-        j[2] = kb.lo[2] + (int)((uint32_t)n - q2 * (uint32_t)kb.cnt[2]);
-        j[1] = kb.lo[1] + (int)(q2 - q1 * (uint32_t)kb.cnt[1]);
-        j[0] = kb.lo[0] + (int)q1;
-    }
-}
-
-/* One (batch, head) of a [B, X, Y, Z, H, D] tensor in one dilation group: in-group element
- * (j0, j1, j2) at base + sum_a j_a step_a (steps in int by steps_fit, the sum in 64 bits: three
- * wide multiply-adds instead of five 64-bit products per address). */
-template <typename T> struct group_ptr {
-    T *base;
-    int step[3];
-    __device__ __forceinline__ T *at(int j0, int j1, int j2) const {
-        return base + (int64_t)j0 * step[0] + (int64_t)j1 * step[1] + (int64_t)j2 * step[2];
-    }
-};
-
-/* unit_step: full-axis coordinates (dilation ignored), e.g. every query of the extra keys */
-template <typename T>
-__device__ __forceinline__ group_ptr<T> group_ptr_of(const nbhd_tensor &t, const nbhd_geometry &g,
-                                                     int64_t b, const int64_t grp[3], int64_t h,
-                                                     bool unit_step = false) {
-    group_ptr<T> p;
-    p.base = (T *)t.data + b * t.stride[0] + grp[0] * t.stride[1] + grp[1] * t.stride[2] +
-             grp[2] * t.stride[3] + h * t.stride[4];
-#pragma unroll
-    for (int a = 0; a < 3; ++a)
-        p.step[a] = (int)(t.stride[a + 1] * (unit_step ? 1 : g.axis[a].dilation));
-    return p;
-}
+#include "cta_patch.cuh"
 
 /* a contiguous fp32 workspace [B, X, Y, Z, H, cols] as a tensor: the backward's D_i (cols 1,
  * indexed like lse) and the KV-parallel backward's dQ accumulator (cols D) */
@@ -427,39 +357,6 @@ __device__ __forceinline__ void tile_xb(float acc[HD / 8][4], const float x[BC /
     }
 }
 
-/* row-tile geometry of a CTA: per axis dilation group, first in-group index, group length */
-struct patch_rows {
-    int64_t grp[3], i0[3], Lg[3];
-};
-
-__device__ __forceinline__ bool patch_of(const nbhd_geometry &g, const mma_plan &P, int64_t patch,
-                                         patch_rows &pr) {
-    int64_t slot[3];
-    slot[2] = patch % P.slots[2];
-    slot[1] = (patch / P.slots[2]) % P.slots[1];
-    slot[0] = patch / (P.slots[1] * P.slots[2]);
-    for (int ax = 0; ax < 3; ++ax) {
-        const int64_t d = g.axis[ax].dilation;
-        pr.grp[ax] = slot[ax] % d;
-        pr.i0[ax] = (slot[ax] / d) * P.ct[ax];
-        pr.Lg[ax] = nbhd_group_len(&g.axis[ax], pr.grp[ax]);
-        if (pr.i0[ax] >= pr.Lg[ax]) return false;
-    }
-    return true;
-}
-
-/* row qr of the CTA -> in-group coordinates; valid if inside every axis */
-__device__ __forceinline__ bool patch_row(const mma_plan &P, const patch_rows &pr, int qr,
-                                          int64_t iq[3]) {
-    const int ww = qr >> 4, r = qr & 15;
-    const int w2 = ww % P.wc[2], w1 = (ww / P.wc[2]) % P.wc[1], w0 = ww / (P.wc[1] * P.wc[2]);
-    const int r2 = r % P.wt[2], r1 = (r / P.wt[2]) % P.wt[1], r0 = r / (P.wt[1] * P.wt[2]);
-    iq[0] = pr.i0[0] + w0 * P.wt[0] + r0;
-    iq[1] = pr.i0[1] + w1 * P.wt[1] + r1;
-    iq[2] = pr.i0[2] + w2 * P.wt[2] + r2;
-    return iq[0] < pr.Lg[0] && iq[1] < pr.Lg[1] && iq[2] < pr.Lg[2];
-}
-
 template <typename T> __device__ __forceinline__ void store_pairs(T *dst, const float (*acc)[4],
                                                                    int n8, int hrow, int cq,
                                                                    float mul) {
@@ -472,15 +369,6 @@ template <typename T> __device__ __forceinline__ void store_pairs(T *dst, const 
 // the forward kernels' per-tile softmax and epilogue (fna_mma.cu, fna_wgmma.cu): a warp's MB
 // 16-row m-blocks in mma.sync accumulator fragments (a thread holds rows rq, rq + 8 of each,
 // key / head-dim columns nb * 8 + 2 cq + e)
-
-/* entry n of a tile's in-group coordinates [RANK][BN] (at dst): j, or KEY_NONE on axis 0 for a
- * position past the end (ok false) */
-template <int RANK, int BN>
-__device__ __forceinline__ void put_coords(int *dst, int n, bool ok, const int (&j)[3]) {
-    dst[n] = ok ? j[0] : KEY_NONE;
-#pragma unroll
-    for (int ax = 1; ax < RANK; ++ax) dst[ax * BN + n] = j[ax];
-}
 
 /* Does a query row see key j (in-group coordinates)? A window key (win): inside the row's window
  * [st, en) per axis (an invalid row's is empty); an extra key: any valid row, any real key. */

@@ -50,114 +50,27 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lead_bytes
 }
 
 
-/* The CTA setup of the Hopper forward+JVP and backward (fna_wgmma.cu writes its own out:
- * measured faster there): two warpgroups on a 128-row patch (mma_plan_of(g, 2): its m-blocks
- * stacked along axis 0, warp w owning m-block w, warpgroup wg the box of m-blocks
- * 4 wg .. 4 wg + 3). A query patch (init) walks the exact union of its windows in tiles of BN
- * keys, then the extra keys; the dK/dV kernel's patch is one of keys (place, h the key head). */
+/* The CTA of the Hopper kernels (fna_wgmma*.cu): two warpgroups on a 128-row patch
+ * (cta_patch.cuh with MB = 2: m-blocks stacked along axis 0, warp w owning m-block w, warpgroup
+ * wg the box of m-blocks 4 wg .. 4 wg + 3), with the loads and masks of that shape. */
 template <int RANK>
-struct wg_cta {
-    int64_t b, hk;
-    int h;
-    int64_t grp[3];       /* dilation group per axis */
-    int i0[3], Lg[3];     /* first in-group query of the patch, group length */
-    key_box kb;
-    int win_tiles, tiles;
-
-    /* CTA -> (b, head h of `heads`, patch): the patch's dilation group, first in-group index
-     * and group length per axis; false: an empty slot (uniform over the CTA) */
-    __device__ __forceinline__ bool place(const nbhd_geometry &g, const mma_plan &P, uint32_t heads) {
-        uint32_t idx = blockIdx.x;  /* neighbouring CTAs take neighbouring patches of one head */
-        const uint32_t patches = (uint32_t)P.patches;
-        uint32_t patch = idx % patches;
-        idx /= patches;
-        h = (int)(idx % heads);
-        b = idx / heads;
-        const int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
-#pragma unroll
-        for (int ax = 0; ax < 3; ++ax) grp[ax] = 0, i0[ax] = 0, Lg[ax] = 1;
-#pragma unroll
-        for (int ax = RANK - 1; ax >= 0; --ax) {
-            const uint32_t ns = (uint32_t)P.slots[ax], slot = patch % ns;
-            patch /= ns;
-            const int d = g.axis[ax].dilation;
-            grp[ax] = d == 1 ? 0 : (int)(slot % (uint32_t)d);
-            i0[ax] = (d == 1 ? (int)slot : (int)(slot / (uint32_t)d)) * ct[ax];
-            Lg[ax] = d == 1 ? (int)g.axis[ax].extent : ((int)g.axis[ax].extent - (int)grp[ax] + d - 1) / d;
-            if (i0[ax] >= Lg[ax]) return false;
-        }
-        return true;
-    }
-
-    /* a query patch (h: the query head); false: an empty slot (uniform over the CTA) */
-    __device__ __forceinline__ bool init(const nbhd_geometry &g, const mma_plan &P, int bn) {
-        if (!place(g, P, (uint32_t)g.heads)) return false;
-        hk = g.group == 1 ? h : h / g.group;
-        const int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
-        kb = key_box_of(g, i0, ct, Lg);
-        win_tiles = (kb.total + bn - 1) / bn;
-        tiles = win_tiles + (int)((g.extra_kv + bn - 1) / bn);
-        return true;
-    }
-
-    /* query row qr of the CTA -> in-group coordinates; false outside the grid */
-    __device__ __forceinline__ bool row(int qr, int iq[3]) const {
-        constexpr int WT[3] = {patch_wt(RANK, 0), patch_wt(RANK, 1), patch_wt(RANK, 2)};
-        const int mblock = qr >> 4, r = qr & 15;
-        const int r2 = r % WT[2], r1 = (r / WT[2]) % WT[1], r0 = r / (WT[1] * WT[2]);
-        iq[0] = i0[0] + mblock * WT[0] + r0;
-        iq[1] = i0[1] + r1;
-        iq[2] = i0[2] + r2;
-        return iq[0] < Lg[0] && iq[1] < Lg[1] && iq[2] < Lg[2];
-    }
-
+struct wg_cta : cta_patch<RANK, 2> {
     /* the patch's rows of x1 and x2 (head `head`) into [WGMMA_BM][HD] tiles d1, d2 of the layout
-     * above by cp.async, rows outside the grid zero-filled; x2 absent (no data): d2 zero */
-    template <typename T, int HD>
-    __device__ __forceinline__ void load_rows(const nbhd_geometry &g, const nbhd_tensor &x1, const nbhd_tensor &x2,
-                                              int64_t head, T *d1, T *d2, int tid) const {
-        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / WGMMA_BM, CPT = CH / TPR;
-        const int r = tid / TPR;
-        int iq[3];
-        const bool ok = row(r, iq), has2 = x2.data != nullptr;
-        const group_ptr<const T> p1 = group_ptr_of<const T>(x1, g, b, grp, head);
-        const group_ptr<const T> p2 = group_ptr_of<const T>(has2 ? x2 : x1, g, b, grp, head);
-        const T *s1 = ok ? p1.at(iq[0], iq[1], iq[2]) : p1.base;
-        const T *s2 = ok ? p2.at(iq[0], iq[1], iq[2]) : p2.base;
-#pragma unroll
-        for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<WGMMA_BM>(r, ch);
-            cp_async16(smem_u32(d1 + off), s1 + ch * 8, ok);
-            cp_async16(smem_u32(d2 + off), s2 + ch * 8, ok && has2);
-        }
+     * above (cta_patch::copy_rows) */
+    template <typename T, int HD, bool TWO = true>
+    __device__ __forceinline__ void load_rows(const nbhd_geometry &g, const mma_plan &P, const nbhd_tensor &x1,
+                                              const nbhd_tensor &x2, int64_t head, T *d1, T *d2, int tid) const {
+        this->template copy_rows<T, HD, WGMMA_BM, WGMMA_THREADS, TWO>(
+            g, P, x1, x2, head, d1, d2, tid, [](int r, int ch) { return gmma_off<WGMMA_BM>(r, ch); });
     }
 
-    /* element offset of in-group row iq, head h, in a [B, X, Y, Z, H, D] tensor (64-bit: for
-     * tensors whose steps steps_fit does not check, the outputs) */
-    __device__ __forceinline__ int64_t offset(const nbhd_tensor &t, const nbhd_geometry &g, const int iq[3],
-                                              int64_t head) const {
-        return offset_of(t, b, grp[0] + (int64_t)iq[0] * g.axis[0].dilation,
-                         grp[1] + (int64_t)iq[1] * g.axis[1].dilation,
-                         grp[2] + (int64_t)iq[2] * g.axis[2].dilation, head);
-    }
-
-    /* a thread's rows qr(hrow) = 16 w + lane / 4 + 8 hrow: validity and in-group windows
-     * (invalid rows: empty) */
-    __device__ __forceinline__ void thread_rows(const nbhd_geometry &g, int w, int lane,
-                                                int (&wst)[2][RANK], int (&wen)[2][RANK],
-                                                bool (&rvalid)[2]) const {
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            int iq[3];
-            rvalid[hrow] = row(w * 16 + (lane >> 2) + 8 * hrow, iq);
-#pragma unroll
-            for (int ax = 0; ax < RANK; ++ax) {
-                int64_t st = 0, en = 0;
-                if (rvalid[hrow]) window32(&g.axis[ax], iq[ax], Lg[ax], &st, &en);
-                wst[hrow][ax] = (int)st;
-                wen[hrow][ax] = rvalid[hrow] ? (int)en : 0;
-            }
-        }
+    /* a thread's fragment rows (validity, windows) and its warpgroup's intersection of windows */
+    __device__ __forceinline__ void row_windows(const nbhd_geometry &g, const mma_plan &P, int w, int lane,
+                                                int (&wst)[2][RANK], int (&wen)[2][RANK], bool (&rvalid)[2],
+                                                int (&ilo)[RANK], int (&ihi)[RANK]) const {
+        int iq[2][3];
+        this->fragment_rows(g, P, w, lane, wst, wen, rvalid, iq);
+        box_inside(g, w >> 2, ilo, ihi);
     }
 
     /* the intersection of the windows of warpgroup wg's box (empty unless all its rows are in
@@ -167,43 +80,19 @@ struct wg_cta {
                                                int (&ihi)[RANK]) const {
         constexpr int WX[3] = {patch_wt(RANK, 0) * 4, patch_wt(RANK, 1), patch_wt(RANK, 2)};
         int wq[3];
-        row(wg * 64, wq);
+        this->row(wg * 64, wq);
         bool all_rows = true;
 #pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) all_rows &= wq[ax] + WX[ax] <= Lg[ax];
+        for (int ax = 0; ax < RANK; ++ax) all_rows &= wq[ax] + WX[ax] <= this->Lg[ax];
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
-            const int f = min(wq[ax], Lg[ax] - 1), l = min(wq[ax] + WX[ax], Lg[ax]) - 1;
+            const int f = min(wq[ax], this->Lg[ax] - 1), l = min(wq[ax] + WX[ax], this->Lg[ax]) - 1;
             int64_t sf, ef, sl, el;
-            window32(&g.axis[ax], f, Lg[ax], &sf, &ef);
-            window32(&g.axis[ax], l, Lg[ax], &sl, &el);
+            window32(&g.axis[ax], f, this->Lg[ax], &sf, &ef);
+            window32(&g.axis[ax], l, this->Lg[ax], &sl, &el);
             ilo[ax] = all_rows ? (int)sl : 1 << 30;
             ihi[ax] = all_rows ? (int)ef : -(1 << 30);
         }
-    }
-
-    /* key kr of tile t: a window key's in-group coordinates j, or an extra key's row e;
-     * false past the end (then j = 0, e = 0: a valid address, copied as zeros) */
-    __device__ __forceinline__ bool key(const nbhd_geometry &g, int t, int kr, int bn, int j[3],
-                                        int64_t &e) const {
-        j[0] = j[1] = j[2] = 0;
-        e = 0;
-        if (t < win_tiles) {
-            const int n = t * bn + kr;
-            if (n >= kb.total) return false;
-            key_box_at<RANK>(kb, n, j);
-            return true;
-        }
-        const int64_t x = (int64_t)(t - win_tiles) * bn + kr;
-        if (x >= g.extra_kv) return false;
-        e = x;
-        return true;
-    }
-
-    /* row e of an extra-key tensor [B, S, Hkv, D] */
-    template <typename T>
-    __device__ __forceinline__ const T *extra_row(const nbhd_tensor &x, int64_t e) const {
-        return (const T *)x.data + b * x.stride[0] + e * x.stride[1] + hk * x.stride[4];
     }
 };
 

@@ -1,0 +1,157 @@
+/*
+ * kernel_choice.cu — which CUDA kernels run an op and with which tiles (nbhd_cuda_choose: a
+ * pure function of the problem, the op, the exec options, whether the tensors suit the
+ * tensor-core kernels, and the device's facts), and the tile configurations those kernels
+ * accept (nbhd_tile_configs), the default first. dispatch.cu asks for the choice; the launchers
+ * in fna_*.cu follow it and refuse one they have no kernel for. docs/design.md §6.4.
+ *
+ * Patches: the mma kernels take 64 queries per CTA (1-D 64, 2-D 8x8, 3-D 4x4x4: mma_util.cuh
+ * patch_*); the forward and forward+JVP at D >= 64 also 128 (1-D 128, 2-D 16x8, 3-D 8x4x4; on
+ * Hopper the wgmma kernels), and on Hopper the backward too, the default where
+ * large_patch_default says. The listed kv tile names the patch, whose exact union of windows
+ * the kernels walk in row-major runs of 32 or 64 keys. The simple kernels have no tiles
+ * (dispatch.cu refuses exec tiles for problems that would run on them).
+ */
+#include <stdlib.h>
+
+#include "mma_util.cuh"
+
+nbhd_cuda_device nbhd_cuda_device_facts(void) {
+    nbhd_cuda_device d = {0, 0};
+    int dev = 0, optin = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess)
+        d.smem_optin = (size_t)optin;
+    cudaGetLastError();
+    d.wgmma = nbhd_cuda_wgmma_ready();
+    return d;
+}
+
+/* 128-row patches exist at D >= 64: the forward everywhere; the 8-warp forward+JVP where its
+ * ~128 KiB of shared memory at D = 128 fit (sm_80 and sm_90 have 163 and 227 KiB per block,
+ * sm_86/89 only 99); the backward only on wgmma (fna_wgmma_bwd.cu) */
+static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op, const nbhd_cuda_device *dev) {
+    if (g->head_dim < 64) return false;
+    return op == NBHD_OP_FORWARD ||
+           (op == NBHD_OP_FORWARD_JVP && dev->smem_optin >= nbhd_cuda_mma_jvp_smem_bytes(g, 8)) ||
+           (op == NBHD_OP_BACKWARD && dev->wgmma);
+}
+
+/* The default where allowed: 128-query patches where they feed more MMAs per shared-memory read
+ * than they waste on padding. The forward: windows of 512+ keys. The forward+JVP: those at
+ * D = 128, and on Hopper every window at D = 128 and large ones at D = 64. The backward (Hopper
+ * only): large windows, and with KV parallelism every window at D = 128 (one wgmma pass).
+ * Reproduce: bench/ab_gpu.py [--jvp | --bwd]. */
+static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_parallel,
+                                const nbhd_cuda_device *dev) {
+    if (!g->has_window) return false;
+    const bool large = nbhd_cuda_mma_large_window(g);
+    if (op == NBHD_OP_FORWARD) return large;
+    if (op == NBHD_OP_BACKWARD) return large || (kv_parallel && g->head_dim == 128);
+    if (dev->wgmma) return large || g->head_dim >= 128;
+    return large && g->head_dim >= 128;
+}
+
+/* 16-row m-blocks per warp: the requested patch's (listed, so 128 only where allowed), else
+ * the default */
+static int patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op, const nbhd_cuda_device *dev) {
+    int64_t requested = 1;
+    for (int ax = 0; ax < NBHD_MAX_RANK; ++ax)
+        if (e->q_tile[ax] > 0) requested *= e->q_tile[ax];
+    if (requested > 1) return requested == 128 && g->head_dim >= 64 ? 2 : 1;
+    return large_patch_default(g, op, e->kv_parallel, dev) && large_patch_allowed(g, op, dev) ? 2 : 1;
+}
+
+/* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64, and D = 128
+ * on 128-row patches (the wgmma pass). On the 64-row mma.sync kernels at D = 128 the
+ * key-stationary kernel already holds dK and dV in 256 registers, and its dQ phase costs more
+ * than the separate dq kernel (bench/bench_gpu.py: bwd against bdet). */
+int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_cuda_device *dev) {
+    const int D = g->head_dim;
+    if (!e || !e->kv_parallel || (g->dtype != NBHD_F16 && g->dtype != NBHD_BF16) || D != g->head_dim_v)
+        return 0;
+    return D == 32 || D == 64 || (D == 128 && patch_mb(g, e, NBHD_OP_BACKWARD, dev) == 2);
+}
+
+/* The mma.sync forward. Small windows (|window| < 512 keys) take 64-query patches and 32-key
+ * tiles: finer per-warp tile skipping and less padding of the union. Large ones take 128-query
+ * patches: two m-blocks per warp, so each K and V fragment read from shared memory feeds two
+ * MMAs; with 32-key tiles at D = 128 and on 1-D (fewer spills), else 64-key ones. The loop is
+ * latency-bound, so registers are budgeted for as many CTAs per SM as spill little: 64-query
+ * patches at D <= 64 4 CTAs (32-key tiles), at D = 128 3, where the 32-key kernels re-read Q
+ * from shared memory each tile. The Hopper forward: key tiles of 64 (at D = 128 115 KiB of
+ * shared memory and one CTA per SM, at D = 64 two in 128 registers; 128-key tiles are slower on
+ * both). Reproduce: bench/bench_gpu.py, A/B of two builds. */
+static void choose_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev, nbhd_cuda_choice *c) {
+    const int D = g->head_dim;
+    if (c->mb == 2 && dev->wgmma) {
+        c->family = NBHD_CUDA_WGMMA;
+        c->bn = 64;
+        c->minb = D == 64 ? 2 : 1;
+        return;
+    }
+    const bool small_window = g->has_window && !nbhd_cuda_mma_large_window(g);
+    const bool bn32 = small_window || (c->mb == 2 && (D == 128 || mma_rank_of(g) == 1));
+    const int extra_cta = D <= 64 ? 1 : 0;
+    c->bn = bn32 ? 32 : 64;
+    c->minb = c->mb == 2 ? 2 : bn32 ? 3 + extra_cta : 2 + extra_cta;
+    c->qreg = c->mb == 1 && !bn32 ? 1 : D != 128;
+}
+
+/* The forward+JVP: 128 queries on 8 warps (one CTA per SM; on Hopper the wgmma kernel with key
+ * tiles of 64, faster than 32 although at D = 128 it spills 128 bytes and takes 227 KiB of
+ * shared memory), or 64 on 4 (three CTAs per SM at D = 64, else two: 168 registers and ~116
+ * spilled bytes at D = 64, faster than two). Reproduce: bench/bench_gpu.py --only 1d,3d-30. */
+static void choose_forward_jvp(const nbhd_geometry *g, const nbhd_cuda_device *dev, nbhd_cuda_choice *c) {
+    if (c->mb == 2 && dev->wgmma) {
+        c->family = NBHD_CUDA_WGMMA;
+        c->bn = 64;
+        return;
+    }
+    c->minb = c->mb == 2 ? 1 : g->head_dim == 64 ? 3 : 2;
+}
+
+/* The backward: on 128-row patches (Hopper) the window keys on wgmma, tiles (keys of dQ,
+ * queries of dK/dV) of 64 at D = 128 and of 128 at D = 64: twice the products per barrier and
+ * softmax pass where registers allow (bench/bench_gpu.py --only 1d,3d-30); the accumulator of
+ * the KV-parallel path is read as float4, so a workspace not 16-byte aligned takes two passes */
+static void choose_backward(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_cuda_device *dev,
+                            nbhd_cuda_choice *c) {
+    c->kv_parallel = nbhd_cuda_kv_parallel_applies(g, e, dev) && (uintptr_t)e->workspace % 16 == 0;
+    if (c->mb == 2) {
+        c->family = NBHD_CUDA_WGMMA;
+        c->bn = g->head_dim == 64 ? 128 : 64;
+    }
+}
+
+nbhd_cuda_choice nbhd_cuda_choose(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, int layout_ok,
+                                  const nbhd_cuda_device *dev) {
+    nbhd_cuda_choice c = {NBHD_CUDA_SIMPLE, 1, 0, 0, 0, 0};
+    if (e->use_reference || !layout_ok || op == NBHD_OP_FORWARD_JVP_BACKWARD) return c;
+    c.family = NBHD_CUDA_MMA;
+    c.mb = patch_mb(g, e, op, dev);
+    if (op == NBHD_OP_FORWARD) choose_forward(g, dev, &c);
+    if (op == NBHD_OP_FORWARD_JVP) choose_forward_jvp(g, dev, &c);
+    if (op == NBHD_OP_BACKWARD) choose_backward(g, e, dev, &c);
+    return c;
+}
+
+int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
+                               nbhd_tile_config *out, int32_t max) {
+    const bool half_type = g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
+    const int D = g->head_dim;
+    const bool head_dim_ok = D == g->head_dim_v && (D == 32 || D == 64 || D == 128);
+    const bool mma_op = op != NBHD_OP_FORWARD_JVP_BACKWARD;
+    if (!half_type || !head_dim_ok || !mma_op || !g->has_window) return 0;
+    static const int32_t patch[2][3][3] = {{{64, 0, 0}, {8, 8, 0}, {4, 4, 4}},
+                                           {{128, 0, 0}, {16, 8, 0}, {8, 4, 4}}};
+    const nbhd_cuda_device dev = nbhd_cuda_device_facts();
+    const bool two = large_patch_allowed(g, op, &dev);
+    const int first = two && large_patch_default(g, op, true, &dev) ? 1 : 0;  /* KV parallelism: the default */
+    const int32_t count = two ? 2 : 1;
+    for (int i = 0; i < count && i < max; ++i) {
+        const int which = i == 0 ? first : 1 - first;
+        for (int a = 0; a < rank; ++a) out[i].q_tile[a] = out[i].kv_tile[a] = patch[which][rank - 1][a];
+    }
+    return count;
+}
