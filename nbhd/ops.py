@@ -218,7 +218,7 @@ def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, kernel_size, stride, dilation,
 # backward through forward + JVP (gradients of a loss on out, lse, tangent out, tangent lse)
 
 # Devices with a fused kernel for it; elsewhere autograd.py differentiates the reference.
-FUSED_JVP_BACKWARD_DEVICES = ("cpu",)
+FUSED_JVP_BACKWARD_DEVICES = ("cpu", "cuda")
 
 
 def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor,

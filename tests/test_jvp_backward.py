@@ -19,16 +19,21 @@ def geometry(case, scale=0.4):
     return Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, scale)
 
 
+HAS_CUDA = torch.cuda.is_available() and __import__("nbhd").has_cuda()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and nbhd built with nvcc"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("i", range(len(CASES)))
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_jvp_backward_matches_reference(i, dtype):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_jvp_backward_matches_reference(i, dtype, device):
     case = CASES[i]
-    q, k, v, kx, vx = case.tensors(dtype, i)
+    q, k, v, kx, vx = (None if t is None else t.to(device) for t in case.tensors(dtype, i))
     B = q.shape[0]
     if kx is None:
         kx, vx = q.new_empty(B, 0, *k.shape[-2:]), q.new_empty(B, 0, *v.shape[-2:])
     g = torch.Generator().manual_seed(i)
-    rnd = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(dtype)
+    rnd = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(device, t.dtype)
     present = [True, i % 3 != 0, i % 2 == 0, True, i % 4 != 1]   # which tangents exist
     tans = [rnd(t) if p else None for t, p in zip((q, k, v, kx, vx), present)]
     geo = geometry(case)
@@ -36,13 +41,13 @@ def test_fused_jvp_backward_matches_reference(i, dtype):
     cot = [rnd(out), rnd(lse), rnd(t_out), rnd(t_lse)]
     if i % 5 == 2:
         cot[1] = None  # no gradient on lse
-    torch.full((1 << 16,), float("nan"))  # poison freed memory
+    torch.full((1 << 16,), float("nan"), device=device)  # poison freed memory
     grads = ops.na_forward_jvp_backward(q, k, v, kx, vx, *tans, out, lse, t_out, t_lse, *cot, *geo.args())
     prim64 = [t.double() for t in (q, k, v, kx, vx)]
     tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip(tans, prim64)]
     outs, vjp_fn = vjp(lambda *x: _reference_forward_jvp(*x, geo), *prim64, *tan64)
     ref = vjp_fn(tuple(c.double() if c is not None else torch.zeros_like(o) for c, o in zip(cot, outs)))
-    tol = 1e-9 if dtype == torch.float64 else 2e-4
+    tol = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]
     names = ["dq", "dk", "dv", "dkx", "dvx", "dtq", "dtk", "dtv", "dtkx", "dtvx"]
     for name, a, b in zip(names, grads, ref):
         if b.numel():
@@ -64,7 +69,7 @@ def test_jvp_backward_opcheck():
 @pytest.mark.skipif(not (torch.cuda.is_available() and __import__("nbhd").has_cuda()),
                     reason="needs a CUDA GPU and nbhd built with nvcc")
 def test_grad_through_tangent_on_cuda():
-    """CUDA has no fused kernel for this yet: the reference composite must give the same."""
+    """CUDA's fused kernel and the reference composite give the same gradients."""
     import nbhd
     case = CASES[-1]
     q, k, v, kx, vx = (t.cuda().requires_grad_() for t in case.tensors(torch.float64, 2))

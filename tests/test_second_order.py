@@ -16,6 +16,14 @@ CASES = [random_case(700 + i) for i in range(8)] + [
          head_dim_v=4, extra=3, non_contiguous=True)]
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() and nbhd.has_cuda()), reason="needs a CUDA GPU and nbhd built with nvcc"))]
+
+
+def on(device, tensors):
+    return tuple(None if t is None else t.to(device) for t in tensors)
+
+
 @pytest.fixture
 def no_reference(monkeypatch):
     """Second-order rules must not fall back to the reference math: make it raise."""
@@ -56,10 +64,11 @@ def double_backward(fn, xs, seed):
     return torch.autograd.grad(gx, xs + c, gg, allow_unused=True, materialize_grads=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("i", range(len(CASES)))
-def test_double_backward_fused(i, no_reference):
+def test_double_backward_fused(i, device, no_reference):
     case = CASES[i]
-    q, k, v, kx, vx = case.tensors(torch.float64, i)
+    q, k, v, kx, vx = on(device, case.tensors(torch.float64, i))
     if kx is None:
         kx, vx = q.new_empty(q.shape[0], 0, *k.shape[-2:]), q.new_empty(q.shape[0], 0, *v.shape[-2:])
     fused, ref = fns(case)
@@ -68,10 +77,11 @@ def test_double_backward_fused(i, no_reference):
     close(got, want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("i", [0, 3, len(CASES) - 1])
-def test_jvp_of_backward_and_hessian_fused(i, no_reference):
+def test_jvp_of_backward_and_hessian_fused(i, device, no_reference):
     case = CASES[i]
-    q, k, v, kx, vx = case.tensors(torch.float64, i)
+    q, k, v, kx, vx = on(device, case.tensors(torch.float64, i))
     fused, ref = fns(case)
     rest = tuple(t for t in (kx, vx) if t is not None)
     if not rest:
@@ -87,10 +97,11 @@ def test_jvp_of_backward_and_hessian_fused(i, no_reference):
     close(vhvp(fused), vhvp(ref))
 
 
-def test_hessian_tiny_fused(no_reference):
+@pytest.mark.parametrize("device", DEVICES)
+def test_hessian_tiny_fused(device, no_reference):
     case = Case((4, 4), (2, 2), (1, 1), (1, 2), (False, True), batch=1, heads=1, kv_heads=1,
                 head_dim=2, head_dim_v=2)
-    q, k, v, _, _ = case.tensors(torch.float64, 9)
+    q, k, v, _, _ = on(device, case.tensors(torch.float64, 9))
     e = q.new_empty(1, 0, 1, 2)
     fused, ref = fns(case)
     s = lambda fn: (lambda q: fn(q, k, v, e, e)[0].pow(2).sum())
@@ -122,10 +133,11 @@ def test_double_backward_of_the_custom_ops_fused(no_reference):
     close(double_backward(fused, (q, k, v, kx, vx), 2), double_backward(ref, (q, k, v, kx, vx), 2))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_double_backward_low_precision(dtype, no_reference):
+def test_double_backward_low_precision(dtype, device, no_reference):
     case = CASES[-1]
-    q, k, v, kx, vx = case.tensors(dtype, 5)
+    q, k, v, kx, vx = on(device, case.tensors(dtype, 5))
     fused, ref = fns(case)
     got = double_backward(fused, (q, k, v, kx, vx), 5)
     want = double_backward(ref, tuple(t.double() for t in (q, k, v, kx, vx)), 5)
@@ -134,7 +146,7 @@ def test_double_backward_low_precision(dtype, no_reference):
 
 # ---------------------------------------------------------------------------------------------
 # the rules' reference branches (rules.py), which devices without the fused backward through
-# forward+JVP take (CUDA today): the same table, on the CPU with the fused devices emptied
+# forward+JVP take: the same table, on the CPU with the fused devices emptied
 
 @pytest.fixture
 def unfused(monkeypatch):

@@ -186,6 +186,9 @@ nbhd_status nbhd_cuda_simple_backward(const nbhd_geometry *g, const nbhd_backwar
                                       void *workspace, cudaStream_t stream);
 nbhd_status nbhd_cuda_simple_forward_jvp(const nbhd_geometry *g,
                                          const nbhd_forward_jvp_args *a, cudaStream_t stream);
+nbhd_status nbhd_cuda_simple_forward_jvp_backward(const nbhd_geometry *g,
+                                                  const nbhd_forward_jvp_backward_args *a, void *workspace,
+                                                  cudaStream_t stream);
 size_t nbhd_cuda_simple_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
 
 // ----------------------------------------------------------------------------

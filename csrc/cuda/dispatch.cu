@@ -16,6 +16,7 @@
  *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu; fna_wgmma_jvp.cu on Hopper's 128-query
  *                patches) under the forward's conditions plus aligned tangents (absent ones
  *                skipped); else the simple kernel
+ *   forward_jvp_backward  the simple kernels
  * exec.use_reference forces the simple kernels. Tiles in exec (q_tile/kv_tile, already checked
  * against nbhd_cuda_tile_configs by the entry points) are honoured by the tensor-core kernels; a
  * problem that would fall back to a simple kernel (a layout they do not take) refuses them.
@@ -79,15 +80,21 @@ static nbhd_status cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_j
     return nbhd_cuda_simple_forward_jvp(g, a, stream);
 }
 
-/* No forward_jvp_backward kernel yet (the front end differentiates its reference there), and
- * no device-side zeroing (a backward with no query heads is refused). Positional: C++17 has
+/* The backward through forward+JVP runs on the simple kernels (a warp per row, every dtype
+ * and geometry, O(N D) memory). */
+static nbhd_status cuda_forward_jvp_backward(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                             const nbhd_exec *e) {
+    return nbhd_cuda_simple_forward_jvp_backward(g, a, e->workspace, (cudaStream_t)e->stream);
+}
+
+/* No device-side zeroing (a backward with no query heads is refused). Positional: C++17 has
  * no designated initializers; the order is nbhd_device_ops's. */
 extern "C" const nbhd_device_ops nbhd_cuda_ops = {
     "CUDA",
     cuda_forward,
     cuda_backward,
     cuda_forward_jvp,
-    nullptr,                 /* forward_jvp_backward */
+    cuda_forward_jvp_backward,
     nbhd_cuda_merge,
     cuda_workspace_bytes,
     nbhd_cuda_tile_configs,

@@ -309,6 +309,225 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
 }
 
 // ----------------------------------------------------------------------------
+// backward through forward + JVP (nbhd.h nbhd_forward_jvp_backward_args, docs/design.md §4.4),
+// as scalar_impl.h jvp_pair. Per query row i: D' = dO.O - dLSE, c = G.O, E = G.tO (G = dL/dtO),
+// kept in the workspace (3 per row) for the key rows; per pair (i, j): tS = s (tq.k + q.tk),
+// P = exp(s q.k - lse), n = tS - mu, w = G.v - c + g_mu, dS = P (dO.v - D' - E + w n + G.tv),
+// dtS = P w. Absent tensors (no data) are zero; absent tangent-gradient outputs are skipped.
+
+__host__ __device__ constexpr int exact_jvpb_query_scratch(int D, int Dv) { return 4 * D + 2 * Dv; }
+__host__ __device__ constexpr int exact_jvpb_key_scratch(int D, int Dv) { return 4 * D + 4 * Dv; }
+
+/* row `off` of t into x (lanes own d = lane + 32 n); zeros when t has no data */
+template <typename T, typename A>
+__device__ __forceinline__ void load_or_zero(const nbhd_tensor &t, int64_t off, A *x, int n, int lane) {
+    for (int d = lane; d < n; d += 32) x[d] = t.data ? ld<T, A>(t, off + d * t.stride[5]) : (A)0;
+}
+
+/* the query row's scalars: lse, mu (= tLSE), g_mu (= dL/dtLSE), D', c, E */
+template <typename A> struct jvpb_scalars {
+    A lse, mu, g_mu, Dp, c, E;
+};
+
+template <typename A> struct jvpb_pair {
+    A p, n, ds, dts;
+};
+
+/* from the pair's dot products q.k, tq.k, q.tk, G.v, dO.v, G.tv */
+template <typename A>
+__device__ __forceinline__ jvpb_pair<A> jvpb_pair_of(A scale, A qk, A tqk, A qtk, A Gv, A dov, A Gtv,
+                                                     const jvpb_scalars<A> &r) {
+    jvpb_pair<A> o;
+    o.p = prob_acc<A>(scale * qk - r.lse);
+    o.n = scale * (tqk + qtk) - r.mu;
+    const A w = Gv - r.c + r.g_mu;
+    o.ds = o.p * (dov - r.Dp - r.E + w * o.n + Gtv);
+    o.dts = o.p * w;
+    return o;
+}
+
+/* the per-row scalar of t at off (lse-typed tensors hold A); 0 without data */
+template <typename A>
+__device__ __forceinline__ A scalar_or_zero(const nbhd_tensor &t, int64_t off) {
+    return t.data ? ((const A *)t.data)[off] : (A)0;
+}
+
+/* pass 1, query row r = (b, c, h): D', c, E into ws[3r..]; dQ = s sum (dS k + dtS tk),
+ * dtQ = s sum dtS k */
+template <typename T, typename A>
+__device__ __forceinline__ void exact_jvpb_query_row(const nbhd_geometry &g, const nbhd_forward_jvp_backward_args &a,
+                                                     A *ws, int64_t r, int64_t b, const int64_t c[3], int64_t h,
+                                                     A *scratch, int lane) {
+    const int D = g.head_dim, Dv = g.head_dim_v;
+    A *q = scratch, *tq = q + D, *acc = tq + D, *acc_t = acc + D, *dout = acc_t + D, *G = dout + Dv;
+    const int64_t hk = h / g.group;
+    const A scale = (A)g.scale;
+    const bool has_tq = a.t_q.data, has_do = a.d_out.data, has_G = a.d_t_out.data;
+    load_or_zero<T, A>(a.q, offset_of(a.q, b, c[0], c[1], c[2], h), q, D, lane);
+    load_or_zero<T, A>(a.t_q, offset_of(a.t_q, b, c[0], c[1], c[2], h), tq, D, lane);
+    load_or_zero<T, A>(a.d_out, offset_of(a.d_out, b, c[0], c[1], c[2], h), dout, Dv, lane);
+    load_or_zero<T, A>(a.d_t_out, offset_of(a.d_t_out, b, c[0], c[1], c[2], h), G, Dv, lane);
+    for (int d = lane; d < D; d += 32) acc[d] = acc_t[d] = 0;
+    __syncwarp();
+
+    jvpb_scalars<A> sc;
+    sc.lse = scalar_or_zero<A>(a.lse, offset_of(a.lse, b, c[0], c[1], c[2], h));
+    sc.mu = scalar_or_zero<A>(a.t_lse, offset_of(a.t_lse, b, c[0], c[1], c[2], h));
+    sc.g_mu = scalar_or_zero<A>(a.d_t_lse, offset_of(a.d_t_lse, b, c[0], c[1], c[2], h));
+    const int64_t o_off = offset_of(a.out, b, c[0], c[1], c[2], h), to_off = offset_of(a.t_out, b, c[0], c[1], c[2], h);
+    A dp = 0, cg = 0, eg = 0;
+    for (int d = lane; d < Dv; d += 32) {
+        const A o = ld<T, A>(a.out, o_off + d * a.out.stride[5]);
+        dp += dout[d] * o;
+        cg += G[d] * o;
+        eg += G[d] * ld<T, A>(a.t_out, to_off + d * a.t_out.stride[5]);
+    }
+    sc.Dp = warp_sum(dp) - scalar_or_zero<A>(a.d_lse, offset_of(a.d_lse, b, c[0], c[1], c[2], h));
+    sc.c = warp_sum(cg);
+    sc.E = warp_sum(eg);
+    if (lane == 0) {
+        ws[3 * r] = sc.Dp;
+        ws[3 * r + 1] = sc.c;
+        ws[3 * r + 2] = sc.E;
+    }
+
+    const keyset ks = window_keys(g, c);
+    const int64_t total = ks.box + ks.extra;
+    for (int64_t n0 = 0; n0 < total; n0 += 32) {
+        const int64_t n = n0 + lane;
+        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
+        A ds = 0, dts = 0;
+        int64_t k_off = 0, tk_off = 0;
+        if (n < total) {
+            const bool in_box = n < ks.box;
+            const nbhd_tensor &kt = in_box ? a.k : a.kx, &vt = in_box ? a.v : a.vx;
+            const nbhd_tensor &tkt = in_box ? a.t_k : a.t_kx, &tvt = in_box ? a.t_v : a.t_vx;
+            k_off = member_offset(ks, n, a.k, a.kx, b, hk);
+            tk_off = tkt.data ? member_offset(ks, n, a.t_k, a.t_kx, b, hk) : 0;
+            const int64_t v_off = member_offset(ks, n, a.v, a.vx, b, hk);
+            const A qk = dot_row<T, A>(kt, k_off, q, D);
+            const A tqk = has_tq ? dot_row<T, A>(kt, k_off, tq, D) : (A)0;
+            const A qtk = tkt.data ? dot_row<T, A>(tkt, tk_off, q, D) : (A)0;
+            const A Gv = has_G ? dot_row<T, A>(vt, v_off, G, Dv) : (A)0;
+            const A dov = has_do ? dot_row<T, A>(vt, v_off, dout, Dv) : (A)0;
+            const A Gtv = has_G && tvt.data
+                              ? dot_row<T, A>(tvt, member_offset(ks, n, a.t_v, a.t_vx, b, hk), G, Dv) : (A)0;
+            const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv, sc);
+            ds = pr.ds;
+            dts = pr.dts;
+        }
+        for (int j = 0; j < cnt; ++j) {
+            const A dsj = __shfl_sync(EXACT_FULL, ds, j), dtsj = __shfl_sync(EXACT_FULL, dts, j);
+            const int64_t ko = __shfl_sync(EXACT_FULL, k_off, j), tko = __shfl_sync(EXACT_FULL, tk_off, j);
+            const bool in_box = n0 + j < ks.box;
+            const nbhd_tensor &kt = in_box ? a.k : a.kx, &tkt = in_box ? a.t_k : a.t_kx;
+            for (int d = lane; d < D; d += 32) {
+                const A kd = ld<T, A>(kt, ko + d * kt.stride[5]);
+                acc[d] += dsj * kd + (tkt.data ? dtsj * ld<T, A>(tkt, tko + d * tkt.stride[5]) : (A)0);
+                acc_t[d] += dtsj * kd;
+            }
+        }
+    }
+    const int64_t dq_off = offset_of(a.d_q, b, c[0], c[1], c[2], h);
+    for (int d = lane; d < D; d += 32)
+        ((T *)a.d_q.data)[dq_off + d * a.d_q.stride[5]] = from_acc<T>((double)(acc[d] * scale));
+    if (a.d_t_q.data) {
+        const int64_t off = offset_of(a.d_t_q, b, c[0], c[1], c[2], h);
+        for (int d = lane; d < D; d += 32)
+            ((T *)a.d_t_q.data)[off + d * a.d_t_q.stride[5]] = from_acc<T>((double)(acc_t[d] * scale));
+    }
+    __syncwarp();
+}
+
+/* pass 2 (3: EXTRA), key row (b, c, hk) over the queries that see it x group heads: dK, dtK,
+ * dV, dtV. ws: pass 1's (D', c, E) per query row. */
+template <typename T, typename A, bool EXTRA>
+__device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const nbhd_forward_jvp_backward_args &a,
+                                                   const A *ws, int64_t b, const int64_t c[3], int64_t hk,
+                                                   A *scratch, int lane) {
+    const int D = g.head_dim, Dv = g.head_dim_v;
+    A *k = scratch, *tk = k + D, *dk = tk + D, *dtk = dk + D, *v = dtk + D, *tv = v + Dv, *dv = tv + Dv,
+      *dtv = dv + Dv;
+    const A scale = (A)g.scale;
+    const nbhd_tensor &kt = EXTRA ? a.kx : a.k, &vt = EXTRA ? a.vx : a.v;
+    const nbhd_tensor &tkt = EXTRA ? a.t_kx : a.t_k, &tvt = EXTRA ? a.t_vx : a.t_v;
+    const bool has_tq = a.t_q.data, has_do = a.d_out.data, has_G = a.d_t_out.data;
+    const bool has_tk = tkt.data, has_tv = tvt.data;
+    load_or_zero<T, A>(kt, offset_of(kt, b, c[0], c[1], c[2], hk), k, D, lane);
+    load_or_zero<T, A>(tkt, offset_of(tkt, b, c[0], c[1], c[2], hk), tk, D, lane);
+    load_or_zero<T, A>(vt, offset_of(vt, b, c[0], c[1], c[2], hk), v, Dv, lane);
+    load_or_zero<T, A>(tvt, offset_of(tvt, b, c[0], c[1], c[2], hk), tv, Dv, lane);
+    for (int d = lane; d < D; d += 32) dk[d] = dtk[d] = 0;
+    for (int d = lane; d < Dv; d += 32) dv[d] = dtv[d] = 0;
+    __syncwarp();
+    const keyset qs = EXTRA ? all_queries(g) : inverse_window_queries(g, c);
+    const int64_t total = qs.box * g.group;
+
+    for (int64_t n0 = 0; n0 < total; n0 += 32) {
+        const int64_t n = n0 + lane;
+        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
+        A p = 0, pn = 0, ds = 0, dts = 0;
+        int64_t q_off = 0, tq_off = 0, do_off = 0, G_off = 0;
+        if (n < total) {
+            const int64_t h = hk * g.group + n % g.group;
+            int64_t qc[3];
+            member_coords(qs, n / g.group, qc);
+            q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
+            tq_off = offset_of(a.t_q, b, qc[0], qc[1], qc[2], h);
+            do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
+            G_off = offset_of(a.d_t_out, b, qc[0], qc[1], qc[2], h);
+            const int64_t row = (b * g.tokens + token_of(g, qc)) * g.heads + h;
+            jvpb_scalars<A> sc;
+            sc.lse = scalar_or_zero<A>(a.lse, offset_of(a.lse, b, qc[0], qc[1], qc[2], h));
+            sc.mu = scalar_or_zero<A>(a.t_lse, offset_of(a.t_lse, b, qc[0], qc[1], qc[2], h));
+            sc.g_mu = scalar_or_zero<A>(a.d_t_lse, offset_of(a.d_t_lse, b, qc[0], qc[1], qc[2], h));
+            sc.Dp = ws[3 * row];
+            sc.c = ws[3 * row + 1];
+            sc.E = ws[3 * row + 2];
+            const A qk = dot_row<T, A>(a.q, q_off, k, D);
+            const A tqk = has_tq ? dot_row<T, A>(a.t_q, tq_off, k, D) : (A)0;
+            const A qtk = has_tk ? dot_row<T, A>(a.q, q_off, tk, D) : (A)0;
+            const A Gv = has_G ? dot_row<T, A>(a.d_t_out, G_off, v, Dv) : (A)0;
+            const A dov = has_do ? dot_row<T, A>(a.d_out, do_off, v, Dv) : (A)0;
+            const A Gtv = has_G && has_tv ? dot_row<T, A>(a.d_t_out, G_off, tv, Dv) : (A)0;
+            const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv, sc);
+            p = pr.p;
+            pn = pr.p * pr.n;
+            ds = pr.ds;
+            dts = pr.dts;
+        }
+        for (int j = 0; j < cnt; ++j) {
+            const A pj = __shfl_sync(EXACT_FULL, p, j), pnj = __shfl_sync(EXACT_FULL, pn, j);
+            const A dsj = __shfl_sync(EXACT_FULL, ds, j), dtsj = __shfl_sync(EXACT_FULL, dts, j);
+            const int64_t qo = __shfl_sync(EXACT_FULL, q_off, j), tqo = __shfl_sync(EXACT_FULL, tq_off, j);
+            const int64_t doo = __shfl_sync(EXACT_FULL, do_off, j), Go = __shfl_sync(EXACT_FULL, G_off, j);
+            for (int d = lane; d < D; d += 32) {
+                const A qd = ld<T, A>(a.q, qo + d * a.q.stride[5]);
+                dk[d] += dsj * qd + (has_tq ? dtsj * ld<T, A>(a.t_q, tqo + d * a.t_q.stride[5]) : (A)0);
+                dtk[d] += dtsj * qd;
+            }
+            for (int d = lane; d < Dv; d += 32) {
+                const A Gd = has_G ? ld<T, A>(a.d_t_out, Go + d * a.d_t_out.stride[5]) : (A)0;
+                dv[d] += (has_do ? pj * ld<T, A>(a.d_out, doo + d * a.d_out.stride[5]) : (A)0) + pnj * Gd;
+                dtv[d] += pj * Gd;
+            }
+        }
+    }
+    const nbhd_tensor &dkt = EXTRA ? a.d_kx : a.d_k, &dvt = EXTRA ? a.d_vx : a.d_v;
+    const nbhd_tensor &dtkt = EXTRA ? a.d_t_kx : a.d_t_k, &dtvt = EXTRA ? a.d_t_vx : a.d_t_v;
+    const struct { const nbhd_tensor *t; const A *x; int n; A mul; } outs[4] = {
+        {&dkt, dk, D, scale}, {&dvt, dv, Dv, (A)1}, {&dtkt, dtk, D, scale}, {&dtvt, dtv, Dv, (A)1}};
+    for (int i = 0; i < 4; ++i) {
+        const nbhd_tensor &t = *outs[i].t;
+        if (!t.data) continue;
+        const int64_t off = offset_of(t, b, c[0], c[1], c[2], hk);
+        for (int d = lane; d < outs[i].n; d += 32)
+            ((T *)t.data)[off + d * t.stride[5]] = from_acc<T>((double)(outs[i].x[d] * outs[i].mul));
+    }
+    __syncwarp();
+}
+
+// ----------------------------------------------------------------------------
 // the tensor-core kernels' repair of non-finite rows. The repairs are out-of-line calls, so that
 // the kernels' main loops compile as without them (inlined, they cost 5-10 % of the forward), and
 // take the kernels' parameters by address: the kernels declare them __grid_constant__, else each

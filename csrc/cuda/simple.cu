@@ -11,6 +11,11 @@
  *                3. row = extra key (b, e, hk) over every query x group heads: dKx, dVx
  *                each output element written by one lane in a fixed order: deterministic
  *   forward_jvp  row = query: O, LSE, tO, mu in one pass
+ *   forward_jvp_backward
+ *                1. row = query: D', c, E (to the workspace), dQ, dtQ
+ *                2. row = key over its inverse neighborhood x group heads: dK, dtK, dV, dtV
+ *                3. row = extra key over every query x group heads: the same for the extra keys
+ *                deterministic as the backward
  */
 #include "exact_rows.cuh"
 
@@ -82,6 +87,35 @@ simple_forward_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a) 
     token_coords(g, ri.tok, c);
     A *scratch = (A *)smem_raw + (size_t)w * exact_jvp_scratch(g.head_dim, g.head_dim_v);
     exact_forward_jvp_row<T, A>(g, a, ri.b, c, ri.h, scratch, lane);
+}
+
+template <typename T, typename A>
+__global__ void __launch_bounds__(WARPS * 32)
+simple_jvpb_query_kernel(const nbhd_geometry g, const nbhd_forward_jvp_backward_args a, A *ws) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t r = (int64_t)blockIdx.x * WARPS + w;
+    if (r >= g.batch * g.tokens * g.heads) return;
+    const row_index ri = row_of(r, g.heads, g.tokens);
+    int64_t c[3];
+    token_coords(g, ri.tok, c);
+    A *scratch = (A *)smem_raw + (size_t)w * exact_jvpb_query_scratch(g.head_dim, g.head_dim_v);
+    exact_jvpb_query_row<T, A>(g, a, ws, r, ri.b, c, ri.h, scratch, lane);
+}
+
+template <typename T, typename A, bool EXTRA>
+__global__ void __launch_bounds__(WARPS * 32)
+simple_jvpb_key_kernel(const nbhd_geometry g, const nbhd_forward_jvp_backward_args a, const A *ws) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t keys = EXTRA ? g.extra_kv : g.tokens;
+    const int64_t r = (int64_t)blockIdx.x * WARPS + w;
+    if (r >= g.batch * keys * g.kv_heads) return;
+    const row_index ri = row_of(r, g.kv_heads, keys);  // (b, key, hk)
+    int64_t c[3] = {ri.tok, 0, 0};
+    if (!EXTRA) token_coords(g, ri.tok, c);
+    A *scratch = (A *)smem_raw + (size_t)w * exact_jvpb_key_scratch(g.head_dim, g.head_dim_v);
+    exact_jvpb_key_row<T, A, EXTRA>(g, a, ws, ri.b, c, ri.h, scratch, lane);
 }
 
 // ----------------------------------------------------------------------------
@@ -156,11 +190,37 @@ static nbhd_status forward_jvp_t(const nbhd_geometry *g, const nbhd_forward_jvp_
     return NBHD_OK;
 }
 
+template <typename T, typename A>
+static nbhd_status forward_jvp_backward_t(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                          A *ws, cudaStream_t st) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const int64_t rows = g->batch * g->tokens * g->heads;
+    size_t smem = sizeof(A) * WARPS * (size_t)exact_jvpb_query_scratch(D, Dv);
+    TRY(smem_for(simple_jvpb_query_kernel<T, A>, smem, "forward_jvp_backward"));
+    simple_jvpb_query_kernel<T, A><<<blocks_for(rows), WARPS * 32, smem, st>>>(*g, *a, ws);
+    NBHD_CUDA_CHECK_LAUNCH("simple forward_jvp_backward (query rows)");
+    smem = sizeof(A) * WARPS * (size_t)exact_jvpb_key_scratch(D, Dv);
+    if (g->has_window) {
+        TRY(smem_for(simple_jvpb_key_kernel<T, A, false>, smem, "forward_jvp_backward"));
+        const int64_t krows = g->batch * g->tokens * g->kv_heads;
+        simple_jvpb_key_kernel<T, A, false><<<blocks_for(krows), WARPS * 32, smem, st>>>(*g, *a, ws);
+        NBHD_CUDA_CHECK_LAUNCH("simple forward_jvp_backward (key rows)");
+    }
+    if (g->extra_kv > 0) {
+        TRY(smem_for(simple_jvpb_key_kernel<T, A, true>, smem, "forward_jvp_backward"));
+        const int64_t xrows = g->batch * g->extra_kv * g->kv_heads;
+        simple_jvpb_key_kernel<T, A, true><<<blocks_for(xrows), WARPS * 32, smem, st>>>(*g, *a, ws);
+        NBHD_CUDA_CHECK_LAUNCH("simple forward_jvp_backward (extra key rows)");
+    }
+    return NBHD_OK;
+}
+
 size_t nbhd_cuda_simple_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
-    /* backward keeps D_i per query row (b, token, head), in the accumulation type */
-    if (op != NBHD_OP_BACKWARD) return 0;
+    /* per query row (b, token, head), in the accumulation type: the backward's D_i, the
+     * backward through forward+JVP's (D', c, E) */
+    const size_t per_row = op == NBHD_OP_BACKWARD ? 1 : op == NBHD_OP_FORWARD_JVP_BACKWARD ? 3 : 0;
     const size_t acc = g->dtype == NBHD_F64 ? sizeof(double) : sizeof(float);
-    return (size_t)(g->batch * g->tokens * g->heads) * acc;
+    return (size_t)(g->batch * g->tokens * g->heads) * per_row * acc;
 }
 
 nbhd_status nbhd_cuda_simple_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
@@ -194,4 +254,15 @@ nbhd_status nbhd_cuda_simple_forward_jvp(const nbhd_geometry *g, const nbhd_forw
     case NBHD_BF16: return forward_jvp_t<__nv_bfloat16, float>(g, a, st);
     }
     return nbhd_fail(NBHD_ERR_ARG, "forward_jvp: unknown dtype %d", (int)g->dtype);
+}
+
+nbhd_status nbhd_cuda_simple_forward_jvp_backward(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                                  void *ws, cudaStream_t st) {
+    switch (g->dtype) {
+    case NBHD_F64: return forward_jvp_backward_t<double, double>(g, a, (double *)ws, st);
+    case NBHD_F32: return forward_jvp_backward_t<float, float>(g, a, (float *)ws, st);
+    case NBHD_F16: return forward_jvp_backward_t<__half, float>(g, a, (float *)ws, st);
+    case NBHD_BF16: return forward_jvp_backward_t<__nv_bfloat16, float>(g, a, (float *)ws, st);
+    }
+    return nbhd_fail(NBHD_ERR_ARG, "forward_jvp_backward: unknown dtype %d", (int)g->dtype);
 }

@@ -224,7 +224,7 @@ NBHD_API nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_ar
                                    const nbhd_exec *e);
 NBHD_API nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args *a,
                                       const nbhd_exec *e);
-/* CPU only for now: NBHD_ERR_UNSUPPORTED on CUDA. */
+/* On the CPU and on CUDA (there the simple kernels: a warp per row, O(N D) memory). */
 NBHD_API nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p,
                                                const nbhd_forward_jvp_backward_args *a,
                                                const nbhd_exec *e);
