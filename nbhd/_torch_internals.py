@@ -15,6 +15,10 @@ Fast paths (fallback: the public path):
                      outside functorch transforms
   one-kernel jvp     functional._dual_outputs runs the fused forward+JVP with forward-mode AD
                      switched off (`forward_grad_disabled`) and pairs the results as duals
+  prepared calls     prepared.py runs a validated call's kernels straight from its prepared C
+                     arguments when nothing watches (`unwatched`: no transform, forward-mode AD
+                     level, mode or profiler), through the C++ apply of an autograd.Function
+                     (`raw_apply`) when an input requires grad
 
 Needed (import fails without them):
   forward_ad_active  functional.py refuses forward-mode AD traced by torch.compile, which would
@@ -32,8 +36,9 @@ from typing import List
 import torch
 from torch import Tensor
 
-__all__ = ["MISSING", "plain_tensor", "dispatch_watched", "FastApplyFunction", "forward_ad_active",
-           "forward_grad_disabled", "is_batched", "disable_functorch", "detect_fake_mode"]
+__all__ = ["MISSING", "plain_tensor", "dispatch_watched", "FastApplyFunction", "raw_apply",
+           "unwatched", "forward_ad_active", "forward_grad_disabled", "is_batched",
+           "disable_functorch", "detect_fake_mode"]
 
 MISSING: List[str] = []   # private symbols this PyTorch lacks; their fast paths are off
 
@@ -105,6 +110,13 @@ class FastApplyFunction(torch.autograd.Function):
         return super().apply(*args)
 
 
+def raw_apply(cls):
+    """cls's C++ apply, what Function.apply ends in, for callers that know that no functorch
+    transform is active and that no argument is a functorch wrapper (`unwatched`, and tensors
+    with storage): no argument binding, no pytree walk. cls.apply without FAST_APPLY."""
+    return super(torch.autograd.Function, cls).apply if FAST_APPLY else cls.apply
+
+
 # ----------------------------------------------------------------------------
 # forward-mode AD
 
@@ -128,6 +140,18 @@ def forward_ad_active() -> bool:
 def forward_grad_disabled():
     """A context with forward-mode AD off (only with ONE_KERNEL_JVP)."""
     return _set_fwd_grad_enabled(False)
+
+
+PREPARED_CALLS = EAGER_SHORTCUT and FAST_APPLY
+
+
+def unwatched() -> bool:
+    """Nothing watches an eager call: no functorch transform, no forward-mode AD level, no
+    torch function or dispatch mode, no profiler; the caller checked torch.compiler.
+    is_compiling() first. Always False when this PyTorch lacks a symbol it reads."""
+    return (PREPARED_CALLS and not _transforms_active() and _eager_transforms.JVP_NESTING == 0
+            and _forward_ad._current_level < 0 and not _torch_function_mode_enabled()
+            and _current_dispatch_mode() is None and not _profiler._is_profiler_enabled)
 
 
 _is_functorch_batched = _find("torch._C._functorch", "is_batchedtensor", needed=True)

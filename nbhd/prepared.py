@@ -1,0 +1,173 @@
+"""Prepared calls: the eager path of na1d/na2d/na3d and na*d_jvp while nothing watches.
+
+functional.py validates a call once per signature (its options, and its tensors' shapes,
+strides, dtypes, devices and types) and keeps a `Prepared` for it when the fused kernels run it
+on its own tensors (not flattened into dense attention). A later call with that signature comes
+here; while nothing watches it (_torch_internals.unwatched: no torch.compile trace, functorch
+transform, forward-mode AD level, torch function or dispatch mode, nor profiler) it runs the C
+kernel straight away: its outputs allocated, the data pointers written into the C argument
+structs that _lib keeps for this thread under the signature, one foreign call. No custom-op
+dispatch, no autograd.Function argument handling, no re-validation.
+
+With an input that requires grad the forward goes through `PreparedAttention`, whose backward
+runs the backward kernel the same way; when that backward must itself be differentiable
+(create_graph) or something watches it, it takes the rules' differentiable backward
+(autograd.EAGER), as NeighborhoodAttention does.
+
+Every function here returns None when the call must take PyTorch's full path instead: a
+watcher, or an input without storage (a functorch wrapper that outlived its transform, a legacy
+batched tensor of gradcheck's batched checks).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _lib, _torch_internals, ops
+from .rules import Geometry
+
+__all__ = ["Prepared", "PreparedAttention", "na", "na_jvp"]
+
+_unwatched = _torch_internals.unwatched
+_run_state = ops.run_state
+_plans = _lib.plans
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Prepared:
+    """One validated call signature of the fused kernels: its geometry, its outputs' shapes,
+    and the keys of its C arguments in _lib's per-thread plans (built on first use in each
+    thread and for each run_state()). kx/vx: None or the additional keys (then present in every
+    call of the signature); empty_kx/empty_vx: the zero-length stand-ins the ops take for absent
+    ones."""
+
+    __slots__ = ("geometry", "plan_geometry", "tiles", "dtype", "lse_dtype", "device", "shapes",
+                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "__weakref__")
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, kx: Optional[Tensor], vx: Optional[Tensor],
+                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor):
+        ks, st, dil, causal, scale, tiles = geometry.args()
+        self.geometry, self.tiles = geometry, tiles
+        self.plan_geometry = (len(ks), tuple(ks), tuple(st), tuple(dil), tuple(causal), scale)
+        self.dtype, self.lse_dtype, self.device = q.dtype, _lse_dtype(q.dtype), q.device
+        self.shapes = tuple(None if t is None else t.shape for t in (q, k, v, kx, vx))
+        self.out_shape = (*q.shape[:-1], v.shape[-1])
+        self.lse_shape = tuple(q.shape[:-1])
+        self.empty_kx, self.empty_vx = empty_kx, empty_vx
+
+    def _outputs(self) -> Tuple[Tensor, Tensor]:
+        dev = self.device
+        return (torch.empty(self.out_shape, dtype=self.dtype, device=dev),
+                torch.empty(self.lse_shape, dtype=self.lse_dtype, device=dev))
+
+    def _plan(self, key, op: int, tensors, state, backward: bool) -> _lib._Plan:
+        return _lib.prepare(key, op, self.plan_geometry, tensors,
+                            **ops.run_options(self.tiles, backward, state))
+
+    def forward(self, q, k, v, kx, vx) -> Tuple[Tensor, Tensor]:
+        out, lse = self._outputs()
+        tensors = (q, k, v, kx, vx, out, lse)
+        state = _run_state()
+        key = (self, _lib.OP_FORWARD, state)
+        plan = _plans().get(key) or self._plan(key, _lib.OP_FORWARD, tensors, state, False)
+        plan.launch(tensors)
+        return out, lse
+
+    def backward(self, q, k, v, kx, vx, out, lse, d_out, d_lse) -> tuple:
+        """(dq, dk, dv, dkx, dvx): None for absent additional keys."""
+        dev, dt = self.device, self.dtype
+        grads = [None if s is None else torch.empty(s, dtype=dt, device=dev) for s in self.shapes]
+        tensors = (q, k, v, kx, vx, out, lse, d_out, d_lse, *grads)
+        state = _run_state()
+        key = (self, _lib.OP_BACKWARD, state, d_out.stride(), None if d_lse is None else d_lse.stride())
+        plan = _plans().get(key) or self._plan(key, _lib.OP_BACKWARD, tensors, state, True)
+        plan.launch(tensors)
+        return grads
+
+    def forward_jvp(self, q, k, v, kx, vx, tq, tk, tv, tkx, tvx) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        out, lse = self._outputs()
+        t_out, t_lse = self._outputs()
+        tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out, t_lse)
+        state = _run_state()
+        key = (self, _lib.OP_FORWARD_JVP, state)
+        plan = _plans().get(key) or self._plan(key, _lib.OP_FORWARD_JVP, tensors, state, False)
+        plan.launch(tensors)
+        return out, lse, t_out, t_lse
+
+
+def _stored(*tensors) -> bool:
+    """Every tensor given has storage (functorch wrappers and legacy batched tensors have none:
+    they take PyTorch's path)."""
+    try:
+        for t in tensors:
+            if t is not None:
+                t.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _plain_grad(t: Optional[Tensor]) -> bool:
+    return t is None or (type(t) is Tensor and _stored(t))
+
+
+class PreparedAttention(torch.autograd.Function):
+    """(out, lse) of a prepared call whose inputs require grad. Outside any functorch transform
+    only (unwatched): the transforms take NeighborhoodAttention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kx, vx, prep):
+        out, lse = prep.forward(q, k, v, kx, vx)
+        ctx.set_materialize_grads(False)
+        ctx.prep = prep
+        ctx.save_for_backward(q, k, v, kx, vx, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        if d_out is None and d_lse is None:
+            return None, None, None, None, None, None
+        prep = ctx.prep
+        q, k, v, kx, vx, out, lse = ctx.saved_tensors
+        if (d_out is not None and not torch.is_grad_enabled() and _unwatched()
+                and _plain_grad(d_out) and _plain_grad(d_lse)):
+            dq, dk, dv, dkx, dvx = prep.backward(q, k, v, kx, vx, out, lse, d_out, d_lse)
+            return dq, dk, dv, dkx, dvx, None
+        # a differentiable backward (create_graph), or a watched one: the rules' path
+        from .autograd import EAGER
+        absent = kx is None
+        if absent:
+            kx, vx = prep.empty_kx, prep.empty_vx
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        dq, dk, dv, dkx, dvx = EAGER.backward(q, k, v, kx, vx, out, lse, d_out, d_lse, prep.geometry)
+        return dq, dk, dv, None if absent else dkx, None if absent else dvx, None
+
+
+_apply = _torch_internals.raw_apply(PreparedAttention)
+
+
+def na(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
+    """(out, lse) of a call with prep's signature, or None (PyTorch's path)."""
+    if not _unwatched() or not _stored(q, k, v, kx, vx):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            kx is not None and (kx.requires_grad or vx.requires_grad))):
+        return _apply(q, k, v, kx, vx, prep)
+    return prep.forward(q, k, v, kx, vx)
+
+
+def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx):
+    """(out, lse, t_out, t_lse) of an na*d_jvp call with prep's signature when no input requires
+    grad, or None (PyTorch's path: the differentiable forward+JVP)."""
+    tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx)
+    if not _unwatched() or not _stored(*tensors):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return None
+    return prep.forward_jvp(*tensors)
