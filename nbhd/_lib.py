@@ -341,6 +341,7 @@ class _Plan:
                  problem=None):
         rank, kernel_size, stride, dilation, is_causal, scale = geometry
         q, k, v, kx, vx = tensors[:5]
+        self.op = op
         self.problem = problem or Problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
         self.args = _ARGS[op]()   # ctypes structures start zeroed: absent tensors stay NULL
         self.slots = []           # (64-bit word of the data pointer, position in `tensors`)

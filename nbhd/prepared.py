@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import _lib, _torch_internals, ops
@@ -89,12 +90,15 @@ class Prepared:
         plan.launch(tensors)
         return grads
 
-    def forward_jvp(self, q, k, v, kx, vx, tq, tk, tv, tkx, tvx) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    def forward_jvp(self, q, k, v, kx, vx, tq, tk, tv, tkx, tvx,
+                    layouts=()) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """layouts: what else the plan depends on, when the signature does not fix it (the
+        tangents of duals)."""
         out, lse = self._outputs()
         t_out, t_lse = self._outputs()
         tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out, t_lse)
         state = _run_state()
-        key = (self, _lib.OP_FORWARD_JVP, state)
+        key = (self, _lib.OP_FORWARD_JVP, state, layouts)
         plan = _plans().get(key) or self._plan(key, _lib.OP_FORWARD_JVP, tensors, state, False)
         plan.launch(tensors)
         return out, lse, t_out, t_lse
@@ -152,14 +156,61 @@ class PreparedAttention(torch.autograd.Function):
 _apply = _torch_internals.raw_apply(PreparedAttention)
 
 
+def _requires_grad(q, k, v, kx, vx) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        kx is not None and (kx.requires_grad or vx.requires_grad)))
+
+
 def na(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
     """(out, lse) of a call with prep's signature, or None (PyTorch's path)."""
-    if not _unwatched() or not _stored(q, k, v, kx, vx):
+    if _unwatched():
+        if not _stored(q, k, v, kx, vx):
+            return None
+        if _requires_grad(q, k, v, kx, vx):
+            return _apply(q, k, v, kx, vx, prep)
+        return prep.forward(q, k, v, kx, vx)
+    if _forward_ad_active():
+        return _dual(prep, q, k, v, kx, vx)
+    return None
+
+
+_forward_ad_active = _torch_internals.forward_ad_active
+_unpack_dual, _make_dual = _forward_ad.unpack_dual, _forward_ad.make_dual
+_unwrap, _wrap = _torch_internals.unwrap_level, _torch_internals.wrap_level
+
+
+def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
+    """Under torch.func.jvp alone, or forward_ad duals outside transforms: (out, lse) as duals
+    whose primals and tangents come from one forward+JVP kernel run on the inputs unwrapped
+    from the jvp's level, the outputs wrapped back, as functorch does for an op. None when an
+    input requires grad or none carries a tangent (functional.py's paths take those), or under
+    other transforms."""
+    level = _torch_internals.lone_jvp_level()
+    if level is None or _requires_grad(q, k, v, kx, vx):
         return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-            kx is not None and (kx.requires_grad or vx.requires_grad))):
-        return _apply(q, k, v, kx, vx, prep)
-    return prep.forward(q, k, v, kx, vx)
+    inputs = (q, k, v) if kx is None else (q, k, v, kx, vx)
+    unpacked = [_unpack_dual(t) for t in inputs]
+    tangents = [_unwrap(u.tangent, level) for u in unpacked]
+    if all(t is None for t in tangents):
+        return None
+    dtype, device = prep.dtype, prep.device
+    if any(t is not None and (t.dtype is not dtype or t.device != device) for t in tangents):
+        return None   # forward-mode AD allows them; the op's checks refuse them
+    primals = [_unwrap(u.primal, level) for u in unpacked]
+    if not _stored(*primals, *tangents) or (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (*primals, *tangents))):
+        return None   # under the jvp's level, autograd records what the Function does
+    if kx is None:
+        primals += (None, None)
+        tangents += (None, None)
+    layouts = tuple(None if t is None else t.stride() for t in (*primals, *tangents))
+    if level < 0:
+        out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts)
+    else:
+        with _torch_internals.disable_functorch():   # plain outputs, wrapped below
+            out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts)
+    return (_make_dual(_wrap(out, level), _wrap(t_out, level)),
+            _make_dual(_wrap(lse, level), _wrap(t_lse, level)))
 
 
 def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx):
