@@ -280,13 +280,15 @@ _CACHED_BACKENDS = (None, "cpu-fna", "cuda-fna", "reference")
 
 class _Checked:
     """What validating a call found: its normalised geometry and backend, and its Prepared
-    (prepared.py) when the fused kernels run it on its own tensors."""
+    (prepared.py) when the fused kernels run it on its own tensors, all of them plain
+    torch.Tensor (a subclass keeps PyTorch's dispatch)."""
     __slots__ = ("geometry", "backend", "prepared")
 
     def __init__(self, call: _Call):
         self.geometry, self.backend = call.geometry, call.backend
         self.prepared = None
-        if call.backend in ("cpu-fna", "cuda-fna") and not call.is_self_attention():
+        plain = all(type(t) is Tensor for t in (call.q, call.k, call.v, call.kx, call.vx) if t is not None)
+        if plain and call.backend in ("cpu-fna", "cuda-fna") and not call.is_self_attention():
             q, k, v, kx, vx, geometry = call.kernel_args()
             absent = call.kx is None
             self.prepared = prepared.Prepared(q, k, v, None if absent else kx, None if absent else vx,
@@ -294,14 +296,17 @@ class _Checked:
 
 
 def _call_key(rank, tensors, options):
-    """What validation reads from a call: the tensors' shapes, strides, dtypes, devices and
-    types, and the options by their pickle (so that True and 1, or 1 and 1.0, stay apart). None
-    when an argument has no such key (validation then runs, and raises if it must)."""
+    """What validation reads from a call: the tensors' types, shapes, strides, dtypes and
+    devices, and the options by their pickle (so that True and 1, or 1 and 1.0, stay apart).
+    None when an argument has no such key (validation then runs, and raises if it must)."""
     try:
-        key = [rank, pickle.dumps(options, 5)]
-        for t in tensors:
-            key.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device, type(t)))
-        return tuple(key)
+        q, k, v, kx, vx = tensors[:5]
+        if kx is None and vx is None and len(tensors) == 5:   # flat: the common call, cheaper
+            return (rank, pickle.dumps(options, 5), type(q), q.shape, q.stride(), q.dtype, q.device,
+                    type(k), k.shape, k.stride(), k.dtype, k.device,
+                    type(v), v.shape, v.stride(), v.dtype, v.device)
+        return (rank, pickle.dumps(options, 5), *(
+            None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors))
     except Exception:  # not tensors, nested tensors, unpicklable options: the checks will say
         return None
 

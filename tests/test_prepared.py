@@ -205,3 +205,14 @@ def test_watched_calls_take_the_op_path(launches):
     torch.func.vmap(lambda a: escaped.append(a) or a)(q[None])   # a dead functorch wrapper
     assert not prepared._stored(escaped[0])
     assert prepared.na(_prepared_for(q)[0], escaped[0], k, v, None, None) is None
+
+
+def test_subclasses_keep_the_dispatch():
+    class Sub(torch.Tensor):
+        pass
+
+    q, k, v = (t.as_subclass(Sub) for t in _qkv(shape=(1, 5, 6, 1, 4)))
+    for _ in range(2):
+        out = nbhd.na2d(q, k, v, 3)
+    assert type(out) is Sub
+    assert not _prepared_for(q)
