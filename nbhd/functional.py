@@ -334,7 +334,7 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
         if checked is not None:
             if checked.prepared is not None:
                 done = prepared.na(checked.prepared, query, key, value, additional_keys,
-                                   additional_values)
+                                   additional_values, return_lse)
                 if done is not None:
                     return done if return_lse else done[0]
             out, lse = _forward(_Call.checked(rank, query, key, value, additional_keys,
@@ -373,7 +373,8 @@ def _na_jvp(rank, query, key, value, tangent_query, tangent_key, tangent_value, 
                               (kernel_size, stride, dilation, is_causal, scale, backend, return_lse))
         checked = _CHECKED.get(cache_key) if cache_key is not None else None
         if checked is not None:
-            done = checked.prepared and prepared.na_jvp(checked.prepared, *primals, *tangents)
+            done = checked.prepared and prepared.na_jvp(checked.prepared, *primals, *tangents,
+                                                        lse_wanted=return_lse)
             if done is None:
                 done = _jvp(_Call.checked(rank, *primals, checked.geometry, checked.backend), tangents)
             out, lse, t_out, t_lse = done

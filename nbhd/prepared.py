@@ -61,21 +61,28 @@ class Prepared:
         self.lse_shape = tuple(q.shape[:-1])
         self.empty_kx, self.empty_vx = empty_kx, empty_vx
 
-    def _outputs(self) -> Tuple[Tensor, Tensor]:
-        dev = self.device
-        return (torch.empty(self.out_shape, dtype=self.dtype, device=dev),
-                torch.empty(self.lse_shape, dtype=self.lse_dtype, device=dev))
+    def _out(self) -> Tensor:
+        return torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+
+    def _lse(self) -> Tensor:
+        return torch.empty(self.lse_shape, dtype=self.lse_dtype, device=self.device)
 
     def _plan(self, key, op: int, tensors, state, backward: bool) -> _lib._Plan:
         return _lib.prepare(key, op, self.plan_geometry, tensors,
                             **ops.run_options(self.tiles, backward, state))
 
-    def forward(self, q, k, v, kx, vx) -> Tuple[Tensor, Tensor]:
-        out, lse = self._outputs()
-        tensors = (q, k, v, kx, vx, out, lse)
+    def forward(self, q, k, v, kx, vx, lse_wanted: bool = True) -> Tuple[Tensor, Tensor]:
+        """(out, lse). Without lse_wanted the kernel writes the LSE into a spare tensor that this
+        thread's plan keeps (the caller must not return or keep it)."""
         state = _run_state()
         key = (self, _lib.OP_FORWARD, state)
-        plan = _plans().get(key) or self._plan(key, _lib.OP_FORWARD, tensors, state, False)
+        plan = _plans().get(key)
+        out = self._out()
+        lse = plan.spare if plan is not None and not lse_wanted else self._lse()
+        tensors = (q, k, v, kx, vx, out, lse)
+        if plan is None:
+            plan = self._plan(key, _lib.OP_FORWARD, tensors, state, False)
+            plan.spare = self._lse()
         plan.launch(tensors)
         return out, lse
 
@@ -90,16 +97,19 @@ class Prepared:
         plan.launch(tensors)
         return grads
 
-    def forward_jvp(self, q, k, v, kx, vx, tq, tk, tv, tkx, tvx,
-                    layouts=()) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """layouts: what else the plan depends on, when the signature does not fix it (the
-        tangents of duals)."""
-        out, lse = self._outputs()
-        t_out, t_lse = self._outputs()
-        tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out, t_lse)
+    def forward_jvp(self, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts=(),
+                    lse_wanted: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(out, lse, t_out, t_lse). layouts: what else the plan depends on, when the signature
+        does not fix it (the tangents of duals); lse_wanted: as forward's, for both LSEs."""
         state = _run_state()
         key = (self, _lib.OP_FORWARD_JVP, state, layouts)
-        plan = _plans().get(key) or self._plan(key, _lib.OP_FORWARD_JVP, tensors, state, False)
+        plan = _plans().get(key)
+        out, t_out = self._out(), self._out()
+        lse, t_lse = plan.spare if plan is not None and not lse_wanted else (self._lse(), self._lse())
+        tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out, t_lse)
+        if plan is None:
+            plan = self._plan(key, _lib.OP_FORWARD_JVP, tensors, state, False)
+            plan.spare = self._lse(), self._lse()
         plan.launch(tensors)
         return out, lse, t_out, t_lse
 
@@ -161,14 +171,15 @@ def _requires_grad(q, k, v, kx, vx) -> bool:
         kx is not None and (kx.requires_grad or vx.requires_grad)))
 
 
-def na(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
-    """(out, lse) of a call with prep's signature, or None (PyTorch's path)."""
+def na(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tuple[Tensor, Tensor]]:
+    """(out, lse) of a call with prep's signature, or None (PyTorch's path). Without
+    lse_wanted, lse is a spare the caller must drop (unless the backward needs it)."""
     if _unwatched():
         if not _stored(q, k, v, kx, vx):
             return None
         if _requires_grad(q, k, v, kx, vx):
             return _apply(q, k, v, kx, vx, prep)
-        return prep.forward(q, k, v, kx, vx)
+        return prep.forward(q, k, v, kx, vx, lse_wanted)
     if _forward_ad_active():
         return _dual(prep, q, k, v, kx, vx)
     return None
@@ -213,12 +224,12 @@ def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
             _make_dual(_wrap(lse, level), _wrap(t_lse, level)))
 
 
-def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx):
+def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, lse_wanted: bool = True):
     """(out, lse, t_out, t_lse) of an na*d_jvp call with prep's signature when no input requires
-    grad, or None (PyTorch's path: the differentiable forward+JVP)."""
+    grad, or None (PyTorch's path: the differentiable forward+JVP). lse_wanted: as na's."""
     tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx)
     if not _unwatched() or not _stored(*tensors):
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return None
-    return prep.forward_jvp(*tensors)
+    return prep.forward_jvp(*tensors, lse_wanted=lse_wanted)

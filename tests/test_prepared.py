@@ -21,8 +21,8 @@ def op_path(monkeypatch):
     """op_path(fn) -> fn() with prepared calls off (NeighborhoodAttention and the ops)."""
     def run(fn):
         with monkeypatch.context() as m:
-            m.setattr(prepared, "na", lambda *a: None)
-            m.setattr(prepared, "na_jvp", lambda *a: None)
+            m.setattr(prepared, "na", lambda *a, **kw: None)
+            m.setattr(prepared, "na_jvp", lambda *a, **kw: None)
             m.setattr(prepared, "_dual", lambda *a: None)
             return fn()
     return run
@@ -52,6 +52,9 @@ def test_forward_equals_the_op_path(op_path):
         first = f()                 # validates; later calls are prepared
         for a, b, c in zip(first, f(), op_path(f)):
             assert torch.equal(a, c) and torch.equal(b, c)
+        g = lambda: nbhd.na2d(q, k, v, 3, **kw)   # no LSE returned: the kernel writes a spare
+        kept = [g(), g()]
+        assert torch.equal(kept[0], first[0]) and torch.equal(kept[1], first[0])
     assert _prepared_for(q)
 
 

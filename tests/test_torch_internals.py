@@ -175,7 +175,7 @@ def test_prepared_call_pays_off(one_thread, monkeypatch):
         f = lambda: nbhd.na1d(x, q, q, 3)
         f()
         assert _torch_internals.unwatched()
-        via_op = _patched(monkeypatch, [(prepared, "na", lambda *args: None)], f)
+        via_op = _patched(monkeypatch, [(prepared, "na", lambda *args, **kw: None)], f)
         assert torch.equal(f(), via_op())
         ratio = _faster(f, via_op, 0.6, rounds=15, calls=20)
         assert ratio < 0.6, f"a prepared call takes {ratio:.2f} of the op path (requires_grad={x.requires_grad})"
@@ -215,7 +215,7 @@ if __name__ == "__main__":   # the ratios, for choosing the thresholds above
         g = lambda: nbhd.na1d(x, q, q, 3)
         g()
         print(f"prepared call (requires_grad={x.requires_grad})",
-              _faster(g, _patched(mp, [(prepared, "na", lambda *a: None)], g), 0, 15, 20, 1))
+              _faster(g, _patched(mp, [(prepared, "na", lambda *a, **kw: None)], g), 0, 15, 20, 1))
     prep = next(c.prepared for c in functional._CHECKED.values() if c.prepared is not None)
     print("raw apply", _faster(lambda: prepared._apply(leaf, q, q, None, None, prep),
                                lambda: prepared.PreparedAttention.apply(leaf, q, q, None, None, prep),
