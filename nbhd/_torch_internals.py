@@ -20,7 +20,8 @@ Fast paths (fallback: the public path):
                      level, mode or profiler), through the C++ apply of an autograd.Function
                      (`raw_apply`) when an input requires grad; inside torch.func.jvp alone
                      (`lone_jvp_level`) on its tensors unwrapped from that level
-                     (`unwrap_level`), its outputs wrapped back (`wrap_level`) as duals
+                     (`unwrap_level`) and run below it (`below_level`), its outputs wrapped
+                     back (`wrap_level`) as duals
 
 Needed (import fails without them):
   forward_ad_active  functional.py refuses forward-mode AD traced by torch.compile, which would
@@ -39,7 +40,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["MISSING", "plain_tensor", "dispatch_watched", "FastApplyFunction", "raw_apply",
-           "unwatched", "lone_jvp_level", "unwrap_level", "wrap_level", "forward_ad_active", "forward_grad_disabled", "is_batched",
+           "unwatched", "lone_jvp_level", "unwrap_level", "wrap_level", "below_level",
+           "forward_ad_active", "forward_grad_disabled", "is_batched",
            "disable_functorch", "detect_fake_mode"]
 
 MISSING: List[str] = []   # private symbols this PyTorch lacks; their fast paths are off
@@ -160,8 +162,10 @@ _interpreter_stack = _find("torch._C._functorch", "get_interpreter_stack")
 _TransformType = _find("torch._C._functorch", "TransformType")
 _unwrap_for_grad = _find("torch._C._functorch", "_unwrap_for_grad")
 _wrap_for_grad = _find("torch._C._functorch", "_wrap_for_grad")
+_pop_layer = _find("torch._C._functorch", "pop_dynamic_layer_stack")
+_push_layer = _find("torch._C._functorch", "push_dynamic_layer_stack")
 LONE_JVP = PREPARED_CALLS and ONE_KERNEL_JVP and None not in (
-    _interpreter_stack, _TransformType, _unwrap_for_grad, _wrap_for_grad)
+    _interpreter_stack, _TransformType, _unwrap_for_grad, _wrap_for_grad, _pop_layer, _push_layer)
 if LONE_JVP:
     _JVP = _TransformType.Jvp
 
@@ -190,6 +194,23 @@ def unwrap_level(t: Optional[Tensor], level: int) -> Optional[Tensor]:
 def wrap_level(t: Tensor, level: int) -> Tensor:
     """A plain t wrapped for `level`, as functorch wraps an op's outputs."""
     return t if level < 0 else _wrap_for_grad(t, level)
+
+
+class below_level:
+    """A context that runs its body below the lone jvp's level (functorch's
+    interpreter.lower(): the level popped, pushed back after), where tensors, ops and
+    autograd.Functions are plain; nothing for level -1."""
+
+    def __init__(self, level: int):
+        self.level, self.saved = level, None
+
+    def __enter__(self):
+        if self.level >= 0:
+            self.saved = _pop_layer()
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            _push_layer(self.saved)
 
 
 _is_functorch_batched = _find("torch._C._functorch", "is_batchedtensor", needed=True)

@@ -29,7 +29,7 @@ from torch import Tensor
 from . import _lib, _torch_internals, ops
 from .rules import Geometry
 
-__all__ = ["Prepared", "PreparedAttention", "na", "na_jvp"]
+__all__ = ["Prepared", "PreparedAttention", "PreparedJvp", "na", "na_jvp"]
 
 _unwatched = _torch_internals.unwatched
 _run_state = ops.run_state
@@ -114,6 +114,23 @@ class Prepared:
         return out, lse, t_out, t_lse
 
 
+    def forward_jvp_backward(self, saved, grads, wanted, layouts) -> list:
+        """Gradients of <grads, (out, lse, t_out, t_lse)> w.r.t. the primals (None for absent
+        additional keys) and the tangents (None unless `wanted`: needs_input_grad)."""
+        q, k, v, kx, vx, tq, tk, tv, tkx, tvx = saved[:10]
+        dev, dt = self.device, self.dtype
+        d_x = [None if s is None else torch.empty(s, dtype=dt, device=dev) for s in self.shapes]
+        d_t = [torch.empty(s, dtype=dt, device=dev) if w and s is not None else None
+               for s, w in zip(self.shapes, wanted)]
+        tensors = (*saved, *grads, *d_x, *d_t)
+        state = _run_state()
+        key = (self, _lib.OP_FORWARD_JVP_BACKWARD, state, layouts,
+               tuple(None if g is None else g.stride() for g in grads), tuple(t is None for t in d_t))
+        plan = _plans().get(key) or self._plan(key, _lib.OP_FORWARD_JVP_BACKWARD, tensors, state, True)
+        plan.launch(tensors)
+        return d_x + d_t
+
+
 def _stored(*tensors) -> bool:
     """Every tensor given has storage (functorch wrappers and legacy batched tensors have none:
     they take PyTorch's path)."""
@@ -163,7 +180,46 @@ class PreparedAttention(torch.autograd.Function):
         return dq, dk, dv, None if absent else dkx, None if absent else dvx, None
 
 
+class PreparedJvp(torch.autograd.Function):
+    """(out, lse, t_out, t_lse) of a prepared forward+JVP whose inputs require grad (na*d_jvp
+    unwatched, or the inputs of torch.func.jvp alone unwrapped from its level): its backward
+    runs the fused backward through the forward+JVP the same way, or the rules' path."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts):
+        outs = prep.forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts)
+        ctx.set_materialize_grads(False)
+        ctx.prep, ctx.layouts = prep, layouts
+        ctx.save_for_backward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *outs)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if all(g is None for g in grads):
+            return (None,) * 12
+        prep, saved = ctx.prep, ctx.saved_tensors
+        fused = prep.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
+        if (fused and not torch.is_grad_enabled() and _unwatched()
+                and all(_plain_grad(g) for g in grads)):
+            return (*prep.forward_jvp_backward(saved, grads, ctx.needs_input_grad[5:10], ctx.layouts),
+                    None, None)
+        # a differentiable backward (create_graph), a watched one, or no fused kernel
+        from .autograd import EAGER
+        from .rules import RULES, zeros_for
+        inputs, outs = list(saved[:10]), saved[10:]
+        absent = inputs[3] is None
+        if absent:
+            inputs[3], inputs[4] = prep.empty_kx, prep.empty_vx
+        both = (*inputs[:5], *zeros_for(inputs[5:], inputs[:5]))
+        g = list(RULES["na_forward_jvp"].vjp(EAGER, (*both, *outs), fused, prep.geometry, grads))
+        for i, t in enumerate(saved[:10]):
+            if t is None:
+                g[i] = None
+        return (*g, None, None)
+
+
 _apply = _torch_internals.raw_apply(PreparedAttention)
+_apply_jvp = _torch_internals.raw_apply(PreparedJvp)
 
 
 def _requires_grad(q, k, v, kx, vx) -> bool:
@@ -193,11 +249,12 @@ _unwrap, _wrap = _torch_internals.unwrap_level, _torch_internals.wrap_level
 def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
     """Under torch.func.jvp alone, or forward_ad duals outside transforms: (out, lse) as duals
     whose primals and tangents come from one forward+JVP kernel run on the inputs unwrapped
-    from the jvp's level, the outputs wrapped back, as functorch does for an op. None when an
-    input requires grad or none carries a tangent (functional.py's paths take those), or under
-    other transforms."""
+    from the jvp's level, the outputs wrapped back, as functorch does for an op; through
+    PreparedJvp when those inputs require grad (a backward follows outside the level). None
+    when none carries a tangent, under forward_ad duals that require grad (a backward may
+    follow inside the dual level: functional.py's two-kernel path), or under other transforms."""
     level = _torch_internals.lone_jvp_level()
-    if level is None or _requires_grad(q, k, v, kx, vx):
+    if level is None or (level < 0 and _requires_grad(q, k, v, kx, vx)):
         return None
     inputs = (q, k, v) if kx is None else (q, k, v, kx, vx)
     unpacked = [_unpack_dual(t) for t in inputs]
@@ -208,28 +265,28 @@ def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
     if any(t is not None and (t.dtype is not dtype or t.device != device) for t in tangents):
         return None   # forward-mode AD allows them; the op's checks refuse them
     primals = [_unwrap(u.primal, level) for u in unpacked]
-    if not _stored(*primals, *tangents) or (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (*primals, *tangents))):
-        return None   # under the jvp's level, autograd records what the Function does
+    if not _stored(*primals, *tangents):
+        return None
     if kx is None:
         primals += (None, None)
         tangents += (None, None)
     layouts = tuple(None if t is None else t.stride() for t in (*primals, *tangents))
-    if level < 0:
-        out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts)
-    else:
-        with _torch_internals.disable_functorch():   # plain outputs, wrapped below
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*primals, *tangents))
+    with _torch_internals.below_level(level), _torch_internals.forward_grad_disabled():
+        if grad:
+            out, lse, t_out, t_lse = _apply_jvp(*primals, *tangents, prep, layouts)
+        else:
             out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts)
     return (_make_dual(_wrap(out, level), _wrap(t_out, level)),
             _make_dual(_wrap(lse, level), _wrap(t_lse, level)))
 
 
 def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, lse_wanted: bool = True):
-    """(out, lse, t_out, t_lse) of an na*d_jvp call with prep's signature when no input requires
-    grad, or None (PyTorch's path: the differentiable forward+JVP). lse_wanted: as na's."""
+    """(out, lse, t_out, t_lse) of an na*d_jvp call with prep's signature, or None (PyTorch's
+    path). lse_wanted: as na's."""
     tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx)
     if not _unwatched() or not _stored(*tensors):
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return None
+        return _apply_jvp(*tensors, prep, ())
     return prep.forward_jvp(*tensors, lse_wanted=lse_wanted)

@@ -162,9 +162,36 @@ def test_torch_func_jvp_and_duals(op_path, launches):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("tangent_grad", [False, True])
+def test_jvp_then_backward_equals_the_op_path(tangent_grad, op_path, launches):
+    """The MeanFlow pattern: torch.func.jvp of inputs that require grad (outside the jvp),
+    then gradients of a loss on the output and the tangent; and na2d_jvp alike."""
+    leaves = _qkv(requires_grad=True)
+    tq = torch.randn(2, 6, 7, 2, 8, requires_grad=tangent_grad)
+    w1, w2 = torch.randn(2, 6, 7, 2, 8), torch.randn(2, 6, 7, 2, 8)
+    wrt = [*leaves, tq] if tangent_grad else leaves
+
+    def via_func():
+        out, t_out = torch.func.jvp(lambda a, b: nbhd.na2d(a, b, leaves[2], 3), tuple(leaves[:2]),
+                                    (tq, torch.zeros_like(tq)))
+        return torch.autograd.grad((out * w1).sum() + (t_out * w2).sum(), wrt)
+
+    def explicit():
+        out, t_out = nbhd.na2d_jvp(*leaves, tq, None, None, 3)
+        return torch.autograd.grad((out * w1).sum() + (t_out * w2).sum(), wrt)
+
+    for f in (via_func, explicit):
+        f()
+        got, ops = launches(f)
+        assert ops == [_lib.OP_FORWARD_JVP, _lib.OP_FORWARD_JVP_BACKWARD]
+        for a, b in zip(got, op_path(f)):   # the op path hands the kernel zero tangents for
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)   # absent ones: rounding
+
+
 def test_jvp_cases_that_keep_the_function():
-    """Inputs that require grad under the jvp, a tangent of another dtype, and jvp inside vmap
-    take the Function path (prepared._dual returns None)."""
+    """forward_ad duals that require grad (a backward may follow inside the dual level), a
+    tangent of another dtype, and jvp inside vmap take the Function path (prepared._dual
+    returns None)."""
     q, k, v = _qkv()
     f = lambda a: nbhd.na2d(a, k, v, 3)
     torch.func.jvp(f, (q,), (torch.randn_like(q),))
@@ -173,9 +200,10 @@ def test_jvp_cases_that_keep_the_function():
     prepared_dual = lambda *a: seen.append(real(*a)) or seen[-1]
     try:
         prepared._dual = prepared_dual
-        leaf = q.clone().requires_grad_()
-        out, t_out = torch.func.jvp(f, (leaf,), (torch.randn_like(q),))
-        assert out.requires_grad and seen[-1] is None
+        with fwAD.dual_level():
+            leaf = q.clone().requires_grad_()
+            f(fwAD.make_dual(leaf, torch.randn_like(q)))
+            assert seen[-1] is None
         torch.func.vmap(lambda a, t: torch.func.jvp(f, (a,), (t,)))(q[None], q[None])
         assert seen[-1] is None
         with fwAD.dual_level(), pytest.raises(ValueError, match="dtype"):

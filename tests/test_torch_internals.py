@@ -153,8 +153,8 @@ def test_one_kernel_jvp_pays_off(one_thread, monkeypatch):
 
 def test_lone_jvp_pays_off(one_thread, monkeypatch):
     """Under torch.func.jvp alone, prepared._dual runs the kernel on the tensors unwrapped
-    from the jvp's level (`lone_jvp_level`, `unwrap_level`, `wrap_level`) instead of the
-    autograd.Function through functorch's custom_function_call."""
+    from the jvp's level (`lone_jvp_level`, `unwrap_level`, `below_level`, `wrap_level`)
+    instead of the autograd.Function through functorch's custom_function_call."""
     q, _, _ = _tiny()
     t = torch.randn_like(q)
     f = lambda: torch.func.jvp(lambda x: nbhd.na1d(x, q, q, 3), (q,), (t,))
