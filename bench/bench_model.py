@@ -4,7 +4,8 @@ step time, the sum of nbhd's kernel times (torch.profiler) and their ratio.
     python bench/bench_model.py [--device cpu|cuda] [--model 2d|3d|both] [--smoke]
                                 [--steps 5] [--no-compile] [--no-dense]
 
-Models (pre-norm blocks: LayerNorm, qkv, attention, projection, MLP 4x):
+Models (pre-norm blocks: LayerNorm (in float32 for half dtypes), qkv, attention, projection,
+MLP 4x), built in --dtype; every input and tangent is made in that dtype:
   2d  12 blocks, 32x32 tokens, window 7, 4 heads, D 64, batch 8
   3d  12 blocks, 8x16x16 tokens (video), window 3x7x7, 4 heads, D 64, batch 2
   --smoke: 2 blocks, 8x8 (2d) / 4x6x6 (3d) tokens, window 3, 2 heads, D 16, batch 2 (CI)
@@ -82,10 +83,25 @@ class Attention(nn.Module):
         return self.proj(o.flatten(-2))
 
 
+class LayerNorm32(nn.LayerNorm):
+    """LayerNorm computed in float32 and returned in the input's dtype, as mixed-precision
+    models keep it. It also keeps the MeanFlow step's tangents in the model dtype: on CUDA, a
+    bf16/fp16 LayerNorm saves float32 statistics, PyTorch's forward-mode rule for it mixes them
+    into the tangent, and the float32 tangent then fails the next bf16 Linear ("expected mat1
+    and mat2 to have the same dtype, float != BFloat16"; the CPU kernel saves them in bf16).
+    Here the cast to the input's dtype casts the tangent as well. A no-op for float32."""
+
+    def forward(self, x):
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
+                            self.eps).to(x.dtype)
+
+
 class Block(nn.Module):
     def __init__(self, dim, heads, window, spatial, dense):
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.norm1, self.norm2 = LayerNorm32(dim), LayerNorm32(dim)
         self.attn = Attention(dim, heads, window, spatial, dense)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
@@ -116,6 +132,8 @@ def steps(net, x, tangent, dense):
         ctx = sdpa_kernel(SDPBackend.MATH) if dense else contextlib.nullcontext()
         with ctx:
             out, t_out = torch.func.jvp(net, (x,), (tangent,))
+        if t_out.dtype != x.dtype:   # every tangent stays in the model dtype (LayerNorm32)
+            raise TypeError(f"the MeanFlow tangent came out {t_out.dtype}, the model is {x.dtype}")
         target = (x - t_out).detach()
         (out - target).float().square().mean().backward()
 

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["NbhdError", "lib", "Problem", "FIELDS", "run", "tile_configs", "merge"]
+__all__ = ["NbhdError", "lib", "Problem", "FIELDS", "run", "plans", "prepare", "tile_configs", "merge"]
 
 
 class NbhdError(RuntimeError):
@@ -341,6 +341,7 @@ class _Plan:
                  problem=None):
         rank, kernel_size, stride, dilation, is_causal, scale = geometry
         q, k, v, kx, vx = tensors[:5]
+        self.op = op
         self.problem = problem or Problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
         self.args = _ARGS[op]()   # ctypes structures start zeroed: absent tensors stay NULL
         self.slots = []           # (64-bit word of the data pointer, position in `tensors`)
@@ -405,6 +406,30 @@ def _layout(t: Optional[torch.Tensor]):
     return None if t is None else (t.shape, t.stride())
 
 
+def plans() -> dict:
+    """This thread's plans, by key: `run`'s keys, and those of prepared.py's callers."""
+    try:
+        return _local.plans
+    except AttributeError:
+        made = _local.plans = {}
+        return made
+
+
+def prepare(key, op: int, geometry, tensors: Sequence[Optional[torch.Tensor]], threads: int = 0,
+            use_reference: bool = False, q_tile=(), kv_tile=(), kv_parallel: bool = False) -> _Plan:
+    """This thread's plan under `key`, built from `tensors` when it has none: `key` must name
+    everything the plan holds (op, geometry, options and the tensors' layouts, as `run`'s key
+    does), or stand for it (one validated call signature, prepared.py)."""
+    kept = plans()
+    plan = kept.get(key)
+    if plan is None:
+        if len(kept) >= _MAX_PLANS:
+            kept.clear()
+        plan = kept[key] = _Plan(op, geometry, tensors, threads, use_reference, q_tile, kv_tile,
+                                 kv_parallel)
+    return plan
+
+
 def run(op: int, geometry, tensors: Sequence[Optional[torch.Tensor]], threads: int = 0,
         use_reference: bool = False, q_tile=(), kv_tile=(), kv_parallel: bool = False,
         problem: Optional[Problem] = None) -> None:
@@ -419,17 +444,8 @@ def run(op: int, geometry, tensors: Sequence[Optional[torch.Tensor]], threads: i
     q = tensors[0]
     key = (op, geometry, tuple(q_tile), tuple(kv_tile), kv_parallel, use_reference, threads,
            q.dtype, q.device, *map(_layout, tensors))
-    try:
-        plans = _local.plans
-    except AttributeError:
-        plans = _local.plans = {}
-    plan = plans.get(key)
-    if plan is None:
-        if len(plans) >= _MAX_PLANS:
-            plans.clear()
-        plan = plans[key] = _Plan(op, geometry, tensors, threads, use_reference, q_tile, kv_tile,
-                                  kv_parallel)
-    plan.launch(tensors)
+    prepare(key, op, geometry, tensors, threads, use_reference, q_tile, kv_tile,
+            kv_parallel).launch(tensors)
 
 
 def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], out: torch.Tensor,

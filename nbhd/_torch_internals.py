@@ -15,6 +15,13 @@ Fast paths (fallback: the public path):
                      outside functorch transforms
   one-kernel jvp     functional._dual_outputs runs the fused forward+JVP with forward-mode AD
                      switched off (`forward_grad_disabled`) and pairs the results as duals
+  prepared calls     prepared.py runs a validated call's kernels straight from its prepared C
+                     arguments when nothing watches (`unwatched`: no transform, forward-mode AD
+                     level, mode or profiler), through the C++ apply of an autograd.Function
+                     (`raw_apply`) when an input requires grad; inside torch.func.jvp alone
+                     (`lone_jvp_level`) on its tensors unwrapped from that level
+                     (`unwrap_level`) and run below it (`below_level`), its outputs wrapped
+                     back (`wrap_level`) as duals
 
 Needed (import fails without them):
   forward_ad_active  functional.py refuses forward-mode AD traced by torch.compile, which would
@@ -27,13 +34,15 @@ Needed (import fails without them):
 from __future__ import annotations
 
 import importlib
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["MISSING", "plain_tensor", "dispatch_watched", "FastApplyFunction", "forward_ad_active",
-           "forward_grad_disabled", "is_batched", "disable_functorch", "detect_fake_mode"]
+__all__ = ["MISSING", "plain_tensor", "dispatch_watched", "FastApplyFunction", "raw_apply",
+           "unwatched", "lone_jvp_level", "unwrap_level", "wrap_level", "below_level",
+           "forward_ad_active", "forward_grad_disabled", "is_batched",
+           "disable_functorch", "detect_fake_mode"]
 
 MISSING: List[str] = []   # private symbols this PyTorch lacks; their fast paths are off
 
@@ -105,6 +114,13 @@ class FastApplyFunction(torch.autograd.Function):
         return super().apply(*args)
 
 
+def raw_apply(cls):
+    """cls's C++ apply, what Function.apply ends in, for callers that know that no functorch
+    transform is active and that no argument is a functorch wrapper (`unwatched`, and tensors
+    with storage): no argument binding, no pytree walk. cls.apply without FAST_APPLY."""
+    return super(torch.autograd.Function, cls).apply if FAST_APPLY else cls.apply
+
+
 # ----------------------------------------------------------------------------
 # forward-mode AD
 
@@ -128,6 +144,73 @@ def forward_ad_active() -> bool:
 def forward_grad_disabled():
     """A context with forward-mode AD off (only with ONE_KERNEL_JVP)."""
     return _set_fwd_grad_enabled(False)
+
+
+PREPARED_CALLS = EAGER_SHORTCUT and FAST_APPLY
+
+
+def unwatched() -> bool:
+    """Nothing watches an eager call: no functorch transform, no forward-mode AD level, no
+    torch function or dispatch mode, no profiler; the caller checked torch.compiler.
+    is_compiling() first. Always False when this PyTorch lacks a symbol it reads."""
+    return (PREPARED_CALLS and not _transforms_active() and _eager_transforms.JVP_NESTING == 0
+            and _forward_ad._current_level < 0 and not _torch_function_mode_enabled()
+            and _current_dispatch_mode() is None and not _profiler._is_profiler_enabled)
+
+
+_interpreter_stack = _find("torch._C._functorch", "get_interpreter_stack")
+_TransformType = _find("torch._C._functorch", "TransformType")
+_unwrap_for_grad = _find("torch._C._functorch", "_unwrap_for_grad")
+_wrap_for_grad = _find("torch._C._functorch", "_wrap_for_grad")
+_pop_layer = _find("torch._C._functorch", "pop_dynamic_layer_stack")
+_push_layer = _find("torch._C._functorch", "push_dynamic_layer_stack")
+LONE_JVP = PREPARED_CALLS and ONE_KERNEL_JVP and None not in (
+    _interpreter_stack, _TransformType, _unwrap_for_grad, _wrap_for_grad, _pop_layer, _push_layer)
+if LONE_JVP:
+    _JVP = _TransformType.Jvp
+
+
+def lone_jvp_level() -> Optional[int]:
+    """Under forward-mode AD with nothing else watching (no torch function or dispatch mode, no
+    profiler): the functorch level of torch.func.jvp when it is the only transform active, -1
+    for forward_ad duals outside any transform; None otherwise (more or other transforms), and
+    always None when this PyTorch lacks a symbol it reads."""
+    if not LONE_JVP or _torch_function_mode_enabled() or _current_dispatch_mode() is not None \
+            or _profiler._is_profiler_enabled:
+        return None
+    stack = _interpreter_stack()
+    if not stack:
+        return -1
+    if len(stack) == 1 and stack[0].key() == _JVP:
+        return stack[0].level()
+    return None
+
+
+def unwrap_level(t: Optional[Tensor], level: int) -> Optional[Tensor]:
+    """t without its functorch wrapper of `level` (what functorch's jvp does to an op's inputs)."""
+    return t if t is None or level < 0 else _unwrap_for_grad(t, level)
+
+
+def wrap_level(t: Tensor, level: int) -> Tensor:
+    """A plain t wrapped for `level`, as functorch wraps an op's outputs."""
+    return t if level < 0 else _wrap_for_grad(t, level)
+
+
+class below_level:
+    """A context that runs its body below the lone jvp's level (functorch's
+    interpreter.lower(): the level popped, pushed back after), where tensors, ops and
+    autograd.Functions are plain; nothing for level -1."""
+
+    def __init__(self, level: int):
+        self.level, self.saved = level, None
+
+    def __enter__(self):
+        if self.level >= 0:
+            self.saved = _pop_layer()
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            _push_layer(self.saved)
 
 
 _is_functorch_batched = _find("torch._C._functorch", "is_batchedtensor", needed=True)

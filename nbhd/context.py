@@ -105,11 +105,11 @@ def is_kv_parallelism_in_fused_na_enabled() -> bool:
 def kv_parallelism_for_run() -> bool:
     """What a kernel launch uses now: the flag, unless a deterministic mode is on or the memory
     preference is "strict" (the KV-parallel CUDA backward takes an fp32 dQ accumulator, twice
-    the size of a bf16 dQ, as scratch)."""
-    with _CTX.lock:
-        flag = (_CTX.kv_parallel and not _CTX.deterministic
-                and _CTX.memory is not MemoryUsagePreference.Strict)
-    return flag and not torch.are_deterministic_algorithms_enabled()
+    the size of a bf16 dQ, as scratch). Read on every launch, without the lock: each read is
+    atomic, and a launch racing a setter sees the setting before or after it either way."""
+    return (_CTX.kv_parallel and not _CTX.deterministic
+            and _CTX.memory is not MemoryUsagePreference.Strict
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 # ----------------------------------------------------------------------------

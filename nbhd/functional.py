@@ -6,13 +6,14 @@ heads (H % Hkv == 0), D query/key head dim, Dv value head dim, S_add additional 
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
-from . import _torch_internals, backends, checks, configs
+from . import _torch_internals, backends, checks, configs, prepared
 from .autograd import Geometry, na_autograd, na_compiled, na_jvp_autograd, na_jvp_compiled
 from .reference import na_reference
 
@@ -273,23 +274,47 @@ _DOC = """{rank}-D neighborhood attention (NATTEN-compatible).
 
 _MAX_CACHED = 512
 _EMPTY: dict = {}      # (shape, dtype, device) -> [B, 0, H, D] absent additional keys
-_CHECKED: dict = {}    # the arguments of a validated call -> (geometry, backend) it normalised to
+_CHECKED: dict = {}    # the key of a validated call -> its _Checked
+_CACHED_BACKENDS = (None, "cpu-fna", "cuda-fna", "reference")
 
 
-def _tensor_key(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, type(t))
+class _Checked:
+    """What validating a call found: its normalised geometry and backend, and its Prepared
+    (prepared.py) when the fused kernels run it on its own tensors, all of them plain
+    torch.Tensor (a subclass keeps PyTorch's dispatch)."""
+    __slots__ = ("geometry", "backend", "prepared")
+
+    def __init__(self, call: _Call):
+        self.geometry, self.backend = call.geometry, call.backend
+        self.prepared = None
+        plain = all(type(t) is Tensor for t in (call.q, call.k, call.v, call.kx, call.vx) if t is not None)
+        if plain and call.backend in ("cpu-fna", "cuda-fna") and not call.is_self_attention():
+            q, k, v, kx, vx, geometry = call.kernel_args()
+            absent = call.kx is None
+            self.prepared = prepared.Prepared(q, k, v, None if absent else kx, None if absent else vx,
+                                              geometry, call.empty_extra(k), call.empty_extra(v))
 
 
-def _checked_key(rank, tensors, options):
-    """What validation reads from a call: the tensors' shapes, strides, dtypes and devices, and
-    the options by repr (so that True and 1, or 1 and 1.0, stay apart). None when the call is
-    traced or an argument has no such key (validation then runs, and raises if it must)."""
-    if torch.compiler.is_compiling():
-        return None
+def _call_key(rank, tensors, options):
+    """What validation reads from a call: the tensors' types, shapes, strides, dtypes and
+    devices, and the options by their pickle (so that True and 1, or 1 and 1.0, stay apart).
+    None when an argument has no such key (validation then runs, and raises if it must)."""
     try:
-        return (rank, repr(options), *map(_tensor_key, tensors))
-    except Exception:  # not tensors, nested tensors: the checks will say what is wrong
+        q, k, v, kx, vx = tensors[:5]
+        if kx is None and vx is None and len(tensors) == 5:   # flat: the common call, cheaper
+            return (rank, pickle.dumps(options, 5), type(q), q.shape, q.stride(), q.dtype, q.device,
+                    type(k), k.shape, k.stride(), k.dtype, k.device,
+                    type(v), v.shape, v.stride(), v.dtype, v.device)
+        return (rank, pickle.dumps(options, 5), *(
+            None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+    except Exception:  # not tensors, nested tensors, unpicklable options: the checks will say
         return None
+
+
+def _remember(cache_key, call: _Call) -> None:
+    if len(_CHECKED) >= _MAX_CACHED:
+        _CHECKED.clear()
+    _CHECKED[cache_key] = _Checked(call)
 
 
 def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
@@ -298,17 +323,23 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
         try_fuse_additional_kv=False, return_lse=False):
-    tensors = (query, key, value, additional_keys, additional_values)
     cache_key = None
-    if attention_kwargs is None and backend in (None, "cpu-fna", "cuda-fna", "reference"):
-        cache_key = _checked_key(rank, tensors, (
+    if attention_kwargs is None and backend in _CACHED_BACKENDS and not torch.compiler.is_compiling():
+        cache_key = _call_key(rank, (query, key, value, additional_keys, additional_values), (
             kernel_size, stride, dilation, is_causal, scale, backend, q_tile_shape, kv_tile_shape,
             backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
             backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
             try_fuse_additional_kv, return_lse))
         checked = _CHECKED.get(cache_key) if cache_key is not None else None
         if checked is not None:
-            out, lse = _forward(_Call.checked(rank, *tensors, *checked), torch_compile)
+            if checked.prepared is not None:
+                done = prepared.na(checked.prepared, query, key, value, additional_keys,
+                                   additional_values, return_lse)
+                if done is not None:
+                    return done if return_lse else done[0]
+            out, lse = _forward(_Call.checked(rank, query, key, value, additional_keys,
+                                              additional_values, checked.geometry, checked.backend),
+                                torch_compile)
             return (out, lse) if return_lse else out
     checks.flags(return_lse=return_lse, torch_compile=torch_compile,
                  backward_use_pt_reduction=backward_use_pt_reduction,
@@ -323,11 +354,9 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
     call.set_tiles(configs.validate_tiles(
         call.backend, call.q, call.k, call.v, q_tile_shape, kv_tile_shape, backward_q_tile_shape,
         backward_kv_tile_shape, window=dict(kernel_size=ks, stride=st, dilation=dil, is_causal=causal)))
-    if cache_key is not None and call.backend != "flex-fna":
-        if len(_CHECKED) >= _MAX_CACHED:
-            _CHECKED.clear()
-        _CHECKED[cache_key] = (call.geometry, call.backend)
     out, lse = _forward(call, torch_compile)
+    if cache_key is not None and call.backend != "flex-fna":
+        _remember(cache_key, call)   # after the call ran: the ops checked it too
     return (out, lse) if return_lse else out
 
 
@@ -335,12 +364,28 @@ def _na_jvp(rank, query, key, value, tangent_query, tangent_key, tangent_value, 
             stride=1, dilation=1, is_causal=False, scale=None, additional_keys=None,
             additional_values=None, tangent_additional_keys=None, tangent_additional_values=None,
             backend=None, return_lse=False):
+    primals = (query, key, value, additional_keys, additional_values)
+    tangents = (tangent_query, tangent_key, tangent_value, tangent_additional_keys,
+                tangent_additional_values)
+    cache_key = None
+    if backend in _CACHED_BACKENDS and not torch.compiler.is_compiling():
+        cache_key = _call_key(("jvp", rank), (*primals, *tangents),
+                              (kernel_size, stride, dilation, is_causal, scale, backend, return_lse))
+        checked = _CHECKED.get(cache_key) if cache_key is not None else None
+        if checked is not None:
+            done = checked.prepared and prepared.na_jvp(checked.prepared, *primals, *tangents,
+                                                        lse_wanted=return_lse)
+            if done is None:
+                done = _jvp(_Call.checked(rank, *primals, checked.geometry, checked.backend), tangents)
+            out, lse, t_out, t_lse = done
+            return (out, t_out, lse, t_lse) if return_lse else (out, t_out)
     checks.flags(return_lse=return_lse)
     call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, backend, None, None, None, None, None)
-    tangents = _check_tangents(call, tangent_query, tangent_key, tangent_value,
-                               tangent_additional_keys, tangent_additional_values)
+    tangents = _check_tangents(call, *tangents)
     out, lse, t_out, t_lse = _jvp(call, tangents)
+    if cache_key is not None and call.backend != "flex-fna":
+        _remember(cache_key, call)
     return (out, t_out, lse, t_lse) if return_lse else (out, t_out)
 
 

@@ -74,16 +74,21 @@ def call(op, *args):
     return _KERNELS[op](*args)
 
 
-def _run_options(tiles: List[int], backward: bool) -> dict:
-    """_OPTIONS, the context flags (read at run time: no recompilation when they change) and the
-    tiles of this pass."""
+def run_state() -> tuple:
+    """(threads, use_reference, kv_parallel) of a launch now: _OPTIONS and the context flags,
+    read at run time (no recompilation when they change). threads: the count
+    torch.set_num_threads gave (on any thread), as an upper bound the library lowers for small
+    problems; a count in _OPTIONS is used exactly."""
+    return (_OPTIONS["threads"] or -torch.get_num_threads(), _OPTIONS["use_reference"],
+            context.kv_parallelism_for_run())
+
+
+def run_options(tiles: List[int], backward: bool, state: Optional[tuple] = None) -> dict:
+    """_lib.run's options: run_state() (or `state`) and the tiles of this pass."""
     rank = len(tiles) // 4
     first = 2 * rank if backward else 0
-    # the count torch.set_num_threads gave (on any thread), as an upper bound the library
-    # lowers for small problems; a count in _OPTIONS is used exactly
-    threads = _OPTIONS["threads"] or -torch.get_num_threads()
-    return {"threads": threads, "use_reference": _OPTIONS["use_reference"],
-            "kv_parallel": context.kv_parallelism_for_run(),
+    threads, use_reference, kv_parallel = state or run_state()
+    return {"threads": threads, "use_reference": use_reference, "kv_parallel": kv_parallel,
             "q_tile": tiles[first:first + rank], "kv_tile": tiles[first + rank:first + 2 * rank]}
 
 
@@ -141,7 +146,7 @@ def _na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, kernel_
     _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, True)
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     _lib.run(_lib.OP_FORWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
-             (q, k, v, *_extra(kx, vx), out, lse), **_run_options(tiles, backward=False))
+             (q, k, v, *_extra(kx, vx), out, lse), **run_options(tiles, backward=False))
     return out, lse
 
 
@@ -169,7 +174,7 @@ def _na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, out: T
     kx_, vx_, dkx, dvx = _extra(kx, vx, dkx, dvx)
     _lib.run(_lib.OP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
              (q, k, v, kx_, vx_, out, lse, d_out, d_lse, dq, dk, dv, dkx, dvx),
-             **_run_options(tiles, backward=True))
+             **run_options(tiles, backward=True))
     return grads
 
 
@@ -199,7 +204,7 @@ def _na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, t_q
     kx_, vx_, t_kx, t_vx = _extra(kx, vx, t_kx, t_vx)
     _lib.run(_lib.OP_FORWARD_JVP, _geometry(kernel_size, stride, dilation, is_causal, scale),
              (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse),
-             **_run_options(tiles, backward=False))
+             **run_options(tiles, backward=False))
     return out, lse, t_out, t_lse
 
 
@@ -240,7 +245,7 @@ def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Te
     _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
              (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse,
               d_t_out, d_t_lse, dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx),
-             **_run_options(tiles, backward=True))
+             **run_options(tiles, backward=True))
     return grads
 
 

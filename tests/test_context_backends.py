@@ -26,12 +26,12 @@ def test_kv_parallelism_flags_and_determinism():
     assert context.kv_parallelism_for_run()
     nbhd.use_kv_parallelism_in_fused_na(False)
     assert not nbhd.is_kv_parallelism_in_fused_na_enabled()
-    assert not ops._run_options([], False)["kv_parallel"]
+    assert not ops.run_options([], False)["kv_parallel"]
     nbhd.use_kv_parallelism_in_fused_na(True)
-    assert ops._run_options([], False)["kv_parallel"]
+    assert ops.run_options([], False)["kv_parallel"]
     torch.use_deterministic_algorithms(True)
     assert not context.kv_parallelism_for_run()      # PyTorch's deterministic mode wins
-    assert not ops._run_options([], False)["kv_parallel"]
+    assert not ops.run_options([], False)["kv_parallel"]
     context.reset()
     nbhd.use_kv_parallelism_in_fused_na(False)
     nbhd.use_kv_parallelism_in_fused_na(True)           # ignored with a warning
@@ -45,13 +45,15 @@ def test_kv_parallelism_flags_and_determinism():
 
 def test_kv_parallel_reaches_the_library(monkeypatch):
     seen = []
-    real = nbhd._lib.run
-    monkeypatch.setattr(nbhd._lib, "run", lambda *a, **k: (seen.append(k["kv_parallel"]), real(*a, **k))[1])
+    real = nbhd._lib._Plan.launch
+    monkeypatch.setattr(nbhd._lib._Plan, "launch",
+                        lambda self, t: (seen.append(bool(self.exec.kv_parallel)), real(self, t))[1])
     q = torch.randn(1, 8, 1, 4)
     nbhd.na1d(q, q, q, 3)
+    nbhd.na1d(q, q, q, 3)          # the prepared call
     nbhd.use_kv_parallelism_in_fused_na(False)
     nbhd.na1d(q, q, q, 3)
-    assert seen == [True, False]
+    assert seen == [True, True, False]
 
 
 def test_kv_parallel_flag_under_compile_without_recompiling(monkeypatch):

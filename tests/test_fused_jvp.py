@@ -18,20 +18,21 @@ OPS = {_lib.OP_FORWARD: "nbhd::na_forward", _lib.OP_FORWARD_JVP: "nbhd::na_forwa
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """kernel_calls(fn) -> {op name: calls of the C library} while fn() runs."""
+    """kernel_calls(fn) -> {op name: calls of the C library} while fn() runs (every call
+    launches a plan: the ops' and the prepared calls' alike)."""
     def count(fn):
         calls = {name: 0 for name in OPS.values()}
-        real = _lib.run
+        real = _lib._Plan.launch
 
-        def counting(op, *args, **kwargs):
-            calls[OPS[op]] += 1
-            return real(op, *args, **kwargs)
+        def counting(plan, tensors):
+            calls[OPS[plan.op]] += 1
+            return real(plan, tensors)
 
-        monkeypatch.setattr(_lib, "run", counting)
+        monkeypatch.setattr(_lib._Plan, "launch", counting)
         try:
             fn()
         finally:
-            monkeypatch.setattr(_lib, "run", real)
+            monkeypatch.setattr(_lib._Plan, "launch", real)
         return calls
     return count
 

@@ -9,10 +9,12 @@ from nbhd import _lib, ops
 
 
 def _threads_seen(monkeypatch, fn):
+    """The thread count of every launch fn makes (prepared calls and ops alike)."""
     seen = []
-    real = _lib.run
-    monkeypatch.setattr(_lib, "run", lambda *a, **k: (seen.append(k["threads"]), real(*a, **k))[1])
+    real = _lib._Plan.launch
+    monkeypatch.setattr(_lib._Plan, "launch", lambda self, t: (seen.append(self.exec.threads), real(self, t))[1])
     fn()
+    monkeypatch.setattr(_lib._Plan, "launch", real)
     return seen
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nbhd
-from nbhd import _torch_internals, autograd, functional, ops
+from nbhd import _torch_internals, autograd, functional, ops, prepared
 from nbhd._timing import sample
 
 PACKAGE = pathlib.Path(nbhd.__file__).parent
@@ -18,7 +18,8 @@ def test_no_private_symbol_is_missing():
     assert _torch_internals.MISSING == [], (
         f"PyTorch {torch.__version__} lacks {_torch_internals.MISSING}: their fast paths are off")
     assert _torch_internals.EAGER_SHORTCUT and _torch_internals.FAST_APPLY
-    assert _torch_internals.ONE_KERNEL_JVP
+    assert _torch_internals.ONE_KERNEL_JVP and _torch_internals.PREPARED_CALLS
+    assert _torch_internals.LONE_JVP
 
 
 def _private_uses(source: str):
@@ -120,22 +121,78 @@ def test_function_apply_without_binding_pays_off(one_thread):
     assert ratio < 0.9, f"apply without binding takes {ratio:.2f} of Function.apply"
 
 
+def _patched(monkeypatch, changes, fn):
+    """fn() with the (object, attribute, value) changes made, undone after."""
+    def run():
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in changes]
+        for obj, name, value in changes:
+            monkeypatch.setattr(obj, name, value)
+        try:
+            return fn()
+        finally:
+            for obj, name, value in saved:
+                monkeypatch.setattr(obj, name, value)
+    return run
+
+
+_NO_LONE_JVP = (prepared, "_dual", lambda *args: None)            # the Function under functorch
+_NO_ONE_KERNEL = (functional, "_dual_outputs", lambda *args: None)  # its jvp rule: two kernels
+
+
 def test_one_kernel_jvp_pays_off(one_thread, monkeypatch):
     q, _, _ = _tiny()
     t = torch.randn_like(q)
     f = lambda: torch.func.jvp(lambda x: nbhd.na1d(x, q, q, 3), (q,), (t,))
-    real = functional._dual_outputs
-
-    def two_kernels():   # NeighborhoodAttention's jvp rule: forward kernel, then forward+JVP
-        monkeypatch.setattr(functional, "_dual_outputs", lambda *args: None)
-        try:
-            return f()
-        finally:
-            monkeypatch.setattr(functional, "_dual_outputs", real)
-    for a, b in zip(f(), two_kernels()):
+    one = _patched(monkeypatch, [_NO_LONE_JVP], f)
+    two = _patched(monkeypatch, [_NO_LONE_JVP, _NO_ONE_KERNEL], f)
+    for a, b in zip(one(), two()):
         torch.testing.assert_close(a, b)
-    ratio = _faster(f, two_kernels, 0.95, rounds=8, calls=5)
+    ratio = _faster(one, two, 0.95, rounds=8, calls=5)
     assert ratio < 0.95, f"the one-kernel jvp takes {ratio:.2f} of the two-kernel path"
+
+
+def test_lone_jvp_pays_off(one_thread, monkeypatch):
+    """Under torch.func.jvp alone, prepared._dual runs the kernel on the tensors unwrapped
+    from the jvp's level (`lone_jvp_level`, `unwrap_level`, `below_level`, `wrap_level`)
+    instead of the autograd.Function through functorch's custom_function_call."""
+    q, _, _ = _tiny()
+    t = torch.randn_like(q)
+    f = lambda: torch.func.jvp(lambda x: nbhd.na1d(x, q, q, 3), (q,), (t,))
+    f()
+    via_function = _patched(monkeypatch, [_NO_LONE_JVP], f)
+    for a, b in zip(f(), via_function()):
+        assert torch.equal(a, b)
+    ratio = _faster(f, via_function, 0.5, rounds=8, calls=5)
+    assert ratio < 0.5, f"the lone-jvp path takes {ratio:.2f} of the Function's"
+
+
+def test_prepared_call_pays_off(one_thread, monkeypatch):
+    """An unwatched call with a validated signature runs its kernel from prepared.py
+    (`unwatched`, `raw_apply`) instead of NeighborhoodAttention and the op."""
+    q, _, _ = _tiny()
+    leaf = q.clone().requires_grad_()
+    for x in (q, leaf):
+        f = lambda: nbhd.na1d(x, q, q, 3)
+        f()
+        assert _torch_internals.unwatched()
+        via_op = _patched(monkeypatch, [(prepared, "na", lambda *args, **kw: None)], f)
+        assert torch.equal(f(), via_op())
+        ratio = _faster(f, via_op, 0.6, rounds=15, calls=20)
+        assert ratio < 0.6, f"a prepared call takes {ratio:.2f} of the op path (requires_grad={x.requires_grad})"
+    assert nbhd.na1d(leaf, q, q, 3).grad_fn is not None
+
+
+def test_raw_apply_pays_off(one_thread):
+    q, _, _ = _tiny()
+    leaf = q.clone().requires_grad_()
+    nbhd.na1d(leaf, q, q, 3)
+    prep = next(c.prepared for c in functional._CHECKED.values()
+                if c.prepared is not None and c.prepared.shapes[0] == q.shape)
+    raw, public = prepared._apply, prepared.PreparedAttention.apply
+    assert raw is not public
+    ratio = _faster(lambda: raw(leaf, q, q, None, None, prep), lambda: public(leaf, q, q, None, None, prep),
+                    0.95, rounds=15, calls=20)
+    assert ratio < 0.95, f"the C++ apply takes {ratio:.2f} of Function.apply"
 
 
 if __name__ == "__main__":   # the ratios, for choosing the thresholds above
@@ -147,3 +204,19 @@ if __name__ == "__main__":   # the ratios, for choosing the thresholds above
                                  0, 15, 20, 1))
     print("apply", _faster(lambda: cls.apply(q, q, q, e, e, geo),
                            lambda: torch.autograd.Function.apply.__func__(cls, q, q, q, e, e, geo), 0, 15, 20, 1))
+    mp = pytest.MonkeyPatch()
+    t = torch.randn_like(q)
+    f = lambda: torch.func.jvp(lambda x: nbhd.na1d(x, q, q, 3), (q,), (t,))
+    one = _patched(mp, [_NO_LONE_JVP], f)
+    print("one-kernel jvp", _faster(one, _patched(mp, [_NO_LONE_JVP, _NO_ONE_KERNEL], f), 0, 8, 5, 1))
+    print("lone jvp", _faster(f, one, 0, 8, 5, 1))
+    leaf = q.clone().requires_grad_()
+    for x in (q, leaf):
+        g = lambda: nbhd.na1d(x, q, q, 3)
+        g()
+        print(f"prepared call (requires_grad={x.requires_grad})",
+              _faster(g, _patched(mp, [(prepared, "na", lambda *a, **kw: None)], g), 0, 15, 20, 1))
+    prep = next(c.prepared for c in functional._CHECKED.values() if c.prepared is not None)
+    print("raw apply", _faster(lambda: prepared._apply(leaf, q, q, None, None, prep),
+                               lambda: prepared.PreparedAttention.apply(leaf, q, q, None, None, prep),
+                               0, 15, 20, 1))

@@ -1,0 +1,292 @@
+"""Prepared calls: the eager path of na1d/na2d/na3d and na*d_jvp while nothing watches.
+
+functional.py validates a call once per signature (its options, and its tensors' shapes,
+strides, dtypes, devices and types) and keeps a `Prepared` for it when the fused kernels run it
+on its own tensors (not flattened into dense attention). A later call with that signature comes
+here; while nothing watches it (_torch_internals.unwatched: no torch.compile trace, functorch
+transform, forward-mode AD level, torch function or dispatch mode, nor profiler) it runs the C
+kernel straight away: its outputs allocated, the data pointers written into the C argument
+structs that _lib keeps for this thread under the signature, one foreign call. No custom-op
+dispatch, no autograd.Function argument handling, no re-validation.
+
+With an input that requires grad the forward goes through `PreparedAttention`, whose backward
+runs the backward kernel the same way; when that backward must itself be differentiable
+(create_graph) or something watches it, it takes the rules' differentiable backward
+(autograd.EAGER), as NeighborhoodAttention does.
+
+Every function here returns None when the call must take PyTorch's full path instead: a
+watcher, or an input without storage (a functorch wrapper that outlived its transform, a legacy
+batched tensor of gradcheck's batched checks).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.autograd.forward_ad as _forward_ad
+from torch import Tensor
+
+from . import _lib, _torch_internals, ops
+from .rules import Geometry
+
+__all__ = ["Prepared", "PreparedAttention", "PreparedJvp", "na", "na_jvp"]
+
+_unwatched = _torch_internals.unwatched
+_run_state = ops.run_state
+_plans = _lib.plans
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Prepared:
+    """One validated call signature of the fused kernels: its geometry, its outputs' shapes,
+    and the keys of its C arguments in _lib's per-thread plans (built on first use in each
+    thread and for each run_state()). kx/vx: None or the additional keys (then present in every
+    call of the signature); empty_kx/empty_vx: the zero-length stand-ins the ops take for absent
+    ones."""
+
+    __slots__ = ("geometry", "plan_geometry", "tiles", "dtype", "lse_dtype", "device", "shapes",
+                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "__weakref__")
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, kx: Optional[Tensor], vx: Optional[Tensor],
+                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor):
+        ks, st, dil, causal, scale, tiles = geometry.args()
+        self.geometry, self.tiles = geometry, tiles
+        self.plan_geometry = (len(ks), tuple(ks), tuple(st), tuple(dil), tuple(causal), scale)
+        self.dtype, self.lse_dtype, self.device = q.dtype, _lse_dtype(q.dtype), q.device
+        self.shapes = tuple(None if t is None else t.shape for t in (q, k, v, kx, vx))
+        self.out_shape = (*q.shape[:-1], v.shape[-1])
+        self.lse_shape = tuple(q.shape[:-1])
+        self.empty_kx, self.empty_vx = empty_kx, empty_vx
+
+    def _out(self) -> Tensor:
+        return torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+
+    def _lse(self) -> Tensor:
+        return torch.empty(self.lse_shape, dtype=self.lse_dtype, device=self.device)
+
+    def _plan(self, key, op: int, tensors, state, backward: bool) -> _lib._Plan:
+        return _lib.prepare(key, op, self.plan_geometry, tensors,
+                            **ops.run_options(self.tiles, backward, state))
+
+    def forward(self, q, k, v, kx, vx, lse_wanted: bool = True) -> Tuple[Tensor, Tensor]:
+        """(out, lse). Without lse_wanted the kernel writes the LSE into a spare tensor that this
+        thread's plan keeps (the caller must not return or keep it)."""
+        state = _run_state()
+        key = (self, _lib.OP_FORWARD, state)
+        plan = _plans().get(key)
+        out = self._out()
+        lse = plan.spare if plan is not None and not lse_wanted else self._lse()
+        tensors = (q, k, v, kx, vx, out, lse)
+        if plan is None:
+            plan = self._plan(key, _lib.OP_FORWARD, tensors, state, False)
+            plan.spare = self._lse()
+        plan.launch(tensors)
+        return out, lse
+
+    def backward(self, q, k, v, kx, vx, out, lse, d_out, d_lse) -> tuple:
+        """(dq, dk, dv, dkx, dvx): None for absent additional keys."""
+        dev, dt = self.device, self.dtype
+        grads = [None if s is None else torch.empty(s, dtype=dt, device=dev) for s in self.shapes]
+        tensors = (q, k, v, kx, vx, out, lse, d_out, d_lse, *grads)
+        state = _run_state()
+        key = (self, _lib.OP_BACKWARD, state, d_out.stride(), None if d_lse is None else d_lse.stride())
+        plan = _plans().get(key) or self._plan(key, _lib.OP_BACKWARD, tensors, state, True)
+        plan.launch(tensors)
+        return grads
+
+    def forward_jvp(self, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts=(),
+                    lse_wanted: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(out, lse, t_out, t_lse). layouts: what else the plan depends on, when the signature
+        does not fix it (the tangents of duals); lse_wanted: as forward's, for both LSEs."""
+        state = _run_state()
+        key = (self, _lib.OP_FORWARD_JVP, state, layouts)
+        plan = _plans().get(key)
+        out, t_out = self._out(), self._out()
+        lse, t_lse = plan.spare if plan is not None and not lse_wanted else (self._lse(), self._lse())
+        tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx, out, lse, t_out, t_lse)
+        if plan is None:
+            plan = self._plan(key, _lib.OP_FORWARD_JVP, tensors, state, False)
+            plan.spare = self._lse(), self._lse()
+        plan.launch(tensors)
+        return out, lse, t_out, t_lse
+
+
+    def forward_jvp_backward(self, saved, grads, wanted, layouts) -> list:
+        """Gradients of <grads, (out, lse, t_out, t_lse)> w.r.t. the primals (None for absent
+        additional keys) and the tangents (None unless `wanted`: needs_input_grad)."""
+        q, k, v, kx, vx, tq, tk, tv, tkx, tvx = saved[:10]
+        dev, dt = self.device, self.dtype
+        d_x = [None if s is None else torch.empty(s, dtype=dt, device=dev) for s in self.shapes]
+        d_t = [torch.empty(s, dtype=dt, device=dev) if w and s is not None else None
+               for s, w in zip(self.shapes, wanted)]
+        tensors = (*saved, *grads, *d_x, *d_t)
+        state = _run_state()
+        key = (self, _lib.OP_FORWARD_JVP_BACKWARD, state, layouts,
+               tuple(None if g is None else g.stride() for g in grads), tuple(t is None for t in d_t))
+        plan = _plans().get(key) or self._plan(key, _lib.OP_FORWARD_JVP_BACKWARD, tensors, state, True)
+        plan.launch(tensors)
+        return d_x + d_t
+
+
+def _stored(*tensors) -> bool:
+    """Every tensor given has storage (functorch wrappers and legacy batched tensors have none:
+    they take PyTorch's path)."""
+    try:
+        for t in tensors:
+            if t is not None:
+                t.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _plain_grad(t: Optional[Tensor]) -> bool:
+    return t is None or (type(t) is Tensor and _stored(t))
+
+
+class PreparedAttention(torch.autograd.Function):
+    """(out, lse) of a prepared call whose inputs require grad. Outside any functorch transform
+    only (unwatched): the transforms take NeighborhoodAttention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kx, vx, prep):
+        out, lse = prep.forward(q, k, v, kx, vx)
+        ctx.set_materialize_grads(False)
+        ctx.prep = prep
+        ctx.save_for_backward(q, k, v, kx, vx, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        if d_out is None and d_lse is None:
+            return None, None, None, None, None, None
+        prep = ctx.prep
+        q, k, v, kx, vx, out, lse = ctx.saved_tensors
+        if (d_out is not None and not torch.is_grad_enabled() and _unwatched()
+                and _plain_grad(d_out) and _plain_grad(d_lse)):
+            dq, dk, dv, dkx, dvx = prep.backward(q, k, v, kx, vx, out, lse, d_out, d_lse)
+            return dq, dk, dv, dkx, dvx, None
+        # a differentiable backward (create_graph), or a watched one: the rules' path
+        from .autograd import EAGER
+        absent = kx is None
+        if absent:
+            kx, vx = prep.empty_kx, prep.empty_vx
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        dq, dk, dv, dkx, dvx = EAGER.backward(q, k, v, kx, vx, out, lse, d_out, d_lse, prep.geometry)
+        return dq, dk, dv, None if absent else dkx, None if absent else dvx, None
+
+
+class PreparedJvp(torch.autograd.Function):
+    """(out, lse, t_out, t_lse) of a prepared forward+JVP whose inputs require grad (na*d_jvp
+    unwatched, or the inputs of torch.func.jvp alone unwrapped from its level): its backward
+    runs the fused backward through the forward+JVP the same way, or the rules' path."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts):
+        outs = prep.forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts)
+        ctx.set_materialize_grads(False)
+        ctx.prep, ctx.layouts = prep, layouts
+        ctx.save_for_backward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *outs)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if all(g is None for g in grads):
+            return (None,) * 12
+        prep, saved = ctx.prep, ctx.saved_tensors
+        fused = prep.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
+        if (fused and not torch.is_grad_enabled() and _unwatched()
+                and all(_plain_grad(g) for g in grads)):
+            return (*prep.forward_jvp_backward(saved, grads, ctx.needs_input_grad[5:10], ctx.layouts),
+                    None, None)
+        # a differentiable backward (create_graph), a watched one, or no fused kernel
+        from .autograd import EAGER
+        from .rules import RULES, zeros_for
+        inputs, outs = list(saved[:10]), saved[10:]
+        absent = inputs[3] is None
+        if absent:
+            inputs[3], inputs[4] = prep.empty_kx, prep.empty_vx
+        both = (*inputs[:5], *zeros_for(inputs[5:], inputs[:5]))
+        g = list(RULES["na_forward_jvp"].vjp(EAGER, (*both, *outs), fused, prep.geometry, grads))
+        for i, t in enumerate(saved[:10]):
+            if t is None:
+                g[i] = None
+        return (*g, None, None)
+
+
+_apply = _torch_internals.raw_apply(PreparedAttention)
+_apply_jvp = _torch_internals.raw_apply(PreparedJvp)
+
+
+def _requires_grad(q, k, v, kx, vx) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        kx is not None and (kx.requires_grad or vx.requires_grad)))
+
+
+def na(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tuple[Tensor, Tensor]]:
+    """(out, lse) of a call with prep's signature, or None (PyTorch's path). Without
+    lse_wanted, lse is a spare the caller must drop (unless the backward needs it)."""
+    if _unwatched():
+        if not _stored(q, k, v, kx, vx):
+            return None
+        if _requires_grad(q, k, v, kx, vx):
+            return _apply(q, k, v, kx, vx, prep)
+        return prep.forward(q, k, v, kx, vx, lse_wanted)
+    if _forward_ad_active():
+        return _dual(prep, q, k, v, kx, vx)
+    return None
+
+
+_forward_ad_active = _torch_internals.forward_ad_active
+_unpack_dual, _make_dual = _forward_ad.unpack_dual, _forward_ad.make_dual
+_unwrap, _wrap = _torch_internals.unwrap_level, _torch_internals.wrap_level
+
+
+def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
+    """Under torch.func.jvp alone, or forward_ad duals outside transforms: (out, lse) as duals
+    whose primals and tangents come from one forward+JVP kernel run on the inputs unwrapped
+    from the jvp's level, the outputs wrapped back, as functorch does for an op; through
+    PreparedJvp when those inputs require grad (a backward follows outside the level). None
+    when none carries a tangent, under forward_ad duals that require grad (a backward may
+    follow inside the dual level: functional.py's two-kernel path), or under other transforms."""
+    level = _torch_internals.lone_jvp_level()
+    if level is None or (level < 0 and _requires_grad(q, k, v, kx, vx)):
+        return None
+    inputs = (q, k, v) if kx is None else (q, k, v, kx, vx)
+    unpacked = [_unpack_dual(t) for t in inputs]
+    tangents = [_unwrap(u.tangent, level) for u in unpacked]
+    if all(t is None for t in tangents):
+        return None
+    dtype, device = prep.dtype, prep.device
+    if any(t is not None and (t.dtype is not dtype or t.device != device) for t in tangents):
+        return None   # forward-mode AD allows them; the op's checks refuse them
+    primals = [_unwrap(u.primal, level) for u in unpacked]
+    if not _stored(*primals, *tangents):
+        return None
+    if kx is None:
+        primals += (None, None)
+        tangents += (None, None)
+    layouts = tuple(None if t is None else t.stride() for t in (*primals, *tangents))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*primals, *tangents))
+    with _torch_internals.below_level(level), _torch_internals.forward_grad_disabled():
+        if grad:
+            out, lse, t_out, t_lse = _apply_jvp(*primals, *tangents, prep, layouts)
+        else:
+            out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts)
+    return (_make_dual(_wrap(out, level), _wrap(t_out, level)),
+            _make_dual(_wrap(lse, level), _wrap(t_lse, level)))
+
+
+def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, lse_wanted: bool = True):
+    """(out, lse, t_out, t_lse) of an na*d_jvp call with prep's signature, or None (PyTorch's
+    path). lse_wanted: as na's."""
+    tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx)
+    if not _unwatched() or not _stored(*tensors):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _apply_jvp(*tensors, prep, ())
+    return prep.forward_jvp(*tensors, lse_wanted=lse_wanted)

@@ -1,0 +1,249 @@
+"""Prepared calls (nbhd/prepared.py): a validated signature's later calls run the kernels from
+prepared C arguments, with the results, gradients and tangents of the op path bit for bit, on
+every thread, and hand everything else (transforms, modes, tensors without storage) to it."""
+import threading
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import nbhd
+from nbhd import _lib, functional, prepared
+
+
+def _qkv(shape=(2, 6, 7, 2, 8), seed=0, requires_grad=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=dtype).requires_grad_(requires_grad) for _ in range(3)]
+
+
+@pytest.fixture
+def op_path(monkeypatch):
+    """op_path(fn) -> fn() with prepared calls off (NeighborhoodAttention and the ops)."""
+    def run(fn):
+        with monkeypatch.context() as m:
+            m.setattr(prepared, "na", lambda *a, **kw: None)
+            m.setattr(prepared, "na_jvp", lambda *a, **kw: None)
+            m.setattr(prepared, "_dual", lambda *a: None)
+            return fn()
+    return run
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """launches(fn) -> (fn(), [op of each plan launched])."""
+    def run(fn):
+        seen, real = [], _lib._Plan.launch
+        with monkeypatch.context() as m:
+            m.setattr(_lib._Plan, "launch", lambda plan, t: (seen.append(plan.op), real(plan, t))[1])
+            return fn(), seen
+    return run
+
+
+def _prepared_for(q):
+    return [c.prepared for c in functional._CHECKED.values()
+            if c.prepared is not None and c.prepared.shapes[0] == q.shape]
+
+
+def test_forward_equals_the_op_path(op_path):
+    q, k, v = _qkv()
+    kx, vx = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 8)
+    for kw in ({}, dict(additional_keys=kx, additional_values=vx), dict(dilation=2, is_causal=(True, False))):
+        f = lambda: nbhd.na2d(q, k, v, 3, return_lse=True, **kw)
+        first = f()                 # validates; later calls are prepared
+        for a, b, c in zip(first, f(), op_path(f)):
+            assert torch.equal(a, c) and torch.equal(b, c)
+        g = lambda: nbhd.na2d(q, k, v, 3, **kw)   # no LSE returned: the kernel writes a spare
+        kept = [g(), g()]
+        assert torch.equal(kept[0], first[0]) and torch.equal(kept[1], first[0])
+    assert _prepared_for(q)
+
+
+def test_strided_inputs_are_a_signature_of_their_own(op_path):
+    q, k, v = _qkv(shape=(1, 6, 7, 2, 16))
+    q2, k2, v2 = (t[..., ::2] for t in (q, k, v))
+    nbhd.na2d(q2, k2, v2, 3)
+    assert torch.equal(nbhd.na2d(q2, k2, v2, 3), op_path(lambda: nbhd.na2d(q2, k2, v2, 3)))
+    assert torch.equal(nbhd.na2d(q2, k2, v2, 3), nbhd.na2d(*(t.contiguous() for t in (q2, k2, v2)), 3))
+
+
+@pytest.mark.parametrize("use", ["out", "lse", "both"])
+def test_gradients_equal_the_op_path(use, op_path, launches):
+    leaves = _qkv(requires_grad=True)
+    kx, vx = (torch.randn(2, 3, 2, 8, requires_grad=True) for _ in range(2))
+    w = torch.randn(2, 6, 7, 2, 8)
+
+    def grads():
+        out, lse = nbhd.na2d(*leaves, 3, additional_keys=kx, additional_values=vx, return_lse=True)
+        loss = {"out": (out * w).sum(), "lse": lse.square().sum(),
+                "both": (out * w).sum() + lse.square().sum()}[use]
+        return torch.autograd.grad(loss, [*leaves, kx, vx])
+
+    grads()
+    got, ops = launches(grads)
+    assert ops == [_lib.OP_FORWARD, _lib.OP_BACKWARD]
+    for a, b in zip(got, op_path(grads)):
+        assert torch.equal(a, b)
+
+
+def test_expanded_output_gradient():
+    """out.sum().backward() hands the backward a stride-0 gradient."""
+    leaves = _qkv(requires_grad=True)
+    for _ in range(2):
+        for t in leaves:
+            t.grad = None
+        nbhd.na2d(*leaves, 3).sum().backward()
+    want = torch.autograd.grad(nbhd.na2d(*leaves, 3), leaves, torch.ones(2, 6, 7, 2, 8))
+    for t, g in zip(leaves, want):
+        assert torch.equal(t.grad, g)
+
+
+def test_double_backward_takes_the_rules(op_path):
+    leaves = _qkv(requires_grad=True, dtype=torch.float64)
+
+    def second():
+        out = nbhd.na2d(*leaves, 3)
+        (gq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
+        return torch.autograd.grad(gq.sin().sum(), leaves)
+
+    second()
+    for a, b in zip(second(), op_path(second)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_backward_on_another_thread():
+    leaves = _qkv(requires_grad=True)
+    nbhd.na2d(*leaves, 3)
+    out = nbhd.na2d(*leaves, 3)
+    grads = {}
+    worker = threading.Thread(target=lambda: grads.update(g=torch.autograd.grad(out.sum(), leaves)))
+    worker.start()
+    worker.join()
+    want = torch.autograd.grad(nbhd.na2d(*leaves, 3).sum(), leaves)
+    for a, b in zip(grads["g"], want):
+        assert torch.equal(a, b)
+
+
+def test_threads_at_once():
+    q, k, v = _qkv()
+    want = nbhd.na2d(q, k, v, 3)
+    bad = []
+
+    def work(seed):
+        a, b, c = _qkv(seed=seed)
+        ref = nbhd.na2d(a, b, c, 3)
+        for _ in range(50):
+            if not torch.equal(nbhd.na2d(a, b, c, 3), ref):
+                bad.append(seed)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad and torch.equal(nbhd.na2d(q, k, v, 3), want)
+
+
+def test_torch_func_jvp_and_duals(op_path, launches):
+    q, k, v = _qkv()
+    tq, tv = torch.randn_like(q), torch.randn_like(v)
+    f = lambda: torch.func.jvp(lambda a, c: nbhd.na2d(a, k, c, 3), (q, v), (tq, tv))
+    f()
+    got, ops = launches(f)
+    assert ops == [_lib.OP_FORWARD_JVP]
+    for a, b in zip(got, op_path(f)):
+        assert torch.equal(a, b)
+
+    def duals():
+        with fwAD.dual_level():
+            out = fwAD.unpack_dual(nbhd.na2d(fwAD.make_dual(q, tq.transpose(1, 2).contiguous().transpose(1, 2)), k, v, 3))
+            return out.primal.clone(), out.tangent.clone()
+    duals()
+    for a, b in zip(duals(), op_path(duals)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tangent_grad", [False, True])
+def test_jvp_then_backward_equals_the_op_path(tangent_grad, op_path, launches):
+    """The MeanFlow pattern: torch.func.jvp of inputs that require grad (outside the jvp),
+    then gradients of a loss on the output and the tangent; and na2d_jvp alike."""
+    leaves = _qkv(requires_grad=True)
+    tq = torch.randn(2, 6, 7, 2, 8, requires_grad=tangent_grad)
+    w1, w2 = torch.randn(2, 6, 7, 2, 8), torch.randn(2, 6, 7, 2, 8)
+    wrt = [*leaves, tq] if tangent_grad else leaves
+
+    def via_func():
+        out, t_out = torch.func.jvp(lambda a, b: nbhd.na2d(a, b, leaves[2], 3), tuple(leaves[:2]),
+                                    (tq, torch.zeros_like(tq)))
+        return torch.autograd.grad((out * w1).sum() + (t_out * w2).sum(), wrt)
+
+    def explicit():
+        out, t_out = nbhd.na2d_jvp(*leaves, tq, None, None, 3)
+        return torch.autograd.grad((out * w1).sum() + (t_out * w2).sum(), wrt)
+
+    for f in (via_func, explicit):
+        f()
+        got, ops = launches(f)
+        assert ops == [_lib.OP_FORWARD_JVP, _lib.OP_FORWARD_JVP_BACKWARD]
+        for a, b in zip(got, op_path(f)):   # the op path hands the kernel zero tangents for
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)   # absent ones: rounding
+
+
+def test_jvp_cases_that_keep_the_function():
+    """forward_ad duals that require grad (a backward may follow inside the dual level), a
+    tangent of another dtype, and jvp inside vmap take the Function path (prepared._dual
+    returns None)."""
+    q, k, v = _qkv()
+    f = lambda a: nbhd.na2d(a, k, v, 3)
+    torch.func.jvp(f, (q,), (torch.randn_like(q),))
+    seen = []
+    real = prepared._dual
+    prepared_dual = lambda *a: seen.append(real(*a)) or seen[-1]
+    try:
+        prepared._dual = prepared_dual
+        with fwAD.dual_level():
+            leaf = q.clone().requires_grad_()
+            f(fwAD.make_dual(leaf, torch.randn_like(q)))
+            assert seen[-1] is None
+        torch.func.vmap(lambda a, t: torch.func.jvp(f, (a,), (t,)))(q[None], q[None])
+        assert seen[-1] is None
+        with fwAD.dual_level(), pytest.raises(ValueError, match="dtype"):
+            f(fwAD.make_dual(q, torch.randn_like(q, dtype=torch.float64)))
+        assert seen[-1] is None
+    finally:
+        prepared._dual = real
+
+
+def test_explicit_jvp_equals_the_op_path(op_path, launches):
+    q, k, v = _qkv()
+    tq, tk = torch.randn_like(q), torch.randn_like(k)
+    f = lambda: nbhd.na2d_jvp(q, k, v, tq, tk, None, 3, return_lse=True)
+    f()
+    got, ops = launches(f)
+    assert ops == [_lib.OP_FORWARD_JVP]
+    for a, b in zip(got, op_path(f)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="shape"):    # a new signature is validated
+        nbhd.na2d_jvp(q, k, v, tq[:, :3], None, None, 3)
+
+
+def test_watched_calls_take_the_op_path(launches):
+    q, k, v = _qkv()
+    nbhd.na2d(q, k, v, 3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        nbhd.na2d(q, k, v, 3)
+    assert any(e.name == "nbhd::na_forward" for e in prof.events())
+    escaped = []
+    torch.func.vmap(lambda a: escaped.append(a) or a)(q[None])   # a dead functorch wrapper
+    assert not prepared._stored(escaped[0])
+    assert prepared.na(_prepared_for(q)[0], escaped[0], k, v, None, None) is None
+
+
+def test_subclasses_keep_the_dispatch():
+    class Sub(torch.Tensor):
+        pass
+
+    q, k, v = (t.as_subclass(Sub) for t in _qkv(shape=(1, 5, 6, 1, 4)))
+    for _ in range(2):
+        out = nbhd.na2d(q, k, v, 3)
+    assert type(out) is Sub
+    assert not _prepared_for(q)
