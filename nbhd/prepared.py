@@ -198,6 +198,14 @@ class PreparedJvp(torch.autograd.Function):
         if all(g is None for g in grads):
             return (None,) * 12
         prep, saved = ctx.prep, ctx.saved_tensors
+        d_out, d_lse, d_t_out, d_t_lse = grads
+        if (d_t_out is None and d_t_lse is None and d_out is not None and not torch.is_grad_enabled()
+                and _unwatched() and _plain_grad(d_out) and _plain_grad(d_lse)):
+            # no cotangent on the tangent outputs (a flow-map loss detaches its jvp target): out
+            # and lse do not depend on the tangents, so this is the first-order backward
+            q, k, v, kx, vx = saved[:5]
+            return (*prep.backward(q, k, v, kx, vx, saved[10], saved[11], d_out, d_lse),
+                    None, None, None, None, None, None, None)
         fused = prep.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
         if (fused and not torch.is_grad_enabled() and _unwatched()
                 and all(_plain_grad(g) for g in grads)):
