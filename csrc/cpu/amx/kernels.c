@@ -15,15 +15,12 @@
 /* 2^x on the lanes of `in` (0 on the others) to the accuracy that probabilities rounded to bf16
  * need: a degree-4 minimax polynomial on [-1/2, 1/2] (relative error 2.7e-6); x < -150 gives 0;
  * NaN stays NaN (MAXPS returns its second operand when either is NaN), as in SDPA. */
+static const float amx_exp2_poly[5] = {9.570082649588585e-3f, 5.591784417629242e-2f, 2.40247443318367e-1f,
+                                       6.931217908859253e-1f, 9.999992847442627e-1f};
 static inline vf amx_exp2(__mmask16 in, vf x) {
     x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
-    const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vf f = _mm512_sub_ps(x, n);
-    vf p = _mm512_set1_ps(9.570082649588585e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591784417629242e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40247443318367e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217908859253e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847442627e-1f));
+    vf n;
+    const vf p = vf_exp2_split_(x, amx_exp2_poly, 5, &n);
     return _mm512_maskz_scalef_ps(in, p, n);
 }
 
