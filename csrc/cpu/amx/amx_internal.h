@@ -227,6 +227,15 @@ typedef struct {
     int64_t *piece;   /* piece i: Z group piece[2i], first in-group token piece[2i + 1] */
 } amx_work;
 
+/* What a driver keeps beside the workspace: the work of one x (at amx_choose_ny), its row-pair
+ * plan (amx_pair_slices, or NULL), and the slabs whose operands hold a NaN or an infinity (the
+ * reference runs them, fast.h) */
+typedef struct {
+    amx_work W;
+    int64_t *plan;
+    unsigned char *to_ref;   /* [batch x key heads] */
+} amx_call;
+
 // ----------------------------------------------------------------------------
 // one work item of the forward: 16 queries against their key rows
 
@@ -253,7 +262,8 @@ typedef struct {
 #pragma GCC visibility push(hidden)
 
 /* support.c */
-void amx_thread_tiles(void);
+void amx_thread_begin(int ok, int *failed);
+void amx_thread_end(void *scratch);
 
 /* layout.c */
 amx_geo amx_geo_of(const nbhd_geometry *g);
@@ -275,10 +285,8 @@ void amx_store_lanes(const nbhd_tensor *t, const float *A, int64_t Dv, int64_t b
                      const amx_lanes *L, int64_t h, int stream);
 
 /* work.c */
-void amx_lanes_of(const nbhd_geometry *g, const amx_block *B, int inverse, amx_lanes *L);
-amx_rows amx_rows_of(const amx_geo *G, const nbhd_geometry *g, int64_t x, int64_t gz, const amx_lanes *L,
-                     int inverse);
-void amx_rows_pairs(amx_rows *R);
+int amx_item_rows(const amx_geo *G, const nbhd_geometry *g, int64_t x, const amx_block *B, int inverse,
+                  const int32_t *slice_of, amx_lanes *L, amx_rows *R);
 int amx_unit(const amx_rows *R, int64_t Y, int64_t g0, amx_seg *seg);
 int amx_choose_ny(const amx_geo *G, const nbhd_geometry *g);
 int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int inverse, int32_t *id, int64_t *sgr,
@@ -286,6 +294,10 @@ int64_t amx_pair_slices(const amx_geo *G, const nbhd_geometry *g, int inverse, i
 int amx_work_init(amx_work *W, const nbhd_geometry *g, int ny);
 void amx_piece(const amx_work *W, const nbhd_geometry *g, int64_t it, int64_t *ln, int64_t *gr,
                int64_t *i0, int64_t *i1);
+nbhd_status amx_call_begin(amx_call *c, const amx_geo *G, const nbhd_geometry *g, int64_t *plan);
+nbhd_status amx_call_end(amx_call *c, const nbhd_geometry *g, const nbhd_exec *e, int failed,
+                         const nbhd_forward_args *fwd, const nbhd_forward_jvp_args *jvp,
+                         const nbhd_backward_args *bwd);
 
 /* kernels.c */
 void amx_accum(const uint16_t *At, int64_t Dv, int64_t ZP, float *acc, float *acc2, const uint32_t *Pb,

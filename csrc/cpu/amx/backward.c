@@ -142,7 +142,8 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     const nbhd_backward_args *a = cx->a;
     const int64_t D = G->D, Dv = G->Dv;
     amx_lanes Ln;
-    amx_lanes_of(g, Bk, 0, &Ln);
+    amx_rows R;   /* frames of 32 keys as in the forward (amx_rows), or row pairs */
+    const int slice = amx_item_rows(G, g, x, Bk, 0, cx->Kc ? cx->slice_of : NULL, &Ln, &R);
     const int64_t ulo = Ln.ulo, nz = 16 / Bk->ny;
     amx_pack_qt(sc->bt1, &a->q, D, b, x, &Ln, h);
     amx_pack_qt(sc->bt2, &a->d_out, Dv, b, x, &Ln, h);
@@ -164,10 +165,6 @@ static void amx_bwd_dq(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_t 
     const vf vL = vf_load(Ll), vD = vf_load(Dl), vc = vf_set1(cx->c);
     const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);
-    /* frames of 32 keys as in the forward (amx_rows), or row pairs */
-    amx_rows R = amx_rows_of(G, g, x, Bk->gz, &Ln, 0);
-    const int slice = cx->Kc ? cx->slice_of[R.zb] : -1;
-    if (cx->Kc) amx_rows_pairs(&R);
     const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     for (int64_t g0 = 0; g0 < R.rows * R.nslots; g0 += USLOTS) {
         amx_seg seg[USLOTS / 16];   /* rows of 16 slots on row pairs */
@@ -196,7 +193,8 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
     const nbhd_backward_args *a = cx->a;
     const int64_t D = G->D, Dv = G->Dv, ZP = G->ZP;
     amx_lanes Ln;
-    amx_lanes_of(g, Bk, 1, &Ln);
+    amx_rows R;
+    const int slice = amx_item_rows(G, g, x, Bk, 1, cx->Qc ? cx->slice_of2 : NULL, &Ln, &R);
     const int64_t ulo = Ln.ulo;
     amx_pack_qt(sc->bt1, &a->k, D, b, x, &Ln, hk);
     amx_pack_qt(sc->bt2, &a->v, Dv, b, x, &Ln, hk);
@@ -204,9 +202,6 @@ static void amx_bwd_dkdv(const amx_bctx *cx, amx_bscratch *sc, int64_t b, int64_
     const __m512i vlo = _mm512_loadu_si512(Ln.zlo), vhi = _mm512_loadu_si512(Ln.zhi);
     memset(sc->acc1, 0, sizeof(float) * 16 * (size_t)D);    /* dK^T */
     memset(sc->acc2, 0, sizeof(float) * 16 * (size_t)Dv);   /* dV^T */
-    amx_rows R = amx_rows_of(G, g, x, Bk->gz, &Ln, 1);
-    const int slice = cx->Qc ? cx->slice_of2[R.zb] : -1;
-    if (cx->Qc) amx_rows_pairs(&R);
     const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     for (int64_t hq = 0; hq < g->group; ++hq) {
         const uint16_t *Q = cx->Q + hq * G->lines * ZP * D, *dO = cx->dO + hq * G->lines * ZP * Dv;
@@ -256,16 +251,12 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     uint16_t *dO = Qt + Gq * qtn, *dOt = dO + Gq * per * Dv;
     float *L = (float *)(dOt + Gq * otn), *Dd = L + Gq * per;
     const int64_t B = g->batch, Hk = g->kv_heads;
-    amx_work W;
-    if (!amx_work_init(&W, g, amx_choose_ny(&G, g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    amx_call call;
+    const nbhd_status begun = amx_call_begin(&call, &G, g, plan);
+    if (begun != NBHD_OK) return begun;
+    const amx_work W = call.W;
     const int64_t nblocks = W.nblocks, npieces = W.npieces;
-    /* slabs whose operands hold a NaN or an infinity: the reference runs them (fast.h) */
-    unsigned char *to_ref = (unsigned char *)calloc((size_t)(B * Hk), 1);
-    if (!to_ref) {
-        free(W.blk);
-        free(plan);
-        return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
-    }
+    unsigned char *to_ref = call.to_ref;
     const amx_bctx cx = {a, &G, g, K, Kt, V, Q, Qt, dO, dOt, L, Dd, (float)(g->scale * LOG2E),
                          ns > 0 ? Kt : NULL, (const int32_t *)plan, ns2 > 0 ? Qt : NULL, ns2 > 0 ? dOt : NULL,
                          (const int32_t *)plan2, qtn, otn,
@@ -275,11 +266,7 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
     {
         amx_bscratch sc;
         const int ok = amx_bscratch_alloc(&sc, D, Dv);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        amx_thread_tiles();
+        amx_thread_begin(ok, &failed);
         for (int64_t slab = 0; slab < B * Hk; ++slab) {
             const int64_t b = slab / Hk, hk = slab % Hk;
             /* (the slices below read these rows) */
@@ -348,17 +335,9 @@ nbhd_status nbhd_cpu_amx_backward(const nbhd_geometry *g, const nbhd_backward_ar
                 amx_bwd_dkdv(&cx, &sc, b, hk, x, &W.blk[c]);
             }
         }
-        _tile_release();
-        if (ok) free(sc.mem);
-        _mm_sfence();   /* the streamed outputs */
+        amx_thread_end(sc.mem);   /* (NULL where !ok) */
     }
-    free(W.blk);
-    free(plan);
-    nbhd_status st = failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
-    for (int64_t slab = 0; st == NBHD_OK && slab < B * Hk; ++slab)
-        if (to_ref[slab]) st = nbhd_cpu_fast_slab_backward(g, a, e, slab / Hk, slab % Hk, 1);
-    free(to_ref);
-    return st;
+    return amx_call_end(&call, g, e, failed, NULL, NULL, a);
 }
 
 #endif

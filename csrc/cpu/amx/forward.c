@@ -51,32 +51,24 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
     uint16_t *Kp = (uint16_t *)(((uintptr_t)e->workspace + 63) & ~(uintptr_t)63);
     uint16_t *Vt = Kp + kn, *tKp = Vt + vn, *tVt = tKp + kn;
     const int64_t B = g->batch, Hk = g->kv_heads, Gq = g->group;
-    amx_work W;
-    if (!amx_work_init(&W, g, amx_choose_ny(&G, g))) return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
     /* the forward on row pairs: V^T slices where V^T would be */
     int64_t *plan = jvp ? NULL : (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)G.ZP);
     const int64_t ns = plan ? amx_pair_slices(&G, g, 0, (int32_t *)plan, plan + G.ZP, plan + 2 * G.ZP) : -1;
+    amx_call call;
+    const nbhd_status begun = amx_call_begin(&call, &G, g, plan);
+    if (begun != NBHD_OK) return begun;
+    const amx_work W = call.W;
+    unsigned char *to_ref = call.to_ref;
     const amx_ctx cx = {Kp, Vt, has_tk ? tKp : NULL, has_tv ? tVt : NULL, &G, g, io,
                         (float)(g->scale * LOG2E), jvp, jvp && io->tq->data != NULL,
                         ns > 0 ? Vt : NULL, (const int32_t *)plan,
                         nbhd_cpu_stream_outputs((size_t)(B * G.lines * G.Z * g->heads * G.Dv) * 2 * (jvp ? 2 : 1), e)};
-    /* slabs whose operands hold a NaN or an infinity: the reference runs them (fast.h) */
-    unsigned char *to_ref = (unsigned char *)calloc((size_t)(B * Hk), 1);
-    if (!to_ref) {
-        free(W.blk);
-        free(plan);
-        return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
-    }
     int failed = 0;
 #pragma omp parallel num_threads(nbhd_cpu_threads(e))
     {
         amx_scratch sc;
         const int ok = amx_scratch_alloc(&sc, G.D, G.Dv, G.Z, jvp);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        amx_thread_tiles();
+        amx_thread_begin(ok, &failed);
         for (int64_t slab = 0; slab < B * Hk; ++slab) {
             const int64_t b = slab / Hk, hk = slab % Hk;
 #pragma omp for schedule(static) nowait
@@ -111,19 +103,9 @@ static nbhd_status amx_run(const nbhd_geometry *g, const amx_io *io, const nbhd_
                 amx_item(&cx, &sc, b, h, x, &W.blk[c]);
             }
         }
-        _tile_release();
-        if (ok) free(sc.mem);
-        _mm_sfence();   /* the streamed outputs */
+        amx_thread_end(sc.mem);   /* (NULL where !ok) */
     }
-    free(W.blk);
-    free(plan);
-    nbhd_status st = failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
-    for (int64_t slab = 0; st == NBHD_OK && slab < B * Hk; ++slab)
-        if (to_ref[slab])
-            st = jvp ? nbhd_cpu_fast_slab_forward_jvp(g, io->jvp_args, e, slab / Hk, slab % Hk, 1)
-                     : nbhd_cpu_fast_slab_forward(g, io->fwd_args, e, slab / Hk, slab % Hk, 1);
-    free(to_ref);
-    return st;
+    return amx_call_end(&call, g, e, failed, io->fwd_args, io->jvp_args, NULL);
 }
 
 nbhd_status nbhd_cpu_amx_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e) {

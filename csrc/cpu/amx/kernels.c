@@ -362,13 +362,11 @@ void amx_item(const amx_ctx *cx, amx_scratch *sc, int64_t b, int64_t h, int64_t 
     const amx_io *io = cx->io;
     const int64_t D = G->D, Dv = G->Dv;
     amx_lanes L;
-    amx_lanes_of(g, B, 0, &L);
+    amx_rows R;
     /* key rows: X window x Y union, each with the same Z union (nvalid keys from packed token zb)
      * in a frame of 32-key PV tiles from zb rounded down to a multiple of 32 (at least one row: no
      * window is empty, so the first unit, which starts O and C, always runs) */
-    amx_rows R = amx_rows_of(G, g, x, B->gz, &L, 0);
-    const int slice = cx->Vc ? cx->slice_of[R.zb] : -1;
-    if (cx->Vc) amx_rows_pairs(&R);
+    const int slice = amx_item_rows(G, g, x, B, 0, cx->Vc ? cx->slice_of : NULL, &L, &R);
     const int64_t nvalid = R.nvalid, zb = R.zb, delta = R.delta;
     amx_pack_qt(sc->qt, io->q, D, b, x, &L, h);
     if (cx->has_tq) amx_pack_qt(sc->tqt, io->tq, D, b, x, &L, h);

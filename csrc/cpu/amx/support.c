@@ -70,12 +70,29 @@ typedef struct {
 } amx_tilecfg;
 
 /* every tile register 16 rows x 64 bytes, for this thread */
-void amx_thread_tiles(void) {
+static void amx_thread_tiles(void) {
     amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
+}
+
+/* the start of a thread's part of a call (ok: its scratch came, else it sets *failed): its tiles */
+void amx_thread_begin(int ok, int *failed) {
+    if (!ok) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    amx_thread_tiles();
+}
+
+/* the end of a thread's part of a call: its tiles released, its scratch freed (NULL: none), its
+ * streamed outputs fenced */
+void amx_thread_end(void *scratch) {
+    _tile_release();
+    free(scratch);
+    _mm_sfence();
 }
 
 #else  /* not x86-64 Linux with GCC: never available */

@@ -1,7 +1,7 @@
 /*
  * work.c — the AMX kernels' work items: blocks of queries (or keys), their lanes' windows, the key
- * rows they visit cut into units; the rows per item (ny), the row pairs of small Z unions, and the
- * pieces the packing runs in.
+ * rows they visit cut into units; the rows per item (ny), the row pairs of small Z unions, the
+ * pieces the packing runs in, and what a driver keeps for its call (amx_call).
  */
 #include "amx_internal.h"
 
@@ -27,7 +27,7 @@ static void amx_spans(const nbhd_axis *a, int64_t gr, int64_t i0, int n, int inv
 
 /* Windows start and end monotonically along an axis and neighbouring windows touch (stride <=
  * kernel; causal ends at i + 1), so the unions are contiguous. */
-void amx_lanes_of(const nbhd_geometry *g, const amx_block *B, int inverse, amx_lanes *L) {
+static void amx_lanes_of(const nbhd_geometry *g, const amx_block *B, int inverse, amx_lanes *L) {
     const nbhd_axis *ay = &g->axis[1], *az = &g->axis[2];
     const int ny = B->ny, nz = 16 / ny;
     int64_t yst[16], yen[16], zst[16], zen[16];
@@ -58,8 +58,8 @@ void amx_lanes_of(const nbhd_geometry *g, const amx_block *B, int inverse, amx_l
     L->fy = B->gy + ylo * ay->dilation;
 }
 
-amx_rows amx_rows_of(const amx_geo *G, const nbhd_geometry *g, int64_t x, int64_t gz, const amx_lanes *L,
-                     int inverse) {
+static amx_rows amx_rows_of(const amx_geo *G, const nbhd_geometry *g, int64_t x, int64_t gz, const amx_lanes *L,
+                            int inverse) {
     amx_rows R;
     R.nvalid = L->uhi - L->ulo;
     R.zb = amx_goff(G, gz) + L->ulo;
@@ -77,7 +77,7 @@ amx_rows amx_rows_of(const amx_geo *G, const nbhd_geometry *g, int64_t x, int64_
 
 /* row pairs (amx_pair_slices): rows of 16 slots from the union's start, whole pairs of lines
  * (2i, 2i + 1) per X row (a line added at either end is outside every lane's window) */
-void amx_rows_pairs(amx_rows *R) {
+static void amx_rows_pairs(amx_rows *R) {
     R->delta = 0;
     R->nslots = 16;
     R->cy += R->fy & 1;
@@ -85,6 +85,18 @@ void amx_rows_pairs(amx_rows *R) {
     R->fy -= R->fy & 1;
     R->cy += R->cy & 1;
     R->rows = R->cx * R->cy;
+}
+
+/* An item's lanes (block B at x; forward windows, or inverse ones when inverse) and the key rows
+ * they visit, on row pairs when slice_of (the slice of each packed union start) is given: returns
+ * the item's slice there, -1 off row pairs */
+int amx_item_rows(const amx_geo *G, const nbhd_geometry *g, int64_t x, const amx_block *B, int inverse,
+                  const int32_t *slice_of, amx_lanes *L, amx_rows *R) {
+    amx_lanes_of(g, B, inverse, L);
+    *R = amx_rows_of(G, g, x, B->gz, L, inverse);
+    const int slice = slice_of ? slice_of[R->zb] : -1;
+    if (slice_of) amx_rows_pairs(R);
+    return slice;
 }
 
 int amx_unit(const amx_rows *R, int64_t Y, int64_t g0, amx_seg *seg) {
@@ -231,6 +243,44 @@ void amx_piece(const amx_work *W, const nbhd_geometry *g, int64_t it, int64_t *l
     *gr = W->piece[2 * p];
     *i0 = W->piece[2 * p + 1];
     *i1 = *i0 + PIECE < Lg ? *i0 + PIECE : Lg;
+}
+
+// ----------------------------------------------------------------------------
+// a call's work, and the slabs left to the reference kernels
+
+/* c's work items and its slab flags (none set); plan is c's (freed with it, also on failure) */
+nbhd_status amx_call_begin(amx_call *c, const amx_geo *G, const nbhd_geometry *g, int64_t *plan) {
+    c->plan = plan;
+    c->to_ref = NULL;
+    if (!amx_work_init(&c->W, g, amx_choose_ny(G, g))) {
+        free(plan);
+        return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    }
+    c->to_ref = (unsigned char *)calloc((size_t)(g->batch * g->kv_heads), 1);
+    if (!c->to_ref) {
+        free(c->W.blk);
+        free(plan);
+        return nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory");
+    }
+    return NBHD_OK;
+}
+
+/* After the kernels (failed: a thread had no scratch): frees c, then runs each flagged slab on the
+ * reference kernels of the call's op, the one of fwd, jvp and bwd given */
+nbhd_status amx_call_end(amx_call *c, const nbhd_geometry *g, const nbhd_exec *e, int failed,
+                         const nbhd_forward_args *fwd, const nbhd_forward_jvp_args *jvp,
+                         const nbhd_backward_args *bwd) {
+    const int64_t Hk = g->kv_heads;
+    free(c->W.blk);
+    free(c->plan);
+    nbhd_status st = failed ? nbhd_fail(NBHD_ERR_ALLOC, "amx: out of host memory for per-thread scratch") : NBHD_OK;
+    for (int64_t slab = 0; st == NBHD_OK && slab < g->batch * Hk; ++slab)
+        if (c->to_ref[slab])
+            st = bwd ? nbhd_cpu_fast_slab_backward(g, bwd, e, slab / Hk, slab % Hk, 1)
+                 : jvp ? nbhd_cpu_fast_slab_forward_jvp(g, jvp, e, slab / Hk, slab % Hk, 1)
+                       : nbhd_cpu_fast_slab_forward(g, fwd, e, slab / Hk, slab % Hk, 1);
+    free(c->to_ref);
+    return st;
 }
 
 #endif
