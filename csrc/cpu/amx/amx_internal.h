@@ -3,12 +3,12 @@
  * they compile for, sizes, layouts, the types of a call's work and the functions one file calls in
  * another.
  *
- *   support.c   whether the CPU and Linux allow AMX, which calls the kernels take, a thread's tile
- *               configuration (and the stubs where the kernels are not built)
+ *   support.c   whether the CPU and Linux allow AMX, which calls the kernels take, a thread's start
+ *               (tile configuration) and end (and the stubs where the kernels are not built)
  *   layout.c    geometry and workspace; packing of the operands (rows, columns, row-pair slices)
  *               and the transposes of a work item's 16 lanes
  *   work.c      work items: their lanes' windows, the key rows they visit and their units, the
- *               choice of ny, row pairs, packing pieces
+ *               choice of ny, row pairs, packing pieces; a call's set-up and end (amx_call)
  *   kernels.c   the tile micro-kernels of the forward (S^T, online softmax, O^T += V^T P^T, and
  *               their forward+JVP forms), the accumulation the backward shares, one work item
  *   forward.c   the forward and forward+JVP drivers

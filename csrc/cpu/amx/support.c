@@ -1,7 +1,7 @@
 /*
  * support.c — whether the AMX kernels can run here (CPUID bits and the Linux permission to use the
- * tile data state), which calls they take, and the tile configuration of a thread; where they are
- * not built (not x86-64 Linux with GCC), entry points that say so.
+ * tile data state), which calls they take, and a thread's start (its tile configuration) and end;
+ * where they are not built (not x86-64 Linux with GCC), entry points that say so.
  */
 #define _GNU_SOURCE   /* syscall() */
 #include "amx_internal.h"
@@ -61,7 +61,7 @@ int nbhd_cpu_amx_supports_backward(const nbhd_geometry *g, const nbhd_backward_a
 }
 
 // ----------------------------------------------------------------------------
-// tile configuration
+// a thread's part of a call: its tile configuration, start and end
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
