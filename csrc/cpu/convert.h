@@ -12,16 +12,23 @@
 
 #include "nbhd.h"
 
-static inline float nbhd_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
+/* the bits of an fp32, and the fp32 of given bits */
+static inline uint32_t nbhd_f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float nbhd_f32_of_bits(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
+static inline float nbhd_bf16_to_f32(uint16_t h) { return nbhd_f32_of_bits((uint32_t)h << 16); }
+
 static inline uint16_t nbhd_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
+    uint32_t u = nbhd_f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
     u += 0x7fffu + ((u >> 16) & 1u);                                           /* nearest even */
     return (uint16_t)(u >> 16);
@@ -43,14 +50,11 @@ static inline float nbhd_f16_to_f32(uint16_t h) {
     } else {
         u = sign | ((exp + 112) << 23) | (man << 13);
     }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return nbhd_f32_of_bits(u);
 }
 
 static inline uint16_t nbhd_f32_to_f16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
+    const uint32_t u = nbhd_f32_bits(f);
     const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
     const uint32_t absu = u & 0x7fffffffu;
     if (absu > 0x7f800000u) return sign | 0x7e00u;                 /* NaN */

@@ -1,13 +1,13 @@
 /*
  * fast.c — run-time choice of the ISA of the fast CPU kernels: AMX-BF16 (bf16 forward,
- * forward+JVP and backward, amx.c), else AVX-512F, else AVX2+FMA, else the portable build. NBHD_CPU_ISA=generic|avx2|avx512
+ * forward+JVP and backward, amx/), else AVX-512F, else AVX2+FMA, else the portable build. NBHD_CPU_ISA=generic|avx2|avx512
  * in the environment can lower the choice (never raise it past what the CPU has), so the
  * fallbacks are testable on any machine.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "amx.h"
+#include "amx/amx.h"
 #include "fast.h"
 #include "scalar/scalar.h"
 
@@ -73,7 +73,20 @@ static void rotate_tensor(nbhd_tensor *t, int shift) {
     for (int j = 0; j < 3; ++j) t->stride[1 + j] = j >= shift ? in.stride[1 + j - shift] : 0;
 }
 
-/* the kernels of the chosen ISA (AMX: the AVX-512 kernels for what amx.c does not run) */
+/* A call on the rotated axes: its geometry and exec; the n spatial tensors ts rotated in place */
+typedef struct {
+    nbhd_geometry g;
+    nbhd_exec e;
+} rotated_call;
+
+static rotated_call rotate_call(const nbhd_geometry *g, const nbhd_exec *e, nbhd_tensor *const *ts, int n) {
+    const int shift = 3 - rank_of(g);
+    const rotated_call c = {rotated(g, shift), rotated_exec(e, shift)};
+    for (int i = 0; i < n; ++i) rotate_tensor(ts[i], shift);
+    return c;
+}
+
+/* the kernels of the chosen ISA (AMX: the AVX-512 kernels for what amx/ does not run) */
 static const nbhd_cpu_fast_kernels *kernels(void) {
 #ifdef NBHD_FAST_X86
     switch (isa()) {
@@ -115,42 +128,32 @@ int nbhd_cpu_fast_default_lines(int rank) { return kernels()->default_lines(rank
 
 nbhd_status nbhd_cpu_fast_forward(const nbhd_geometry *g0, const nbhd_forward_args *a0,
                                   const nbhd_exec *e0) {
-    const int shift = 3 - rank_of(g0);
-    const nbhd_geometry g1 = rotated(g0, shift), *g = &g1;
-    nbhd_forward_args a1 = *a0, *a = &a1;
-    rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
-    rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
-    const nbhd_exec e1 = rotated_exec(e0, shift);
-    if (use_amx(g, NBHD_OP_FORWARD, &e1) && nbhd_cpu_amx_supports(g, a, &e1)) return nbhd_cpu_amx_forward(g, a, &e1);
-    return kernels()->forward(g, a, &e1);
+    nbhd_forward_args a = *a0;
+    nbhd_tensor *const spatial[] = {&a.q, &a.k, &a.v, &a.out, &a.lse};
+    const rotated_call c = rotate_call(g0, e0, spatial, 5);
+    if (use_amx(&c.g, NBHD_OP_FORWARD, &c.e) && nbhd_cpu_amx_supports(&c.g, &a, &c.e))
+        return nbhd_cpu_amx_forward(&c.g, &a, &c.e);
+    return kernels()->forward(&c.g, &a, &c.e);
 }
 
 nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g0, const nbhd_backward_args *a0,
                                    const nbhd_exec *e0) {
-    const int shift = 3 - rank_of(g0);
-    const nbhd_geometry g1 = rotated(g0, shift), *g = &g1;
-    nbhd_backward_args a1 = *a0, *a = &a1;
-    rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
-    rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
-    rotate_tensor(&a1.d_out, shift); rotate_tensor(&a1.d_lse, shift);
-    rotate_tensor(&a1.d_q, shift); rotate_tensor(&a1.d_k, shift); rotate_tensor(&a1.d_v, shift);
-    const nbhd_exec e1 = rotated_exec(e0, shift);
-    if (use_amx(g, NBHD_OP_BACKWARD, &e1) && nbhd_cpu_amx_supports_backward(g, a, &e1)) return nbhd_cpu_amx_backward(g, a, &e1);
-    return kernels()->backward(g, a, &e1);
+    nbhd_backward_args a = *a0;
+    nbhd_tensor *const spatial[] = {&a.q, &a.k, &a.v, &a.out, &a.lse, &a.d_out, &a.d_lse, &a.d_q, &a.d_k, &a.d_v};
+    const rotated_call c = rotate_call(g0, e0, spatial, 10);
+    if (use_amx(&c.g, NBHD_OP_BACKWARD, &c.e) && nbhd_cpu_amx_supports_backward(&c.g, &a, &c.e))
+        return nbhd_cpu_amx_backward(&c.g, &a, &c.e);
+    return kernels()->backward(&c.g, &a, &c.e);
 }
 
 nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forward_jvp_args *a0,
                                       const nbhd_exec *e0) {
-    const int shift = 3 - rank_of(g0);
-    const nbhd_geometry g1 = rotated(g0, shift), *g = &g1;
-    nbhd_forward_jvp_args a1 = *a0, *a = &a1;
-    rotate_tensor(&a1.q, shift); rotate_tensor(&a1.k, shift); rotate_tensor(&a1.v, shift);
-    rotate_tensor(&a1.t_q, shift); rotate_tensor(&a1.t_k, shift); rotate_tensor(&a1.t_v, shift);
-    rotate_tensor(&a1.out, shift); rotate_tensor(&a1.lse, shift);
-    rotate_tensor(&a1.t_out, shift); rotate_tensor(&a1.t_lse, shift);
-    const nbhd_exec e1 = rotated_exec(e0, shift);
-    if (use_amx(g, NBHD_OP_FORWARD_JVP, &e1) && nbhd_cpu_amx_supports_jvp(g, a, &e1)) return nbhd_cpu_amx_forward_jvp(g, a, &e1);
-    return kernels()->forward_jvp(g, a, &e1);
+    nbhd_forward_jvp_args a = *a0;
+    nbhd_tensor *const spatial[] = {&a.q, &a.k, &a.v, &a.t_q, &a.t_k, &a.t_v, &a.out, &a.lse, &a.t_out, &a.t_lse};
+    const rotated_call c = rotate_call(g0, e0, spatial, 10);
+    if (use_amx(&c.g, NBHD_OP_FORWARD_JVP, &c.e) && nbhd_cpu_amx_supports_jvp(&c.g, &a, &c.e))
+        return nbhd_cpu_amx_forward_jvp(&c.g, &a, &c.e);
+    return kernels()->forward_jvp(&c.g, &a, &c.e);
 }
 
 // ----------------------------------------------------------------------------
@@ -171,28 +174,24 @@ static nbhd_geometry slab_geometry(const nbhd_geometry *g, int64_t nh) {
     return s;
 }
 
-/* the slab's query-side tensors (heads from h0) and key-side ones (from hk0); row scalars fp32 */
-typedef struct {
-    int64_t b, h0, hk0;
-    size_t es;
-} slab_at;
-
-static nbhd_tensor q_side(nbhd_tensor t, const slab_at *s) { return at_head(t, s->b, s->h0, s->es); }
-static nbhd_tensor k_side(nbhd_tensor t, const slab_at *s) { return at_head(t, s->b, s->hk0, s->es); }
-static nbhd_tensor row_side(nbhd_tensor t, const slab_at *s) { return at_head(t, s->b, s->h0, sizeof(float)); }
-
-static slab_at slab_at_of(const nbhd_geometry *g, int64_t b, int64_t hk0) {
-    const slab_at s = {b, hk0 * g->group, hk0, nbhd_dtype_size(g->dtype)};
-    return s;
+/* The slab's tensors moved to batch b and its heads, in place: the query-side ones qs (query heads
+ * from hk0 * group), the key-side ones ks (key heads from hk0) and the row scalars rs (query heads,
+ * fp32); each list ends at NULL */
+static void move_to_slab(const nbhd_geometry *g, int64_t b, int64_t hk0, nbhd_tensor *const *qs,
+                         nbhd_tensor *const *ks, nbhd_tensor *const *rs) {
+    const size_t es = nbhd_dtype_size(g->dtype);
+    for (; *qs; ++qs) **qs = at_head(**qs, b, hk0 * g->group, es);
+    for (; *ks; ++ks) **ks = at_head(**ks, b, hk0, es);
+    for (; *rs; ++rs) **rs = at_head(**rs, b, hk0 * g->group, sizeof(float));
 }
 
 nbhd_status nbhd_cpu_fast_slab_forward(const nbhd_geometry *g, const nbhd_forward_args *a0,
                                        const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
     const nbhd_geometry s = slab_geometry(g, nh);
-    const slab_at at = slab_at_of(g, b, hk0);
     nbhd_forward_args a = *a0;
-    a.q = q_side(a.q, &at); a.out = q_side(a.out, &at); a.lse = row_side(a.lse, &at);
-    a.k = k_side(a.k, &at); a.v = k_side(a.v, &at); a.kx = k_side(a.kx, &at); a.vx = k_side(a.vx, &at);
+    nbhd_tensor *const qs[] = {&a.q, &a.out, NULL}, *const ks[] = {&a.k, &a.v, &a.kx, &a.vx, NULL};
+    nbhd_tensor *const rs[] = {&a.lse, NULL};
+    move_to_slab(g, b, hk0, qs, ks, rs);
     return nbhd_cpu_ref_forward(&s, &a, e);
 }
 
@@ -210,25 +209,21 @@ static nbhd_status ref_backward_alone(const nbhd_geometry *s, const nbhd_backwar
 nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backward_args *a0,
                                         const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
     const nbhd_geometry s = slab_geometry(g, nh);
-    const slab_at at = slab_at_of(g, b, hk0);
     nbhd_backward_args a = *a0;
-    a.q = q_side(a.q, &at); a.out = q_side(a.out, &at); a.d_out = q_side(a.d_out, &at);
-    a.d_q = q_side(a.d_q, &at); a.lse = row_side(a.lse, &at); a.d_lse = row_side(a.d_lse, &at);
-    a.k = k_side(a.k, &at); a.v = k_side(a.v, &at); a.kx = k_side(a.kx, &at); a.vx = k_side(a.vx, &at);
-    a.d_k = k_side(a.d_k, &at); a.d_v = k_side(a.d_v, &at);
-    a.d_kx = k_side(a.d_kx, &at); a.d_vx = k_side(a.d_vx, &at);
+    nbhd_tensor *const qs[] = {&a.q, &a.out, &a.d_out, &a.d_q, NULL};
+    nbhd_tensor *const ks[] = {&a.k, &a.v, &a.kx, &a.vx, &a.d_k, &a.d_v, &a.d_kx, &a.d_vx, NULL};
+    nbhd_tensor *const rs[] = {&a.lse, &a.d_lse, NULL};
+    move_to_slab(g, b, hk0, qs, ks, rs);
     return ref_backward_alone(&s, &a, e);
 }
 
 nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a0,
                                            const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
     const nbhd_geometry s = slab_geometry(g, nh);
-    const slab_at at = slab_at_of(g, b, hk0);
     nbhd_forward_jvp_args a = *a0;
-    a.q = q_side(a.q, &at); a.t_q = q_side(a.t_q, &at); a.out = q_side(a.out, &at);
-    a.t_out = q_side(a.t_out, &at); a.lse = row_side(a.lse, &at); a.t_lse = row_side(a.t_lse, &at);
-    a.k = k_side(a.k, &at); a.v = k_side(a.v, &at); a.kx = k_side(a.kx, &at); a.vx = k_side(a.vx, &at);
-    a.t_k = k_side(a.t_k, &at); a.t_v = k_side(a.t_v, &at);
-    a.t_kx = k_side(a.t_kx, &at); a.t_vx = k_side(a.t_vx, &at);
+    nbhd_tensor *const qs[] = {&a.q, &a.t_q, &a.out, &a.t_out, NULL};
+    nbhd_tensor *const ks[] = {&a.k, &a.v, &a.kx, &a.vx, &a.t_k, &a.t_v, &a.t_kx, &a.t_vx, NULL};
+    nbhd_tensor *const rs[] = {&a.lse, &a.t_lse, NULL};
+    move_to_slab(g, b, hk0, qs, ks, rs);
     return nbhd_cpu_ref_forward_jvp(&s, &a, e);
 }

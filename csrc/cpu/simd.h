@@ -21,6 +21,13 @@
 #define NBHD_LANES 16
 #define NBHD_ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* 2^f for |f| <= 1/2 (relative error ~1e-7): the degree-6 polynomial of every ISA's vf_exp2, its
+ * coefficients from the highest degree down (Horner) */
+#define NBHD_EXP2_TERMS 7
+static const float nbhd_exp2_poly[NBHD_EXP2_TERMS] = {
+    1.5403530393381606e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f, 5.5504108664821580e-2f,
+    2.4022650695910071e-1f, 6.9314718055994531e-1f, 1.0f};
+
 #if defined(NBHD_SIMD_AVX512)
 #include <immintrin.h>
 
@@ -97,22 +104,26 @@ NBHD_ALWAYS_INLINE vf vf_load_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/* 2^x for x <= 0 (x = -inf gives exactly 0): x = n + f, |f| <= 1/2, 2^f by a degree-6
- * polynomial (relative error ~1e-7), times 2^n by scalef. */
+/* x = n + f with n = round(x) (into *n) and |f| <= 1/2; returns the polynomial of the `terms`
+ * coefficients c (highest degree first) at f by FMAs (Horner) */
+NBHD_ALWAYS_INLINE vf vf_exp2_split_(vf x, const float *c, int terms, vf *n) {
+    *n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf f = _mm512_sub_ps(x, *n);
+    vf p = _mm512_set1_ps(c[0]);
+    NBHD_UNROLL
+    for (int i = 1; i < terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    return p;
+}
+
+/* 2^x for x <= 0 (x = -inf gives exactly 0): x = n + f, |f| <= 1/2, 2^f by nbhd_exp2_poly,
+ * times 2^n by scalef. */
 NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
     const vf x_in = x;
     const vf lo = _mm512_set1_ps(-127.0f);
     const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
     x = _mm512_max_ps(x, lo);
-    const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vf f = _mm512_sub_ps(x, n);
-    vf p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    vf n;
+    const vf p = vf_exp2_split_(x, nbhd_exp2_poly, NBHD_EXP2_TERMS, &n);
     /* NaN in, NaN out (a NaN score must poison its row, as in SDPA) */
     const __mmask16 nan = _mm512_cmp_ps_mask(x_in, x_in, _CMP_UNORD_Q);
     return _mm512_mask_blend_ps(nan, _mm512_maskz_scalef_ps(live, p, n), x_in);
@@ -208,20 +219,16 @@ NBHD_ALWAYS_INLINE vf vf_load_f16(const uint16_t *p) {
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
 }
 
-/* 2^x (x = -inf gives exactly 0), the AVX-512 polynomial; 2^n built in the exponent bits.
+/* 2^x (x = -inf gives exactly 0), nbhd_exp2_poly; 2^n built in the exponent bits.
  * x is clamped to [-127, 127] first: 2^-127 has exponent bits 0, so it (and anything below)
  * comes out as +0, and n + 127 never leaves [0, 254]. */
 NBHD_ALWAYS_INLINE __m256 vf_exp2x8_(__m256 x_in) {
     const __m256 x = _mm256_min_ps(_mm256_max_ps(x_in, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(nbhd_exp2_poly[0]);
+    NBHD_UNROLL
+    for (int i = 1; i < NBHD_EXP2_TERMS; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(nbhd_exp2_poly[i]));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     /* NaN in, NaN out (a NaN score must poison its row, as in SDPA) */
@@ -295,7 +302,7 @@ NBHD_ALWAYS_INLINE vf vf_load_f16(const uint16_t *p) {
     for (int l = 0; l < NBHD_LANES; ++l) r[l] = nbhd_f16_to_f32(p[l]);
     return r;
 }
-/* the AVX-512 polynomial; 2^n built in the exponent bits */
+/* nbhd_exp2_poly; 2^n built in the exponent bits */
 NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
     /* clamped to [-126, 128] (NaN to -126): lanes past the last query (backward: S - L of
      * padding) can be large, and converting a float beyond 2^31 to int is UB */
@@ -303,13 +310,9 @@ NBHD_ALWAYS_INLINE vf vf_exp2(vf x) {
     const vf xc = vf_select_(live, vf_select_(x <= 128.0f, x, vf_set1(128.0f)), vf_set1(-126.0f));
     const vi_ ni = __builtin_convertvector(xc - 0.5f, vi_);   /* xc <= 0: rounds to nearest */
     const vf f = xc - __builtin_convertvector(ni, vf);
-    vf p = vf_set1(1.5403530393381606e-4f);
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
+    vf p = vf_set1(nbhd_exp2_poly[0]);
+    _Pragma("GCC unroll 8")
+    for (int i = 1; i < NBHD_EXP2_TERMS; ++i) p = p * f + nbhd_exp2_poly[i];
     const vf y = (vf)((vu_)p + ((vu_)ni << 23));
     /* below -126: 0; NaN in, NaN out */
     return vf_select_(live, y, vf_select_(x != x, x, vf_zero()));

@@ -76,12 +76,55 @@ static inline void FN(zero)(ACC *y, int n) {
     for (int i = 0; i < n; ++i) y[i] = 0;
 }
 
-/* Row r of the flattened [B, tokens, H] query rows. */
-typedef struct { int64_t b, tok, h; } FN(row_index);
+/* Row r of the flattened [B, tokens, H] query rows: batch, token, head; the head's key head and
+ * the token's coordinates */
+typedef struct { int64_t b, tok, h, hk, c[3]; } FN(row_index);
 
 static inline FN(row_index) FN(row_of)(const nbhd_geometry *g, int64_t r) {
-    FN(row_index) ri = {r / (g->heads * g->tokens), (r / g->heads) % g->tokens, r % g->heads};
+    FN(row_index) ri = {r / (g->heads * g->tokens), (r / g->heads) % g->tokens, r % g->heads, 0, {0, 0, 0}};
+    ri.hk = ri.h / g->group;
+    token_coords(g, ri.tok, ri.c);
     return ri;
+}
+
+/* offset of query row ri (its token, its head) in t */
+static inline int64_t FN(row_at)(const nbhd_tensor *t, const nbhd_geometry *g, const FN(row_index) *ri) {
+    return token_offset(t, g, ri->b, ri->c[0], ri->c[1], ri->c[2], ri->h);
+}
+
+/* Key row r of pass 2 of a backward ([B, tokens, Hkv]: a token's key, over its inverse
+ * neighborhood) or, extra, of pass 3 ([B, extra, Hkv]: an extra key, seen by every query): batch,
+ * key head, token (or extra key) i and the token's coordinates */
+typedef struct { int64_t b, hk, i, c[3]; int extra; } FN(key_index);
+
+static inline FN(key_index) FN(key_of)(const nbhd_geometry *g, int64_t r, int extra) {
+    const int64_t n = extra ? g->extra_kv : g->tokens;
+    FN(key_index) ki = {r / (g->kv_heads * n), r % g->kv_heads, (r / g->kv_heads) % n, {0, 0, 0}, extra};
+    if (!extra) token_coords(g, ki.i, ki.c);
+    return ki;
+}
+
+/* of a tensor pair, the key row's: t (token keys) or tx (extra keys); and its offset there */
+static inline const nbhd_tensor *FN(key_tensor)(const FN(key_index) *ki, const nbhd_tensor *t,
+                                                const nbhd_tensor *tx) {
+    return ki->extra ? tx : t;
+}
+
+static inline int64_t FN(key_at)(const FN(key_index) *ki, const nbhd_geometry *g, const nbhd_tensor *t,
+                                 const nbhd_tensor *tx) {
+    return ki->extra ? extra_offset(tx, ki->b, ki->i, ki->hk)
+                     : token_offset(t, g, ki->b, ki->c[0], ki->c[1], ki->c[2], ki->hk);
+}
+
+/* the key row's n elements of t or tx into dst; src (x mul) into the key row of t or tx */
+static inline void FN(load_key)(ACC *dst, const FN(key_index) *ki, const nbhd_geometry *g, const nbhd_tensor *t,
+                                const nbhd_tensor *tx, int n) {
+    FN(load_row)(dst, FN(key_tensor)(ki, t, tx), FN(key_at)(ki, g, t, tx), n, g->dtype);
+}
+
+static inline void FN(store_key)(const FN(key_index) *ki, const nbhd_geometry *g, const nbhd_tensor *t,
+                                 const nbhd_tensor *tx, const ACC *src, ACC mul, int n) {
+    FN(store_row)(FN(key_tensor)(ki, t, tx), FN(key_at)(ki, g, t, tx), src, mul, n, g->dtype);
 }
 
 /* exp(s - m), with keys whose score is -inf contributing nothing (not exp(-inf + inf) = NaN) */
@@ -92,55 +135,36 @@ static inline ACC FN(weight)(ACC s, ACC m) {
 // ----------------------------------------------------------------------------
 // forward: online softmax per query row
 
-static nbhd_status FN(forward)(const nbhd_geometry *g, const nbhd_forward_args *a,
-                               const nbhd_exec *e) {
+/* query row r of the forward: O and LSE by online softmax over its keys (scratch buf: q, k of D
+ * elements, v, acc of Dv) */
+static void FN(forward_row)(const nbhd_geometry *g, const nbhd_forward_args *a, int64_t r, ACC *buf) {
     const int D = g->head_dim, Dv = g->head_dim_v;
     const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
-    const int64_t rows = g->batch * g->tokens * g->heads;
     const ACC scale = (ACC)g->scale;
-    int failed = 0;
-#pragma omp parallel num_threads(nbhd_cpu_threads(e))
-    {
-        ACC *buf = (ACC *)malloc(sizeof(ACC) * (2 * (size_t)D + 2 * (size_t)Dv));
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
+    ACC *q = buf, *k = q + D, *v = k + D, *acc = v + Dv;
+    const FN(row_index) ri = FN(row_of)(g, r);
+    const nbhd_keyset ks = window_of(g, ri.tok);
+    FN(load_row)(q, &a->q, FN(row_at)(&a->q, g, &ri), D, dt);
+    ACC m = -INFINITY, l = 0;
+    FN(zero)(acc, Dv);
+    for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
+        FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, ri.hk, D, dt);
+        FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, ri.hk, Dv, dt);
+        const ACC s = scale * FN(dot)(q, k, D);
+        if (s > m) {  /* the max grew: acc = acc*exp(m_old - m), l likewise */
+            const ACC corr = (ACC)exp((double)(m - s));
+            l *= corr;
+            FN(scal)(acc, corr, Dv);
+            m = s;
         }
-        ACC *q = buf, *k = q + D, *v = k + D, *acc = v + Dv;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            if (!buf) continue;
-            const FN(row_index) ri = FN(row_of)(g, r);
-            const int64_t hk = ri.h / g->group;
-            const nbhd_keyset ks = window_of(g, ri.tok);
-            int64_t c[3];
-            token_coords(g, ri.tok, c);
-            FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
-            ACC m = -INFINITY, l = 0;
-            FN(zero)(acc, Dv);
-            for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
-                FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
-                FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
-                const ACC s = scale * FN(dot)(q, k, D);
-                if (s > m) {  /* the max grew: acc = acc*exp(m_old - m), l likewise */
-                    const ACC corr = (ACC)exp((double)(m - s));
-                    l *= corr;
-                    FN(scal)(acc, corr, Dv);
-                    m = s;
-                }
-                const ACC p = FN(weight)(s, m);
-                l += p;
-                FN(axpy)(acc, p, v, Dv);
-            }
-            FN(store_row)(&a->out, token_offset(&a->out, g, ri.b, c[0], c[1], c[2], ri.h), acc,
-                          (ACC)1 / l, Dv, dt);
-            nbhd_store(a->lse.data, token_offset(&a->lse, g, ri.b, c[0], c[1], c[2], ri.h), lt,
-                       (double)m + log((double)l));
-        }
-        free(buf);
+        const ACC p = FN(weight)(s, m);
+        l += p;
+        FN(axpy)(acc, p, v, Dv);
     }
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory for scratch rows")
-                  : NBHD_OK;
+    FN(store_row)(&a->out, FN(row_at)(&a->out, g, &ri), acc,
+                  (ACC)1 / l, Dv, dt);
+    nbhd_store(a->lse.data, FN(row_at)(&a->lse, g, &ri), lt,
+               (double)m + log((double)l));
 }
 
 // ----------------------------------------------------------------------------
@@ -184,197 +208,111 @@ static void FN(backward_query_row)(const nbhd_geometry *g, const nbhd_backward_a
     const ACC scale = (ACC)g->scale;
     ACC *q = w->q, *k = w->k, *v = w->v, *dout = w->dout, *o = w->o, *acc = w->acc;
     const FN(row_index) ri = FN(row_of)(g, r);
-    const int64_t hk = ri.h / g->group;
-    int64_t c[3];
-    token_coords(g, ri.tok, c);
     const nbhd_keyset ks = window_of(g, ri.tok);
-    FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
-    FN(load_row)(dout, &a->d_out, token_offset(&a->d_out, g, ri.b, c[0], c[1], c[2], ri.h), Dv, dt);
-    FN(load_row)(o, &a->out, token_offset(&a->out, g, ri.b, c[0], c[1], c[2], ri.h), Dv, dt);
-    const ACC lse = (ACC)nbhd_load(a->lse.data, token_offset(&a->lse, g, ri.b, c[0], c[1], c[2], ri.h), lt);
+    FN(load_row)(q, &a->q, FN(row_at)(&a->q, g, &ri), D, dt);
+    FN(load_row)(dout, &a->d_out, FN(row_at)(&a->d_out, g, &ri), Dv, dt);
+    FN(load_row)(o, &a->out, FN(row_at)(&a->out, g, &ri), Dv, dt);
+    const ACC lse = (ACC)nbhd_load(a->lse.data, FN(row_at)(&a->lse, g, &ri), lt);
     ACC Di = FN(dot)(dout, o, Dv);
     if (a->d_lse.data)
-        Di -= (ACC)nbhd_load(a->d_lse.data, token_offset(&a->d_lse, g, ri.b, c[0], c[1], c[2], ri.h), lt);
+        Di -= (ACC)nbhd_load(a->d_lse.data, FN(row_at)(&a->d_lse, g, &ri), lt);
     Dws[r] = (double)Di;
     FN(zero)(acc, D);
     for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
-        FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
-        FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
+        FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, ri.hk, D, dt);
+        FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, ri.hk, Dv, dt);
         const ACC p = FN(weight)(scale * FN(dot)(q, k, D), lse);
         const ACC ds = p * (FN(dot)(dout, v, Dv) - Di);
         FN(axpy)(acc, ds, k, D);
     }
-    FN(store_row)(&a->d_q, token_offset(&a->d_q, g, ri.b, c[0], c[1], c[2], ri.h), acc,
+    FN(store_row)(&a->d_q, FN(row_at)(&a->d_q, g, &ri), acc,
                   scale, D, dt);
 }
 
-/* pass 2, key-stationary over the inverse neighborhood of key row r ([B, tokens, Hkv]): dK, dV */
+/* pass 2 (all_queries NULL), key-stationary over the inverse neighborhood of key row r
+ * ([B, tokens, Hkv]): dK, dV; pass 3, extra key row r ([B, extra, Hkv]), seen by every query
+ * (all_queries): dKx, dVx */
 static void FN(backward_key_row)(const nbhd_geometry *g, const nbhd_backward_args *a, const double *Dws,
-                                 int64_t r, const FN(bwd_rows) *w) {
+                                 int64_t r, const nbhd_keyset *all_queries, const FN(bwd_rows) *w) {
     const int D = g->head_dim, Dv = g->head_dim_v;
-    const nbhd_dtype dt = g->dtype;
     const ACC scale = (ACC)g->scale;
     ACC *q = w->q, *k = w->k, *v = w->v, *dout = w->dout;
     ACC *dk = w->acc, *dv = w->o;
-    const int64_t hk = r % g->kv_heads, tok = (r / g->kv_heads) % g->tokens,
-                  b = r / (g->kv_heads * g->tokens);
-    int64_t c[3];
-    token_coords(g, tok, c);
-    const nbhd_keyset qs = inverse_window_of(g, tok);
+    const FN(key_index) ki = FN(key_of)(g, r, all_queries != NULL);
+    const nbhd_keyset qs = all_queries ? *all_queries : inverse_window_of(g, ki.i);
     /* k and v rows stay in `k` and `v`; `q` and `dout` are scratch in key_gradients */
-    FN(load_row)(k, &a->k, token_offset(&a->k, g, b, c[0], c[1], c[2], hk), D, dt);
-    FN(load_row)(v, &a->v, token_offset(&a->v, g, b, c[0], c[1], c[2], hk), Dv, dt);
-    FN(key_gradients)(g, a, Dws, b, hk, &qs, k, v, q, dout, dk, dv);
-    FN(store_row)(&a->d_k, token_offset(&a->d_k, g, b, c[0], c[1], c[2], hk), dk, scale, D, dt);
-    FN(store_row)(&a->d_v, token_offset(&a->d_v, g, b, c[0], c[1], c[2], hk), dv, 1, Dv, dt);
-}
-
-/* pass 3, extra key row r ([B, extra, Hkv]), seen by every query (all_queries): dKx, dVx */
-static void FN(backward_extra_row)(const nbhd_geometry *g, const nbhd_backward_args *a, const double *Dws,
-                                   int64_t r, const nbhd_keyset *all_queries, const FN(bwd_rows) *w) {
-    const int D = g->head_dim, Dv = g->head_dim_v;
-    const nbhd_dtype dt = g->dtype;
-    const ACC scale = (ACC)g->scale;
-    ACC *q = w->q, *k = w->k, *v = w->v, *dout = w->dout;
-    ACC *dk = w->acc, *dv = w->o;
-    const int64_t hk = r % g->kv_heads, ex = (r / g->kv_heads) % g->extra_kv,
-                  b = r / (g->kv_heads * g->extra_kv);
-    const int64_t kx_off = b * a->kx.stride[0] + ex * a->kx.stride[1] + hk * a->kx.stride[4];
-    const int64_t vx_off = b * a->vx.stride[0] + ex * a->vx.stride[1] + hk * a->vx.stride[4];
-    FN(load_row)(k, &a->kx, kx_off, D, dt);
-    FN(load_row)(v, &a->vx, vx_off, Dv, dt);
-    FN(key_gradients)(g, a, Dws, b, hk, all_queries, k, v, q, dout, dk, dv);
-    FN(store_row)(&a->d_kx, b * a->d_kx.stride[0] + ex * a->d_kx.stride[1] + hk * a->d_kx.stride[4],
-                  dk, scale, D, dt);
-    FN(store_row)(&a->d_vx, b * a->d_vx.stride[0] + ex * a->d_vx.stride[1] + hk * a->d_vx.stride[4],
-                  dv, 1, Dv, dt);
-}
-
-static nbhd_status FN(backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                const nbhd_exec *e) {
-    const int D = g->head_dim, Dv = g->head_dim_v;
-    const int64_t rows = g->batch * g->tokens * g->heads;
-    const int64_t key_rows = g->has_window ? g->batch * g->tokens * g->kv_heads : 0;
-    const int64_t extra_rows = g->batch * g->extra_kv * g->kv_heads;
-    double *Dws = (double *)e->workspace;  /* D_i per query row, see nbhd_cpu_ref_workspace_bytes */
-    /* all query tokens, for the extra keys that every query sees */
-    const nbhd_keyset all_queries = {{0, 0, 0},
-                                     {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent},
-                                     {1, 1, 1}, g->tokens, 0};
-    int failed = 0;
-#pragma omp parallel num_threads(nbhd_cpu_threads(e))
-    {
-        const size_t width = (size_t)(D > Dv ? D : Dv);
-        ACC *buf = (ACC *)malloc(sizeof(ACC) * 6 * width);
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        const FN(bwd_rows) w = {buf, buf + width, buf + 2 * width, buf + 3 * width, buf + 4 * width,
-                                buf + 5 * width};
-
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r)
-            if (buf) FN(backward_query_row)(g, a, Dws, r, &w);
-        /* (implicit barrier: every D_i is written) */
-
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < key_rows; ++r)
-            if (buf) FN(backward_key_row)(g, a, Dws, r, &w);
-
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < extra_rows; ++r)
-            if (buf) FN(backward_extra_row)(g, a, Dws, r, &all_queries, &w);
-        free(buf);
-    }
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for scratch rows")
-                  : NBHD_OK;
+    FN(load_key)(k, &ki, g, &a->k, &a->kx, D);
+    FN(load_key)(v, &ki, g, &a->v, &a->vx, Dv);
+    FN(key_gradients)(g, a, Dws, ki.b, ki.hk, &qs, k, v, q, dout, dk, dv);
+    FN(store_key)(&ki, g, &a->d_k, &a->d_kx, dk, scale, D);
+    FN(store_key)(&ki, g, &a->d_v, &a->d_vx, dv, 1, Dv);
 }
 
 // ----------------------------------------------------------------------------
 // forward + JVP: one online-softmax pass with two extra accumulators (docs/design.md §4.3)
 
-static nbhd_status FN(forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                   const nbhd_exec *e) {
+/* query row r of the forward+JVP: O, LSE, tO and mu in one online-softmax pass (scratch buf: q, tq,
+ * k, tk of D elements, v, tv, acc, acc_t of Dv) */
+static void FN(forward_jvp_row)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, int64_t r, ACC *buf) {
     const int D = g->head_dim, Dv = g->head_dim_v;
     const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
-    const int64_t rows = g->batch * g->tokens * g->heads;
     const ACC scale = (ACC)g->scale;
-    int failed = 0;
-#pragma omp parallel num_threads(nbhd_cpu_threads(e))
-    {
-        ACC *buf = (ACC *)malloc(sizeof(ACC) * (4 * (size_t)D + 4 * (size_t)Dv));
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
+    ACC *q = buf, *tq = q + D, *k = tq + D, *tk = k + D;
+    ACC *v = tk + D, *tv = v + Dv, *acc = tv + Dv, *acc_t = acc + Dv;
+    const FN(row_index) ri = FN(row_of)(g, r);
+    const nbhd_keyset ks = window_of(g, ri.tok);
+    FN(load_row)(q, &a->q, FN(row_at)(&a->q, g, &ri), D, dt);
+    const int has_tq = a->t_q.data != NULL;
+    if (has_tq)
+        FN(load_row)(tq, &a->t_q, FN(row_at)(&a->t_q, g, &ri), D, dt);
+    /* m running max, l = sum p, acc = sum p v, r_t = sum p tS, acc_t = sum p (tv + tS v) */
+    ACC m = -INFINITY, l = 0, r_t = 0;
+    FN(zero)(acc, Dv);
+    FN(zero)(acc_t, Dv);
+    for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
+        const int in_box = n < ks.box;
+        const nbhd_tensor *tk_src = in_box ? &a->t_k : &a->t_kx;  /* data NULL: zero */
+        const nbhd_tensor *tv_src = in_box ? &a->t_v : &a->t_vx;
+        FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, ri.hk, D, dt);
+        FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, ri.hk, Dv, dt);
+        const ACC s = scale * FN(dot)(q, k, D);
+        /* tS = s (tq.k + q.tk); absent tangents are skipped */
+        ACC ts = 0;
+        if (has_tq) ts += FN(dot)(tq, k, D);
+        if (tk_src->data) {
+            FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, ri.hk, D, dt);
+            ts += FN(dot)(q, tk, D);
         }
-        ACC *q = buf, *tq = q + D, *k = tq + D, *tk = k + D;
-        ACC *v = tk + D, *tv = v + Dv, *acc = tv + Dv, *acc_t = acc + Dv;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            if (!buf) continue;
-            const FN(row_index) ri = FN(row_of)(g, r);
-            const int64_t hk = ri.h / g->group;
-            int64_t c[3];
-            token_coords(g, ri.tok, c);
-            const nbhd_keyset ks = window_of(g, ri.tok);
-            FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
-            const int has_tq = a->t_q.data != NULL;
-            if (has_tq)
-                FN(load_row)(tq, &a->t_q, token_offset(&a->t_q, g, ri.b, c[0], c[1], c[2], ri.h), D, dt);
-            /* m running max, l = sum p, acc = sum p v, r_t = sum p tS, acc_t = sum p (tv + tS v) */
-            ACC m = -INFINITY, l = 0, r_t = 0;
-            FN(zero)(acc, Dv);
-            FN(zero)(acc_t, Dv);
-            for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
-                const int in_box = n < ks.box;
-                const nbhd_tensor *tk_src = in_box ? &a->t_k : &a->t_kx;  /* data NULL: zero */
-                const nbhd_tensor *tv_src = in_box ? &a->t_v : &a->t_vx;
-                FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
-                FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
-                const ACC s = scale * FN(dot)(q, k, D);
-                /* tS = s (tq.k + q.tk); absent tangents are skipped */
-                ACC ts = 0;
-                if (has_tq) ts += FN(dot)(tq, k, D);
-                if (tk_src->data) {
-                    FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, hk, D, dt);
-                    ts += FN(dot)(q, tk, D);
-                }
-                ts *= scale;
-                if (s > m) {
-                    const ACC corr = (ACC)exp((double)(m - s));
-                    l *= corr;
-                    r_t *= corr;
-                    FN(scal)(acc, corr, Dv);
-                    FN(scal)(acc_t, corr, Dv);
-                    m = s;
-                }
-                const ACC p = FN(weight)(s, m);
-                l += p;
-                r_t += p * ts;
-                FN(axpy)(acc, p, v, Dv);
-                FN(axpy)(acc_t, p * ts, v, Dv);
-                if (tv_src->data) {
-                    FN(load_member)(tv, &ks, n, &a->t_v, &a->t_vx, ri.b, hk, Dv, dt);
-                    FN(axpy)(acc_t, p, tv, Dv);
-                }
-            }
-            /* o = acc/l, mu = r_t/l, tO = acc_t/l - mu o, lse = m + log l, tLSE = mu */
-            const ACC inv_l = (ACC)1 / l, mu = r_t * inv_l;
-            FN(scal)(acc, inv_l, Dv);
-            FN(scal)(acc_t, inv_l, Dv);
-            FN(axpy)(acc_t, -mu, acc, Dv);
-            FN(store_row)(&a->out, token_offset(&a->out, g, ri.b, c[0], c[1], c[2], ri.h), acc, 1, Dv, dt);
-            FN(store_row)(&a->t_out, token_offset(&a->t_out, g, ri.b, c[0], c[1], c[2], ri.h), acc_t, 1, Dv, dt);
-            nbhd_store(a->lse.data, token_offset(&a->lse, g, ri.b, c[0], c[1], c[2], ri.h), lt,
-                       (double)m + log((double)l));
-            nbhd_store(a->t_lse.data, token_offset(&a->t_lse, g, ri.b, c[0], c[1], c[2], ri.h), lt,
-                       (double)mu);
+        ts *= scale;
+        if (s > m) {
+            const ACC corr = (ACC)exp((double)(m - s));
+            l *= corr;
+            r_t *= corr;
+            FN(scal)(acc, corr, Dv);
+            FN(scal)(acc_t, corr, Dv);
+            m = s;
         }
-        free(buf);
+        const ACC p = FN(weight)(s, m);
+        l += p;
+        r_t += p * ts;
+        FN(axpy)(acc, p, v, Dv);
+        FN(axpy)(acc_t, p * ts, v, Dv);
+        if (tv_src->data) {
+            FN(load_member)(tv, &ks, n, &a->t_v, &a->t_vx, ri.b, ri.hk, Dv, dt);
+            FN(axpy)(acc_t, p, tv, Dv);
+        }
     }
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory for scratch rows")
-                  : NBHD_OK;
+    /* o = acc/l, mu = r_t/l, tO = acc_t/l - mu o, lse = m + log l, tLSE = mu */
+    const ACC inv_l = (ACC)1 / l, mu = r_t * inv_l;
+    FN(scal)(acc, inv_l, Dv);
+    FN(scal)(acc_t, inv_l, Dv);
+    FN(axpy)(acc_t, -mu, acc, Dv);
+    FN(store_row)(&a->out, FN(row_at)(&a->out, g, &ri), acc, 1, Dv, dt);
+    FN(store_row)(&a->t_out, FN(row_at)(&a->t_out, g, &ri), acc_t, 1, Dv, dt);
+    nbhd_store(a->lse.data, FN(row_at)(&a->lse, g, &ri), lt,
+               (double)m + log((double)l));
+    nbhd_store(a->t_lse.data, FN(row_at)(&a->t_lse, g, &ri), lt,
+               (double)mu);
 }
 
 // ----------------------------------------------------------------------------
@@ -458,24 +396,21 @@ static void FN(jvpb_query_row)(const nbhd_geometry *g, const nbhd_forward_jvp_ba
     ACC *q = w->q, *tq = w->tq, *dout = w->dout, *G = w->G, *o = w->o, *to = w->to, *k = w->k, *tk = w->tk,
         *v = w->v, *tv = w->tv, *acc = w->acc, *acc_t = w->acc_t;
     const FN(row_index) ri = FN(row_of)(g, r);
-    const int64_t hk = ri.h / g->group;
-    int64_t c3[3];
-    token_coords(g, ri.tok, c3);
-    FN(load_row)(q, &a->q, token_offset(&a->q, g, ri.b, c3[0], c3[1], c3[2], ri.h), D, dt);
-    if (a->t_q.data) FN(load_row)(tq, &a->t_q, token_offset(&a->t_q, g, ri.b, c3[0], c3[1], c3[2], ri.h), D, dt);
-    FN(load_row)(o, &a->out, token_offset(&a->out, g, ri.b, c3[0], c3[1], c3[2], ri.h), Dv, dt);
-    FN(load_row)(to, &a->t_out, token_offset(&a->t_out, g, ri.b, c3[0], c3[1], c3[2], ri.h), Dv, dt);
+    FN(load_row)(q, &a->q, FN(row_at)(&a->q, g, &ri), D, dt);
+    if (a->t_q.data) FN(load_row)(tq, &a->t_q, FN(row_at)(&a->t_q, g, &ri), D, dt);
+    FN(load_row)(o, &a->out, FN(row_at)(&a->out, g, &ri), Dv, dt);
+    FN(load_row)(to, &a->t_out, FN(row_at)(&a->t_out, g, &ri), Dv, dt);
     if (a->d_out.data)
-        FN(load_row)(dout, &a->d_out, token_offset(&a->d_out, g, ri.b, c3[0], c3[1], c3[2], ri.h), Dv, dt);
+        FN(load_row)(dout, &a->d_out, FN(row_at)(&a->d_out, g, &ri), Dv, dt);
     if (a->d_t_out.data)
-        FN(load_row)(G, &a->d_t_out, token_offset(&a->d_t_out, g, ri.b, c3[0], c3[1], c3[2], ri.h), Dv, dt);
-    const ACC lse = (ACC)nbhd_load(a->lse.data, token_offset(&a->lse, g, ri.b, c3[0], c3[1], c3[2], ri.h), lt);
-    const ACC mu = (ACC)nbhd_load(a->t_lse.data, token_offset(&a->t_lse, g, ri.b, c3[0], c3[1], c3[2], ri.h), lt);
+        FN(load_row)(G, &a->d_t_out, FN(row_at)(&a->d_t_out, g, &ri), Dv, dt);
+    const ACC lse = (ACC)nbhd_load(a->lse.data, FN(row_at)(&a->lse, g, &ri), lt);
+    const ACC mu = (ACC)nbhd_load(a->t_lse.data, FN(row_at)(&a->t_lse, g, &ri), lt);
     const ACC g_mu = a->d_t_lse.data
-        ? (ACC)nbhd_load(a->d_t_lse.data, token_offset(&a->d_t_lse, g, ri.b, c3[0], c3[1], c3[2], ri.h), lt) : 0;
+        ? (ACC)nbhd_load(a->d_t_lse.data, FN(row_at)(&a->d_t_lse, g, &ri), lt) : 0;
     ACC Dp = a->d_out.data ? FN(dot)(dout, o, Dv) : 0;
     if (a->d_lse.data)
-        Dp -= (ACC)nbhd_load(a->d_lse.data, token_offset(&a->d_lse, g, ri.b, c3[0], c3[1], c3[2], ri.h), lt);
+        Dp -= (ACC)nbhd_load(a->d_lse.data, FN(row_at)(&a->d_lse, g, &ri), lt);
     const ACC c = a->d_t_out.data ? FN(dot)(G, o, Dv) : 0;
     const ACC E = a->d_t_out.data ? FN(dot)(G, to, Dv) : 0;
     ws[3 * r] = (double)Dp;
@@ -488,10 +423,10 @@ static void FN(jvpb_query_row)(const nbhd_geometry *g, const nbhd_forward_jvp_ba
         const int in_box = n < ks.box;
         const nbhd_tensor *tk_src = in_box ? &a->t_k : &a->t_kx;
         const nbhd_tensor *tv_src = in_box ? &a->t_v : &a->t_vx;
-        FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, hk, D, dt);
-        FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, hk, Dv, dt);
-        if (tk_src->data) FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, hk, D, dt);
-        if (tv_src->data) FN(load_member)(tv, &ks, n, &a->t_v, &a->t_vx, ri.b, hk, Dv, dt);
+        FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, ri.hk, D, dt);
+        FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, ri.hk, Dv, dt);
+        if (tk_src->data) FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, ri.hk, D, dt);
+        if (tv_src->data) FN(load_member)(tv, &ks, n, &a->t_v, &a->t_vx, ri.b, ri.hk, Dv, dt);
         const FN(pair) pr = FN(jvp_pair)(g, q, a->t_q.data ? tq : NULL, a->d_out.data ? dout : NULL,
                                          a->d_t_out.data ? G : NULL, k, tk_src->data ? tk : NULL,
                                          v, tv_src->data ? tv : NULL, lse, mu, g_mu, Dp, c, E);
@@ -499,100 +434,125 @@ static void FN(jvpb_query_row)(const nbhd_geometry *g, const nbhd_forward_jvp_ba
         if (tk_src->data) FN(axpy)(acc, pr.dts, tk, D);
         FN(axpy)(acc_t, pr.dts, k, D);
     }
-    FN(store_row)(&a->d_q, token_offset(&a->d_q, g, ri.b, c3[0], c3[1], c3[2], ri.h), acc, scale, D, dt);
+    FN(store_row)(&a->d_q, FN(row_at)(&a->d_q, g, &ri), acc, scale, D, dt);
     if (a->d_t_q.data)
-        FN(store_row)(&a->d_t_q, token_offset(&a->d_t_q, g, ri.b, c3[0], c3[1], c3[2], ri.h), acc_t, scale, D, dt);
+        FN(store_row)(&a->d_t_q, FN(row_at)(&a->d_t_q, g, &ri), acc_t, scale, D, dt);
 }
 
-/* pass 2, key-stationary over the inverse neighborhood of key row r ([B, tokens, Hkv]):
- * dK, dtK, dV, dtV */
+/* pass 2 (all_queries NULL), key-stationary over the inverse neighborhood of key row r
+ * ([B, tokens, Hkv]): dK, dtK, dV, dtV; pass 3, extra key row r ([B, extra, Hkv]), seen by every
+ * query (all_queries): dKx, dtKx, dVx, dtVx */
 static void FN(jvpb_key_row)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, const double *ws,
-                             int64_t r, const FN(jvpb_rows) *w) {
+                             int64_t r, const nbhd_keyset *all_queries, const FN(jvpb_rows) *w) {
     const int D = g->head_dim, Dv = g->head_dim_v;
-    const nbhd_dtype dt = g->dtype;
     const ACC scale = (ACC)g->scale;
     ACC *k = w->k, *tk = w->tk, *v = w->v, *tv = w->tv;
-    const int64_t hk = r % g->kv_heads, tok = (r / g->kv_heads) % g->tokens,
-                  b = r / (g->kv_heads * g->tokens);
-    int64_t c3[3];
-    token_coords(g, tok, c3);
-    FN(load_row)(k, &a->k, token_offset(&a->k, g, b, c3[0], c3[1], c3[2], hk), D, dt);
-    FN(load_row)(v, &a->v, token_offset(&a->v, g, b, c3[0], c3[1], c3[2], hk), Dv, dt);
-    if (a->t_k.data) FN(load_row)(tk, &a->t_k, token_offset(&a->t_k, g, b, c3[0], c3[1], c3[2], hk), D, dt);
-    if (a->t_v.data) FN(load_row)(tv, &a->t_v, token_offset(&a->t_v, g, b, c3[0], c3[1], c3[2], hk), Dv, dt);
-    const nbhd_keyset qs = inverse_window_of(g, tok);
-    FN(jvp_key_gradients)(g, a, ws, b, hk, &qs, k, a->t_k.data ? tk : NULL, v,
-                          a->t_v.data ? tv : NULL, w->q, w->tq, w->dout, w->G, w->acc, w->acc_t, w->acc_v,
-                          w->acc_tv);
-    FN(store_row)(&a->d_k, token_offset(&a->d_k, g, b, c3[0], c3[1], c3[2], hk), w->acc, scale, D, dt);
-    FN(store_row)(&a->d_v, token_offset(&a->d_v, g, b, c3[0], c3[1], c3[2], hk), w->acc_v, 1, Dv, dt);
-    if (a->d_t_k.data)
-        FN(store_row)(&a->d_t_k, token_offset(&a->d_t_k, g, b, c3[0], c3[1], c3[2], hk), w->acc_t, scale, D, dt);
-    if (a->d_t_v.data)
-        FN(store_row)(&a->d_t_v, token_offset(&a->d_t_v, g, b, c3[0], c3[1], c3[2], hk), w->acc_tv, 1, Dv, dt);
+    const FN(key_index) ki = FN(key_of)(g, r, all_queries != NULL);
+    const int has_tk = FN(key_tensor)(&ki, &a->t_k, &a->t_kx)->data != NULL;
+    const int has_tv = FN(key_tensor)(&ki, &a->t_v, &a->t_vx)->data != NULL;
+    FN(load_key)(k, &ki, g, &a->k, &a->kx, D);
+    FN(load_key)(v, &ki, g, &a->v, &a->vx, Dv);
+    if (has_tk) FN(load_key)(tk, &ki, g, &a->t_k, &a->t_kx, D);
+    if (has_tv) FN(load_key)(tv, &ki, g, &a->t_v, &a->t_vx, Dv);
+    const nbhd_keyset qs = all_queries ? *all_queries : inverse_window_of(g, ki.i);
+    FN(jvp_key_gradients)(g, a, ws, ki.b, ki.hk, &qs, k, has_tk ? tk : NULL, v, has_tv ? tv : NULL, w->q, w->tq,
+                          w->dout, w->G, w->acc, w->acc_t, w->acc_v, w->acc_tv);
+    FN(store_key)(&ki, g, &a->d_k, &a->d_kx, w->acc, scale, D);
+    FN(store_key)(&ki, g, &a->d_v, &a->d_vx, w->acc_v, 1, Dv);
+    if (FN(key_tensor)(&ki, &a->d_t_k, &a->d_t_kx)->data)
+        FN(store_key)(&ki, g, &a->d_t_k, &a->d_t_kx, w->acc_t, scale, D);
+    if (FN(key_tensor)(&ki, &a->d_t_v, &a->d_t_vx)->data)
+        FN(store_key)(&ki, g, &a->d_t_v, &a->d_t_vx, w->acc_tv, 1, Dv);
 }
 
-/* pass 3, extra key row r ([B, extra, Hkv]), seen by every query (all_queries): dKx, dtKx, dVx,
- * dtVx */
-static void FN(jvpb_extra_row)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, const double *ws,
-                               int64_t r, const nbhd_keyset *all_queries, const FN(jvpb_rows) *w) {
-    const int D = g->head_dim, Dv = g->head_dim_v;
-    const nbhd_dtype dt = g->dtype;
-    const ACC scale = (ACC)g->scale;
-    ACC *k = w->k, *tk = w->tk, *v = w->v, *tv = w->tv;
-    const int64_t hk = r % g->kv_heads, ex = (r / g->kv_heads) % g->extra_kv,
-                  b = r / (g->kv_heads * g->extra_kv);
-    FN(load_row)(k, &a->kx, extra_offset(&a->kx, b, ex, hk), D, dt);
-    FN(load_row)(v, &a->vx, extra_offset(&a->vx, b, ex, hk), Dv, dt);
-    if (a->t_kx.data) FN(load_row)(tk, &a->t_kx, extra_offset(&a->t_kx, b, ex, hk), D, dt);
-    if (a->t_vx.data) FN(load_row)(tv, &a->t_vx, extra_offset(&a->t_vx, b, ex, hk), Dv, dt);
-    FN(jvp_key_gradients)(g, a, ws, b, hk, all_queries, k, a->t_kx.data ? tk : NULL, v,
-                          a->t_vx.data ? tv : NULL, w->q, w->tq, w->dout, w->G, w->acc, w->acc_t, w->acc_v,
-                          w->acc_tv);
-    FN(store_row)(&a->d_kx, extra_offset(&a->d_kx, b, ex, hk), w->acc, scale, D, dt);
-    FN(store_row)(&a->d_vx, extra_offset(&a->d_vx, b, ex, hk), w->acc_v, 1, Dv, dt);
-    if (a->d_t_kx.data) FN(store_row)(&a->d_t_kx, extra_offset(&a->d_t_kx, b, ex, hk), w->acc_t, scale, D, dt);
-    if (a->d_t_vx.data) FN(store_row)(&a->d_t_vx, extra_offset(&a->d_t_vx, b, ex, hk), w->acc_tv, 1, Dv, dt);
-}
+// ----------------------------------------------------------------------------
+// the ops: their passes over rows, on every thread
 
-static nbhd_status FN(forward_jvp_backward)(const nbhd_geometry *g,
-                                            const nbhd_forward_jvp_backward_args *a,
-                                            const nbhd_exec *e) {
-    const int D = g->head_dim, Dv = g->head_dim_v;
-    const int64_t rows = g->batch * g->tokens * g->heads;
-    const int64_t key_rows = g->has_window ? g->batch * g->tokens * g->kv_heads : 0;
-    const int64_t extra_rows = g->batch * g->extra_kv * g->kv_heads;
-    double *ws = (double *)e->workspace;  /* (D', c, E) per query row */
-    const nbhd_keyset all_queries = {{0, 0, 0},
-                                     {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent},
-                                     {1, 1, 1}, g->tokens, 0};
-    int failed = 0;
-#pragma omp parallel num_threads(nbhd_cpu_threads(e))
-    {
-        const size_t width = (size_t)(D > Dv ? D : Dv);
-        ACC *buf = (ACC *)malloc(sizeof(ACC) * 14 * width);
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
+/* A call: its op (the one of fwd, jvp, bwd and jvpb given) and what its rows share: the workspace
+ * ws (the backwards' scalars per query row) and every query token (all_queries, the extra keys'
+ * queries) */
+typedef struct {
+    const nbhd_geometry *g;
+    const nbhd_forward_args *fwd;
+    const nbhd_forward_jvp_args *jvp;
+    const nbhd_backward_args *bwd;
+    const nbhd_forward_jvp_backward_args *jvpb;
+    double *ws;
+    nbhd_keyset all_queries;
+} FN(call);
+
+/* row r of pass `pass` of c's op, with a thread's scratch buf (the backwards: rows of `width`
+ * elements, FN(bwd_rows) or FN(jvpb_rows)) */
+static void FN(pass_row)(const FN(call) *c, int pass, int64_t r, ACC *buf, size_t width) {
+    const nbhd_geometry *g = c->g;
+    if (c->fwd) FN(forward_row)(g, c->fwd, r, buf);
+    else if (c->jvp) FN(forward_jvp_row)(g, c->jvp, r, buf);
+    else if (c->bwd) {
+        const FN(bwd_rows) w = {buf, buf + width, buf + 2 * width, buf + 3 * width, buf + 4 * width,
+                                buf + 5 * width};
+        if (pass == 0) FN(backward_query_row)(g, c->bwd, c->ws, r, &w);
+        else FN(backward_key_row)(g, c->bwd, c->ws, r, pass == 2 ? &c->all_queries : NULL, &w);
+    } else {
         const FN(jvpb_rows) w = {buf, buf + width, buf + 2 * width, buf + 3 * width, buf + 4 * width,
                                  buf + 5 * width, buf + 6 * width, buf + 7 * width, buf + 8 * width,
                                  buf + 9 * width, buf + 10 * width, buf + 11 * width, buf + 12 * width,
                                  buf + 13 * width};
+        if (pass == 0) FN(jvpb_query_row)(g, c->jvpb, c->ws, r, &w);
+        else FN(jvpb_key_row)(g, c->jvpb, c->ws, r, pass == 2 ? &c->all_queries : NULL, &w);
+    }
+}
 
+/* The op of fwd, jvp, bwd, jvpb (one given) on exec's threads: the forwards one pass over the query
+ * rows; the backwards pass 1 over the query rows (each writes its row's scalars into the workspace:
+ * D_i, or (D', c, E) through the JVP; the implicit barrier ends it before the others read them),
+ * pass 2 key-stationary over each key row's inverse neighborhood, pass 3 over the extra key rows,
+ * which every query sees. Each thread allocates its scratch rows. */
+static nbhd_status FN(run)(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_forward_args *fwd,
+                           const nbhd_forward_jvp_args *jvp, const nbhd_backward_args *bwd,
+                           const nbhd_forward_jvp_backward_args *jvpb) {
+    const int D = g->head_dim, Dv = g->head_dim_v;
+    const FN(call) c = {g, fwd, jvp, bwd, jvpb, (double *)e->workspace,
+                        {{0, 0, 0}, {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent}, {1, 1, 1},
+                         g->tokens, 0}};
+    const int64_t rows[3] = {g->batch * g->tokens * g->heads,
+                             g->has_window ? g->batch * g->tokens * g->kv_heads : 0,
+                             g->batch * g->extra_kv * g->kv_heads};
+    const size_t width = (size_t)(D > Dv ? D : Dv);
+    const size_t elems = fwd ? 2 * (size_t)D + 2 * (size_t)Dv
+                       : jvp ? 4 * (size_t)D + 4 * (size_t)Dv : (bwd ? 6 : 14) * width;
+    const char *what = fwd ? "forward" : jvp ? "forward_jvp" : bwd ? "backward" : "forward_jvp_backward";
+    int failed = 0;
+#pragma omp parallel num_threads(nbhd_cpu_threads(e))
+    {
+        ACC *buf = (ACC *)malloc(sizeof(ACC) * elems);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int pass = 0; pass < (fwd || jvp ? 1 : 3); ++pass) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r)
-            if (buf) FN(jvpb_query_row)(g, a, ws, r, &w);
-
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < key_rows; ++r)
-            if (buf) FN(jvpb_key_row)(g, a, ws, r, &w);
-
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < extra_rows; ++r)
-            if (buf) FN(jvpb_extra_row)(g, a, ws, r, &all_queries, &w);
+            for (int64_t r = 0; r < rows[pass]; ++r)
+                if (buf) FN(pass_row)(&c, pass, r, buf, width);
+        }
         free(buf);
     }
-    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp_backward: out of host memory for scratch rows")
-                  : NBHD_OK;
+    return failed ? nbhd_fail(NBHD_ERR_ALLOC, "%s: out of host memory for scratch rows", what) : NBHD_OK;
+}
+
+static nbhd_status FN(forward)(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e) {
+    return FN(run)(g, e, a, NULL, NULL, NULL);
+}
+
+static nbhd_status FN(forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
+                                   const nbhd_exec *e) {
+    return FN(run)(g, e, NULL, a, NULL, NULL);
+}
+
+static nbhd_status FN(backward)(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e) {
+    return FN(run)(g, e, NULL, NULL, a, NULL);
+}
+
+static nbhd_status FN(forward_jvp_backward)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                            const nbhd_exec *e) {
+    return FN(run)(g, e, NULL, NULL, NULL, a);
 }
