@@ -3,7 +3,7 @@
  * the set-up of a call, one OpenMP team per call, the slabs one at a time, each a sequence of
  * phases (a static `omp for` over the phase's items: packing, then the op's work items), the
  * per-thread scratch, and the reference kernels for the slabs whose packed operands are not all
- * finite. forward.h, forward_jvp.h and backward.h give it their phases.
+ * finite. forward.h, forward_jvp.h, backward.h and forward_jvp_backward.h give it their phases.
  */
 
 /* One call of a fast kernel: the problem, its blocking, its packed workspace. An op's context
@@ -57,7 +57,14 @@ static inline float *FAST(align64)(void *p) { return (float *)(((uintptr_t)p + 6
 
 /* the tile message's name of op */
 static const char *FAST(op_title)(nbhd_op op) {
-    return op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward+JVP" : "backward";
+    return op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward+JVP"
+         : op == NBHD_OP_BACKWARD ? "backward" : "backward through forward+JVP";
+}
+
+/* the op's name in messages */
+static const char *FAST(op_name)(nbhd_op op) {
+    return op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward_jvp"
+         : op == NBHD_OP_BACKWARD ? "backward" : "forward_jvp_backward";
 }
 
 static void FAST(call_free)(FAST(call) *c) {
@@ -72,7 +79,7 @@ static nbhd_status FAST(call_init)(FAST(call) *c, const nbhd_geometry *g, const 
     c->g = g;
     c->e = e;
     c->op = op;
-    c->name = op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward_jvp" : "backward";
+    c->name = FAST(op_name)(op);
     const int lines = FAST(tile_lines)(e, g, MAXLINES);
     if (!lines)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "exec.q_tile/kv_tile is not a tile of the fast CPU %s (see nbhd_tile_configs)",
