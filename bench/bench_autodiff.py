@@ -39,8 +39,11 @@ def rss_kib(field):
     return 0
 
 
+STAT = statistics.median   # --min: the fastest run, steadier where other work shares the cores
+
+
 def measure(fn, repeats):
-    """(median seconds, peak extra MiB over the resident set before the call)."""
+    """(STAT of the seconds, peak extra MiB over the resident set before the call)."""
     fn()  # warm up
     gc.collect()
     try:
@@ -51,7 +54,7 @@ def measure(fn, repeats):
     base = rss_kib("VmRSS:")
     times = sample(fn, rounds=repeats)
     peak = max(rss_kib("VmHWM:") - base, 0)
-    return statistics.median(times), peak / 1024
+    return STAT(times), peak / 1024
 
 
 def cases(rank, spatial, kernel, B, H, D):
@@ -122,7 +125,13 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--only", default=None, help="substrings of problem names, comma-separated")
     ap.add_argument("--fused-only", action="store_true", help="skip the unfused path (its columns read nan)")
+    ap.add_argument("--min", action="store_true", help="report the fastest run, not the median")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (nbhd takes as many)")
     args = ap.parse_args()
+    global STAT
+    STAT = min if args.min else statistics.median
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, nbhd {nbhd.version()}")
     header = f"{'problem':<16} {'path':<12} {'fused ms':>9} {'unfused ms':>11} {'speedup':>8} {'fused MiB':>10} {'unfused MiB':>12}"
     print(header)

@@ -228,47 +228,49 @@ static void FAST(fjb_q_start)(const FAST(fjb) *f, FAST(fjb_scratch) *s, const FA
     }
 }
 
+/* pass 1's four products of one segment */
+static void FAST(fjb_q_seg)(void *ctx, const FAST(segment) *g) {
+    const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
+    const FAST(fjb) *f = (const FAST(fjb) *)w->f;
+    FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)w->s;
+    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP, ko = g->ln * D * ZP + w->at + g->p,
+                  vo = g->ln * Dv * ZP + w->at + g->p;
+    float *Wr[4][MAXLINES];
+    const float *Ar[4][MAXLINES];
+    for (int k = 0; k < 4; ++k) {
+        FAST(segment_at)(Wr[k], s->W[k], w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
+        for (int r = g->ra; r < g->rb; ++r) Ar[k][r - g->ra] = s->A[k][r];
+    }
+    const float *b[4] = {f->KT + ko, f->TKT + ko, f->VT + vo, f->TVT + vo};
+    float *const *Wp[4] = {Wr[0], Wr[1], Wr[2], Wr[3]};
+    const float *const *Ap[4] = {Ar[0], Ar[1], Ar[2], Ar[3]};
+    FAST(fjb_q_products)(f, Wp, Ap, g->rb - g->ra, b, ZP, g->ns, w->it->zd.bcast, f->has_tk, f->has_tv);
+    s->v[0][g->ne] = b[0];
+    s->v[1][g->ne] = b[1];
+}
+
+/* pass 1's pair step on line r's row at slot vector o (Z lines are pure shifts: nothing masked) */
+static void FAST(fjb_q_line)(void *ctx, int r, int64_t o) {
+    const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
+    const FAST(fjb) *f = (const FAST(fjb) *)w->f;
+    FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)w->s;
+    const FAST(qitem) *it = w->it;
+    float *Wl[4] = {s->W[0][r], s->W[1][r], s->W[2][r], s->W[3][r]};
+    if (it->zd.masked) FAST(apply_mask)(Wl[0] + o, 1, w->u->nn, &it->zd, it->zd.base + w->u->c0, -INFINITY);
+    FAST(fjb_query_pairs)(Wl, o, w->u->nn, ((const FAST(fjb_rows) *)w->rows)[r], f->has_g, f->has_g || f->has_do);
+}
+
 /* One unit of a pass 1 item: the products of its key rows per line, the pair step, then
  * (dtQ, dQ) += (dtS, dS) on (K, tK) (km: the tile's key side) */
 static void FAST(fjb_q_unit)(const FAST(fjb) *f, FAST(fjb_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
                              const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const FAST(fjb_rows) *rq) {
-    const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, nn = u->nn, at = FAST(map_z)(km, G, it->gr) + it->zd.base + u->c0;
-    int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
-    for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t ln = FAST(qrow_line)(km, it, line0, u->r0 + t), ko = ln * D * ZP + at, vo = ln * Dv * ZP + at;
-        FAST(rowsegs) ys;
-        const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, nn);
-        for (int i = 0; i < sg->n; ++i, ++ne) {
-            const int ra = sg->ra[i], rb = sg->rb[i];
-            const int64_t p = sg->p[i];
-            float *Wr[4][MAXLINES];
-            const float *Ar[4][MAXLINES];
-            for (int k = 0; k < 4; ++k)
-                for (int r = ra; r < rb; ++r) {
-                    Wr[k][r - ra] = s->W[k][r] + 16 * (nn * cnt[r] + p - FAST(line_zoff)(it, r));
-                    Ar[k][r - ra] = s->A[k][r];
-                }
-            const float *b[4] = {f->KT + ko + p, f->TKT + ko + p, f->VT + vo + p, f->TVT + vo + p};
-            float *const *Wp[4] = {Wr[0], Wr[1], Wr[2], Wr[3]};
-            const float *const *Ap[4] = {Ar[0], Ar[1], Ar[2], Ar[3]};
-            FAST(fjb_q_products)(f, Wp, Ap, rb - ra, b, ZP, sg->ns[i], it->zd.bcast, f->has_tk, f->has_tv);
-            s->ra[ne] = (int8_t)ra;
-            s->rb[ne] = (int8_t)rb;
-            s->v[0][ne] = b[0];
-            s->v[1][ne] = b[1];
-            s->ns[ne] = (int32_t)sg->ns[i];
-        }
-        for (int r = sg->la; r < sg->lb; ++r) {   /* Z lines are pure shifts: nothing masked */
-            const int64_t o = 16 * nn * cnt[r]++;
-            float *Wl[4] = {s->W[0][r], s->W[1][r], s->W[2][r], s->W[3][r]};
-            if (it->zd.masked) FAST(apply_mask)(Wl[0] + o, 1, nn, &it->zd, it->zd.base + u->c0, -INFINITY);
-            FAST(fjb_query_pairs)(Wl, o, nn, rq[r], f->has_g, f->has_g || f->has_do);
-        }
-    }
+    int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rq);
+    const FAST(visit) v = {FAST(fjb_q_seg), FAST(fjb_q_line), &w};
+    const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     const FAST(rowset) rs = {s->ra, s->rb, s->v[0], ne, it->zlines ? s->ns : NULL};
-    FAST(jvp_values)(s->O[1], s->O[0], it->nly, D, (const float *const *)s->W[2], (const float *const *)s->W[3], &rs,
-                     s->v[1], nn, ZP, it->zd.bcast, f->has_tk);
+    FAST(jvp_values)(s->O[1], s->O[0], it->nly, f->c.G.D, (const float *const *)s->W[2], (const float *const *)s->W[3],
+                     &rs, s->v[1], u->nn, km->ZP, it->zd.bcast, f->has_tk);
 }
 
 /* line r after its window: the extra keys of the slab's key head xo into its dQ, dtQ */
@@ -362,8 +364,10 @@ static void FAST(fjb_k_start)(const FAST(fjb) *f, FAST(fjb_scratch) *s, const FA
 
 /* One unit of a pass 2 item for one query head (line0: the packed line of its query row 0 in
  * qm, the tile's query side): the products per line, the pair step, the key sums */
-static void FAST(fjb_k_unit)(const FAST(fjb) *f, FAST(fjb_scratch) *s, const FAST(map) *qm, const FAST(kitem) *it,
+static void FAST(fjb_k_unit)(const FAST(call) *c, void *scratch, const FAST(map) *qm, const FAST(kitem) *it,
                              int64_t line0, const FAST(unit) *u) {
+    const FAST(fjb) *f = (const FAST(fjb) *)c;
+    FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
     const FAST(geo) *G = &f->c.G;
     const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP, nn = u->nn, at = FAST(map_z)(qm, G, it->gr) + it->zd.base + u->c0;
     const int bcast = it->zd.bcast;
@@ -414,14 +418,8 @@ static int FAST(fjb_k_item)(const FAST(call) *c, void *scratch, const FAST(slab)
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
     FAST(kitem) it;
     FAST(kitem_of)(&it, c, sl, w);
-    const FAST(map) *qm = &sl->tile.qm;
     FAST(fjb_k_start)(f, s, &sl->tile.km, &it, it.hk - sl->hk0);
-    for (int64_t h = it.hk * c->G.G; it.first < it.nly && h < (it.hk + 1) * c->G.G; ++h) {
-        const int64_t line0 = (h - sl->h0) * qm->lines + FAST(map_line)(qm, it.fx, it.fy[it.first]);
-        FAST(unit) u;
-        for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-            FAST(fjb_k_unit)(f, s, qm, &it, line0, &u);
-    }
+    FAST(key_item_units)(c, s, sl, &it, FAST(fjb_k_unit));
     const nbhd_forward_jvp_backward_args *a = f->a;
     const nbhd_tensor *out[4] = {&a->d_k, &a->d_t_k, &a->d_v, &a->d_t_v};
     for (int r = 0; r < it.nly; ++r) {
@@ -457,24 +455,12 @@ static void FAST(fjb_x_unit)(const FAST(fjb) *f, FAST(fjb_scratch) *s, int64_t n
     FAST(fjb_key_sums)(f, s, O, 1, nr, nn, ld, 1);
 }
 
-static int64_t FAST(fjb_x_count)(const FAST(call) *c, const FAST(slab) *sl) {
-    return sl->nh * ((c->G.S + 15) / 16);
-}
-
-/* A pass 3 unit's query rows (query head h, Z group gr): those packed with the slab (rows of
- * its one tile, whole heads); returns their stride */
+/* A pass 3 unit's query rows (query head h, Z group gr) packed with the slab (whole heads) */
 static int64_t FAST(fjb_x_packed)(const FAST(fjb) *f, FAST(fjb_scratch) *s, const FAST(slab) *sl, int64_t h,
                                   int64_t gr, const FAST(unit) *u) {
-    const FAST(geo) *G = &f->c.G;
-    const FAST(map) *qm = &sl->tile.qm;
-    const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP, at = FAST(map_z)(qm, G, gr) + u->c0;
-    for (int64_t r = 0; r < u->nr; ++r) {
-        const int64_t ln = (h - sl->h0) * qm->lines + u->r0 + r;
-        const float *rows[8] = {f->QT + ln * D * ZP, f->TQT + ln * D * ZP, f->GT + ln * Dv * ZP, f->DOT + ln * Dv * ZP,
-                                f->LR + ln * ZP, f->MR + ln * ZP, f->ER + ln * ZP, f->CR + ln * ZP};
-        for (int k = 0; k < 8; ++k) s->p[k][r] = rows[k] + at;
-    }
-    return ZP;
+    const float *const base[8] = {f->QT, f->TQT, f->GT, f->DOT, f->LR, f->MR, f->ER, f->CR};
+    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, width[8] = {D, D, Dv, Dv, 1, 1, 1, 1};
+    return FAST(x_packed_rows)((const float **const *)s->p, base, width, 8, &f->c.G, sl, h, gr, u);
 }
 
 /* the element of tensor t at (b, x, y, z, h) times mul into dst[d * n], d < dim */
@@ -557,47 +543,30 @@ static int FAST(fjb_x_item)(const FAST(call) *c, void *scratch, const FAST(slab)
 // ----------------------------------------------------------------------------
 // entry
 
-static nbhd_status FAST(fjb_reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh) {
-    return nbhd_cpu_fast_slab_forward_jvp_backward(c->g, ((const FAST(fjb) *)c)->a, c->e, b, hk0, nh);
-}
-
 /* the packed tensors: the key side K, tK (even items' halves), V, tV (odd ones'), unscaled; the
  * query side's arrays */
 static void FAST(fjb_packed)(FAST(fjb) *f, const nbhd_forward_jvp_backward_args *a) {
     float *ws = f->c.ws;
     const FAST(layout_t) *L = &f->c.L;
-    const int64_t D = f->c.G.D, Dv = f->c.G.Dv;
     f->KT = ws + L->kt; f->VT = ws + L->vt; f->KXT = ws + L->kxt; f->VXT = ws + L->vxt;
     f->TKT = ws + L->tkt; f->TVT = ws + L->tvt; f->TKXT = ws + L->tkxt; f->TVXT = ws + L->tvxt;
     f->QT = ws + L->qt; f->TQT = ws + L->tqt; f->DOT = ws + L->dot; f->GT = ws + L->gt;
     f->LR = ws + L->lr; f->MR = ws + L->mr; f->ER = ws + L->dr; f->CR = ws + L->cr;
-    f->c.pk[0] = (FAST(packed)){ws + L->kt, ws + L->kxt, &a->k, &a->kx, D, 1.0f};
-    f->c.pk[1] = (FAST(packed)){ws + L->vt, ws + L->vxt, &a->v, &a->vx, Dv, 1.0f};
-    f->c.pk[2] = (FAST(packed)){ws + L->tkt, ws + L->tkxt, f->has_tk ? &a->t_k : NULL, f->has_tkx ? &a->t_kx : NULL,
-                                D, 1.0f};
-    f->c.pk[3] = (FAST(packed)){ws + L->tvt, ws + L->tvxt, f->has_tv ? &a->t_v : NULL, f->has_tvx ? &a->t_vx : NULL,
-                                Dv, 1.0f};
-    f->c.np = 4;
+    const nbhd_tensor *kv[4] = {&a->k, &a->v, &a->kx, &a->vx};
+    const nbhd_tensor *tk[4] = {f->has_tk ? &a->t_k : NULL, f->has_tv ? &a->t_v : NULL,
+                                f->has_tkx ? &a->t_kx : NULL, f->has_tvx ? &a->t_vx : NULL};
+    FAST(key_side)(&f->c, kv, tk, 1.0f);
 }
 
 static nbhd_status FAST(nbhd_cpu_fast_forward_jvp_backward)(const nbhd_geometry *g,
                                                             const nbhd_forward_jvp_backward_args *a,
                                                             const nbhd_exec *e) {
-    /* as the backward's: no barrier between the passes of a slab of whole heads; on tiles, pass 2
-     * waits for every thread before the next tile packs, and pass 3 runs after the tiles */
-    static const FAST(phase) phases[5] = {{FAST(pack_count), FAST(pack_kv), 1, 0},
-                                          {FAST(fjb_pack_q_count), FAST(fjb_pack_q), 1, 1},
-                                          {FAST(qitem_count), FAST(fjb_q_item), 0, 0},
-                                          {FAST(bwd_k_count), FAST(fjb_k_item), 0, 0},
-                                          {FAST(fjb_x_count), FAST(fjb_x_item), 0, 1}};
-    static const FAST(phase) tiled[4] = {{FAST(pack_count), FAST(pack_kv), 1, 0},
-                                         {FAST(fjb_pack_q_count), FAST(fjb_pack_q), 1, 1},
-                                         {FAST(qitem_count), FAST(fjb_q_item), 0, 0},
-                                         {FAST(bwd_k_count), FAST(fjb_k_item), 0, 1}};
-    static const FAST(driver) whole = {phases, NULL, 5, 0, FAST(fjb_scratch_new), FAST(fjb_reference)};
-    static const FAST(driver) tiles = {tiled, phases + 4, 4, 1, FAST(fjb_scratch_new), FAST(fjb_reference)};
+    static const FAST(phase) pack_q = {FAST(fjb_pack_q_count), FAST(fjb_pack_q), 1, 1},
+                             q = {FAST(qitem_count), FAST(fjb_q_item), 0, 0},
+                             k = {FAST(bwd_k_count), FAST(fjb_k_item), 0, 0},
+                             x = {FAST(bwd_x_count), FAST(fjb_x_item), 0, 1};
     FAST(fjb) f;
-    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD_JVP_BACKWARD);
+    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD_JVP_BACKWARD, a);
     if (st != NBHD_OK) return st;
     f.a = a;
     f.qmul = (float)(g->scale * LOG2E);
@@ -611,7 +580,8 @@ static nbhd_status FAST(nbhd_cpu_fast_forward_jvp_backward)(const nbhd_geometry 
     FAST(fjb_packed)(&f, a);
     /* dQ, dK, dV and their tangents' gradients: written once, not read here */
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, f.c.G.D + f.c.G.Dv, 2);
-    st = FAST(drive)(&f.c, f.c.plan.tiled ? &tiles : &whole);
+    FAST(passes) P;
+    st = FAST(drive)(&f.c, FAST(backward_passes)(&P, f.c.plan.tiled, pack_q, q, k, x, FAST(fjb_scratch_new)));
     FAST(call_free)(&f.c);
     return st;
 }
