@@ -17,6 +17,7 @@ import csv
 import gc
 import statistics
 import sys
+import time
 
 import torch
 
@@ -40,6 +41,18 @@ def rss_kib(field):
 
 
 STAT = statistics.median   # --min: the fastest run, steadier where other work shares the cores
+CPU_TIME = False           # --cpu-time: the process's CPU seconds, not the wall clock's
+
+
+def cpu_times(fn, repeats):
+    """CPU seconds of the process per call (one thread: its time on a core, whatever else the
+    machine runs; with more threads, their sum)."""
+    out = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        out.append(time.process_time() - t0)
+    return out
 
 
 def measure(fn, repeats):
@@ -52,7 +65,7 @@ def measure(fn, repeats):
     except OSError:
         pass
     base = rss_kib("VmRSS:")
-    times = sample(fn, rounds=repeats)
+    times = sample(fn, rounds=repeats) if not CPU_TIME else cpu_times(fn, repeats)
     peak = max(rss_kib("VmHWM:") - base, 0)
     return STAT(times), peak / 1024
 
@@ -127,9 +140,12 @@ def main():
     ap.add_argument("--fused-only", action="store_true", help="skip the unfused path (its columns read nan)")
     ap.add_argument("--min", action="store_true", help="report the fastest run, not the median")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (nbhd takes as many)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by the process's CPU seconds (steadier on a shared machine with --threads 1)")
     args = ap.parse_args()
-    global STAT
+    global STAT, CPU_TIME
     STAT = min if args.min else statistics.median
+    CPU_TIME = args.cpu_time
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, nbhd {nbhd.version()}")

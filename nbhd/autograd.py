@@ -72,6 +72,8 @@ def _eager_function(name: str, rule: Rule, doc: str):
     def setup_context(ctx, inputs, output):
         tensors = inputs[:-1]
         ctx.extra = extra = inputs[-1]
+        if rule.sparse:
+            ctx.set_materialize_grads(False)
         if optional:
             ctx.absent = _absent(rule, tensors)
         for_backward, for_forward, ctx.info = save(tensors, output, extra)
@@ -146,6 +148,8 @@ def _register(rule: Rule) -> None:
     def setup_context(ctx, inputs, output):
         tensors, extra = split(inputs)
         ctx.extra = extra
+        if rule.sparse:
+            ctx.set_materialize_grads(False)
         ctx.absent = _absent(rule, tensors) if rule.optional else ()
         for_backward, _, ctx.info = save(tensors, output, extra)
         ctx.save_for_backward(*for_backward)
