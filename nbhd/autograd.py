@@ -60,7 +60,6 @@ def _eager_function(name: str, rule: Rule, doc: str):
     (ops.call), backward and jvp by the rule with the Functions as its Calls."""
     op, call = getattr(ops, rule.op), ops.call
     op_args, save, vjp, jvp, optional = rule.op_args, rule.save, rule.vjp, rule.jvp, rule.optional
-    sparse = rule.sparse_cotangents
 
     # the forward and its context run on every eager call: kept to what the rule needs
     if rule.geometry:
@@ -73,7 +72,7 @@ def _eager_function(name: str, rule: Rule, doc: str):
     def setup_context(ctx, inputs, output):
         tensors = inputs[:-1]
         ctx.extra = extra = inputs[-1]
-        if sparse:
+        if rule.sparse:
             ctx.set_materialize_grads(False)
         if optional:
             ctx.absent = _absent(rule, tensors)
@@ -149,7 +148,7 @@ def _register(rule: Rule) -> None:
     def setup_context(ctx, inputs, output):
         tensors, extra = split(inputs)
         ctx.extra = extra
-        if rule.sparse_cotangents:
+        if rule.sparse:
             ctx.set_materialize_grads(False)
         ctx.absent = _absent(rule, tensors) if rule.optional else ()
         for_backward, _, ctx.info = save(tensors, output, extra)

@@ -78,7 +78,9 @@ class Rule:
     split     the op's arguments -> (tensors, extra)
     op_grads  (gradients per tensor, extra) -> the op's gradients (None for non-tensors)
     geometry  extra is a Geometry whose args() follow the tensors (the na_* ops)
-    sparse_cotangents  vjp takes None for an output that got no gradient (unmaterialized)
+    sparse    vjp takes None for the cotangent of an output the loss does not use (a zero):
+              autograd passes None rather than materialized zeros, and the fused kernels skip
+              the products of absent cotangents and tangents (the second-order rules)
     """
     op: str
     tensors: int
@@ -90,7 +92,7 @@ class Rule:
     split: Callable
     op_grads: Callable
     geometry: bool = False
-    sparse_cotangents: bool = False
+    sparse: bool = False
 
 
 def _fused(device: torch.device) -> bool:
@@ -200,7 +202,8 @@ def _backward_vjp(calls, saved, fused, geometry, grads):
     if fused:
         # the cotangents g on (dq, ...) act as a tangent of the forward:
         # d/d(d_out, d_lse) <g, J^T c> = J g and d/dx <g, J(x)^T c> = grad_x <c, J(x) g>
-        x_grads, t_out, t_lse = second_order(calls, x, zeros_for(grads, x), d_out, d_lse, geometry)
+        # a None cotangent (an output the loss does not use) is a zero tangent: skipped
+        x_grads, t_out, t_lse = second_order(calls, x, grads, d_out, d_lse, geometry)
         return (*x_grads, None, None, t_out, t_lse)
     d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
     gq, gk, gv, gkx, gvx, gdo, gdl = _vjp(lambda *p: _reference_backward(*p, geometry),
@@ -232,9 +235,10 @@ def _backward_jvp(calls, saved, fused, geometry, tangents):
 # na_forward_jvp: (q, k, v, kx, vx, tq, tk, tv, tkx, tvx) -> (out, lse, t_out, t_lse)
 
 def _forward_jvp_save(tensors, outputs, geometry):
+    # the backward keeps absent tangents absent (the fused kernel skips their products)
     primals = tensors[:5]
     both = (*primals, *zeros_for(tensors[5:], primals))
-    return (*both, *outputs), both, _fused(primals[0].device)
+    return (*tensors, *outputs), both, _fused(primals[0].device)
 
 
 def _forward_jvp_vjp(calls, saved, fused, geometry, grads):
@@ -250,6 +254,7 @@ def _forward_jvp_vjp(calls, saved, fused, geometry, grads):
     if fused:
         return calls.forward_jvp_backward(*inputs, out, lse, t_out, t_lse, *grads, geometry)
     outs = (out, lse, t_out, t_lse)
+    inputs = (*inputs[:5], *zeros_for(inputs[5:], inputs[:5]))
     return _vjp(lambda *p: _reference_forward_jvp(*p, geometry), inputs, zeros_for(grads, outs))
 
 
@@ -347,20 +352,21 @@ def _merge_jvp(calls, saved, info, n, tangents):
 # the table
 
 def _geometry_op(n_tensors: int, optional: Tuple[int, ...], save, vjp, jvp, name: str,
-                 sparse_cotangents: bool = False) -> Rule:
+                 sparse: bool = False) -> Rule:
     """A rule of an na_* op: `n_tensors` tensors, then the Geometry's six arguments."""
     return Rule(op=name, tensors=n_tensors, optional=optional, save=save, vjp=vjp, jvp=jvp,
                 op_args=lambda tensors, geometry: (*tensors, *geometry.args()),
                 split=lambda args: (args[:n_tensors], Geometry(*args[n_tensors:])),
                 op_grads=lambda grads, geometry: (*grads, None, None, None, None, None, None),
-                geometry=True, sparse_cotangents=sparse_cotangents)
+                geometry=True, sparse=sparse)
 
 
 RULES = {
     "na_forward": _geometry_op(5, (), _forward_save, _forward_vjp, _forward_jvp, "na_forward"),
-    "na_backward": _geometry_op(9, (8,), _backward_save, _backward_vjp, _backward_jvp, "na_backward"),
+    "na_backward": _geometry_op(9, (8,), _backward_save, _backward_vjp, _backward_jvp, "na_backward",
+                                sparse=True),
     "na_forward_jvp": _geometry_op(10, (5, 6, 7, 8, 9), _forward_jvp_save, _forward_jvp_vjp,
-                                   _forward_jvp_jvp, "na_forward_jvp", sparse_cotangents=True),
+                                   _forward_jvp_jvp, "na_forward_jvp", sparse=True),
     "na_forward_jvp_backward": _geometry_op(
         18, (5, 6, 7, 8, 9, 14, 15, 16, 17), _forward_jvp_backward_save, _forward_jvp_backward_vjp,
         _forward_jvp_backward_jvp, "na_forward_jvp_backward"),

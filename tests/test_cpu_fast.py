@@ -290,3 +290,82 @@ def test_amx_backward_matches_reference(idx, monkeypatch):
             assert rel_err(a, t) < TOL[torch.bfloat16], (isa, name, rel_err(a, t))
     for a, b in zip(runs["amx"], runs["avx512"]):
         assert rel_err(a, b) < TOL[torch.bfloat16]
+
+
+# ----------------------------------------------------------------------------
+# the backward through forward+JVP (csrc/cpu/fast/forward_jvp_backward.h) on the same sweep
+
+JVPB_NAMES = ["dq", "dk", "dv", "dkx", "dvx", "dtq", "dtk", "dtv", "dtkx", "dtvx"]
+
+
+def _jvpb_inputs(case, idx, dtype):
+    """Primals, tangents and cotangents; which tangents and cotangents are absent varies by case
+    (every kernel flag: no tQ, tK, tV, tKx, tVx, dO, dLSE, dtO, dtLSE in some case)."""
+    from nbhd.rules import Geometry
+    q, k, v, kx, vx = case.tensors(dtype, seed=idx)
+    B = q.shape[0]
+    if kx is None:
+        kx, vx = q.new_empty(B, 0, *k.shape[-2:]), q.new_empty(B, 0, *v.shape[-2:])
+    g = torch.Generator().manual_seed(200 + idx)
+    rnd = lambda t, dt=dtype: torch.randn(t.shape, generator=g, dtype=torch.float64).to(dt)  # noqa: E731
+    present = [idx % 5 != 4, idx % 3 != 1, idx % 4 != 2, idx % 2 == 0, idx % 3 != 2]
+    tans = [rnd(t) if p else None for t, p in zip((q, k, v, kx, vx), present)]
+    geo = Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, 0.7)
+    return (q, k, v, kx, vx), tans, geo, rnd
+
+
+def _jvpb_run(prims, tans, saved, cot, geo, use_reference):
+    old = ops._OPTIONS["use_reference"]
+    ops._OPTIONS["use_reference"] = use_reference
+    try:
+        poison_allocator()
+        return ops.na_forward_jvp_backward(*prims, *tans, *saved, *cot, *geo.args())
+    finally:
+        ops._OPTIONS["use_reference"] = old
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("idx", range(len(CASES)))
+def test_fast_jvp_backward_matches_reference(idx, dtype, isa, monkeypatch):
+    from torch.func import vjp
+    from nbhd.rules import _reference_forward_jvp
+    monkeypatch.setenv("NBHD_CPU_ISA", isa)
+    case = _case(CASES[idx])
+    prims, tans, geo, rnd = _jvpb_inputs(case, idx, dtype)
+    saved = ops.na_forward_jvp(*prims, *tans, *geo.args())
+    out, lse, t_out, t_lse = saved
+    cot = [rnd(out) if idx % 4 != 3 else None, rnd(lse, torch.float32) if idx % 3 == 0 else None,
+           rnd(t_out) if idx % 6 != 5 else None, rnd(t_lse, torch.float32) if idx % 2 == 1 else None]
+    fast = _jvpb_run(prims, tans, saved, cot, geo, False)
+    ref = _jvpb_run(prims, tans, saved, cot, geo, True)
+    prim64 = [t.double() for t in prims]
+    tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip(tans, prim64)]
+    outs, vjp_fn = vjp(lambda *x: _reference_forward_jvp(*x, geo), *prim64, *tan64)
+    truth = vjp_fn(tuple(c.double() if c is not None else torch.zeros_like(o) for c, o in zip(cot, outs)))
+    tol = TOL[dtype] if dtype != torch.float32 else 5e-5
+    for name, a, r, t in zip(JVPB_NAMES, fast, ref, truth):
+        if not t.numel():
+            continue
+        assert torch.isfinite(a.double()).all(), f"{name}: non-finite values"
+        e_true, e_ref = rel_err(a, t), rel_err(a, r)
+        assert e_true < 2 * tol, f"{name}: rel err vs float64 {e_true:.3g} (tol {tol}) case {CASES[idx]}"
+        assert e_ref < 2 * tol, f"{name}: rel err vs scalar reference {e_ref:.3g} case {CASES[idx]}"
+
+
+def test_jvp_backward_deterministic():
+    spec = ((12, 33), (3, 4), (2, 1), (2, 1), (True, False), 1, 4, 2, 12, 8, 2)
+    case = _case(spec)
+    prims, tans, geo, rnd = _jvpb_inputs(case, 0, torch.float32)
+    saved = ops.na_forward_jvp(*prims, *tans, *geo.args())
+    cot = [rnd(saved[0]), rnd(saved[1]), rnd(saved[2]), rnd(saved[3])]
+    runs = []
+    for threads in (1, 2, 3):
+        ops._OPTIONS["threads"] = threads
+        try:
+            runs.append(_jvpb_run(prims, tans, saved, cot, geo, False))
+        finally:
+            ops._OPTIONS["threads"] = 0
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)

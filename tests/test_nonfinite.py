@@ -192,3 +192,36 @@ def test_nonfinite_stays_in_neighborhood_cuda(dims, patch, case, dtype, which, k
         _check(geom, dtype, which, device="cuda", dims=dims, tiles=tiles)
     finally:
         nbhd.use_kv_parallelism_in_fused_na(was)
+
+
+# the backward through forward+JVP (nbhd::na_forward_jvp_backward): the fast kernels hand a slab
+# holding a non-finite value to the scalar reference, so their non-finite outputs are the
+# reference's exactly (which visits each query's own keys), and the finite ones agree
+@pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv", "d_out"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
+@pytest.mark.parametrize("isa,dtype", [x for x in ISA_DTYPES if x[0] != "reference" and x[1] != torch.float16],
+                         ids=lambda x: str(x))
+def test_nonfinite_jvp_backward_cpu(isa, dtype, case, which, monkeypatch):
+    from nbhd.rules import Geometry
+    geom = GEOMETRIES[case[0]][case[1]]
+    t, d_lse = _inputs(geom, dtype, which)
+    q, k, v = t["q"], t["k"], t["v"]
+    kx, vx = q.new_empty(B, 0, HK, D), q.new_empty(B, 0, HK, DV)
+    geo = Geometry(*geom[1:], D ** -0.5)
+    tans = (t["tq"], t["tk"], t["tv"], None, None)
+    saved = ops.na_forward_jvp(q, k, v, kx, vx, *tans, *geo.args())
+    cot = (t["d_out"], d_lse, torch.randn_like(saved[2]), torch.randn_like(saved[3]))
+
+    def run(use_reference):
+        monkeypatch.setitem(ops._OPTIONS, "use_reference", use_reference)
+        return ops.na_forward_jvp_backward(q, k, v, kx, vx, *tans, *saved, *cot, *geo.args())
+    monkeypatch.setenv("NBHD_CPU_ISA", isa)
+    fast, ref = run(False), run(True)
+    assert not all(torch.isfinite(r).all() for r in ref), "no non-finite output"
+    for name, a, r in zip(["dq", "dk", "dv", "dkx", "dvx", "dtq", "dtk", "dtv"], fast, ref):
+        bad, expected = ~torch.isfinite(a.double()), ~torch.isfinite(r.double())
+        assert torch.equal(bad, expected), f"{name}: {(bad ^ expected).nonzero().tolist()[:8]}"
+        fin = ~expected
+        if fin.any():
+            err = ((a.double() - r.double()).abs()[fin].max() / r.double().abs()[fin].max().clamp(min=1e-30)).item()
+            assert err < TOL[dtype], f"{name}: finite outputs off by {err:.3g}"

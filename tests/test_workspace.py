@@ -39,8 +39,9 @@ def bound(kernel, op, *, heads=1, kv_heads=1, d=128, dv=None, extra=0, threads=2
     """The bound of csrc/include/nbhd.h: max(T, 4 F P) + 4 E + 1024 bytes."""
     dv = d if dv is None else dv
     T = (32 << 20) + threads * (2 << 20)
-    c = 2 if op == JVP else 1
-    F = c * (d + dv) + (heads // kv_heads * (d + dv + 2) if op == BWD else 0)
+    c = 2 if op in (JVP, JVP_BWD) else 1
+    G = heads // kv_heads
+    F = c * (d + dv) + (G * (d + dv + 2) if op == BWD else G * (2 * (d + dv) + 4) if op == JVP_BWD else 0)
     factors = (32, 4, 1)   # the smallest tile's queries along the last axis, the one before, ...
     P = 1
     for f, k in zip(factors, reversed(kernel)):
@@ -54,7 +55,7 @@ def default_budget(monkeypatch):
     monkeypatch.delenv("NBHD_CPU_TILE_BYTES", raising=False)
 
 
-@pytest.mark.parametrize("op", [FWD, BWD, JVP])
+@pytest.mark.parametrize("op", [FWD, BWD, JVP, JVP_BWD])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_long_1d_mqa_does_not_grow(op, dtype):
     # H = Hkv = 1, D = 128: a slab of whole heads held every token of the head as fp32 rows
@@ -76,7 +77,7 @@ GEOMETRIES = [
 ]
 
 
-@pytest.mark.parametrize("op", [FWD, BWD, JVP])
+@pytest.mark.parametrize("op", [FWD, BWD, JVP, JVP_BWD])
 @pytest.mark.parametrize("spec", GEOMETRIES, ids=lambda s: "x".join(map(str, s[0])))
 def test_bound_holds(spec, op):
     shape, ks, st, dil, causal, H, Hk, D, Dv, S = spec
@@ -91,7 +92,8 @@ def test_reference_paths_keep_rows():
     n, H = 10 ** 6, 4
     assert workspace((n,), (63,), BWD, heads=H, use_reference=True) == 8 * n * H
     assert workspace((n,), (63,), FWD, heads=H, use_reference=True) == 0
-    assert workspace((n,), (63,), JVP_BWD, heads=H) == 24 * n * H   # no fast kernel yet
+    assert workspace((n,), (63,), JVP_BWD, heads=H, use_reference=True) == 24 * n * H
+    assert workspace((n,), (63,), JVP_BWD, heads=H, dtype=torch.float64) == 24 * n * H
     assert workspace((n,), (63,), BWD, heads=H, dtype=torch.float64) == 8 * n * H
 
 
@@ -122,7 +124,20 @@ def _all_ops(case, dtype, seed):
     jextra = {} if kx is None else dict(additional_keys=kx, additional_values=vx,
                                         tangent_additional_keys=rnd(kx), tangent_additional_values=rnd(vx))
     jvp = case.na_jvp()(q, k, v, rnd(q), rnd(k), rnd(v), **case.kwargs(), **jextra)
-    return [out, lse, *grads, *jvp]
+    return [out, lse, *grads, *jvp, *_jvp_backward(case, (q, k, v, kx, vx), rnd)]
+
+
+def _jvp_backward(case, prims, rnd):
+    """nbhd::na_forward_jvp_backward with every tangent and cotangent"""
+    from nbhd.rules import Geometry
+    q, k, v, kx, vx = prims
+    if kx is None:
+        kx, vx = q.new_empty(q.shape[0], 0, *k.shape[-2:]), q.new_empty(q.shape[0], 0, *v.shape[-2:])
+    geo = Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, 0.5)
+    tans = [rnd(t) for t in (q, k, v, kx, vx)]
+    saved = ops.na_forward_jvp(q, k, v, kx, vx, *tans, *geo.args())
+    cot = [rnd(saved[0]), rnd(saved[1]).float(), rnd(saved[2]), rnd(saved[3]).float()]
+    return ops.na_forward_jvp_backward(q, k, v, kx, vx, *tans, *saved, *cot, *geo.args())
 
 
 # one thread: the smallest tiles; two threads: a third of the forward's whole head (each tile

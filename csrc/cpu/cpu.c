@@ -61,7 +61,7 @@ static int use_fast(const nbhd_geometry *g, const nbhd_exec *e) {
  * they hand over). The fast kernels may run on fewer threads than exec's count (sized_exec):
  * their workspace never grows with fewer. */
 static size_t cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
-    if (use_fast(g, e) && op != NBHD_OP_FORWARD_JVP_BACKWARD) return nbhd_cpu_fast_workspace_bytes(g, op, e);
+    if (use_fast(g, e)) return nbhd_cpu_fast_workspace_bytes(g, op, e);
     return nbhd_cpu_ref_workspace_bytes(g, op);
 }
 
@@ -90,7 +90,8 @@ static nbhd_status cpu_forward_jvp_backward(const nbhd_geometry *g,
                                             const nbhd_forward_jvp_backward_args *a,
                                             const nbhd_exec *e) {
     const nbhd_exec s = sized_exec(g, e, 6);
-    return nbhd_cpu_ref_forward_jvp_backward(g, a, &s);  /* no fast kernel yet */
+    if (use_fast(g, &s)) return nbhd_cpu_fast_forward_jvp_backward(g, a, &s);
+    return nbhd_cpu_ref_forward_jvp_backward(g, a, &s);
 }
 
 /* Host memory: a plain loop; all-zero bytes are +0 in every nbhd_dtype. */

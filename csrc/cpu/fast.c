@@ -156,6 +156,19 @@ nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forwar
     return kernels()->forward_jvp(&c.g, &a, &c.e);
 }
 
+nbhd_status nbhd_cpu_fast_forward_jvp_backward(const nbhd_geometry *g0, const nbhd_forward_jvp_backward_args *a0,
+                                               const nbhd_exec *e0) {
+    const int shift = 3 - rank_of(g0);
+    const nbhd_geometry g1 = rotated(g0, shift);
+    nbhd_forward_jvp_backward_args a1 = *a0;
+    nbhd_tensor *spatial[] = {&a1.q, &a1.k, &a1.v, &a1.t_q, &a1.t_k, &a1.t_v, &a1.out, &a1.lse, &a1.t_out,
+                              &a1.t_lse, &a1.d_out, &a1.d_lse, &a1.d_t_out, &a1.d_t_lse, &a1.d_q, &a1.d_k,
+                              &a1.d_v, &a1.d_t_q, &a1.d_t_k, &a1.d_t_v};
+    for (size_t i = 0; i < sizeof spatial / sizeof spatial[0]; ++i) rotate_tensor(spatial[i], shift);
+    const nbhd_exec e1 = rotated_exec(e0, shift);
+    return kernels()->forward_jvp_backward(&g1, &a1, &e1);
+}
+
 // ----------------------------------------------------------------------------
 // slabs with non-finite operands: the reference kernels on the slab's heads
 
@@ -195,11 +208,18 @@ nbhd_status nbhd_cpu_fast_slab_forward(const nbhd_geometry *g, const nbhd_forwar
     return nbhd_cpu_ref_forward(&s, &a, e);
 }
 
+/* exec with a workspace of its own for the reference kernels of op on slab geometry s (NULL
+ * workspace: out of memory) */
+static nbhd_exec own_workspace(const nbhd_geometry *s, nbhd_op op, const nbhd_exec *e) {
+    nbhd_exec own = *e;
+    own.workspace_bytes = nbhd_cpu_ref_workspace_bytes(s, op);
+    own.workspace = malloc(own.workspace_bytes ? own.workspace_bytes : 1);
+    return own;
+}
+
 /* the reference backward on slab geometry s with a workspace of its own */
 static nbhd_status ref_backward_alone(const nbhd_geometry *s, const nbhd_backward_args *a, const nbhd_exec *e) {
-    nbhd_exec own = *e;
-    own.workspace_bytes = nbhd_cpu_ref_workspace_bytes(s, NBHD_OP_BACKWARD);
-    own.workspace = malloc(own.workspace_bytes ? own.workspace_bytes : 1);
+    nbhd_exec own = own_workspace(s, NBHD_OP_BACKWARD, e);
     if (!own.workspace) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for the reference kernels");
     const nbhd_status st = nbhd_cpu_ref_backward(s, a, &own);
     free(own.workspace);
@@ -226,4 +246,25 @@ nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_fo
     nbhd_tensor *const rs[] = {&a.lse, &a.t_lse, NULL};
     move_to_slab(g, b, hk0, qs, ks, rs);
     return nbhd_cpu_ref_forward_jvp(&s, &a, e);
+}
+
+nbhd_status nbhd_cpu_fast_slab_forward_jvp_backward(const nbhd_geometry *g,
+                                                    const nbhd_forward_jvp_backward_args *a0,
+                                                    const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
+    const nbhd_geometry s = slab_geometry(g, nh);
+    const slab_at at = slab_at_of(g, b, hk0);
+    nbhd_forward_jvp_backward_args a = *a0;
+    nbhd_tensor *qs[] = {&a.q, &a.t_q, &a.out, &a.t_out, &a.d_out, &a.d_t_out, &a.d_q, &a.d_t_q};
+    nbhd_tensor *rows[] = {&a.lse, &a.t_lse, &a.d_lse, &a.d_t_lse};
+    nbhd_tensor *ks[] = {&a.k, &a.v, &a.kx, &a.vx, &a.t_k, &a.t_v, &a.t_kx, &a.t_vx,
+                         &a.d_k, &a.d_v, &a.d_kx, &a.d_vx, &a.d_t_k, &a.d_t_v, &a.d_t_kx, &a.d_t_vx};
+    for (size_t i = 0; i < sizeof qs / sizeof qs[0]; ++i) *qs[i] = q_side(*qs[i], &at);
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; ++i) *rows[i] = row_side(*rows[i], &at);
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; ++i) *ks[i] = k_side(*ks[i], &at);
+    nbhd_exec own = own_workspace(&s, NBHD_OP_FORWARD_JVP_BACKWARD, e);
+    if (!own.workspace)
+        return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp_backward: out of host memory for the reference kernels");
+    const nbhd_status st = nbhd_cpu_ref_forward_jvp_backward(&s, &a, &own);
+    free(own.workspace);
+    return st;
 }

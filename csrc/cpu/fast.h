@@ -38,6 +38,8 @@ nbhd_status nbhd_cpu_fast_backward(const nbhd_geometry *g, const nbhd_backward_a
                                    const nbhd_exec *e);
 nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                       const nbhd_exec *e);
+nbhd_status nbhd_cpu_fast_forward_jvp_backward(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                               const nbhd_exec *e);
 
 /* The scalar reference kernels on one slab of a fast kernel: batch b, key/value heads
  * [hk0, hk0 + nh) and their query heads (g, a, e as the fast kernel got them). A fast kernel
@@ -51,6 +53,9 @@ nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backw
                                         const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh);
 nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                            const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh);
+nbhd_status nbhd_cpu_fast_slab_forward_jvp_backward(const nbhd_geometry *g,
+                                                    const nbhd_forward_jvp_backward_args *a,
+                                                    const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh);
 
 /* The fast kernels of one ISA (csrc/cpu/fast/: generic.c, avx2.c, avx512.c) */
 typedef struct {
@@ -59,6 +64,8 @@ typedef struct {
     nbhd_status (*forward)(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e);
     nbhd_status (*backward)(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e);
     nbhd_status (*forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_exec *e);
+    nbhd_status (*forward_jvp_backward)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                        const nbhd_exec *e);
 } nbhd_cpu_fast_kernels;
 
 extern const nbhd_cpu_fast_kernels nbhd_cpu_fast_generic;

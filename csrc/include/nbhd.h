@@ -207,13 +207,14 @@ NBHD_API int32_t nbhd_tile_configs(const nbhd_problem *p, nbhd_op op, nbhd_tile_
  *     max(T, 4 F P) + 4 E + 1024 bytes, where
  *   T = 32 MiB + 2 MiB * threads (threads: exec.threads, its magnitude when negative, OpenMP's
  *       count when 0); NBHD_CPU_TILE_BYTES=n in the environment makes T n bytes (tests),
- *   F = c (D + Dv), plus G (D + Dv + 2) for NBHD_OP_BACKWARD: floats per packed token (c = 2
- *       for NBHD_OP_FORWARD_JVP, else 1; G = heads / kv_heads),
+ *   F = c (D + Dv), plus G (D + Dv + 2) for NBHD_OP_BACKWARD and G (2 (D + Dv) + 4) for
+ *       NBHD_OP_FORWARD_JVP_BACKWARD: floats per packed token (c = 2 for NBHD_OP_FORWARD_JVP
+ *       and NBHD_OP_FORWARD_JVP_BACKWARD, else 1; G = heads / kv_heads),
  *   P = (32 + 2 (K_l - 1)) (4 + 2 (K_m - 1)) (1 + 2 (K_f - 1)): tokens of the smallest tile
  *       and its halo, K_l, K_m, K_f the kernel sizes along the last axis, the one before it and
  *       the one before that (a missing axis's factor is 1),
  *   E = c S (D + Dv) kv_heads: the packed extra keys (S = extra_kv).
- * The reference kernels (exec.use_reference, fp64, rank 0, NBHD_OP_FORWARD_JVP_BACKWARD) take 8
+ * The reference kernels (exec.use_reference, fp64, rank 0) take 8
  * bytes per query row (batch * tokens * heads) for NBHD_OP_BACKWARD, 24 for
  * NBHD_OP_FORWARD_JVP_BACKWARD, nothing for the others. */
 NBHD_API size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e);

@@ -133,42 +133,49 @@ static void FAST(bwd_q_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FA
     }
 }
 
+/* pass 1's S and T of one segment */
+static void FAST(bwd_q_seg)(void *ctx, const FAST(segment) *g) {
+    const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
+    const FAST(bwd) *f = (const FAST(bwd) *)w->f;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)w->s;
+    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP, nn = w->u->nn;
+    const float *krow = f->KT + g->ln * D * ZP + w->at + g->p, *vrow = f->VT + g->ln * Dv * ZP + w->at + g->p;
+    const int ra = g->ra, rb = g->rb, bcast = w->it->zd.bcast;
+    float *Sr[MAXLINES], *Tr[MAXLINES];
+    FAST(segment_at)(Sr, s->S, w->it, g->cnt, ra, rb, nn, g->p);
+    FAST(segment_at)(Tr, s->T, w->it, g->cnt, ra, rb, nn, g->p);
+    FAST(score_lines)(Sr, (const float *const *)s->A1 + ra, rb - ra, D, krow, ZP, g->ns, bcast);
+    FAST(score_lines)(Tr, (const float *const *)s->A2 + ra, rb - ra, Dv, vrow, ZP, g->ns, bcast);
+    s->v1[g->ne] = krow;
+}
+
+/* a pass 1 item's lines' L and D lanes */
+typedef struct {
+    const vf *Lq, *Dq;
+} FAST(bwd_q_rows);
+
+/* pass 1's dS of line r's row at slot vector o (Z lines are pure shifts: nothing masked) */
+static void FAST(bwd_q_line)(void *ctx, int r, int64_t o) {
+    const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)w->s;
+    const FAST(bwd_q_rows) *q = (const FAST(bwd_q_rows) *)w->rows;
+    const FAST(qitem) *it = w->it;
+    if (it->zd.masked) FAST(apply_mask)(s->S[r] + o, 1, w->u->nn, &it->zd, it->zd.base + w->u->c0, -INFINITY);
+    FAST(query_ds)(s->S[r] + o, s->T[r] + o, w->u->nn, q->Lq[r], q->Dq[r]);
+}
+
 /* One unit of a pass 1 item: S, T of its key rows per line, dS in T, then dQ += dS k (km: the
  * tile's key side) */
 static void FAST(bwd_q_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
                              const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const vf *Lq,
                              const vf *Dq) {
-    const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, nn = u->nn, at = FAST(map_z)(km, G, it->gr) + it->zd.base + u->c0;
-    int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
-    for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t ln = FAST(qrow_line)(km, it, line0, u->r0 + t);
-        const float *krow = f->KT + ln * D * ZP + at, *vrow = f->VT + ln * Dv * ZP + at;
-        FAST(rowsegs) ys;
-        const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, nn);
-        for (int i = 0; i < sg->n; ++i, ++ne) {
-            const int ra = sg->ra[i], rb = sg->rb[i];
-            const int64_t p = sg->p[i];
-            float *Sr[MAXLINES], *Tr[MAXLINES];
-            for (int r = ra; r < rb; ++r) {
-                Sr[r - ra] = s->S[r] + 16 * (nn * cnt[r] + p - FAST(line_zoff)(it, r));
-                Tr[r - ra] = s->T[r] + 16 * (nn * cnt[r] + p - FAST(line_zoff)(it, r));
-            }
-            FAST(score_lines)(Sr, (const float *const *)s->A1 + ra, rb - ra, D, krow + p, ZP, sg->ns[i], it->zd.bcast);
-            FAST(score_lines)(Tr, (const float *const *)s->A2 + ra, rb - ra, Dv, vrow + p, ZP, sg->ns[i], it->zd.bcast);
-            s->ra[ne] = (int8_t)ra;
-            s->rb[ne] = (int8_t)rb;
-            s->v1[ne] = krow + p;
-            s->ns[ne] = (int32_t)sg->ns[i];
-        }
-        for (int r = sg->la; r < sg->lb; ++r) {   /* Z lines are pure shifts: nothing masked */
-            float *S = s->S[r] + 16 * nn * cnt[r], *T = s->T[r] + 16 * nn * cnt[r]++;
-            if (it->zd.masked) FAST(apply_mask)(S, 1, nn, &it->zd, it->zd.base + u->c0, -INFINITY);
-            FAST(query_ds)(S, T, nn, Lq[r], Dq[r]);
-        }
-    }
+    int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+    const FAST(bwd_q_rows) rows = {Lq, Dq};
+    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, &rows);
+    const FAST(visit) v = {FAST(bwd_q_seg), FAST(bwd_q_line), &w};
+    const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     const FAST(rowset) rs = {s->ra, s->rb, s->v1, ne, it->zlines ? s->ns : NULL};
-    FAST(values_lines)(s->O1, it->nly, D, (const float *const *)s->T, &rs, nn, ZP, it->zd.bcast);
+    FAST(values_lines)(s->O1, it->nly, f->c.G.D, (const float *const *)s->T, &rs, u->nn, km->ZP, it->zd.bcast);
 }
 
 /* line r after its window: the extra keys of the slab's key head xo into its dQ */
@@ -284,8 +291,10 @@ static inline void FAST(kitem_lines)(const FAST(kitem) *it, int64_t u, int *ra, 
 
 /* One unit of a pass 2 item for one query head (line0: the packed line of its query row 0 in
  * qm, the tile's query side): S, T per line, P and dS, then dV += P dO, dK += dS q */
-static void FAST(bwd_k_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(map) *qm, const FAST(kitem) *it,
+static void FAST(bwd_k_unit)(const FAST(call) *c, void *scratch, const FAST(map) *qm, const FAST(kitem) *it,
                              int64_t line0, const FAST(unit) *u) {
+    const FAST(bwd) *f = (const FAST(bwd) *)c;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
     const FAST(geo) *G = &f->c.G;
     const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP, nn = u->nn, at = FAST(map_z)(qm, G, it->gr) + it->zd.base + u->c0;
     const int bcast = it->zd.bcast;
@@ -320,19 +329,30 @@ static int64_t FAST(bwd_k_count)(const FAST(call) *c, const FAST(slab) *sl) {
     return sl->tile.wk.nx * sl->tile.wk.nyb * sl->tile.wk.nch * sl->nh;
 }
 
+/* A pass 2 unit of an op: call c, its scratch, the tile's query side qm, key item it, line0:
+ * the packed line of a query head's row 0 on qm */
+typedef void (*FAST(key_unit_fn))(const FAST(call) *c, void *scratch, const FAST(map) *qm, const FAST(kitem) *it,
+                                   int64_t line0, const FAST(unit) *u);
+
+/* unit over the inverse neighborhood of key item it, for every query head of its group */
+static void FAST(key_item_units)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, const FAST(kitem) *it,
+                                 FAST(key_unit_fn) unit) {
+    const FAST(map) *qm = &sl->tile.qm;
+    for (int64_t h = it->hk * c->G.G; it->first < it->nly && h < (it->hk + 1) * c->G.G; ++h) {
+        const int64_t line0 = (h - sl->h0) * qm->lines + FAST(map_line)(qm, it->fx, it->fy[it->first]);
+        FAST(unit) u;
+        for (int more = FAST(unit_first)(&u, it->cx * it->U, it->zd.n); more; more = FAST(unit_next)(&u))
+            unit(c, scratch, qm, it, line0, &u);
+    }
+}
+
 static int FAST(bwd_k_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
     const FAST(bwd) *f = (const FAST(bwd) *)c;
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
     FAST(kitem) it;
     FAST(kitem_of)(&it, c, sl, w);
-    const FAST(map) *qm = &sl->tile.qm;
     FAST(bwd_k_start)(f, s, &sl->tile.km, &it, it.hk - sl->hk0);
-    for (int64_t h = it.hk * c->G.G; it.first < it.nly && h < (it.hk + 1) * c->G.G; ++h) {
-        const int64_t line0 = (h - sl->h0) * qm->lines + FAST(map_line)(qm, it.fx, it.fy[it.first]);
-        FAST(unit) u;
-        for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-            FAST(bwd_k_unit)(f, s, qm, &it, line0, &u);
-    }
+    FAST(key_item_units)(c, s, sl, &it, FAST(bwd_k_unit));
     /* dK = scale sum dS q = (sum dS Q^T_packed) / log2e */
     float mk[16], mv[16];
     for (int l = 0; l < 16; ++l) { mk[l] = (float)LN2; mv[l] = 1.0f; }
@@ -364,21 +384,26 @@ static int64_t FAST(bwd_x_count)(const FAST(call) *c, const FAST(slab) *sl) {
     return sl->nh * ((c->G.S + 15) / 16);
 }
 
-/* A pass 3 unit's query rows (query head h, Z group gr): those packed with the slab (rows of
- * its one tile, whole heads); returns their stride */
-static int64_t FAST(bwd_x_packed)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(slab) *sl, int64_t h,
-                                  int64_t gr, const FAST(unit) *u) {
-    const FAST(geo) *G = &f->c.G;
+/* A pass 3 unit's query rows (query head h, Z group gr) packed with the slab (rows of its one
+ * tile, whole heads): p[k][r] = unit row r of packed array base[k] (width[k] floats per packed
+ * position), k < n; returns their stride */
+static int64_t FAST(x_packed_rows)(const float **const *p, const float *const *base, const int64_t *width, int n,
+                                   const FAST(geo) *G, const FAST(slab) *sl, int64_t h, int64_t gr, const FAST(unit) *u) {
     const FAST(map) *qm = &sl->tile.qm;
-    const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP, at = FAST(map_z)(qm, G, gr) + u->c0;
+    const int64_t ZP = qm->ZP, at = FAST(map_z)(qm, G, gr) + u->c0;
     for (int64_t r = 0; r < u->nr; ++r) {
         const int64_t ln = (h - sl->h0) * qm->lines + u->r0 + r;
-        s->p1[r] = f->QT + ln * D * ZP + at;
-        s->p2[r] = f->DOT + ln * Dv * ZP + at;
-        s->p3[r] = f->LR + ln * ZP + at;
-        s->p4[r] = f->DR + ln * ZP + at;
+        for (int k = 0; k < n; ++k) p[k][r] = base[k] + ln * width[k] * ZP + at;
     }
     return ZP;
+}
+
+static int64_t FAST(bwd_x_packed)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(slab) *sl, int64_t h,
+                                  int64_t gr, const FAST(unit) *u) {
+    const float **const p[4] = {s->p1, s->p2, s->p3, s->p4};
+    const float *const base[4] = {f->QT, f->DOT, f->LR, f->DR};
+    const int64_t width[4] = {f->c.G.D, f->c.G.Dv, 1, 1};
+    return FAST(x_packed_rows)(p, base, width, 4, &f->c.G, sl, h, gr, u);
 }
 
 /* ... on a tiled slab: packed here into xq, as bwd_pack_q packs them (the same values) */
@@ -446,27 +471,14 @@ static int FAST(bwd_x_item)(const FAST(call) *c, void *scratch, const FAST(slab)
 // ----------------------------------------------------------------------------
 // entry
 
-static nbhd_status FAST(bwd_reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh) {
-    return nbhd_cpu_fast_slab_backward(c->g, ((const FAST(bwd) *)c)->a, c->e, b, hk0, nh);
-}
-
 static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
                                                 const nbhd_exec *e) {
-    /* no barrier between independent loops (nowait); one after the packing, one at the end */
-    static const FAST(phase) phases[5] = {{FAST(pack_count), FAST(pack_kv), 1, 0},
-                                          {FAST(bwd_pack_q_count), FAST(bwd_pack_q), 1, 1},
-                                          {FAST(qitem_count), FAST(bwd_q_item), 0, 0},
-                                          {FAST(bwd_k_count), FAST(bwd_k_item), 0, 0},
-                                          {FAST(bwd_x_count), FAST(bwd_x_item), 0, 1}};
-    /* tiles: pass 2 waits for every thread before the next tile packs; pass 3 after the tiles */
-    static const FAST(phase) tiled[4] = {{FAST(pack_count), FAST(pack_kv), 1, 0},
-                                         {FAST(bwd_pack_q_count), FAST(bwd_pack_q), 1, 1},
-                                         {FAST(qitem_count), FAST(bwd_q_item), 0, 0},
-                                         {FAST(bwd_k_count), FAST(bwd_k_item), 0, 1}};
-    static const FAST(driver) whole = {phases, NULL, 5, 0, FAST(bwd_scratch_new), FAST(bwd_reference)};
-    static const FAST(driver) tiles = {tiled, phases + 4, 4, 1, FAST(bwd_scratch_new), FAST(bwd_reference)};
+    static const FAST(phase) pack_q = {FAST(bwd_pack_q_count), FAST(bwd_pack_q), 1, 1},
+                             q = {FAST(qitem_count), FAST(bwd_q_item), 0, 0},
+                             k = {FAST(bwd_k_count), FAST(bwd_k_item), 0, 0},
+                             x = {FAST(bwd_x_count), FAST(bwd_x_item), 0, 1};
     FAST(bwd) f;
-    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_BACKWARD);
+    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_BACKWARD, a);
     if (st != NBHD_OK) return st;
     const int64_t D = f.c.G.D, Dv = f.c.G.Dv;
     float *ws = f.c.ws;
@@ -476,12 +488,12 @@ static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nb
     f.QT = ws + L->qt; f.DOT = ws + L->dot; f.LR = ws + L->lr; f.DR = ws + L->dr;
     f.qmul = (float)(g->scale * LOG2E);
     f.max_rows = f.c.G.X * f.c.G.Y;   /* pass 3 units walk query lines */
-    f.c.pk[0] = (FAST(packed)){ws + L->kt, ws + L->kxt, &a->k, &a->kx, D, 1.0f};
-    f.c.pk[1] = (FAST(packed)){ws + L->vt, ws + L->vxt, &a->v, &a->vx, Dv, 1.0f};
-    f.c.np = 2;
+    const nbhd_tensor *kv[4] = {&a->k, &a->v, &a->kx, &a->vx};
+    FAST(key_side)(&f.c, kv, NULL, 1.0f);
     /* dQ, dK, dV are written once and not read here (counted as [.., H, D + Dv], at most their size) */
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, D + Dv, 1);
-    st = FAST(drive)(&f.c, f.c.plan.tiled ? &tiles : &whole);
+    FAST(passes) P;
+    st = FAST(drive)(&f.c, FAST(backward_passes)(&P, f.c.plan.tiled, pack_q, q, k, x, FAST(bwd_scratch_new)));
     FAST(call_free)(&f.c);
     return st;
 }

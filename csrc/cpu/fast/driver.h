@@ -3,7 +3,7 @@
  * the set-up of a call, one OpenMP team per call, the slabs one at a time, each a sequence of
  * phases (a static `omp for` over the phase's items: packing, then the op's work items), the
  * per-thread scratch, and the reference kernels for the slabs whose packed operands are not all
- * finite. forward.h, forward_jvp.h and backward.h give it their phases.
+ * finite. forward.h, forward_jvp.h, backward.h and forward_jvp_backward.h give it their phases.
  */
 
 /* One call of a fast kernel: the problem, its blocking, its packed workspace. An op's context
@@ -12,6 +12,7 @@ typedef struct {
     const nbhd_geometry *g;
     const nbhd_exec *e;
     nbhd_op op;
+    const void *args;          /* the op's arguments (nbhd_forward_args, ...) */
     const char *name;          /* the op in messages */
     FAST(geo) G;
     FAST(yblocks) YB;          /* blocks of `ylines` rows along Y */
@@ -43,13 +44,11 @@ typedef struct {
 } FAST(phase);
 
 /* An op: its phases per tile of a slab, then once per slab its tail phases; its per-thread
- * scratch (one block that free() releases; NULL when out of memory) and the reference kernels
- * on one slab (fast.h). */
+ * scratch (one block that free() releases; NULL when out of memory). */
 typedef struct {
     const FAST(phase) *phase, *tail;
     int nphases, ntail;
     void *(*scratch_new)(const FAST(call) *c);
-    nbhd_status (*reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh);
 } FAST(driver);
 
 /* p rounded up to 64 bytes */
@@ -57,7 +56,14 @@ static inline float *FAST(align64)(void *p) { return (float *)(((uintptr_t)p + 6
 
 /* the tile message's name of op */
 static const char *FAST(op_title)(nbhd_op op) {
-    return op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward+JVP" : "backward";
+    return op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward+JVP"
+         : op == NBHD_OP_BACKWARD ? "backward" : "backward through forward+JVP";
+}
+
+/* the op's name in messages */
+static const char *FAST(op_name)(nbhd_op op) {
+    return op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward_jvp"
+         : op == NBHD_OP_BACKWARD ? "backward" : "forward_jvp_backward";
 }
 
 static void FAST(call_free)(FAST(call) *c) {
@@ -65,14 +71,17 @@ static void FAST(call_free)(FAST(call) *c) {
     FAST(geo_free)(&c->G);
 }
 
-/* Sets up a call of op (blocking of exec's tile, geometry, runs, Y blocks, workspace layout with
- * its front margins zeroed); on success the caller frees it with FAST(call_free). */
-static nbhd_status FAST(call_init)(FAST(call) *c, const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op) {
+/* Sets up a call of op on its arguments `args` (blocking of exec's tile, geometry, runs, Y
+ * blocks, workspace layout with its front margins zeroed); on success the caller frees it with
+ * FAST(call_free). */
+static nbhd_status FAST(call_init)(FAST(call) *c, const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op,
+                                   const void *args) {
     memset(c, 0, sizeof *c);
     c->g = g;
     c->e = e;
     c->op = op;
-    c->name = op == NBHD_OP_FORWARD ? "forward" : op == NBHD_OP_FORWARD_JVP ? "forward_jvp" : "backward";
+    c->args = args;
+    c->name = FAST(op_name)(op);
     const int lines = FAST(tile_lines)(e, g, MAXLINES);
     if (!lines)
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "exec.q_tile/kv_tile is not a tile of the fast CPU %s (see nbhd_tile_configs)",
@@ -114,6 +123,21 @@ static FAST(slab) FAST(slab_of)(const FAST(call) *c, int64_t index) {
 // ----------------------------------------------------------------------------
 // the key-side packing every op starts a slab with
 
+/* The key side of the workspace: K, V from k, v (kx, vx), and with tangents (tk NULL: none) tK
+ * times tkmul and tV (a NULL tangent among them is absent, not packed) */
+static void FAST(key_side)(FAST(call) *c, const nbhd_tensor *const *kv, const nbhd_tensor *const *tk, float tkmul) {
+    float *ws = c->ws;
+    const FAST(layout_t) *L = &c->L;
+    const int64_t D = c->G.D, Dv = c->G.Dv;
+    c->pk[0] = (FAST(packed)){ws + L->kt, ws + L->kxt, kv[0], kv[2], D, 1.0f};
+    c->pk[1] = (FAST(packed)){ws + L->vt, ws + L->vxt, kv[1], kv[3], Dv, 1.0f};
+    c->np = 2;
+    if (!tk) return;
+    c->pk[2] = (FAST(packed)){ws + L->tkt, ws + L->tkxt, tk[0], tk[2], D, tkmul};
+    c->pk[3] = (FAST(packed)){ws + L->tvt, ws + L->tvxt, tk[1], tk[3], Dv, 1.0f};
+    c->np = 4;
+}
+
 /* items: each packed line (hk, x, y) of the tile twice, one per half of the packed tensors */
 static int64_t FAST(pack_count)(const FAST(call) *c, const FAST(slab) *sl) {
     (void)c;
@@ -142,6 +166,43 @@ static void FAST(run_phase)(const FAST(call) *c, const FAST(phase) *ph, void *sc
     if (ph->barrier) {
 #pragma omp barrier
     }
+}
+
+/* the reference kernels of the call's op on one slab (fast.h) */
+static nbhd_status FAST(slab_reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh) {
+    switch (c->op) {
+    case NBHD_OP_FORWARD: return nbhd_cpu_fast_slab_forward(c->g, c->args, c->e, b, hk0, nh);
+    case NBHD_OP_BACKWARD: return nbhd_cpu_fast_slab_backward(c->g, c->args, c->e, b, hk0, nh);
+    case NBHD_OP_FORWARD_JVP: return nbhd_cpu_fast_slab_forward_jvp(c->g, c->args, c->e, b, hk0, nh);
+    default: return nbhd_cpu_fast_slab_forward_jvp_backward(c->g, c->args, c->e, b, hk0, nh);
+    }
+}
+
+/* The driver of a backward (backward.h, forward_jvp_backward.h): the key side, then the query
+ * side (pack_q), pass 1 (query items q), pass 2 (key items k), pass 3 (the extra keys x). No
+ * barrier between independent loops (nowait): one after the packing, one at the end; on tiles,
+ * pass 2 waits for every thread before the next tile packs, and pass 3 runs once after the
+ * tiles. P holds the phases. */
+typedef struct {
+    FAST(phase) ph[5];
+    FAST(driver) d;
+} FAST(passes);
+
+static const FAST(driver) *FAST(backward_passes)(FAST(passes) *P, int tiled, FAST(phase) pack_q, FAST(phase) q,
+                                                 FAST(phase) k, FAST(phase) x, void *(*scratch_new)(const FAST(call) *)) {
+    const FAST(phase) pack = {FAST(pack_count), FAST(pack_kv), 1, 0};
+    P->ph[0] = pack;
+    P->ph[1] = pack_q;
+    P->ph[2] = q;
+    P->ph[3] = k;
+    P->ph[4] = x;
+    P->ph[1].packs = P->ph[1].barrier = 1;
+    P->ph[2].packs = P->ph[2].barrier = P->ph[3].packs = P->ph[4].packs = 0;
+    P->ph[3].barrier = tiled;
+    P->ph[4].barrier = 1;
+    const FAST(driver) d = {P->ph, tiled ? P->ph + 4 : NULL, tiled ? 4 : 5, tiled, scratch_new};
+    P->d = d;
+    return &P->d;
 }
 
 /* Runs op d over every slab of call c: one slab (b, key heads [hk0, hk0 + nh)) at a time, per
@@ -176,7 +237,7 @@ static nbhd_status FAST(drive)(const FAST(call) *c, const FAST(driver) *d) {
     for (int64_t i = 0; st == NBHD_OK && i < nslabs; ++i)
         if (to_ref[i]) {
             const FAST(slab) sl = FAST(slab_of)(c, i);
-            st = d->reference(c, sl.b, sl.hk0, sl.nh);
+            st = FAST(slab_reference)(c, sl.b, sl.hk0, sl.nh);
         }
     free(to_ref);
     return st;

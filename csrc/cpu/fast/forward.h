@@ -61,31 +61,90 @@ static inline const FAST(rowsegs) *FAST(qrow_segments)(const FAST(qitem) *it, co
     return y;
 }
 
+/* One key row segment of a query item's unit: lines [ra, rb) see slots [p, p + ns) of the
+ * unit's row t (packed line ln of the tile's key side), the unit's segment ne; cnt[r]: the rows
+ * line r counted before this one */
+typedef struct {
+    int64_t t, ln, p, ns, ne;
+    int ra, rb;
+    const int64_t *cnt;
+} FAST(segment);
+
+/* An op's work on the key rows of a unit: seg(ctx, segment) on each segment of a row, then
+ * line(ctx, r, o) for each line r that counts the row (o: the row's first slot vector in the
+ * line's scores), row by row; line may be NULL */
+typedef struct {
+    void (*seg)(void *ctx, const FAST(segment) *sg);
+    void (*line)(void *ctx, int r, int64_t o);
+    void *ctx;
+} FAST(visit);
+
+/* Walks the key rows of unit u of query item it (km: the tile's key side, line0: its packed
+ * row 0, FAST(qrow_line0); zs: the Z lines' segments), each segment's lines and slot count into
+ * ra, rb, ns[segment]; counts each line's rows into cnt. Returns the unit's segments. */
+NBHD_ALWAYS_INLINE int64_t FAST(walk_unit)(const FAST(qitem) *it, const FAST(map) *km, const FAST(rowsegs) *zs,
+                                           int64_t line0, const FAST(unit) *u, int64_t *cnt, int8_t *ra, int8_t *rb,
+                                           int32_t *ns, const FAST(visit) *v) {
+    int64_t ne = 0;
+    for (int64_t t = 0; t < u->nr; ++t) {
+        FAST(rowsegs) ys;
+        const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, u->nn);
+        FAST(segment) g = {t, FAST(qrow_line)(km, it, line0, u->r0 + t), 0, 0, 0, 0, 0, cnt};
+        for (int i = 0; i < sg->n; ++i, ++ne) {
+            g.p = sg->p[i]; g.ns = sg->ns[i]; g.ne = ne; g.ra = sg->ra[i]; g.rb = sg->rb[i];
+            v->seg(v->ctx, &g);
+            ra[ne] = (int8_t)g.ra;
+            rb[ne] = (int8_t)g.rb;
+            ns[ne] = (int32_t)g.ns;
+        }
+        for (int r = sg->la; r < sg->lb; ++r) {
+            if (v->line) v->line(v->ctx, r, 16 * u->nn * cnt[r]);
+            ++cnt[r];
+        }
+    }
+    return ne;
+}
+
+/* a query item's unit as the ops' segment and line visits see it: the op's call and scratch,
+ * the tile's key side km, the item, its unit's slot vectors nn and first packed slot at */
+typedef struct {
+    const void *f;
+    void *s;
+    const FAST(map) *km;
+    const FAST(qitem) *it;
+    const FAST(unit) *u;
+    int64_t at;
+    const void *rows;   /* the op's per-line values (the backward's row scalars) */
+} FAST(unit_ctx);
+
+static inline FAST(unit_ctx) FAST(unit_ctx_of)(const void *f, void *s, const FAST(geo) *G, const FAST(map) *km,
+                                               const FAST(qitem) *it, const FAST(unit) *u, const void *rows) {
+    const FAST(unit_ctx) w = {f, s, km, it, u, FAST(map_z)(km, G, it->gr) + it->zd.base + u->c0, rows};
+    return w;
+}
+
+/* the forward's scores of one segment */
+static void FAST(fwd_seg)(void *ctx, const FAST(segment) *g) {
+    const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
+    const FAST(fwd) *f = (const FAST(fwd) *)w->f;
+    FAST(fwd_scratch) *s = (FAST(fwd_scratch) *)w->s;
+    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP;
+    float *Sr[MAXLINES];
+    FAST(segment_at)(Sr, s->S, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
+    FAST(score_lines)(Sr, (const float *const *)s->Q + g->ra, g->rb - g->ra, D, f->KT + g->ln * D * ZP + w->at + g->p,
+                      ZP, g->ns, w->it->zd.bcast);
+    s->v[g->ne] = f->VT + g->ln * Dv * ZP + w->at + g->p;
+}
+
 /* One unit of a work item: scores of its key rows for every line that sees them, the online
  * softmax per line, then the values (km: the tile's key side) */
 static void FAST(fwd_unit)(const FAST(fwd) *f, FAST(fwd_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
                            const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u) {
-    const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, nn = u->nn, at = FAST(map_z)(km, G, it->gr) + it->zd.base + u->c0;
-    int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
-    for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t ln = FAST(qrow_line)(km, it, line0, u->r0 + t);
-        const float *krow = f->KT + ln * D * ZP + at, *vrow = f->VT + ln * Dv * ZP + at;
-        FAST(rowsegs) ys;
-        const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, nn);
-        for (int i = 0; i < sg->n; ++i, ++ne) {
-            const int ra = sg->ra[i], rb = sg->rb[i];
-            float *Sr[MAXLINES];
-            for (int r = ra; r < rb; ++r) Sr[r - ra] = s->S[r] + 16 * (nn * cnt[r] + sg->p[i] - FAST(line_zoff)(it, r));
-            FAST(score_lines)(Sr, (const float *const *)s->Q + ra, rb - ra, D, krow + sg->p[i], ZP, sg->ns[i],
-                              it->zd.bcast);
-            s->ra[ne] = (int8_t)ra;
-            s->rb[ne] = (int8_t)rb;
-            s->v[ne] = vrow + sg->p[i];
-            s->ns[ne] = (int32_t)sg->ns[i];
-        }
-        for (int r = sg->la; r < sg->lb; ++r) ++cnt[r];
-    }
+    const int64_t Dv = f->c.G.Dv, ZP = km->ZP, nn = u->nn;
+    int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, NULL);
+    const FAST(visit) v = {FAST(fwd_seg), NULL, &w};
+    const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     const int64_t dims[1] = {Dv};
     for (int r = 0; r < it->nly; ++r) {
         if (!cnt[r]) continue;
@@ -156,26 +215,21 @@ static int FAST(fwd_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
     return 0;
 }
 
-static nbhd_status FAST(fwd_reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh) {
-    return nbhd_cpu_fast_slab_forward(c->g, ((const FAST(fwd) *)c)->a, c->e, b, hk0, nh);
-}
-
 static nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbhd_forward_args *a,
                                                const nbhd_exec *e) {
     static const FAST(phase) phases[2] = {{FAST(pack_count), FAST(pack_kv), 1, 1},
                                           {FAST(qitem_count), FAST(fwd_item), 0, 1}};
-    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(fwd_scratch_new), FAST(fwd_reference)};
+    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(fwd_scratch_new)};
     FAST(fwd) f;
-    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD);
+    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD, a);
     if (st != NBHD_OK) return st;
-    const int64_t D = f.c.G.D, Dv = f.c.G.Dv;
+    const int64_t Dv = f.c.G.Dv;
     float *ws = f.c.ws;
     f.a = a;
     f.KT = ws + f.c.L.kt; f.VT = ws + f.c.L.vt; f.KXT = ws + f.c.L.kxt; f.VXT = ws + f.c.L.vxt;
     f.qmul = (float)(g->scale * LOG2E);
-    f.c.pk[0] = (FAST(packed)){ws + f.c.L.kt, ws + f.c.L.kxt, &a->k, &a->kx, D, 1.0f};
-    f.c.pk[1] = (FAST(packed)){ws + f.c.L.vt, ws + f.c.L.vxt, &a->v, &a->vx, Dv, 1.0f};
-    f.c.np = 2;
+    const nbhd_tensor *kv[4] = {&a->k, &a->v, &a->kx, &a->vx};
+    FAST(key_side)(&f.c, kv, NULL, 1.0f);
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, Dv, 1);
     st = FAST(drive)(&f.c, &drv);
     FAST(call_free)(&f.c);

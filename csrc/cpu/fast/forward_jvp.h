@@ -49,35 +49,31 @@ static void *FAST(jvp_scratch_new)(const FAST(call) *c) {
     return s;
 }
 
+/* the forward+JVP's S and T of one segment */
+static void FAST(jvp_seg)(void *ctx, const FAST(segment) *g) {
+    const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
+    const FAST(jvp) *f = (const FAST(jvp) *)w->f;
+    FAST(jvp_scratch) *s = (FAST(jvp_scratch) *)w->s;
+    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP, ko = g->ln * D * ZP + w->at + g->p,
+                  vo = g->ln * Dv * ZP + w->at + g->p;
+    float *Sr[MAXLINES], *Tr[MAXLINES];
+    FAST(segment_at)(Sr, s->S, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
+    FAST(segment_at)(Tr, s->T, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
+    FAST(jvp_scores)(Sr, Tr, (const float *const *)s->Q + g->ra, (const float *const *)s->TQ + g->ra, g->rb - g->ra, D,
+                     f->KT + ko, f->TKT + ko, ZP, g->ns, w->it->zd.bcast, f->has_tq, f->has_tk);
+    s->v[g->ne] = f->VT + vo;
+    s->tv[g->ne] = f->TVT + vo;
+}
+
 /* One unit of a work item: S and T of its key rows, the softmax step per line, the values
  * (km: the tile's key side) */
 static void FAST(jvp_unit)(const FAST(jvp) *f, FAST(jvp_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
                            const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u) {
-    const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, nn = u->nn, at = FAST(map_z)(km, G, it->gr) + it->zd.base + u->c0;
-    int64_t cnt[MAXLINES] = {0, 0, 0, 0}, ne = 0;
-    for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t ln = FAST(qrow_line)(km, it, line0, u->r0 + t), ko = ln * D * ZP + at, vo = ln * Dv * ZP + at;
-        FAST(rowsegs) ys;
-        const FAST(rowsegs) *sg = FAST(qrow_segments)(it, zs, &ys, u->r0 + t, nn);
-        for (int i = 0; i < sg->n; ++i, ++ne) {
-            const int ra = sg->ra[i], rb = sg->rb[i];
-            const int64_t p = sg->p[i];
-            float *Sr[MAXLINES], *Tr[MAXLINES];
-            for (int r = ra; r < rb; ++r) {
-                Sr[r - ra] = s->S[r] + 16 * (nn * cnt[r] + p - FAST(line_zoff)(it, r));
-                Tr[r - ra] = s->T[r] + 16 * (nn * cnt[r] + p - FAST(line_zoff)(it, r));
-            }
-            FAST(jvp_scores)(Sr, Tr, (const float *const *)s->Q + ra, (const float *const *)s->TQ + ra, rb - ra, D,
-                             f->KT + ko + p, f->TKT + ko + p, ZP, sg->ns[i], it->zd.bcast, f->has_tq, f->has_tk);
-            s->ra[ne] = (int8_t)ra;
-            s->rb[ne] = (int8_t)rb;
-            s->v[ne] = f->VT + vo + p;
-            s->tv[ne] = f->TVT + vo + p;
-            s->ns[ne] = (int32_t)sg->ns[i];
-        }
-        for (int r = sg->la; r < sg->lb; ++r) ++cnt[r];
-    }
+    const int64_t Dv = f->c.G.Dv, ZP = km->ZP, nn = u->nn;
+    int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, NULL);
+    const FAST(visit) v = {FAST(jvp_seg), NULL, &w};
+    const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     for (int r = 0; r < it->nly; ++r) {
         if (!cnt[r]) continue;
         float *acc[2] = {s->O[r], s->C[r]};
@@ -164,33 +160,25 @@ static int FAST(jvp_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
     return 0;
 }
 
-static nbhd_status FAST(jvp_reference)(const FAST(call) *c, int64_t b, int64_t hk0, int64_t nh) {
-    return nbhd_cpu_fast_slab_forward_jvp(c->g, ((const FAST(jvp) *)c)->a, c->e, b, hk0, nh);
-}
-
 /* the packed tensors: K, tK (keys) on even items' halves, V, tV on odd ones' */
 static void FAST(jvp_packed)(FAST(jvp) *f, const nbhd_forward_jvp_args *a) {
     float *ws = f->c.ws;
     const FAST(layout_t) *L = &f->c.L;
-    const int64_t D = f->c.G.D, Dv = f->c.G.Dv;
     f->KT = ws + L->kt; f->VT = ws + L->vt; f->KXT = ws + L->kxt; f->VXT = ws + L->vxt;
     f->TKT = ws + L->tkt; f->TVT = ws + L->tvt; f->TKXT = ws + L->tkxt; f->TVXT = ws + L->tvxt;
-    f->c.pk[0] = (FAST(packed)){ws + L->kt, ws + L->kxt, &a->k, &a->kx, D, 1.0f};
-    f->c.pk[1] = (FAST(packed)){ws + L->vt, ws + L->vxt, &a->v, &a->vx, Dv, 1.0f};
-    f->c.pk[2] = (FAST(packed)){ws + L->tkt, ws + L->tkxt, f->has_tk ? &a->t_k : NULL, f->has_tkx ? &a->t_kx : NULL,
-                                D, (float)LN2};
-    f->c.pk[3] = (FAST(packed)){ws + L->tvt, ws + L->tvxt, f->has_tv ? &a->t_v : NULL, f->has_tvx ? &a->t_vx : NULL,
-                                Dv, 1.0f};
-    f->c.np = 4;
+    const nbhd_tensor *kv[4] = {&a->k, &a->v, &a->kx, &a->vx};
+    const nbhd_tensor *tk[4] = {f->has_tk ? &a->t_k : NULL, f->has_tv ? &a->t_v : NULL,
+                                f->has_tkx ? &a->t_kx : NULL, f->has_tvx ? &a->t_vx : NULL};
+    FAST(key_side)(&f->c, kv, tk, (float)LN2);
 }
 
 static nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                                    const nbhd_exec *e) {
     static const FAST(phase) phases[2] = {{FAST(pack_count), FAST(pack_kv), 1, 1},
                                           {FAST(qitem_count), FAST(jvp_item), 0, 1}};
-    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(jvp_scratch_new), FAST(jvp_reference)};
+    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(jvp_scratch_new)};
     FAST(jvp) f;
-    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD_JVP);
+    nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD_JVP, a);
     if (st != NBHD_OK) return st;
     f.a = a;
     f.qmul = (float)(g->scale * LOG2E);

@@ -388,3 +388,10 @@ static void FAST(yline_segment)(FAST(rowsegs) *sg, const FAST(qitem) *it, int64_
 
 /* line r's slot offset of the row's position 0 */
 static inline int64_t FAST(line_zoff)(const FAST(qitem) *it, int r) { return it->zlines ? it->zoff[r] : 0; }
+
+/* where lines [ra, rb) keep the slots of a segment at row position p: out[r - ra] in line r's
+ * buffer buf[r], past its cnt[r] rows of nn slot vectors */
+static inline void FAST(segment_at)(float **out, float *const *buf, const FAST(qitem) *it, const int64_t *cnt,
+                                    int ra, int rb, int64_t nn, int64_t p) {
+    for (int r = ra; r < rb; ++r) out[r - ra] = buf[r] + 16 * (nn * cnt[r] + p - FAST(line_zoff)(it, r));
+}

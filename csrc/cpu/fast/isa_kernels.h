@@ -11,7 +11,7 @@
  *   kernels.h       micro-kernels: scores, values, masks, online softmax
  *   kernels_jvp.h   their forward+JVP variants
  *   driver.h        set-up, slabs, the OpenMP team, phases, scratch, the reference fallback
- *   forward.h, forward_jvp.h, backward.h   the ops' phases
+ *   forward.h, forward_jvp.h, backward.h, forward_jvp_backward.h   the ops' phases
  */
 #include "geometry.h"
 #include "slab.h"
@@ -22,6 +22,7 @@
 #include "forward.h"
 #include "forward_jvp.h"
 #include "backward.h"
+#include "forward_jvp_backward.h"
 
 const nbhd_cpu_fast_kernels FAST(nbhd_cpu_fast) = {
     FAST(nbhd_cpu_fast_default_lines),
@@ -29,4 +30,5 @@ const nbhd_cpu_fast_kernels FAST(nbhd_cpu_fast) = {
     FAST(nbhd_cpu_fast_forward),
     FAST(nbhd_cpu_fast_backward),
     FAST(nbhd_cpu_fast_forward_jvp),
+    FAST(nbhd_cpu_fast_forward_jvp_backward),
 };

@@ -188,31 +188,56 @@ NBHD_ALWAYS_INLINE void FAST(query_ds)(const float *S, float *T, int64_t n, vf L
 //   scores  S_r[c] = sum_d Q_r[d] * opnd(k_u + d*ld + c)          acc[line][slot] in registers
 //   values  O_r[d] += sum_u,c P_r[u][c] * opnd(v_u + d*ld + c)     acc[line][dim]  in registers
 
-/* S[r][j] = sum_d Q[r][d] * opnd(k + d*ld + j), r < NR, j < C (NR, C constants after inlining) */
-NBHD_ALWAYS_INLINE void FAST(score_lines_block)(float *const *S, const float *const *Q, int NR,
-                                                int64_t dim, const float *k, int64_t ld,
-                                                int bcast, int C) {
-    vf acc[MAXLINES][6];
+/* S[r][j] = sum_d Q[r][d] * opnd(k + d*ld + j), r < NR, j < C, and with WT also
+ *   T[r][j] = sum_d TQ[r][d] * opnd(k + d*ld + j) + Q[r][d] * opnd(tk + d*ld + j)
+ * (the forward+JVP's tangent scores, kernels_jvp.h; has_tq, has_tk: which of its products run;
+ * NR, C, WT and the flags constants after inlining) */
+NBHD_ALWAYS_INLINE void FAST(scores_block)(float *const *S, float *const *T, const float *const *Q,
+                                           const float *const *TQ, int NR, int64_t dim, const float *k,
+                                           const float *tk, int64_t ld, int bcast, int C, int WT,
+                                           int has_tq, int has_tk) {
+    vf s[MAXLINES][6], t[MAXLINES][6];
     NBHD_UNROLL
     for (int r = 0; r < NR; ++r)
         NBHD_UNROLL
-        for (int j = 0; j < C; ++j) acc[r][j] = vf_zero();
+        for (int j = 0; j < C; ++j) { s[r][j] = vf_zero(); if (WT) t[r][j] = vf_zero(); }
     for (int64_t d = 0; d < dim; ++d) {
-        vf q[MAXLINES];
+        vf q[MAXLINES], tq[MAXLINES];
         NBHD_UNROLL
-        for (int r = 0; r < NR; ++r) q[r] = vf_load(Q[r] + 16 * d);
+        for (int r = 0; r < NR; ++r) {
+            q[r] = vf_load(Q[r] + 16 * d);
+            if (WT && has_tq) tq[r] = vf_load(TQ[r] + 16 * d);
+        }
         const float *kd = k + d * ld;
         NBHD_UNROLL
         for (int j = 0; j < C; ++j) {
             const vf kj = FAST(opnd_reg)(kd + j, bcast);
             NBHD_UNROLL
-            for (int r = 0; r < NR; ++r) acc[r][j] = vf_fma(q[r], kj, acc[r][j]);
+            for (int r = 0; r < NR; ++r) {
+                s[r][j] = vf_fma(q[r], kj, s[r][j]);
+                if (WT && has_tq) t[r][j] = vf_fma(tq[r], kj, t[r][j]);
+            }
+            if (WT && has_tk) {
+                const vf tkj = FAST(opnd_reg)(tk + d * ld + j, bcast);
+                NBHD_UNROLL
+                for (int r = 0; r < NR; ++r) t[r][j] = vf_fma(q[r], tkj, t[r][j]);
+            }
         }
     }
     NBHD_UNROLL
     for (int r = 0; r < NR; ++r)
         NBHD_UNROLL
-        for (int j = 0; j < C; ++j) vf_store(S[r] + 16 * j, acc[r][j]);
+        for (int j = 0; j < C; ++j) {
+            vf_store(S[r] + 16 * j, s[r][j]);
+            if (WT) vf_store(T[r] + 16 * j, t[r][j]);
+        }
+}
+
+/* S[r][j] = sum_d Q[r][d] * opnd(k + d*ld + j), r < NR, j < C (NR, C constants after inlining) */
+NBHD_ALWAYS_INLINE void FAST(score_lines_block)(float *const *S, const float *const *Q, int NR,
+                                                int64_t dim, const float *k, int64_t ld,
+                                                int bcast, int C) {
+    FAST(scores_block)(S, NULL, Q, NULL, NR, dim, k, NULL, ld, bcast, C, 0, 0, 0);
 }
 
 NBHD_ALWAYS_INLINE void FAST(score_lines_nr)(float *const *S, const float *const *Q, int NR,

@@ -8,45 +8,6 @@
  * are skipped).
  */
 
-NBHD_ALWAYS_INLINE void FAST(jvp_scores_block)(float *const *S, float *const *T,
-                                               const float *const *Q, const float *const *TQ,
-                                               int NR, int64_t dim, const float *k,
-                                               const float *tk, int64_t ld, int bcast, int C,
-                                               int has_tq, int has_tk) {
-    vf s[MAXLINES][3], t[MAXLINES][3];
-    NBHD_UNROLL
-    for (int r = 0; r < NR; ++r)
-        NBHD_UNROLL
-        for (int j = 0; j < C; ++j) { s[r][j] = vf_zero(); t[r][j] = vf_zero(); }
-    for (int64_t d = 0; d < dim; ++d) {
-        vf q[MAXLINES], tq[MAXLINES];
-        NBHD_UNROLL
-        for (int r = 0; r < NR; ++r) {
-            q[r] = vf_load(Q[r] + 16 * d);
-            if (has_tq) tq[r] = vf_load(TQ[r] + 16 * d);
-        }
-        const float *kd = k + d * ld, *tkd = tk + d * ld;
-        NBHD_UNROLL
-        for (int j = 0; j < C; ++j) {
-            const vf kj = FAST(opnd_reg)(kd + j, bcast);
-            NBHD_UNROLL
-            for (int r = 0; r < NR; ++r) {
-                s[r][j] = vf_fma(q[r], kj, s[r][j]);
-                if (has_tq) t[r][j] = vf_fma(tq[r], kj, t[r][j]);
-            }
-            if (has_tk) {
-                const vf tkj = FAST(opnd_reg)(tkd + j, bcast);
-                NBHD_UNROLL
-                for (int r = 0; r < NR; ++r) t[r][j] = vf_fma(q[r], tkj, t[r][j]);
-            }
-        }
-    }
-    NBHD_UNROLL
-    for (int r = 0; r < NR; ++r)
-        NBHD_UNROLL
-        for (int j = 0; j < C; ++j) { vf_store(S[r] + 16 * j, s[r][j]); vf_store(T[r] + 16 * j, t[r][j]); }
-}
-
 NBHD_ALWAYS_INLINE void FAST(jvp_scores_nr)(float *const *S, float *const *T, const float *const *Q,
                                             const float *const *TQ, int NR, int64_t dim,
                                             const float *k, const float *tk, int64_t ld, int64_t n,
@@ -58,12 +19,12 @@ NBHD_ALWAYS_INLINE void FAST(jvp_scores_nr)(float *const *S, float *const *T, co
     for (; c + SB <= n; c += SB) {
         NBHD_UNROLL
         for (int r = 0; r < NR; ++r) { Sc[r] = S[r] + 16 * c; Tc[r] = T[r] + 16 * c; }
-        FAST(jvp_scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, SB, has_tq, has_tk);
+        FAST(scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, SB, 1, has_tq, has_tk);
     }
     NBHD_UNROLL
     for (int r = 0; r < NR; ++r) { Sc[r] = S[r] + 16 * c; Tc[r] = T[r] + 16 * c; }
-    if (n - c == 2) FAST(jvp_scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, 2, has_tq, has_tk);
-    if (n - c == 1) FAST(jvp_scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, 1, has_tq, has_tk);
+    if (n - c == 2) FAST(scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, 2, 1, has_tq, has_tk);
+    if (n - c == 1) FAST(scores_block)(Sc, Tc, Q, TQ, NR, dim, k + c, tk + c, ld, bcast, 1, 1, has_tq, has_tk);
 }
 
 /* the kernel of NR lines and operand mode BC (constants after inlining) for the tangents present */

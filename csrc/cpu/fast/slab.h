@@ -16,7 +16,8 @@
  *                row is | g0 ... | 0 x PAD | g1 ... | 0 x PAD | (one group in a tile), and PAD
  *                floats precede the first row; a shifted load of a chunk reads at most PAD-1
  *                past either end of its group's packed range
- *   row scalars  [slab heads, lines, ZP]        LSE*log2(e) and D_i (backward), same margins
+ *   row scalars  [slab heads, lines, ZP]        LSE*log2(e) and D_i (backward; and mu, E, C of
+ *                                               forward_jvp_backward.h), same margins
  *   extra keys   [slab heads, dim, S]
  */
 
@@ -157,12 +158,24 @@ static void FAST(axis_halos)(const nbhd_axis *a, int64_t t, int queries, int64_t
 // ----------------------------------------------------------------------------
 // the plan of a call: slabs of whole heads, or tiles of one head
 
-/* floats per packed position: of a key head's key side (K, V; forward+JVP: and tK, tV) and of
- * its query side (backward: Q, dO, LSE, D of each of its G query heads) */
+/* whether op packs the tangents tK, tV on the key side */
+static inline int FAST(op_key_tangents)(nbhd_op op) {
+    return op == NBHD_OP_FORWARD_JVP || op == NBHD_OP_FORWARD_JVP_BACKWARD;
+}
+
+/* whether op packs a query side (its key-stationary pass reads query rows) */
+static inline int FAST(op_query_side)(nbhd_op op) {
+    return op == NBHD_OP_BACKWARD || op == NBHD_OP_FORWARD_JVP_BACKWARD;
+}
+
+/* floats per packed position: of a key head's key side (K, V; forward+JVP and its backward: and
+ * tK, tV) and of its query side, per each of its G query heads (backward: Q, dO, LSE, D; the
+ * backward through forward+JVP: Q, tQ, dO, dtO and four row scalars) */
 static void FAST(position_floats)(const nbhd_geometry *g, nbhd_op op, size_t *key, size_t *query) {
     const size_t kv = (size_t)g->head_dim + (size_t)g->head_dim_v;
-    *key = op == NBHD_OP_FORWARD_JVP ? 2 * kv : kv;
-    *query = op == NBHD_OP_BACKWARD ? (size_t)g->group * (kv + 2) : 0;
+    *key = FAST(op_key_tangents)(op) ? 2 * kv : kv;
+    *query = op == NBHD_OP_BACKWARD ? (size_t)g->group * (kv + 2)
+           : op == NBHD_OP_FORWARD_JVP_BACKWARD ? (size_t)g->group * (2 * kv + 4) : 0;
 }
 
 /* Key/value heads per slab of whole heads: as many as fit SLAB_BYTES packed (the slab stays in
@@ -279,7 +292,7 @@ static void FAST(tile_of)(FAST(tile) *T, const FAST(plan) *P, const nbhd_geometr
 
 /* Workspace layout (the one owner): float offsets of each packed array, total floats. */
 typedef struct {
-    size_t kt, vt, kxt, vxt, tkt, tvt, tkxt, tvxt, qt, dot, lr, dr, total;
+    size_t kt, vt, kxt, vxt, tkt, tvt, tkxt, tvxt, qt, dot, lr, dr, tqt, gt, mr, cr, total;
 } FAST(layout_t);
 
 /* The next array of n floats at *at: it starts PAD floats in (the left margin of its first row) */
@@ -307,17 +320,23 @@ static FAST(layout_t) FAST(layout)(const nbhd_geometry *g, nbhd_op op, const FAS
     L.vt = FAST(place)(&at, lk * Dv * kZP);
     L.kxt = FAST(place_flat)(&at, slab * D * SP);
     L.vxt = FAST(place_flat)(&at, slab * Dv * SP);
-    if (op == NBHD_OP_FORWARD_JVP) {
+    if (FAST(op_key_tangents)(op)) {
         L.tkt = FAST(place)(&at, lk * D * kZP);
         L.tvt = FAST(place)(&at, lk * Dv * kZP);
         L.tkxt = FAST(place_flat)(&at, slab * D * SP);
         L.tvxt = FAST(place_flat)(&at, slab * Dv * SP);
     }
-    if (op == NBHD_OP_BACKWARD) {
+    if (FAST(op_query_side)(op)) {
         L.qt = FAST(place)(&at, lq * D * qZP);
         L.dot = FAST(place)(&at, lq * Dv * qZP);
         L.lr = FAST(place)(&at, lq * qZP);
         L.dr = FAST(place)(&at, lq * qZP);
+    }
+    if (op == NBHD_OP_FORWARD_JVP_BACKWARD) {
+        L.tqt = FAST(place)(&at, lq * D * qZP);
+        L.gt = FAST(place)(&at, lq * Dv * qZP);
+        L.mr = FAST(place)(&at, lq * qZP);
+        L.cr = FAST(place)(&at, lq * qZP);
     }
     /* + 16 floats to align the base */
     L.total = at + 16;
@@ -336,9 +355,10 @@ static inline float *FAST(ws_base)(const nbhd_exec *e) {
 
 /* Zeroes the left margin of every packed array of L (the rows zero their own right margins). */
 static void FAST(zero_front_margins)(float *ws, const FAST(layout_t) *L, nbhd_op op) {
-    size_t at[8] = {L->kt, L->vt}, n = 2;
-    if (op == NBHD_OP_FORWARD_JVP) { at[n++] = L->tkt; at[n++] = L->tvt; }
-    if (op == NBHD_OP_BACKWARD) { at[n++] = L->qt; at[n++] = L->dot; at[n++] = L->lr; at[n++] = L->dr; }
+    size_t at[12] = {L->kt, L->vt}, n = 2;
+    if (FAST(op_key_tangents)(op)) { at[n++] = L->tkt; at[n++] = L->tvt; }
+    if (FAST(op_query_side)(op)) { at[n++] = L->qt; at[n++] = L->dot; at[n++] = L->lr; at[n++] = L->dr; }
+    if (op == NBHD_OP_FORWARD_JVP_BACKWARD) { at[n++] = L->tqt; at[n++] = L->gt; at[n++] = L->mr; at[n++] = L->cr; }
     for (size_t i = 0; i < n; ++i) memset(ws + at[i] - PAD, 0, sizeof(float) * PAD);
 }
 
