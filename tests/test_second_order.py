@@ -55,7 +55,7 @@ def close(a, b, tol=1e-9):
 def double_backward(fn, xs, seed):
     """Gradients of <g, grad_x <c, fn(x)>> w.r.t. x and c: the double backward."""
     g = torch.Generator().manual_seed(seed)
-    rnd = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype)
+    rnd = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device, t.dtype)
     xs = [x.detach().requires_grad_() for x in xs]
     out, lse = fn(*xs)
     c = [rnd(out).requires_grad_(), rnd(lse).requires_grad_()]

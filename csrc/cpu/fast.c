@@ -1,13 +1,13 @@
 /*
  * fast.c — run-time choice of the ISA of the fast CPU kernels: AMX-BF16 (bf16 forward,
- * forward+JVP and backward, amx/), else AVX-512F, else AVX2+FMA, else the portable build. NBHD_CPU_ISA=generic|avx2|avx512
+ * forward+JVP and backward, amx.c), else AVX-512F, else AVX2+FMA, else the portable build. NBHD_CPU_ISA=generic|avx2|avx512
  * in the environment can lower the choice (never raise it past what the CPU has), so the
  * fallbacks are testable on any machine.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "amx/amx.h"
+#include "amx.h"
 #include "fast.h"
 #include "scalar/scalar.h"
 
@@ -86,7 +86,7 @@ static rotated_call rotate_call(const nbhd_geometry *g, const nbhd_exec *e, nbhd
     return c;
 }
 
-/* the kernels of the chosen ISA (AMX: the AVX-512 kernels for what amx/ does not run) */
+/* the kernels of the chosen ISA (AMX: the AVX-512 kernels for what amx.c does not run) */
 static const nbhd_cpu_fast_kernels *kernels(void) {
 #ifdef NBHD_FAST_X86
     switch (isa()) {
@@ -252,15 +252,12 @@ nbhd_status nbhd_cpu_fast_slab_forward_jvp_backward(const nbhd_geometry *g,
                                                     const nbhd_forward_jvp_backward_args *a0,
                                                     const nbhd_exec *e, int64_t b, int64_t hk0, int64_t nh) {
     const nbhd_geometry s = slab_geometry(g, nh);
-    const slab_at at = slab_at_of(g, b, hk0);
     nbhd_forward_jvp_backward_args a = *a0;
-    nbhd_tensor *qs[] = {&a.q, &a.t_q, &a.out, &a.t_out, &a.d_out, &a.d_t_out, &a.d_q, &a.d_t_q};
-    nbhd_tensor *rows[] = {&a.lse, &a.t_lse, &a.d_lse, &a.d_t_lse};
-    nbhd_tensor *ks[] = {&a.k, &a.v, &a.kx, &a.vx, &a.t_k, &a.t_v, &a.t_kx, &a.t_vx,
-                         &a.d_k, &a.d_v, &a.d_kx, &a.d_vx, &a.d_t_k, &a.d_t_v, &a.d_t_kx, &a.d_t_vx};
-    for (size_t i = 0; i < sizeof qs / sizeof qs[0]; ++i) *qs[i] = q_side(*qs[i], &at);
-    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; ++i) *rows[i] = row_side(*rows[i], &at);
-    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; ++i) *ks[i] = k_side(*ks[i], &at);
+    nbhd_tensor *const qs[] = {&a.q, &a.t_q, &a.out, &a.t_out, &a.d_out, &a.d_t_out, &a.d_q, &a.d_t_q, NULL};
+    nbhd_tensor *const rs[] = {&a.lse, &a.t_lse, &a.d_lse, &a.d_t_lse, NULL};
+    nbhd_tensor *const ks[] = {&a.k, &a.v, &a.kx, &a.vx, &a.t_k, &a.t_v, &a.t_kx, &a.t_vx,
+                               &a.d_k, &a.d_v, &a.d_kx, &a.d_vx, &a.d_t_k, &a.d_t_v, &a.d_t_kx, &a.d_t_vx, NULL};
+    move_to_slab(g, b, hk0, qs, ks, rs);
     nbhd_exec own = own_workspace(&s, NBHD_OP_FORWARD_JVP_BACKWARD, e);
     if (!own.workspace)
         return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp_backward: out of host memory for the reference kernels");
