@@ -78,9 +78,10 @@ class Rule:
     split     the op's arguments -> (tensors, extra)
     op_grads  (gradients per tensor, extra) -> the op's gradients (None for non-tensors)
     geometry  extra is a Geometry whose args() follow the tensors (the na_* ops)
-    sparse    vjp takes None for the cotangent of an output the loss does not use (a zero):
-              autograd passes None rather than materialized zeros, and the fused kernels skip
-              the products of absent cotangents and tangents (the second-order rules)
+    sparse    vjp takes None for the cotangent of an output the loss does not use, and jvp
+              None for the tangent of an input that has none (zeros): autograd passes None
+              rather than materialized zeros, so the fused kernels skip the products of absent
+              cotangents and tangents (second order: rules.second_order)
     """
     op: str
     tensors: int
@@ -178,6 +179,9 @@ def _forward_save(tensors, outputs, geometry):
 
 def _forward_vjp(calls, saved, info, geometry, grads):
     d_out, d_lse = grads
+    if d_out is None and d_lse is None:
+        return (None,) * 5
+    d_out = torch.zeros_like(saved[5]) if d_out is None else d_out
     return calls.backward(*saved, d_out, d_lse, geometry)
 
 
@@ -362,7 +366,7 @@ def _geometry_op(n_tensors: int, optional: Tuple[int, ...], save, vjp, jvp, name
 
 
 RULES = {
-    "na_forward": _geometry_op(5, (), _forward_save, _forward_vjp, _forward_jvp, "na_forward"),
+    "na_forward": _geometry_op(5, (), _forward_save, _forward_vjp, _forward_jvp, "na_forward", sparse=True),
     "na_backward": _geometry_op(9, (8,), _backward_save, _backward_vjp, _backward_jvp, "na_backward",
                                 sparse=True),
     "na_forward_jvp": _geometry_op(10, (5, 6, 7, 8, 9), _forward_jvp_save, _forward_jvp_vjp,

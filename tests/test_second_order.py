@@ -181,3 +181,35 @@ def test_reference_rules_of_the_custom_ops(unfused):
     r = lambda q, k, v: jvp(lambda q: case.reference(q, k, v, kx, vx, scale=0.3)[0], (q,), (tq,))[1]
     want = torch.autograd.grad(r(*xs).square().sum(), xs)
     close(got, want)
+
+
+class _RecordJvpBackward(torch.utils._python_dispatch.TorchDispatchMode):
+    """The arguments of every nbhd::na_forward_jvp_backward call made under it."""
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "na_forward_jvp_backward" in str(func):
+            self.calls.append(args)
+        return func(*args, **(kwargs or {}))
+
+
+def test_second_order_passes_absent_inputs(no_reference):
+    # outputs the loss does not use give no cotangent, and absent tangents stay absent: the fused
+    # kernel skips their products rather than multiplying zeros (rules.Rule.sparse)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, 8, generator=g).requires_grad_() for _ in range(3))
+    with _RecordJvpBackward() as rec:
+        (gq,) = torch.autograd.grad(nbhd.na1d(q, k, v, 7).square().sum(), q, create_graph=True)
+        gq.square().sum().backward()   # double backward of a loss on dq only
+    (args,) = rec.calls
+    assert args[5] is not None and all(t is None for t in args[6:10]), "tangents other than tq"
+    assert args[14] is None and args[15] is None, "cotangents on (out, lse)"
+    t = torch.randn(q.shape, generator=g)
+    with _RecordJvpBackward() as rec:
+        out, tout = jvp(lambda x: nbhd.na1d(x, k, v, 7), (q,), (t,))
+        (out.square().sum() + tout.square().sum()).backward()   # through the tangent
+    (args,) = rec.calls
+    assert all(t is None for t in args[6:10]), "tangents of k, v"
+    assert args[14] is None and args[15] is None and args[17] is None, "cotangents of unused outputs"
