@@ -1,5 +1,5 @@
-"""Per-call overhead on a tiny problem, where the kernel takes a few microseconds: nbhd against PyTorch's
-SDPA on the same tokens, with OMP_NUM_THREADS unset, 2 and 1 (one child process each).
+"""Per-call overhead on a tiny problem, where the kernel takes a few microseconds: nbhd against
+PyTorch's SDPA on the same tokens, with OMP_NUM_THREADS unset, 2 and 1 (one child process each).
 
     python bench/bench_overhead.py [--calls 400] [--rounds 3] [--device cpu|cuda]
 
