@@ -247,3 +247,26 @@ def test_subclasses_keep_the_dispatch():
         out = nbhd.na2d(q, k, v, 3)
     assert type(out) is Sub
     assert not _prepared_for(q)
+
+
+def test_public_paths_when_private_symbols_are_missing(monkeypatch):
+    """Without the private symbols they rest on (a PyTorch that dropped them), prepared calls
+    and the lone-jvp path are off and every call takes PyTorch's path, with the same results."""
+    from nbhd import _torch_internals
+    leaves = _qkv(requires_grad=True)
+    t = torch.randn_like(leaves[0])
+
+    def run():
+        out = nbhd.na2d(*leaves, 3)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        jvp = torch.func.jvp(lambda a: nbhd.na2d(a, leaves[1], leaves[2], 3), (leaves[0].detach(),), (t,))
+        return (out, *grads, *jvp)
+
+    run()
+    want = run()
+    monkeypatch.setattr(_torch_internals, "PREPARED_CALLS", False)
+    monkeypatch.setattr(_torch_internals, "LONE_JVP", False)
+    assert not _torch_internals.unwatched() and _torch_internals.lone_jvp_level() is None
+    got = run()
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
