@@ -2,8 +2,8 @@
 
 functional.py validates a call once per signature (its options, and its tensors' shapes,
 strides, dtypes, devices and types) and keeps a `Prepared` for it when the fused kernels run it
-on its own tensors (not flattened into dense attention). A later call with that signature comes
-here; while nothing watches it (_torch_internals.unwatched: no torch.compile trace, functorch
+(self attention that runs dense, flattened: `Prepared.tokens`). A later call with that
+signature comes here; while nothing watches it (_torch_internals.unwatched: no torch.compile trace, functorch
 transform, forward-mode AD level, torch function or dispatch mode, nor profiler) it runs the C
 kernel straight away: its outputs allocated, the data pointers written into the C argument
 structs that _lib keeps for this thread under the signature, one foreign call. No custom-op
