@@ -131,8 +131,9 @@ def key_box(global_shape: Sequence[int], axes: Sequence[int], box: Box, ks, st, 
 
 
 def _runs_dense(box, ks, causal) -> bool:
-    """True where nbhd.na*d runs a grid as dense self attention: every window spans its axis and
-    no axis is causal (functional._Call.is_self_attention)."""
+    """True where nbhd.na*d runs a grid as dense self attention on CUDA: every window spans its
+    axis and no axis is causal (functional._Call.runs_dense). The CPU runs such grids with the
+    neighborhood kernels, which the widening keeps as well."""
     return all(hi - lo == k for (lo, hi), k in zip(box, ks)) and not any(causal)
 
 

@@ -59,10 +59,17 @@ class _Call:
         self.geometry.tiles = list(tiles)
 
     def is_self_attention(self) -> bool:
-        """Every axis spans its whole extent and none is causal: plain self attention (run by
-        the dense kernel, unless tiles were asked for the neighborhood kernels)."""
+        """Every axis spans its whole extent and none is causal: plain self attention (unless
+        tiles were asked for the neighborhood kernels)."""
         ks, _, _, causal, _, tiles = self.geometry.args()
         return all(k == n for k, n in zip(ks, self.spatial)) and not any(causal) and not any(tiles)
+
+    def runs_dense(self) -> bool:
+        """Self attention run as dense attention of the flattened tokens: on CUDA. The CPU's
+        fast kernels have no dense form (rank 0 runs the scalar reference kernel, 8-17x slower
+        than the fast kernels at 49-196 tokens), so there it stays neighborhood attention whose
+        windows span every axis."""
+        return self.q.device.type == "cuda" and self.is_self_attention()
 
     def empty_extra(self, like: Tensor) -> Tensor:
         """[B, 0, H, D]: absent additional keys. Eager calls share one per shape, dtype and
@@ -80,10 +87,11 @@ class _Call:
         return empty
 
     def kernel_args(self):
-        """(q, k, v, kx, vx, geometry) for the ops: self attention becomes dense attention of the
-        flattened tokens (rank 0) over the keys and the additional keys together."""
+        """(q, k, v, kx, vx, geometry) for the ops: self attention on CUDA becomes dense
+        attention of the flattened tokens (rank 0) over the keys and the additional keys
+        together (runs_dense)."""
         q, k, v, kx, vx = self.q, self.k, self.v, self.kx, self.vx
-        if self.is_self_attention():
+        if self.runs_dense():
             B = q.shape[0]
             k_all, v_all = k.reshape(B, -1, *k.shape[-2:]), v.reshape(B, -1, *v.shape[-2:])
             if kx is not None:
@@ -196,7 +204,7 @@ def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
             (out, lse), (t_out, t_lse) = torch.func.jvp(fn, primals, tans)
         return out, lse, t_out, t_lse
     q, k, v, kx, vx, geometry = call.kernel_args()
-    if call.is_self_attention():
+    if call.runs_dense():
         B = call.q.shape[0]
         flat = lambda t: None if t is None else t.reshape(B, -1, *t.shape[-2:])
         tk_all = None if tk is None and tkx is None else torch.cat(
@@ -280,19 +288,26 @@ _CACHED_BACKENDS = (None, "cpu-fna", "cuda-fna", "reference")
 
 class _Checked:
     """What validating a call found: its normalised geometry and backend, and its Prepared
-    (prepared.py) when the fused kernels run it on its own tensors, all of them plain
-    torch.Tensor (a subclass keeps PyTorch's dispatch)."""
+    (prepared.py) when the fused kernels run it, its tensors are all plain torch.Tensor (a
+    subclass keeps PyTorch's dispatch), and, for self attention, it has no additional keys
+    (flattening would concatenate them to the keys)."""
     __slots__ = ("geometry", "backend", "prepared")
 
     def __init__(self, call: _Call):
         self.geometry, self.backend = call.geometry, call.backend
         self.prepared = None
         plain = all(type(t) is Tensor for t in (call.q, call.k, call.v, call.kx, call.vx) if t is not None)
-        if plain and call.backend in ("cpu-fna", "cuda-fna") and not call.is_self_attention():
-            q, k, v, kx, vx, geometry = call.kernel_args()
-            absent = call.kx is None
-            self.prepared = prepared.Prepared(q, k, v, None if absent else kx, None if absent else vx,
-                                              geometry, call.empty_extra(k), call.empty_extra(v))
+        if not plain or call.backend not in ("cpu-fna", "cuda-fna"):
+            return
+        q, k, v, kx, vx, geometry = call.kernel_args()
+        if call.runs_dense():   # dense attention of the tokens: q [B, N, H, D], kx, vx
+            if call.kx is None:        # the keys and values as tokens, k and v zero-length
+                self.prepared = prepared.Prepared(q, k, v, kx, vx, geometry, k, v,
+                                                  spatial=call.spatial)
+            return
+        absent = call.kx is None
+        self.prepared = prepared.Prepared(q, k, v, None if absent else kx, None if absent else vx,
+                                          geometry, call.empty_extra(k), call.empty_extra(v))
 
 
 def _call_key(rank, tensors, options):

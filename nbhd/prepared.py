@@ -2,8 +2,8 @@
 
 functional.py validates a call once per signature (its options, and its tensors' shapes,
 strides, dtypes, devices and types) and keeps a `Prepared` for it when the fused kernels run it
-on its own tensors (not flattened into dense attention). A later call with that signature comes
-here; while nothing watches it (_torch_internals.unwatched: no torch.compile trace, functorch
+(self attention that runs dense, flattened: `Prepared.tokens`). A later call with that
+signature comes here; while nothing watches it (_torch_internals.unwatched: no torch.compile trace, functorch
 transform, forward-mode AD level, torch function or dispatch mode, nor profiler) it runs the C
 kernel straight away: its outputs allocated, the data pointers written into the C argument
 structs that _lib keeps for this thread under the signature, one foreign call. No custom-op
@@ -48,18 +48,38 @@ class Prepared:
     ones."""
 
     __slots__ = ("geometry", "plan_geometry", "tiles", "dtype", "lse_dtype", "device", "shapes",
-                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "__weakref__")
+                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "flat", "__weakref__")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, kx: Optional[Tensor], vx: Optional[Tensor],
-                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor):
+                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor, spatial=None):
         ks, st, dil, causal, scale, tiles = geometry.args()
         self.geometry, self.tiles = geometry, tiles
         self.plan_geometry = (len(ks), tuple(ks), tuple(st), tuple(dil), tuple(causal), scale)
         self.dtype, self.lse_dtype, self.device = q.dtype, _lse_dtype(q.dtype), q.device
-        self.shapes = tuple(None if t is None else t.shape for t in (q, k, v, kx, vx))
-        self.out_shape = (*q.shape[:-1], v.shape[-1])
+        # gradients for every tensor but the zero-length k, v of dense attention (rank 0)
+        self.shapes = tuple(None if t is None or (not ks and i in (1, 2)) else t.shape
+                            for i, t in enumerate((q, k, v, kx, vx)))
+        self.out_shape = (*q.shape[:-1], (v if ks else vx).shape[-1])
         self.lse_shape = tuple(q.shape[:-1])
         self.empty_kx, self.empty_vx = empty_kx, empty_vx
+        # self attention flattened into dense attention of the tokens (spatial: the axes):
+        # (the empty k and v, the outputs' spatial shapes)
+        self.flat = None if spatial is None else (
+            k, v, (q.shape[0], *spatial, *self.out_shape[-2:]), (q.shape[0], *spatial, q.shape[-2]))
+
+    def tokens(self, q, k, v):
+        """A self-attention call's tensors as the dense kernel takes them: (q [B, N, H, D], the
+        empty k and v, k and v [B, N, Hkv, D|Dv] as the additional tokens)."""
+        B = q.shape[0]
+        empty_k, empty_v = self.flat[:2]
+        return (q.reshape(B, -1, *q.shape[-2:]), empty_k, empty_v,
+                k.reshape(B, -1, *k.shape[-2:]), v.reshape(B, -1, *v.shape[-2:]))
+
+    def spatial(self, *outs):
+        """Outputs of the dense kernel ([B, N, H, ...]) back on the spatial axes: (out, lse) or
+        (out, lse, t_out, t_lse)."""
+        out_shape, lse_shape = self.flat[2:]
+        return tuple(o.reshape(out_shape if i % 2 == 0 else lse_shape) for i, o in enumerate(outs))
 
     def _out(self) -> Tensor:
         return torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
@@ -241,9 +261,13 @@ def na(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tup
     if _unwatched():
         if not _stored(q, k, v, kx, vx):
             return None
+        if prep.flat is not None:
+            q, k, v, kx, vx = prep.tokens(q, k, v)
         if _requires_grad(q, k, v, kx, vx):
-            return _apply(q, k, v, kx, vx, prep)
-        return prep.forward(q, k, v, kx, vx, lse_wanted)
+            outs = _apply(q, k, v, kx, vx, prep)
+        else:
+            outs = prep.forward(q, k, v, kx, vx, lse_wanted)
+        return outs if prep.flat is None else prep.spatial(*outs)
     if _forward_ad_active():
         return _dual(prep, q, k, v, kx, vx)
     return None
@@ -278,13 +302,17 @@ def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
     if kx is None:
         primals += (None, None)
         tangents += (None, None)
-    layouts = tuple(None if t is None else t.stride() for t in (*primals, *tangents))
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*primals, *tangents))
     with _torch_internals.below_level(level), _torch_internals.forward_grad_disabled():
+        if prep.flat is not None:
+            primals, tangents = _tokens_with_tangents(prep, primals, tangents)
+        layouts = tuple(None if t is None else t.stride() for t in (*primals, *tangents))
         if grad:
             out, lse, t_out, t_lse = _apply_jvp(*primals, *tangents, prep, layouts)
         else:
             out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts)
+        if prep.flat is not None:
+            out, lse, t_out, t_lse = prep.spatial(out, lse, t_out, t_lse)
     return (_make_dual(_wrap(out, level), _wrap(t_out, level)),
             _make_dual(_wrap(lse, level), _wrap(t_lse, level)))
 
@@ -295,6 +323,21 @@ def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, lse_wanted: bo
     tensors = (q, k, v, kx, vx, tq, tk, tv, tkx, tvx)
     if not _unwatched() or not _stored(*tensors):
         return None
+    if prep.flat is not None:
+        primals, tangents = _tokens_with_tangents(prep, tensors[:5], tensors[5:])
+        tensors = (*primals, *tangents)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _apply_jvp(*tensors, prep, ())
-    return prep.forward_jvp(*tensors, lse_wanted=lse_wanted)
+        outs = _apply_jvp(*tensors, prep, ())
+    else:
+        outs = prep.forward_jvp(*tensors, lse_wanted=lse_wanted)
+    return outs if prep.flat is None else prep.spatial(*outs)
+
+
+def _tokens_with_tangents(prep: Prepared, primals, tangents):
+    """prep.tokens of a self-attention call's primals, and their tangents alike (k's and v's
+    become the additional tokens' tangents)."""
+    q, k, v = primals[:3]
+    tq, tk, tv = tangents[:3]
+    B = q.shape[0]
+    flat = lambda t: None if t is None else t.reshape(B, -1, *t.shape[-2:])
+    return prep.tokens(q, k, v), (flat(tq), None, None, flat(tk), flat(tv))

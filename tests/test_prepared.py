@@ -247,3 +247,69 @@ def test_subclasses_keep_the_dispatch():
         out = nbhd.na2d(q, k, v, 3)
     assert type(out) is Sub
     assert not _prepared_for(q)
+
+
+def test_public_paths_when_private_symbols_are_missing(monkeypatch):
+    """Without the private symbols they rest on (a PyTorch that dropped them), prepared calls
+    and the lone-jvp path are off and every call takes PyTorch's path, with the same results."""
+    from nbhd import _torch_internals
+    leaves = _qkv(requires_grad=True)
+    t = torch.randn_like(leaves[0])
+
+    def run():
+        out = nbhd.na2d(*leaves, 3)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        jvp = torch.func.jvp(lambda a: nbhd.na2d(a, leaves[1], leaves[2], 3), (leaves[0].detach(),), (t,))
+        return (out, *grads, *jvp)
+
+    run()
+    want = run()
+    monkeypatch.setattr(_torch_internals, "PREPARED_CALLS", False)
+    monkeypatch.setattr(_torch_internals, "LONE_JVP", False)
+    assert not _torch_internals.unwatched() and _torch_internals.lone_jvp_level() is None
+    got = run()
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_self_attention_is_prepared_flattened(op_path, launches, monkeypatch):
+    """A window over every axis on CUDA: dense attention of the flattened tokens, prepared as
+    well (forward, gradients, torch.func.jvp with and without grad, na2d_jvp); flattened here
+    on the CPU too, which otherwise keeps it neighborhood attention."""
+    monkeypatch.setattr(functional._Call, "runs_dense", functional._Call.is_self_attention)
+    monkeypatch.setattr(functional, "_CHECKED", {})
+    leaves = _qkv(shape=(2, 3, 4, 2, 8), requires_grad=True)
+    q, k, v = (t.detach() for t in leaves)
+    t = [torch.randn_like(q) for _ in range(3)]
+    w = torch.randn(2, 3, 4, 2, 8)
+    cases = {
+        "forward": lambda: nbhd.na2d(q, k, v, (3, 4), return_lse=True),
+        "grads": lambda: torch.autograd.grad(
+            (nbhd.na2d(*leaves, (3, 4)) * w).sum() + nbhd.na2d(*leaves, (3, 4), return_lse=True)[1].sum(),
+            leaves),
+        "jvp": lambda: torch.func.jvp(lambda a, b, c: nbhd.na2d(a, b, c, (3, 4)), (q, k, v), tuple(t)),
+        "jvp grads": lambda: torch.autograd.grad(
+            sum((x * w).sum() for x in torch.func.jvp(lambda a, b, c: nbhd.na2d(a, b, c, (3, 4)),
+                                                        tuple(leaves), tuple(t))), leaves),
+        "na2d_jvp": lambda: nbhd.na2d_jvp(q, k, v, t[0], None, t[2], (3, 4), return_lse=True),
+    }
+    for name, f in cases.items():
+        f()
+        got, ops = launches(f)
+        assert ops and all(op in (_lib.OP_FORWARD, _lib.OP_BACKWARD, _lib.OP_FORWARD_JVP,
+                                  _lib.OP_FORWARD_JVP_BACKWARD) for op in ops), name
+        for a, b in zip(got, op_path(f)):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert any(p.flat is not None for p in _prepared_for(torch.empty(2, 12, 2, 8)))
+
+
+def test_self_attention_on_the_cpu_keeps_the_fast_kernels(launches):
+    q, k, v = _qkv(shape=(2, 3, 4, 2, 8))
+    out, ops = launches(lambda: nbhd.na2d(q, k, v, (3, 4)))
+    assert ops == [_lib.OP_FORWARD]
+    prep = [p for p in _prepared_for(q) if p.plan_geometry[1] == (3, 4)]
+    assert prep and prep[0].flat is None and prep[0].plan_geometry[0] == 2
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        *(t.flatten(1, 2).transpose(1, 2) for t in (q, k, v)))
+    torch.testing.assert_close(out, dense.transpose(1, 2).reshape(out.shape), rtol=1e-5, atol=1e-6)
