@@ -16,14 +16,23 @@
 
 #include "mma_util.cuh"
 
+/* every op call asks: queried once per device, then read (the facts do not change) */
 nbhd_cuda_device nbhd_cuda_device_facts(void) {
+    static nbhd_cuda_device facts[64];
+    static int known[64];
     nbhd_cuda_device d = {0, 0};
     int dev = 0, optin = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess)
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        cudaGetLastError();
+        return d;
+    }
+    if (__atomic_load_n(&known[dev], __ATOMIC_ACQUIRE)) return facts[dev];
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess)
         d.smem_optin = (size_t)optin;
     cudaGetLastError();
     d.wgmma = nbhd_cuda_wgmma_ready();
+    facts[dev] = d;
+    __atomic_store_n(&known[dev], 1, __ATOMIC_RELEASE);
     return d;
 }
 
