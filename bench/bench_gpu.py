@@ -22,6 +22,7 @@ back-to-back calls (the host's time per call overlaps the GPU's), warm-up, media
 slower than a second is timed once (marked '*').
 
     python bench/bench_gpu.py [--tables main,natten] [--dims 128,64] [--heads 16] [--csv out.csv]
+                              [--only 1d,3d-30] [--forward-only] [--no-flex] [--no-sdpa]
 """
 import argparse
 import csv
@@ -164,18 +165,23 @@ def run_main(args, rows):
             flop_f = 4.0 * B * H * N * W * D
             na = lambda: NA[rank](q, k, v, kernel_size=ks, stride=st)
             t_f, s_f = time_ms(na)
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            out = NA[rank](qg, kg, vg, kernel_size=ks, stride=st)
-            d_out = torch.randn_like(out)
-            grad = lambda: torch.autograd.grad(out, (qg, kg, vg), d_out, retain_graph=True)
-            t_b, s_b = time_ms(grad)
-            nbhd.use_kv_parallelism_in_fused_na(False)  # the deterministic two-pass backward
-            try:
-                t_bd, s_bd = time_ms(grad)
-            finally:
-                nbhd.use_kv_parallelism_in_fused_na(True)
-            t_j, s_j = time_ms(lambda: NA_JVP[rank](q, k, v, q, k, v, kernel_size=ks, stride=st))
-            sd_f, be_f, sd_b, be_b = sdpa_best(*dense, with_backward=True)
+            nan = (float("nan"), False)
+            (t_b, s_b), (t_bd, s_bd), (t_j, s_j) = nan, nan, nan
+            if not args.forward_only:
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                out = NA[rank](qg, kg, vg, kernel_size=ks, stride=st)
+                d_out = torch.randn_like(out)
+                grad = lambda: torch.autograd.grad(out, (qg, kg, vg), d_out, retain_graph=True)
+                t_b, s_b = time_ms(grad)
+                nbhd.use_kv_parallelism_in_fused_na(False)  # the deterministic two-pass backward
+                try:
+                    t_bd, s_bd = time_ms(grad)
+                finally:
+                    nbhd.use_kv_parallelism_in_fused_na(True)
+                t_j, s_j = time_ms(lambda: NA_JVP[rank](q, k, v, q, k, v, kernel_size=ks, stride=st))
+            sd_f, be_f, sd_b, be_b = float("nan"), "-", float("nan"), "-"
+            if not args.no_sdpa:
+                sd_f, be_f, sd_b, be_b = sdpa_best(*dense, with_backward=not args.forward_only)
             fl_f = float("nan")
             if not args.no_flex:
                 try:
@@ -198,7 +204,9 @@ def run_main(args, rows):
                   f"{r['bwd_tflops']:6.1f} {t_bd:8.2f}{star(s_bd)} {t_j:8.2f}{star(s_j)} {r['jvp_over_fwd']:7.2f} "
                   f"{sd_f:8.3f} {r['sdpa_fwd_tflops']:6.0f} {sd_b:8.3f} {fl_f:8.3f} {r['x_flex']:7.2f} "
                   f"{r['pct_sdpa']:6.1f} {r['bwd_pct_sdpa']:6.1f}  {be_f}/{be_b}", flush=True)
-            del q, k, v, dense, qg, kg, vg, out, d_out
+            del q, k, v, dense
+            if not args.forward_only:
+                del qg, kg, vg, out, d_out
             torch.cuda.empty_cache()
 
 
@@ -216,7 +224,9 @@ def run_natten(args, rows):
         q, k, v, dense = make_inputs(1, ext, H, D, torch.float16)
         flop_f = 4.0 * H * N * W * D
         t_f, s_f = time_ms(lambda: NA[rank](q, k, v, kernel_size=ks, stride=st))
-        sd_f, be_f, _, _ = sdpa_best(*dense, with_backward=False)
+        sd_f, be_f = float("nan"), "-"
+        if not args.no_sdpa:
+            sd_f, be_f, _, _ = sdpa_best(*dense, with_backward=False)
         fl_f = float("nan")
         if not args.no_flex:
             try:
@@ -246,6 +256,9 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--only", default=None, help="substrings of problem names, comma-separated")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA anchor (A/B runs of nbhd alone)")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="main table: time the forwards only (no backward, forward+JVP or SDPA backward)")
     args = ap.parse_args()
     torch._dynamo.config.recompile_limit = 256
     torch._dynamo.config.cache_size_limit = 256
