@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 CC ?= gcc
 CFLAGS ?= -std=c11 -O3 -g -Wall -Wextra -Wno-psabi -fopenmp
 BUILD := build/c
-C_SRCS := $(wildcard csrc/core/*.c csrc/cpu/*.c csrc/cpu/fast/*.c csrc/cpu/scalar/*.c)
+C_SRCS := $(wildcard csrc/core/*.c csrc/cpu/*.c csrc/cpu/fast/*.c csrc/cpu/amx/*.c csrc/cpu/scalar/*.c)
 C_INCS := -Icsrc/include -Icsrc/core -Icsrc/cpu
 
 .PHONY: all venv install demo test test-c test-py bench-cpu clean

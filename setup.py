@@ -22,7 +22,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 C_SOURCES = sorted(glob.glob("csrc/core/*.c") + glob.glob("csrc/cpu/*.c") + glob.glob("csrc/cpu/fast/*.c")
-                   + glob.glob("csrc/cpu/scalar/*.c"))
+                   + glob.glob("csrc/cpu/amx/*.c") + glob.glob("csrc/cpu/scalar/*.c"))
 CU_SOURCES = sorted(glob.glob("csrc/cuda/*.cu"))
 INCLUDES = ["csrc/include", "csrc/core", "csrc/cpu"]
 

@@ -1,7 +1,7 @@
 """Lengths of the C functions in the given files or folders (.c, .h, .cu, .cuh, recursively),
 longest first.
 
-    python scripts/function_lengths.py csrc/cpu --max 120 [--top 10] [--exclude 'csrc/cpu/scalar/*']
+    python scripts/function_lengths.py csrc/cpu --max 120 [--top 10] [--exclude 'csrc/cpu/amx/*']
 
 A function runs from the first line of its signature to its closing brace. Prints the `top`
 longest and every one over `max`; exit status 1 when any is over `max`.

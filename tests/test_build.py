@@ -96,7 +96,7 @@ def test_makefile_builds_one_object_per_source():
 
 def test_setup_compiles_every_c_source(setup_py):
     """pip's build (setup.py) compiles the same C sources as the Makefile: every .c below csrc/core
-    and csrc/cpu, subfolders (fast/, scalar/) included"""
+    and csrc/cpu, subfolders (fast/, amx/, scalar/) included"""
     sources = sorted(os.path.relpath(os.path.join(d, f), ROOT)
                      for top in (os.path.join(ROOT, "csrc/core"), os.path.join(ROOT, "csrc/cpu"))
                      for d, _, files in os.walk(top) for f in files if f.endswith(".c"))

@@ -159,7 +159,7 @@ def test_backward_huge_scores_finite(isa, scale, monkeypatch):
     assert (dv.double().abs() <= bound).all()
 
 
-# The AMX forward (csrc/cpu/amx.c): bf16, D % 32 == 0, Dv % 16 == 0, no extra keys.
+# The AMX forward (csrc/cpu/amx/): bf16, D % 32 == 0, Dv % 16 == 0, no extra keys.
 AMX_CASES = [
     # shape, kernel, stride, dilation, causal, B, H, Hk, D, Dv
     ((40,), (7,), (1,), (1,), (False,), 1, 2, 2, 32, 32),          # partial last chunk

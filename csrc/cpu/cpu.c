@@ -4,7 +4,7 @@
  * by named conditions.
  *
  *   fast       fp32/fp16/bf16, rank 1..3 (any strides, geometry, GQA, extra keys); fast.c picks
- *              the ISA, and the AMX-BF16 kernels (amx.c) for bf16 where the CPU has them
+ *              the ISA, and the AMX-BF16 kernels (amx/) for bf16 where the CPU has them
  *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only)
  */
 #ifdef _OPENMP

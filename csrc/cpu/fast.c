@@ -1,13 +1,13 @@
 /*
  * fast.c — run-time choice of the ISA of the fast CPU kernels: AMX-BF16 (bf16 forward,
- * forward+JVP and backward, amx.c), else AVX-512F, else AVX2+FMA, else the portable build. NBHD_CPU_ISA=generic|avx2|avx512
+ * forward+JVP and backward, amx/), else AVX-512F, else AVX2+FMA, else the portable build. NBHD_CPU_ISA=generic|avx2|avx512
  * in the environment can lower the choice (never raise it past what the CPU has), so the
  * fallbacks are testable on any machine.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "amx.h"
+#include "amx/amx.h"
 #include "fast.h"
 #include "scalar/scalar.h"
 
@@ -86,7 +86,7 @@ static rotated_call rotate_call(const nbhd_geometry *g, const nbhd_exec *e, nbhd
     return c;
 }
 
-/* the kernels of the chosen ISA (AMX: the AVX-512 kernels for what amx.c does not run) */
+/* the kernels of the chosen ISA (AMX: the AVX-512 kernels for what amx/ does not run) */
 static const nbhd_cpu_fast_kernels *kernels(void) {
 #ifdef NBHD_FAST_X86
     switch (isa()) {

@@ -1,6 +1,6 @@
 /*
  * fast.h — the fast CPU kernels (csrc/cpu/fast/, compiled per ISA by its generic.c, avx2.c and
- * avx512.c; the bf16 kernels on AMX tiles in amx.c) and the run-time choice of ISA (fast.c).
+ * avx512.c; the bf16 kernels on AMX tiles in amx/) and the run-time choice of ISA (fast.c).
  * fp32/fp16/bf16, rank >= 1.
  */
 #ifndef NBHD_CPU_FAST_H

@@ -1,5 +1,5 @@
 /*
- * amx.h — the bf16 forward, forward+JVP and backward on Intel AMX tiles (amx.c), chosen by
+ * amx.h — the bf16 forward, forward+JVP and backward on Intel AMX tiles (csrc/cpu/amx/), chosen by
  * fast.c where the CPU and the OS allow AMX-BF16. Takes the rotated geometry of the fast kernels
  * (chunks along Z).
  */
