@@ -167,9 +167,39 @@ __device__ __forceinline__ void exact_dq_row(const nbhd_geometry &g, const nbhd_
 }
 
 // ----------------------------------------------------------------------------
+// key rows: the queries that see key (b, c, hk) — its inverse neighborhood, or every query for an
+// extra key — times the group's heads, 32 at a time
+
+/* Lane j of each chunk of 32 computes its query's pair terms, pair(h, qc) -> V (h: the query's
+ * head, qc: its coordinates; V{} on lanes past the end); then all lanes call take(v, j) for each
+ * query j of the chunk in order, v being the lane's own terms (take shuffles lane j's). */
+template <bool EXTRA, typename V, typename Pair, typename Take>
+__device__ __forceinline__ void for_each_query_of_key(const nbhd_geometry &g, const int64_t c[3], int64_t hk,
+                                                      int lane, Pair &&pair, Take &&take) {
+    const keyset qs = EXTRA ? all_queries(g) : inverse_window_queries(g, c);
+    const int64_t total = qs.box * g.group;
+    for (int64_t n0 = 0; n0 < total; n0 += 32) {
+        const int64_t n = n0 + lane;
+        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
+        V v{};
+        if (n < total) {
+            int64_t qc[3];
+            member_coords(qs, n / g.group, qc);
+            v = pair(hk * g.group + n % g.group, qc);
+        }
+        for (int j = 0; j < cnt; ++j) take(v, j);
+    }
+}
+
+/* row `off` of t into x (lanes own d = lane + 32 n); zeros when t has no data */
+template <typename T, typename A>
+__device__ __forceinline__ void load_or_zero(const nbhd_tensor &t, int64_t off, A *x, int n, int lane) {
+    for (int d = lane; d < n; d += 32) x[d] = t.data ? ld<T, A>(t, off + d * t.stride[5]) : (A)0;
+}
+
+// ----------------------------------------------------------------------------
 // backward, key rows: dK_j = s sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i over the queries i that
-// see key j (inverse neighborhood, or every query for an extra key) x group heads. Dws: D_i per
-// query row (b, token, head), as exact_di gives it.
+// see key j x group heads. Dws: D_i per query row (b, token, head), as exact_di gives it.
 
 template <typename T, typename A, bool EXTRA>
 __device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd_backward_args &a, const A *Dws,
@@ -190,33 +220,30 @@ __device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd
         dv[d] = 0;
     }
     __syncwarp();
-    const keyset qs = EXTRA ? all_queries(g) : inverse_window_queries(g, c);
-    const int64_t total = qs.box * g.group;
 
-    for (int64_t n0 = 0; n0 < total; n0 += 32) {
-        const int64_t n = n0 + lane;
-        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
-        A p = 0, ds = 0;
-        int64_t q_off = 0, do_off = 0;
-        if (n < total) {
-            const int64_t h = hk * g.group + n % g.group;
-            int64_t qc[3];
-            member_coords(qs, n / g.group, qc);
-            q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
-            do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
+    struct terms {
+        A p, ds;
+        int64_t q_off, do_off;
+    };
+    for_each_query_of_key<EXTRA, terms>(
+        g, c, hk, lane,
+        [&](int64_t h, const int64_t qc[3]) {
+            terms t;
+            t.q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
+            t.do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
             const A lse = ((const A *)a.lse.data)[offset_of(a.lse, b, qc[0], qc[1], qc[2], h)];
             const A Di = Dws[(b * g.tokens + token_of(g, qc)) * g.heads + h];
-            p = prob_acc<A>(scale * dot_row<T, A>(a.q, q_off, k, D) - lse);
-            ds = p * (dot_row<T, A>(a.d_out, do_off, v, Dv) - Di);
-        }
-        for (int j = 0; j < cnt; ++j) {
-            const A pj = __shfl_sync(EXACT_FULL, p, j), dsj = __shfl_sync(EXACT_FULL, ds, j);
-            const int64_t qo = __shfl_sync(EXACT_FULL, q_off, j), doo = __shfl_sync(EXACT_FULL, do_off, j);
+            t.p = prob_acc<A>(scale * dot_row<T, A>(a.q, t.q_off, k, D) - lse);
+            t.ds = t.p * (dot_row<T, A>(a.d_out, t.do_off, v, Dv) - Di);
+            return t;
+        },
+        [&](const terms &t, int j) {
+            const A pj = __shfl_sync(EXACT_FULL, t.p, j), dsj = __shfl_sync(EXACT_FULL, t.ds, j);
+            const int64_t qo = __shfl_sync(EXACT_FULL, t.q_off, j), doo = __shfl_sync(EXACT_FULL, t.do_off, j);
             for (int d = lane; d < D; d += 32) dk[d] += dsj * ld<T, A>(a.q, qo + d * a.q.stride[5]);
             for (int d = lane; d < Dv; d += 32)
                 dv[d] += pj * ld<T, A>(a.d_out, doo + d * a.d_out.stride[5]);
-        }
-    }
+        });
     const int64_t dk_off = offset_of(dkt, b, c[0], c[1], c[2], hk);
     const int64_t dv_off = offset_of(dvt, b, c[0], c[1], c[2], hk);
     for (int d = lane; d < D; d += 32)
@@ -317,12 +344,6 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
 
 __host__ __device__ constexpr int exact_jvpb_query_scratch(int D, int Dv) { return 4 * D + 2 * Dv; }
 __host__ __device__ constexpr int exact_jvpb_key_scratch(int D, int Dv) { return 4 * D + 4 * Dv; }
-
-/* row `off` of t into x (lanes own d = lane + 32 n); zeros when t has no data */
-template <typename T, typename A>
-__device__ __forceinline__ void load_or_zero(const nbhd_tensor &t, int64_t off, A *x, int n, int lane) {
-    for (int d = lane; d < n; d += 32) x[d] = t.data ? ld<T, A>(t, off + d * t.stride[5]) : (A)0;
-}
 
 /* the query row's scalars: lse, mu (= tLSE), g_mu (= dL/dtLSE), D', c, E */
 template <typename A> struct jvpb_scalars {
@@ -460,22 +481,18 @@ __device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const
     for (int d = lane; d < D; d += 32) dk[d] = dtk[d] = 0;
     for (int d = lane; d < Dv; d += 32) dv[d] = dtv[d] = 0;
     __syncwarp();
-    const keyset qs = EXTRA ? all_queries(g) : inverse_window_queries(g, c);
-    const int64_t total = qs.box * g.group;
-
-    for (int64_t n0 = 0; n0 < total; n0 += 32) {
-        const int64_t n = n0 + lane;
-        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
-        A p = 0, pn = 0, ds = 0, dts = 0;
-        int64_t q_off = 0, tq_off = 0, do_off = 0, G_off = 0;
-        if (n < total) {
-            const int64_t h = hk * g.group + n % g.group;
-            int64_t qc[3];
-            member_coords(qs, n / g.group, qc);
-            q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
-            tq_off = offset_of(a.t_q, b, qc[0], qc[1], qc[2], h);
-            do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
-            G_off = offset_of(a.d_t_out, b, qc[0], qc[1], qc[2], h);
+    struct terms {
+        A p, pn, ds, dts;
+        int64_t q_off, tq_off, do_off, G_off;
+    };
+    for_each_query_of_key<EXTRA, terms>(
+        g, c, hk, lane,
+        [&](int64_t h, const int64_t qc[3]) {
+            terms t;
+            t.q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
+            t.tq_off = offset_of(a.t_q, b, qc[0], qc[1], qc[2], h);
+            t.do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
+            t.G_off = offset_of(a.d_t_out, b, qc[0], qc[1], qc[2], h);
             const int64_t row = (b * g.tokens + token_of(g, qc)) * g.heads + h;
             jvpb_scalars<A> sc;
             sc.lse = scalar_or_zero<A>(a.lse, offset_of(a.lse, b, qc[0], qc[1], qc[2], h));
@@ -484,23 +501,24 @@ __device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const
             sc.Dp = ws[3 * row];
             sc.c = ws[3 * row + 1];
             sc.E = ws[3 * row + 2];
-            const A qk = dot_row<T, A>(a.q, q_off, k, D);
-            const A tqk = has_tq ? dot_row<T, A>(a.t_q, tq_off, k, D) : (A)0;
-            const A qtk = has_tk ? dot_row<T, A>(a.q, q_off, tk, D) : (A)0;
-            const A Gv = has_G ? dot_row<T, A>(a.d_t_out, G_off, v, Dv) : (A)0;
-            const A dov = has_do ? dot_row<T, A>(a.d_out, do_off, v, Dv) : (A)0;
-            const A Gtv = has_G && has_tv ? dot_row<T, A>(a.d_t_out, G_off, tv, Dv) : (A)0;
+            const A qk = dot_row<T, A>(a.q, t.q_off, k, D);
+            const A tqk = has_tq ? dot_row<T, A>(a.t_q, t.tq_off, k, D) : (A)0;
+            const A qtk = has_tk ? dot_row<T, A>(a.q, t.q_off, tk, D) : (A)0;
+            const A Gv = has_G ? dot_row<T, A>(a.d_t_out, t.G_off, v, Dv) : (A)0;
+            const A dov = has_do ? dot_row<T, A>(a.d_out, t.do_off, v, Dv) : (A)0;
+            const A Gtv = has_G && has_tv ? dot_row<T, A>(a.d_t_out, t.G_off, tv, Dv) : (A)0;
             const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv, sc);
-            p = pr.p;
-            pn = pr.p * pr.n;
-            ds = pr.ds;
-            dts = pr.dts;
-        }
-        for (int j = 0; j < cnt; ++j) {
-            const A pj = __shfl_sync(EXACT_FULL, p, j), pnj = __shfl_sync(EXACT_FULL, pn, j);
-            const A dsj = __shfl_sync(EXACT_FULL, ds, j), dtsj = __shfl_sync(EXACT_FULL, dts, j);
-            const int64_t qo = __shfl_sync(EXACT_FULL, q_off, j), tqo = __shfl_sync(EXACT_FULL, tq_off, j);
-            const int64_t doo = __shfl_sync(EXACT_FULL, do_off, j), Go = __shfl_sync(EXACT_FULL, G_off, j);
+            t.p = pr.p;
+            t.pn = pr.p * pr.n;
+            t.ds = pr.ds;
+            t.dts = pr.dts;
+            return t;
+        },
+        [&](const terms &t, int j) {
+            const A pj = __shfl_sync(EXACT_FULL, t.p, j), pnj = __shfl_sync(EXACT_FULL, t.pn, j);
+            const A dsj = __shfl_sync(EXACT_FULL, t.ds, j), dtsj = __shfl_sync(EXACT_FULL, t.dts, j);
+            const int64_t qo = __shfl_sync(EXACT_FULL, t.q_off, j), tqo = __shfl_sync(EXACT_FULL, t.tq_off, j);
+            const int64_t doo = __shfl_sync(EXACT_FULL, t.do_off, j), Go = __shfl_sync(EXACT_FULL, t.G_off, j);
             for (int d = lane; d < D; d += 32) {
                 const A qd = ld<T, A>(a.q, qo + d * a.q.stride[5]);
                 dk[d] += dsj * qd + (has_tq ? dtsj * ld<T, A>(a.t_q, tqo + d * a.t_q.stride[5]) : (A)0);
@@ -511,8 +529,7 @@ __device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const
                 dv[d] += (has_do ? pj * ld<T, A>(a.d_out, doo + d * a.d_out.stride[5]) : (A)0) + pnj * Gd;
                 dtv[d] += pj * Gd;
             }
-        }
-    }
+        });
     const nbhd_tensor &dkt = EXTRA ? a.d_kx : a.d_k, &dvt = EXTRA ? a.d_vx : a.d_v;
     const nbhd_tensor &dtkt = EXTRA ? a.d_t_kx : a.d_t_k, &dtvt = EXTRA ? a.d_t_vx : a.d_t_v;
     const struct { const nbhd_tensor *t; const A *x; int n; A mul; } outs[4] = {
