@@ -217,23 +217,19 @@ class PreparedJvp(torch.autograd.Function):
     def backward(ctx, *grads):
         if all(g is None for g in grads):
             return (None,) * 12
+        from .rules import RULES, detached_tangents_backward, zeros_for
         prep, saved = ctx.prep, ctx.saved_tensors
-        d_out, d_lse, d_t_out, d_t_lse = grads
-        if (d_t_out is None and d_t_lse is None and d_out is not None and not torch.is_grad_enabled()
-                and _unwatched() and _plain_grad(d_out) and _plain_grad(d_lse)):
-            # no cotangent on the tangent outputs (a flow-map loss detaches its jvp target): out
-            # and lse do not depend on the tangents, so this is the first-order backward
-            q, k, v, kx, vx = saved[:5]
-            return (*prep.backward(q, k, v, kx, vx, saved[10], saved[11], d_out, d_lse),
-                    None, None, None, None, None, None, None)
+        direct = not torch.is_grad_enabled() and _unwatched() and all(_plain_grad(g) for g in grads)
+        if direct:
+            first_order = detached_tangents_backward(prep.backward, saved[:10], saved[10], saved[11], grads)
+            if first_order is not None:
+                return (*first_order, None, None)
         fused = prep.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
-        if (fused and not torch.is_grad_enabled() and _unwatched()
-                and all(_plain_grad(g) for g in grads)):
+        if fused and direct:
             return (*prep.forward_jvp_backward(saved, grads, ctx.needs_input_grad[5:10], ctx.layouts),
                     None, None)
         # a differentiable backward (create_graph), a watched one, or no fused kernel
         from .autograd import EAGER
-        from .rules import RULES, zeros_for
         inputs, outs = list(saved[:10]), saved[10:]
         absent = inputs[3] is None
         if absent:

@@ -6,7 +6,8 @@
 #   configurations of the forward and forward+JVP, bench/ab_gpu.py; "ab_ref" the A/B against
 #   the library of another source tree, AB_REF=<dir>, AB_BENCH_ARGS="..." for its bench)
 #   "cp" runs bench/bench_context_parallel.py under torchrun on each of CP_WORLDS="2 4" GPUs
-#   (CP_ARGS="...", e.g. "--axes 2,0+2 --reps 2")
+#   (CP_ARGS="...", e.g. "--axes 2,0+2 --reps 2"); "autodiff" runs bench/bench_autodiff.py
+#   --device cuda (first- and second-order autodiff; AUTODIFF_ARGS="...")
 #   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."  AB_KINDS="fwd jvp" (which A/Bs: fwd, jvp, bwd)
 set -u
 OUT=${OUT:-out}
@@ -102,6 +103,11 @@ fi
 
 if has bench; then
     $PY bench/bench_gpu.py --csv "$OUT/bench.csv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+
+if has autodiff; then
+    $PY bench/bench_autodiff.py --device cuda --csv "$OUT/autodiff.csv" ${AUTODIFF_ARGS:-} 2>&1 | tee "$OUT/autodiff.log"
+    summary+=("autodiff bench: rc=${PIPESTATUS[0]} (autodiff.log, autodiff.csv)")
 fi
 
 echo "==== summary ($(cat "$OUT/device.txt"))"

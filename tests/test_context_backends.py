@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nbhd
-from nbhd import _lib, backends, configs, context, ops
+from nbhd import _lib, backends, checks, configs, context, ops
 from nbhd.reference import na_reference
 
 DT = torch.float64
@@ -237,3 +237,45 @@ def test_every_listed_tile_matches_the_reference(rank, dtype):
     _, t_ref = torch.func.jvp(lambda *x: fn(*x, backend="reference", **window),
                               tuple(x.detach() for x in x64), tuple(t.double() for t in tangents))
     torch.testing.assert_close(t_out.double(), t_ref, **tol)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_second_order_runs_every_listed_backward_tile(rank, monkeypatch):
+    """The backward through forward+JVP (double backward, backprop through a jvp's tangent)
+    lists the backward's tiles on the CPU, and a double backward given each of them runs the
+    fused kernel on that tile and agrees with the float64 reference."""
+    g = torch.Generator().manual_seed(10 + rank)
+    spatial = {1: (37,), 2: (11, 13), 3: (5, 6, 7)}[rank]
+    ks = {1: 5, 2: (3, 5), 3: (3, 3, 5)}[rank]
+    dil = {1: 2, 2: (1, 2), 3: 1}[rank]
+    causal = {1: True, 2: (False, True), 3: (True, False, False)}[rank]
+    q, k, v = (torch.randn(2, *spatial, 2, 8, generator=g) for _ in range(3))
+    fn = {1: nbhd.na1d, 2: nbhd.na2d, 3: nbhd.na3d}[rank]
+    window = dict(kernel_size=ks, dilation=dil, is_causal=causal)
+    bwd = nbhd.get_bwd_configs_for_cpu_fna(q, k, v, **window)
+    assert bwd
+    problem = _lib.Problem(q, k, v, None, None, *checks.geometry(spatial, ks, 1, dil, causal), 8 ** -0.5)
+    assert _lib.tile_configs(problem, _lib.OP_FORWARD_JVP_BACKWARD) == bwd
+    d_out, w_q, w_k, w_v = (torch.randn(q.shape, generator=g, dtype=DT) for _ in range(4))
+
+    def second_order(xs, **kwargs):
+        out = fn(*xs, **window, **kwargs)
+        dq, dk, dv = torch.autograd.grad(out, xs, d_out.to(out.dtype), create_graph=True)
+        loss = (dq * w_q.to(dq.dtype)).sum() + (dk * w_k.to(dk.dtype)).sum() + (dv * w_v.to(dv.dtype)).sum()
+        return torch.autograd.grad(loss, xs)
+    ref = second_order([t.double().requires_grad_() for t in (q, k, v)], backend="reference")
+    launched = []
+    real = _lib._Plan.launch
+
+    def spy(plan, tensors):
+        if plan.op == _lib.OP_FORWARD_JVP_BACKWARD:
+            launched.append((tuple(plan.exec.q_tile[:rank]), tuple(plan.exec.kv_tile[:rank])))
+        return real(plan, tensors)
+    monkeypatch.setattr(_lib._Plan, "launch", spy)
+    for bq_tile, bkv_tile in bwd:
+        launched.clear()
+        got = second_order([t.clone().requires_grad_() for t in (q, k, v)],
+                           backward_q_tile_shape=bq_tile, backward_kv_tile_shape=bkv_tile)
+        assert launched == [(bq_tile, bkv_tile)]
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)

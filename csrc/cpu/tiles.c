@@ -8,19 +8,21 @@
  * key lines the same way). The chosen ISA's default comes first: 4 lines, or 2 with AVX2's 16
  * registers (simd.h's NBHD_QUERY_LINES). In rank 1 the lines are consecutive 16-query chunks of the
  * one axis: 64, 32 or 16 queries (the forward and forward+JVP share each key load among the
- * chunks whose windows overlap; the backward runs 16 at a time whichever is chosen).
+ * chunks whose windows overlap; the backwards run 16 at a time whichever is chosen).
  * Key tile: the kernels walk the union of the patch's windows one key row (all of the last
  * axis, 16 positions per vector) at a time, so it is 16 along the last axis and 1 elsewhere.
- * The scalar reference kernels (fp64, rank 0, the tangent backward) have no tiles.
+ * Every op has the same list: the four fast kernels block their work through one driver
+ * (fast/driver.h, fast/geometry.h tile_lines). The scalar reference kernels (fp64, rank 0) have
+ * no tiles.
  */
 #include "cpu.h"
 #include "fast.h"
 
 int32_t nbhd_cpu_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
                               nbhd_tile_config *out, int32_t max) {
+    (void)op;
     const int fast_dtype = g->dtype == NBHD_F32 || g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
-    const int fast_op = op != NBHD_OP_FORWARD_JVP_BACKWARD;
-    if (!fast_dtype || !fast_op || !g->has_window || rank < 1) return 0;
+    if (!fast_dtype || !g->has_window || rank < 1) return 0;
     int32_t lines[3] = {nbhd_cpu_fast_default_lines(rank)}, count = 1;  /* the ISA's default first */
     for (int32_t l = 4; l >= 1; l /= 2)
         if (l != lines[0]) lines[count++] = l;

@@ -47,9 +47,39 @@ __device__ __forceinline__ A dot_row(const nbhd_tensor &t, int64_t off, const A 
     return acc;
 }
 
+/* acc += w * (row `off` of t), n elements (lanes own d = lane + 32 n) */
+template <typename T, typename A>
+__device__ __forceinline__ void add_row(A *acc, A w, const nbhd_tensor &t, int64_t off, int n, int lane) {
+    const int64_t s5 = t.stride[5];
+    for (int d = lane; d < n; d += 32) acc[d] += w * ld<T, A>(t, off + d * s5);
+}
+
 __device__ __forceinline__ int64_t token_of(const nbhd_geometry &g, const int64_t c[3]) {
     return (c[0] * g.axis[1].extent + c[1]) * g.axis[2].extent + c[2];
 }
+
+/* The walk of every row: members [0, total) of the row's set (a query's keys, a key's queries)
+ * 32 at a time. In each chunk lane j computes member n0 + j's terms, v = terms(n) (`none` on
+ * lanes past the end); then all lanes run chunk(v, n < total) once (the online softmax's
+ * rescaling; it may complete v), then take(v, j, n0 + j) for each member j of the chunk in order,
+ * v being the lane's own terms (take shuffles lane j's). */
+template <typename V, typename Terms, typename Chunk, typename Take>
+__device__ __forceinline__ void walk_members(int64_t total, int lane, V none, Terms &&terms, Chunk &&chunk,
+                                             Take &&take) {
+    for (int64_t n0 = 0; n0 < total; n0 += 32) {
+        const int64_t n = n0 + lane;
+        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
+        V v = none;
+        if (n < total) v = terms(n);
+        chunk(v, n < total);
+        for (int j = 0; j < cnt; ++j) take(v, j, n0 + j);
+    }
+}
+
+/* what a walk without a per-chunk step passes as `chunk` */
+struct no_chunk_step {
+    template <typename V> __device__ __forceinline__ void operator()(V &, bool) const {}
+};
 
 // ----------------------------------------------------------------------------
 // forward: O, LSE of query (b, c, h)
@@ -71,30 +101,31 @@ __device__ __forceinline__ void exact_forward_row(const nbhd_geometry &g, const 
     __syncwarp();
 
     A m = -INFINITY, l = 0;
-    for (int64_t n0 = 0; n0 < total; n0 += 32) {
-        const int64_t n = n0 + lane;
-        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
-        A s = -INFINITY;
-        int64_t v_off = 0;
-        if (n < total) {
-            s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, member_offset(ks, n, a.k, a.kx, b, hk), q, D);
-            v_off = member_offset(ks, n, a.v, a.vx, b, hk);
-        }
-        // the chunk holds at least one key, so m_new is finite
-        const A m_new = fmax(m, warp_max(s));
-        const A corr = exp_acc<A>(m - m_new);  // acc = acc*exp(m_old - m) + sum p v
-        const A p = n < total ? exp_acc<A>(s - m_new) : (A)0;
-        l = l * corr + warp_sum(p);
-        for (int d = lane; d < Dv; d += 32) acc[d] *= corr;
-        for (int j = 0; j < cnt; ++j) {
-            const A pj = __shfl_sync(EXACT_FULL, p, j);
-            const int64_t vo = __shfl_sync(EXACT_FULL, v_off, j);
-            const nbhd_tensor &src = n0 + j < ks.box ? a.v : a.vx;
-            const int64_t s5 = src.stride[5];
-            for (int d = lane; d < Dv; d += 32) acc[d] += pj * ld<T, A>(src, vo + d * s5);
-        }
-        m = m_new;
-    }
+    struct terms {
+        A s, p;
+        int64_t v_off;
+    };
+    walk_members(
+        total, lane, terms{-INFINITY, 0, 0},
+        [&](int64_t n) {
+            terms t;
+            t.s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, member_offset(ks, n, a.k, a.kx, b, hk), q, D);
+            t.v_off = member_offset(ks, n, a.v, a.vx, b, hk);
+            return t;
+        },
+        [&](terms &t, bool valid) {
+            // the chunk holds at least one key, so m_new is finite
+            const A m_new = fmax(m, warp_max(t.s));
+            const A corr = exp_acc<A>(m - m_new);  // acc = acc*exp(m_old - m) + sum p v
+            t.p = valid ? exp_acc<A>(t.s - m_new) : (A)0;
+            l = l * corr + warp_sum(t.p);
+            for (int d = lane; d < Dv; d += 32) acc[d] *= corr;
+            m = m_new;
+        },
+        [&](const terms &t, int j, int64_t nj) {
+            add_row<T, A>(acc, __shfl_sync(EXACT_FULL, t.p, j), nj < ks.box ? a.v : a.vx,
+                          __shfl_sync(EXACT_FULL, t.v_off, j), Dv, lane);
+        });
     const int64_t o_off = offset_of(a.out, b, c[0], c[1], c[2], h);
     const A inv_l = (A)1 / l;
     for (int d = lane; d < Dv; d += 32)
@@ -139,27 +170,27 @@ __device__ __forceinline__ void exact_dq_row(const nbhd_geometry &g, const nbhd_
     const A lse = ((const A *)a.lse.data)[offset_of(a.lse, b, c[0], c[1], c[2], h)];
     __syncwarp();
 
-    for (int64_t n0 = 0; n0 < total; n0 += 32) {
-        const int64_t n = n0 + lane;
-        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
-        A ds = 0;
-        int64_t k_off = 0;
-        if (n < total) {
+    struct terms {
+        A ds;
+        int64_t k_off;
+    };
+    walk_members(
+        total, lane, terms{0, 0},
+        [&](int64_t n) {
             // P_ij = exp(S_ij - lse_i), dS_ij = P_ij (dO_i.v_j - D_i)
-            k_off = member_offset(ks, n, a.k, a.kx, b, hk);
-            const A s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, k_off, q, D);
+            terms t;
+            t.k_off = member_offset(ks, n, a.k, a.kx, b, hk);
+            const A s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, t.k_off, q, D);
             const int64_t v_off = member_offset(ks, n, a.v, a.vx, b, hk);
             const A p = prob_acc<A>(s - lse);
-            ds = p * (dot_row<T, A>(n < ks.box ? a.v : a.vx, v_off, dout, Dv) - Di);
-        }
-        for (int j = 0; j < cnt; ++j) {
-            const A dsj = __shfl_sync(EXACT_FULL, ds, j);
-            const int64_t ko = __shfl_sync(EXACT_FULL, k_off, j);
-            const nbhd_tensor &src = n0 + j < ks.box ? a.k : a.kx;
-            const int64_t s5 = src.stride[5];
-            for (int d = lane; d < D; d += 32) acc[d] += dsj * ld<T, A>(src, ko + d * s5);
-        }
-    }
+            t.ds = p * (dot_row<T, A>(n < ks.box ? a.v : a.vx, v_off, dout, Dv) - Di);
+            return t;
+        },
+        no_chunk_step(),
+        [&](const terms &t, int j, int64_t nj) {
+            add_row<T, A>(acc, __shfl_sync(EXACT_FULL, t.ds, j), nj < ks.box ? a.k : a.kx,
+                          __shfl_sync(EXACT_FULL, t.k_off, j), D, lane);
+        });
     const int64_t dq_off = offset_of(a.d_q, b, c[0], c[1], c[2], h);
     for (int d = lane; d < D; d += 32)
         ((T *)a.d_q.data)[dq_off + d * a.d_q.stride[5]] = from_acc<T>((double)(acc[d] * scale));
@@ -167,9 +198,35 @@ __device__ __forceinline__ void exact_dq_row(const nbhd_geometry &g, const nbhd_
 }
 
 // ----------------------------------------------------------------------------
+// key rows: the queries that see key (b, c, hk) — its inverse neighborhood, or every query for an
+// extra key — times the group's heads, 32 at a time
+
+/* Lane j of each chunk of 32 computes its query's pair terms, pair(h, qc) -> V (h: the query's
+ * head, qc: its coordinates; V{} on lanes past the end); then all lanes call take(v, j) for each
+ * query j of the chunk in order, v being the lane's own terms (take shuffles lane j's). */
+template <bool EXTRA, typename V, typename Pair, typename Take>
+__device__ __forceinline__ void for_each_query_of_key(const nbhd_geometry &g, const int64_t c[3], int64_t hk,
+                                                      int lane, Pair &&pair, Take &&take) {
+    const keyset qs = EXTRA ? all_queries(g) : inverse_window_queries(g, c);
+    walk_members(
+        qs.box * g.group, lane, V{},
+        [&](int64_t n) {
+            int64_t qc[3];
+            member_coords(qs, n / g.group, qc);
+            return pair(hk * g.group + n % g.group, qc);
+        },
+        no_chunk_step(), [&](const V &v, int j, int64_t) { take(v, j); });
+}
+
+/* row `off` of t into x (lanes own d = lane + 32 n); zeros when t has no data */
+template <typename T, typename A>
+__device__ __forceinline__ void load_or_zero(const nbhd_tensor &t, int64_t off, A *x, int n, int lane) {
+    for (int d = lane; d < n; d += 32) x[d] = t.data ? ld<T, A>(t, off + d * t.stride[5]) : (A)0;
+}
+
+// ----------------------------------------------------------------------------
 // backward, key rows: dK_j = s sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i over the queries i that
-// see key j (inverse neighborhood, or every query for an extra key) x group heads. Dws: D_i per
-// query row (b, token, head), as exact_di gives it.
+// see key j x group heads. Dws: D_i per query row (b, token, head), as exact_di gives it.
 
 template <typename T, typename A, bool EXTRA>
 __device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd_backward_args &a, const A *Dws,
@@ -190,33 +247,29 @@ __device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd
         dv[d] = 0;
     }
     __syncwarp();
-    const keyset qs = EXTRA ? all_queries(g) : inverse_window_queries(g, c);
-    const int64_t total = qs.box * g.group;
 
-    for (int64_t n0 = 0; n0 < total; n0 += 32) {
-        const int64_t n = n0 + lane;
-        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
-        A p = 0, ds = 0;
-        int64_t q_off = 0, do_off = 0;
-        if (n < total) {
-            const int64_t h = hk * g.group + n % g.group;
-            int64_t qc[3];
-            member_coords(qs, n / g.group, qc);
-            q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
-            do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
+    struct terms {
+        A p, ds;
+        int64_t q_off, do_off;
+    };
+    for_each_query_of_key<EXTRA, terms>(
+        g, c, hk, lane,
+        [&](int64_t h, const int64_t qc[3]) {
+            terms t;
+            t.q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
+            t.do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
             const A lse = ((const A *)a.lse.data)[offset_of(a.lse, b, qc[0], qc[1], qc[2], h)];
             const A Di = Dws[(b * g.tokens + token_of(g, qc)) * g.heads + h];
-            p = prob_acc<A>(scale * dot_row<T, A>(a.q, q_off, k, D) - lse);
-            ds = p * (dot_row<T, A>(a.d_out, do_off, v, Dv) - Di);
-        }
-        for (int j = 0; j < cnt; ++j) {
-            const A pj = __shfl_sync(EXACT_FULL, p, j), dsj = __shfl_sync(EXACT_FULL, ds, j);
-            const int64_t qo = __shfl_sync(EXACT_FULL, q_off, j), doo = __shfl_sync(EXACT_FULL, do_off, j);
-            for (int d = lane; d < D; d += 32) dk[d] += dsj * ld<T, A>(a.q, qo + d * a.q.stride[5]);
-            for (int d = lane; d < Dv; d += 32)
-                dv[d] += pj * ld<T, A>(a.d_out, doo + d * a.d_out.stride[5]);
-        }
-    }
+            t.p = prob_acc<A>(scale * dot_row<T, A>(a.q, t.q_off, k, D) - lse);
+            t.ds = t.p * (dot_row<T, A>(a.d_out, t.do_off, v, Dv) - Di);
+            return t;
+        },
+        [&](const terms &t, int j) {
+            const A pj = __shfl_sync(EXACT_FULL, t.p, j), dsj = __shfl_sync(EXACT_FULL, t.ds, j);
+            const int64_t qo = __shfl_sync(EXACT_FULL, t.q_off, j), doo = __shfl_sync(EXACT_FULL, t.do_off, j);
+            add_row<T, A>(dk, dsj, a.q, qo, D, lane);
+            add_row<T, A>(dv, pj, a.d_out, doo, Dv, lane);
+        });
     const int64_t dk_off = offset_of(dkt, b, c[0], c[1], c[2], hk);
     const int64_t dv_off = offset_of(dvt, b, c[0], c[1], c[2], hk);
     for (int d = lane; d < D; d += 32)
@@ -251,31 +304,37 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
     __syncwarp();
 
     A m = -INFINITY, l = 0, r_t = 0;
-    for (int64_t n0 = 0; n0 < total; n0 += 32) {
-        const int64_t n = n0 + lane;
-        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
-        A s = -INFINITY, ts = 0;
-        if (n < total) {
+    struct terms {
+        A s, ts, p;
+    };
+    walk_members(
+        total, lane, terms{-INFINITY, 0, 0},
+        [&](int64_t n) {
+            terms t;
+            t.ts = 0;
             const bool in_box = n < ks.box;
             const int64_t k_off = member_offset(ks, n, a.k, a.kx, b, hk);
-            s = scale * dot_row<T, A>(in_box ? a.k : a.kx, k_off, q, D);
-            if (has_tq) ts += dot_row<T, A>(in_box ? a.k : a.kx, k_off, tq, D);
+            t.s = scale * dot_row<T, A>(in_box ? a.k : a.kx, k_off, q, D);
+            if (has_tq) t.ts += dot_row<T, A>(in_box ? a.k : a.kx, k_off, tq, D);
             const nbhd_tensor &tks = in_box ? a.t_k : a.t_kx;
-            if (tks.data) ts += dot_row<T, A>(tks, member_offset(ks, n, a.t_k, a.t_kx, b, hk), q, D);
-            ts *= scale;
-        }
-        const A m_new = fmax(m, warp_max(s));
-        const A corr = exp_acc<A>(m - m_new);
-        const A p = n < total ? exp_acc<A>(s - m_new) : (A)0;
-        l = l * corr + warp_sum(p);
-        r_t = r_t * corr + warp_sum(p * ts);
-        for (int d = lane; d < Dv; d += 32) {
-            acc[d] *= corr;
-            acc_t[d] *= corr;
-        }
-        for (int j = 0; j < cnt; ++j) {
-            const A pj = __shfl_sync(EXACT_FULL, p, j), pts = __shfl_sync(EXACT_FULL, p * ts, j);
-            const int64_t nj = n0 + j;
+            if (tks.data) t.ts += dot_row<T, A>(tks, member_offset(ks, n, a.t_k, a.t_kx, b, hk), q, D);
+            t.ts *= scale;
+            return t;
+        },
+        [&](terms &t, bool valid) {
+            const A m_new = fmax(m, warp_max(t.s));
+            const A corr = exp_acc<A>(m - m_new);
+            t.p = valid ? exp_acc<A>(t.s - m_new) : (A)0;
+            l = l * corr + warp_sum(t.p);
+            r_t = r_t * corr + warp_sum(t.p * t.ts);
+            for (int d = lane; d < Dv; d += 32) {
+                acc[d] *= corr;
+                acc_t[d] *= corr;
+            }
+            m = m_new;
+        },
+        [&](const terms &t, int j, int64_t nj) {
+            const A pj = __shfl_sync(EXACT_FULL, t.p, j), pts = __shfl_sync(EXACT_FULL, t.p * t.ts, j);
             const bool in_box = nj < ks.box;
             const nbhd_tensor &vs = in_box ? a.v : a.vx, &tvs = in_box ? a.t_v : a.t_vx;
             const int64_t vo = member_offset(ks, nj, a.v, a.vx, b, hk);
@@ -289,9 +348,7 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
                 for (int d = lane; d < Dv; d += 32)
                     acc_t[d] += pj * ld<T, A>(tvs, tvo + d * tvs.stride[5]);
             }
-        }
-        m = m_new;
-    }
+        });
     // o = acc/l, mu = r_t/l, tO = acc_t/l - mu o, lse = m + log l, tLSE = mu
     const A inv_l = (A)1 / l, mu = r_t * inv_l;
     const int64_t o_off = offset_of(a.out, b, c[0], c[1], c[2], h);
@@ -317,12 +374,6 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
 
 __host__ __device__ constexpr int exact_jvpb_query_scratch(int D, int Dv) { return 4 * D + 2 * Dv; }
 __host__ __device__ constexpr int exact_jvpb_key_scratch(int D, int Dv) { return 4 * D + 4 * Dv; }
-
-/* row `off` of t into x (lanes own d = lane + 32 n); zeros when t has no data */
-template <typename T, typename A>
-__device__ __forceinline__ void load_or_zero(const nbhd_tensor &t, int64_t off, A *x, int n, int lane) {
-    for (int d = lane; d < n; d += 32) x[d] = t.data ? ld<T, A>(t, off + d * t.stride[5]) : (A)0;
-}
 
 /* the query row's scalars: lse, mu (= tLSE), g_mu (= dL/dtLSE), D', c, E */
 template <typename A> struct jvpb_scalars {
@@ -393,41 +444,44 @@ __device__ __forceinline__ void exact_jvpb_query_row(const nbhd_geometry &g, con
 
     const keyset ks = window_keys(g, c);
     const int64_t total = ks.box + ks.extra;
-    for (int64_t n0 = 0; n0 < total; n0 += 32) {
-        const int64_t n = n0 + lane;
-        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
-        A ds = 0, dts = 0;
-        int64_t k_off = 0, tk_off = 0;
-        if (n < total) {
+    struct terms {
+        A ds, dts;
+        int64_t k_off, tk_off;
+    };
+    walk_members(
+        total, lane, terms{0, 0, 0, 0},
+        [&](int64_t n) {
+            terms t;
             const bool in_box = n < ks.box;
             const nbhd_tensor &kt = in_box ? a.k : a.kx, &vt = in_box ? a.v : a.vx;
             const nbhd_tensor &tkt = in_box ? a.t_k : a.t_kx, &tvt = in_box ? a.t_v : a.t_vx;
-            k_off = member_offset(ks, n, a.k, a.kx, b, hk);
-            tk_off = tkt.data ? member_offset(ks, n, a.t_k, a.t_kx, b, hk) : 0;
+            t.k_off = member_offset(ks, n, a.k, a.kx, b, hk);
+            t.tk_off = tkt.data ? member_offset(ks, n, a.t_k, a.t_kx, b, hk) : 0;
             const int64_t v_off = member_offset(ks, n, a.v, a.vx, b, hk);
-            const A qk = dot_row<T, A>(kt, k_off, q, D);
-            const A tqk = has_tq ? dot_row<T, A>(kt, k_off, tq, D) : (A)0;
-            const A qtk = tkt.data ? dot_row<T, A>(tkt, tk_off, q, D) : (A)0;
+            const A qk = dot_row<T, A>(kt, t.k_off, q, D);
+            const A tqk = has_tq ? dot_row<T, A>(kt, t.k_off, tq, D) : (A)0;
+            const A qtk = tkt.data ? dot_row<T, A>(tkt, t.tk_off, q, D) : (A)0;
             const A Gv = has_G ? dot_row<T, A>(vt, v_off, G, Dv) : (A)0;
             const A dov = has_do ? dot_row<T, A>(vt, v_off, dout, Dv) : (A)0;
             const A Gtv = has_G && tvt.data
                               ? dot_row<T, A>(tvt, member_offset(ks, n, a.t_v, a.t_vx, b, hk), G, Dv) : (A)0;
             const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv, sc);
-            ds = pr.ds;
-            dts = pr.dts;
-        }
-        for (int j = 0; j < cnt; ++j) {
-            const A dsj = __shfl_sync(EXACT_FULL, ds, j), dtsj = __shfl_sync(EXACT_FULL, dts, j);
-            const int64_t ko = __shfl_sync(EXACT_FULL, k_off, j), tko = __shfl_sync(EXACT_FULL, tk_off, j);
-            const bool in_box = n0 + j < ks.box;
+            t.ds = pr.ds;
+            t.dts = pr.dts;
+            return t;
+        },
+        no_chunk_step(),
+        [&](const terms &t, int j, int64_t nj) {
+            const A dsj = __shfl_sync(EXACT_FULL, t.ds, j), dtsj = __shfl_sync(EXACT_FULL, t.dts, j);
+            const int64_t ko = __shfl_sync(EXACT_FULL, t.k_off, j), tko = __shfl_sync(EXACT_FULL, t.tk_off, j);
+            const bool in_box = nj < ks.box;
             const nbhd_tensor &kt = in_box ? a.k : a.kx, &tkt = in_box ? a.t_k : a.t_kx;
             for (int d = lane; d < D; d += 32) {
                 const A kd = ld<T, A>(kt, ko + d * kt.stride[5]);
                 acc[d] += dsj * kd + (tkt.data ? dtsj * ld<T, A>(tkt, tko + d * tkt.stride[5]) : (A)0);
                 acc_t[d] += dtsj * kd;
             }
-        }
-    }
+        });
     const int64_t dq_off = offset_of(a.d_q, b, c[0], c[1], c[2], h);
     for (int d = lane; d < D; d += 32)
         ((T *)a.d_q.data)[dq_off + d * a.d_q.stride[5]] = from_acc<T>((double)(acc[d] * scale));
@@ -460,22 +514,18 @@ __device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const
     for (int d = lane; d < D; d += 32) dk[d] = dtk[d] = 0;
     for (int d = lane; d < Dv; d += 32) dv[d] = dtv[d] = 0;
     __syncwarp();
-    const keyset qs = EXTRA ? all_queries(g) : inverse_window_queries(g, c);
-    const int64_t total = qs.box * g.group;
-
-    for (int64_t n0 = 0; n0 < total; n0 += 32) {
-        const int64_t n = n0 + lane;
-        const int cnt = total - n0 < 32 ? (int)(total - n0) : 32;
-        A p = 0, pn = 0, ds = 0, dts = 0;
-        int64_t q_off = 0, tq_off = 0, do_off = 0, G_off = 0;
-        if (n < total) {
-            const int64_t h = hk * g.group + n % g.group;
-            int64_t qc[3];
-            member_coords(qs, n / g.group, qc);
-            q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
-            tq_off = offset_of(a.t_q, b, qc[0], qc[1], qc[2], h);
-            do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
-            G_off = offset_of(a.d_t_out, b, qc[0], qc[1], qc[2], h);
+    struct terms {
+        A p, pn, ds, dts;
+        int64_t q_off, tq_off, do_off, G_off;
+    };
+    for_each_query_of_key<EXTRA, terms>(
+        g, c, hk, lane,
+        [&](int64_t h, const int64_t qc[3]) {
+            terms t;
+            t.q_off = offset_of(a.q, b, qc[0], qc[1], qc[2], h);
+            t.tq_off = offset_of(a.t_q, b, qc[0], qc[1], qc[2], h);
+            t.do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
+            t.G_off = offset_of(a.d_t_out, b, qc[0], qc[1], qc[2], h);
             const int64_t row = (b * g.tokens + token_of(g, qc)) * g.heads + h;
             jvpb_scalars<A> sc;
             sc.lse = scalar_or_zero<A>(a.lse, offset_of(a.lse, b, qc[0], qc[1], qc[2], h));
@@ -484,23 +534,24 @@ __device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const
             sc.Dp = ws[3 * row];
             sc.c = ws[3 * row + 1];
             sc.E = ws[3 * row + 2];
-            const A qk = dot_row<T, A>(a.q, q_off, k, D);
-            const A tqk = has_tq ? dot_row<T, A>(a.t_q, tq_off, k, D) : (A)0;
-            const A qtk = has_tk ? dot_row<T, A>(a.q, q_off, tk, D) : (A)0;
-            const A Gv = has_G ? dot_row<T, A>(a.d_t_out, G_off, v, Dv) : (A)0;
-            const A dov = has_do ? dot_row<T, A>(a.d_out, do_off, v, Dv) : (A)0;
-            const A Gtv = has_G && has_tv ? dot_row<T, A>(a.d_t_out, G_off, tv, Dv) : (A)0;
+            const A qk = dot_row<T, A>(a.q, t.q_off, k, D);
+            const A tqk = has_tq ? dot_row<T, A>(a.t_q, t.tq_off, k, D) : (A)0;
+            const A qtk = has_tk ? dot_row<T, A>(a.q, t.q_off, tk, D) : (A)0;
+            const A Gv = has_G ? dot_row<T, A>(a.d_t_out, t.G_off, v, Dv) : (A)0;
+            const A dov = has_do ? dot_row<T, A>(a.d_out, t.do_off, v, Dv) : (A)0;
+            const A Gtv = has_G && has_tv ? dot_row<T, A>(a.d_t_out, t.G_off, tv, Dv) : (A)0;
             const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv, sc);
-            p = pr.p;
-            pn = pr.p * pr.n;
-            ds = pr.ds;
-            dts = pr.dts;
-        }
-        for (int j = 0; j < cnt; ++j) {
-            const A pj = __shfl_sync(EXACT_FULL, p, j), pnj = __shfl_sync(EXACT_FULL, pn, j);
-            const A dsj = __shfl_sync(EXACT_FULL, ds, j), dtsj = __shfl_sync(EXACT_FULL, dts, j);
-            const int64_t qo = __shfl_sync(EXACT_FULL, q_off, j), tqo = __shfl_sync(EXACT_FULL, tq_off, j);
-            const int64_t doo = __shfl_sync(EXACT_FULL, do_off, j), Go = __shfl_sync(EXACT_FULL, G_off, j);
+            t.p = pr.p;
+            t.pn = pr.p * pr.n;
+            t.ds = pr.ds;
+            t.dts = pr.dts;
+            return t;
+        },
+        [&](const terms &t, int j) {
+            const A pj = __shfl_sync(EXACT_FULL, t.p, j), pnj = __shfl_sync(EXACT_FULL, t.pn, j);
+            const A dsj = __shfl_sync(EXACT_FULL, t.ds, j), dtsj = __shfl_sync(EXACT_FULL, t.dts, j);
+            const int64_t qo = __shfl_sync(EXACT_FULL, t.q_off, j), tqo = __shfl_sync(EXACT_FULL, t.tq_off, j);
+            const int64_t doo = __shfl_sync(EXACT_FULL, t.do_off, j), Go = __shfl_sync(EXACT_FULL, t.G_off, j);
             for (int d = lane; d < D; d += 32) {
                 const A qd = ld<T, A>(a.q, qo + d * a.q.stride[5]);
                 dk[d] += dsj * qd + (has_tq ? dtsj * ld<T, A>(a.t_q, tqo + d * a.t_q.stride[5]) : (A)0);
@@ -511,8 +562,7 @@ __device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const
                 dv[d] += (has_do ? pj * ld<T, A>(a.d_out, doo + d * a.d_out.stride[5]) : (A)0) + pnj * Gd;
                 dtv[d] += pj * Gd;
             }
-        }
-    }
+        });
     const nbhd_tensor &dkt = EXTRA ? a.d_kx : a.d_k, &dvt = EXTRA ? a.d_vx : a.d_v;
     const nbhd_tensor &dtkt = EXTRA ? a.d_t_kx : a.d_t_k, &dtvt = EXTRA ? a.d_t_vx : a.d_t_v;
     const struct { const nbhd_tensor *t; const A *x; int n; A mul; } outs[4] = {

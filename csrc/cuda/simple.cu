@@ -16,114 +16,75 @@
  *                2. row = key over its inverse neighborhood x group heads: dK, dtK, dV, dtV
  *                3. row = extra key over every query x group heads: the same for the extra keys
  *                deterministic as the backward
+ *
+ * One kernel template serves every pass (simple_rows_kernel, launched by launch_rows), and one
+ * launcher every op (run_rows).
  */
 #include "exact_rows.cuh"
 
 #define WARPS 4
 
-/* rows [B, tokens, H] flattened as in the reference: r = (b*tokens + tok)*H + h */
-struct row_index {
-    int64_t b, tok, h;
+/* what one warp computes: a query row of the forwards or of a backward's first pass, or a key
+ * row of a backward's second (third: extra keys) pass */
+enum row_op { FORWARD_ROW, DQ_ROW, DKV_ROW, JVP_ROW, JVPB_QUERY_ROW, JVPB_KEY_ROW };
+
+__host__ __device__ constexpr bool is_key_row(row_op op) { return op == DKV_ROW || op == JVPB_KEY_ROW; }
+
+/* scratch per warp, in elements of the accumulation type */
+__host__ __device__ constexpr int row_scratch(row_op op, int D, int Dv) {
+    return op == FORWARD_ROW      ? exact_forward_scratch(D, Dv)
+           : op == DQ_ROW         ? exact_dq_scratch(D, Dv)
+           : op == DKV_ROW        ? exact_dkv_scratch(D, Dv)
+           : op == JVP_ROW        ? exact_jvp_scratch(D, Dv)
+           : op == JVPB_QUERY_ROW ? exact_jvpb_query_scratch(D, Dv)
+                                  : exact_jvpb_key_scratch(D, Dv);
+}
+
+/* rows [B, tokens, heads] flattened as in the reference: r = (b*tokens + tok)*heads + h; query
+ * rows have the H heads, key rows the Hk kv heads, extra-key rows the extra keys as tokens */
+struct row_shape {
+    int64_t tokens, heads;
 };
-__device__ __forceinline__ row_index row_of(int64_t r, int64_t heads, int64_t tokens) {
-    row_index ri = {r / (heads * tokens), (r / heads) % tokens, r % heads};
-    return ri;
+__host__ __device__ inline row_shape shape_of(const nbhd_geometry &g, bool key, bool extra) {
+    const row_shape s = {extra ? g.extra_kv : g.tokens, key ? g.kv_heads : g.heads};
+    return s;
 }
 
-template <typename T, typename A>
+/* One warp per row of OP (EXTRA: over the extra keys). ws: the backwards' per-query-row
+ * workspace, written by the first pass and read by the key passes; unused by the forwards. */
+template <typename T, typename A, row_op OP, bool EXTRA, typename Args>
 __global__ void __launch_bounds__(WARPS * 32)
-simple_forward_kernel(const nbhd_geometry g, const nbhd_forward_args a) {
+simple_rows_kernel(const nbhd_geometry g, const Args a, A *ws) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const row_shape rs = shape_of(g, is_key_row(OP), EXTRA);
     const int64_t r = (int64_t)blockIdx.x * WARPS + w;
-    if (r >= g.batch * g.tokens * g.heads) return;
-    const row_index ri = row_of(r, g.heads, g.tokens);
-    int64_t c[3];
-    token_coords(g, ri.tok, c);
-    A *scratch = (A *)smem_raw + (size_t)w * exact_forward_scratch(g.head_dim, g.head_dim_v);
-    exact_forward_row<T, A>(g, a, ri.b, c, ri.h, scratch, lane);
-}
-
-template <typename T, typename A>
-__global__ void __launch_bounds__(WARPS * 32)
-simple_backward_dq_kernel(const nbhd_geometry g, const nbhd_backward_args a, A *Dws) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t r = (int64_t)blockIdx.x * WARPS + w;
-    if (r >= g.batch * g.tokens * g.heads) return;
-    const row_index ri = row_of(r, g.heads, g.tokens);
-    int64_t c[3];
-    token_coords(g, ri.tok, c);
-    const A Di = exact_di<T, A>(g, a, ri.b, c, ri.h, lane);
-    if (lane == 0) Dws[r] = Di;
-    A *scratch = (A *)smem_raw + (size_t)w * exact_dq_scratch(g.head_dim, g.head_dim_v);
-    exact_dq_row<T, A>(g, a, ri.b, c, ri.h, Di, scratch, lane);
-}
-
-template <typename T, typename A, bool EXTRA>
-__global__ void __launch_bounds__(WARPS * 32)
-simple_backward_dkv_kernel(const nbhd_geometry g, const nbhd_backward_args a, const A *Dws) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t keys = EXTRA ? g.extra_kv : g.tokens;
-    const int64_t r = (int64_t)blockIdx.x * WARPS + w;
-    if (r >= g.batch * keys * g.kv_heads) return;
-    const row_index ri = row_of(r, g.kv_heads, keys);  // (b, key, hk)
-    int64_t c[3] = {ri.tok, 0, 0};
-    if (!EXTRA) token_coords(g, ri.tok, c);
-    A *scratch = (A *)smem_raw + (size_t)w * exact_dkv_scratch(g.head_dim, g.head_dim_v);
-    exact_dkv_row<T, A, EXTRA>(g, a, Dws, ri.b, c, ri.h, scratch, lane);
-}
-
-template <typename T, typename A>
-__global__ void __launch_bounds__(WARPS * 32)
-simple_forward_jvp_kernel(const nbhd_geometry g, const nbhd_forward_jvp_args a) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t r = (int64_t)blockIdx.x * WARPS + w;
-    if (r >= g.batch * g.tokens * g.heads) return;
-    const row_index ri = row_of(r, g.heads, g.tokens);
-    int64_t c[3];
-    token_coords(g, ri.tok, c);
-    A *scratch = (A *)smem_raw + (size_t)w * exact_jvp_scratch(g.head_dim, g.head_dim_v);
-    exact_forward_jvp_row<T, A>(g, a, ri.b, c, ri.h, scratch, lane);
-}
-
-template <typename T, typename A>
-__global__ void __launch_bounds__(WARPS * 32)
-simple_jvpb_query_kernel(const nbhd_geometry g, const nbhd_forward_jvp_backward_args a, A *ws) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t r = (int64_t)blockIdx.x * WARPS + w;
-    if (r >= g.batch * g.tokens * g.heads) return;
-    const row_index ri = row_of(r, g.heads, g.tokens);
-    int64_t c[3];
-    token_coords(g, ri.tok, c);
-    A *scratch = (A *)smem_raw + (size_t)w * exact_jvpb_query_scratch(g.head_dim, g.head_dim_v);
-    exact_jvpb_query_row<T, A>(g, a, ws, r, ri.b, c, ri.h, scratch, lane);
-}
-
-template <typename T, typename A, bool EXTRA>
-__global__ void __launch_bounds__(WARPS * 32)
-simple_jvpb_key_kernel(const nbhd_geometry g, const nbhd_forward_jvp_backward_args a, const A *ws) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t keys = EXTRA ? g.extra_kv : g.tokens;
-    const int64_t r = (int64_t)blockIdx.x * WARPS + w;
-    if (r >= g.batch * keys * g.kv_heads) return;
-    const row_index ri = row_of(r, g.kv_heads, keys);  // (b, key, hk)
-    int64_t c[3] = {ri.tok, 0, 0};
-    if (!EXTRA) token_coords(g, ri.tok, c);
-    A *scratch = (A *)smem_raw + (size_t)w * exact_jvpb_key_scratch(g.head_dim, g.head_dim_v);
-    exact_jvpb_key_row<T, A, EXTRA>(g, a, ws, ri.b, c, ri.h, scratch, lane);
+    if (r >= g.batch * rs.tokens * rs.heads) return;
+    const int64_t b = r / (rs.heads * rs.tokens), tok = (r / rs.heads) % rs.tokens, h = r % rs.heads;
+    int64_t c[3] = {tok, 0, 0};  // an extra key: c[0] is its index
+    if (!EXTRA) token_coords(g, tok, c);
+    A *scratch = (A *)smem_raw + (size_t)w * row_scratch(OP, g.head_dim, g.head_dim_v);
+    if constexpr (OP == FORWARD_ROW) {
+        exact_forward_row<T, A>(g, a, b, c, h, scratch, lane);
+    } else if constexpr (OP == DQ_ROW) {
+        const A Di = exact_di<T, A>(g, a, b, c, h, lane);
+        if (lane == 0) ws[r] = Di;
+        exact_dq_row<T, A>(g, a, b, c, h, Di, scratch, lane);
+    } else if constexpr (OP == DKV_ROW) {
+        exact_dkv_row<T, A, EXTRA>(g, a, ws, b, c, h, scratch, lane);
+    } else if constexpr (OP == JVP_ROW) {
+        exact_forward_jvp_row<T, A>(g, a, b, c, h, scratch, lane);
+    } else if constexpr (OP == JVPB_QUERY_ROW) {
+        exact_jvpb_query_row<T, A>(g, a, ws, r, b, c, h, scratch, lane);
+    } else {
+        exact_jvpb_key_row<T, A, EXTRA>(g, a, ws, b, c, h, scratch, lane);
+    }
 }
 
 // ----------------------------------------------------------------------------
 // launchers
 
-static unsigned blocks_for(int64_t rows) { return (unsigned)((rows + WARPS - 1) / WARPS); }
-
-/* Shared memory per block: `per_warp` values of A per warp; above 48 KiB the kernel's limit is
+/* Shared memory per block, `bytes`: above 48 KiB the kernel's limit is
  * raised (valid heads up to ~3000 for f64). */
 template <typename K>
 static nbhd_status smem_for(K kernel, size_t bytes, const char *what) {
@@ -144,75 +105,54 @@ static nbhd_status smem_for(K kernel, size_t bytes, const char *what) {
         if (st_ != NBHD_OK) return st_;                 \
     } while (0)
 
-template <typename T, typename A>
-static nbhd_status forward_t(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
-    const int64_t rows = g->batch * g->tokens * g->heads;
-    const size_t smem = sizeof(A) * WARPS * (size_t)exact_forward_scratch(g->head_dim, g->head_dim_v);
-    TRY(smem_for(simple_forward_kernel<T, A>, smem, "forward"));
-    simple_forward_kernel<T, A><<<blocks_for(rows), WARPS * 32, smem, st>>>(*g, *a);
-    NBHD_CUDA_CHECK_LAUNCH("simple forward");
+/* a dtype's storage type T and accumulation type A (with_dtype) */
+template <typename T, typename A> struct dtype_types {
+    typedef T storage;
+    typedef A acc;
+};
+
+/* f(dtype_types<T, A>()) for g's dtype */
+template <typename F>
+static nbhd_status with_dtype(const nbhd_geometry *g, const char *what, F &&f) {
+    switch (g->dtype) {
+    case NBHD_F64: return f(dtype_types<double, double>());
+    case NBHD_F32: return f(dtype_types<float, float>());
+    case NBHD_F16: return f(dtype_types<__half, float>());
+    case NBHD_BF16: return f(dtype_types<__nv_bfloat16, float>());
+    }
+    return nbhd_fail(NBHD_ERR_ARG, "%s: unknown dtype %d", what, (int)g->dtype);
+}
+
+/* OP's kernel over all its rows; what names the pass in errors */
+template <typename Types, row_op OP, bool EXTRA = false, typename Args>
+static nbhd_status launch_rows(const nbhd_geometry *g, const Args *a, void *ws, const char *what, cudaStream_t st) {
+    typedef typename Types::storage T;
+    typedef typename Types::acc A;
+    const row_shape rs = shape_of(*g, is_key_row(OP), EXTRA);
+    const int64_t rows = g->batch * rs.tokens * rs.heads;
+    const size_t smem = sizeof(A) * WARPS * (size_t)row_scratch(OP, g->head_dim, g->head_dim_v);
+    void (*const kernel)(nbhd_geometry, Args, A *) = simple_rows_kernel<T, A, OP, EXTRA, Args>;
+    TRY(smem_for(kernel, smem, what));
+    kernel<<<(unsigned)((rows + WARPS - 1) / WARPS), WARPS * 32, smem, st>>>(*g, *a, (A *)ws);
+    NBHD_CUDA_CHECK_LAUNCH(what);
     return NBHD_OK;
 }
 
-template <typename T, typename A>
-static nbhd_status backward_t(const nbhd_geometry *g, const nbhd_backward_args *a, A *Dws,
-                              cudaStream_t st) {
-    const int D = g->head_dim, Dv = g->head_dim_v;
-    const int64_t rows = g->batch * g->tokens * g->heads;
-    size_t smem = sizeof(A) * WARPS * (size_t)exact_dq_scratch(D, Dv);
-    TRY(smem_for(simple_backward_dq_kernel<T, A>, smem, "backward"));
-    simple_backward_dq_kernel<T, A><<<blocks_for(rows), WARPS * 32, smem, st>>>(*g, *a, Dws);
-    NBHD_CUDA_CHECK_LAUNCH("simple backward (dq)");
-    smem = sizeof(A) * WARPS * (size_t)exact_dkv_scratch(D, Dv);
-    if (g->has_window) {
-        TRY(smem_for(simple_backward_dkv_kernel<T, A, false>, smem, "backward"));
-        const int64_t krows = g->batch * g->tokens * g->kv_heads;
-        simple_backward_dkv_kernel<T, A, false><<<blocks_for(krows), WARPS * 32, smem, st>>>(*g, *a, Dws);
-        NBHD_CUDA_CHECK_LAUNCH("simple backward (dk, dv)");
-    }
-    if (g->extra_kv > 0) {
-        TRY(smem_for(simple_backward_dkv_kernel<T, A, true>, smem, "backward"));
-        const int64_t xrows = g->batch * g->extra_kv * g->kv_heads;
-        simple_backward_dkv_kernel<T, A, true><<<blocks_for(xrows), WARPS * 32, smem, st>>>(*g, *a, Dws);
-        NBHD_CUDA_CHECK_LAUNCH("simple backward (extra dk, dv)");
-    }
-    return NBHD_OK;
-}
-
-template <typename T, typename A>
-static nbhd_status forward_jvp_t(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
-                                 cudaStream_t st) {
-    const int64_t rows = g->batch * g->tokens * g->heads;
-    const size_t smem = sizeof(A) * WARPS * (size_t)exact_jvp_scratch(g->head_dim, g->head_dim_v);
-    TRY(smem_for(simple_forward_jvp_kernel<T, A>, smem, "forward_jvp"));
-    simple_forward_jvp_kernel<T, A><<<blocks_for(rows), WARPS * 32, smem, st>>>(*g, *a);
-    NBHD_CUDA_CHECK_LAUNCH("simple forward_jvp");
-    return NBHD_OK;
-}
-
-template <typename T, typename A>
-static nbhd_status forward_jvp_backward_t(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
-                                          A *ws, cudaStream_t st) {
-    const int D = g->head_dim, Dv = g->head_dim_v;
-    const int64_t rows = g->batch * g->tokens * g->heads;
-    size_t smem = sizeof(A) * WARPS * (size_t)exact_jvpb_query_scratch(D, Dv);
-    TRY(smem_for(simple_jvpb_query_kernel<T, A>, smem, "forward_jvp_backward"));
-    simple_jvpb_query_kernel<T, A><<<blocks_for(rows), WARPS * 32, smem, st>>>(*g, *a, ws);
-    NBHD_CUDA_CHECK_LAUNCH("simple forward_jvp_backward (query rows)");
-    smem = sizeof(A) * WARPS * (size_t)exact_jvpb_key_scratch(D, Dv);
-    if (g->has_window) {
-        TRY(smem_for(simple_jvpb_key_kernel<T, A, false>, smem, "forward_jvp_backward"));
-        const int64_t krows = g->batch * g->tokens * g->kv_heads;
-        simple_jvpb_key_kernel<T, A, false><<<blocks_for(krows), WARPS * 32, smem, st>>>(*g, *a, ws);
-        NBHD_CUDA_CHECK_LAUNCH("simple forward_jvp_backward (key rows)");
-    }
-    if (g->extra_kv > 0) {
-        TRY(smem_for(simple_jvpb_key_kernel<T, A, true>, smem, "forward_jvp_backward"));
-        const int64_t xrows = g->batch * g->extra_kv * g->kv_heads;
-        simple_jvpb_key_kernel<T, A, true><<<blocks_for(xrows), WARPS * 32, smem, st>>>(*g, *a, ws);
-        NBHD_CUDA_CHECK_LAUNCH("simple forward_jvp_backward (extra key rows)");
-    }
-    return NBHD_OK;
+/* An op's passes for g's dtype: query rows (QUERY; a backward's first pass fills ws), then for the
+ * backwards (KEY a key-row op) key rows where there is a window and extra-key rows where there
+ * are extra keys (both read ws). what: the passes' names. */
+template <row_op QUERY, row_op KEY = QUERY, typename Args>
+static nbhd_status run_rows(const nbhd_geometry *g, const Args *a, void *ws, const char *const what[],
+                            cudaStream_t st) {
+    return with_dtype(g, what[0], [&](auto types) {
+        typedef decltype(types) Types;
+        TRY((launch_rows<Types, QUERY>(g, a, ws, what[0], st)));
+        if constexpr (is_key_row(KEY)) {
+            if (g->has_window) TRY((launch_rows<Types, KEY, false>(g, a, ws, what[1], st)));
+            if (g->extra_kv > 0) TRY((launch_rows<Types, KEY, true>(g, a, ws, what[2], st)));
+        }
+        return NBHD_OK;
+    });
 }
 
 size_t nbhd_cuda_simple_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
@@ -225,44 +165,27 @@ size_t nbhd_cuda_simple_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
 
 nbhd_status nbhd_cuda_simple_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                      cudaStream_t st) {
-    switch (g->dtype) {
-    case NBHD_F64: return forward_t<double, double>(g, a, st);
-    case NBHD_F32: return forward_t<float, float>(g, a, st);
-    case NBHD_F16: return forward_t<__half, float>(g, a, st);
-    case NBHD_BF16: return forward_t<__nv_bfloat16, float>(g, a, st);
-    }
-    return nbhd_fail(NBHD_ERR_ARG, "forward: unknown dtype %d", (int)g->dtype);
+    static const char *const what[] = {"simple forward"};
+    return run_rows<FORWARD_ROW>(g, a, nullptr, what, st);
 }
 
 nbhd_status nbhd_cuda_simple_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
                                       void *ws, cudaStream_t st) {
-    switch (g->dtype) {
-    case NBHD_F64: return backward_t<double, double>(g, a, (double *)ws, st);
-    case NBHD_F32: return backward_t<float, float>(g, a, (float *)ws, st);
-    case NBHD_F16: return backward_t<__half, float>(g, a, (float *)ws, st);
-    case NBHD_BF16: return backward_t<__nv_bfloat16, float>(g, a, (float *)ws, st);
-    }
-    return nbhd_fail(NBHD_ERR_ARG, "backward: unknown dtype %d", (int)g->dtype);
+    static const char *const what[] = {"simple backward (dq)", "simple backward (dk, dv)",
+                                       "simple backward (extra dk, dv)"};
+    return run_rows<DQ_ROW, DKV_ROW>(g, a, ws, what, st);
 }
 
 nbhd_status nbhd_cuda_simple_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                          cudaStream_t st) {
-    switch (g->dtype) {
-    case NBHD_F64: return forward_jvp_t<double, double>(g, a, st);
-    case NBHD_F32: return forward_jvp_t<float, float>(g, a, st);
-    case NBHD_F16: return forward_jvp_t<__half, float>(g, a, st);
-    case NBHD_BF16: return forward_jvp_t<__nv_bfloat16, float>(g, a, st);
-    }
-    return nbhd_fail(NBHD_ERR_ARG, "forward_jvp: unknown dtype %d", (int)g->dtype);
+    static const char *const what[] = {"simple forward_jvp"};
+    return run_rows<JVP_ROW>(g, a, nullptr, what, st);
 }
 
 nbhd_status nbhd_cuda_simple_forward_jvp_backward(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
                                                   void *ws, cudaStream_t st) {
-    switch (g->dtype) {
-    case NBHD_F64: return forward_jvp_backward_t<double, double>(g, a, (double *)ws, st);
-    case NBHD_F32: return forward_jvp_backward_t<float, float>(g, a, (float *)ws, st);
-    case NBHD_F16: return forward_jvp_backward_t<__half, float>(g, a, (float *)ws, st);
-    case NBHD_BF16: return forward_jvp_backward_t<__nv_bfloat16, float>(g, a, (float *)ws, st);
-    }
-    return nbhd_fail(NBHD_ERR_ARG, "forward_jvp_backward: unknown dtype %d", (int)g->dtype);
+    static const char *const what[] = {"simple forward_jvp_backward (query rows)",
+                                       "simple forward_jvp_backward (key rows)",
+                                       "simple forward_jvp_backward (extra key rows)"};
+    return run_rows<JVPB_QUERY_ROW, JVPB_KEY_ROW>(g, a, ws, what, st);
 }

@@ -1,6 +1,7 @@
 /*
  * test_tiles.c — every tile configuration nbhd_tile_configs lists for the CPU runs and gives the
- * scalar reference kernels' result (forward, forward+JVP, backward), on random geometry with
+ * scalar reference kernels' result (forward, forward+JVP, backward, backward through
+ * forward+JVP), on random geometry with
  * several query lines and Z chunks per problem; a tile it does not list is refused with
  * NBHD_ERR_UNSUPPORTED. Outputs are poisoned (NaN) before each run.
  */
@@ -91,7 +92,8 @@ static nbhd_status run(const nbhd_problem *p, nbhd_op op, void *args, nbhd_exec 
     e->workspace_bytes = need;
     nbhd_status st = op == NBHD_OP_FORWARD ? nbhd_forward(p, (nbhd_forward_args *)args, e)
                    : op == NBHD_OP_BACKWARD ? nbhd_backward(p, (nbhd_backward_args *)args, e)
-                   : nbhd_forward_jvp(p, (nbhd_forward_jvp_args *)args, e);
+                   : op == NBHD_OP_FORWARD_JVP ? nbhd_forward_jvp(p, (nbhd_forward_jvp_args *)args, e)
+                   : nbhd_forward_jvp_backward(p, (nbhd_forward_jvp_backward_args *)args, e);
     free(e->workspace);
     return st;
 }
@@ -109,7 +111,8 @@ static void run_case(uint64_t seed) {
     float *q = random_floats(&r, nq), *k = random_floats(&r, nk), *v = random_floats(&r, nv),
           *tq = random_floats(&r, nq), *tk = random_floats(&r, nk), *tv = random_floats(&r, nv),
           *kx = random_floats(&r, nkx), *vx = random_floats(&r, nvx), *tkx = random_floats(&r, nkx),
-          *tvx = random_floats(&r, nvx), *dout = random_floats(&r, no), *dlse = random_floats(&r, nl);
+          *tvx = random_floats(&r, nvx), *dout = random_floats(&r, no), *dlse = random_floats(&r, nl),
+          *dtout = random_floats(&r, no), *dtlse = random_floats(&r, nl);
     nbhd_tensor Q = dense(q, &p, H, D), K = dense(k, &p, Hk, D), V = dense(v, &p, Hk, Dv);
     nbhd_tensor TQ = dense(tq, &p, H, D), TK = dense(tk, &p, Hk, D), TV = dense(tv, &p, Hk, Dv);
     nbhd_tensor none = {NULL, {0}, 0}, KX = none, VX = none, TKX = none, TVX = none;
@@ -120,12 +123,17 @@ static void run_case(uint64_t seed) {
         TKX = KX; TKX.data = tkx;
         TVX = VX; TVX.data = tvx;
     }
-    float *want[9], *got[9];
-    const int64_t sizes[9] = {no, nl, no, nl, nq, nk, nv, nkx, nvx};
-    for (int i = 0; i < 9; ++i) { want[i] = poisoned(sizes[i]); got[i] = poisoned(sizes[i]); }
-    float *fwd_out = poisoned(no), *fwd_lse = poisoned(nl);   /* the backward's inputs */
-    const nbhd_op ops[3] = {NBHD_OP_FORWARD, NBHD_OP_FORWARD_JVP, NBHD_OP_BACKWARD};
-    for (int oi = 0; oi < 3; ++oi) {
+    /* out, lse, t_out, t_lse; the gradients of q, k, v, kx, vx, then of their tangents */
+    enum { NOUT = 14 };
+    float *want[NOUT], *got[NOUT];
+    const int64_t sizes[NOUT] = {no, nl, no, nl, nq, nk, nv, nkx, nvx, nq, nk, nv, nkx, nvx};
+    for (int i = 0; i < NOUT; ++i) { want[i] = poisoned(sizes[i]); got[i] = poisoned(sizes[i]); }
+    /* the backwards' inputs: the reference forward's out, lse, then forward+JVP's four outputs */
+    float *fwd[6];
+    const int64_t fwd_sizes[6] = {no, nl, no, nl, no, nl};
+    for (int i = 0; i < 6; ++i) fwd[i] = poisoned(fwd_sizes[i]);
+    const nbhd_op ops[4] = {NBHD_OP_FORWARD, NBHD_OP_FORWARD_JVP, NBHD_OP_BACKWARD, NBHD_OP_FORWARD_JVP_BACKWARD};
+    for (int oi = 0; oi < 4; ++oi) {
         const nbhd_op op = ops[oi];
         nbhd_tile_config list[MAX_CONFIGS];
         const int32_t count = nbhd_tile_configs(&p, op, list, MAX_CONFIGS);
@@ -133,7 +141,7 @@ static void run_case(uint64_t seed) {
         /* config -1: the reference (the oracle), then every listed one */
         for (int32_t ci = -1; ci < count && ci < MAX_CONFIGS; ++ci) {
             float **o = ci < 0 ? want : got;
-            for (int i = 0; i < 9; ++i)
+            for (int i = 0; i < NOUT; ++i)
                 for (int64_t j = 0; j < sizes[i]; ++j) o[i][j] = NAN;
             nbhd_tensor O = dense(o[0], &p, H, Dv), L = dense(o[1], &p, H, 1);
             nbhd_tensor TO = dense(o[2], &p, H, Dv), TL = dense(o[3], &p, H, 1);
@@ -156,32 +164,42 @@ static void run_case(uint64_t seed) {
                 nbhd_forward_jvp_args ja = {Q, K, V, KX, VX, TQ, TK, TV, TKX, TVX, O, L, TO, TL};
                 st = run(&p, op, &ja, &e);
             } else {
-                nbhd_tensor Oi = dense(fwd_out, &p, H, Dv), Li = dense(fwd_lse, &p, H, 1);
-                Li.stride[5] = 0;
+                const int jvpb = op == NBHD_OP_FORWARD_JVP_BACKWARD;
+                nbhd_tensor Oi = dense(fwd[jvpb ? 2 : 0], &p, H, Dv), Li = dense(fwd[jvpb ? 3 : 1], &p, H, 1);
+                nbhd_tensor TOi = dense(fwd[4], &p, H, Dv), TLi = dense(fwd[5], &p, H, 1);
                 nbhd_tensor dO = dense(dout, &p, H, Dv), dL = dense(dlse, &p, H, 1);
-                dL.stride[5] = 0;
+                nbhd_tensor dTO = dense(dtout, &p, H, Dv), dTL = dense(dtlse, &p, H, 1);
+                Li.stride[5] = TLi.stride[5] = dL.stride[5] = dTL.stride[5] = 0;
                 nbhd_tensor dQ = dense(o[4], &p, H, D), dK = dense(o[5], &p, Hk, D), dV = dense(o[6], &p, Hk, Dv);
-                nbhd_tensor dKX = none, dVX = none;
-                if (S) { dKX = KX; dKX.data = o[7]; dVX = VX; dVX.data = o[8]; }
+                nbhd_tensor dTQ = dense(o[9], &p, H, D), dTK = dense(o[10], &p, Hk, D), dTV = dense(o[11], &p, Hk, Dv);
+                nbhd_tensor dKX = none, dVX = none, dTKX = none, dTVX = none;
+                if (S) {
+                    dKX = KX; dKX.data = o[7]; dVX = VX; dVX.data = o[8];
+                    dTKX = KX; dTKX.data = o[12]; dTVX = VX; dTVX.data = o[13];
+                }
                 nbhd_backward_args ba = {Q, K, V, KX, VX, Oi, Li, dO, dL, dQ, dK, dV, dKX, dVX};
-                st = run(&p, op, &ba, &e);
+                nbhd_forward_jvp_backward_args fjb = {Q, K, V, KX, VX, TQ, TK, TV, TKX, TVX, Oi, Li, TOi, TLi,
+                                                      dO, dL, dTO, dTL, dQ, dK, dV, dKX, dVX,
+                                                      dTQ, dTK, dTV, dTKX, dTVX};
+                st = jvpb ? run(&p, op, &fjb, &e) : run(&p, op, &ba, &e);
             }
             if (ci < 0) {
                 expect(st == NBHD_OK, "reference runs", &p, seed, &list[0]);
-                if (op == NBHD_OP_FORWARD) {
-                    memcpy(fwd_out, want[0], sizeof(float) * (size_t)no);
-                    memcpy(fwd_lse, want[1], sizeof(float) * (size_t)nl);
-                }
+                if (op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP)
+                    for (int i = 0; i < checked; ++i)
+                        memcpy(fwd[op == NBHD_OP_FORWARD ? i : 2 + i], want[i], sizeof(float) * (size_t)sizes[i]);
                 continue;
             }
             expect(st == NBHD_OK, "listed tile runs", &p, seed, &list[ci]);
-            if (op != NBHD_OP_BACKWARD)
+            if (op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP)
                 for (int i = 0; i < checked; ++i)
                     expect(max_rel(got[i], want[i], sizes[i]) < 1e-4, i == 0 ? "out" : i == 1 ? "lse" : i == 2 ? "t_out" : "t_lse",
                            &p, seed, &list[ci]);
             else
-                for (int i = 4; i < (S ? 9 : 7); ++i)
-                    expect(max_rel(got[i], want[i], sizes[i]) < 1e-4, "gradient", &p, seed, &list[ci]);
+                for (int i = 4; i < (op == NBHD_OP_BACKWARD ? 9 : NOUT); ++i)
+                    if (S || (i - 4) % 5 < 3)   /* the extra keys' gradients exist with extra keys */
+                        expect(max_rel(got[i], want[i], sizes[i]) < 1e-4, i < 9 ? "gradient" : "tangent gradient",
+                               &p, seed, &list[ci]);
         }
         /* an unlisted patch is refused */
         nbhd_exec e;
@@ -194,10 +212,9 @@ static void run_case(uint64_t seed) {
             expect(run(&p, op, &fa, &e) == NBHD_ERR_UNSUPPORTED && strstr(nbhd_last_error(), "q_tile"),
                    "unlisted tile refused, naming q_tile", &p, seed, &list[0]);
     }
-    for (int i = 0; i < 9; ++i) { free(want[i]); free(got[i]); }
-    free(fwd_out);
-    free(fwd_lse);
-    float *all[] = {q, k, v, tq, tk, tv, kx, vx, tkx, tvx, dout, dlse};
+    for (int i = 0; i < NOUT; ++i) { free(want[i]); free(got[i]); }
+    for (int i = 0; i < 6; ++i) free(fwd[i]);
+    float *all[] = {q, k, v, tq, tk, tv, kx, vx, tkx, tvx, dout, dlse, dtout, dtlse};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) free(all[i]);
 }
 

@@ -1,16 +1,19 @@
 /*
- * scalar.c — the exact scalar CPU kernels: forward, backward and forward+JVP, written to read
- * like docs/design.md §4, one query (or one key) at a time. They are the C library's reference
- * path (not nbhd/reference.py, the PyTorch float64 oracle of the Python tests): the oracle of the
- * C tests, the kernels of fp64, rank 0 and the backward through forward+JVP, of slabs holding
+ * scalar.c — the exact scalar CPU kernels: forward, backward, forward+JVP and the backward
+ * through forward+JVP, written to read like docs/design.md §4, one query (or one key) at a time.
+ * They are the C library's reference path (not nbhd/reference.py, the PyTorch float64 oracle of
+ * the Python tests): the oracle of the C tests, the kernels of fp64 and rank 0, of slabs holding
  * non-finite values (fast.h), and what nbhd_exec.use_reference forces; the fast kernels sit
- * beside them.
+ * beside them for every op.
  *
  *   forward      O, LSE by online softmax over each query's keys (window, then extra keys)
  *   backward     pass 1 query-stationary (D_i, dQ); pass 2 key-stationary over the inverse
  *                neighborhood (dK, dV); pass 3 extra keys over all queries. No atomics, each
  *                output written by one thread: deterministic.
  *   forward_jvp  O, LSE, tO, mu in one online-softmax pass
+ *   forward_jvp_backward
+ *                the backward's three passes: pass 1 also keeps (D', c, E) per query row and
+ *                writes dtQ, passes 2 and 3 dK, dtK, dV, dtV; deterministic as the backward
  *
  * Accumulation is double for F64 and float otherwise (scalar_impl.h is instantiated twice).
  */

@@ -1,7 +1,7 @@
 /* scalar.h — the exact scalar CPU kernels (scalar.c): the C library's reference path, the C
- * tests' oracle, run for fp64, rank 0, the backward through forward+JVP, slabs holding non-finite
- * values, and when nbhd_exec.use_reference forces it. Not nbhd/reference.py (the PyTorch float64
- * oracle of the Python tests). */
+ * tests' oracle, run for fp64, rank 0, slabs holding non-finite values (every op, the backward
+ * through forward+JVP too, has fast kernels otherwise), and when nbhd_exec.use_reference forces
+ * it. Not nbhd/reference.py (the PyTorch float64 oracle of the Python tests). */
 #ifndef NBHD_CPU_SCALAR_H
 #define NBHD_CPU_SCALAR_H
 
