@@ -67,11 +67,13 @@ static void FAST(jvp_seg)(void *ctx, const FAST(segment) *g) {
 
 /* One unit of a work item: S and T of its key rows, the softmax step per line, the values
  * (km: the tile's key side) */
-static void FAST(jvp_unit)(const FAST(jvp) *f, FAST(jvp_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
-                           const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u) {
+static void FAST(jvp_unit)(const FAST(call) *c, void *scratch, const FAST(map) *km, const FAST(qitem) *it,
+                           const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const void *rows) {
+    const FAST(jvp) *f = (const FAST(jvp) *)c;
+    FAST(jvp_scratch) *s = (FAST(jvp_scratch) *)scratch;
     const int64_t Dv = f->c.G.Dv, ZP = km->ZP, nn = u->nn;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
-    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, NULL);
+    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rows);
     const FAST(visit) v = {FAST(jvp_seg), NULL, &w};
     const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     for (int r = 0; r < it->nly; ++r) {
@@ -146,13 +148,7 @@ static int FAST(jvp_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
         memset(s->O[r], 0, sizeof(float) * 16 * (size_t)Dv);
         memset(s->C[r], 0, sizeof(float) * 16 * (size_t)Dv);
     }
-    FAST(rowsegs) zs;
-    if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
-    const int64_t xo = it.h / c->G.G - sl->hk0;
-    const FAST(map) *km = &sl->tile.km;
-    FAST(unit) u;
-    for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-        FAST(jvp_unit)(f, s, km, &it, &zs, FAST(qrow_line0)(km, &it, xo), &u);
+    const int64_t xo = FAST(query_item_units)(c, s, sl, &it, NULL, FAST(jvp_unit));
     for (int r = 0; r < it.nly; ++r) {
         if (c->G.S) FAST(jvp_extra)(f, s, r, xo);
         FAST(jvp_store)(f, s, &it, r, sl->b);
