@@ -5,10 +5,28 @@
  * lse. Work items and slabs as the forward's.
  */
 
+/* The packed key side of the JVP ops: K, V, Kx, Vx and their tangents (NULL data: not packed) */
+typedef struct {
+    const float *KT, *VT, *KXT, *VXT, *TKT, *TVT, *TKXT, *TVXT;
+} FAST(jvp_keys);
+
+/* the key side's arrays in call c's workspace, packed from t = {k, v, kx, vx, t_k, t_v, t_kx, t_vx}
+ * (K, tK on even items' halves, V, tV on odd ones'), the tangents times tkmul */
+static FAST(jvp_keys) FAST(jvp_key_side)(FAST(call) *c, const nbhd_tensor *const *t, float tkmul) {
+    const float *ws = c->ws;
+    const FAST(layout_t) *L = &c->L;
+    const FAST(jvp_keys) k = {ws + L->kt,  ws + L->vt,  ws + L->kxt,  ws + L->vxt,
+                              ws + L->tkt, ws + L->tvt, ws + L->tkxt, ws + L->tvxt};
+    const nbhd_tensor *tk[4];
+    for (int i = 0; i < 4; ++i) tk[i] = t[4 + i]->data ? t[4 + i] : NULL;
+    FAST(key_side)(c, t, tk, tkmul);
+    return k;
+}
+
 typedef struct {
     FAST(call) c;
     const nbhd_forward_jvp_args *a;
-    const float *KT, *VT, *KXT, *VXT, *TKT, *TVT, *TKXT, *TVXT;
+    FAST(jvp_keys) keys;
     /* S = (scale log2e q).k in log2 units; tS = (scale tq).k + (scale log2e q).(ln2 tk), natural */
     float qmul, tqmul;
     int has_tq, has_tk, has_tv, has_tkx, has_tvx;
@@ -60,9 +78,9 @@ static void FAST(jvp_seg)(void *ctx, const FAST(segment) *g) {
     FAST(segment_at)(Sr, s->S, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
     FAST(segment_at)(Tr, s->T, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
     FAST(jvp_scores)(Sr, Tr, (const float *const *)s->Q + g->ra, (const float *const *)s->TQ + g->ra, g->rb - g->ra, D,
-                     f->KT + ko, f->TKT + ko, ZP, g->ns, w->it->zd.bcast, f->has_tq, f->has_tk);
-    s->v[g->ne] = f->VT + vo;
-    s->tv[g->ne] = f->TVT + vo;
+                     f->keys.KT + ko, f->keys.TKT + ko, ZP, g->ns, w->it->zd.bcast, f->has_tq, f->has_tk);
+    s->v[g->ne] = f->keys.VT + vo;
+    s->tv[g->ne] = f->keys.TVT + vo;
 }
 
 /* One unit of a work item: S and T of its key rows, the softmax step per line, the values
@@ -94,14 +112,14 @@ static void FAST(jvp_extra)(const FAST(jvp) *f, FAST(jvp_scratch) *s, int r, int
     FAST(unit) u;
     for (int more = FAST(unit_first)(&u, 1, G->S); more; more = FAST(unit_next)(&u)) {
         const int64_t nn = u.nn;
-        const float *kp = f->KXT + xo * D * SP + u.c0, *tkp = f->TKXT + xo * D * SP + u.c0;
+        const float *kp = f->keys.KXT + xo * D * SP + u.c0, *tkp = f->keys.TKXT + xo * D * SP + u.c0;
         float *S0[1] = {s->S[0]}, *T0[1] = {s->T[0]};
         const float *Q0[1] = {s->Q[r]}, *TQ0[1] = {s->TQ[r]};
         FAST(jvp_scores)(S0, T0, Q0, TQ0, 1, D, kp, tkp, SP, nn, 1, f->has_tq, f->has_tkx);
         float *acc[2] = {s->O[r], s->C[r]};
         FAST(jvp_softmax)(s->S[0], s->T[0], 1, nn, NULL, 0, s->m[r], s->l[r], s->r[r], acc, Dv);
         int8_t ra0 = 0, rb0 = 1;
-        const float *vp[1] = {f->VXT + xo * Dv * SP + u.c0}, *tvp[1] = {f->TVXT + xo * Dv * SP + u.c0};
+        const float *vp[1] = {f->keys.VXT + xo * Dv * SP + u.c0}, *tvp[1] = {f->keys.TVXT + xo * Dv * SP + u.c0};
         const FAST(rowset) rs = {&ra0, &rb0, vp, 1, NULL};
         float *Or[1] = {s->O[r]}, *Cr[1] = {s->C[r]};
         const float *Sp[1] = {s->S[0]}, *Tp[1] = {s->T[0]};
@@ -156,18 +174,6 @@ static int FAST(jvp_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
     return 0;
 }
 
-/* the packed tensors: K, tK (keys) on even items' halves, V, tV on odd ones' */
-static void FAST(jvp_packed)(FAST(jvp) *f, const nbhd_forward_jvp_args *a) {
-    float *ws = f->c.ws;
-    const FAST(layout_t) *L = &f->c.L;
-    f->KT = ws + L->kt; f->VT = ws + L->vt; f->KXT = ws + L->kxt; f->VXT = ws + L->vxt;
-    f->TKT = ws + L->tkt; f->TVT = ws + L->tvt; f->TKXT = ws + L->tkxt; f->TVXT = ws + L->tvxt;
-    const nbhd_tensor *kv[4] = {&a->k, &a->v, &a->kx, &a->vx};
-    const nbhd_tensor *tk[4] = {f->has_tk ? &a->t_k : NULL, f->has_tv ? &a->t_v : NULL,
-                                f->has_tkx ? &a->t_kx : NULL, f->has_tvx ? &a->t_vx : NULL};
-    FAST(key_side)(&f->c, kv, tk, (float)LN2);
-}
-
 static nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                                    const nbhd_exec *e) {
     static const FAST(phase) phases[2] = {{FAST(pack_count), FAST(pack_kv), 1, 1},
@@ -184,7 +190,8 @@ static nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const
     f.has_tv = a->t_v.data != NULL;
     f.has_tkx = a->t_kx.data != NULL;
     f.has_tvx = a->t_vx.data != NULL;
-    FAST(jvp_packed)(&f, a);
+    const nbhd_tensor *t[8] = {&a->k, &a->v, &a->kx, &a->vx, &a->t_k, &a->t_v, &a->t_kx, &a->t_vx};
+    f.keys = FAST(jvp_key_side)(&f.c, t, (float)LN2);
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, f.c.G.Dv, 2);   /* out and t_out */
     st = FAST(drive)(&f.c, &drv);
     FAST(call_free)(&f.c);

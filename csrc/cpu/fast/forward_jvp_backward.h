@@ -23,7 +23,7 @@
 typedef struct {
     FAST(call) c;
     const nbhd_forward_jvp_backward_args *a;
-    const float *KT, *VT, *KXT, *VXT, *TKT, *TVT, *TKXT, *TVXT;
+    FAST(jvp_keys) keys;
     float *QT, *TQT, *DOT, *GT, *LR, *MR, *ER, *CR;
     float qmul;   /* scale * log2(e), for Q and tQ */
     int has_tq, has_tk, has_tv, has_tkx, has_tvx, has_do, has_g;
@@ -234,7 +234,7 @@ static void FAST(fjb_q_seg)(void *ctx, const FAST(segment) *g) {
         FAST(segment_at)(Wr[k], s->W[k], w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
         for (int r = g->ra; r < g->rb; ++r) Ar[k][r - g->ra] = s->A[k][r];
     }
-    const float *b[4] = {f->KT + ko, f->TKT + ko, f->VT + vo, f->TVT + vo};
+    const float *b[4] = {f->keys.KT + ko, f->keys.TKT + ko, f->keys.VT + vo, f->keys.TVT + vo};
     float *const *Wp[4] = {Wr[0], Wr[1], Wr[2], Wr[3]};
     const float *const *Ap[4] = {Ar[0], Ar[1], Ar[2], Ar[3]};
     FAST(fjb_q_products)(f, Wp, Ap, g->rb - g->ra, b, ZP, g->ns, w->it->zd.bcast, f->has_tk, f->has_tv);
@@ -274,8 +274,8 @@ static void FAST(fjb_q_extra)(const FAST(fjb) *f, FAST(fjb_scratch) *s, int r, i
     const int64_t D = G->D, Dv = G->Dv, SP = G->SP;
     FAST(unit) u;
     for (int more = FAST(unit_first)(&u, 1, G->S); more; more = FAST(unit_next)(&u)) {
-        const float *b[4] = {f->KXT + xo * D * SP + u.c0, f->TKXT + xo * D * SP + u.c0, f->VXT + xo * Dv * SP + u.c0,
-                             f->TVXT + xo * Dv * SP + u.c0};
+        const float *b[4] = {f->keys.KXT + xo * D * SP + u.c0, f->keys.TKXT + xo * D * SP + u.c0,
+                             f->keys.VXT + xo * Dv * SP + u.c0, f->keys.TVXT + xo * Dv * SP + u.c0};
         float *W0[4] = {s->W[0][0], s->W[1][0], s->W[2][0], s->W[3][0]};
         float *const Wp[4][1] = {{W0[0]}, {W0[1]}, {W0[2]}, {W0[3]}};
         const float *const Ap[4][1] = {{s->A[0][r]}, {s->A[1][r]}, {s->A[2][r]}, {s->A[3][r]}};
@@ -338,7 +338,7 @@ static void FAST(fjb_k_start)(const FAST(fjb) *f, FAST(fjb_scratch) *s, const FA
                               int64_t head) {
     const FAST(geo) *G = &f->c.G;
     const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, at = FAST(map_z)(km, G, it->gr) + it->j0;
-    const float *src[4] = {f->KT, f->TKT, f->VT, f->TVT};
+    const float *src[4] = {f->keys.KT, f->keys.TKT, f->keys.VT, f->keys.TVT};
     const int64_t dims[4] = {D, D, Dv, Dv};
     const int have[4] = {1, f->has_tk, 1, f->has_tv};
     for (int r = 0; r < it->nly; ++r) {
@@ -500,7 +500,7 @@ static int FAST(fjb_x_item)(const FAST(call) *c, void *scratch, const FAST(slab)
     const FAST(geo) *G = &c->G;
     const int64_t D = G->D, Dv = G->Dv, SP = G->SP;
     const FAST(xitem) x = FAST(xitem_of)(G, sl, w);
-    const float *src[4] = {f->KXT, f->TKXT, f->VXT, f->TVXT};
+    const float *src[4] = {f->keys.KXT, f->keys.TKXT, f->keys.VXT, f->keys.TVXT};
     const int64_t dims[4] = {D, D, Dv, Dv};
     const int have[4] = {1, f->has_tkx, 1, f->has_tvx};
     for (int k = 0; k < 4; ++k) {
@@ -520,19 +520,14 @@ static int FAST(fjb_x_item)(const FAST(call) *c, void *scratch, const FAST(slab)
 // ----------------------------------------------------------------------------
 // entry
 
-/* the packed tensors: the key side K, tK (even items' halves), V, tV (odd ones'), unscaled; the
- * query side's arrays */
+/* the packed tensors: the key side (FAST(jvp_key_side), unscaled) and the query side's arrays */
 static void FAST(fjb_packed)(FAST(fjb) *f, const nbhd_forward_jvp_backward_args *a) {
     float *ws = f->c.ws;
     const FAST(layout_t) *L = &f->c.L;
-    f->KT = ws + L->kt; f->VT = ws + L->vt; f->KXT = ws + L->kxt; f->VXT = ws + L->vxt;
-    f->TKT = ws + L->tkt; f->TVT = ws + L->tvt; f->TKXT = ws + L->tkxt; f->TVXT = ws + L->tvxt;
     f->QT = ws + L->qt; f->TQT = ws + L->tqt; f->DOT = ws + L->dot; f->GT = ws + L->gt;
     f->LR = ws + L->lr; f->MR = ws + L->mr; f->ER = ws + L->dr; f->CR = ws + L->cr;
-    const nbhd_tensor *kv[4] = {&a->k, &a->v, &a->kx, &a->vx};
-    const nbhd_tensor *tk[4] = {f->has_tk ? &a->t_k : NULL, f->has_tv ? &a->t_v : NULL,
-                                f->has_tkx ? &a->t_kx : NULL, f->has_tvx ? &a->t_vx : NULL};
-    FAST(key_side)(&f->c, kv, tk, 1.0f);
+    const nbhd_tensor *t[8] = {&a->k, &a->v, &a->kx, &a->vx, &a->t_k, &a->t_v, &a->t_kx, &a->t_vx};
+    f->keys = FAST(jvp_key_side)(&f->c, t, 1.0f);
 }
 
 static nbhd_status FAST(nbhd_cpu_fast_forward_jvp_backward)(const nbhd_geometry *g,
