@@ -133,7 +133,7 @@ static void FAST(bwd_q_seg)(void *ctx, const FAST(segment) *g) {
     const FAST(bwd) *f = (const FAST(bwd) *)w->f;
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)w->s;
     const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP, nn = w->u->nn;
-    const float *krow = f->KT + g->ln * D * ZP + w->at + g->p, *vrow = f->VT + g->ln * Dv * ZP + w->at + g->p;
+    const float *krow = f->KT + FAST(segment_off)(w, g, D), *vrow = f->VT + FAST(segment_off)(w, g, Dv);
     const int ra = g->ra, rb = g->rb, bcast = w->it->zd.bcast;
     float *Sr[MAXLINES], *Tr[MAXLINES];
     FAST(segment_at)(Sr, s->S, w->it, g->cnt, ra, rb, nn, g->p);

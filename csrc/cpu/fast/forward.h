@@ -128,6 +128,11 @@ static inline FAST(unit_ctx) FAST(unit_ctx_of)(const void *f, void *s, const FAS
     return w;
 }
 
+/* the offset of segment g's first slot in a packed key-side array of dim rows a line */
+static inline int64_t FAST(segment_off)(const FAST(unit_ctx) *w, const FAST(segment) *g, int64_t dim) {
+    return g->ln * dim * w->km->ZP + w->at + g->p;
+}
+
 /* A unit of a query item of an op: call c, its scratch, the tile's key side km, item it, the Z
  * lines' segments zs, line0: the packed line of its key row 0 (FAST(qrow_line0)), unit u, the
  * op's per-line values rows (FAST(unit_ctx)) */
@@ -152,12 +157,12 @@ static void FAST(fwd_seg)(void *ctx, const FAST(segment) *g) {
     const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
     const FAST(fwd) *f = (const FAST(fwd) *)w->f;
     FAST(fwd_scratch) *s = (FAST(fwd_scratch) *)w->s;
-    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP;
+    const int64_t D = f->c.G.D;
     float *Sr[MAXLINES];
     FAST(segment_at)(Sr, s->S, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
-    FAST(score_lines)(Sr, (const float *const *)s->Q + g->ra, g->rb - g->ra, D, f->KT + g->ln * D * ZP + w->at + g->p,
-                      ZP, g->ns, w->it->zd.bcast);
-    s->v[g->ne] = f->VT + g->ln * Dv * ZP + w->at + g->p;
+    FAST(score_lines)(Sr, (const float *const *)s->Q + g->ra, g->rb - g->ra, D, f->KT + FAST(segment_off)(w, g, D),
+                      w->km->ZP, g->ns, w->it->zd.bcast);
+    s->v[g->ne] = f->VT + FAST(segment_off)(w, g, f->c.G.Dv);
 }
 
 /* One unit of a work item: scores of its key rows for every line that sees them, the online

@@ -72,13 +72,12 @@ static void FAST(jvp_seg)(void *ctx, const FAST(segment) *g) {
     const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
     const FAST(jvp) *f = (const FAST(jvp) *)w->f;
     FAST(jvp_scratch) *s = (FAST(jvp_scratch) *)w->s;
-    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP, ko = g->ln * D * ZP + w->at + g->p,
-                  vo = g->ln * Dv * ZP + w->at + g->p;
+    const int64_t D = f->c.G.D, ko = FAST(segment_off)(w, g, D), vo = FAST(segment_off)(w, g, f->c.G.Dv);
     float *Sr[MAXLINES], *Tr[MAXLINES];
     FAST(segment_at)(Sr, s->S, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
     FAST(segment_at)(Tr, s->T, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
     FAST(jvp_scores)(Sr, Tr, (const float *const *)s->Q + g->ra, (const float *const *)s->TQ + g->ra, g->rb - g->ra, D,
-                     f->keys.KT + ko, f->keys.TKT + ko, ZP, g->ns, w->it->zd.bcast, f->has_tq, f->has_tk);
+                     f->keys.KT + ko, f->keys.TKT + ko, w->km->ZP, g->ns, w->it->zd.bcast, f->has_tq, f->has_tk);
     s->v[g->ne] = f->keys.VT + vo;
     s->tv[g->ne] = f->keys.TVT + vo;
 }

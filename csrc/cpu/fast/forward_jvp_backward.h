@@ -226,8 +226,7 @@ static void FAST(fjb_q_seg)(void *ctx, const FAST(segment) *g) {
     const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
     const FAST(fjb) *f = (const FAST(fjb) *)w->f;
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)w->s;
-    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP, ko = g->ln * D * ZP + w->at + g->p,
-                  vo = g->ln * Dv * ZP + w->at + g->p;
+    const int64_t ko = FAST(segment_off)(w, g, f->c.G.D), vo = FAST(segment_off)(w, g, f->c.G.Dv);
     float *Wr[4][MAXLINES];
     const float *Ar[4][MAXLINES];
     for (int k = 0; k < 4; ++k) {
@@ -237,7 +236,7 @@ static void FAST(fjb_q_seg)(void *ctx, const FAST(segment) *g) {
     const float *b[4] = {f->keys.KT + ko, f->keys.TKT + ko, f->keys.VT + vo, f->keys.TVT + vo};
     float *const *Wp[4] = {Wr[0], Wr[1], Wr[2], Wr[3]};
     const float *const *Ap[4] = {Ar[0], Ar[1], Ar[2], Ar[3]};
-    FAST(fjb_q_products)(f, Wp, Ap, g->rb - g->ra, b, ZP, g->ns, w->it->zd.bcast, f->has_tk, f->has_tv);
+    FAST(fjb_q_products)(f, Wp, Ap, g->rb - g->ra, b, w->km->ZP, g->ns, w->it->zd.bcast, f->has_tk, f->has_tv);
     s->v[0][g->ne] = b[0];
     s->v[1][g->ne] = b[1];
 }
