@@ -158,15 +158,12 @@ nbhd_status nbhd_cpu_fast_forward_jvp(const nbhd_geometry *g0, const nbhd_forwar
 
 nbhd_status nbhd_cpu_fast_forward_jvp_backward(const nbhd_geometry *g0, const nbhd_forward_jvp_backward_args *a0,
                                                const nbhd_exec *e0) {
-    const int shift = 3 - rank_of(g0);
-    const nbhd_geometry g1 = rotated(g0, shift);
-    nbhd_forward_jvp_backward_args a1 = *a0;
-    nbhd_tensor *spatial[] = {&a1.q, &a1.k, &a1.v, &a1.t_q, &a1.t_k, &a1.t_v, &a1.out, &a1.lse, &a1.t_out,
-                              &a1.t_lse, &a1.d_out, &a1.d_lse, &a1.d_t_out, &a1.d_t_lse, &a1.d_q, &a1.d_k,
-                              &a1.d_v, &a1.d_t_q, &a1.d_t_k, &a1.d_t_v};
-    for (size_t i = 0; i < sizeof spatial / sizeof spatial[0]; ++i) rotate_tensor(spatial[i], shift);
-    const nbhd_exec e1 = rotated_exec(e0, shift);
-    return kernels()->forward_jvp_backward(&g1, &a1, &e1);
+    nbhd_forward_jvp_backward_args a = *a0;
+    nbhd_tensor *const spatial[] = {&a.q, &a.k, &a.v, &a.t_q, &a.t_k, &a.t_v, &a.out, &a.lse, &a.t_out, &a.t_lse,
+                                    &a.d_out, &a.d_lse, &a.d_t_out, &a.d_t_lse, &a.d_q, &a.d_k, &a.d_v, &a.d_t_q,
+                                    &a.d_t_k, &a.d_t_v};
+    const rotated_call c = rotate_call(g0, e0, spatial, 20);
+    return kernels()->forward_jvp_backward(&c.g, &a, &c.e);
 }
 
 // ----------------------------------------------------------------------------

@@ -62,11 +62,6 @@ static void *FAST(bwd_scratch_new)(const FAST(call) *c) {
 // ----------------------------------------------------------------------------
 // packing of the query lines
 
-static int64_t FAST(bwd_pack_q_count)(const FAST(call) *c, const FAST(slab) *sl) {
-    (void)c;
-    return sl->nqh * sl->tile.qm.lines;
-}
-
 /* D_i = dO_i.O_i - dLSE_i (dO: a query's dO^T, `stride` apart; oo, ol: its offsets in out, d_lse) */
 static inline float FAST(row_d)(const float *dO, int64_t stride, const nbhd_backward_args *a, nbhd_dtype dt,
                                 int64_t Dv, int64_t oo, int64_t ol) {
@@ -103,12 +98,12 @@ static int FAST(bwd_pack_q)(const FAST(call) *c, void *scratch, const FAST(slab)
     const FAST(map) *m = &sl->tile.qm;
     const nbhd_dtype dt = c->g->dtype;
     (void)scratch;
-    const int64_t h = sl->h0 + it % sl->nqh, r = it / sl->nqh, x = FAST(map_x)(m, r), y = FAST(map_y)(m, r),
-                  ln = (h - sl->h0) * m->lines + r, D = G->D, Dv = G->Dv, ZP = m->ZP;
-    int bad = FAST(pack_line)(f->QT + ln * D * ZP, G, m, &f->a->q, dt, sl->b, h, x, y, D, f->qmul);
-    float *dO = f->DOT + ln * Dv * ZP;
-    bad |= FAST(pack_line)(dO, G, m, &f->a->d_out, dt, sl->b, h, x, y, Dv, 1.0f);
-    const float rows_bad = FAST(bwd_row_scalars)(f, m, dO, f->LR + ln * ZP, f->DR + ln * ZP, sl->b, h, x, y);
+    const FAST(qline) q = FAST(qline_of)(sl, it);
+    const int64_t D = G->D, Dv = G->Dv, ZP = m->ZP;
+    int bad = FAST(pack_line)(f->QT + q.ln * D * ZP, G, m, &f->a->q, dt, sl->b, q.h, q.x, q.y, D, f->qmul);
+    float *dO = f->DOT + q.ln * Dv * ZP;
+    bad |= FAST(pack_line)(dO, G, m, &f->a->d_out, dt, sl->b, q.h, q.x, q.y, Dv, 1.0f);
+    const float rows_bad = FAST(bwd_row_scalars)(f, m, dO, f->LR + q.ln * ZP, f->DR + q.ln * ZP, sl->b, q.h, q.x, q.y);
     return bad || rows_bad != rows_bad;
 }
 
@@ -123,10 +118,9 @@ static void FAST(bwd_q_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FA
     const FAST(geo) *G = &f->c.G;
     const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP;
     for (int r = 0; r < it->nly; ++r) {
-        const int64_t lq = head * qm->lines + FAST(map_line)(qm, it->x, it->ys[r]),
-                      at_q = FAST(map_z)(qm, G, it->gr) + it->i0 + it->zoff[r];
-        for (int64_t d = 0; d < D; ++d) vf_store(s->A1[r] + 16 * d, vf_load(f->QT + lq * D * ZP + d * ZP + at_q));
-        for (int64_t d = 0; d < Dv; ++d) vf_store(s->A2[r] + 16 * d, vf_load(f->DOT + lq * Dv * ZP + d * ZP + at_q));
+        const int64_t lq = FAST(map_head_line)(qm, head, it->x, it->ys[r]), at_q = FAST(qitem_at)(qm, G, it, r);
+        FAST(load_packed)(s->A1[r], f->QT + lq * D * ZP, D, ZP, at_q);
+        FAST(load_packed)(s->A2[r], f->DOT + lq * Dv * ZP, Dv, ZP, at_q);
         Lq[r] = vf_load(f->LR + lq * ZP + at_q);
         Dq[r] = vf_load(f->DR + lq * ZP + at_q);
         memset(s->O1[r], 0, sizeof(float) * 16 * (size_t)D);
@@ -139,7 +133,7 @@ static void FAST(bwd_q_seg)(void *ctx, const FAST(segment) *g) {
     const FAST(bwd) *f = (const FAST(bwd) *)w->f;
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)w->s;
     const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP, nn = w->u->nn;
-    const float *krow = f->KT + g->ln * D * ZP + w->at + g->p, *vrow = f->VT + g->ln * Dv * ZP + w->at + g->p;
+    const float *krow = f->KT + FAST(segment_off)(w, g, D), *vrow = f->VT + FAST(segment_off)(w, g, Dv);
     const int ra = g->ra, rb = g->rb, bcast = w->it->zd.bcast;
     float *Sr[MAXLINES], *Tr[MAXLINES];
     FAST(segment_at)(Sr, s->S, w->it, g->cnt, ra, rb, nn, g->p);
@@ -165,13 +159,13 @@ static void FAST(bwd_q_line)(void *ctx, int r, int64_t o) {
 }
 
 /* One unit of a pass 1 item: S, T of its key rows per line, dS in T, then dQ += dS k (km: the
- * tile's key side) */
-static void FAST(bwd_q_unit)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
-                             const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const vf *Lq,
-                             const vf *Dq) {
+ * tile's key side; rows: its lines' L and D lanes, FAST(bwd_q_rows)) */
+static void FAST(bwd_q_unit)(const FAST(call) *c, void *scratch, const FAST(map) *km, const FAST(qitem) *it,
+                             const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const void *rows) {
+    const FAST(bwd) *f = (const FAST(bwd) *)c;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
-    const FAST(bwd_q_rows) rows = {Lq, Dq};
-    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, &rows);
+    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rows);
     const FAST(visit) v = {FAST(bwd_q_seg), FAST(bwd_q_line), &w};
     const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     const FAST(rowset) rs = {s->ra, s->rb, s->v1, ne, it->zlines ? s->ns : NULL};
@@ -199,13 +193,8 @@ static int FAST(bwd_q_item)(const FAST(call) *c, void *scratch, const FAST(slab)
     FAST(qitem_of)(&it, c->g, &c->G, &c->YB, &sl->tile.wk, c->ylines, w, sl->nqh, sl->h0);
     vf Lq[MAXLINES], Dq[MAXLINES];
     FAST(bwd_q_start)(f, s, &sl->tile.qm, &it, it.h - sl->h0, Lq, Dq);
-    FAST(rowsegs) zs;
-    if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
-    const int64_t xo = it.h / c->G.G - sl->hk0;
-    const FAST(map) *km = &sl->tile.km;
-    FAST(unit) u;
-    for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-        FAST(bwd_q_unit)(f, s, km, &it, &zs, FAST(qrow_line0)(km, &it, xo), &u, Lq, Dq);
+    const FAST(bwd_q_rows) rows = {Lq, Dq};
+    const int64_t xo = FAST(query_item_units)(c, s, sl, &it, &rows, FAST(bwd_q_unit));
     float mul[16];
     for (int l = 0; l < 16; ++l) mul[l] = (float)c->g->scale;
     for (int r = 0; r < it.nly; ++r) {
@@ -271,9 +260,9 @@ static void FAST(bwd_k_start)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FA
     const FAST(geo) *G = &f->c.G;
     const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, at_k = FAST(map_z)(km, G, it->gr) + it->j0;
     for (int r = 0; r < it->nly; ++r) {
-        const int64_t lk = head * km->lines + FAST(map_line)(km, it->x, it->ys[r]);
-        for (int64_t d = 0; d < D; ++d) vf_store(s->A1[r] + 16 * d, vf_load(f->KT + lk * D * ZP + d * ZP + at_k));
-        for (int64_t d = 0; d < Dv; ++d) vf_store(s->A2[r] + 16 * d, vf_load(f->VT + lk * Dv * ZP + d * ZP + at_k));
+        const int64_t lk = FAST(map_head_line)(km, head, it->x, it->ys[r]);
+        FAST(load_packed)(s->A1[r], f->KT + lk * D * ZP, D, ZP, at_k);
+        FAST(load_packed)(s->A2[r], f->VT + lk * Dv * ZP, Dv, ZP, at_k);
         memset(s->O1[r], 0, sizeof(float) * 16 * (size_t)D);
         memset(s->O2[r], 0, sizeof(float) * 16 * (size_t)Dv);
     }
@@ -289,39 +278,88 @@ static inline void FAST(kitem_lines)(const FAST(kitem) *it, int64_t u, int *ra, 
     *rb = b;
 }
 
+/* One query row of a key item's unit: row t of the unit, packed line ln of the tile's query
+ * side, seen by lines [ra, rb); cnt[r]: the rows line r counted before this one */
+typedef struct {
+    int64_t t, ln;
+    int ra, rb;
+    const int64_t *cnt;
+} FAST(krow);
+
+/* where lines [ra, rb) keep their products of a query row (n slot vectors a row): out[r - ra] in
+ * buf[r] */
+static inline void FAST(krow_at)(float **out, float *const *buf, const FAST(krow) *k, int64_t n) {
+    for (int r = k->ra; r < k->rb; ++r) out[r - k->ra] = buf[r] + 16 * n * k->cnt[r];
+}
+
+/* a key item's unit as the ops' row visits see it: the op's call and scratch, the item, the
+ * unit, its first packed slot at and the row stride ZP of the tile's query side */
+typedef struct {
+    const FAST(call) *c;
+    void *s;
+    const FAST(kitem) *it;
+    const FAST(unit) *u;
+    int64_t at, ZP;
+} FAST(kunit_ctx);
+
+static inline FAST(kunit_ctx) FAST(kunit_ctx_of)(const FAST(call) *c, void *s, const FAST(map) *qm,
+                                                 const FAST(kitem) *it, const FAST(unit) *u) {
+    const FAST(kunit_ctx) w = {c, s, it, u, FAST(map_z)(qm, &c->G, it->gr) + it->zd.base + u->c0, qm->ZP};
+    return w;
+}
+
+/* Walks the query rows of unit u of key item it (qm: the tile's query side, line0: the packed
+ * line of its row 0): row(ctx, k) on each, then counts it to the lines that see it; each row's
+ * lines into ra, rb */
+NBHD_ALWAYS_INLINE void FAST(walk_key_unit)(const FAST(kitem) *it, const FAST(map) *qm, int64_t line0,
+                                            const FAST(unit) *u, int8_t *ra, int8_t *rb,
+                                            void (*row)(void *ctx, const FAST(krow) *k), void *ctx) {
+    int64_t cnt[MAXLINES] = {0, 0, 0, 0};
+    for (int64_t t = 0; t < u->nr; ++t) {
+        const int64_t q = u->r0 + t, uu = q % it->U;
+        FAST(krow) k = {t, line0 + (q / it->U) * qm->xstep + uu * qm->ystep, 0, 0, cnt};
+        FAST(kitem_lines)(it, uu, &k.ra, &k.rb);
+        row(ctx, &k);
+        for (int r = k.ra; r < k.rb; ++r) ++cnt[r];
+        ra[t] = (int8_t)k.ra;
+        rb[t] = (int8_t)k.rb;
+    }
+}
+
+/* pass 2's S, T of one query row per line that sees it, P and dS */
+static void FAST(bwd_k_row)(void *ctx, const FAST(krow) *k) {
+    const FAST(kunit_ctx) *w = (const FAST(kunit_ctx) *)ctx;
+    const FAST(bwd) *f = (const FAST(bwd) *)w->c;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)w->s;
+    const FAST(kitem) *it = w->it;
+    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->ZP, nn = w->u->nn, ln = k->ln, at = w->at;
+    const int ra = k->ra, rb = k->rb, bcast = it->zd.bcast;
+    const float *qrow = f->QT + ln * D * ZP + at, *orow = f->DOT + ln * Dv * ZP + at;
+    const float *lrow = f->LR + ln * ZP + at, *drow = f->DR + ln * ZP + at;
+    float *Sr[MAXLINES], *Tr[MAXLINES];
+    FAST(krow_at)(Sr, s->S, k, nn);
+    FAST(krow_at)(Tr, s->T, k, nn);
+    FAST(score_lines)(Sr, (const float *const *)s->A1 + ra, rb - ra, D, qrow, ZP, nn, bcast);
+    FAST(score_lines)(Tr, (const float *const *)s->A2 + ra, rb - ra, Dv, orow, ZP, nn, bcast);
+    for (int r = ra; r < rb; ++r) {
+        if (it->zd.masked) FAST(apply_mask)(Sr[r - ra], 1, nn, &it->zd, it->zd.base + w->u->c0, -INFINITY);
+        FAST(key_ds)(Sr[r - ra], Tr[r - ra], nn, lrow, drow, bcast);
+    }
+    s->v1[k->t] = orow;
+    s->v2[k->t] = qrow;
+}
+
 /* One unit of a pass 2 item for one query head (line0: the packed line of its query row 0 in
  * qm, the tile's query side): S, T per line, P and dS, then dV += P dO, dK += dS q */
 static void FAST(bwd_k_unit)(const FAST(call) *c, void *scratch, const FAST(map) *qm, const FAST(kitem) *it,
                              int64_t line0, const FAST(unit) *u) {
-    const FAST(bwd) *f = (const FAST(bwd) *)c;
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
-    const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP, nn = u->nn, at = FAST(map_z)(qm, G, it->gr) + it->zd.base + u->c0;
-    const int bcast = it->zd.bcast;
-    int64_t cnt[MAXLINES] = {0, 0, 0, 0};
-    for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t q = u->r0 + t, uu = q % it->U;
-        int ra, rb;
-        FAST(kitem_lines)(it, uu, &ra, &rb);
-        const int64_t ln = line0 + (q / it->U) * qm->xstep + uu * qm->ystep;
-        const float *qrow = f->QT + ln * D * ZP + at, *orow = f->DOT + ln * Dv * ZP + at;
-        const float *lrow = f->LR + ln * ZP + at, *drow = f->DR + ln * ZP + at;
-        float *Sr[MAXLINES], *Tr[MAXLINES];
-        for (int r = ra; r < rb; ++r) { Sr[r - ra] = s->S[r] + 16 * nn * cnt[r]; Tr[r - ra] = s->T[r] + 16 * nn * cnt[r]++; }
-        FAST(score_lines)(Sr, (const float *const *)s->A1 + ra, rb - ra, D, qrow, ZP, nn, bcast);
-        FAST(score_lines)(Tr, (const float *const *)s->A2 + ra, rb - ra, Dv, orow, ZP, nn, bcast);
-        for (int r = ra; r < rb; ++r) {
-            if (it->zd.masked) FAST(apply_mask)(Sr[r - ra], 1, nn, &it->zd, it->zd.base + u->c0, -INFINITY);
-            FAST(key_ds)(Sr[r - ra], Tr[r - ra], nn, lrow, drow, bcast);
-        }
-        s->ra[t] = (int8_t)ra;
-        s->rb[t] = (int8_t)rb;
-        s->v1[t] = orow;
-        s->v2[t] = qrow;
-    }
+    FAST(kunit_ctx) w = FAST(kunit_ctx_of)(c, s, qm, it, u);
+    FAST(walk_key_unit)(it, qm, line0, u, s->ra, s->rb, FAST(bwd_k_row), &w);
+    const int64_t D = c->G.D, Dv = c->G.Dv, ZP = qm->ZP, nn = u->nn;
     const FAST(rowset) rs_v = {s->ra, s->rb, s->v1, u->nr, NULL}, rs_k = {s->ra, s->rb, s->v2, u->nr, NULL};
-    FAST(values_lines)(s->O2, it->nly, Dv, (const float *const *)s->S, &rs_v, nn, ZP, bcast);
-    FAST(values_lines)(s->O1, it->nly, D, (const float *const *)s->T, &rs_k, nn, ZP, bcast);
+    FAST(values_lines)(s->O2, it->nly, Dv, (const float *const *)s->S, &rs_v, nn, ZP, it->zd.bcast);
+    FAST(values_lines)(s->O1, it->nly, D, (const float *const *)s->T, &rs_k, nn, ZP, it->zd.bcast);
 }
 
 static int64_t FAST(bwd_k_count)(const FAST(call) *c, const FAST(slab) *sl) {
@@ -339,7 +377,7 @@ static void FAST(key_item_units)(const FAST(call) *c, void *scratch, const FAST(
                                  FAST(key_unit_fn) unit) {
     const FAST(map) *qm = &sl->tile.qm;
     for (int64_t h = it->hk * c->G.G; it->first < it->nly && h < (it->hk + 1) * c->G.G; ++h) {
-        const int64_t line0 = (h - sl->h0) * qm->lines + FAST(map_line)(qm, it->fx, it->fy[it->first]);
+        const int64_t line0 = FAST(map_head_line)(qm, h - sl->h0, it->fx, it->fy[it->first]);
         FAST(unit) u;
         for (int more = FAST(unit_first)(&u, it->cx * it->U, it->zd.n); more; more = FAST(unit_next)(&u))
             unit(c, scratch, qm, it, line0, &u);
@@ -382,6 +420,45 @@ static void FAST(kv_unit)(FAST(bwd_scratch) *s, const float *KA, const float *VA
 
 static int64_t FAST(bwd_x_count)(const FAST(call) *c, const FAST(slab) *sl) {
     return sl->nh * ((c->G.S + 15) / 16);
+}
+
+/* A pass 3 item: 16 extra keys from e0 (nl of them live) of key head hk (bh: in the slab) */
+typedef struct {
+    int64_t hk, bh, e0;
+    int nl;
+} FAST(xitem);
+
+/* item w of a slab (chunks of 16 extra keys innermost, then key heads) */
+static inline FAST(xitem) FAST(xitem_of)(const FAST(geo) *G, const FAST(slab) *sl, int64_t w) {
+    const int64_t xchunks = (G->S + 15) / 16, e0 = (w % xchunks) * 16, hk = sl->hk0 + w / xchunks;
+    const FAST(xitem) x = {hk, hk - sl->hk0, e0, (int)FAST(min)(G->S - e0, 16)};
+    return x;
+}
+
+/* A pass 3 unit of an op: the query rows of unit u (query head h, Z group gr) of slab sl */
+typedef void (*FAST(extra_unit_fn))(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t h, int64_t gr,
+                                     const FAST(unit) *u);
+
+/* unit over every query of the heads of key head hk's group */
+static void FAST(extra_item_units)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t hk,
+                                   FAST(extra_unit_fn) unit) {
+    const FAST(geo) *G = &c->G;
+    for (int64_t h = hk * G->G; h < (hk + 1) * G->G; ++h)
+        /* group by group: the zero margins between them are not queries */
+        for (int64_t gr = 0; gr < G->dil; ++gr) {
+            FAST(unit) u;
+            for (int more = FAST(unit_first)(&u, G->X * G->Y, G->glen[gr]); more; more = FAST(unit_next)(&u))
+                unit(c, scratch, sl, h, gr, &u);
+        }
+}
+
+/* the extra keys e0.. (nl of them) of key head hk: t at [b, e0 + l, -, -, hk, d] = mul * acc[d][l] */
+static void FAST(store_extra)(const nbhd_tensor *t, nbhd_dtype dt, int64_t dim, int64_t b, int64_t hk, int64_t e0,
+                              int nl, const float *acc, float mul) {
+    for (int l = 0; l < nl; ++l) {
+        const int64_t o = b * t->stride[0] + (e0 + l) * t->stride[1] + hk * t->stride[4];
+        for (int64_t d = 0; d < dim; ++d) FAST(st)(t->data, o + d * t->stride[5], dt, mul * acc[16 * d + l]);
+    }
 }
 
 /* A pass 3 unit's query rows (query head h, Z group gr) packed with the slab (rows of its one
@@ -429,42 +506,28 @@ static int64_t FAST(bwd_x_own)(const FAST(bwd) *f, FAST(bwd_scratch) *s, int64_t
     return nn;
 }
 
-/* the 16 extra keys of head hk (KA, VA): pass 3 over every query of its group's heads, dK, dV */
-static void FAST(bwd_x_walk)(const FAST(bwd) *f, FAST(bwd_scratch) *s, const FAST(slab) *sl, int64_t hk,
-                             const float *KA, const float *VA, float *dK, float *dV) {
-    const FAST(geo) *G = &f->c.G;
-    for (int64_t h = hk * G->G; h < (hk + 1) * G->G; ++h)
-        /* group by group: the zero margins between them are not queries */
-        for (int64_t gr = 0; gr < G->dil; ++gr) {
-            FAST(unit) u;
-            for (int more = FAST(unit_first)(&u, G->X * G->Y, G->glen[gr]); more; more = FAST(unit_next)(&u)) {
-                const int64_t ld = f->c.plan.tiled ? FAST(bwd_x_own)(f, s, sl->b, h, gr, &u)
-                                                   : FAST(bwd_x_packed)(f, s, sl, h, gr, &u);
-                FAST(kv_unit)(s, KA, VA, G->D, G->Dv, u.nr, u.nn, ld, dK, dV);
-            }
-        }
+/* a pass 3 unit: the 16 extra keys (A1[0], A2[0]) over its query rows into dK (O1[0]), dV (O2[0]) */
+static void FAST(bwd_x_unit)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t h, int64_t gr,
+                             const FAST(unit) *u) {
+    const FAST(bwd) *f = (const FAST(bwd) *)c;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
+    const int64_t ld = c->plan.tiled ? FAST(bwd_x_own)(f, s, sl->b, h, gr, u) : FAST(bwd_x_packed)(f, s, sl, h, gr, u);
+    FAST(kv_unit)(s, s->A1[0], s->A2[0], c->G.D, c->G.Dv, u->nr, u->nn, ld, s->O1[0], s->O2[0]);
 }
 
 static int FAST(bwd_x_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
     const FAST(bwd) *f = (const FAST(bwd) *)c;
-    const nbhd_backward_args *a = f->a;
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
-    const int64_t xchunks = (c->G.S + 15) / 16, D = c->G.D, Dv = c->G.Dv, SP = c->G.SP;
-    const int64_t e0 = (w % xchunks) * 16, hk = sl->hk0 + w / xchunks, bh = hk - sl->hk0;
-    const int nl = (int)FAST(min)(c->G.S - e0, 16);
-    float *KA = s->A1[0], *VA = s->A2[0], *dK = s->O1[0], *dV = s->O2[0];
-    for (int64_t d = 0; d < D; ++d) vf_store(KA + 16 * d, vf_load(f->KXT + bh * D * SP + d * SP + e0));
-    for (int64_t d = 0; d < Dv; ++d) vf_store(VA + 16 * d, vf_load(f->VXT + bh * Dv * SP + d * SP + e0));
-    memset(dK, 0, sizeof(float) * 16 * (size_t)D);
-    memset(dV, 0, sizeof(float) * 16 * (size_t)Dv);
-    FAST(bwd_x_walk)(f, s, sl, hk, KA, VA, dK, dV);
-    const nbhd_dtype dt = c->g->dtype;
-    for (int l = 0; l < nl; ++l) {
-        const int64_t ok = sl->b * a->d_kx.stride[0] + (e0 + l) * a->d_kx.stride[1] + hk * a->d_kx.stride[4];
-        const int64_t ov = sl->b * a->d_vx.stride[0] + (e0 + l) * a->d_vx.stride[1] + hk * a->d_vx.stride[4];
-        for (int64_t d = 0; d < D; ++d) FAST(st)(a->d_kx.data, ok + d * a->d_kx.stride[5], dt, (float)LN2 * dK[16 * d + l]);
-        for (int64_t d = 0; d < Dv; ++d) FAST(st)(a->d_vx.data, ov + d * a->d_vx.stride[5], dt, dV[16 * d + l]);
-    }
+    const int64_t D = c->G.D, Dv = c->G.Dv, SP = c->G.SP;
+    const FAST(xitem) x = FAST(xitem_of)(&c->G, sl, w);
+    FAST(load_packed)(s->A1[0], f->KXT + x.bh * D * SP, D, SP, x.e0);
+    FAST(load_packed)(s->A2[0], f->VXT + x.bh * Dv * SP, Dv, SP, x.e0);
+    memset(s->O1[0], 0, sizeof(float) * 16 * (size_t)D);
+    memset(s->O2[0], 0, sizeof(float) * 16 * (size_t)Dv);
+    FAST(extra_item_units)(c, s, sl, x.hk, FAST(bwd_x_unit));
+    /* dKx = scale sum dS q = (sum dS Q^T_packed) / log2e */
+    FAST(store_extra)(&f->a->d_kx, c->g->dtype, D, sl->b, x.hk, x.e0, x.nl, s->O1[0], (float)LN2);
+    FAST(store_extra)(&f->a->d_vx, c->g->dtype, Dv, sl->b, x.hk, x.e0, x.nl, s->O2[0], 1.0f);
     return 0;
 }
 
@@ -473,7 +536,7 @@ static int FAST(bwd_x_item)(const FAST(call) *c, void *scratch, const FAST(slab)
 
 static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
                                                 const nbhd_exec *e) {
-    static const FAST(phase) pack_q = {FAST(bwd_pack_q_count), FAST(bwd_pack_q), 1, 1},
+    static const FAST(phase) pack_q = {FAST(qline_count), FAST(bwd_pack_q), 1, 1},
                              q = {FAST(qitem_count), FAST(bwd_q_item), 0, 0},
                              k = {FAST(bwd_k_count), FAST(bwd_k_item), 0, 0},
                              x = {FAST(bwd_x_count), FAST(bwd_x_item), 0, 1};

@@ -144,6 +144,24 @@ static int64_t FAST(pack_count)(const FAST(call) *c, const FAST(slab) *sl) {
     return 2 * sl->nh * sl->tile.km.lines;
 }
 
+/* items: each packed query line (h, x, y) of the tile, heads innermost (FAST(qline_of)) */
+static int64_t FAST(qline_count)(const FAST(call) *c, const FAST(slab) *sl) {
+    (void)c;
+    return sl->nqh * sl->tile.qm.lines;
+}
+
+/* Query line `it` of a slab's tile: its head h, coordinates x, y and packed line ln */
+typedef struct {
+    int64_t h, x, y, ln;
+} FAST(qline);
+
+static inline FAST(qline) FAST(qline_of)(const FAST(slab) *sl, int64_t it) {
+    const FAST(map) *m = &sl->tile.qm;
+    const int64_t h = sl->h0 + it % sl->nqh, r = it / sl->nqh;
+    const FAST(qline) l = {h, FAST(map_x)(m, r), FAST(map_y)(m, r), (h - sl->h0) * m->lines + r};
+    return l;
+}
+
 static int FAST(pack_kv)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
     (void)scratch;
     return FAST(pack_item)(&c->G, &sl->tile.km, c->pk, c->np, c->g->dtype, sl->b, sl->hk0, sl->nh, w);

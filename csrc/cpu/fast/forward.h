@@ -50,7 +50,12 @@ static inline int64_t FAST(qrow_line)(const FAST(map) *m, const FAST(qitem) *it,
 }
 
 static inline int64_t FAST(qrow_line0)(const FAST(map) *m, const FAST(qitem) *it, int64_t head) {
-    return head * m->lines + FAST(map_line)(m, it->fx, it->fy[0]);
+    return FAST(map_head_line)(m, head, it->fx, it->fy[0]);
+}
+
+/* the packed position (map m) of the first lane of query item it's line r */
+static inline int64_t FAST(qitem_at)(const FAST(map) *m, const FAST(geo) *G, const FAST(qitem) *it, int r) {
+    return FAST(map_z)(m, G, it->gr) + it->i0 + it->zoff[r];
 }
 
 /* the segments of key row q of an item's unit of n slots: zs (Z lines), or y (Y lines) */
@@ -123,26 +128,52 @@ static inline FAST(unit_ctx) FAST(unit_ctx_of)(const void *f, void *s, const FAS
     return w;
 }
 
+/* the offset of segment g's first slot in a packed key-side array of dim rows a line */
+static inline int64_t FAST(segment_off)(const FAST(unit_ctx) *w, const FAST(segment) *g, int64_t dim) {
+    return g->ln * dim * w->km->ZP + w->at + g->p;
+}
+
+/* A unit of a query item of an op: call c, its scratch, the tile's key side km, item it, the Z
+ * lines' segments zs, line0: the packed line of its key row 0 (FAST(qrow_line0)), unit u, the
+ * op's per-line values rows (FAST(unit_ctx)) */
+typedef void (*FAST(query_unit_fn))(const FAST(call) *c, void *scratch, const FAST(map) *km, const FAST(qitem) *it,
+                                     const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const void *rows);
+
+/* unit over the key rows of query item it of slab sl; returns its key head in the slab */
+NBHD_ALWAYS_INLINE int64_t FAST(query_item_units)(const FAST(call) *c, void *scratch, const FAST(slab) *sl,
+                                                  const FAST(qitem) *it, const void *rows, FAST(query_unit_fn) unit) {
+    FAST(rowsegs) zs;
+    if (it->zlines) FAST(zline_segments)(&zs, it, it->zd.n);
+    const int64_t xo = it->h / c->G.G - sl->hk0;   /* the key head within the slab */
+    const FAST(map) *km = &sl->tile.km;
+    FAST(unit) u;
+    for (int more = FAST(unit_first)(&u, it->cx * it->U, it->zd.n); more; more = FAST(unit_next)(&u))
+        unit(c, scratch, km, it, &zs, FAST(qrow_line0)(km, it, xo), &u, rows);
+    return xo;
+}
+
 /* the forward's scores of one segment */
 static void FAST(fwd_seg)(void *ctx, const FAST(segment) *g) {
     const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
     const FAST(fwd) *f = (const FAST(fwd) *)w->f;
     FAST(fwd_scratch) *s = (FAST(fwd_scratch) *)w->s;
-    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP;
+    const int64_t D = f->c.G.D;
     float *Sr[MAXLINES];
     FAST(segment_at)(Sr, s->S, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
-    FAST(score_lines)(Sr, (const float *const *)s->Q + g->ra, g->rb - g->ra, D, f->KT + g->ln * D * ZP + w->at + g->p,
-                      ZP, g->ns, w->it->zd.bcast);
-    s->v[g->ne] = f->VT + g->ln * Dv * ZP + w->at + g->p;
+    FAST(score_lines)(Sr, (const float *const *)s->Q + g->ra, g->rb - g->ra, D, f->KT + FAST(segment_off)(w, g, D),
+                      w->km->ZP, g->ns, w->it->zd.bcast);
+    s->v[g->ne] = f->VT + FAST(segment_off)(w, g, f->c.G.Dv);
 }
 
 /* One unit of a work item: scores of its key rows for every line that sees them, the online
  * softmax per line, then the values (km: the tile's key side) */
-static void FAST(fwd_unit)(const FAST(fwd) *f, FAST(fwd_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
-                           const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u) {
+static void FAST(fwd_unit)(const FAST(call) *c, void *scratch, const FAST(map) *km, const FAST(qitem) *it,
+                           const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const void *rows) {
+    const FAST(fwd) *f = (const FAST(fwd) *)c;
+    FAST(fwd_scratch) *s = (FAST(fwd_scratch) *)scratch;
     const int64_t Dv = f->c.G.Dv, ZP = km->ZP, nn = u->nn;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
-    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, NULL);
+    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rows);
     const FAST(visit) v = {FAST(fwd_seg), NULL, &w};
     const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     const int64_t dims[1] = {Dv};
@@ -201,13 +232,7 @@ static int FAST(fwd_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
         for (int l = 0; l < 16; ++l) { s->m[r][l] = -INFINITY; s->l[r][l] = 0.0f; }
         memset(s->O[r], 0, sizeof(float) * 16 * (size_t)Dv);
     }
-    FAST(rowsegs) zs;
-    if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
-    const int64_t xo = it.h / c->G.G - sl->hk0;   /* the key head within the slab */
-    const FAST(map) *km = &sl->tile.km;
-    FAST(unit) u;
-    for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-        FAST(fwd_unit)(f, s, km, &it, &zs, FAST(qrow_line0)(km, &it, xo), &u);
+    const int64_t xo = FAST(query_item_units)(c, s, sl, &it, NULL, FAST(fwd_unit));
     for (int r = 0; r < it.nly; ++r) {
         if (c->G.S) FAST(fwd_extra)(f, s, r, xo);
         FAST(fwd_store)(f, s, &it, r, sl->b);

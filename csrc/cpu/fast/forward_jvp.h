@@ -5,10 +5,28 @@
  * lse. Work items and slabs as the forward's.
  */
 
+/* The packed key side of the JVP ops: K, V, Kx, Vx and their tangents (NULL data: not packed) */
+typedef struct {
+    const float *KT, *VT, *KXT, *VXT, *TKT, *TVT, *TKXT, *TVXT;
+} FAST(jvp_keys);
+
+/* the key side's arrays in call c's workspace, packed from t = {k, v, kx, vx, t_k, t_v, t_kx, t_vx}
+ * (K, tK on even items' halves, V, tV on odd ones'), the tangents times tkmul */
+static FAST(jvp_keys) FAST(jvp_key_side)(FAST(call) *c, const nbhd_tensor *const *t, float tkmul) {
+    const float *ws = c->ws;
+    const FAST(layout_t) *L = &c->L;
+    const FAST(jvp_keys) k = {ws + L->kt,  ws + L->vt,  ws + L->kxt,  ws + L->vxt,
+                              ws + L->tkt, ws + L->tvt, ws + L->tkxt, ws + L->tvxt};
+    const nbhd_tensor *tk[4];
+    for (int i = 0; i < 4; ++i) tk[i] = t[4 + i]->data ? t[4 + i] : NULL;
+    FAST(key_side)(c, t, tk, tkmul);
+    return k;
+}
+
 typedef struct {
     FAST(call) c;
     const nbhd_forward_jvp_args *a;
-    const float *KT, *VT, *KXT, *VXT, *TKT, *TVT, *TKXT, *TVXT;
+    FAST(jvp_keys) keys;
     /* S = (scale log2e q).k in log2 units; tS = (scale tq).k + (scale log2e q).(ln2 tk), natural */
     float qmul, tqmul;
     int has_tq, has_tk, has_tv, has_tkx, has_tvx;
@@ -54,24 +72,25 @@ static void FAST(jvp_seg)(void *ctx, const FAST(segment) *g) {
     const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
     const FAST(jvp) *f = (const FAST(jvp) *)w->f;
     FAST(jvp_scratch) *s = (FAST(jvp_scratch) *)w->s;
-    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP, ko = g->ln * D * ZP + w->at + g->p,
-                  vo = g->ln * Dv * ZP + w->at + g->p;
+    const int64_t D = f->c.G.D, ko = FAST(segment_off)(w, g, D), vo = FAST(segment_off)(w, g, f->c.G.Dv);
     float *Sr[MAXLINES], *Tr[MAXLINES];
     FAST(segment_at)(Sr, s->S, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
     FAST(segment_at)(Tr, s->T, w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
     FAST(jvp_scores)(Sr, Tr, (const float *const *)s->Q + g->ra, (const float *const *)s->TQ + g->ra, g->rb - g->ra, D,
-                     f->KT + ko, f->TKT + ko, ZP, g->ns, w->it->zd.bcast, f->has_tq, f->has_tk);
-    s->v[g->ne] = f->VT + vo;
-    s->tv[g->ne] = f->TVT + vo;
+                     f->keys.KT + ko, f->keys.TKT + ko, w->km->ZP, g->ns, w->it->zd.bcast, f->has_tq, f->has_tk);
+    s->v[g->ne] = f->keys.VT + vo;
+    s->tv[g->ne] = f->keys.TVT + vo;
 }
 
 /* One unit of a work item: S and T of its key rows, the softmax step per line, the values
  * (km: the tile's key side) */
-static void FAST(jvp_unit)(const FAST(jvp) *f, FAST(jvp_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
-                           const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u) {
+static void FAST(jvp_unit)(const FAST(call) *c, void *scratch, const FAST(map) *km, const FAST(qitem) *it,
+                           const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const void *rows) {
+    const FAST(jvp) *f = (const FAST(jvp) *)c;
+    FAST(jvp_scratch) *s = (FAST(jvp_scratch) *)scratch;
     const int64_t Dv = f->c.G.Dv, ZP = km->ZP, nn = u->nn;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
-    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, NULL);
+    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rows);
     const FAST(visit) v = {FAST(jvp_seg), NULL, &w};
     const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     for (int r = 0; r < it->nly; ++r) {
@@ -92,14 +111,14 @@ static void FAST(jvp_extra)(const FAST(jvp) *f, FAST(jvp_scratch) *s, int r, int
     FAST(unit) u;
     for (int more = FAST(unit_first)(&u, 1, G->S); more; more = FAST(unit_next)(&u)) {
         const int64_t nn = u.nn;
-        const float *kp = f->KXT + xo * D * SP + u.c0, *tkp = f->TKXT + xo * D * SP + u.c0;
+        const float *kp = f->keys.KXT + xo * D * SP + u.c0, *tkp = f->keys.TKXT + xo * D * SP + u.c0;
         float *S0[1] = {s->S[0]}, *T0[1] = {s->T[0]};
         const float *Q0[1] = {s->Q[r]}, *TQ0[1] = {s->TQ[r]};
         FAST(jvp_scores)(S0, T0, Q0, TQ0, 1, D, kp, tkp, SP, nn, 1, f->has_tq, f->has_tkx);
         float *acc[2] = {s->O[r], s->C[r]};
         FAST(jvp_softmax)(s->S[0], s->T[0], 1, nn, NULL, 0, s->m[r], s->l[r], s->r[r], acc, Dv);
         int8_t ra0 = 0, rb0 = 1;
-        const float *vp[1] = {f->VXT + xo * Dv * SP + u.c0}, *tvp[1] = {f->TVXT + xo * Dv * SP + u.c0};
+        const float *vp[1] = {f->keys.VXT + xo * Dv * SP + u.c0}, *tvp[1] = {f->keys.TVXT + xo * Dv * SP + u.c0};
         const FAST(rowset) rs = {&ra0, &rb0, vp, 1, NULL};
         float *Or[1] = {s->O[r]}, *Cr[1] = {s->C[r]};
         const float *Sp[1] = {s->S[0]}, *Tp[1] = {s->T[0]};
@@ -146,30 +165,12 @@ static int FAST(jvp_item)(const FAST(call) *c, void *scratch, const FAST(slab) *
         memset(s->O[r], 0, sizeof(float) * 16 * (size_t)Dv);
         memset(s->C[r], 0, sizeof(float) * 16 * (size_t)Dv);
     }
-    FAST(rowsegs) zs;
-    if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
-    const int64_t xo = it.h / c->G.G - sl->hk0;
-    const FAST(map) *km = &sl->tile.km;
-    FAST(unit) u;
-    for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-        FAST(jvp_unit)(f, s, km, &it, &zs, FAST(qrow_line0)(km, &it, xo), &u);
+    const int64_t xo = FAST(query_item_units)(c, s, sl, &it, NULL, FAST(jvp_unit));
     for (int r = 0; r < it.nly; ++r) {
         if (c->G.S) FAST(jvp_extra)(f, s, r, xo);
         FAST(jvp_store)(f, s, &it, r, sl->b);
     }
     return 0;
-}
-
-/* the packed tensors: K, tK (keys) on even items' halves, V, tV on odd ones' */
-static void FAST(jvp_packed)(FAST(jvp) *f, const nbhd_forward_jvp_args *a) {
-    float *ws = f->c.ws;
-    const FAST(layout_t) *L = &f->c.L;
-    f->KT = ws + L->kt; f->VT = ws + L->vt; f->KXT = ws + L->kxt; f->VXT = ws + L->vxt;
-    f->TKT = ws + L->tkt; f->TVT = ws + L->tvt; f->TKXT = ws + L->tkxt; f->TVXT = ws + L->tvxt;
-    const nbhd_tensor *kv[4] = {&a->k, &a->v, &a->kx, &a->vx};
-    const nbhd_tensor *tk[4] = {f->has_tk ? &a->t_k : NULL, f->has_tv ? &a->t_v : NULL,
-                                f->has_tkx ? &a->t_kx : NULL, f->has_tvx ? &a->t_vx : NULL};
-    FAST(key_side)(&f->c, kv, tk, (float)LN2);
 }
 
 static nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
@@ -188,7 +189,8 @@ static nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const
     f.has_tv = a->t_v.data != NULL;
     f.has_tkx = a->t_kx.data != NULL;
     f.has_tvx = a->t_vx.data != NULL;
-    FAST(jvp_packed)(&f, a);
+    const nbhd_tensor *t[8] = {&a->k, &a->v, &a->kx, &a->vx, &a->t_k, &a->t_v, &a->t_kx, &a->t_vx};
+    f.keys = FAST(jvp_key_side)(&f.c, t, (float)LN2);
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, f.c.G.Dv, 2);   /* out and t_out */
     st = FAST(drive)(&f.c, &drv);
     FAST(call_free)(&f.c);

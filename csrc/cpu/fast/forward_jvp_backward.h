@@ -23,7 +23,7 @@
 typedef struct {
     FAST(call) c;
     const nbhd_forward_jvp_backward_args *a;
-    const float *KT, *VT, *KXT, *VXT, *TKT, *TVT, *TKXT, *TVXT;
+    FAST(jvp_keys) keys;
     float *QT, *TQT, *DOT, *GT, *LR, *MR, *ER, *CR;
     float qmul;   /* scale * log2(e), for Q and tQ */
     int has_tq, has_tk, has_tv, has_tkx, has_tvx, has_do, has_g;
@@ -131,11 +131,6 @@ static void FAST(fjb_k_products)(const FAST(fjb) *f, float *const *const *W, con
 // ----------------------------------------------------------------------------
 // packing of the query lines
 
-static int64_t FAST(fjb_pack_q_count)(const FAST(call) *c, const FAST(slab) *sl) {
-    (void)c;
-    return sl->nqh * sl->tile.qm.lines;
-}
-
 /* sum_d x[d * stride] * t[o + d * stride5] */
 static inline float FAST(row_dot)(const float *x, int64_t stride, const nbhd_tensor *t, nbhd_dtype dt, int64_t dim,
                                   int64_t o) {
@@ -192,8 +187,8 @@ static int FAST(fjb_pack_q)(const FAST(call) *c, void *scratch, const FAST(slab)
     const FAST(map) *m = &sl->tile.qm;
     const nbhd_dtype dt = c->g->dtype;
     (void)scratch;
-    const int64_t h = sl->h0 + it % sl->nqh, r = it / sl->nqh, x = FAST(map_x)(m, r), y = FAST(map_y)(m, r),
-                  ln = (h - sl->h0) * m->lines + r, D = G->D, Dv = G->Dv, ZP = m->ZP;
+    const FAST(qline) q = FAST(qline_of)(sl, it);
+    const int64_t h = q.h, x = q.x, y = q.y, ln = q.ln, D = G->D, Dv = G->Dv, ZP = m->ZP;
     int bad = FAST(pack_line)(f->QT + ln * D * ZP, G, m, &a->q, dt, sl->b, h, x, y, D, f->qmul);
     if (f->has_tq) bad |= FAST(pack_line)(f->TQT + ln * D * ZP, G, m, &a->t_q, dt, sl->b, h, x, y, D, f->qmul);
     if (f->has_do) bad |= FAST(pack_line)(f->DOT + ln * Dv * ZP, G, m, &a->d_out, dt, sl->b, h, x, y, Dv, 1.0f);
@@ -215,11 +210,9 @@ static void FAST(fjb_q_start)(const FAST(fjb) *f, FAST(fjb_scratch) *s, const FA
     const int64_t dims[4] = {D, D, Dv, Dv};
     const int have[4] = {1, f->has_tq, f->has_g, f->has_do};
     for (int r = 0; r < it->nly; ++r) {
-        const int64_t lq = head * qm->lines + FAST(map_line)(qm, it->x, it->ys[r]),
-                      at = FAST(map_z)(qm, G, it->gr) + it->i0 + it->zoff[r];
+        const int64_t lq = FAST(map_head_line)(qm, head, it->x, it->ys[r]), at = FAST(qitem_at)(qm, G, it, r);
         for (int k = 0; k < 4; ++k)
-            for (int64_t d = 0; have[k] && d < dims[k]; ++d)
-                vf_store(s->A[k][r] + 16 * d, vf_load(src[k] + lq * dims[k] * ZP + d * ZP + at));
+            if (have[k]) FAST(load_packed)(s->A[k][r], src[k] + lq * dims[k] * ZP, dims[k], ZP, at);
         const FAST(fjb_rows) rows = {vf_load(f->LR + lq * ZP + at), vf_load(f->MR + lq * ZP + at),
                                      vf_load(f->ER + lq * ZP + at), vf_load(f->CR + lq * ZP + at)};
         rq[r] = rows;
@@ -233,18 +226,17 @@ static void FAST(fjb_q_seg)(void *ctx, const FAST(segment) *g) {
     const FAST(unit_ctx) *w = (const FAST(unit_ctx) *)ctx;
     const FAST(fjb) *f = (const FAST(fjb) *)w->f;
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)w->s;
-    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->km->ZP, ko = g->ln * D * ZP + w->at + g->p,
-                  vo = g->ln * Dv * ZP + w->at + g->p;
+    const int64_t ko = FAST(segment_off)(w, g, f->c.G.D), vo = FAST(segment_off)(w, g, f->c.G.Dv);
     float *Wr[4][MAXLINES];
     const float *Ar[4][MAXLINES];
     for (int k = 0; k < 4; ++k) {
         FAST(segment_at)(Wr[k], s->W[k], w->it, g->cnt, g->ra, g->rb, w->u->nn, g->p);
         for (int r = g->ra; r < g->rb; ++r) Ar[k][r - g->ra] = s->A[k][r];
     }
-    const float *b[4] = {f->KT + ko, f->TKT + ko, f->VT + vo, f->TVT + vo};
+    const float *b[4] = {f->keys.KT + ko, f->keys.TKT + ko, f->keys.VT + vo, f->keys.TVT + vo};
     float *const *Wp[4] = {Wr[0], Wr[1], Wr[2], Wr[3]};
     const float *const *Ap[4] = {Ar[0], Ar[1], Ar[2], Ar[3]};
-    FAST(fjb_q_products)(f, Wp, Ap, g->rb - g->ra, b, ZP, g->ns, w->it->zd.bcast, f->has_tk, f->has_tv);
+    FAST(fjb_q_products)(f, Wp, Ap, g->rb - g->ra, b, w->km->ZP, g->ns, w->it->zd.bcast, f->has_tk, f->has_tv);
     s->v[0][g->ne] = b[0];
     s->v[1][g->ne] = b[1];
 }
@@ -261,11 +253,13 @@ static void FAST(fjb_q_line)(void *ctx, int r, int64_t o) {
 }
 
 /* One unit of a pass 1 item: the products of its key rows per line, the pair step, then
- * (dtQ, dQ) += (dtS, dS) on (K, tK) (km: the tile's key side) */
-static void FAST(fjb_q_unit)(const FAST(fjb) *f, FAST(fjb_scratch) *s, const FAST(map) *km, const FAST(qitem) *it,
-                             const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const FAST(fjb_rows) *rq) {
+ * (dtQ, dQ) += (dtS, dS) on (K, tK) (km: the tile's key side; rows: its lines' FAST(fjb_rows)) */
+static void FAST(fjb_q_unit)(const FAST(call) *c, void *scratch, const FAST(map) *km, const FAST(qitem) *it,
+                             const FAST(rowsegs) *zs, int64_t line0, const FAST(unit) *u, const void *rows) {
+    const FAST(fjb) *f = (const FAST(fjb) *)c;
+    FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
-    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rq);
+    FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rows);
     const FAST(visit) v = {FAST(fjb_q_seg), FAST(fjb_q_line), &w};
     const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     const FAST(rowset) rs = {s->ra, s->rb, s->v[0], ne, it->zlines ? s->ns : NULL};
@@ -279,8 +273,8 @@ static void FAST(fjb_q_extra)(const FAST(fjb) *f, FAST(fjb_scratch) *s, int r, i
     const int64_t D = G->D, Dv = G->Dv, SP = G->SP;
     FAST(unit) u;
     for (int more = FAST(unit_first)(&u, 1, G->S); more; more = FAST(unit_next)(&u)) {
-        const float *b[4] = {f->KXT + xo * D * SP + u.c0, f->TKXT + xo * D * SP + u.c0, f->VXT + xo * Dv * SP + u.c0,
-                             f->TVXT + xo * Dv * SP + u.c0};
+        const float *b[4] = {f->keys.KXT + xo * D * SP + u.c0, f->keys.TKXT + xo * D * SP + u.c0,
+                             f->keys.VXT + xo * Dv * SP + u.c0, f->keys.TVXT + xo * Dv * SP + u.c0};
         float *W0[4] = {s->W[0][0], s->W[1][0], s->W[2][0], s->W[3][0]};
         float *const Wp[4][1] = {{W0[0]}, {W0[1]}, {W0[2]}, {W0[3]}};
         const float *const Ap[4][1] = {{s->A[0][r]}, {s->A[1][r]}, {s->A[2][r]}, {s->A[3][r]}};
@@ -304,13 +298,7 @@ static int FAST(fjb_q_item)(const FAST(call) *c, void *scratch, const FAST(slab)
     FAST(qitem_of)(&it, c->g, &c->G, &c->YB, &sl->tile.wk, c->ylines, w, sl->nqh, sl->h0);
     FAST(fjb_rows) rq[MAXLINES];
     FAST(fjb_q_start)(f, s, &sl->tile.qm, &it, it.h - sl->h0, rq);
-    FAST(rowsegs) zs;
-    if (it.zlines) FAST(zline_segments)(&zs, &it, it.zd.n);
-    const int64_t xo = it.h / c->G.G - sl->hk0;
-    const FAST(map) *km = &sl->tile.km;
-    FAST(unit) u;
-    for (int more = FAST(unit_first)(&u, it.cx * it.U, it.zd.n); more; more = FAST(unit_next)(&u))
-        FAST(fjb_q_unit)(f, s, km, &it, &zs, FAST(qrow_line0)(km, &it, xo), &u, rq);
+    const int64_t xo = FAST(query_item_units)(c, s, sl, &it, rq, FAST(fjb_q_unit));
     float mul[16];
     for (int l = 0; l < 16; ++l) mul[l] = (float)c->g->scale;
     const nbhd_dtype dt = c->g->dtype;
@@ -349,56 +337,55 @@ static void FAST(fjb_k_start)(const FAST(fjb) *f, FAST(fjb_scratch) *s, const FA
                               int64_t head) {
     const FAST(geo) *G = &f->c.G;
     const int64_t D = G->D, Dv = G->Dv, ZP = km->ZP, at = FAST(map_z)(km, G, it->gr) + it->j0;
-    const float *src[4] = {f->KT, f->TKT, f->VT, f->TVT};
+    const float *src[4] = {f->keys.KT, f->keys.TKT, f->keys.VT, f->keys.TVT};
     const int64_t dims[4] = {D, D, Dv, Dv};
     const int have[4] = {1, f->has_tk, 1, f->has_tv};
     for (int r = 0; r < it->nly; ++r) {
-        const int64_t lk = head * km->lines + FAST(map_line)(km, it->x, it->ys[r]);
+        const int64_t lk = FAST(map_head_line)(km, head, it->x, it->ys[r]);
         for (int k = 0; k < 4; ++k) {
-            for (int64_t d = 0; have[k] && d < dims[k]; ++d)
-                vf_store(s->A[k][r] + 16 * d, vf_load(src[k] + lk * dims[k] * ZP + d * ZP + at));
+            if (have[k]) FAST(load_packed)(s->A[k][r], src[k] + lk * dims[k] * ZP, dims[k], ZP, at);
             memset(s->O[k][r], 0, sizeof(float) * 16 * (size_t)dims[k]);
         }
     }
+}
+
+/* pass 2's products of one query row per line that sees it, the pair step */
+static void FAST(fjb_k_row)(void *ctx, const FAST(krow) *k) {
+    const FAST(kunit_ctx) *w = (const FAST(kunit_ctx) *)ctx;
+    const FAST(fjb) *f = (const FAST(fjb) *)w->c;
+    FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)w->s;
+    const FAST(kitem) *it = w->it;
+    const int64_t D = f->c.G.D, Dv = f->c.G.Dv, ZP = w->ZP, nn = w->u->nn, qo = k->ln * D * ZP + w->at,
+                  vo = k->ln * Dv * ZP + w->at, so = k->ln * ZP + w->at;
+    const int ra = k->ra, rb = k->rb, bcast = it->zd.bcast;
+    const float *b[4] = {f->QT + qo, f->TQT + qo, f->GT + vo, f->DOT + vo};
+    const float *sc[4] = {f->LR + so, f->MR + so, f->ER + so, f->CR + so};
+    float *Wr[4][MAXLINES];
+    const float *Ar[4][MAXLINES];
+    for (int j = 0; j < 4; ++j) {
+        FAST(krow_at)(Wr[j], s->W[j], k, nn);
+        for (int r = ra; r < rb; ++r) Ar[j][r - ra] = s->A[j][r];
+    }
+    float *const *Wp[4] = {Wr[0], Wr[1], Wr[2], Wr[3]};
+    const float *const *Ap[4] = {Ar[0], Ar[1], Ar[2], Ar[3]};
+    FAST(fjb_k_products)(f, Wp, Ap, rb - ra, b, ZP, nn, bcast, f->has_tk, f->has_tv);
+    for (int r = ra; r < rb; ++r) {
+        float *Wl[4] = {Wr[0][r - ra], Wr[1][r - ra], Wr[2][r - ra], Wr[3][r - ra]};
+        if (it->zd.masked) FAST(apply_mask)(Wl[0], 1, nn, &it->zd, it->zd.base + w->u->c0, -INFINITY);
+        FAST(fjb_key_pairs)(Wl, 0, nn, sc, bcast, f->has_g, f->has_g || f->has_do);
+    }
+    for (int j = 0; j < 4; ++j) s->v[j][k->t] = b[j];
 }
 
 /* One unit of a pass 2 item for one query head (line0: the packed line of its query row 0 in
  * qm, the tile's query side): the products per line, the pair step, the key sums */
 static void FAST(fjb_k_unit)(const FAST(call) *c, void *scratch, const FAST(map) *qm, const FAST(kitem) *it,
                              int64_t line0, const FAST(unit) *u) {
-    const FAST(fjb) *f = (const FAST(fjb) *)c;
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
-    const FAST(geo) *G = &f->c.G;
-    const int64_t D = G->D, Dv = G->Dv, ZP = qm->ZP, nn = u->nn, at = FAST(map_z)(qm, G, it->gr) + it->zd.base + u->c0;
-    const int bcast = it->zd.bcast;
-    int64_t cnt[MAXLINES] = {0, 0, 0, 0};
-    for (int64_t t = 0; t < u->nr; ++t) {
-        const int64_t q = u->r0 + t, uu = q % it->U;
-        int ra, rb;
-        FAST(kitem_lines)(it, uu, &ra, &rb);
-        const int64_t ln = line0 + (q / it->U) * qm->xstep + uu * qm->ystep, qo = ln * D * ZP + at,
-                      vo = ln * Dv * ZP + at, so = ln * ZP + at;
-        const float *b[4] = {f->QT + qo, f->TQT + qo, f->GT + vo, f->DOT + vo};
-        const float *sc[4] = {f->LR + so, f->MR + so, f->ER + so, f->CR + so};
-        float *Wr[4][MAXLINES];
-        const float *Ar[4][MAXLINES];
-        for (int k = 0; k < 4; ++k)
-            for (int r = ra; r < rb; ++r) { Wr[k][r - ra] = s->W[k][r] + 16 * nn * cnt[r]; Ar[k][r - ra] = s->A[k][r]; }
-        float *const *Wp[4] = {Wr[0], Wr[1], Wr[2], Wr[3]};
-        const float *const *Ap[4] = {Ar[0], Ar[1], Ar[2], Ar[3]};
-        FAST(fjb_k_products)(f, Wp, Ap, rb - ra, b, ZP, nn, bcast, f->has_tk, f->has_tv);
-        for (int r = ra; r < rb; ++r) {
-            float *Wl[4] = {Wr[0][r - ra], Wr[1][r - ra], Wr[2][r - ra], Wr[3][r - ra]};
-            if (it->zd.masked) FAST(apply_mask)(Wl[0], 1, nn, &it->zd, it->zd.base + u->c0, -INFINITY);
-            FAST(fjb_key_pairs)(Wl, 0, nn, sc, bcast, f->has_g, f->has_g || f->has_do);
-            ++cnt[r];
-        }
-        s->ra[t] = (int8_t)ra;
-        s->rb[t] = (int8_t)rb;
-        for (int k = 0; k < 4; ++k) s->v[k][t] = b[k];
-    }
+    FAST(kunit_ctx) w = FAST(kunit_ctx_of)(c, s, qm, it, u);
+    FAST(walk_key_unit)(it, qm, line0, u, s->ra, s->rb, FAST(fjb_k_row), &w);
     float *const *O[4] = {s->O[0], s->O[1], s->O[2], s->O[3]};
-    FAST(fjb_key_sums)(f, s, O, it->nly, u->nr, nn, ZP, bcast);
+    FAST(fjb_key_sums)((const FAST(fjb) *)c, s, O, it->nly, u->nr, u->nn, qm->ZP, it->zd.bcast);
 }
 
 /* stores lanes of dK, dtK (times ln2: Q' holds s log2e q), dV, dtV of key rows zl at (x, y, hk)
@@ -496,72 +483,56 @@ static int64_t FAST(fjb_x_own)(const FAST(fjb) *f, FAST(fjb_scratch) *s, int64_t
     return nn;
 }
 
-/* the extra keys e0.. (nl of them) of head hk: dKx, dtKx (times ln2), dVx, dtVx from the
- * accumulators O[k][0] (a d_t_* output with NULL data is skipped) */
-static void FAST(fjb_x_store)(const FAST(fjb) *f, const FAST(fjb_scratch) *s, int64_t b, int64_t hk, int64_t e0, int nl) {
-    const nbhd_forward_jvp_backward_args *a = f->a;
-    const nbhd_tensor *out[4] = {&a->d_kx, &a->d_t_kx, &a->d_vx, &a->d_t_vx};
-    const int64_t dims[4] = {f->c.G.D, f->c.G.D, f->c.G.Dv, f->c.G.Dv};
-    for (int k = 0; k < 4; ++k) {
-        const nbhd_tensor *t = out[k];
-        const float mul = k < 2 ? (float)LN2 : 1.0f;
-        for (int l = 0; t->data && l < nl; ++l) {
-            const int64_t o = b * t->stride[0] + (e0 + l) * t->stride[1] + hk * t->stride[4];
-            for (int64_t d = 0; d < dims[k]; ++d)
-                FAST(st)(t->data, o + d * t->stride[5], f->c.g->dtype, mul * s->O[k][0][16 * d + l]);
-        }
-    }
+/* a pass 3 unit: the 16 extra keys (lane operands A[k][0]) over its query rows */
+static void FAST(fjb_x_rows)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t h, int64_t gr,
+                             const FAST(unit) *u) {
+    const FAST(fjb) *f = (const FAST(fjb) *)c;
+    FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
+    const int64_t ld = c->plan.tiled ? FAST(fjb_x_own)(f, s, sl->b, h, gr, u) : FAST(fjb_x_packed)(f, s, sl, h, gr, u);
+    FAST(fjb_x_unit)(f, s, u->nr, u->nn, ld);
 }
 
 static int FAST(fjb_x_item)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
     const FAST(fjb) *f = (const FAST(fjb) *)c;
+    const nbhd_forward_jvp_backward_args *a = f->a;
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
     const FAST(geo) *G = &c->G;
-    const int64_t xchunks = (G->S + 15) / 16, D = G->D, Dv = G->Dv, SP = G->SP;
-    const int64_t e0 = (w % xchunks) * 16, hk = sl->hk0 + w / xchunks, bh = hk - sl->hk0;
-    const float *src[4] = {f->KXT, f->TKXT, f->VXT, f->TVXT};
+    const int64_t D = G->D, Dv = G->Dv, SP = G->SP;
+    const FAST(xitem) x = FAST(xitem_of)(G, sl, w);
+    const float *src[4] = {f->keys.KXT, f->keys.TKXT, f->keys.VXT, f->keys.TVXT};
     const int64_t dims[4] = {D, D, Dv, Dv};
     const int have[4] = {1, f->has_tkx, 1, f->has_tvx};
     for (int k = 0; k < 4; ++k) {
-        for (int64_t d = 0; have[k] && d < dims[k]; ++d)
-            vf_store(s->A[k][0] + 16 * d, vf_load(src[k] + bh * dims[k] * SP + d * SP + e0));
+        if (have[k]) FAST(load_packed)(s->A[k][0], src[k] + x.bh * dims[k] * SP, dims[k], SP, x.e0);
         memset(s->O[k][0], 0, sizeof(float) * 16 * (size_t)dims[k]);
     }
-    for (int64_t h = hk * G->G; h < (hk + 1) * G->G; ++h)
-        for (int64_t gr = 0; gr < G->dil; ++gr) {   /* group by group: the margins are not queries */
-            FAST(unit) u;
-            for (int more = FAST(unit_first)(&u, G->X * G->Y, G->glen[gr]); more; more = FAST(unit_next)(&u)) {
-                const int64_t ld = c->plan.tiled ? FAST(fjb_x_own)(f, s, sl->b, h, gr, &u)
-                                                 : FAST(fjb_x_packed)(f, s, sl, h, gr, &u);
-                FAST(fjb_x_unit)(f, s, u.nr, u.nn, ld);
-            }
-        }
-    FAST(fjb_x_store)(f, s, sl->b, hk, e0, (int)FAST(min)(G->S - e0, 16));
+    FAST(extra_item_units)(c, s, sl, x.hk, FAST(fjb_x_rows));
+    /* dKx, dtKx times ln2 (Q' holds s log2e q); a d_t_* output with NULL data is skipped */
+    const nbhd_tensor *out[4] = {&a->d_kx, &a->d_t_kx, &a->d_vx, &a->d_t_vx};
+    for (int k = 0; k < 4; ++k)
+        if (out[k]->data)
+            FAST(store_extra)(out[k], c->g->dtype, dims[k], sl->b, x.hk, x.e0, x.nl, s->O[k][0],
+                              k < 2 ? (float)LN2 : 1.0f);
     return 0;
 }
 
 // ----------------------------------------------------------------------------
 // entry
 
-/* the packed tensors: the key side K, tK (even items' halves), V, tV (odd ones'), unscaled; the
- * query side's arrays */
+/* the packed tensors: the key side (FAST(jvp_key_side), unscaled) and the query side's arrays */
 static void FAST(fjb_packed)(FAST(fjb) *f, const nbhd_forward_jvp_backward_args *a) {
     float *ws = f->c.ws;
     const FAST(layout_t) *L = &f->c.L;
-    f->KT = ws + L->kt; f->VT = ws + L->vt; f->KXT = ws + L->kxt; f->VXT = ws + L->vxt;
-    f->TKT = ws + L->tkt; f->TVT = ws + L->tvt; f->TKXT = ws + L->tkxt; f->TVXT = ws + L->tvxt;
     f->QT = ws + L->qt; f->TQT = ws + L->tqt; f->DOT = ws + L->dot; f->GT = ws + L->gt;
     f->LR = ws + L->lr; f->MR = ws + L->mr; f->ER = ws + L->dr; f->CR = ws + L->cr;
-    const nbhd_tensor *kv[4] = {&a->k, &a->v, &a->kx, &a->vx};
-    const nbhd_tensor *tk[4] = {f->has_tk ? &a->t_k : NULL, f->has_tv ? &a->t_v : NULL,
-                                f->has_tkx ? &a->t_kx : NULL, f->has_tvx ? &a->t_vx : NULL};
-    FAST(key_side)(&f->c, kv, tk, 1.0f);
+    const nbhd_tensor *t[8] = {&a->k, &a->v, &a->kx, &a->vx, &a->t_k, &a->t_v, &a->t_kx, &a->t_vx};
+    f->keys = FAST(jvp_key_side)(&f->c, t, 1.0f);
 }
 
 static nbhd_status FAST(nbhd_cpu_fast_forward_jvp_backward)(const nbhd_geometry *g,
                                                             const nbhd_forward_jvp_backward_args *a,
                                                             const nbhd_exec *e) {
-    static const FAST(phase) pack_q = {FAST(fjb_pack_q_count), FAST(fjb_pack_q), 1, 1},
+    static const FAST(phase) pack_q = {FAST(qline_count), FAST(fjb_pack_q), 1, 1},
                              q = {FAST(qitem_count), FAST(fjb_q_item), 0, 0},
                              k = {FAST(bwd_k_count), FAST(fjb_k_item), 0, 0},
                              x = {FAST(bwd_x_count), FAST(fjb_x_item), 0, 1};

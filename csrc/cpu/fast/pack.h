@@ -147,6 +147,11 @@ static int FAST(pack_item)(const FAST(geo) *G, const FAST(map) *m, const FAST(pa
     return bad;
 }
 
+/* A[d][l] = line[d * ld + at + l]: the 16 lanes at position `at` of a packed line's dim rows */
+static inline void FAST(load_packed)(float *A, const float *line, int64_t dim, int64_t ld, int64_t at) {
+    for (int64_t d = 0; d < dim; ++d) vf_store(A + 16 * d, vf_load(line + d * ld + at));
+}
+
 /* A[d][l] = mul * t[b, x, y, z_l, h, d] for the nl lanes of a chunk (others 0) */
 static void FAST(load_lanes)(float *A, const nbhd_tensor *t, nbhd_dtype dt, int64_t dim,
                              int64_t b, int64_t x, int64_t y, const int64_t *zl, int nl, int64_t h,

@@ -38,6 +38,11 @@ static inline int64_t FAST(map_line)(const FAST(map) *m, int64_t x, int64_t y) {
     return (x - m->x0) / m->xdiv * m->ny + (y - m->y0) / m->ydiv;
 }
 
+/* the packed line (x, y) of a slab's head `head` (its index among the slab's heads) */
+static inline int64_t FAST(map_head_line)(const FAST(map) *m, int64_t head, int64_t x, int64_t y) {
+    return head * m->lines + FAST(map_line)(m, x, y);
+}
+
 /* the coordinates of line r */
 static inline int64_t FAST(map_x)(const FAST(map) *m, int64_t r) { return m->x0 + r / m->ny * m->xdiv; }
 static inline int64_t FAST(map_y)(const FAST(map) *m, int64_t r) { return m->y0 + r % m->ny * m->ydiv; }
