@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import _lib, _torch_internals, ops
@@ -257,7 +256,7 @@ def _requires_grad(q, k, v, kx, vx) -> bool:
 
 def na(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tuple[Tensor, Tensor]]:
     """(out, lse) of a call with prep's signature, or None (PyTorch's path). Without
-    lse_wanted, lse is a spare the caller must drop (unless the backward needs it)."""
+    lse_wanted, lse is a spare the caller must drop (unless the backward needs it), or None."""
     if _unwatched():
         if not _stored(q, k, v, kx, vx):
             return None
@@ -269,34 +268,34 @@ def na(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tup
             outs = prep.forward(q, k, v, kx, vx, lse_wanted)
         return outs if prep.flat is None else prep.spatial(*outs)
     if _forward_ad_active():
-        return _dual(prep, q, k, v, kx, vx)
+        return _dual(prep, q, k, v, kx, vx, lse_wanted)
     return None
 
 
 _forward_ad_active = _torch_internals.forward_ad_active
-_unpack_dual, _make_dual = _forward_ad.unpack_dual, _forward_ad.make_dual
+_unpack_dual, _make_dual = _torch_internals.unpack_dual, _torch_internals.make_dual
 _unwrap, _wrap = _torch_internals.unwrap_level, _torch_internals.wrap_level
 
 
-def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
+def _dual(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tuple[Tensor, Tensor]]:
     """Under torch.func.jvp alone, or forward_ad duals outside transforms: (out, lse) as duals
     whose primals and tangents come from one forward+JVP kernel run on the inputs unwrapped
     from the jvp's level, the outputs wrapped back, as functorch does for an op; through
-    PreparedJvp when those inputs require grad (a backward follows outside the level). None
-    when none carries a tangent, under forward_ad duals that require grad (a backward may
-    follow inside the dual level: functional.py's two-kernel path), or under other transforms."""
+    PreparedJvp when those inputs require grad (a backward follows outside the level). Without
+    lse_wanted, lse is None (no dual made for it). None when none carries a tangent, under
+    forward_ad duals that require grad (a backward may follow inside the dual level:
+    functional.py's two-kernel path), or under other transforms."""
     level = _torch_internals.lone_jvp_level()
     if level is None or (level < 0 and _requires_grad(q, k, v, kx, vx)):
         return None
-    inputs = (q, k, v) if kx is None else (q, k, v, kx, vx)
-    unpacked = [_unpack_dual(t) for t in inputs]
-    tangents = [_unwrap(u.tangent, level) for u in unpacked]
+    unpacked = [_unpack_dual(t) for t in ((q, k, v) if kx is None else (q, k, v, kx, vx))]
+    tangents = [_unwrap(tangent, level) for _, tangent in unpacked]
     if all(t is None for t in tangents):
         return None
     dtype, device = prep.dtype, prep.device
     if any(t is not None and (t.dtype is not dtype or t.device != device) for t in tangents):
         return None   # forward-mode AD allows them; the op's checks refuse them
-    primals = [_unwrap(u.primal, level) for u in unpacked]
+    primals = [_unwrap(primal, level) for primal, _ in unpacked]
     if not _stored(*primals, *tangents):
         return None
     if kx is None:
@@ -309,12 +308,12 @@ def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
         layouts = tuple(None if t is None else t.stride() for t in (*primals, *tangents))
         if grad:
             out, lse, t_out, t_lse = _apply_jvp(*primals, *tangents, prep, layouts)
-        else:
-            out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts)
+        else:   # an unwanted LSE and its tangent go to the plan's spares
+            out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts, lse_wanted)
         if prep.flat is not None:
             out, lse, t_out, t_lse = prep.spatial(out, lse, t_out, t_lse)
-    return (_make_dual(_wrap(out, level), _wrap(t_out, level)),
-            _make_dual(_wrap(lse, level), _wrap(t_lse, level)))
+    out = _make_dual(_wrap(out, level), _wrap(t_out, level))
+    return out, (_make_dual(_wrap(lse, level), _wrap(t_lse, level)) if lse_wanted else None)
 
 
 def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, lse_wanted: bool = True):
