@@ -162,6 +162,28 @@ def test_torch_func_jvp_and_duals(op_path, launches):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_torch_func_jvp_of_the_lse(requires_grad, op_path, launches):
+    """With return_lse the LSE comes out of torch.func.jvp as a dual too (without it none is
+    made): its value, tangent and, through the tangent, gradients equal the op path's."""
+    leaves = _qkv(requires_grad=requires_grad)
+    tq, tk = torch.randn_like(leaves[0]), torch.randn_like(leaves[1])
+    w = torch.randn(2, 6, 7, 2)
+
+    def f():
+        (out, lse), (t_out, t_lse) = torch.func.jvp(
+            lambda a, b: nbhd.na2d(a, b, leaves[2], 3, return_lse=True), tuple(leaves[:2]), (tq, tk))
+        if not requires_grad:
+            return out, lse, t_out, t_lse
+        return torch.autograd.grad((lse * w).sum() + (t_lse * w).sum() + out.sum(), leaves)
+
+    f()
+    got, ops = launches(f)
+    assert ops[0] == _lib.OP_FORWARD_JVP
+    for a, b in zip(got, op_path(f)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("tangent_grad", [False, True])
 def test_jvp_then_backward_equals_the_op_path(tangent_grad, op_path, launches):
     """The MeanFlow pattern: torch.func.jvp of inputs that require grad (outside the jvp),
