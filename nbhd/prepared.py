@@ -28,7 +28,7 @@ from torch import Tensor
 from . import _lib, _torch_internals, ops
 from .rules import Geometry
 
-__all__ = ["Prepared", "PreparedAttention", "PreparedJvp", "na", "na_jvp"]
+__all__ = ["Prepared", "PreparedAttention", "PreparedJvpPrimal", "PreparedJvp", "na", "na_jvp"]
 
 _unwatched = _torch_internals.unwatched
 _run_state = ops.run_state
@@ -199,37 +199,47 @@ class PreparedAttention(torch.autograd.Function):
         return dq, dk, dv, None if absent else dkx, None if absent else dvx, None
 
 
-class PreparedJvp(torch.autograd.Function):
-    """(out, lse, t_out, t_lse) of a prepared forward+JVP whose inputs require grad (na*d_jvp
-    unwatched, or the inputs of torch.func.jvp alone unwrapped from its level): its backward
-    runs the fused backward through the forward+JVP the same way, or the rules' path."""
+class PreparedJvpPrimal(PreparedAttention):
+    """(out, lse) of a prepared forward+JVP already run (`ran`: its four outputs), as a node over
+    the primals alone, with PreparedAttention's backward: a loss on the primal outputs (a
+    MeanFlow step, which stops the tangent) never reaches the tangents' graph through it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts):
-        outs = prep.forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts)
+    def forward(ctx, q, k, v, kx, vx, prep, ran):
+        ctx.set_materialize_grads(False)
+        ctx.prep = prep
+        ctx.save_for_backward(q, k, v, kx, vx, ran[0], ran[1])
+        return ran[0], ran[1]
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        return (*PreparedAttention.backward(ctx, d_out, d_lse), None)
+
+
+class PreparedJvp(torch.autograd.Function):
+    """(t_out, t_lse) of a prepared forward+JVP already run (`ran`: its four outputs), as a node
+    over the primals and tangents: its backward runs the fused backward through the forward+JVP
+    with the tangent outputs' cotangents alone (PreparedJvpPrimal takes the primal outputs'),
+    or the rules' path."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts, ran):
         ctx.set_materialize_grads(False)
         ctx.prep, ctx.layouts = prep, layouts
-        ctx.save_for_backward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *outs)
-        return outs
+        ctx.save_for_backward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *ran)
+        return ran[2], ran[3]
 
     @staticmethod
-    def backward(ctx, *grads):
-        if all(g is None for g in grads):
-            return (None,) * 12
+    def backward(ctx, d_t_out, d_t_lse):
+        if d_t_out is None and d_t_lse is None:
+            return (None,) * 13
         prep, saved = ctx.prep, ctx.saved_tensors
-        d_out, d_lse, d_t_out, d_t_lse = grads
-        if (d_t_out is None and d_t_lse is None and d_out is not None and not torch.is_grad_enabled()
-                and _unwatched() and _plain_grad(d_out) and _plain_grad(d_lse)):
-            # no cotangent on the tangent outputs (a flow-map loss detaches its jvp target): out
-            # and lse do not depend on the tangents, so this is the first-order backward
-            q, k, v, kx, vx = saved[:5]
-            return (*prep.backward(q, k, v, kx, vx, saved[10], saved[11], d_out, d_lse),
-                    None, None, None, None, None, None, None)
+        grads = (None, None, d_t_out, d_t_lse)
         fused = prep.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
         if (fused and not torch.is_grad_enabled() and _unwatched()
-                and all(_plain_grad(g) for g in grads)):
+                and _plain_grad(d_t_out) and _plain_grad(d_t_lse)):
             return (*prep.forward_jvp_backward(saved, grads, ctx.needs_input_grad[5:10], ctx.layouts),
-                    None, None)
+                    None, None, None)
         # a differentiable backward (create_graph), a watched one, or no fused kernel
         from .autograd import EAGER
         from .rules import RULES, zeros_for
@@ -242,11 +252,24 @@ class PreparedJvp(torch.autograd.Function):
         for i, t in enumerate(saved[:10]):
             if t is None:
                 g[i] = None
-        return (*g, None, None)
+        return (*g, None, None, None)
 
 
 _apply = _torch_internals.raw_apply(PreparedAttention)
+_apply_jvp_primal = _torch_internals.raw_apply(PreparedJvpPrimal)
 _apply_jvp = _torch_internals.raw_apply(PreparedJvp)
+
+
+def _jvp_with_grad(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts=()):
+    """(out, lse, t_out, t_lse) of one forward+JVP kernel whose inputs require grad, as two
+    autograd nodes: the primal outputs over the primals (PreparedJvpPrimal), the tangent
+    outputs over both (PreparedJvp). One node for all four would link the tangents' graph to
+    the primal outputs: a backward from them alone would then visit every node that computed a
+    tangent, all the way up the model."""
+    ran = prep.forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts)
+    out, lse = _apply_jvp_primal(q, k, v, kx, vx, prep, ran)
+    t_out, t_lse = _apply_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts, ran)
+    return out, lse, t_out, t_lse
 
 
 def _requires_grad(q, k, v, kx, vx) -> bool:
@@ -307,7 +330,7 @@ def _dual(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[
             primals, tangents = _tokens_with_tangents(prep, primals, tangents)
         layouts = tuple(None if t is None else t.stride() for t in (*primals, *tangents))
         if grad:
-            out, lse, t_out, t_lse = _apply_jvp(*primals, *tangents, prep, layouts)
+            out, lse, t_out, t_lse = _jvp_with_grad(prep, *primals, *tangents, layouts)
         else:   # an unwanted LSE and its tangent go to the plan's spares
             out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts, lse_wanted)
         if prep.flat is not None:
@@ -326,7 +349,7 @@ def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, lse_wanted: bo
         primals, tangents = _tokens_with_tangents(prep, tensors[:5], tensors[5:])
         tensors = (*primals, *tangents)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        outs = _apply_jvp(*tensors, prep, ())
+        outs = _jvp_with_grad(prep, *tensors)
     else:
         outs = prep.forward_jvp(*tensors, lse_wanted=lse_wanted)
     return outs if prep.flat is None else prep.spatial(*outs)
