@@ -7,8 +7,11 @@ Each child times nbhd and the reference in alternating rounds and keeps the best
 Problem: q, k, v [1, 8, 8, 1, 16] fp32, na2d window 3; SDPA takes them as [1, 1, 64, 16]
 (dense over the 64 tokens). Rows: forward; forward + backward; torch.func.jvp (SDPA on its
 math backend, the one with forward-mode AD) and the floor of torch.func.jvp itself
-(`lambda a: a * 2`); nbhd.na2d_jvp. Targets: forward and forward + backward <= 3x SDPA's,
-torch.func.jvp <= 1.5x math SDPA's, OMP_NUM_THREADS unset no slower than set.
+(`torch.neg`: `a * 2` would not do, its Python scalar gets a zero-tensor tangent whose
+broadcasting runs in Python); torch.func.jvp of inputs that require grad, then the backward of
+the primal output (a MeanFlow step's pattern), against SDPA and against torch.addcmul(v, q, k),
+one elementwise op of the same tensors; nbhd.na2d_jvp. Targets: forward and forward + backward
+<= 3x SDPA's, torch.func.jvp <= 1.5x math SDPA's, OMP_NUM_THREADS unset no slower than set.
 """
 from __future__ import annotations
 
@@ -44,13 +47,22 @@ def measure(calls: int, rounds: int, device: str) -> dict:
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     leaves_s = [t.clone().requires_grad_() for t in (qs, ks, vs)]
+
+    def jvp_backward(f, inputs, tangents):
+        out, _ = torch.func.jvp(f, tuple(inputs), tangents)
+        out.sum().backward()
     cases = {
         "forward": (lambda: na(q, k, v), lambda: F.scaled_dot_product_attention(qs, ks, vs)),
         "forward + backward": (lambda: na(*leaves).sum().backward(),
                                lambda: F.scaled_dot_product_attention(*leaves_s).sum().backward()),
         "torch.func.jvp": (lambda: torch.func.jvp(na, (q, k, v), (tq, tk, tv)),
                            lambda: torch.func.jvp(math_sdpa, (qs, ks, vs), (tqs, tks, tvs))),
-        "jvp floor (a * 2)": (lambda: torch.func.jvp(lambda a: a * 2, (q,), (tq,)), None),
+        "jvp floor (neg)": (lambda: torch.func.jvp(torch.neg, (q,), (tq,)), None),
+        "torch.func.jvp + backward": (lambda: jvp_backward(na, leaves, (tq, tk, tv)),
+                                      lambda: jvp_backward(math_sdpa, leaves_s, (tqs, tks, tvs))),
+        "  against addcmul": (lambda: jvp_backward(na, leaves, (tq, tk, tv)),
+                              lambda: jvp_backward(torch.addcmul, (leaves[2], leaves[0], leaves[1]),
+                                                   (tv, tq, tk))),
         "nbhd.na2d_jvp": (lambda: nbhd.na2d_jvp(q, k, v, tq, tk, tv, 3), None),
     }
     out = {}

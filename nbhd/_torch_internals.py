@@ -22,6 +22,9 @@ Fast paths (fallback: the public path):
                      (`lone_jvp_level`) on its tensors unwrapped from that level
                      (`unwrap_level`) and run below it (`below_level`), its outputs wrapped
                      back (`wrap_level`) as duals
+  dual tensors       the lone-jvp path unpacks and makes its duals with the ops forward_ad's
+                     functions end in (`unpack_dual`, `make_dual`), without their Python checks
+                     and export-mode lookups (a few microseconds a tensor)
 
 Needed (import fails without them):
   forward_ad_active  functional.py refuses forward-mode AD traced by torch.compile, which would
@@ -41,7 +44,7 @@ from torch import Tensor
 
 __all__ = ["MISSING", "plain_tensor", "dispatch_watched", "FastApplyFunction", "raw_apply",
            "unwatched", "lone_jvp_level", "unwrap_level", "wrap_level", "below_level",
-           "forward_ad_active", "forward_grad_disabled", "is_batched",
+           "unpack_dual", "make_dual", "forward_ad_active", "forward_grad_disabled", "is_batched",
            "disable_functorch", "detect_fake_mode"]
 
 MISSING: List[str] = []   # private symbols this PyTorch lacks; their fast paths are off
@@ -194,6 +197,29 @@ def unwrap_level(t: Optional[Tensor], level: int) -> Optional[Tensor]:
 def wrap_level(t: Tensor, level: int) -> Tensor:
     """A plain t wrapped for `level`, as functorch wraps an op's outputs."""
     return t if level < 0 else _wrap_for_grad(t, level)
+
+
+_unpack_dual_op = _find("torch", "_unpack_dual")
+_make_dual_op = _find("torch", "_make_dual")
+RAW_DUALS = _unpack_dual_op is not None and _make_dual_op is not None
+
+
+def unpack_dual(t: Tensor):
+    """(primal, tangent or None) of t at the current forward-mode AD level: forward_ad.unpack_dual
+    without its namedtuple and the export-mode lookup of its pre-dispatch wrapper, for callers
+    under a lone jvp or forward_ad duals, where no torch function mode is active."""
+    if RAW_DUALS:
+        return _unpack_dual_op(t, level=_forward_ad._current_level)
+    return tuple(_forward_ad.unpack_dual(t))
+
+
+def make_dual(t: Tensor, tangent: Tensor) -> Tensor:
+    """forward_ad.make_dual at the current level, for the same callers as unpack_dual, on a
+    floating-point t and tangent, inside a dual level: the checks of that function and the
+    export-mode lookup of its pre-dispatch wrapper skipped."""
+    if RAW_DUALS:
+        return _make_dual_op(t, tangent, level=_forward_ad._current_level)
+    return _forward_ad.make_dual(t, tangent)
 
 
 class below_level:

@@ -23,13 +23,12 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import _lib, _torch_internals, ops
 from .rules import Geometry
 
-__all__ = ["Prepared", "PreparedAttention", "PreparedJvp", "na", "na_jvp"]
+__all__ = ["Prepared", "PreparedAttention", "PreparedJvpPrimal", "PreparedJvp", "na", "na_jvp"]
 
 _unwatched = _torch_internals.unwatched
 _run_state = ops.run_state
@@ -200,36 +199,50 @@ class PreparedAttention(torch.autograd.Function):
         return dq, dk, dv, None if absent else dkx, None if absent else dvx, None
 
 
-class PreparedJvp(torch.autograd.Function):
-    """(out, lse, t_out, t_lse) of a prepared forward+JVP whose inputs require grad (na*d_jvp
-    unwatched, or the inputs of torch.func.jvp alone unwrapped from its level): its backward
-    runs the fused backward through the forward+JVP the same way, or the rules' path."""
+class PreparedJvpPrimal(PreparedAttention):
+    """(out, lse) of a prepared forward+JVP already run (`ran`: its four outputs), as a node over
+    the primals alone, with PreparedAttention's backward: a loss on the primal outputs (a
+    MeanFlow step, which stops the tangent) never reaches the tangents' graph through it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts):
-        outs = prep.forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts)
+    def forward(ctx, q, k, v, kx, vx, prep, ran):
+        ctx.set_materialize_grads(False)
+        ctx.prep = prep
+        ctx.save_for_backward(q, k, v, kx, vx, ran[0], ran[1])
+        return ran[0], ran[1]
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        return (*PreparedAttention.backward(ctx, d_out, d_lse), None)
+
+
+class PreparedJvp(torch.autograd.Function):
+    """(t_out, t_lse) of a prepared forward+JVP already run (`ran`: its four outputs), as a node
+    over the primals and tangents: its backward runs the fused backward through the forward+JVP
+    with the tangent outputs' cotangents alone (PreparedJvpPrimal takes the primal outputs'),
+    or the rules' path."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts, ran):
         ctx.set_materialize_grads(False)
         ctx.prep, ctx.layouts = prep, layouts
-        ctx.save_for_backward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *outs)
-        return outs
+        ctx.save_for_backward(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *ran)
+        return ran[2], ran[3]
 
     @staticmethod
-    def backward(ctx, *grads):
-        if all(g is None for g in grads):
-            return (None,) * 12
-        from .rules import RULES, detached_tangents_backward, zeros_for
+    def backward(ctx, d_t_out, d_t_lse):
+        if d_t_out is None and d_t_lse is None:
+            return (None,) * 13
         prep, saved = ctx.prep, ctx.saved_tensors
-        direct = not torch.is_grad_enabled() and _unwatched() and all(_plain_grad(g) for g in grads)
-        if direct:
-            first_order = detached_tangents_backward(prep.backward, saved[:10], saved[10], saved[11], grads)
-            if first_order is not None:
-                return (*first_order, None, None)
+        grads = (None, None, d_t_out, d_t_lse)
         fused = prep.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
-        if fused and direct:
+        if (fused and not torch.is_grad_enabled() and _unwatched()
+                and _plain_grad(d_t_out) and _plain_grad(d_t_lse)):
             return (*prep.forward_jvp_backward(saved, grads, ctx.needs_input_grad[5:10], ctx.layouts),
-                    None, None)
+                    None, None, None)
         # a differentiable backward (create_graph), a watched one, or no fused kernel
         from .autograd import EAGER
+        from .rules import RULES, zeros_for
         inputs, outs = list(saved[:10]), saved[10:]
         absent = inputs[3] is None
         if absent:
@@ -239,11 +252,24 @@ class PreparedJvp(torch.autograd.Function):
         for i, t in enumerate(saved[:10]):
             if t is None:
                 g[i] = None
-        return (*g, None, None)
+        return (*g, None, None, None)
 
 
 _apply = _torch_internals.raw_apply(PreparedAttention)
+_apply_jvp_primal = _torch_internals.raw_apply(PreparedJvpPrimal)
 _apply_jvp = _torch_internals.raw_apply(PreparedJvp)
+
+
+def _jvp_with_grad(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts=()):
+    """(out, lse, t_out, t_lse) of one forward+JVP kernel whose inputs require grad, as two
+    autograd nodes: the primal outputs over the primals (PreparedJvpPrimal), the tangent
+    outputs over both (PreparedJvp). One node for all four would link the tangents' graph to
+    the primal outputs: a backward from them alone would then visit every node that computed a
+    tangent, all the way up the model."""
+    ran = prep.forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts)
+    out, lse = _apply_jvp_primal(q, k, v, kx, vx, prep, ran)
+    t_out, t_lse = _apply_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts, ran)
+    return out, lse, t_out, t_lse
 
 
 def _requires_grad(q, k, v, kx, vx) -> bool:
@@ -253,7 +279,7 @@ def _requires_grad(q, k, v, kx, vx) -> bool:
 
 def na(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tuple[Tensor, Tensor]]:
     """(out, lse) of a call with prep's signature, or None (PyTorch's path). Without
-    lse_wanted, lse is a spare the caller must drop (unless the backward needs it)."""
+    lse_wanted, lse is a spare the caller must drop (unless the backward needs it), or None."""
     if _unwatched():
         if not _stored(q, k, v, kx, vx):
             return None
@@ -265,34 +291,34 @@ def na(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tup
             outs = prep.forward(q, k, v, kx, vx, lse_wanted)
         return outs if prep.flat is None else prep.spatial(*outs)
     if _forward_ad_active():
-        return _dual(prep, q, k, v, kx, vx)
+        return _dual(prep, q, k, v, kx, vx, lse_wanted)
     return None
 
 
 _forward_ad_active = _torch_internals.forward_ad_active
-_unpack_dual, _make_dual = _forward_ad.unpack_dual, _forward_ad.make_dual
+_unpack_dual, _make_dual = _torch_internals.unpack_dual, _torch_internals.make_dual
 _unwrap, _wrap = _torch_internals.unwrap_level, _torch_internals.wrap_level
 
 
-def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
+def _dual(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tuple[Tensor, Tensor]]:
     """Under torch.func.jvp alone, or forward_ad duals outside transforms: (out, lse) as duals
     whose primals and tangents come from one forward+JVP kernel run on the inputs unwrapped
     from the jvp's level, the outputs wrapped back, as functorch does for an op; through
-    PreparedJvp when those inputs require grad (a backward follows outside the level). None
-    when none carries a tangent, under forward_ad duals that require grad (a backward may
-    follow inside the dual level: functional.py's two-kernel path), or under other transforms."""
+    PreparedJvp when those inputs require grad (a backward follows outside the level). Without
+    lse_wanted, lse is None (no dual made for it). None when none carries a tangent, under
+    forward_ad duals that require grad (a backward may follow inside the dual level:
+    functional.py's two-kernel path), or under other transforms."""
     level = _torch_internals.lone_jvp_level()
     if level is None or (level < 0 and _requires_grad(q, k, v, kx, vx)):
         return None
-    inputs = (q, k, v) if kx is None else (q, k, v, kx, vx)
-    unpacked = [_unpack_dual(t) for t in inputs]
-    tangents = [_unwrap(u.tangent, level) for u in unpacked]
+    unpacked = [_unpack_dual(t) for t in ((q, k, v) if kx is None else (q, k, v, kx, vx))]
+    tangents = [_unwrap(tangent, level) for _, tangent in unpacked]
     if all(t is None for t in tangents):
         return None
     dtype, device = prep.dtype, prep.device
     if any(t is not None and (t.dtype is not dtype or t.device != device) for t in tangents):
         return None   # forward-mode AD allows them; the op's checks refuse them
-    primals = [_unwrap(u.primal, level) for u in unpacked]
+    primals = [_unwrap(primal, level) for primal, _ in unpacked]
     if not _stored(*primals, *tangents):
         return None
     if kx is None:
@@ -304,13 +330,13 @@ def _dual(prep: Prepared, q, k, v, kx, vx) -> Optional[Tuple[Tensor, Tensor]]:
             primals, tangents = _tokens_with_tangents(prep, primals, tangents)
         layouts = tuple(None if t is None else t.stride() for t in (*primals, *tangents))
         if grad:
-            out, lse, t_out, t_lse = _apply_jvp(*primals, *tangents, prep, layouts)
-        else:
-            out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts)
+            out, lse, t_out, t_lse = _jvp_with_grad(prep, *primals, *tangents, layouts)
+        else:   # an unwanted LSE and its tangent go to the plan's spares
+            out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts, lse_wanted)
         if prep.flat is not None:
             out, lse, t_out, t_lse = prep.spatial(out, lse, t_out, t_lse)
-    return (_make_dual(_wrap(out, level), _wrap(t_out, level)),
-            _make_dual(_wrap(lse, level), _wrap(t_lse, level)))
+    out = _make_dual(_wrap(out, level), _wrap(t_out, level))
+    return out, (_make_dual(_wrap(lse, level), _wrap(t_lse, level)) if lse_wanted else None)
 
 
 def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, lse_wanted: bool = True):
@@ -323,7 +349,7 @@ def na_jvp(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, lse_wanted: bo
         primals, tangents = _tokens_with_tangents(prep, tensors[:5], tensors[5:])
         tensors = (*primals, *tangents)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        outs = _apply_jvp(*tensors, prep, ())
+        outs = _jvp_with_grad(prep, *tensors)
     else:
         outs = prep.forward_jvp(*tensors, lse_wanted=lse_wanted)
     return outs if prep.flat is None else prep.spatial(*outs)

@@ -162,30 +162,81 @@ def test_torch_func_jvp_and_duals(op_path, launches):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("tangent_grad", [False, True])
-def test_jvp_then_backward_equals_the_op_path(tangent_grad, op_path, launches):
-    """The MeanFlow pattern: torch.func.jvp of inputs that require grad (outside the jvp),
-    then gradients of a loss on the output and the tangent; and na2d_jvp alike."""
-    leaves = _qkv(requires_grad=True)
-    tq = torch.randn(2, 6, 7, 2, 8, requires_grad=tangent_grad)
-    w1, w2 = torch.randn(2, 6, 7, 2, 8), torch.randn(2, 6, 7, 2, 8)
-    wrt = [*leaves, tq] if tangent_grad else leaves
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_torch_func_jvp_of_the_lse(requires_grad, op_path, launches):
+    """With return_lse the LSE comes out of torch.func.jvp as a dual too (without it none is
+    made): its value, tangent and, through the tangent, gradients equal the op path's."""
+    leaves = _qkv(requires_grad=requires_grad)
+    tq, tk = torch.randn_like(leaves[0]), torch.randn_like(leaves[1])
+    w = torch.randn(2, 6, 7, 2)
 
-    def via_func():
+    def f():
+        (out, lse), (t_out, t_lse) = torch.func.jvp(
+            lambda a, b: nbhd.na2d(a, b, leaves[2], 3, return_lse=True), tuple(leaves[:2]), (tq, tk))
+        if not requires_grad:
+            return out, lse, t_out, t_lse
+        return torch.autograd.grad((lse * w).sum() + (t_lse * w).sum() + out.sum(), leaves)
+
+    f()
+    got, ops = launches(f)
+    assert ops[0] == _lib.OP_FORWARD_JVP
+    for a, b in zip(got, op_path(f)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Recorded(torch.autograd.Function):
+    """The identity, recording in `ran` each time its backward runs."""
+    ran = []
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        _Recorded.ran.append(1)
+        return g
+
+
+@pytest.mark.parametrize("tangent_grad", [False, True])
+@pytest.mark.parametrize("loss_on", ["both", "primal", "tangent"])
+def test_jvp_then_backward_equals_the_op_path(tangent_grad, loss_on, op_path, launches):
+    """The MeanFlow pattern: torch.func.jvp of inputs that require grad (outside the jvp),
+    then gradients of a loss on the output, the tangent or both; and na2d_jvp alike. A loss on
+    the output alone (a MeanFlow step stops the tangent) runs the first-order backward and never
+    reaches the graph that computed the tangents; a loss on the tangent runs the fused backward
+    through the forward+JVP."""
+    leaves = _qkv(requires_grad=True)
+    tq_leaf = torch.randn(2, 6, 7, 2, 8, requires_grad=tangent_grad)
+    w1, w2 = torch.randn(2, 6, 7, 2, 8), torch.randn(2, 6, 7, 2, 8)
+    wrt = [*leaves, tq_leaf] if tangent_grad else leaves
+    loss = lambda out, t_out: ((out * w1).sum() if loss_on != "tangent" else 0) + (
+        (t_out * w2).sum() if loss_on != "primal" else 0)
+
+    def via_func():   # the tangent made by an op that records its backward
+        tq = _Recorded.apply(tq_leaf) if tangent_grad else tq_leaf
         out, t_out = torch.func.jvp(lambda a, b: nbhd.na2d(a, b, leaves[2], 3), tuple(leaves[:2]),
                                     (tq, torch.zeros_like(tq)))
-        return torch.autograd.grad((out * w1).sum() + (t_out * w2).sum(), wrt)
+        return torch.autograd.grad(loss(out, t_out), wrt, allow_unused=True)
 
     def explicit():
+        tq = _Recorded.apply(tq_leaf) if tangent_grad else tq_leaf
         out, t_out = nbhd.na2d_jvp(*leaves, tq, None, None, 3)
-        return torch.autograd.grad((out * w1).sum() + (t_out * w2).sum(), wrt)
+        return torch.autograd.grad(loss(out, t_out), wrt, allow_unused=True)
 
+    want_ops = {"both": [_lib.OP_FORWARD_JVP, _lib.OP_BACKWARD, _lib.OP_FORWARD_JVP_BACKWARD],
+                "primal": [_lib.OP_FORWARD_JVP, _lib.OP_BACKWARD],
+                "tangent": [_lib.OP_FORWARD_JVP, _lib.OP_FORWARD_JVP_BACKWARD]}[loss_on]
     for f in (via_func, explicit):
         f()
+        _Recorded.ran.clear()
         got, ops = launches(f)
-        assert ops == [_lib.OP_FORWARD_JVP, _lib.OP_FORWARD_JVP_BACKWARD]
+        assert sorted(ops) == sorted(want_ops), (f.__name__, ops)
+        assert bool(_Recorded.ran) == (tangent_grad and loss_on != "primal"), f.__name__
         for a, b in zip(got, op_path(f)):   # the op path hands the kernel zero tangents for
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)   # absent ones: rounding
+            if a is None and b is not None:   # absent ones: rounding; and its one node links
+                a = torch.zeros_like(b)       # the tangent to the output: a zero gradient
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_jvp_cases_that_keep_the_function():

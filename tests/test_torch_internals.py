@@ -19,7 +19,7 @@ def test_no_private_symbol_is_missing():
         f"PyTorch {torch.__version__} lacks {_torch_internals.MISSING}: their fast paths are off")
     assert _torch_internals.EAGER_SHORTCUT and _torch_internals.FAST_APPLY
     assert _torch_internals.ONE_KERNEL_JVP and _torch_internals.PREPARED_CALLS
-    assert _torch_internals.LONE_JVP
+    assert _torch_internals.LONE_JVP and _torch_internals.RAW_DUALS
 
 
 def _private_uses(source: str):
@@ -195,6 +195,36 @@ def test_raw_apply_pays_off(one_thread):
     assert ratio < 0.95, f"the C++ apply takes {ratio:.2f} of Function.apply"
 
 
+def _dual_round_trips(n: int = 20):
+    """(raw, public): n unpack-and-make round trips of a dual inside torch.func.jvp, through
+    _torch_internals and through torch.autograd.forward_ad; each returns its last dual's
+    (primal, tangent) outside the jvp."""
+    import torch.autograd.forward_ad as fwAD
+    q, _, _ = _tiny()
+    t = torch.randn_like(q)
+
+    def loop(unpack, make):
+        def f(x):
+            for _ in range(n):
+                primal, tangent = unpack(x)
+                x = make(primal, tangent)
+            return x
+        return lambda: torch.func.jvp(f, (q,), (t,))
+
+    return (loop(_torch_internals.unpack_dual, _torch_internals.make_dual),
+            loop(lambda x: tuple(fwAD.unpack_dual(x)), fwAD.make_dual))
+
+
+def test_raw_duals_pay_off(one_thread):
+    """The lone-jvp path unpacks and makes its duals with torch._unpack_dual and
+    torch._make_dual, not forward_ad's Python functions, with the same duals."""
+    raw, public = _dual_round_trips()
+    for a, b in zip(raw(), public()):
+        assert torch.equal(a, b)
+    ratio = _faster(raw, public, 0.8, rounds=8, calls=5)
+    assert ratio < 0.8, f"the raw dual ops take {ratio:.2f} of forward_ad's functions"
+
+
 if __name__ == "__main__":   # the ratios, for choosing the thresholds above
     torch.set_num_threads(1)
     q, e, geo = _tiny()
@@ -217,6 +247,7 @@ if __name__ == "__main__":   # the ratios, for choosing the thresholds above
         print(f"prepared call (requires_grad={x.requires_grad})",
               _faster(g, _patched(mp, [(prepared, "na", lambda *a, **kw: None)], g), 0, 15, 20, 1))
     prep = next(c.prepared for c in functional._CHECKED.values() if c.prepared is not None)
+    print("raw duals", _faster(*_dual_round_trips(), 0, 8, 5, 1))
     print("raw apply", _faster(lambda: prepared._apply(leaf, q, q, None, None, prep),
                                lambda: prepared.PreparedAttention.apply(leaf, q, q, None, None, prep),
                                0, 15, 20, 1))
