@@ -135,93 +135,52 @@ template <typename R, int N> __device__ __forceinline__ void fence_regs(R (&x)[N
  * overwrites d. N = 32 serves only as the S tiles of the forward+JVP's 32-key variant: no rs_bt */
 template <typename T, int N> struct wgmma_op;
 
-/* the instructions: D registers, then descriptors or A registers, then the scale-d predicate */
-#define NBHD_WGMMA_SS_N32(TY)                                                                \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                    \
-                     "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                 \
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "  \
-                     "%16, %17, p, 1, 1, 0, 0;\n}\n"                                             \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),   \
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                        \
-                     : "l"(a_desc), "l"(b_desc), "r"(accumulate))
-
-#define NBHD_WGMMA_SS_N64(TY, TRANS)                                                            \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                    \
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
-                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-                     "%32, %33, p, 1, 1, " TRANS ";\n}\n"                                           \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),      \
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),    \
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),             \
-                       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),             \
-                       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),             \
-                       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])              \
-                     : "l"(a_desc), "l"(b_desc), "r"(accumulate))
-
-#define NBHD_WGMMA_RS_N64(TY)                                                                   \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                       \
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                    \
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
-                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-                     "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                  \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),      \
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),    \
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),             \
-                       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),             \
-                       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),             \
-                       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])              \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
-
-#define NBHD_WGMMA_SS_N128(TY)                                                                  \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                       \
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                   \
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
-                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
-                     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
-                     "%62, %63}, "                                                                  \
-                     "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),      \
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),    \
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),             \
-                       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),             \
-                       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),             \
-                       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),             \
-                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),             \
-                       "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),             \
-                       "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]),             \
-                       "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),             \
-                       "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),             \
-                       "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),             \
-                       "+f"(d[62]), "+f"(d[63])                                                     \
-                     : "l"(a_desc), "l"(b_desc), "r"(accumulate))
-
-#define NBHD_WGMMA_RS_N128(TY)                                                                  \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                       \
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                   \
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
-                     "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
-                     "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
-                     "%62, %63}, "                                                                  \
-                     "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                  \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),      \
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),    \
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),             \
-                       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),             \
-                       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),             \
-                       "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),             \
-                       "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),             \
-                       "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),             \
-                       "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]),             \
-                       "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),             \
-                       "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),             \
-                       "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),             \
-                       "+f"(d[62]), "+f"(d[63])                                                     \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
-
+/* The instructions: the accumulator registers (an m64nN tile holds N/2 floats a thread:
+ * NBHD_WGMMA_DN the operands, NBHD_WGMMA_RN their "{%0, ...}" list), then the descriptors
+ * (SS) or A registers and B's descriptor (RS), then the scale-d predicate: P, A, B name the
+ * operand numbers that follow the N/2 registers. */
+#define NBHD_WGMMA_D16 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
+    "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+    "+f"(d[14]), "+f"(d[15])
+#define NBHD_WGMMA_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define NBHD_WGMMA_D32 NBHD_WGMMA_D16, "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+    "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+    "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define NBHD_WGMMA_R32 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define NBHD_WGMMA_D64 NBHD_WGMMA_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), \
+    "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), \
+    "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), \
+    "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), \
+    "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define NBHD_WGMMA_R64 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define NBHD_WGMMA_SS(SHAPE, TY, TRANS, REGS, A, B, P, ...)                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                                  \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " REGS ", " A ", " B     \
+                 ", p, 1, 1, " TRANS ";\n}\n"                                                      \
+                 : __VA_ARGS__                                                                     \
+                 : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+#define NBHD_WGMMA_RS(SHAPE, TY, REGS, A, B, P, ...)                                           \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                                  \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " REGS ", " A ", " B     \
+                 ", p, 1, 1, 1;\n}\n"                                                              \
+                 : __VA_ARGS__                                                                     \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
+#define NBHD_WGMMA_SS_N32(TY) \
+    NBHD_WGMMA_SS("m64n32k16", TY, "0, 0", NBHD_WGMMA_R16, "%16", "%17", "%18", NBHD_WGMMA_D16)
+#define NBHD_WGMMA_SS_N64(TY, TRANS) \
+    NBHD_WGMMA_SS("m64n64k16", TY, TRANS, NBHD_WGMMA_R32, "%32", "%33", "%34", NBHD_WGMMA_D32)
+#define NBHD_WGMMA_RS_N64(TY) \
+    NBHD_WGMMA_RS("m64n64k16", TY, NBHD_WGMMA_R32, "{%32, %33, %34, %35}", "%36", "%37", NBHD_WGMMA_D32)
+#define NBHD_WGMMA_SS_N128(TY) \
+    NBHD_WGMMA_SS("m64n128k16", TY, "0, 0", NBHD_WGMMA_R64, "%64", "%65", "%66", NBHD_WGMMA_D64)
+#define NBHD_WGMMA_RS_N128(TY) \
+    NBHD_WGMMA_RS("m64n128k16", TY, NBHD_WGMMA_R64, "{%64, %65, %66, %67}", "%68", "%69", NBHD_WGMMA_D64)
 
 template <> struct wgmma_op<__nv_bfloat16, 32> {
     static __device__ __forceinline__ void ss(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
@@ -293,6 +252,14 @@ __device__ __forceinline__ void wgmma_score_pair(float (&d1)[BN / 8][4], uint32_
     wgmma_commit();
 }
 
+#undef NBHD_WGMMA_D16
+#undef NBHD_WGMMA_D32
+#undef NBHD_WGMMA_D64
+#undef NBHD_WGMMA_R16
+#undef NBHD_WGMMA_R32
+#undef NBHD_WGMMA_R64
+#undef NBHD_WGMMA_SS
+#undef NBHD_WGMMA_RS
 #undef NBHD_WGMMA_SS_N32
 #undef NBHD_WGMMA_SS_N64
 #undef NBHD_WGMMA_RS_N64
