@@ -196,19 +196,25 @@ def test_configs_and_tile_validation():
         ops.na_forward(q, q, q, empty, empty, *geometry)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rank", [1, 2, 3])
-def test_every_listed_tile_matches_the_reference(rank, dtype):
-    """Each configuration nbhd_tile_configs lists runs (forward, backward and forward+JVP, the
-    tile passed down to the kernel) and agrees with the float64 reference."""
-    g = torch.Generator().manual_seed(rank)
+def _tile_case(rank, g):
+    """A small problem of the given rank with dilation and causal axes, for the tile tests:
+    (spatial, kernel, dilation, causal, q, k, v, na*d, window keywords)."""
     spatial = {1: (37,), 2: (11, 13), 3: (5, 6, 7)}[rank]
     ks = {1: 5, 2: (3, 5), 3: (3, 3, 5)}[rank]
     dil = {1: 2, 2: (1, 2), 3: 1}[rank]
     causal = {1: True, 2: (False, True), 3: (True, False, False)}[rank]
     q, k, v = (torch.randn(2, *spatial, 2, 8, generator=g) for _ in range(3))
     fn = {1: nbhd.na1d, 2: nbhd.na2d, 3: nbhd.na3d}[rank]
-    window = dict(kernel_size=ks, dilation=dil, is_causal=causal)
+    return spatial, ks, dil, causal, q, k, v, fn, dict(kernel_size=ks, dilation=dil, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_every_listed_tile_matches_the_reference(rank, dtype):
+    """Each configuration nbhd_tile_configs lists runs (forward, backward and forward+JVP, the
+    tile passed down to the kernel) and agrees with the float64 reference."""
+    g = torch.Generator().manual_seed(rank)
+    spatial, ks, dil, causal, q, k, v, fn, window = _tile_case(rank, g)
     fwd = nbhd.get_configs_for_cpu_fna(q, k, v, **window)
     bwd = nbhd.get_bwd_configs_for_cpu_fna(q, k, v, **window)
     assert fwd and bwd
@@ -245,13 +251,7 @@ def test_second_order_runs_every_listed_backward_tile(rank, monkeypatch):
     lists the backward's tiles on the CPU, and a double backward given each of them runs the
     fused kernel on that tile and agrees with the float64 reference."""
     g = torch.Generator().manual_seed(10 + rank)
-    spatial = {1: (37,), 2: (11, 13), 3: (5, 6, 7)}[rank]
-    ks = {1: 5, 2: (3, 5), 3: (3, 3, 5)}[rank]
-    dil = {1: 2, 2: (1, 2), 3: 1}[rank]
-    causal = {1: True, 2: (False, True), 3: (True, False, False)}[rank]
-    q, k, v = (torch.randn(2, *spatial, 2, 8, generator=g) for _ in range(3))
-    fn = {1: nbhd.na1d, 2: nbhd.na2d, 3: nbhd.na3d}[rank]
-    window = dict(kernel_size=ks, dilation=dil, is_causal=causal)
+    spatial, ks, dil, causal, q, k, v, fn, window = _tile_case(rank, g)
     bwd = nbhd.get_bwd_configs_for_cpu_fna(q, k, v, **window)
     assert bwd
     problem = _lib.Problem(q, k, v, None, None, *checks.geometry(spatial, ks, 1, dil, causal), 8 ** -0.5)
