@@ -32,7 +32,7 @@ from torch import Tensor
 from . import ops
 from .reference import merge_infinite_parts, na_reference
 
-__all__ = ["Geometry", "Rule", "Calls", "RULES", "second_order", "detached_tangents_backward"]
+__all__ = ["Geometry", "Rule", "Calls", "RULES", "second_order"]
 
 
 class Geometry:
@@ -245,29 +245,16 @@ def _forward_jvp_save(tensors, outputs, geometry):
     return (*tensors, *outputs), both, _fused(primals[0].device)
 
 
-def detached_tangents_backward(backward: Callable, inputs: Sequence[Optional[Tensor]], out: Tensor,
-                               lse: Tensor, grads: Sequence[Optional[Tensor]]) -> Optional[tuple]:
-    """The backward through na_forward_jvp when its tangent outputs get no cotangent (a
-    flow-map loss detaches its jvp target): out and lse do not depend on the tangents, so it is
-    the first-order backward(q, k, v, kx, vx, out, lse, d_out, d_lse) -> (dq, dk, dv, dkx, dvx).
-
-    inputs: (q, k, v, kx, vx, tq, tk, tv, tkx, tvx); out [B, *S, H, Dv], lse [B, *S, H];
-    grads: (d_out, d_lse, d_t_out, d_t_lse). Returns the 10 inputs' gradients (None for the
-    tangents), or None when d_t_out or d_t_lse is given (the full backward is needed)."""
-    d_out, d_lse, d_t_out, d_t_lse = grads
-    if d_t_out is not None or d_t_lse is not None:
-        return None
-    if d_out is None and d_lse is None:
-        return (None,) * len(inputs)
-    d_out = torch.zeros_like(out) if d_out is None else d_out
-    return (*backward(*inputs[:5], out, lse, d_out, d_lse), *(None,) * 5)
-
-
 def _forward_jvp_vjp(calls, saved, fused, geometry, grads):
     *inputs, out, lse, t_out, t_lse = saved
-    first_order = detached_tangents_backward(lambda *a: calls.backward(*a, geometry), inputs, out, lse, grads)
-    if first_order is not None:
-        return first_order
+    d_out, d_lse, d_t_out, d_t_lse = grads
+    if d_t_out is None and d_t_lse is None:
+        # no cotangent on the tangent outputs (a flow-map loss detaches its jvp target): out and
+        # lse do not depend on the tangents, so this is the first-order backward
+        if d_out is None and d_lse is None:
+            return (None,) * len(inputs)
+        d_out = torch.zeros_like(out) if d_out is None else d_out
+        return (*calls.backward(*inputs[:5], out, lse, d_out, d_lse, geometry), *(None,) * 5)
     if fused:
         return calls.forward_jvp_backward(*inputs, out, lse, t_out, t_lse, *grads, geometry)
     outs = (out, lse, t_out, t_lse)
