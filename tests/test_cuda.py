@@ -183,6 +183,15 @@ def test_forward_128_query_patches(case, dtype):
     check_forward(case, dtype, 11 + zlib.crc32(ids(case).encode()) % 1000, patch=128)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [c for c in HOPPER_CASES if c[9] == 128], ids=ids)
+def test_forward_64_query_patches_d128(case, dtype):
+    """The forward on 64-query patches at D = 128, requested as tiles (on Hopper the
+    one-warpgroup wgmma kernel, csrc/cuda/fna_wgmma.cu; on other GPUs the mma.sync kernel),
+    against the reference."""
+    check_forward(case, dtype, 13 + zlib.crc32(ids(case).encode()) % 1000, patch=64)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=ids)
 def test_backward(case, dtype, use_reference, kv_parallel):

@@ -250,7 +250,8 @@ int nbhd_cuda_mma_forward_supported(const nbhd_geometry *g, const nbhd_forward_a
 nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                   const nbhd_cuda_choice *c, cudaStream_t stream);
 
-/* fna_wgmma.cu: the Hopper (sm_90a, wgmma) forward on 128-query patches, D = Dv in {64, 128},
+/* fna_wgmma.cu: the Hopper (sm_90a, wgmma) forward on 128-query patches, D = Dv in {64, 128}
+ * (and on 64-query patches at D = 128),
  * on the same conditions as the mma.sync forward; ready: this device runs an sm_90a image */
 int nbhd_cuda_wgmma_ready(void);
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,

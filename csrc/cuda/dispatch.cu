@@ -3,9 +3,10 @@
  * kernel_choice.cu for its kernels (nbhd_cuda_choose) and runs them; this file owns the
  * workspace layout.
  *
- *   forward      mma.sync tensor-core kernel (fna_mma.cu; on Hopper's 128-query patches
- *                fna_wgmma.cu) when f16/bf16, D = Dv in {32,64,128}, 16-byte aligned rows with
- *                unit element stride; else the simple kernel
+ *   forward      mma.sync tensor-core kernel (fna_mma.cu; on Hopper fna_wgmma.cu for
+ *                128-query patches, and for 64-query ones at D = 128) when f16/bf16,
+ *                D = Dv in {32,64,128}, 16-byte aligned rows with unit element stride; else
+ *                the simple kernel
  *   backward     mma.sync kernels (fna_mma_bwd.cu) under the forward's conditions plus aligned
  *                dO and gradients; else the simple kernels (deterministic). The mma backward is
  *                deterministic with exec.kv_parallel off (dQ query-stationary, dK/dV

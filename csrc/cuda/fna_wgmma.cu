@@ -1,12 +1,14 @@
 /*
- * fna_wgmma.cu — the Hopper forward (O, LSE) on large windows: warpgroup MMA (wgmma, sm_90a),
- * for f16/bf16 with D = Dv in {64, 128} and 128-query patches (mma_util.cuh patch_*, mb = 2).
+ * fna_wgmma.cu — the Hopper forward (O, LSE): warpgroup MMA (wgmma, sm_90a), for f16/bf16 with
+ * D = Dv in {64, 128} on 128-query patches (mma_util.cuh patch_*, mb = 2: large windows) and at
+ * D = 128 also on 64-query patches (mb = 1: small windows, whose unions waste less at 64).
  *
  * Why: mma.sync feeds the tensor cores from registers that every warp first loads with ldmatrix,
  * which caps the mma.sync forward near a third of the dense rate (bench/bench_gpu.py, large windows);
  * wgmma reads K and V straight from shared memory, 64 query rows per instruction.
  *
- * A CTA is two warpgroups (8 warps); warpgroup wg owns the patch's m-blocks 4 wg .. 4 wg + 3
+ * A CTA is WGS warpgroups (two on 128-query patches, one on 64); warpgroup wg owns the patch's
+ * m-blocks 4 wg .. 4 wg + 3
  * (64 queries, a box: 1-D 64, 2-D 8x8, 3-D 4x4x4), warp w m-block w, so a thread's rows and
  * columns are those of the mma.sync forward (fna_mma.cu) with one m-block per warp, and its
  * softmax and epilogue are the same functions (mma_util.cuh fwd_softmax_tile, fwd_store). The
@@ -20,11 +22,12 @@
  */
 #include "wgmma.cuh"
 
-template <typename T, int HD, int BN, int RANK, int MINB>
-__global__ void __launch_bounds__(WGMMA_THREADS, MINB)
+template <typename T, int HD, int BN, int RANK, int MINB, int WGS>
+__global__ void __launch_bounds__(128 * WGS, MINB)
 fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    constexpr int BM = WGMMA_BM, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES;
+    using CTA = wg_cta<RANK, WGS>;
+    constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD]; O staged here */
     T *Ks = Qs + BM * HD;                          /* [KST][BN][HD] */
@@ -32,7 +35,7 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     int *kc = (int *)(Vs + VST * BN * HD);         /* [KST][RANK][BN] in-group key coordinates */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
-    wg_cta<RANK> C;  /* (b, head, patch) and the patch's key walk */
+    CTA C;  /* (b, head, patch) and the patch's key walk */
     if (!C.place_queries(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
     auto row_coords = [&](int qr, int iq[3]) -> bool { return C.row(qr, iq); };
@@ -43,7 +46,7 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
     const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
     auto load_tile = [&](int t, int) {
-        C.template load_kv_tile<T, HD, BN, WGMMA_THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
+        C.template load_kv_tile<T, HD, BN, THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
                                                           Vs + (t % VST) * BN * HD, kc + (t % KST) * RANK * BN, tid,
                                                           [](int r, int ch) { return gmma_off<BN>(r, ch); });
     };
@@ -150,7 +153,7 @@ int nbhd_cuda_wgmma_ready(void) {
     }
     if (!ready[dev]) {
         cudaFuncAttributes attr;
-        const bool ok = cudaFuncGetAttributes(&attr, fna_wgmma_forward_kernel<__nv_bfloat16, 128, 64, 1, 1>) ==
+        const bool ok = cudaFuncGetAttributes(&attr, fna_wgmma_forward_kernel<__nv_bfloat16, 128, 64, 1, 1, 2>) ==
                             cudaSuccess && attr.binaryVersion == 90;
         cudaGetLastError();
         ready[dev] = ok ? 1 : 2;
@@ -158,30 +161,36 @@ int nbhd_cuda_wgmma_ready(void) {
     return ready[dev] == 1;
 }
 
-template <typename T, int HD, int BN, int RANK, int MINB>
+template <typename T, int HD, int BN, int RANK, int MINB, int WGS>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                                cudaStream_t st) {
-    const size_t smem = 1024 + sizeof(T) * (size_t)(WGMMA_BM + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
+    const size_t smem = 1024 + sizeof(T) * (size_t)(64 * WGS + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
                         sizeof(int) * WGMMA_K_STAGES * RANK * BN;
-    return nbhd_cuda_launch(fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB>, g->batch * g->heads * P.patches,
-                            WGMMA_THREADS, smem, "wgmma forward", st, *g, *a, P);
+    return nbhd_cuda_launch(fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS>, g->batch * g->heads * P.patches,
+                            128 * WGS, smem, "wgmma forward", st, *g, *a, P);
 }
 
-/* the kernel of the choice (kernel_choice.cu choose_forward): key tiles of 64, two CTAs per SM
- * at D = 64, one at D = 128 */
-template <typename T, int HD>
-static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_cuda_choice &c,
-                          cudaStream_t st) {
-    constexpr int BN = 64, MINB = HD == 64 ? 2 : 1;
-    if (c.bn != BN || c.minb != MINB || c.mb != 2) return nbhd_cuda_no_kernel("wgmma forward", &c);
-    const mma_plan P = mma_plan_of(g, 2);
+template <typename T, int HD, int BN, int MINB, int WGS>
+static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g, WGS);
     switch (P.rank) {
-    case 1: return launch_rank<T, HD, BN, 1, MINB>(g, a, P, st);
-    case 2: return launch_rank<T, HD, BN, 2, MINB>(g, a, P, st);
-    default: return launch_rank<T, HD, BN, 3, MINB>(g, a, P, st);
+    case 1: return launch_rank<T, HD, BN, 1, MINB, WGS>(g, a, P, st);
+    case 2: return launch_rank<T, HD, BN, 2, MINB, WGS>(g, a, P, st);
+    default: return launch_rank<T, HD, BN, 3, MINB, WGS>(g, a, P, st);
     }
 }
 
+/* the kernel of the choice (kernel_choice.cu choose_forward): 128-query patches on two
+ * warpgroups with key tiles of 64, two CTAs per SM at D = 64, one at D = 128; at D = 128 also
+ * 64-query patches on one warpgroup with key tiles of 32, three CTAs per SM */
+template <typename T, int HD>
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_cuda_choice &c,
+                          cudaStream_t st) {
+    if (c.mb == 2 && c.bn == 64 && c.minb == (HD == 64 ? 2 : 1))
+        return launch_ranks<T, HD, 64, HD == 64 ? 2 : 1, 2>(g, a, st);
+    if (HD == 128 && c.mb == 1 && c.bn == 32 && c.minb == 3) return launch_ranks<T, HD, 32, 3, 1>(g, a, st);
+    return nbhd_cuda_no_kernel("wgmma forward", &c);
+}
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                     const nbhd_cuda_choice *c, cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;

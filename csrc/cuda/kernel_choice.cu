@@ -88,15 +88,24 @@ int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, co
  * MMAs; with 32-key tiles at D = 128 and on 1-D (fewer spills), else 64-key ones. The loop is
  * latency-bound, so registers are budgeted for as many CTAs per SM as spill little: 64-query
  * patches at D <= 64 4 CTAs (32-key tiles), at D = 128 3, where the 32-key kernels re-read Q
- * from shared memory each tile. The Hopper forward: key tiles of 64 (at D = 128 115 KiB of
- * shared memory and one CTA per SM, at D = 64 two in 128 registers; 128-key tiles are slower on
- * both). Reproduce: bench/bench_gpu.py, A/B of two builds. */
+ * from shared memory each tile. The Hopper forward: on 128-query patches two warpgroups with key
+ * tiles of 64 (at D = 128 115 KiB of shared memory and one CTA per SM, at D = 64 two in 128
+ * registers; 128-key tiles are slower on both); on 64-query patches at D = 128 one warpgroup
+ * with key tiles of 32, three CTAs per SM (16-23 % faster than mma.sync on the small-window
+ * rows; at D = 64 no faster, and 64-key tiles slower). Reproduce: bench/bench_gpu.py
+ * --forward-only, A/B of two builds. */
 static void choose_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev, nbhd_cuda_choice *c) {
     const int D = g->head_dim;
     if (c->mb == 2 && dev->wgmma) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 64;
         c->minb = D == 64 ? 2 : 1;
+        return;
+    }
+    if (c->mb == 1 && dev->wgmma && D == 128) {
+        c->family = NBHD_CUDA_WGMMA;
+        c->bn = 32;
+        c->minb = 3;
         return;
     }
     const bool small_window = g->has_window && !nbhd_cuda_mma_large_window(g);

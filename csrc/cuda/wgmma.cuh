@@ -50,18 +50,20 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lead_bytes
 }
 
 
-/* The CTA of the Hopper kernels (fna_wgmma*.cu): two warpgroups on a 128-row patch
- * (cta_patch.cuh with MB = 2: m-blocks stacked along axis 0, warp w owning m-block w, warpgroup
- * wg the box of m-blocks 4 wg .. 4 wg + 3), with the loads and masks of that shape. */
-template <int RANK>
-struct wg_cta : cta_patch<RANK, 2> {
-    /* the patch's rows of x1 and x2 (head `head`) into [WGMMA_BM][HD] tiles d1, d2 of the layout
+/* The CTA of the Hopper kernels (fna_wgmma*.cu): WGS warpgroups on a 64 WGS-row patch
+ * (cta_patch.cuh with MB = WGS: m-blocks stacked along axis 0, warp w owning m-block w, warpgroup
+ * wg the box of m-blocks 4 wg .. 4 wg + 3), with the loads and masks of that shape. Two on the
+ * large windows; one on small windows, whose 64-query patches waste less of the union. */
+template <int RANK, int WGS = 2>
+struct wg_cta : cta_patch<RANK, WGS> {
+    static constexpr int BM = 64 * WGS, THREADS = 128 * WGS;
+    /* the patch's rows of x1 and x2 (head `head`) into [BM][HD] tiles d1, d2 of the layout
      * above (cta_patch::copy_rows) */
     template <typename T, int HD, bool TWO = true>
     __device__ __forceinline__ void load_rows(const nbhd_geometry &g, const mma_plan &P, const nbhd_tensor &x1,
                                               const nbhd_tensor &x2, int64_t head, T *d1, T *d2, int tid) const {
-        this->template copy_rows<T, HD, WGMMA_BM, WGMMA_THREADS, TWO>(
-            g, P, x1, x2, head, d1, d2, tid, [](int r, int ch) { return gmma_off<WGMMA_BM>(r, ch); });
+        this->template copy_rows<T, HD, BM, THREADS, TWO>(
+            g, P, x1, x2, head, d1, d2, tid, [](int r, int ch) { return gmma_off<BM>(r, ch); });
     }
 
     /* a thread's fragment rows (validity, windows) and its warpgroup's intersection of windows */
