@@ -144,6 +144,21 @@ def test_double_backward_low_precision(dtype, device, no_reference):
     close(got, want, 1e-4 if dtype == torch.float32 else 5e-2)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and nbhd.has_cuda()), reason="needs a CUDA GPU")
+def test_double_backward_with_backward_tiles_cuda(no_reference):
+    """Backward tiles apply to the backward's kernels; the backward through forward+JVP, which
+    CUDA runs untiled, is not refused for them. Against the CPU's fused float64 result."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 12, 10, 2, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    e = q.new_empty(1, 0, 2, 64)
+    tiles = dict(backward_q_tile_shape=(8, 8), backward_kv_tile_shape=(8, 8))
+    na = lambda q, k, v, kx, vx, **kw: nbhd.na2d(q, k, v, 5, additional_keys=kx, additional_values=vx,
+                                                   return_lse=True, **kw)
+    got = double_backward(lambda *x: na(*x, **tiles), tuple(t.to("cuda", torch.bfloat16) for t in (q, k, v, e, e)), 4)
+    want = double_backward(na, (q, k, v, e, e), 4)
+    close([x.double().cpu() for x in got], want, 5e-2)
+
+
 # ---------------------------------------------------------------------------------------------
 # the rules' reference branches (rules.py), which devices without the fused backward through
 # forward+JVP take: the same table, on the CPU with the fused devices emptied
