@@ -256,7 +256,8 @@ nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_arg
 int nbhd_cuda_wgmma_ready(void);
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                     const nbhd_cuda_choice *c, cudaStream_t stream);
-/* fna_wgmma_jvp.cu: the Hopper forward+JVP on 128-query patches, D = Dv in {64, 128}, on the
+/* fna_wgmma_jvp.cu: the Hopper forward+JVP on 128-query patches, D = Dv in {64, 128} (and on
+ * 64-query patches at D = 128), on the
  * mma.sync forward+JVP's conditions */
 nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                         const nbhd_cuda_choice *c, cudaStream_t stream);

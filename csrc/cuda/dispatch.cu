@@ -15,8 +15,8 @@
  *                128-row patches (Hopper, D >= 64: windows of 512+ keys) both run on wgmma
  *                (fna_wgmma_bwd.cu).
  *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu; fna_wgmma_jvp.cu on Hopper's 128-query
- *                patches) under the forward's conditions plus aligned tangents (absent ones
- *                skipped); else the simple kernel
+ *                patches and its 64-query ones at D = 128) under the forward's conditions plus
+ *                aligned tangents (absent ones skipped); else the simple kernel
  *   forward_jvp_backward  the simple kernels
  * exec.use_reference forces the simple kernels. Tiles in exec (q_tile/kv_tile, already checked
  * against nbhd_cuda_tile_configs by the entry points) are honoured by the tensor-core kernels; a

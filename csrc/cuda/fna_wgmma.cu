@@ -188,7 +188,8 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, co
                           cudaStream_t st) {
     if (c.mb == 2 && c.bn == 64 && c.minb == (HD == 64 ? 2 : 1))
         return launch_ranks<T, HD, 64, HD == 64 ? 2 : 1, 2>(g, a, st);
-    if (HD == 128 && c.mb == 1 && c.bn == 32 && c.minb == 3) return launch_ranks<T, HD, 32, 3, 1>(g, a, st);
+    if constexpr (HD == 128)
+        if (c.mb == 1 && c.bn == 32 && c.minb == 3) return launch_ranks<T, HD, 32, 3, 1>(g, a, st);
     return nbhd_cuda_no_kernel("wgmma forward", &c);
 }
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,

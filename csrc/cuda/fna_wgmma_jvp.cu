@@ -1,6 +1,7 @@
 /*
- * fna_wgmma_jvp.cu — the Hopper forward+JVP (O, LSE, tO, mu) on 128-query patches: warpgroup
- * MMA (wgmma, sm_90a) for f16/bf16 with D = Dv in {64, 128}. The math is fna_mma_jvp.cu's:
+ * fna_wgmma_jvp.cu — the Hopper forward+JVP (O, LSE, tO, mu) on 128-query patches (and at
+ * D = 128 on 64-query ones, one warpgroup per CTA: small windows): warpgroup MMA (wgmma, sm_90a)
+ * for f16/bf16 with D = Dv in {64, 128}. The math is fna_mma_jvp.cu's:
  *
  *   S  = Q K^T,  tS = s (tQ K^T + Q tK^T)
  *   m, l online in base 2; p = 2^(S s log2e - m);  r = r 2^(m_old-m) + sum p tS
@@ -8,26 +9,34 @@
  *   C  = C 2^(m_old-m) + (P . tS) V + P tV
  *   o = O/l, mu = r/l, tO = C/l - mu o
  *
- * the tiles and pipeline those of fna_wgmma.cu (two warpgroups of 64 queries; per tile S and tS
+ * the tiles and pipeline those of fna_wgmma.cu (warpgroups of 64 queries; per tile S and tS
  * by wgmma from shared memory, then the previous tile's three value products from registers
  * while this tile's softmax runs). Absent tangents are loaded as zeros, so that every wgmma is
  * issued unconditionally (ptxas serialises wgmma under branches it cannot prove uniform).
  */
 #include "wgmma.cuh"
 
-template <int HD, int BN>
+/* The tiles (after up to 1024 bytes of alignment) and the key coordinates. One warpgroup at
+ * D = 128 takes no alignment slack, so that two CTAs fit an SM (2 x 113 KiB): the dynamic shared
+ * memory of a CTA without static shared memory starts 1024-aligned on Hopper, which the kernel
+ * checks (a trap, never a silent overrun). */
+template <int HD, int BN, int WGS>
 static constexpr size_t wgj_smem_bytes(int rank) {
-    return 1024 + 2 * (size_t)(2 * WGMMA_BM * HD + 2 * (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN * HD) +
+    return (WGS == 1 ? 0 : 1024) +
+           2 * (size_t)(2 * 64 * WGS * HD + 2 * (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN * HD) +
            sizeof(int) * WGMMA_K_STAGES * rank * BN;
 }
 
-template <typename T, int HD, int BN, int RANK>
-__global__ void __launch_bounds__(WGMMA_THREADS, 1)
+template <typename T, int HD, int BN, int RANK, int WGS>
+__global__ void __launch_bounds__(128 * WGS, WGS == 1 ? 2 : 1)
 fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    constexpr int BM = WGMMA_BM, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES, TILE = BN * HD;
+    using CTA = wg_cta<RANK, WGS>;
+    constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES, TILE = BN * HD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
+    const uint32_t pad = (1024 - (smem_u32(smem_raw) & 1023)) & 1023;
+    if (WGS == 1 && pad) __trap();
+    T *Qs = (T *)(smem_raw + pad); /* [BM][HD] */
     T *tQs = Qs + BM * HD;                  /* [BM][HD] */
     T *Ks = tQs + BM * HD;                  /* [KST][BN][HD] */
     T *tKs = Ks + KST * TILE;               /* [KST][BN][HD] */
@@ -36,7 +45,7 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
     int *kc = (int *)(tVs + VST * TILE);    /* [KST][RANK][BN] in-group key coordinates */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
-    wg_cta<RANK> C;
+    CTA C;
     if (!C.place_queries(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
 
@@ -44,7 +53,7 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
 
     // K, tK, V, tV (and key coordinates) of tile t: one key per TPR threads
     auto load_tile = [&](int t, int) {
-        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BN, CPT = CH / TPR;
+        constexpr int CH = HD / 8, TPR = THREADS / BN, CPT = CH / TPR;
         const int kr = tid / TPR;
         int j[3];
         int64_t e;
@@ -181,27 +190,35 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
 // ----------------------------------------------------------------------------
 // launch (on the mma.sync forward+JVP's conditions, fna_mma_jvp.cu, when nbhd_cuda_wgmma_ready)
 
-template <typename T, int HD, int BN, int RANK>
+template <typename T, int HD, int BN, int RANK, int WGS>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const mma_plan &P,
                                cudaStream_t st) {
-    constexpr size_t smem = wgj_smem_bytes<HD, BN>(RANK);
+    constexpr size_t smem = wgj_smem_bytes<HD, BN, WGS>(RANK);
     static_assert(smem <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
-    return nbhd_cuda_launch(fna_wgmma_jvp_kernel<T, HD, BN, RANK>, g->batch * g->heads * P.patches,
-                            WGMMA_THREADS, smem, "wgmma forward_jvp", st, *g, *a, P);
+    return nbhd_cuda_launch(fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS>, g->batch * g->heads * P.patches,
+                            128 * WGS, smem, "wgmma forward_jvp", st, *g, *a, P);
 }
 
-/* the kernel of the choice (kernel_choice.cu choose_forward_jvp): key tiles of 64 */
+template <typename T, int HD, int BN, int WGS>
+static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g, WGS);
+    switch (P.rank) {
+    case 1: return launch_rank<T, HD, BN, 1, WGS>(g, a, P, st);
+    case 2: return launch_rank<T, HD, BN, 2, WGS>(g, a, P, st);
+    default: return launch_rank<T, HD, BN, 3, WGS>(g, a, P, st);
+    }
+}
+
+/* the kernel of the choice (kernel_choice.cu choose_forward_jvp): 128-query patches on two
+ * warpgroups with key tiles of 64; at D = 128 also 64-query patches on one warpgroup with key
+ * tiles of 32, two CTAs per SM */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_cuda_choice &c,
                           cudaStream_t st) {
-    constexpr int BN = 64;
-    if (c.bn != BN || c.mb != 2) return nbhd_cuda_no_kernel("wgmma forward_jvp", &c);
-    const mma_plan P = mma_plan_of(g, 2);
-    switch (P.rank) {
-    case 1: return launch_rank<T, HD, BN, 1>(g, a, P, st);
-    case 2: return launch_rank<T, HD, BN, 2>(g, a, P, st);
-    default: return launch_rank<T, HD, BN, 3>(g, a, P, st);
-    }
+    if (c.mb == 2 && c.bn == 64) return launch_ranks<T, HD, 64, 2>(g, a, st);
+    if constexpr (HD == 128)
+        if (c.mb == 1 && c.bn == 32) return launch_ranks<T, HD, 32, 1>(g, a, st);
+    return nbhd_cuda_no_kernel("wgmma forward_jvp", &c);
 }
 
 nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,

@@ -48,17 +48,17 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op, const nbhd_c
 
 /* The default where allowed: 128-query patches where they feed more MMAs per shared-memory read
  * than they waste on padding. The forward: windows of 512+ keys. The forward+JVP: those at
- * D = 128, and on Hopper every window at D = 128 and large ones at D = 64. The backward (Hopper
- * only): large windows, and with KV parallelism every window at D = 128 (one wgmma pass).
- * Reproduce: bench/ab_gpu.py [--jvp | --bwd]. */
+ * D = 128, and on Hopper at D = 64 too (on Hopper small windows at D = 128 take 64-query patches
+ * on one warpgroup: 1.18-1.29x faster than 128 on the small-window problems). The backward
+ * (Hopper only): large windows, and with KV parallelism every window at D = 128 (one wgmma
+ * pass). Reproduce: bench/ab_gpu.py [--jvp | --bwd]. */
 static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_parallel,
                                 const nbhd_cuda_device *dev) {
     if (!g->has_window) return false;
     const bool large = nbhd_cuda_mma_large_window(g);
     if (op == NBHD_OP_FORWARD) return large;
     if (op == NBHD_OP_BACKWARD) return large || (kv_parallel && g->head_dim == 128);
-    if (dev->wgmma) return large || g->head_dim >= 128;
-    return large && g->head_dim >= 128;
+    return large && (dev->wgmma || g->head_dim >= 128);
 }
 
 /* 16-row m-blocks per warp: the requested patch's (listed, so 128 only where allowed), else
@@ -119,11 +119,18 @@ static void choose_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev, 
 /* The forward+JVP: 128 queries on 8 warps (one CTA per SM; on Hopper the wgmma kernel with key
  * tiles of 64, faster than 32 although at D = 128 it spills 128 bytes and takes 227 KiB of
  * shared memory), or 64 on 4 (three CTAs per SM at D = 64, else two: 168 registers and ~116
- * spilled bytes at D = 64, faster than two). Reproduce: bench/bench_gpu.py --only 1d,3d-30. */
+ * spilled bytes at D = 64, faster than two; on Hopper at D = 128 one warpgroup of wgmma with
+ * key tiles of 32, two CTAs per SM). Reproduce: bench/bench_gpu.py --only 1d,3d-30,
+ * bench/ab_gpu.py --jvp. */
 static void choose_forward_jvp(const nbhd_geometry *g, const nbhd_cuda_device *dev, nbhd_cuda_choice *c) {
     if (c->mb == 2 && dev->wgmma) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 64;
+        return;
+    }
+    if (c->mb == 1 && dev->wgmma && g->head_dim == 128) {
+        c->family = NBHD_CUDA_WGMMA;
+        c->bn = 32;
         return;
     }
     c->minb = c->mb == 2 ? 1 : g->head_dim == 64 ? 3 : 2;
