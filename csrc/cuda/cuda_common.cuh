@@ -262,7 +262,8 @@ nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_a
 nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                         const nbhd_cuda_choice *c, cudaStream_t stream);
 
-/* fna_wgmma_bwd.cu: the Hopper backward's dQ and window-key dK/dV on 128-row patches, D = Dv in
+/* fna_wgmma_bwd.cu: the Hopper backward's dQ and window-key dK/dV on 128-row patches (and on
+ * 64-row ones at D = 128, deterministic), D = Dv in
  * {64, 128}, given D_i in Dws (fna_mma_bwd.cu runs it on the mma.sync backward's conditions).
  * dq_acc (KV-parallel): the window keys' dQ is added to this zeroed fp32
  * accumulator (mma_util.cuh dq_accumulator) in the dK/dV pass; null: two deterministic passes */

@@ -13,7 +13,7 @@
  *                key-stationary); with it on, one key-stationary pass adds dQ by fp32 atomics
  *                into a workspace accumulator (faster, summation order not fixed; D <= 64). On
  *                128-row patches (Hopper, D >= 64: windows of 512+ keys) both run on wgmma
- *                (fna_wgmma_bwd.cu).
+ *                (fna_wgmma_bwd.cu), and at D = 128 the deterministic one on 64-row ones.
  *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu; fna_wgmma_jvp.cu on Hopper's 128-query
  *                patches and its 64-query ones at D = 128) under the forward's conditions plus
  *                aligned tangents (absent ones skipped); else the simple kernel

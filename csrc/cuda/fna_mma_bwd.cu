@@ -595,7 +595,7 @@ template <typename T, int HD>
 static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *a, void *workspace,
                               const nbhd_cuda_choice &c, cudaStream_t st) {
     const bool kv_parallel = c.kv_parallel, hopper = c.family == NBHD_CUDA_WGMMA;
-    if (c.mb != (hopper ? 2 : 1) || (kv_parallel && !hopper && HD > 64))
+    if ((!hopper && c.mb != 1) || (kv_parallel && !hopper && HD > 64))
         return nbhd_cuda_no_kernel("mma backward", &c);
     const mma_plan P = mma_plan_of(g);
     float *Dws = (float *)workspace;
@@ -613,7 +613,7 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
         di_kernel<T, false><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
     NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
 
-    if (hopper) {  /* 128-row patches (Hopper, D >= 64): wgmma for the window keys */
+    if (hopper) {  /* Hopper: wgmma for the window keys */
         if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, &c, st)) != NBHD_OK) return s;
         if (g->extra_kv > 0)  /* the extra keys' dK/dV (and dQ) on mma.sync */
             s = kv_parallel ? launch_dkdv<T, HD, true, true>(g, a, Dws, dq_acc, P, st)

@@ -1,5 +1,6 @@
 /*
- * fna_wgmma_bwd.cu — the Hopper backward (dQ, dK, dV) on 128-row patches: warpgroup MMA
+ * fna_wgmma_bwd.cu — the Hopper backward (dQ, dK, dV) on 128-row patches (two warpgroups), and
+ * at D = 128 on 64-row patches (one warpgroup, small windows, deterministic only): warpgroup MMA
  * (wgmma, sm_90a), f16/bf16, D = Dv in {64, 128}. The two deterministic passes of
  * fna_mma_bwd.cu (which keeps D_i and the extra keys' dK/dV) on wgmma:
  *
@@ -40,27 +41,29 @@
 #define WGB_DQ_V_STAGES 2
 #define WGB_KV_STAGES 3
 
-template <int HD, int BN, int RANK>
+template <int HD, int BN, int RANK, int WGS>
 static constexpr size_t dq_smem_bytes() {
-    return 1024 + 2 * (size_t)(2 * WGMMA_BM + (WGB_DQ_K_STAGES + WGB_DQ_V_STAGES) * BN) * HD +
+    return 1024 + 2 * (size_t)(2 * 64 * WGS + (WGB_DQ_K_STAGES + WGB_DQ_V_STAGES) * BN) * HD +
            sizeof(int) * WGB_DQ_V_STAGES * RANK * BN;
 }
-template <int HD, int BN, int RANK, bool KVP>
+template <int HD, int BN, int RANK, bool KVP, int WGS>
 static constexpr size_t dkdv_smem_bytes() {
-    return 1024 + 2 * (size_t)(2 * WGMMA_BM + 2 * WGB_KV_STAGES * BN) * HD + (KVP ? 2 * (size_t)WGMMA_BM * BN : 0) +
+    return 1024 + 2 * (size_t)(2 * 64 * WGS + 2 * WGB_KV_STAGES * BN) * HD + (KVP ? 2 * (size_t)WGMMA_BM * BN : 0) +
            sizeof(int) * WGB_KV_STAGES * (RANK + 2) * BN;
 }
 
 // ----------------------------------------------------------------------------
 // dQ, query-stationary
 
-/* one CTA per SM: at two (128 registers) ptxas serialises the wgmma (C7512) even at D = 64 */
-template <typename T, int HD, int BN, int RANK>
-__global__ void __launch_bounds__(WGMMA_THREADS, 1)
+/* two warpgroups: one CTA per SM (at two, 128 registers, ptxas serialises the wgmma (C7512)
+ * even at D = 64); one warpgroup (64-query patches at D = 128): three */
+template <typename T, int HD, int BN, int RANK, int WGS>
+__global__ void __launch_bounds__(128 * WGS, WGS == 1 ? 3 : 1)
 fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                     const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    constexpr int BM = WGMMA_BM, KST = WGB_DQ_K_STAGES, VST = WGB_DQ_V_STAGES;
+    using CTA = wg_cta<RANK, WGS>;
+    constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGB_DQ_K_STAGES, VST = WGB_DQ_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
     T *dOs = Qs + BM * HD;                   /* [BM][HD] */
@@ -69,7 +72,7 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     int *kc = (int *)(Vs + VST * BN * HD);   /* [VST][RANK][BN] in-group key coordinates */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
-    wg_cta<RANK> C;
+    CTA C;
     if (!C.place_queries(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
 
@@ -79,8 +82,8 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
     const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
     auto load_tile = [&](int t, int) {
-        C.template load_kv_tile<T, HD, BN, WGMMA_THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
-                                                          Vs + (t % VST) * BN * HD, kc + (t % VST) * RANK * BN, tid,
+        C.template load_kv_tile<T, HD, BN, THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
+                                                    Vs + (t % VST) * BN * HD, kc + (t % VST) * RANK * BN, tid,
                                                           [](int r, int ch) { return gmma_off<BN>(r, ch); });
     };
 
@@ -200,12 +203,16 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 // ----------------------------------------------------------------------------
 // dK, dV of the window keys, key-stationary (KVP: and their part of dQ, by fp32 atomics)
 
-template <typename T, int HD, int BN, int RANK, bool KVP>
-__global__ void __launch_bounds__(WGMMA_THREADS, 1)
+/* two warpgroups on 128-key patches, one CTA per SM; one warpgroup (64-key patches at D = 128,
+ * not KV-parallel): two */
+template <typename T, int HD, int BN, int RANK, bool KVP, int WGS>
+__global__ void __launch_bounds__(128 * WGS, WGS == 1 ? 2 : 1)
 fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                       float *dq_acc, const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    constexpr int BM = WGMMA_BM, ST = WGB_KV_STAGES;
+    using CTA = wg_cta<RANK, WGS>;
+    constexpr int BM = CTA::BM, THREADS = CTA::THREADS, ST = WGB_KV_STAGES;
+    static_assert(!KVP || WGS == 2, "KV-parallel dQ: a 64 x 64 block per warpgroup of two");
     /* KVP: a warpgroup's dQ is 64 queries x 64 columns: of 128 queries at D = 64 it takes query
      * block wg, of 64 queries at D = 128 column block wg */
     constexpr int NQB = BN / 64;
@@ -221,10 +228,10 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
     float *qd = ql + ST * BN;                   /* [ST][BN] D_i */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
-    wg_cta<RANK> C;  /* rows: the patch's keys; C.h the key head */
+    CTA C;  /* rows: the patch's keys; C.h the key head */
     if (!C.place_keys(g, P)) return;
     const int hk = C.h;
-    constexpr int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
+    constexpr int ct[3] = {patch_ct(RANK, 0, WGS), patch_ct(RANK, 1, WGS), patch_ct(RANK, 2, WGS)};
 
     // columns: the union of the rows' inverse neighbourhoods, in-group, walked row-major
     key_box qb;
@@ -258,7 +265,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
     const group_ptr<float> dqp = KVP ? group_ptr_of<float>(dq_accumulator(g, dq_acc), g, C.b, C.grp, h0)
                                      : group_ptr<float>{};
     auto load_tile = [&](int t, int s) {
-        constexpr int CH = HD / 8, TPR = WGMMA_THREADS / BN, CPT = CH / TPR;
+        constexpr int CH = HD / 8, TPR = THREADS / BN, CPT = CH / TPR;
         const int hh = t / tiles_per_head;
         const int cr = tid / TPR, n = (t - hh * tiles_per_head) * BN + cr;
         const bool ok = n < qb.total;
@@ -464,41 +471,50 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
 // ----------------------------------------------------------------------------
 // launch
 
-/* dq_acc: the KV-parallel pass (tiles of 128 at D = 64, 64 at D = 128): dK/dV and dQ by atomics,
- * no dq kernel */
-template <typename T, int HD, int BN, int RANK>
+/* dq_acc: the KV-parallel pass (two warpgroups; tiles of 128 at D = 64, 64 at D = 128): dK/dV and
+ * dQ by atomics, no dq kernel */
+template <typename T, int HD, int BN, int RANK, int WGS>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                float *dq_acc, const mma_plan &P, cudaStream_t st) {
     const int64_t q_ctas = g->batch * g->heads * P.patches, kv_ctas = g->batch * g->kv_heads * P.patches;
     nbhd_status s;
     if ((s = nbhd_cuda_grid_fits(q_ctas, "wgmma backward")) != NBHD_OK) return s;
-    if constexpr ((BN / 64) * (HD / 64) == 2) {
+    if constexpr (WGS == 2 && (BN / 64) * (HD / 64) == 2) {
         if (dq_acc)
-            return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true>, kv_ctas, WGMMA_THREADS,
-                                    dkdv_smem_bytes<HD, BN, RANK, true>(), "wgmma backward (dk, dv, dq)", st,
+            return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true, WGS>, kv_ctas, 128 * WGS,
+                                    dkdv_smem_bytes<HD, BN, RANK, true, WGS>(), "wgmma backward (dk, dv, dq)", st,
                                     *g, *a, Dws, dq_acc, P);
     }
-    if ((s = nbhd_cuda_launch(fna_wgmma_dq_kernel<T, HD, BN, RANK>, q_ctas, WGMMA_THREADS,
-                              dq_smem_bytes<HD, BN, RANK>(), "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
+    if (dq_acc) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: no KV-parallel pass on one warpgroup");
+    if ((s = nbhd_cuda_launch(fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS>, q_ctas, 128 * WGS,
+                              dq_smem_bytes<HD, BN, RANK, WGS>(), "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
         return s;
-    return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false>, kv_ctas, WGMMA_THREADS,
-                            dkdv_smem_bytes<HD, BN, RANK, false>(), "wgmma backward (dk, dv)", st,
+    return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS>, kv_ctas, 128 * WGS,
+                            dkdv_smem_bytes<HD, BN, RANK, false, WGS>(), "wgmma backward (dk, dv)", st,
                             *g, *a, Dws, (float *)nullptr, P);
 }
 
-/* the kernels of the choice (kernel_choice.cu choose_backward): tiles of 64 at D = 128, of 128
- * at D = 64 */
+template <typename T, int HD, int BN, int WGS>
+static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
+                                float *dq_acc, cudaStream_t st) {
+    const mma_plan P = mma_plan_of(g, WGS);
+    switch (P.rank) {
+    case 1: return launch_rank<T, HD, BN, 1, WGS>(g, a, Dws, dq_acc, P, st);
+    case 2: return launch_rank<T, HD, BN, 2, WGS>(g, a, Dws, dq_acc, P, st);
+    default: return launch_rank<T, HD, BN, 3, WGS>(g, a, Dws, dq_acc, P, st);
+    }
+}
+
+/* the kernels of the choice (kernel_choice.cu choose_backward): on 128-row patches tiles of 64
+ * at D = 128, of 128 at D = 64; at D = 128 also 64-row patches on one warpgroup, tiles of 32 */
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                           float *dq_acc, const nbhd_cuda_choice &c, cudaStream_t st) {
     constexpr int BN = HD == 64 ? 128 : 64;
-    if (c.bn != BN || c.mb != 2) return nbhd_cuda_no_kernel("wgmma backward", &c);
-    const mma_plan P = mma_plan_of(g, 2);
-    switch (P.rank) {
-    case 1: return launch_rank<T, HD, BN, 1>(g, a, Dws, dq_acc, P, st);
-    case 2: return launch_rank<T, HD, BN, 2>(g, a, Dws, dq_acc, P, st);
-    default: return launch_rank<T, HD, BN, 3>(g, a, Dws, dq_acc, P, st);
-    }
+    if (c.mb == 2 && c.bn == BN) return launch_ranks<T, HD, BN, 2>(g, a, Dws, dq_acc, st);
+    if constexpr (HD == 128)
+        if (c.mb == 1 && c.bn == 32) return launch_ranks<T, HD, 32, 1>(g, a, Dws, dq_acc, st);
+    return nbhd_cuda_no_kernel("wgmma backward", &c);
 }
 
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,

@@ -46,18 +46,24 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op, const nbhd_c
            (op == NBHD_OP_BACKWARD && dev->wgmma);
 }
 
+static int64_t window_keys(const nbhd_geometry *g) {
+    return (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
+}
+
 /* The default where allowed: 128-query patches where they feed more MMAs per shared-memory read
  * than they waste on padding. The forward: windows of 512+ keys. The forward+JVP: those at
  * D = 128, and on Hopper at D = 64 too (on Hopper small windows at D = 128 take 64-query patches
  * on one warpgroup: 1.18-1.29x faster than 128 on the small-window problems). The backward
- * (Hopper only): large windows, and with KV parallelism every window at D = 128 (one wgmma
- * pass). Reproduce: bench/ab_gpu.py [--jvp | --bwd]. */
+ * (Hopper only): large windows, and with KV parallelism windows of 128+ keys at D = 128 (one
+ * wgmma pass; below, e.g. 7x7, the deterministic one-warpgroup kernels on 64-row patches are
+ * faster: 2-D 64x64 w7 B8 1.50 against 1.63 ms; even at 13x13, 14 % slower at 7^3).
+ * Reproduce: bench/ab_gpu.py [--jvp | --bwd]. */
 static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_parallel,
                                 const nbhd_cuda_device *dev) {
     if (!g->has_window) return false;
     const bool large = nbhd_cuda_mma_large_window(g);
     if (op == NBHD_OP_FORWARD) return large;
-    if (op == NBHD_OP_BACKWARD) return large || (kv_parallel && g->head_dim == 128);
+    if (op == NBHD_OP_BACKWARD) return large || (kv_parallel && g->head_dim == 128 && window_keys(g) >= 128);
     return large && (dev->wgmma || g->head_dim >= 128);
 }
 
@@ -138,14 +144,20 @@ static void choose_forward_jvp(const nbhd_geometry *g, const nbhd_cuda_device *d
 
 /* The backward: on 128-row patches (Hopper) the window keys on wgmma, tiles (keys of dQ,
  * queries of dK/dV) of 64 at D = 128 and of 128 at D = 64: twice the products per barrier and
- * softmax pass where registers allow (bench/bench_gpu.py --only 1d,3d-30); the accumulator of
- * the KV-parallel path is read as float4, so a workspace not 16-byte aligned takes two passes */
+ * softmax pass where registers allow (bench/bench_gpu.py --only 1d,3d-30); on Hopper's 64-row
+ * patches at D = 128 the deterministic wgmma kernels on one warpgroup, tiles of 32 (1.16-1.32x
+ * faster than two warpgroups deterministic on the small-window problems, bench/ab_gpu.py
+ * --bwd); the accumulator of the KV-parallel path is read as float4, so a workspace not
+ * 16-byte aligned takes two passes */
 static void choose_backward(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_cuda_device *dev,
                             nbhd_cuda_choice *c) {
     c->kv_parallel = nbhd_cuda_kv_parallel_applies(g, e, dev) && (uintptr_t)e->workspace % 16 == 0;
     if (c->mb == 2) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = g->head_dim == 64 ? 128 : 64;
+    } else if (dev->wgmma && g->head_dim == 128) {
+        c->family = NBHD_CUDA_WGMMA;
+        c->bn = 32;
     }
 }
 
