@@ -231,10 +231,13 @@ int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, co
 int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
                                nbhd_tile_config *out, int32_t max);
 
-/* windows of 512 keys or more: the tensor-core forward's large-window tiles */
-static inline bool nbhd_cuda_mma_large_window(const nbhd_geometry *g) {
-    return (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel >= 512;
+/* keys in a query's window (padded axes have kernel 1) */
+static inline int64_t nbhd_cuda_window_keys(const nbhd_geometry *g) {
+    return (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
 }
+
+/* windows of 512 keys or more: the tensor-core forward's large-window tiles */
+static inline bool nbhd_cuda_mma_large_window(const nbhd_geometry *g) { return nbhd_cuda_window_keys(g) >= 512; }
 
 /* a launcher given a choice it has no kernel for (kernel_choice.cu and it disagree) */
 static inline nbhd_status nbhd_cuda_no_kernel(const char *what, const nbhd_cuda_choice *c) {

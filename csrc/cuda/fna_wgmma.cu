@@ -8,13 +8,12 @@
  * wgmma reads K and V straight from shared memory, 64 query rows per instruction.
  *
  * A CTA is WGS warpgroups (two on 128-query patches, one on 64); warpgroup wg owns the patch's
- * m-blocks 4 wg .. 4 wg + 3
- * (64 queries, a box: 1-D 64, 2-D 8x8, 3-D 4x4x4), warp w m-block w, so a thread's rows and
- * columns are those of the mma.sync forward (fna_mma.cu) with one m-block per warp, and its
- * softmax and epilogue are the same functions (mma_util.cuh fwd_softmax_tile, fwd_store). The
- * CTA walks the exact union of its windows in tiles of BN keys (then the extra keys), K and V
- * in a ring of shared-memory stages filled by cp.async in the layout of wgmma.cuh; per
- * tile each warpgroup issues
+ * m-blocks 4 wg .. 4 wg + 3 (64 queries, a box: 1-D 64, 2-D 8x8, 3-D 4x4x4), warp w m-block w,
+ * so a thread's rows and columns are those of the mma.sync forward (fna_mma.cu) with one
+ * m-block per warp, and its softmax and epilogue are the same functions (mma_util.cuh
+ * fwd_softmax_tile, fwd_store). The CTA walks the exact union of its windows in tiles of BN
+ * keys (then the extra keys), K and V in a ring of shared-memory stages filled by cp.async in
+ * the layout of wgmma.cuh; per tile each warpgroup issues
  *   S = Q K^T          HD/16 wgmma m64nBNk16, Q and K from shared memory
  *   O += P' V'         BN/16 wgmma m64nHDk16 of the previous tile, P' from registers
  * then, while the second runs on the tensor cores, the softmax of S (scale, mask unless the tile

@@ -46,10 +46,6 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op, const nbhd_c
            (op == NBHD_OP_BACKWARD && dev->wgmma);
 }
 
-static int64_t window_keys(const nbhd_geometry *g) {
-    return (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;
-}
-
 /* The default where allowed: 128-query patches where they feed more MMAs per shared-memory read
  * than they waste on padding. The forward: windows of 512+ keys. The forward+JVP: those at
  * D = 128, and on Hopper at D = 64 too (on Hopper small windows at D = 128 take 64-query patches
@@ -63,7 +59,8 @@ static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_para
     if (!g->has_window) return false;
     const bool large = nbhd_cuda_mma_large_window(g);
     if (op == NBHD_OP_FORWARD) return large;
-    if (op == NBHD_OP_BACKWARD) return large || (kv_parallel && g->head_dim == 128 && window_keys(g) >= 128);
+    if (op == NBHD_OP_BACKWARD)
+        return large || (kv_parallel && g->head_dim == 128 && nbhd_cuda_window_keys(g) >= 128);
     return large && (dev->wgmma || g->head_dim >= 128);
 }
 
@@ -145,7 +142,7 @@ static void choose_forward_jvp(const nbhd_geometry *g, const nbhd_cuda_device *d
 /* The backward: on 128-row patches (Hopper) the window keys on wgmma, tiles (keys of dQ,
  * queries of dK/dV) of 64 at D = 128 and of 128 at D = 64: twice the products per barrier and
  * softmax pass where registers allow (bench/bench_gpu.py --only 1d,3d-30); on Hopper's 64-row
- * patches at D = 128 the deterministic wgmma kernels on one warpgroup, tiles of 32 (1.16-1.32x
+ * patches at D = 128 the deterministic wgmma kernels on one warpgroup, tiles of 32 (1.17-1.32x
  * faster than two warpgroups deterministic on the small-window problems, bench/ab_gpu.py
  * --bwd); the accumulator of the KV-parallel path is read as float4, so a workspace not
  * 16-byte aligned takes two passes */
