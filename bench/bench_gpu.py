@@ -2,7 +2,7 @@
 
 Two tables.
 
-`main` (bf16; --dims, --heads): small windows (image/PDE models) and large windows (video), each
+`main` (bf16, or --dtype fp16; --dims, --heads): small windows (image/PDE models) and large windows (video), each
 with nbhd's forward, backward (KV-parallel default, and the deterministic `bdet`) and forward+JVP
 through the public API (`nbhd.na1d/2d/3d`, autograd for the backward, `nbhd.na*d_jvp`), beside
   - dense SDPA over the same tokens on its fastest backend (flash, cuDNN and memory-efficient are
@@ -21,8 +21,8 @@ the forward's FLOPs); SDPA's useful FLOPs are 4·B·H·N²·D. Times: CUDA event
 back-to-back calls (the host's time per call overlaps the GPU's), warm-up, median of 7; a call
 slower than a second is timed once (marked '*').
 
-    python bench/bench_gpu.py [--tables main,natten] [--dims 128,64] [--heads 16] [--csv out.csv]
-                              [--only 1d,3d-30] [--forward-only] [--no-flex] [--no-sdpa]
+    python bench/bench_gpu.py [--tables main,natten] [--dims 128,64] [--heads 16] [--dtype bf16|fp16]
+                              [--csv out.csv] [--only 1d,3d-30] [--forward-only] [--no-flex] [--no-sdpa]
 """
 import argparse
 import csv
@@ -136,6 +136,9 @@ def sdpa_best(qt, kt, vt, with_backward):
     return best_f[0], best_f[1], best_b[0], best_b[1]
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def make_inputs(B, ext, H, D, dtype, requires_grad=False):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, *ext, H, D, generator=gen, device="cuda", dtype=dtype) for _ in range(3))
@@ -153,7 +156,7 @@ def run_main(args, rows):
     hdr = (f"{'problem':31s} {'D':>4s} {'fwd ms':>9s} {'TF/s':>6s} {'bwd ms':>9s} {'TF/s':>6s} "
            f"{'bdet ms':>9s} {'jvp ms':>9s} {'jvp/fwd':>7s} {'sdpa f':>8s} {'sdpaTF':>6s} {'sdpa b':>8s} "
            f"{'flex f':>8s} {'x flex':>7s} {'%sdpa':>6s} {'b%sdpa':>6s}  sdpa backends (fwd/bwd)")
-    print("\n== main: bf16, heads", args.heads, flush=True)
+    print(f"\n== main: {args.dtype}, heads", args.heads, flush=True)
     print(hdr, flush=True)
     for D in [int(x) for x in args.dims.split(",")]:
         for name, B, ext, ks, st in MAIN_PROBLEMS:
@@ -161,7 +164,7 @@ def run_main(args, rows):
                 continue
             H, rank = args.heads, len(ext)
             N, W = math.prod(ext), math.prod(ks)
-            q, k, v, dense = make_inputs(B, ext, H, D, torch.bfloat16, requires_grad=True)
+            q, k, v, dense = make_inputs(B, ext, H, D, DTYPES[args.dtype], requires_grad=True)
             flop_f = 4.0 * B * H * N * W * D
             na = lambda: NA[rank](q, k, v, kernel_size=ks, stride=st)
             t_f, s_f = time_ms(na)
@@ -189,7 +192,7 @@ def run_main(args, rows):
                 except Exception as e:  # report and go on
                     print(f"  flex failed on {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             sd_flop = 4.0 * B * H * N * N * D
-            r = dict(table="main", problem=name, dtype="bf16", heads=H, D=D, fwd_ms=t_f,
+            r = dict(table="main", problem=name, dtype=args.dtype, heads=H, D=D, fwd_ms=t_f,
                      fwd_tflops=tflops(flop_f, t_f), bwd_ms=t_b, bwd_tflops=tflops(2.5 * flop_f, t_b),
                      bwd_det_ms=t_bd, jvp_ms=t_j, jvp_over_fwd=t_j / t_f,
                      sdpa_fwd_ms=sd_f, sdpa_fwd_tflops=tflops(sd_flop, sd_f), sdpa_fwd_backend=be_f,
@@ -253,6 +256,7 @@ def main():
     ap.add_argument("--tables", default="main,natten", help="main, natten or both")
     ap.add_argument("--dims", default="128,64", help="head dims of the main table")
     ap.add_argument("--heads", type=int, default=16, help="heads of the main table")
+    ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="dtype of the main table")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--only", default=None, help="substrings of problem names, comma-separated")
