@@ -183,8 +183,11 @@ def test_forward_128_query_patches(case, dtype):
     check_forward(case, dtype, 11 + zlib.crc32(ids(case).encode()) % 1000, patch=128)
 
 
+HOPPER_D128_CASES = [c for c in HOPPER_CASES if c[9] == 128]  # Hopper's one-warpgroup kernels
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", [c for c in HOPPER_CASES if c[9] == 128], ids=ids)
+@pytest.mark.parametrize("case", HOPPER_D128_CASES, ids=ids)
 def test_forward_64_query_patches_d128(case, dtype):
     """The forward on 64-query patches at D = 128, requested as tiles (on Hopper the
     one-warpgroup wgmma kernel, csrc/cuda/fna_wgmma.cu; on other GPUs the mma.sync kernel),
@@ -215,7 +218,7 @@ def test_backward_128_query_patches(case, dtype, kv_parallel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", [c for c in HOPPER_CASES if c[9] == 128], ids=ids)
+@pytest.mark.parametrize("case", HOPPER_D128_CASES, ids=ids)
 def test_backward_64_row_patches_d128(case, dtype, kv_parallel):
     """The backward on 64-row patches at D = 128, requested as tiles (on Hopper the one-warpgroup
     wgmma kernels, deterministic whatever KV parallelism allows; elsewhere mma.sync) against the

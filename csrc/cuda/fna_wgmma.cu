@@ -22,7 +22,7 @@
 #include "wgmma.cuh"
 
 template <typename T, int HD, int BN, int RANK, int MINB, int WGS>
-__global__ void __launch_bounds__(128 * WGS, MINB)
+__global__ void __launch_bounds__(wg_threads(WGS), MINB)
 fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     using CTA = wg_cta<RANK, WGS>;
@@ -163,20 +163,17 @@ int nbhd_cuda_wgmma_ready(void) {
 template <typename T, int HD, int BN, int RANK, int MINB, int WGS>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                                cudaStream_t st) {
-    const size_t smem = 1024 + sizeof(T) * (size_t)(64 * WGS + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
+    const size_t smem = 1024 + sizeof(T) * (size_t)(wg_rows(WGS) + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
                         sizeof(int) * WGMMA_K_STAGES * RANK * BN;
     return nbhd_cuda_launch(fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS>, g->batch * g->heads * P.patches,
-                            128 * WGS, smem, "wgmma forward", st, *g, *a, P);
+                            wg_threads(WGS), smem, "wgmma forward", st, *g, *a, P);
 }
 
 template <typename T, int HD, int BN, int MINB, int WGS>
 static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
-    const mma_plan P = mma_plan_of(g, WGS);
-    switch (P.rank) {
-    case 1: return launch_rank<T, HD, BN, 1, MINB, WGS>(g, a, P, st);
-    case 2: return launch_rank<T, HD, BN, 2, MINB, WGS>(g, a, P, st);
-    default: return launch_rank<T, HD, BN, 3, MINB, WGS>(g, a, P, st);
-    }
+    return with_rank<WGS>(g, [&](auto rank, const mma_plan &P) {
+        return launch_rank<T, HD, BN, decltype(rank)::value, MINB, WGS>(g, a, P, st);
+    });
 }
 
 /* the kernel of the choice (kernel_choice.cu choose_forward): 128-query patches on two

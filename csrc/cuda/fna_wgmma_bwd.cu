@@ -43,12 +43,12 @@
 
 template <int HD, int BN, int RANK, int WGS>
 static constexpr size_t dq_smem_bytes() {
-    return 1024 + 2 * (size_t)(2 * 64 * WGS + (WGB_DQ_K_STAGES + WGB_DQ_V_STAGES) * BN) * HD +
+    return 1024 + 2 * (size_t)(2 * wg_rows(WGS) + (WGB_DQ_K_STAGES + WGB_DQ_V_STAGES) * BN) * HD +
            sizeof(int) * WGB_DQ_V_STAGES * RANK * BN;
 }
 template <int HD, int BN, int RANK, bool KVP, int WGS>
 static constexpr size_t dkdv_smem_bytes() {
-    return 1024 + 2 * (size_t)(2 * 64 * WGS + 2 * WGB_KV_STAGES * BN) * HD + (KVP ? 2 * (size_t)WGMMA_BM * BN : 0) +
+    return 1024 + 2 * (size_t)(2 * wg_rows(WGS) + 2 * WGB_KV_STAGES * BN) * HD + (KVP ? 2 * (size_t)wg_rows(WGS) * BN : 0) +
            sizeof(int) * WGB_KV_STAGES * (RANK + 2) * BN;
 }
 
@@ -58,7 +58,7 @@ static constexpr size_t dkdv_smem_bytes() {
 /* two warpgroups: one CTA per SM (at two, 128 registers, ptxas serialises the wgmma (C7512)
  * even at D = 64); one warpgroup (64-query patches at D = 128): three */
 template <typename T, int HD, int BN, int RANK, int WGS>
-__global__ void __launch_bounds__(128 * WGS, WGS == 1 ? 3 : 1)
+__global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 3 : 1)
 fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                     const mma_plan P) {
 #if NBHD_HAS_WGMMA
@@ -206,7 +206,7 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 /* two warpgroups on 128-key patches, one CTA per SM; one warpgroup (64-key patches at D = 128,
  * not KV-parallel): two */
 template <typename T, int HD, int BN, int RANK, bool KVP, int WGS>
-__global__ void __launch_bounds__(128 * WGS, WGS == 1 ? 2 : 1)
+__global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                       float *dq_acc, const mma_plan P) {
 #if NBHD_HAS_WGMMA
@@ -481,15 +481,15 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
     if ((s = nbhd_cuda_grid_fits(q_ctas, "wgmma backward")) != NBHD_OK) return s;
     if constexpr (WGS == 2 && (BN / 64) * (HD / 64) == 2) {
         if (dq_acc)
-            return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true, WGS>, kv_ctas, 128 * WGS,
+            return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true, WGS>, kv_ctas, wg_threads(WGS),
                                     dkdv_smem_bytes<HD, BN, RANK, true, WGS>(), "wgmma backward (dk, dv, dq)", st,
                                     *g, *a, Dws, dq_acc, P);
     }
     if (dq_acc) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: no KV-parallel pass on one warpgroup");
-    if ((s = nbhd_cuda_launch(fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS>, q_ctas, 128 * WGS,
+    if ((s = nbhd_cuda_launch(fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS>, q_ctas, wg_threads(WGS),
                               dq_smem_bytes<HD, BN, RANK, WGS>(), "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
         return s;
-    return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS>, kv_ctas, 128 * WGS,
+    return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS>, kv_ctas, wg_threads(WGS),
                             dkdv_smem_bytes<HD, BN, RANK, false, WGS>(), "wgmma backward (dk, dv)", st,
                             *g, *a, Dws, (float *)nullptr, P);
 }
@@ -497,12 +497,9 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
 template <typename T, int HD, int BN, int WGS>
 static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                 float *dq_acc, cudaStream_t st) {
-    const mma_plan P = mma_plan_of(g, WGS);
-    switch (P.rank) {
-    case 1: return launch_rank<T, HD, BN, 1, WGS>(g, a, Dws, dq_acc, P, st);
-    case 2: return launch_rank<T, HD, BN, 2, WGS>(g, a, Dws, dq_acc, P, st);
-    default: return launch_rank<T, HD, BN, 3, WGS>(g, a, Dws, dq_acc, P, st);
-    }
+    return with_rank<WGS>(g, [&](auto rank, const mma_plan &P) {
+        return launch_rank<T, HD, BN, decltype(rank)::value, WGS>(g, a, Dws, dq_acc, P, st);
+    });
 }
 
 /* the kernels of the choice (kernel_choice.cu choose_backward): on 128-row patches tiles of 64

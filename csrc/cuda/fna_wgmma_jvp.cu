@@ -23,12 +23,12 @@
 template <int HD, int BN, int WGS>
 static constexpr size_t wgj_smem_bytes(int rank) {
     return (WGS == 1 ? 0 : 1024) +
-           2 * (size_t)(2 * 64 * WGS * HD + 2 * (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN * HD) +
+           2 * (size_t)(2 * wg_rows(WGS) * HD + 2 * (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN * HD) +
            sizeof(int) * WGMMA_K_STAGES * rank * BN;
 }
 
 template <typename T, int HD, int BN, int RANK, int WGS>
-__global__ void __launch_bounds__(128 * WGS, WGS == 1 ? 2 : 1)
+__global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     using CTA = wg_cta<RANK, WGS>;
@@ -196,17 +196,14 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_ar
     constexpr size_t smem = wgj_smem_bytes<HD, BN, WGS>(RANK);
     static_assert(smem <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
     return nbhd_cuda_launch(fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS>, g->batch * g->heads * P.patches,
-                            128 * WGS, smem, "wgmma forward_jvp", st, *g, *a, P);
+                            wg_threads(WGS), smem, "wgmma forward_jvp", st, *g, *a, P);
 }
 
 template <typename T, int HD, int BN, int WGS>
 static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
-    const mma_plan P = mma_plan_of(g, WGS);
-    switch (P.rank) {
-    case 1: return launch_rank<T, HD, BN, 1, WGS>(g, a, P, st);
-    case 2: return launch_rank<T, HD, BN, 2, WGS>(g, a, P, st);
-    default: return launch_rank<T, HD, BN, 3, WGS>(g, a, P, st);
-    }
+    return with_rank<WGS>(g, [&](auto rank, const mma_plan &P) {
+        return launch_rank<T, HD, BN, decltype(rank)::value, WGS>(g, a, P, st);
+    });
 }
 
 /* the kernel of the choice (kernel_choice.cu choose_forward_jvp): 128-query patches on two

@@ -64,6 +64,12 @@ static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_para
     return large && (dev->wgmma || g->head_dim >= 128);
 }
 
+/* Hopper's one-warpgroup kernels (fna_wgmma*.cu, tiles of 32) take every op's 64-row patches at
+ * D = 128 */
+static bool one_warpgroup(const nbhd_geometry *g, const nbhd_cuda_choice *c, const nbhd_cuda_device *dev) {
+    return c->mb == 1 && dev->wgmma && g->head_dim == 128;
+}
+
 /* 16-row m-blocks per warp: the requested patch's (listed, so 128 only where allowed), else
  * the default */
 static int patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op, const nbhd_cuda_device *dev) {
@@ -105,7 +111,7 @@ static void choose_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev, 
         c->minb = D == 64 ? 2 : 1;
         return;
     }
-    if (c->mb == 1 && dev->wgmma && D == 128) {
+    if (one_warpgroup(g, c, dev)) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 32;
         c->minb = 3;
@@ -131,7 +137,7 @@ static void choose_forward_jvp(const nbhd_geometry *g, const nbhd_cuda_device *d
         c->bn = 64;
         return;
     }
-    if (c->mb == 1 && dev->wgmma && g->head_dim == 128) {
+    if (one_warpgroup(g, c, dev)) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 32;
         return;
@@ -152,7 +158,7 @@ static void choose_backward(const nbhd_geometry *g, const nbhd_exec *e, const nb
     if (c->mb == 2) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = g->head_dim == 64 ? 128 : 64;
-    } else if (dev->wgmma && g->head_dim == 128) {
+    } else if (one_warpgroup(g, c, dev)) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 32;
     }

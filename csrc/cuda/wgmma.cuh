@@ -21,6 +21,8 @@
 #ifndef NBHD_CUDA_WGMMA_CUH
 #define NBHD_CUDA_WGMMA_CUH
 
+#include <type_traits>
+
 #include "mma_util.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -29,13 +31,25 @@
 #define NBHD_HAS_WGMMA 0
 #endif
 
-/* The Hopper kernels' CTA: two warpgroups of 64 queries on a 128-query patch; K/V tiles loaded one
+/* The Hopper kernels' CTA: wgs warpgroups of 64 rows each (wg_cta below); K/V tiles loaded one
  * ahead by cp.async. K (and key coordinates) of tile t are read only while tile t is computed:
  * two stages; V of tile t is read until tile t+1's softmax is done (its P V runs then): three. */
-#define WGMMA_THREADS 256
-#define WGMMA_BM 128
+__host__ __device__ constexpr int wg_rows(int wgs) { return 64 * wgs; }
+__host__ __device__ constexpr int wg_threads(int wgs) { return 128 * wgs; }
 #define WGMMA_K_STAGES 2
 #define WGMMA_V_STAGES 3
+
+/* f(std::integral_constant<int, RANK>, plan) for the problem's rank, its plan on patches of wgs
+ * warpgroups: the launchers' one switch from the run-time rank to the kernels' template */
+template <int WGS, typename F>
+static nbhd_status with_rank(const nbhd_geometry *g, F &&f) {
+    const mma_plan P = mma_plan_of(g, WGS);
+    switch (P.rank) {
+    case 1: return f(std::integral_constant<int, 1>{}, P);
+    case 2: return f(std::integral_constant<int, 2>{}, P);
+    default: return f(std::integral_constant<int, 3>{}, P);
+    }
+}
 
 /* element offset of 8-element chunk ch of row `row` in a [ROWS][HD] tile of the layout above */
 template <int ROWS>
@@ -56,7 +70,7 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lead_bytes
  * large windows; one on small windows, whose 64-query patches waste less of the union. */
 template <int RANK, int WGS = 2>
 struct wg_cta : cta_patch<RANK, WGS> {
-    static constexpr int BM = 64 * WGS, THREADS = 128 * WGS;
+    static constexpr int BM = wg_rows(WGS), THREADS = wg_threads(WGS);
     /* the patch's rows of x1 and x2 (head `head`) into [BM][HD] tiles d1, d2 of the layout
      * above (cta_patch::copy_rows) */
     template <typename T, int HD, bool TWO = true>
