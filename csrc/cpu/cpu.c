@@ -5,7 +5,8 @@
  *
  *   fast       fp32/fp16/bf16, rank 1..3 (any strides, geometry, GQA, extra keys); fast.c picks
  *              the ISA, and the AMX-BF16 kernels (amx/) for bf16 where the CPU has them
- *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only)
+ *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only), and
+ *              a relative positional bias (problem.rpb: the fast kernels have no bias term)
  */
 #ifdef _OPENMP
 #include <omp.h>
@@ -50,7 +51,8 @@ static nbhd_exec sized_exec(const nbhd_geometry *g, const nbhd_exec *e, int64_t 
 
 static int fast_supports(const nbhd_geometry *g) {
     const int low_precision = g->dtype == NBHD_F32 || g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
-    return low_precision && g->has_window;
+    const int fast_has_bias = 0;  /* the fast kernels add no relative positional bias */
+    return low_precision && g->has_window && (!g->rpb || fast_has_bias);
 }
 
 static int use_fast(const nbhd_geometry *g, const nbhd_exec *e) {
@@ -62,7 +64,7 @@ static int use_fast(const nbhd_geometry *g, const nbhd_exec *e) {
  * their workspace never grows with fewer. */
 static size_t cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
     if (use_fast(g, e)) return nbhd_cpu_fast_workspace_bytes(g, op, e);
-    return nbhd_cpu_ref_workspace_bytes(g, op);
+    return nbhd_cpu_ref_workspace_bytes(g, op, nbhd_cpu_threads(e));
 }
 
 static nbhd_status cpu_forward(const nbhd_geometry *g, const nbhd_forward_args *a,

@@ -209,7 +209,7 @@ nbhd_status nbhd_cpu_fast_slab_forward(const nbhd_geometry *g, const nbhd_forwar
  * workspace: out of memory) */
 static nbhd_exec own_workspace(const nbhd_geometry *s, nbhd_op op, const nbhd_exec *e) {
     nbhd_exec own = *e;
-    own.workspace_bytes = nbhd_cpu_ref_workspace_bytes(s, op);
+    own.workspace_bytes = nbhd_cpu_ref_workspace_bytes(s, op, nbhd_cpu_threads(e));
     own.workspace = malloc(own.workspace_bytes ? own.workspace_bytes : 1);
     return own;
 }
