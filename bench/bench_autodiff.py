@@ -36,6 +36,8 @@ import statistics
 import sys
 import time
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 import torch
 
 import nbhd
@@ -175,10 +177,10 @@ def cases(rank, spatial, kernel, B, H, D, device, dtype):
         geo = Geometry((kernel,) * rank, (1,) * rank, (1,) * rank, (False,) * rank, D ** -0.5)
         kx, vx = q.new_empty(B, 0, H, D), q.new_empty(B, 0, H, D)
         prims, tans = (q, k, v, kx, vx), (t, t, t, None, None)
-        saved = ops.na_forward_jvp(*prims, *tans, *geo.args())
+        saved = ops.na_forward_jvp(*prims, NO_RPB, *tans, None, *geo.args())
         cot = tuple(torch.randn_like(x) for x in saved)
         if backend is None:
-            return lambda: ops.na_forward_jvp_backward(*prims, *tans, *saved, *cot, *geo.args())
+            return lambda: ops.na_forward_jvp_backward(*prims, NO_RPB, *tans, None, *saved, *cot, *geo.args())
         zeros = (torch.zeros_like(kx), torch.zeros_like(vx))
         return lambda: torch.func.vjp(lambda *x: _reference_forward_jvp(*x, geo), *prims, *tans[:3], *zeros)[1](cot)
 

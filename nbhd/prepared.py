@@ -47,7 +47,7 @@ class Prepared:
     ones."""
 
     __slots__ = ("geometry", "plan_geometry", "tiles", "dtype", "lse_dtype", "device", "shapes",
-                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "flat", "__weakref__")
+                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "empty_rpb", "flat", "__weakref__")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, kx: Optional[Tensor], vx: Optional[Tensor],
                  geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor, spatial=None):
@@ -61,6 +61,7 @@ class Prepared:
         self.out_shape = (*q.shape[:-1], (v if ks else vx).shape[-1])
         self.lse_shape = tuple(q.shape[:-1])
         self.empty_kx, self.empty_vx = empty_kx, empty_vx
+        self.empty_rpb = q.new_empty((0,), dtype=self.lse_dtype)   # no bias table
         # self attention flattened into dense attention of the tokens (spatial: the axes):
         # (the empty k and v, the outputs' spatial shapes)
         self.flat = None if spatial is None else (
@@ -195,7 +196,8 @@ class PreparedAttention(torch.autograd.Function):
             kx, vx = prep.empty_kx, prep.empty_vx
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv, dkx, dvx = EAGER.backward(q, k, v, kx, vx, out, lse, d_out, d_lse, prep.geometry)
+        dq, dk, dv, dkx, dvx, _ = EAGER.backward(q, k, v, kx, vx, prep.empty_rpb, out, lse, d_out, d_lse,
+                                                 prep.geometry)
         return dq, dk, dv, None if absent else dkx, None if absent else dvx, None
 
 
@@ -247,8 +249,10 @@ class PreparedJvp(torch.autograd.Function):
         absent = inputs[3] is None
         if absent:
             inputs[3], inputs[4] = prep.empty_kx, prep.empty_vx
-        both = (*inputs[:5], *zeros_for(inputs[5:], inputs[:5]))
+        primals = (*inputs[:5], prep.empty_rpb)
+        both = (*primals, *zeros_for((*inputs[5:], None), primals))
         g = list(RULES["na_forward_jvp"].vjp(EAGER, (*both, *outs), fused, prep.geometry, grads))
+        g = g[:5] + g[6:11]   # the prepared call has no bias table
         for i, t in enumerate(saved[:10]):
             if t is None:
                 g[i] = None

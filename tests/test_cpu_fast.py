@@ -9,6 +9,8 @@ forward on AMX tiles where the CPU has them."""
 import pytest
 import torch
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 import nbhd
 from nbhd import _lib, ops
 from utils import Case, TOL, poison_allocator, rel_err
@@ -319,7 +321,7 @@ def _jvpb_run(prims, tans, saved, cot, geo, use_reference):
     ops._OPTIONS["use_reference"] = use_reference
     try:
         poison_allocator()
-        return ops.na_forward_jvp_backward(*prims, *tans, *saved, *cot, *geo.args())
+        return ops.na_forward_jvp_backward(*prims, NO_RPB, *tans, None, *saved, *cot, *geo.args())
     finally:
         ops._OPTIONS["use_reference"] = old
 
@@ -333,7 +335,7 @@ def test_fast_jvp_backward_matches_reference(idx, dtype, isa, monkeypatch):
     monkeypatch.setenv("NBHD_CPU_ISA", isa)
     case = _case(CASES[idx])
     prims, tans, geo, rnd = _jvpb_inputs(case, idx, dtype)
-    saved = ops.na_forward_jvp(*prims, *tans, *geo.args())
+    saved = ops.na_forward_jvp(*prims, NO_RPB, *tans, None, *geo.args())
     out, lse, t_out, t_lse = saved
     cot = [rnd(out) if idx % 4 != 3 else None, rnd(lse, torch.float32) if idx % 3 == 0 else None,
            rnd(t_out) if idx % 6 != 5 else None, rnd(t_lse, torch.float32) if idx % 2 == 1 else None]
@@ -357,7 +359,7 @@ def test_jvp_backward_deterministic():
     spec = ((12, 33), (3, 4), (2, 1), (2, 1), (True, False), 1, 4, 2, 12, 8, 2)
     case = _case(spec)
     prims, tans, geo, rnd = _jvpb_inputs(case, 0, torch.float32)
-    saved = ops.na_forward_jvp(*prims, *tans, *geo.args())
+    saved = ops.na_forward_jvp(*prims, NO_RPB, *tans, None, *geo.args())
     cot = [rnd(saved[0]), rnd(saved[1]), rnd(saved[2]), rnd(saved[3])]
     runs = []
     for threads in (1, 2, 3):

@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch.func import jvp, vjp
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 from nbhd import ops
 from nbhd.rules import _reference_forward_jvp, Geometry
 from utils import Case, random_case, rel_err
@@ -37,12 +39,12 @@ def test_fused_jvp_backward_matches_reference(i, dtype, device):
     present = [True, i % 3 != 0, i % 2 == 0, True, i % 4 != 1]   # which tangents exist
     tans = [rnd(t) if p else None for t, p in zip((q, k, v, kx, vx), present)]
     geo = geometry(case)
-    out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, *tans, *geo.args())
+    out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, *tans, None, *geo.args())
     cot = [rnd(out), rnd(lse), rnd(t_out), rnd(t_lse)]
     if i % 5 == 2:
         cot[1] = None  # no gradient on lse
     torch.full((1 << 16,), float("nan"), device=device)  # poison freed memory
-    grads = ops.na_forward_jvp_backward(q, k, v, kx, vx, *tans, out, lse, t_out, t_lse, *cot, *geo.args())
+    grads = ops.na_forward_jvp_backward(q, k, v, kx, vx, NO_RPB, *tans, None, out, lse, t_out, t_lse, *cot, *geo.args())
     prim64 = [t.double() for t in (q, k, v, kx, vx)]
     tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip(tans, prim64)]
     outs, vjp_fn = vjp(lambda *x: _reference_forward_jvp(*x, geo), *prim64, *tan64)
@@ -59,7 +61,7 @@ def test_jvp_backward_opcheck():
     q, k, v, kx, vx = case.tensors(torch.float32, 1)
     geo = geometry(case)
     tq, tv = torch.randn_like(q), torch.randn_like(v)
-    out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, tq, None, tv, None, None, *geo.args())
+    out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, tq, None, tv, None, None, None, *geo.args())
     args = (q, k, v, kx, vx, tq, None, tv, None, None, out, lse, t_out, t_lse, torch.randn_like(out),
             None, torch.randn_like(t_out), torch.randn_like(t_lse), *geo.args())
     torch.library.opcheck(ops.na_forward_jvp_backward, args,

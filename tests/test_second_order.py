@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 import nbhd
 from nbhd import autograd as nbhd_autograd, ops, rules
 from utils import Case, random_case, rel_err
@@ -128,7 +130,7 @@ def test_double_backward_of_the_custom_ops_fused(no_reference):
     case = CASES[-1]
     q, k, v, kx, vx = case.tensors(torch.float64, 2)
     geo = nbhd_autograd.Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, 0.3)
-    fused = lambda *x: ops.na_forward(*x, *geo.args())
+    fused = lambda *x: ops.na_forward(*x, NO_RPB, *geo.args())
     ref = lambda *x: case.reference(*x, scale=0.3)
     close(double_backward(fused, (q, k, v, kx, vx), 2), double_backward(ref, (q, k, v, kx, vx), 2))
 
@@ -184,7 +186,7 @@ def test_reference_rules_of_the_custom_ops(unfused):
     case = CASES[-1]
     q, k, v, kx, vx = case.tensors(torch.float64, 6)
     geo = nbhd_autograd.Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, 0.3)
-    fused = lambda *x: ops.na_forward(*x, *geo.args())
+    fused = lambda *x: ops.na_forward(*x, NO_RPB, *geo.args())
     ref = lambda *x: case.reference(*x, scale=0.3)
     close(double_backward(fused, (q, k, v, kx, vx), 6), double_backward(ref, (q, k, v, kx, vx), 6))
     # the backward through the forward+JVP op (a loss on the tangent output), compiled
