@@ -13,13 +13,13 @@ import os
 import statistics
 import sys
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import torch
 
 os.environ["NBHD_LIBRARY"] = sys.argv[1]
 from nbhd import _lib, ops  # noqa: E402
 from timing import sample  # noqa: E402
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 libs = [_lib.lib]
 os.environ["NBHD_LIBRARY"] = sys.argv[2]

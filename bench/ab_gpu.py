@@ -16,13 +16,13 @@ import argparse
 import math
 import statistics
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import torch
 
 import nbhd
 from nbhd import _lib, ops
 from timing import sample
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),

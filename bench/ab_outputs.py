@@ -14,9 +14,9 @@ import subprocess
 import sys
 import tempfile
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import torch
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 # (name, batch, extent, heads, kv_heads, dim, dim_v, kernel, stride, dilation, causal, extra keys)
 PROBLEMS = [

@@ -36,12 +36,12 @@ import statistics
 import sys
 import time
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import torch
 
 import nbhd
 from timing import sample
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 CPU_PROBLEMS = [  # name, rank, spatial, kernel, B, H, D
     ("1d 4096 w63", 1, (4096,), 63, 1, 4, 32),

@@ -5,13 +5,13 @@ which kernel of a multi-kernel op (the backward: D_i, dQ, dK/dV, extra keys) to 
 """
 import argparse
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nbhd import ops
 from ab_gpu import PROBLEMS
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 
 def main():

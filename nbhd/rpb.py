@@ -210,12 +210,13 @@ def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
                       dilation: Sequence[int], scale: float,
                       additional_keys: Optional[Tensor] = None,
                       additional_values: Optional[Tensor] = None,
-                      backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+                      backend: Optional[str] = None, fold: bool = False) -> Tuple[Tensor, Tensor]:
     """na_with_rpb (non-causal) through nbhd's fused kernels, exactly. On the CPU
     (in_kernel_bias) the kernels add rpb[h, (y - x) / d + K - 1] to each window score
     themselves: the table [H, prod(2K-1)] (float32, float64 for float64 inputs) is an input of
     the fused ops, with its gradient (a scatter-add of the score gradients) and tangent, under
-    every transform. Elsewhere (CUDA) the bias is folded into the dot product. Every key gets a one-hot of its slot (y // d mod 2K-1 per
+    every transform. Elsewhere (CUDA), or with `fold` (bench/bench_rpb.py compares the two),
+    the bias is folded into the dot product. Every key gets a one-hot of its slot (y // d mod 2K-1 per
     axis) appended, every query the table rotated to its position and divided by scale, so
     scale * <q', k'> = scale * <q, k> + rpb[h, (y - x) / d + K - 1] for every key y of x's
     window (y - x is a multiple of d and within (K-1)d: no two window keys share a slot).
@@ -225,7 +226,7 @@ def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
     Shapes as na_with_rpb; returns (out, lse)."""
     from .functional import _na, na1d, na2d, na3d   # functional imports nothing from here
     spatial = tuple(query.shape[1:-2])
-    if in_kernel_bias(query, backend):
+    if in_kernel_bias(query, backend) and not fold:
         table = rpb.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
         table = table.reshape(rpb.shape[0], -1).contiguous()
         return _na(len(spatial), query, key, value, tuple(kernel_size), tuple(stride),

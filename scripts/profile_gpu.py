@@ -3,11 +3,11 @@
 (the first launches warm up; ncu then profiles the named kernels)."""
 import sys
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import torch
 
 from nbhd import ops
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 PROBLEMS = {  # name: batch, extents, kernel, head dim
     "2d7": (8, (64, 64), (7, 7), 128),

@@ -3,10 +3,10 @@
 shapes with extra keys."""
 import torch
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import nbhd
 from nbhd import ops
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 CASES = [
     # rank extents kernel stride dilation causal H Hkv D S dtype

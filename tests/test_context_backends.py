@@ -3,14 +3,14 @@ import logging
 import threading
 import warnings
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import pytest
 import torch
 
 import nbhd
 from nbhd import _lib, backends, checks, configs, context, ops
 from nbhd.reference import na_reference
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 DT = torch.float64
 

@@ -9,11 +9,11 @@ forward on AMX tiles where the CPU has them."""
 import pytest
 import torch
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import nbhd
 from nbhd import _lib, ops
 from utils import Case, TOL, poison_allocator, rel_err
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 CASES = [
     # shape, kernel, stride, dilation, causal, B, H, Hk, D, Dv, extra

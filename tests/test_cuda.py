@@ -9,14 +9,14 @@ import math
 import os
 import zlib
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import pytest
 import torch
 
 import nbhd
 from nbhd import _lib, configs, ops
 from nbhd.reference import na_reference
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not _lib.has_cuda(),

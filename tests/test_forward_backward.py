@@ -4,11 +4,11 @@ D_v != D, additional keys, non-contiguous inputs, borders) and dtypes."""
 import pytest
 import torch
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import nbhd
 from nbhd import ops
 from utils import TOL, Case, random_case, rel_err
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 WORKED = [  # docs/design.md §1 examples and corner cases
     Case((10,), (4,), (1,), (1,), (False,)),

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch.func import jvp, vjp
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 from nbhd import ops
 from nbhd.rules import _reference_forward_jvp, Geometry
 from utils import Case, random_case, rel_err
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 CASES = [random_case(300 + i) for i in range(10)] + [
     Case((6, 5), (3, 2), (2, 1), (1, 2), (True, False), heads=4, kv_heads=2, head_dim=6,

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import nbhd
 from nbhd import _lib, ops
 from nbhd.reference import neighborhood_index
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 # shape, kernel, stride, dilation, causal; 4 heads over 2 key/value heads (GQA); batch 3: batch 0
 # finite, batch 1 with a NaN, batch 2 with a +inf

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import nbhd
 from nbhd import autograd as nbhd_autograd, ops, rules
 from utils import Case, random_case, rel_err
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 CASES = [random_case(700 + i) for i in range(8)] + [
     Case((6, 5), (3, 2), (2, 1), (1, 2), (True, False), heads=4, kv_heads=2, head_dim=6,

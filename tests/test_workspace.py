@@ -6,14 +6,14 @@ bitwise on small problems (NBHD_CPU_TILE_BYTES sets the tile budget); and one lo
 runs tiled, against whole heads (forward) and float64 (forward and backward, sampled rows)."""
 import ctypes
 
-NO_RPB = torch.empty(0)  # the ops' absent bias table
-
 import pytest
 import torch
 
 import nbhd
 from nbhd import _lib, ops
 from utils import Case
+
+NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 FWD, BWD, JVP, JVP_BWD = _lib.OP_FORWARD, _lib.OP_BACKWARD, _lib.OP_FORWARD_JVP, _lib.OP_FORWARD_JVP_BACKWARD
 
