@@ -45,12 +45,12 @@ def test_fused_jvp_backward_matches_reference(i, dtype, device):
         cot[1] = None  # no gradient on lse
     torch.full((1 << 16,), float("nan"), device=device)  # poison freed memory
     grads = ops.na_forward_jvp_backward(q, k, v, kx, vx, NO_RPB, *tans, None, out, lse, t_out, t_lse, *cot, *geo.args())
-    prim64 = [t.double() for t in (q, k, v, kx, vx)]
-    tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip(tans, prim64)]
+    prim64 = [t.double() for t in (q, k, v, kx, vx, NO_RPB)]
+    tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip((*tans, None), prim64)]
     outs, vjp_fn = vjp(lambda *x: _reference_forward_jvp(*x, geo), *prim64, *tan64)
     ref = vjp_fn(tuple(c.double() if c is not None else torch.zeros_like(o) for c, o in zip(cot, outs)))
     tol = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]
-    names = ["dq", "dk", "dv", "dkx", "dvx", "dtq", "dtk", "dtv", "dtkx", "dtvx"]
+    names = ["dq", "dk", "dv", "dkx", "dvx", "d_rpb", "dtq", "dtk", "dtv", "dtkx", "dtvx", "d_t_rpb"]
     for name, a, b in zip(names, grads, ref):
         if b.numel():
             assert rel_err(a, b) < tol, f"{name} {rel_err(a, b):.2e} {case}"
@@ -62,7 +62,7 @@ def test_jvp_backward_opcheck():
     geo = geometry(case)
     tq, tv = torch.randn_like(q), torch.randn_like(v)
     out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, tq, None, tv, None, None, None, *geo.args())
-    args = (q, k, v, kx, vx, tq, None, tv, None, None, out, lse, t_out, t_lse, torch.randn_like(out),
+    args = (q, k, v, kx, vx, NO_RPB, tq, None, tv, None, None, None, out, lse, t_out, t_lse, torch.randn_like(out),
             None, torch.randn_like(t_out), torch.randn_like(t_lse), *geo.args())
     torch.library.opcheck(ops.na_forward_jvp_backward, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
