@@ -167,6 +167,17 @@ def _plain_grad(t: Optional[Tensor]) -> bool:
     return t is None or (type(t) is Tensor and _stored(t))
 
 
+def _save(ctx, prep: Prepared, q, k, v, kx, vx, out, lse) -> None:
+    """Saves what NeighborhoodAttention saves, in its order (q, k, v, kx, vx, rpb, out, lse),
+    the empty stand-ins for absent kx, vx and the table: activation checkpointing recomputes a
+    first call's NeighborhoodAttention through this cached path, and pairs the tensors saved
+    then with these by position."""
+    ctx.absent = kx is None
+    if ctx.absent:
+        kx, vx = prep.empty_kx, prep.empty_vx
+    ctx.save_for_backward(q, k, v, kx, vx, prep.empty_rpb, out, lse)
+
+
 class PreparedAttention(torch.autograd.Function):
     """(out, lse) of a prepared call whose inputs require grad. Outside any functorch transform
     only (unwatched): the transforms take NeighborhoodAttention."""
@@ -176,27 +187,25 @@ class PreparedAttention(torch.autograd.Function):
         out, lse = prep.forward(q, k, v, kx, vx)
         ctx.set_materialize_grads(False)
         ctx.prep = prep
-        ctx.save_for_backward(q, k, v, kx, vx, out, lse)
+        _save(ctx, prep, q, k, v, kx, vx, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         if d_out is None and d_lse is None:
             return None, None, None, None, None, None
-        prep = ctx.prep
-        q, k, v, kx, vx, out, lse = ctx.saved_tensors
+        prep, absent = ctx.prep, ctx.absent
+        q, k, v, kx, vx, rpb, out, lse = ctx.saved_tensors
         if (d_out is not None and not torch.is_grad_enabled() and _unwatched()
                 and _plain_grad(d_out) and _plain_grad(d_lse)):
-            dq, dk, dv, dkx, dvx = prep.backward(q, k, v, kx, vx, out, lse, d_out, d_lse)
+            dq, dk, dv, dkx, dvx = prep.backward(q, k, v, None if absent else kx, None if absent else vx,
+                                                 out, lse, d_out, d_lse)
             return dq, dk, dv, dkx, dvx, None
         # a differentiable backward (create_graph), or a watched one: the rules' path
         from .autograd import EAGER
-        absent = kx is None
-        if absent:
-            kx, vx = prep.empty_kx, prep.empty_vx
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv, dkx, dvx, _ = EAGER.backward(q, k, v, kx, vx, prep.empty_rpb, out, lse, d_out, d_lse,
+        dq, dk, dv, dkx, dvx, _ = EAGER.backward(q, k, v, kx, vx, rpb, out, lse, d_out, d_lse,
                                                  prep.geometry)
         return dq, dk, dv, None if absent else dkx, None if absent else dvx, None
 
@@ -210,7 +219,7 @@ class PreparedJvpPrimal(PreparedAttention):
     def forward(ctx, q, k, v, kx, vx, prep, ran):
         ctx.set_materialize_grads(False)
         ctx.prep = prep
-        ctx.save_for_backward(q, k, v, kx, vx, ran[0], ran[1])
+        _save(ctx, prep, q, k, v, kx, vx, ran[0], ran[1])
         return ran[0], ran[1]
 
     @staticmethod
