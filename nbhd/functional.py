@@ -313,15 +313,15 @@ class _Checked:
         plain = all(type(t) is Tensor for t in (call.q, call.k, call.v, call.kx, call.vx) if t is not None)
         if not plain or call.backend not in ("cpu-fna", "cuda-fna"):
             return
-        q, k, v, kx, vx, _, geometry = call.kernel_args()
+        q, k, v, kx, vx, rpb, geometry = call.kernel_args()
         if call.runs_dense():   # dense attention of the tokens: q [B, N, H, D], kx, vx
             if call.kx is None:        # the keys and values as tokens, k and v zero-length
-                self.prepared = prepared.Prepared(q, k, v, kx, vx, geometry, k, v,
+                self.prepared = prepared.Prepared(q, k, v, kx, vx, geometry, k, v, rpb,
                                                   spatial=call.spatial)
             return
         absent = call.kx is None
         self.prepared = prepared.Prepared(q, k, v, None if absent else kx, None if absent else vx,
-                                          geometry, call.empty_extra(k), call.empty_extra(v))
+                                          geometry, call.empty_extra(k), call.empty_extra(v), rpb)
 
 
 def _call_key(rank, tensors, options):

@@ -43,14 +43,15 @@ class Prepared:
     """One validated call signature of the fused kernels: its geometry, its outputs' shapes,
     and the keys of its C arguments in _lib's per-thread plans (built on first use in each
     thread and for each run_state()). kx/vx: None or the additional keys (then present in every
-    call of the signature); empty_kx/empty_vx: the zero-length stand-ins the ops take for absent
-    ones."""
+    call of the signature); empty_kx/empty_vx/empty_rpb: the zero-length stand-ins the ops take
+    for absent ones and for no bias table, plain tensors (functional.py's, made outside any
+    transform: this object outlives the call that built it)."""
 
     __slots__ = ("geometry", "plan_geometry", "tiles", "dtype", "lse_dtype", "device", "shapes",
                  "out_shape", "lse_shape", "empty_kx", "empty_vx", "empty_rpb", "flat", "__weakref__")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, kx: Optional[Tensor], vx: Optional[Tensor],
-                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor, spatial=None):
+                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor, empty_rpb: Tensor, spatial=None):
         ks, st, dil, causal, scale, tiles = geometry.args()
         self.geometry, self.tiles = geometry, tiles
         self.plan_geometry = (len(ks), tuple(ks), tuple(st), tuple(dil), tuple(causal), scale)
@@ -61,7 +62,7 @@ class Prepared:
         self.out_shape = (*q.shape[:-1], (v if ks else vx).shape[-1])
         self.lse_shape = tuple(q.shape[:-1])
         self.empty_kx, self.empty_vx = empty_kx, empty_vx
-        self.empty_rpb = q.new_empty((0,), dtype=self.lse_dtype)   # no bias table
+        self.empty_rpb = empty_rpb
         # self attention flattened into dense attention of the tokens (spatial: the axes):
         # (the empty k and v, the outputs' spatial shapes)
         self.flat = None if spatial is None else (
