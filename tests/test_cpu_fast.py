@@ -297,7 +297,7 @@ def test_amx_backward_matches_reference(idx, monkeypatch):
 # ----------------------------------------------------------------------------
 # the backward through forward+JVP (csrc/cpu/fast/forward_jvp_backward.h) on the same sweep
 
-JVPB_NAMES = ["dq", "dk", "dv", "dkx", "dvx", "dtq", "dtk", "dtv", "dtkx", "dtvx"]
+JVPB_NAMES = ["dq", "dk", "dv", "dkx", "dvx", "d_rpb", "dtq", "dtk", "dtv", "dtkx", "dtvx", "d_t_rpb"]
 
 
 def _jvpb_inputs(case, idx, dtype):
@@ -341,10 +341,12 @@ def test_fast_jvp_backward_matches_reference(idx, dtype, isa, monkeypatch):
            rnd(t_out) if idx % 6 != 5 else None, rnd(t_lse, torch.float32) if idx % 2 == 1 else None]
     fast = _jvpb_run(prims, tans, saved, cot, geo, False)
     ref = _jvpb_run(prims, tans, saved, cot, geo, True)
-    prim64 = [t.double() for t in prims]
-    tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip(tans, prim64)]
+    prim64 = [t.double() for t in (*prims, NO_RPB)]
+    tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip((*tans, None), prim64)]
     outs, vjp_fn = vjp(lambda *x: _reference_forward_jvp(*x, geo), *prim64, *tan64)
     truth = vjp_fn(tuple(c.double() if c is not None else torch.zeros_like(o) for c, o in zip(cot, outs)))
+    # one gradient per primal and tangent, tables included: zip must not pair them off by one
+    assert len(fast) == len(ref) == len(truth) == len(JVPB_NAMES)
     tol = TOL[dtype] if dtype != torch.float32 else 5e-5
     for name, a, r, t in zip(JVPB_NAMES, fast, ref, truth):
         if not t.numel():
