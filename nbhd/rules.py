@@ -250,7 +250,7 @@ def _backward_jvp(calls, saved, fused, geometry, tangents):
 def _forward_jvp_save(tensors, outputs, geometry):
     # the backward keeps absent tangents absent (the fused kernel skips their products)
     primals = tensors[:6]
-    both = (*primals, *zeros_for(tensors[5:], primals))
+    both = (*primals, *zeros_for(tensors[6:], primals))
     return (*tensors, *outputs), both, _fused(primals[0].device)
 
 

@@ -160,6 +160,18 @@ def test_explicit_jvp_matches_and_is_differentiable():
     close(g, torch.autograd.grad(rt.square().sum(), (qr, kr, tqr)))
 
 
+def test_jvp_of_the_explicit_jvp():
+    # forward mode through na*d_jvp runs the forward+JVP's own jvp rule, which reads the
+    # tangents it saved for forward by position
+    case = CASES["2d_dilated_extra"]
+    q, k, v, kx, vx = inputs(case, 10)
+    tq, tk, s, u = (torch.randn_like(t) for t in (q, k, q, k))
+    kw = dict(**case.kwargs(), additional_keys=kx, additional_values=vx)
+    fused = lambda q, k: case.na_jvp()(q, k, v, tq, tk, None, **kw)[1]
+    ref = lambda q, k: jvp(lambda q, k: case.reference(q, k, v, kx, vx)[0], (q, k), (tq, tk))[1]
+    close(jvp(fused, (q, k), (s, u)), jvp(ref, (q, k), (s, u)))
+
+
 def test_forward_ad_dual_tensors():
     case = CASES["3d"]
     q, k, v = inputs(case, 7)
