@@ -1,5 +1,5 @@
 """One call of each tensor-core kernel on a benchmark problem, for Nsight Compute:
-    ncu --clock-control none -k regex:fna_mma --launch-skip 1 ... python scripts/profile_gpu.py [2d7|3d7|1d]
+    ncu --clock-control none -k regex:fna_ --launch-skip 1 ... python scripts/profile_gpu.py [2d7|3d7|1d|...]
 (the first launches warm up; ncu then profiles the named kernels)."""
 import sys
 
@@ -14,6 +14,8 @@ PROBLEMS = {  # name: batch, extents, kernel, head dim
     "2d7-64": (8, (64, 64), (7, 7), 64),
     "3d7": (1, (16, 32, 32), (7, 7, 7), 64),
     "1d": (1, (32768,), (2048,), 128),
+    "2d13": (1, (128, 128), (13, 13), 128),
+    "3d7-128": (1, (16, 32, 32), (7, 7, 7), 128),
 }
 
 name = sys.argv[1] if len(sys.argv) > 1 else "2d7"

@@ -94,7 +94,8 @@ __device__ __forceinline__ void put_coords(int *dst, int n, bool ok, const int (
 }
 
 /* ROWS rows of one tensor (TWO: two) into shared tiles d1 (and d2) by cp.async over THREADS
- * threads, each a run of the 16-byte chunks of one row. rows(r, s1, s2, ok2): the sources of row
+ * threads, CPT 16-byte chunks per thread, a row's TPR threads taking adjacent chunks in each copy (whole
+ * 32-byte sectors per row, not TPR half-used ones). rows(r, s1, s2, ok2): the sources of row
  * r and whether each is copied (else zeros, from a valid address); it returns the first's.
  * off(r, ch): the element offset of chunk ch of row r in a tile. */
 template <typename T, int HD, int ROWS, int THREADS, bool TWO, typename Off, typename Rows>
@@ -106,7 +107,7 @@ __device__ __forceinline__ void load_row_tiles(int tid, T *d1, T *d2, Off off, R
     const bool ok = rows(r, s1, s2, ok2);
 #pragma unroll
     for (int cc = 0; cc < CPT; ++cc) {
-        const int ch = (tid % TPR) * CPT + cc, o = off(r, ch);
+        const int ch = cc * TPR + tid % TPR, o = off(r, ch);  /* a row's TPR threads: adjacent chunks */
         cp_async16(smem_u32(d1 + o), s1 + ch * 8, ok);
         if (TWO) cp_async16(smem_u32(d2 + o), s2 + ch * 8, ok2);
     }

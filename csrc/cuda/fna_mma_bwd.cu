@@ -406,7 +406,7 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
         const T *ds = dop.at(j[0], j[1], j[2]) + (int64_t)hh * a.d_out.stride[4];
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
+            const int ch = cc * TPR + tid % TPR;  /* adjacent chunks per copy: whole sectors */
             cp_async16(smem_u32(Qd + swz<HD>(cr, ch * 8)), qs + ch * 8, ok);
             cp_async16(smem_u32(dOd + swz<HD>(cr, ch * 8)), ds + ch * 8, ok);
         }

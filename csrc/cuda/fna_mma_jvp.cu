@@ -95,7 +95,7 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
         }
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc;
+            const int ch = cc * TPR + tid % TPR;  /* adjacent chunks per copy: whole sectors */
             cp_async16(smem_u32(Kd + swz<HD>(kr, ch * 8)), ks + ch * 8, ok);
             cp_async16(smem_u32(Vd + swz<HD>(kr, ch * 8)), vs + ch * 8, ok);
             if (has_tk) cp_async16(smem_u32(tKd + swz<HD>(kr, ch * 8)), tks + ch * 8, ok);

@@ -276,7 +276,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         T *Qd = Qs + s * BN * HD, *dOd = dOs + s * BN * HD;
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BN>(cr, ch);
+            const int ch = cc * TPR + tid % TPR, off = gmma_off<BN>(cr, ch);
             cp_async16(smem_u32(Qd + off), qs + ch * 8, ok);
             cp_async16(smem_u32(dOd + off), ds + ch * 8, ok);
         }

@@ -72,7 +72,7 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
         T *Vd = Vs + (t % VST) * TILE, *tVd = tVs + (t % VST) * TILE;
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = (tid % TPR) * CPT + cc, off = gmma_off<BN>(kr, ch);
+            const int ch = cc * TPR + tid % TPR, off = gmma_off<BN>(kr, ch);
             cp_async16(smem_u32(Kd + off), ks + ch * 8, ok);
             cp_async16(smem_u32(Vd + off), vs + ch * 8, ok);
             cp_async16(smem_u32(tKd + off), tks + ch * 8, ok && has_tk);
