@@ -167,3 +167,55 @@ def test_ops_take_the_table_and_reject_bad_ones():
         ops.na_forward(q, k, v, empty, empty.narrow(-1, 0, 3), table[:, :-1], *geo)
     with pytest.raises(ValueError, match="rpb needs a non-causal neighborhood"):
         ops.na_forward(q, k, v, empty, empty.narrow(-1, 0, 3), table, [4], [1], [2], [True], 0.4, [0] * 4)
+
+
+# ---- the fast SIMD kernels (csrc/cpu/fast) with the bias: problems large enough for interior
+# 16-query chunks (shifted loads), border and stride chunks (masked shifts, broadcast keys),
+# rank-1 runs of chunks (Z lines), Y lines, tiles of one head (NBHD_CPU_TILE_BYTES), against
+# the float64 composed reference and the forced scalar kernels (ops._OPTIONS["use_reference"])
+FAST_CASES = [
+    # (spatial, heads, kv_heads, D, Dv, kernel, stride, dilation, extra keys)
+    ((200,), 2, 1, 16, 8, (17,), (1,), (1,), 0),            # Z-line runs (K >= 16), GQA, Dv != D
+    ((150,), 2, 2, 8, 8, (13,), (1,), (2,), 3),             # dilation on Z, extra keys
+    ((90,), 1, 1, 8, 12, (7,), (4,), (1,), 0),              # stride: broadcast keys
+    ((20, 37), 4, 2, 12, 8, (5, 7), (1, 2), (2, 1), 2),     # Y lines, stride and dilation
+    ((18, 40), 2, 2, 8, 8, (4, 6), (1, 1), (1, 3), 0),      # even kernels, dilation on Z
+    ((6, 7, 33), 2, 1, 8, 16, (3, 3, 5), (2, 1, 1), (1, 2, 1), 1),
+]
+FAST_IDS = [f"rank{len(c[0])}-{i}" for i, c in enumerate(FAST_CASES)]
+FAST_OPS = ["forward"]   # the ops whose fast kernels add the bias (csrc/cpu/cpu.c fast_has_bias)
+
+
+def _with_reference(use_reference, fn):
+    old = ops._OPTIONS["use_reference"]
+    ops._OPTIONS["use_reference"] = use_reference
+    try:
+        return fn()
+    finally:
+        ops._OPTIONS["use_reference"] = old
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["heads", "tiles"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("case", FAST_CASES, ids=FAST_IDS)
+def test_fast_kernels_add_the_bias(case, isa, tiles, monkeypatch):
+    from utils import poison_allocator
+    monkeypatch.setenv("NBHD_CPU_ISA", isa)
+    monkeypatch.setenv("NBHD_CPU_TILE_BYTES", "1" if tiles else str(1 << 40))
+    tol = 3e-5
+    x = _inputs(case, torch.float32, seed=11)
+    want = _reference(case)(*x)
+    poison_allocator()
+    fast = _with_reference(False, lambda: _fused(case)(*x))
+    scalar = _with_reference(True, lambda: _fused(case)(*x))
+    for got, ref, w in zip(fast, scalar, want):
+        torch.testing.assert_close(got.double(), w.double(), atol=tol, rtol=tol)
+        torch.testing.assert_close(ref.double(), w.double(), atol=tol, rtol=tol)
+    # the fast kernels ran: their fp32 sums round differently from the scalar kernels'
+    assert not torch.equal(fast[0], scalar[0])
+    for dtype, btol in ((torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
+        xl = _inputs(case, dtype, seed=12)
+        wl = _reference(case)(*xl)
+        poison_allocator()
+        for got, w in zip(_fused(case)(*xl), wl):
+            torch.testing.assert_close(got.double(), w.double(), atol=btol, rtol=btol)
