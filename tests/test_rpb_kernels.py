@@ -183,7 +183,6 @@ FAST_CASES = [
     ((6, 7, 33), 2, 1, 8, 16, (3, 3, 5), (2, 1, 1), (1, 2, 1), 1),
 ]
 FAST_IDS = [f"rank{len(c[0])}-{i}" for i, c in enumerate(FAST_CASES)]
-FAST_OPS = ["forward"]   # the ops whose fast kernels add the bias (csrc/cpu/cpu.c fast_has_bias)
 
 
 def _with_reference(use_reference, fn):
@@ -213,6 +212,17 @@ def test_fast_kernels_add_the_bias(case, isa, tiles, monkeypatch):
         torch.testing.assert_close(ref.double(), w.double(), atol=tol, rtol=tol)
     # the fast kernels ran: their fp32 sums round differently from the scalar kernels'
     assert not torch.equal(fast[0], scalar[0])
+    # forward+JVP: the bias in S, its tangent in tS
+    g = torch.Generator().manual_seed(13)
+    t = tuple(torch.randn(a.shape, generator=g) for a in (x[0], x[1], x[2], x[5]))
+    jvp = lambda fn: torch.func.jvp(lambda q, k, v, r: fn(q, k, v, x[3], x[4], r), (x[0], x[1], x[2], x[5]), t)
+    want_j = jvp(_reference(case))
+    poison_allocator()
+    fast_j = _with_reference(False, lambda: jvp(_fused(case)))
+    scalar_j = _with_reference(True, lambda: jvp(_fused(case)))
+    for got, w in zip(fast_j[0] + fast_j[1], want_j[0] + want_j[1]):
+        torch.testing.assert_close(got.double(), w.double(), atol=tol * 4, rtol=tol * 4)
+    assert not torch.equal(fast_j[1][0], scalar_j[1][0])
     for dtype, btol in ((torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
         xl = _inputs(case, dtype, seed=12)
         wl = _reference(case)(*xl)

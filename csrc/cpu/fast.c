@@ -248,6 +248,8 @@ nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_fo
     nbhd_tensor *const ks[] = {&a.k, &a.v, &a.kx, &a.vx, &a.t_k, &a.t_v, &a.t_kx, &a.t_vx, NULL};
     nbhd_tensor *const rs[] = {&a.lse, &a.t_lse, NULL};
     move_to_slab(g, b, hk0, qs, ks, rs);
+    a.rpb = at_head(a.rpb, 0, hk0 * g->group, sizeof(float));   /* [H, M]: no batch */
+    a.t_rpb = at_head(a.t_rpb, 0, hk0 * g->group, sizeof(float));
     return nbhd_cpu_ref_forward_jvp(&s, &a, e);
 }
 
