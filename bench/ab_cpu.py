@@ -19,6 +19,8 @@ os.environ["NBHD_LIBRARY"] = sys.argv[1]
 from nbhd import _lib, ops  # noqa: E402
 from timing import sample  # noqa: E402
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 libs = [_lib.lib]
 os.environ["NBHD_LIBRARY"] = sys.argv[2]
 libs.append(_lib._load())
@@ -35,14 +37,14 @@ torch.manual_seed(0)
 q, k, v = (torch.randn(B, *ext, H, D, dtype=dt) for _ in range(3))
 empty = torch.empty(B, 0, H, D, dtype=dt)
 geo = ([W] * r, [1] * r, [1] * r, [False] * r, D ** -0.5, [0] * (4 * r))
-out, lse = ops.na_forward(q, k, v, empty, empty, *geo)
+out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
 d_out = torch.randn_like(out)
 if kind == "fwd":
-    def fn(): return ops.na_forward(q, k, v, empty, empty, *geo)
+    def fn(): return ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
 elif kind == "bwd":
-    def fn(): return ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *geo)
+    def fn(): return ops.na_backward(q, k, v, empty, empty, NO_RPB, out, lse, d_out, None, *geo)
 else:
-    def fn(): return ops.na_forward_jvp(q, k, v, empty, empty, q, k, v, empty, empty, *geo)
+    def fn(): return ops.na_forward_jvp(q, k, v, empty, empty, NO_RPB, q, k, v, empty, empty, None, *geo)
 results = []
 for lib in libs:
     _lib.lib = lib

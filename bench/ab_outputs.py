@@ -16,6 +16,8 @@ import tempfile
 
 import torch
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 # (name, batch, extent, heads, kv_heads, dim, dim_v, kernel, stride, dilation, causal, extra keys)
 PROBLEMS = [
     ("1d-w7", 2, (67,), 4, 4, 32, 32, (7,), (1,), (1,), (False,), 0),
@@ -55,16 +57,16 @@ def battery(device: str, threads: int, quick: bool) -> dict:
             tq, tk, tv, tkx, tvx = (torch.randn_like(t) for t in (q, k, v, kx, vx))
             geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5, [0] * (4 * len(ks)))
             key = f"{name}/{dname}"
-            out, lse = ops.na_forward(q, k, v, kx, vx, *geo)
+            out, lse = ops.na_forward(q, k, v, kx, vx, NO_RPB, *geo)
             d_out, d_lse = torch.randn_like(out), torch.randn_like(lse)
             results[key + "/forward"] = (out, lse)
-            results[key + "/backward"] = ops.na_backward(q, k, v, kx, vx, out, lse, d_out, d_lse, *geo)
-            jvp = ops.na_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geo)
+            results[key + "/backward"] = ops.na_backward(q, k, v, kx, vx, NO_RPB, out, lse, d_out, d_lse, *geo)
+            jvp = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, tq, tk, tv, tkx, tvx, None, *geo)
             results[key + "/forward_jvp"] = jvp
             if device == "cpu" or "cuda" in ops.FUSED_JVP_BACKWARD_DEVICES:
                 d_t_out, d_t_lse = torch.randn_like(out), torch.randn_like(lse)
                 results[key + "/forward_jvp_backward"] = ops.na_forward_jvp_backward(
-                    q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *jvp, d_out, d_lse, d_t_out, d_t_lse, *geo)
+                    q, k, v, kx, vx, NO_RPB, tq, tk, tv, tkx, tvx, None, *jvp, d_out, d_lse, d_t_out, d_t_lse, *geo)
     return {k: [t.cpu() for t in v] for k, v in results.items()}
 
 

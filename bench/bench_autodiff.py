@@ -41,6 +41,8 @@ import torch
 import nbhd
 from timing import sample
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 CPU_PROBLEMS = [  # name, rank, spatial, kernel, B, H, D
     ("1d 4096 w63", 1, (4096,), 63, 1, 4, 32),
     ("2d 32x32 w7", 2, (32, 32), 7, 2, 4, 32),
@@ -175,10 +177,10 @@ def cases(rank, spatial, kernel, B, H, D, device, dtype):
         geo = Geometry((kernel,) * rank, (1,) * rank, (1,) * rank, (False,) * rank, D ** -0.5)
         kx, vx = q.new_empty(B, 0, H, D), q.new_empty(B, 0, H, D)
         prims, tans = (q, k, v, kx, vx), (t, t, t, None, None)
-        saved = ops.na_forward_jvp(*prims, *tans, *geo.args())
+        saved = ops.na_forward_jvp(*prims, NO_RPB, *tans, None, *geo.args())
         cot = tuple(torch.randn_like(x) for x in saved)
         if backend is None:
-            return lambda: ops.na_forward_jvp_backward(*prims, *tans, *saved, *cot, *geo.args())
+            return lambda: ops.na_forward_jvp_backward(*prims, NO_RPB, *tans, None, *saved, *cot, *geo.args())
         zeros = (torch.zeros_like(kx), torch.zeros_like(vx))
         return lambda: torch.func.vjp(lambda *x: _reference_forward_jvp(*x, geo), *prims, *tans[:3], *zeros)[1](cot)
 

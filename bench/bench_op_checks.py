@@ -20,10 +20,10 @@ def best(fn, number=300, repeat=15):
 def main():
     torch.set_num_threads(1)
     q = torch.randn(1, 16, 1, 8, requires_grad=True)
-    kx = torch.empty(1, 0, 1, 8)
+    kx, no_rpb = torch.empty(1, 0, 1, 8), torch.empty(0)
     geometry = ([3], [1], [1], [False], 0.35, [0] * 4)
     with torch.no_grad():
-        out, lse = torch.ops.nbhd.na_forward(q, q, q, kx, kx, *geometry)
+        out, lse = torch.ops.nbhd.na_forward(q, q, q, kx, kx, no_rpb, *geometry)
     g, t = geometry[:4], geometry[5]
     fwd_args = (q, q, q, kx, kx)
     bwd_args = (q, q, q, kx, kx, out, lse, out, lse)

@@ -1,7 +1,8 @@
 """Cost of relative positional bias: na*d with rpb against the same call without it.
-"fold" is nbhd.compat's na*d(rpb=...) (nbhd.rpb.na_with_rpb_fused: the bias folded into the
-fused kernels' dot product), "composed" nbhd.rpb.na_with_rpb (gather + softmax, the
-reference). Forward, or forward+backward with --bwd; configurations interleaved; min and
+"in-kernel" is nbhd.compat's na*d(rpb=...) (nbhd.rpb.na_with_rpb_fused: on the CPU the kernels
+add the bias, docs/rpb.md), "fold" the bias folded into the fused kernels' dot product (the
+CUDA route; na_with_rpb_fused(fold=True)), "composed" nbhd.rpb.na_with_rpb
+(gather + softmax, the reference). Forward, or forward+backward with --bwd; configurations interleaved; min and
 median over --rounds, in ms. --threads sets torch's and (before import) OpenMP's threads.
 
     python bench/bench_rpb.py [--device cpu] [--dtype fp32] [--problems 1d-1024,2d-32,3d-12]
@@ -56,8 +57,11 @@ def main() -> None:
         rpb = torch.randn(heads, *(2 * x - 1 for x in ks), device=device, dtype=dtype,
                           requires_grad=args.bwd)
         rank = len(spatial)
+        fold = lambda: nbhd_rpb.na_with_rpb_fused(q, k, v, rpb, ks, (1,) * rank, (1,) * rank,
+                                                  dim ** -0.5, fold=True)[0]
         runs = {"no rpb": lambda: na(q, k, v, ks),
-                "fold": lambda: na(q, k, v, ks, rpb=rpb),
+                "in-kernel": lambda: na(q, k, v, ks, rpb=rpb),
+                "fold": fold,
                 "composed": lambda: nbhd_rpb.na_with_rpb(q, k, v, rpb, ks, (1,) * rank, (1,) * rank,
                                                          (False,) * rank, dim ** -0.5)[0]}
 

@@ -11,6 +11,8 @@ from torch.profiler import ProfilerActivity, profile
 from nbhd import ops
 from ab_gpu import PROBLEMS
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -31,14 +33,14 @@ def main():
             empty = torch.empty(B, 0, args.heads, D, device="cuda", dtype=torch.bfloat16)
             geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
             if args.op == "bwd":
-                out, lse = ops.na_forward(q, k, v, empty, empty, *geo)
+                out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
                 d_out = torch.randn_like(out)
-                fn = lambda: ops.na_backward(q, k, v, empty, empty, out, lse, d_out, None, *geo)
+                fn = lambda: ops.na_backward(q, k, v, empty, empty, NO_RPB, out, lse, d_out, None, *geo)
             elif args.op == "jvp":
                 tq, tk, tv = (torch.randn_like(x) for x in (q, k, v))
-                fn = lambda: ops.na_forward_jvp(q, k, v, empty, empty, tq, tk, tv, empty, empty, *geo)
+                fn = lambda: ops.na_forward_jvp(q, k, v, empty, empty, NO_RPB, tq, tk, tv, empty, empty, None, *geo)
             else:
-                fn = lambda: ops.na_forward(q, k, v, empty, empty, *geo)
+                fn = lambda: ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
             fn()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -85,6 +85,7 @@ class _Problem(ctypes.Structure):
         ("scale", ctypes.c_double),
         ("dtype", ctypes.c_int),
         ("device", ctypes.c_int),
+        ("rpb", ctypes.c_int32),
     ]
 
 
@@ -128,18 +129,18 @@ def _args_struct(name: str, fields: Sequence[str]):
 
 
 _ARGS = {
-    OP_FORWARD: _args_struct("_ForwardArgs", ["q", "k", "v", "kx", "vx", "out", "lse"]),
+    OP_FORWARD: _args_struct("_ForwardArgs", ["q", "k", "v", "kx", "vx", "out", "lse", "rpb"]),
     OP_BACKWARD: _args_struct("_BackwardArgs", [
         "q", "k", "v", "kx", "vx", "out", "lse", "d_out", "d_lse",
-        "d_q", "d_k", "d_v", "d_kx", "d_vx"]),
+        "d_q", "d_k", "d_v", "d_kx", "d_vx", "rpb", "d_rpb"]),
     OP_FORWARD_JVP: _args_struct("_ForwardJvpArgs", [
         "q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx",
-        "out", "lse", "t_out", "t_lse"]),
+        "out", "lse", "t_out", "t_lse", "rpb", "t_rpb"]),
 }
 _ARGS[OP_FORWARD_JVP_BACKWARD] = _args_struct("_ForwardJvpBackwardArgs", [
     "q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx", "out", "lse", "t_out", "t_lse",
     "d_out", "d_lse", "d_t_out", "d_t_lse", "d_q", "d_k", "d_v", "d_kx", "d_vx",
-    "d_t_q", "d_t_k", "d_t_v", "d_t_kx", "d_t_vx"])
+    "d_t_q", "d_t_k", "d_t_v", "d_t_kx", "d_t_vx", "rpb", "t_rpb", "d_rpb", "d_t_rpb"])
 _ENTRY = {OP_FORWARD: "nbhd_forward", OP_BACKWARD: "nbhd_backward", OP_FORWARD_JVP: "nbhd_forward_jvp",
           OP_FORWARD_JVP_BACKWARD: "nbhd_forward_jvp_backward"}
 
@@ -233,10 +234,11 @@ class Problem:
 
     `kernel_size` etc. are per-axis tuples of length rank (rank 0: dense attention over the
     additional keys only). q: [B, *spatial, H, D]; k: [B, *spatial, Hkv, D]; v: [..., Dv];
-    kx/vx: [B, S, Hkv, D|Dv] or None.
+    kx/vx: [B, S, Hkv, D|Dv] or None. `rpb`: the scores carry a relative positional bias
+    (the ops' tables, docs/rpb.md).
     """
 
-    def __init__(self, q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale):
+    def __init__(self, q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale, rpb=False):
         rank = len(kernel_size)
         p = _Problem()
         p.rank = rank
@@ -261,6 +263,7 @@ class Problem:
         p.scale = float(scale)
         p.dtype = _DTYPES[q.dtype]
         p.device = 1 if q.device.type == "cuda" else 0
+        p.rpb = 1 if rpb else 0
         self.c = p
         self.rank = rank
         self.device = q.device
@@ -296,9 +299,11 @@ def _elements(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
 
 
-def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -> _Tensor:
+def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False,
+              table: bool = False) -> _Tensor:
     """Tensor -> (pointer, 6 strides). Spatial tensors are [B, *spatial(rank), H, D?]; token
-    tensors (additional keys, rank-0 queries) are [B, S, H, D?]."""
+    tensors (additional keys, rank-0 queries) are [B, S, H, D?]; tables (rpb and its gradient
+    and tangent) [H, M]."""
     d = _Tensor()
     if t is None:
         d.data = None
@@ -307,6 +312,9 @@ def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -
     # the storage from data on: the library checks that the strides stay inside it
     d.elements = _elements(t) if t.numel() else 0
     st = t.stride()
+    if table:
+        d.stride[4], d.stride[5] = st[0], st[1]
+        return d
     n_spatial = 1 if token_major else rank
     has_last = t.dim() == n_spatial + 3
     d.stride[0] = st[0]
@@ -319,6 +327,7 @@ def _describe(t: Optional[torch.Tensor], rank: int, token_major: bool = False) -
 
 
 _TOKEN_MAJOR = frozenset({"kx", "vx", "d_kx", "d_vx", "t_kx", "t_vx", "d_t_kx", "d_t_vx"})
+_TABLES = frozenset({"rpb", "t_rpb", "d_rpb", "d_t_rpb"})
 
 # The C argument structs' fields in order: `run` takes its tensors in this order.
 FIELDS = {op: tuple(name for name, _ in struct._fields_) for op, struct in _ARGS.items()}
@@ -342,15 +351,21 @@ class _Plan:
         rank, kernel_size, stride, dilation, is_causal, scale = geometry
         q, k, v, kx, vx = tensors[:5]
         self.op = op
-        self.problem = problem or Problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale)
+        # the bias tables are the structs' last fields: a caller without them may leave them off
+        tables = sum(name in _TABLES for name in FIELDS[op])
+        if not len(FIELDS[op]) - tables <= len(tensors) <= len(FIELDS[op]):
+            raise ValueError(f"{_ENTRY[op]} takes {len(FIELDS[op])} tensors {FIELDS[op]} (the last "
+                             f"{tables} optional), got {len(tensors)}")
+        has_rpb = any(t is not None for name, t in zip(FIELDS[op], tensors) if name in _TABLES)
+        self.problem = problem or Problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale,
+                                          rpb=has_rpb)
         self.args = _ARGS[op]()   # ctypes structures start zeroed: absent tensors stay NULL
         self.slots = []           # (64-bit word of the data pointer, position in `tensors`)
-        if len(tensors) != len(FIELDS[op]):
-            raise ValueError(f"{_ENTRY[op]} takes {len(FIELDS[op])} tensors {FIELDS[op]}, got {len(tensors)}")
         for pos, (name, t) in enumerate(zip(FIELDS[op], tensors)):
             if t is None:
                 continue
-            setattr(self.args, name, _describe(t, rank, token_major=rank == 0 or name in _TOKEN_MAJOR))
+            setattr(self.args, name, _describe(t, rank, token_major=rank == 0 or name in _TOKEN_MAJOR,
+                                               table=name in _TABLES))
             if t.numel():
                 field = getattr(type(self.args), name).offset
                 self.slots.append(((field + _Tensor.data.offset) // 8, pos))

@@ -135,7 +135,8 @@ def attention(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] 
     else:
         geometry = Geometry([], [], [], [], scale)
         run = na_compiled if _use_custom_op() else na_autograd
-        out, lse = run(q, empty_k, empty_v, k, v, geometry)
+        no_rpb = q.new_empty((0,), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        out, lse = run(q, empty_k, empty_v, k, v, no_rpb, geometry)
     return (out, lse) if return_lse else out
 
 

@@ -3,7 +3,7 @@ of rules.py.
 
   eager   one autograd.Function per op, in the setup_context style so that every torch.func
           transform composes with it (vmap by the generated rule):
-            NeighborhoodAttention  nbhd::na_forward         (out, lse)
+            NeighborhoodAttention  nbhd::na_forward         (out, lse) of (q, k, v, kx, vx, rpb)
             _Backward              nbhd::na_backward        J^T (d_out, d_lse)
             _ForwardJvp            nbhd::na_forward_jvp     (out, lse, t_out, t_lse)
             _ForwardJvpBackward    nbhd::na_forward_jvp_backward
@@ -95,10 +95,10 @@ def _eager_function(name: str, rule: Rule, doc: str):
 
 NeighborhoodAttention = _eager_function(
     "NeighborhoodAttention", RULES["na_forward"],
-    "(out, lse) = na(q, k, v, kx, vx) with fused backward and fused forward-mode AD.")
+    "(out, lse) = na(q, k, v, kx, vx, rpb) with fused backward and fused forward-mode AD.")
 _Backward = _eager_function(
     "_Backward", RULES["na_backward"],
-    "(dq, dk, dv, dkx, dvx) = J(x)^T (d_out, d_lse) for x = (q, k, v, kx, vx); its own "
+    "(dq, dk, dv, dkx, dvx, d_rpb) = J(x)^T (d_out, d_lse) for x = (q, k, v, kx, vx, rpb); its own "
     "derivatives are second order (rules.second_order).")
 _ForwardJvp = _eager_function(
     "_ForwardJvp", RULES["na_forward_jvp"],
@@ -141,6 +141,25 @@ def _unfold(x: Tensor, size: int) -> Tensor:
     return x.unflatten(0, (size, x.shape[0] // size if size else 0))
 
 
+# Positions of the bias tables among each op's tensors (rpb, then t_rpb) and outputs (d_rpb,
+# d_t_rpb): a table is shared by the batch, so it cannot be folded into it (below)
+_TABLE_INPUTS = {"na_forward": (5,), "na_backward": (5,), "na_forward_jvp": (5, 11),
+                 "na_forward_jvp_backward": (5, 11)}
+_TABLE_OUTPUTS = {"na_backward": True, "na_forward_jvp_backward": True}
+
+
+def _per_member(rule: Rule, args, in_dims) -> bool:
+    """vmap over an op with a bias table runs it once per batch member when a table is
+    batched, or when the op sums a table gradient over the batch (per member it is not summed
+    over the vmapped dimension); absent (zero-size) tables fold like the other tensors."""
+    tables = _TABLE_INPUTS.get(rule.op, ())
+    if not tables or args[tables[0]].numel() == 0:
+        return False
+    if any(in_dims[i] is not None for i in tables if args[i] is not None):
+        return True
+    return _TABLE_OUTPUTS.get(rule.op, False)
+
+
 def _register(rule: Rule) -> None:
     op = getattr(ops, rule.op)
     split, save, vjp, op_grads, n = rule.split, rule.save, rule.vjp, rule.op_grads, rule.tensors
@@ -160,7 +179,15 @@ def _register(rule: Rule) -> None:
 
     def batch_folding(info, in_dims, *args):
         size = info.batch_size
-        tensors = [_fold(a, d, size) for a, d in zip(args[:n], in_dims[:n])]
+        if _per_member(rule, args, in_dims):
+            pick = lambda a, d, i: a if a is None or d is None else a.select(d, i)
+            runs = [op(*(pick(a, d, i) for a, d in zip(args[:n], in_dims[:n])), *args[n:])
+                    for i in range(size)]
+            outs = tuple(torch.stack(o) for o in zip(*runs))
+            return outs, tuple(0 for _ in outs)
+        shared = _TABLE_INPUTS.get(rule.op, ())   # an unbatched table stays as it is
+        tensors = [a if i in shared and d is None else _fold(a, d, size)
+                   for i, (a, d) in enumerate(zip(args[:n], in_dims[:n]))]
         outs = op(*tensors, *args[n:])
         return tuple(_unfold(o, size) for o in outs), tuple(0 for _ in outs)
 
@@ -175,20 +202,20 @@ for _rule in RULES.values():
 # ----------------------------------------------------------------------------
 # the entry points of functional.py and attention.py
 
-def na_autograd(q, k, v, kx, vx, geometry) -> Tuple[Tensor, Tensor]:
-    return NeighborhoodAttention.apply(q, k, v, kx, vx, geometry)
+def na_autograd(q, k, v, kx, vx, rpb, geometry) -> Tuple[Tensor, Tensor]:
+    return NeighborhoodAttention.apply(q, k, v, kx, vx, rpb, geometry)
 
 
-def na_jvp_autograd(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
-    return _ForwardJvp.apply(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry)
+def na_jvp_autograd(q, k, v, kx, vx, rpb, tq, tk, tv, tkx, tvx, t_rpb, geometry):
+    return _ForwardJvp.apply(q, k, v, kx, vx, rpb, tq, tk, tv, tkx, tvx, t_rpb, geometry)
 
 
-def na_compiled(q, k, v, kx, vx, geometry):
-    return ops.na_forward(q, k, v, kx, vx, *geometry.args())
+def na_compiled(q, k, v, kx, vx, rpb, geometry):
+    return ops.na_forward(q, k, v, kx, vx, rpb, *geometry.args())
 
 
-def na_jvp_compiled(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
-    return ops.na_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, *geometry.args())
+def na_jvp_compiled(q, k, v, kx, vx, rpb, tq, tk, tv, tkx, tvx, t_rpb, geometry):
+    return ops.na_forward_jvp(q, k, v, kx, vx, rpb, tq, tk, tv, tkx, tvx, t_rpb, *geometry.args())
 
 
 def merge_autograd(outputs, lses) -> Tuple[Tensor, Tensor]:

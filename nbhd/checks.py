@@ -264,6 +264,31 @@ def op_tensors(op: str, rank: int, spec, tensors, real: bool) -> None:
             in_storage(name, t, size, op)
 
 
+def op_table(op: str, name: str, t: Optional[Tensor], q: Tensor, kernel_size, is_causal,
+             real: bool) -> bool:
+    """Checks a relative-positional-bias table argument of an op (rpb, t_rpb; docs/rpb.md):
+    zero elements (or None) is absent; otherwise [H, prod(2K-1)] contiguous, float32 (float64
+    for float64 q) on q's device, for a non-causal window. Returns whether it is present."""
+    if t is None or t.numel() == 0:
+        return False
+    entries = 1
+    for k in kernel_size:
+        entries *= 2 * k - 1
+    want = (q.shape[-2], entries)
+    dtype = torch.float64 if q.dtype is torch.float64 else torch.float32
+    if not kernel_size or any(is_causal):
+        _op_fail(op, f"{name} needs a non-causal neighborhood (rank >= 1, no causal axis), got "
+                     f"kernel_size={list(kernel_size)}, is_causal={list(is_causal)}")
+    if tuple(t.shape) != want or t.dtype is not dtype or t.device != q.device:
+        _op_fail(op, f"{name} must be a [heads, prod(2*kernel_size-1)] = {want} {dtype} table on "
+                     f"{q.device}, got shape {tuple(t.shape)}, {t.dtype} on {t.device}")
+    if real:
+        if not t.is_contiguous():
+            _op_fail(op, f"{name} must be contiguous, got strides {t.stride()}")
+        in_storage(name, t, t.shape, op)
+    return True
+
+
 def in_storage(name: str, t: Tensor, size=None, op: str = "") -> None:
     """The last element a (real, strided) tensor addresses lies inside its storage: a view
     whose storage was shrunk by resize_, or made unsafely, would let the C library read past

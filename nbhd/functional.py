@@ -40,6 +40,7 @@ class _Call:
         if attention_kwargs is not None and not isinstance(attention_kwargs, dict):
             raise TypeError(f"attention_kwargs must be a dict or None, got {type(attention_kwargs).__name__}")
         self.q, self.k, self.v, self.kx, self.vx = q, k, v, kx, vx
+        self.rpb = None   # the bias table [H, M] of na_with_table's calls
         self.spatial = spatial
         self.geometry = Geometry(ks, st, dil, causal, checks.scale_of(scale, q.shape[-1], q.dtype))
         self.backend = backends.choose(q, backend)
@@ -50,6 +51,7 @@ class _Call:
         its normalised geometry and backend, without checking again."""
         call = cls.__new__(cls)
         call.q, call.k, call.v, call.kx, call.vx = q, k, v, kx, vx
+        call.rpb = None
         call.spatial = tuple(q.shape[1:-2])
         call.geometry, call.backend = geometry, backend
         return call
@@ -69,25 +71,21 @@ class _Call:
         fast kernels have no dense form (rank 0 runs the scalar reference kernel, 8-17x slower
         than the fast kernels at 49-196 tokens), so there it stays neighborhood attention whose
         windows span every axis."""
-        return self.q.device.type == "cuda" and self.is_self_attention()
+        return self.q.device.type == "cuda" and self.is_self_attention() and self.rpb is None
 
     def empty_extra(self, like: Tensor) -> Tensor:
-        """[B, 0, H, D]: absent additional keys. Eager calls share one per shape, dtype and
-        device (it has no elements to write); traced calls make their own."""
-        shape = (like.shape[0], 0, *like.shape[-2:])
-        if torch.compiler.is_compiling():
-            return like.new_empty(shape)
-        key = (shape, like.dtype, like.device)
-        empty = _EMPTY.get(key)
-        if empty is None:
-            if len(_EMPTY) >= _MAX_CACHED:
-                _EMPTY.clear()
-            with _torch_internals.disable_functorch():   # a plain tensor, whatever transform is active
-                empty = _EMPTY[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        return empty
+        """[B, 0, H, D]: absent additional keys."""
+        return _empty((like.shape[0], 0, *like.shape[-2:]), like.dtype, like.device)
+
+    def table(self) -> Tensor:
+        """The ops' bias table: rpb [H, M], or a zero-size one (no bias)."""
+        if self.rpb is not None:
+            return self.rpb
+        return _empty((0,), torch.float64 if self.q.dtype == torch.float64 else torch.float32,
+                      self.q.device)
 
     def kernel_args(self):
-        """(q, k, v, kx, vx, geometry) for the ops: self attention on CUDA becomes dense
+        """(q, k, v, kx, vx, rpb, geometry) for the ops: self attention on CUDA becomes dense
         attention of the flattened tokens (rank 0) over the keys and the additional keys
         together (runs_dense)."""
         q, k, v, kx, vx = self.q, self.k, self.v, self.kx, self.vx
@@ -97,11 +95,11 @@ class _Call:
             if kx is not None:
                 k_all, v_all = torch.cat([k_all, kx], 1), torch.cat([v_all, vx], 1)
             q_tokens = q.reshape(B, -1, *q.shape[-2:])
-            return (q_tokens, self.empty_extra(k), self.empty_extra(v), k_all, v_all,
+            return (q_tokens, self.empty_extra(k), self.empty_extra(v), k_all, v_all, self.table(),
                     Geometry([], [], [], [], self.geometry.scale))
         if kx is None:
             kx, vx = self.empty_extra(k), self.empty_extra(v)
-        return q, k, v, kx, vx, self.geometry
+        return q, k, v, kx, vx, self.table(), self.geometry
 
     def restore(self, out: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
         if out.dim() == self.q.dim():   # not flattened (flattening merges the spatial axes)
@@ -109,6 +107,22 @@ class _Call:
         B = self.q.shape[0]
         return (out.reshape(B, *self.spatial, *out.shape[-2:]),
                 lse.reshape(B, *self.spatial, lse.shape[-1]))
+
+
+def _empty(shape, dtype, device) -> Tensor:
+    """A tensor with no elements (absent additional keys, absent bias table). Eager calls
+    share one per shape, dtype and device (it has nothing to write); traced calls make
+    their own."""
+    if torch.compiler.is_compiling():
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (shape, dtype, device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        if len(_EMPTY) >= _MAX_CACHED:
+            _EMPTY.clear()
+        with _torch_internals.disable_functorch():   # a plain tensor, whatever transform is active
+            empty = _EMPTY[key] = torch.empty(shape, dtype=dtype, device=device)
+    return empty
 
 
 _forward_ad_active = _torch_internals.forward_ad_active
@@ -163,18 +177,18 @@ def _forward(call: _Call, torch_compile: bool = False) -> Tuple[Tensor, Tensor]:
 _is_batched = _torch_internals.is_batched
 
 
-def _dual_outputs(q, k, v, kx, vx, geometry) -> Optional[Tuple[Tensor, Tensor]]:
+def _dual_outputs(q, k, v, kx, vx, rpb, geometry) -> Optional[Tuple[Tensor, Tensor]]:
     """Under forward-mode AD (torch.func.jvp, jacfwd, forward_ad duals) with a tangent on an
     input at the innermost level: (out, lse) as duals whose primals and tangents come from one
     fused forward+JVP kernel (NeighborhoodAttention's jvp rule would run the forward kernel
     first and then the fused one). None, for that two-kernel path, when no input carries a
     tangent there or one requires grad (docs/overhead.md)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kx, vx)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kx, vx, rpb)):
         # a backward may follow inside the dual level (forward-over-reverse), and the fused
         # Function's backward has its jvp only in reference math: keep the two-kernel path,
         # whose second-order rules are fused
         return None
-    unpacked = [_forward_ad.unpack_dual(t) for t in (q, k, v, kx, vx)]
+    unpacked = [_forward_ad.unpack_dual(t) for t in (q, k, v, kx, vx, rpb)]
     tangents = [u.tangent for u in unpacked]
     if all(t is None for t in tangents):
         return None
@@ -183,7 +197,7 @@ def _dual_outputs(q, k, v, kx, vx, geometry) -> Optional[Tuple[Tensor, Tensor]]:
         return None  # tangents batched apart from their primals: no dual pairs the two
     # forward-mode AD off while it runs: it computes the tangents, its own jvp rule must not
     with _torch_internals.forward_grad_disabled():
-        out, lse, t_out, t_lse = na_jvp_autograd(q, k, v, kx, vx, *tangents, geometry)
+        out, lse, t_out, t_lse = na_jvp_autograd(q, k, v, kx, vx, rpb, *tangents, geometry)
     return _forward_ad.make_dual(out, t_out), _forward_ad.make_dual(lse, t_lse)
 
 
@@ -203,7 +217,7 @@ def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         else:
             (out, lse), (t_out, t_lse) = torch.func.jvp(fn, primals, tans)
         return out, lse, t_out, t_lse
-    q, k, v, kx, vx, geometry = call.kernel_args()
+    q, k, v, kx, vx, rpb, geometry = call.kernel_args()
     if call.runs_dense():
         B = call.q.shape[0]
         flat = lambda t: None if t is None else t.reshape(B, -1, *t.shape[-2:])
@@ -215,7 +229,7 @@ def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
              *([] if call.vx is None else [tvx if tvx is not None else torch.zeros_like(call.vx)])], 1)
         tq, tk, tv, tkx, tvx = flat(tq), None, None, tk_all, tv_all
     run = na_jvp_compiled if _use_custom_op() else na_jvp_autograd
-    out, lse, t_out, t_lse = run(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry)
+    out, lse, t_out, t_lse = run(q, k, v, kx, vx, rpb, tq, tk, tv, tkx, tvx, None, geometry)
     out, lse = call.restore(out, lse)
     t_out, t_lse = call.restore(t_out, t_lse)
     return out, lse, t_out, t_lse
@@ -299,15 +313,15 @@ class _Checked:
         plain = all(type(t) is Tensor for t in (call.q, call.k, call.v, call.kx, call.vx) if t is not None)
         if not plain or call.backend not in ("cpu-fna", "cuda-fna"):
             return
-        q, k, v, kx, vx, geometry = call.kernel_args()
+        q, k, v, kx, vx, rpb, geometry = call.kernel_args()
         if call.runs_dense():   # dense attention of the tokens: q [B, N, H, D], kx, vx
             if call.kx is None:        # the keys and values as tokens, k and v zero-length
-                self.prepared = prepared.Prepared(q, k, v, kx, vx, geometry, k, v,
+                self.prepared = prepared.Prepared(q, k, v, kx, vx, geometry, k, v, rpb,
                                                   spatial=call.spatial)
             return
         absent = call.kx is None
         self.prepared = prepared.Prepared(q, k, v, None if absent else kx, None if absent else vx,
-                                          geometry, call.empty_extra(k), call.empty_extra(v))
+                                          geometry, call.empty_extra(k), call.empty_extra(v), rpb)
 
 
 def _call_key(rank, tensors, options):
@@ -337,9 +351,12 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-        try_fuse_additional_kv=False, return_lse=False):
+        try_fuse_additional_kv=False, return_lse=False, rpb=None):
+    """na{rank}d; `rpb` (nbhd.rpb's in-kernel path only): a relative positional bias table
+    [H, prod(2K-1)], float32 (float64 for float64 q), added to the scores by the kernels."""
     cache_key = None
-    if attention_kwargs is None and backend in _CACHED_BACKENDS and not torch.compiler.is_compiling():
+    if (attention_kwargs is None and backend in _CACHED_BACKENDS and rpb is None
+            and not torch.compiler.is_compiling()):
         cache_key = _call_key(rank, (query, key, value, additional_keys, additional_values), (
             kernel_size, stride, dilation, is_causal, scale, backend, q_tile_shape, kv_tile_shape,
             backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
@@ -365,6 +382,7 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
     call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, backend, q_tile_shape, kv_tile_shape,
                  backward_q_tile_shape, backward_kv_tile_shape, attention_kwargs)
+    call.rpb = rpb
     ks, st, dil, causal, _, _ = call.geometry.args()
     call.set_tiles(configs.validate_tiles(
         call.backend, call.q, call.k, call.v, q_tile_shape, kv_tile_shape, backward_q_tile_shape,

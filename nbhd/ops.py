@@ -15,7 +15,9 @@ shape, dtype and device checks.
 
 Tensor arguments are always present: absent additional keys (and, for rank 0, absent
 neighborhood keys) are zero-length tensors [B, 0, Hkv, D], so every op has fixed arity and vmap
-can fold every argument the same way. merge_attentions takes its n parts as two lists.
+can fold every argument the same way. The relative positional bias table `rpb` [H, prod(2K-1)]
+(float32, float64 for float64 q; docs/rpb.md) follows vx; absent, it is a zero-size tensor,
+and its gradient `d_rpb` has its shape. merge_attentions takes its n parts as two lists.
 """
 from __future__ import annotations
 
@@ -114,6 +116,17 @@ def _extra(kx: Tensor, vx: Tensor, *more: Optional[Tensor]) -> tuple:
     return (kx, vx, *more) if kx.shape[1] > 0 else (None,) * (2 + len(more))
 
 
+def _tables(rpb: Tensor, *more: Optional[Tensor]) -> tuple:
+    """The bias tables for the C library (rpb, then its tangent or gradients), or Nones when
+    there is no bias (zero-size rpb)."""
+    return (rpb, *more) if rpb.numel() else (None,) * (1 + len(more))
+
+
+def _table_grad(rpb: Tensor) -> Tensor:
+    """A table's gradient: rpb's shape, written by the kernel (zero-size when absent)."""
+    return torch.empty_like(rpb, memory_format=torch.contiguous_format)
+
+
 # (name, kind, required) of each op's tensor arguments, in order (checks.op_tensors)
 _PRIMALS = (("q", "q", True), ("k", "k", True), ("v", "v", True), ("kx", "kx", True), ("vx", "vx", True))
 _TANGENTS = (("t_q", "q", False), ("t_k", "k", False), ("t_v", "v", False), ("t_kx", "kx", False),
@@ -129,24 +142,29 @@ _SPEC = {
 }
 
 
-def _check(name: str, tensors, kernel_size, stride, dilation, is_causal, tiles, real: bool) -> None:
-    """Validates one op call (the kernel: real=True; the fake: shapes, dtypes and devices)."""
+def _check(name: str, tensors, kernel_size, stride, dilation, is_causal, tiles, real: bool,
+           tables=()) -> None:
+    """Validates one op call (the kernel: real=True; the fake: shapes, dtypes and devices);
+    `tables`: (name, table) of its bias tables."""
     op = f"nbhd::{name}"
     rank = checks.op_geometry(op, kernel_size, stride, dilation, is_causal, tiles)
     checks.op_tensors(op, rank, _SPEC[name], tensors, real)
+    for table_name, t in tables:
+        checks.op_table(op, table_name, t, tensors[0], kernel_size, is_causal, real)
 
 
 # ----------------------------------------------------------------------------
 # forward
 
-def _na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, kernel_size: List[int],
-                stride: List[int], dilation: List[int], is_causal: List[bool],
+def _na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb: Tensor,
+                kernel_size: List[int], stride: List[int], dilation: List[int], is_causal: List[bool],
                 scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor]:
-    """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention."""
-    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, True)
+    """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention (+ rpb [H, M] on the scores)."""
+    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, True,
+           (("rpb", rpb),))
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     _lib.run(_lib.OP_FORWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
-             (q, k, v, *_extra(kx, vx), out, lse), **run_options(tiles, backward=False))
+             (q, k, v, *_extra(kx, vx), out, lse, *_tables(rpb)), **run_options(tiles, backward=False))
     return out, lse
 
 
@@ -154,26 +172,28 @@ na_forward = _kernel_op("na_forward", _na_forward)
 
 
 @na_forward.register_fake
-def _(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale, tiles):
-    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, False)
+def _(q, k, v, kx, vx, rpb, kernel_size, stride, dilation, is_causal, scale, tiles):
+    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, False,
+           (("rpb", rpb),))
     return _forward_shapes(q, v, vx, len(kernel_size))
 
 
 # ----------------------------------------------------------------------------
 # backward
 
-def _na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, out: Tensor, lse: Tensor,
-                 d_out: Tensor, d_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
-                 dilation: List[int], is_causal: List[bool],
-                 scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dkx, dvx), shaped like (q, k, v, kx, vx)."""
+def _na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb: Tensor, out: Tensor,
+                 lse: Tensor, d_out: Tensor, d_lse: Optional[Tensor], kernel_size: List[int],
+                 stride: List[int], dilation: List[int], is_causal: List[bool], scale: float,
+                 tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dkx, dvx, d_rpb), shaped like (q, k, v, kx, vx, rpb)."""
     _check("na_backward", (q, k, v, kx, vx, out, lse, d_out, d_lse), kernel_size, stride, dilation,
-           is_causal, tiles, True)
-    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
-    dq, dk, dv, dkx, dvx = grads
+           is_causal, tiles, True, (("rpb", rpb),))
+    grads = (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx)),
+             _table_grad(rpb))
+    dq, dk, dv, dkx, dvx, d_rpb = grads
     kx_, vx_, dkx, dvx = _extra(kx, vx, dkx, dvx)
     _lib.run(_lib.OP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
-             (q, k, v, kx_, vx_, out, lse, d_out, d_lse, dq, dk, dv, dkx, dvx),
+             (q, k, v, kx_, vx_, out, lse, d_out, d_lse, dq, dk, dv, dkx, dvx, *_tables(rpb, d_rpb)),
              **run_options(tiles, backward=True))
     return grads
 
@@ -182,28 +202,33 @@ na_backward = _kernel_op("na_backward", _na_backward)
 
 
 @na_backward.register_fake
-def _(q, k, v, kx, vx, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale, tiles):
+def _(q, k, v, kx, vx, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale,
+      tiles):
     _check("na_backward", (q, k, v, kx, vx, out, lse, d_out, d_lse), kernel_size, stride, dilation,
-           is_causal, tiles, False)
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx))
+           is_causal, tiles, False, (("rpb", rpb),))
+    return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx)),
+            _table_grad(rpb))
 
 
 # ----------------------------------------------------------------------------
 # forward + JVP
 
-def _na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, t_q: Optional[Tensor],
-                    t_k: Optional[Tensor], t_v: Optional[Tensor], t_kx: Optional[Tensor],
-                    t_vx: Optional[Tensor], kernel_size: List[int], stride: List[int],
-                    dilation: List[int], is_causal: List[bool],
-                    scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, tangent_out, tangent_lse) in one pass; a None tangent is zero."""
+def _na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb: Tensor,
+                    t_q: Optional[Tensor], t_k: Optional[Tensor], t_v: Optional[Tensor],
+                    t_kx: Optional[Tensor], t_vx: Optional[Tensor], t_rpb: Optional[Tensor],
+                    kernel_size: List[int], stride: List[int], dilation: List[int],
+                    is_causal: List[bool], scale: float,
+                    tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, tangent_out, tangent_lse) in one pass; a None tangent is zero (t_rpb: the
+    table's tangent, rpb's shape)."""
     _check("na_forward_jvp", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx), kernel_size, stride,
-           dilation, is_causal, tiles, True)
+           dilation, is_causal, tiles, True, (("rpb", rpb), ("t_rpb", t_rpb)))
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     t_out, t_lse = torch.empty_like(out), torch.empty_like(lse)
     kx_, vx_, t_kx, t_vx = _extra(kx, vx, t_kx, t_vx)
     _lib.run(_lib.OP_FORWARD_JVP, _geometry(kernel_size, stride, dilation, is_causal, scale),
-             (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse),
+             (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse,
+              *_tables(rpb, t_rpb if t_rpb is not None and t_rpb.numel() else None)),
              **run_options(tiles, backward=False))
     return out, lse, t_out, t_lse
 
@@ -212,9 +237,10 @@ na_forward_jvp = _kernel_op("na_forward_jvp", _na_forward_jvp)
 
 
 @na_forward_jvp.register_fake
-def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, kernel_size, stride, dilation, is_causal, scale, tiles):
+def _(q, k, v, kx, vx, rpb, t_q, t_k, t_v, t_kx, t_vx, t_rpb, kernel_size, stride, dilation, is_causal,
+      scale, tiles):
     _check("na_forward_jvp", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx), kernel_size, stride,
-           dilation, is_causal, tiles, False)
+           dilation, is_causal, tiles, False, (("rpb", rpb), ("t_rpb", t_rpb)))
     out, lse = _forward_shapes(q, v, vx, len(kernel_size))
     return out, lse, torch.empty_like(out), torch.empty_like(lse)
 
@@ -226,27 +252,31 @@ def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, kernel_size, stride, dilation,
 FUSED_JVP_BACKWARD_DEVICES = ("cpu", "cuda")
 
 
-def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor,
+def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb: Tensor,
                              t_q: Optional[Tensor], t_k: Optional[Tensor], t_v: Optional[Tensor],
-                             t_kx: Optional[Tensor], t_vx: Optional[Tensor], out: Tensor, lse: Tensor,
-                             t_out: Tensor, t_lse: Tensor, d_out: Optional[Tensor],
-                             d_lse: Optional[Tensor], d_t_out: Optional[Tensor],
-                             d_t_lse: Optional[Tensor], kernel_size: List[int], stride: List[int],
-                             dilation: List[int], is_causal: List[bool],
-                             scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                    Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx), shaped like (q, k, v, kx, vx) twice."""
+                             t_kx: Optional[Tensor], t_vx: Optional[Tensor], t_rpb: Optional[Tensor],
+                             out: Tensor, lse: Tensor, t_out: Tensor, t_lse: Tensor,
+                             d_out: Optional[Tensor], d_lse: Optional[Tensor],
+                             d_t_out: Optional[Tensor], d_t_lse: Optional[Tensor],
+                             kernel_size: List[int], stride: List[int], dilation: List[int],
+                             is_causal: List[bool], scale: float,
+                             tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dkx, dvx, d_rpb, dtq, dtk, dtv, dtkx, dtvx, d_t_rpb), shaped like
+    (q, k, v, kx, vx, rpb) twice."""
     _check("na_forward_jvp_backward", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out,
-           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, True)
+           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, True,
+           (("rpb", rpb), ("t_rpb", t_rpb)))
     new = torch.zeros_like if q.shape[-2] == 0 else torch.empty_like  # no heads: zero gradients
-    grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx) * 2)
-    dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx = grads
+    grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx, rpb) * 2)
+    dq, dk, dv, dkx, dvx, d_rpb, dtq, dtk, dtv, dtkx, dtvx, d_t_rpb = grads
     kx_, vx_, t_kx, t_vx, dkx, dvx, dtkx, dtvx = _extra(kx, vx, t_kx, t_vx, dkx, dvx, dtkx, dtvx)
     if q.is_cuda:  # untiled on CUDA: the tiles handed down are the backward kernels' own
         tiles = [0] * len(tiles)
     _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
              (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse,
-              d_t_out, d_t_lse, dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx),
+              d_t_out, d_t_lse, dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx,
+              *_tables(rpb, t_rpb if t_rpb is not None and t_rpb.numel() else None, d_rpb, d_t_rpb)),
              **run_options(tiles, backward=True))
     return grads
 
@@ -255,11 +285,12 @@ na_forward_jvp_backward = _kernel_op("na_forward_jvp_backward", _na_forward_jvp_
 
 
 @na_forward_jvp_backward.register_fake
-def _(q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse, d_t_out,
-      d_t_lse, kernel_size, stride, dilation, is_causal, scale, tiles):
+def _(q, k, v, kx, vx, rpb, t_q, t_k, t_v, t_kx, t_vx, t_rpb, out, lse, t_out, t_lse, d_out, d_lse,
+      d_t_out, d_t_lse, kernel_size, stride, dilation, is_causal, scale, tiles):
     _check("na_forward_jvp_backward", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out,
-           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, False)
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx) * 2)
+           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, False,
+           (("rpb", rpb), ("t_rpb", t_rpb)))
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx, rpb) * 2)
 
 
 # ----------------------------------------------------------------------------

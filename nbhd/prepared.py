@@ -43,14 +43,15 @@ class Prepared:
     """One validated call signature of the fused kernels: its geometry, its outputs' shapes,
     and the keys of its C arguments in _lib's per-thread plans (built on first use in each
     thread and for each run_state()). kx/vx: None or the additional keys (then present in every
-    call of the signature); empty_kx/empty_vx: the zero-length stand-ins the ops take for absent
-    ones."""
+    call of the signature); empty_kx/empty_vx/empty_rpb: the zero-length stand-ins the ops take
+    for absent ones and for no bias table, plain tensors (functional.py's, made outside any
+    transform: this object outlives the call that built it)."""
 
     __slots__ = ("geometry", "plan_geometry", "tiles", "dtype", "lse_dtype", "device", "shapes",
-                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "flat", "__weakref__")
+                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "empty_rpb", "flat", "__weakref__")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, kx: Optional[Tensor], vx: Optional[Tensor],
-                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor, spatial=None):
+                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor, empty_rpb: Tensor, spatial=None):
         ks, st, dil, causal, scale, tiles = geometry.args()
         self.geometry, self.tiles = geometry, tiles
         self.plan_geometry = (len(ks), tuple(ks), tuple(st), tuple(dil), tuple(causal), scale)
@@ -61,6 +62,7 @@ class Prepared:
         self.out_shape = (*q.shape[:-1], (v if ks else vx).shape[-1])
         self.lse_shape = tuple(q.shape[:-1])
         self.empty_kx, self.empty_vx = empty_kx, empty_vx
+        self.empty_rpb = empty_rpb
         # self attention flattened into dense attention of the tokens (spatial: the axes):
         # (the empty k and v, the outputs' spatial shapes)
         self.flat = None if spatial is None else (
@@ -166,6 +168,17 @@ def _plain_grad(t: Optional[Tensor]) -> bool:
     return t is None or (type(t) is Tensor and _stored(t))
 
 
+def _save(ctx, prep: Prepared, q, k, v, kx, vx, out, lse) -> None:
+    """Saves what NeighborhoodAttention saves, in its order (q, k, v, kx, vx, rpb, out, lse),
+    the empty stand-ins for absent kx, vx and the table: activation checkpointing recomputes a
+    first call's NeighborhoodAttention through this cached path, and pairs the tensors saved
+    then with these by position."""
+    ctx.absent = kx is None
+    if ctx.absent:
+        kx, vx = prep.empty_kx, prep.empty_vx
+    ctx.save_for_backward(q, k, v, kx, vx, prep.empty_rpb, out, lse)
+
+
 class PreparedAttention(torch.autograd.Function):
     """(out, lse) of a prepared call whose inputs require grad. Outside any functorch transform
     only (unwatched): the transforms take NeighborhoodAttention."""
@@ -175,27 +188,26 @@ class PreparedAttention(torch.autograd.Function):
         out, lse = prep.forward(q, k, v, kx, vx)
         ctx.set_materialize_grads(False)
         ctx.prep = prep
-        ctx.save_for_backward(q, k, v, kx, vx, out, lse)
+        _save(ctx, prep, q, k, v, kx, vx, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         if d_out is None and d_lse is None:
             return None, None, None, None, None, None
-        prep = ctx.prep
-        q, k, v, kx, vx, out, lse = ctx.saved_tensors
+        prep, absent = ctx.prep, ctx.absent
+        q, k, v, kx, vx, rpb, out, lse = ctx.saved_tensors
         if (d_out is not None and not torch.is_grad_enabled() and _unwatched()
                 and _plain_grad(d_out) and _plain_grad(d_lse)):
-            dq, dk, dv, dkx, dvx = prep.backward(q, k, v, kx, vx, out, lse, d_out, d_lse)
+            dq, dk, dv, dkx, dvx = prep.backward(q, k, v, None if absent else kx, None if absent else vx,
+                                                 out, lse, d_out, d_lse)
             return dq, dk, dv, dkx, dvx, None
         # a differentiable backward (create_graph), or a watched one: the rules' path
         from .autograd import EAGER
-        absent = kx is None
-        if absent:
-            kx, vx = prep.empty_kx, prep.empty_vx
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv, dkx, dvx = EAGER.backward(q, k, v, kx, vx, out, lse, d_out, d_lse, prep.geometry)
+        dq, dk, dv, dkx, dvx, _ = EAGER.backward(q, k, v, kx, vx, rpb, out, lse, d_out, d_lse,
+                                                 prep.geometry)
         return dq, dk, dv, None if absent else dkx, None if absent else dvx, None
 
 
@@ -208,7 +220,7 @@ class PreparedJvpPrimal(PreparedAttention):
     def forward(ctx, q, k, v, kx, vx, prep, ran):
         ctx.set_materialize_grads(False)
         ctx.prep = prep
-        ctx.save_for_backward(q, k, v, kx, vx, ran[0], ran[1])
+        _save(ctx, prep, q, k, v, kx, vx, ran[0], ran[1])
         return ran[0], ran[1]
 
     @staticmethod
@@ -247,8 +259,10 @@ class PreparedJvp(torch.autograd.Function):
         absent = inputs[3] is None
         if absent:
             inputs[3], inputs[4] = prep.empty_kx, prep.empty_vx
-        both = (*inputs[:5], *zeros_for(inputs[5:], inputs[:5]))
+        primals = (*inputs[:5], prep.empty_rpb)
+        both = (*primals, *zeros_for((*inputs[5:], None), primals))
         g = list(RULES["na_forward_jvp"].vjp(EAGER, (*both, *outs), fused, prep.geometry, grads))
+        g = g[:5] + g[6:11]   # the prepared call has no bias table
         for i, t in enumerate(saved[:10]):
             if t is None:
                 g[i] = None

@@ -33,7 +33,7 @@ from . import _torch_internals
 from .reference import axis_windows, neighborhood_index
 
 __all__ = ["rpb_shape", "check_rpb", "rpb_index", "window_bias", "na_qk", "na_av",
-           "na_with_rpb", "na_with_rpb_fused"]
+           "na_with_rpb", "na_with_rpb_fused", "in_kernel_bias"]
 
 
 def rpb_shape(num_heads: int, kernel_size: Sequence[int]) -> Tuple[int, ...]:
@@ -199,14 +199,24 @@ def fold_index(shape: Sequence[int], kernel_size: Sequence[int], dilation: Seque
         return _fold_index_cached(*args)
 
 
+def in_kernel_bias(query: Tensor, backend: Optional[str]) -> bool:
+    """The fused kernels add the bias themselves: the CPU kernels (nbhd's own backend). The
+    CUDA kernels have no bias term yet: there the bias is folded into the dot product."""
+    return query.device.type == "cpu" and backend in (None, "cpu-fna")
+
+
 def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
                       kernel_size: Sequence[int], stride: Sequence[int],
                       dilation: Sequence[int], scale: float,
                       additional_keys: Optional[Tensor] = None,
                       additional_values: Optional[Tensor] = None,
-                      backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
-    """na_with_rpb (non-causal, scale != 0) through nbhd's fused kernels, exactly: the bias is
-    folded into the dot product. Every key gets a one-hot of its slot (y // d mod 2K-1 per
+                      backend: Optional[str] = None, fold: bool = False) -> Tuple[Tensor, Tensor]:
+    """na_with_rpb (non-causal) through nbhd's fused kernels, exactly. On the CPU
+    (in_kernel_bias) the kernels add rpb[h, (y - x) / d + K - 1] to each window score
+    themselves: the table [H, prod(2K-1)] (float32, float64 for float64 inputs) is an input of
+    the fused ops, with its gradient (a scatter-add of the score gradients) and tangent, under
+    every transform. Elsewhere (CUDA), or with `fold` (bench/bench_rpb.py compares the two),
+    the bias is folded into the dot product. Every key gets a one-hot of its slot (y // d mod 2K-1 per
     axis) appended, every query the table rotated to its position and divided by scale, so
     scale * <q', k'> = scale * <q, k> + rpb[h, (y - x) / d + K - 1] for every key y of x's
     window (y - x is a multiple of d and within (K-1)d: no two window keys share a slot).
@@ -214,8 +224,14 @@ def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
     for 4x4, 169 for 7x7): the cost of the score product grows accordingly. Differentiable
     like the fused ops (the table's gradient is autograd's scatter-add through the gather).
     Shapes as na_with_rpb; returns (out, lse)."""
-    from .functional import na1d, na2d, na3d   # functional imports nothing from here
+    from .functional import _na, na1d, na2d, na3d   # functional imports nothing from here
     spatial = tuple(query.shape[1:-2])
+    if in_kernel_bias(query, backend) and not fold:
+        table = rpb.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+        table = table.reshape(rpb.shape[0], -1).contiguous()
+        return _na(len(spatial), query, key, value, tuple(kernel_size), tuple(stride),
+                   tuple(dilation), False, scale, additional_keys, additional_values,
+                   backend=backend, return_lse=True, rpb=table)
     B, H = query.shape[0], query.shape[-2]
     key_slot, table = fold_index(spatial, kernel_size, dilation, query.device)
     m = table.shape[1]

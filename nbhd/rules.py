@@ -14,7 +14,11 @@ Rule functions take `extra`, the op's non-tensor arguments: the Geometry for the
 `args()` are the ops' trailing arguments), the number of parts for merge_attentions. A None
 tensor argument is an absent optional one; the builders give it no gradient.
 
-Second order at first-order memory (§3.3): with f(x) = (out, lse), x = (q, k, v, kx, vx),
+The primals are x = (q, k, v, kx, vx, rpb): the relative positional bias table rpb [H, M]
+(zero-size when absent, docs/rpb.md) is a differentiable input like the others, with its
+gradient and tangent.
+
+Second order at first-order memory (§3.3): with f(x) = (out, lse), x = (q, k, v, kx, vx, rpb),
 `second_order` is (grad_x <c, J(x) t>, J t) by the fused forward+JVP and its fused backward; the
 double backward and the JVP of the backward are both made of it on devices that have the fused
 backward through forward+JVP (ops.FUSED_JVP_BACKWARD_DEVICES). Elsewhere, and for the rules of
@@ -103,22 +107,27 @@ def _fused(device: torch.device) -> bool:
 # ----------------------------------------------------------------------------
 # the reference math: the rules where no fused kernel serves
 
-def _reference(q, k, v, kx, vx, geometry):
+def _reference(q, k, v, kx, vx, rpb, geometry):
     kernel_size, stride, dilation, is_causal, scale, _ = geometry.args()
+    if rpb.numel():
+        from .rpb import na_with_rpb   # rpb.py imports functional, which imports this module
+        out, lse = na_with_rpb(q, k, v, rpb, kernel_size, stride, dilation, is_causal, scale,
+                               kx if kx.shape[1] else None, vx if vx.shape[1] else None)
+        return out, lse
     return na_reference(q, k, v, kernel_size, stride, dilation, is_causal, scale, kx, vx)
 
 
-def _reference_backward(q, k, v, kx, vx, d_out, d_lse, geometry):
-    """(dq, dk, dv, dkx, dvx) by the reference's vjp."""
-    _, vjp_fn = torch.func.vjp(lambda *x: _reference(*x, geometry), q, k, v, kx, vx)
+def _reference_backward(q, k, v, kx, vx, rpb, d_out, d_lse, geometry):
+    """(dq, dk, dv, dkx, dvx, d_rpb) by the reference's vjp."""
+    _, vjp_fn = torch.func.vjp(lambda *x: _reference(*x, geometry), q, k, v, kx, vx, rpb)
     return vjp_fn((d_out, d_lse))
 
 
-def _reference_forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, geometry):
+def _reference_forward_jvp(q, k, v, kx, vx, rpb, tq, tk, tv, tkx, tvx, t_rpb, geometry):
     """(out, lse, t_out, t_lse) by the reference's jvp, taken as a vjp of its vjp: reverse mode
     only, so it also runs inside a forward-mode level (PyTorch nests no forward-mode AD)."""
     (out, lse), (t_out, t_lse) = _jvp_by_double_vjp(
-        lambda *x: _reference(*x, geometry), (q, k, v, kx, vx), (tq, tk, tv, tkx, tvx))
+        lambda *x: _reference(*x, geometry), (q, k, v, kx, vx, rpb), (tq, tk, tv, tkx, tvx, t_rpb))
     return out, lse, t_out, t_lse
 
 
@@ -160,18 +169,18 @@ def _vjp(fn, primals, cotangents):
 # second order through the fused kernels
 
 def second_order(calls: Calls, x, tangents, d_out, d_lse, geometry):
-    """For f(x) = (out, lse), x = (q, k, v, kx, vx), a tangent t of x and a cotangent
+    """For f(x) = (out, lse), x = (q, k, v, kx, vx, rpb), a tangent t of x and a cotangent
     c = (d_out, d_lse): (grad_x <c, J(x) t>, J t) by the fused forward+JVP and its fused
     backward (the cotangent sits on the tangent outputs). Differentiable as `calls` are. A None
     tangent is zero."""
     out, lse, t_out, t_lse = calls.forward_jvp(*x, *tangents, geometry)
     grads = calls.forward_jvp_backward(*x, *tangents, out, lse, t_out, t_lse, None, None, d_out, d_lse,
                                        geometry)
-    return grads[:5], t_out, t_lse
+    return grads[:6], t_out, t_lse
 
 
 # ----------------------------------------------------------------------------
-# na_forward: (q, k, v, kx, vx) -> (out, lse)
+# na_forward: (q, k, v, kx, vx, rpb) -> (out, lse)
 
 def _forward_save(tensors, outputs, geometry):
     return (*tensors, *outputs), tensors, None
@@ -180,8 +189,8 @@ def _forward_save(tensors, outputs, geometry):
 def _forward_vjp(calls, saved, info, geometry, grads):
     d_out, d_lse = grads
     if d_out is None and d_lse is None:
-        return (None,) * 5
-    d_out = torch.zeros_like(saved[5]) if d_out is None else d_out
+        return (None,) * 6
+    d_out = torch.zeros_like(saved[6]) if d_out is None else d_out
     return calls.backward(*saved, d_out, d_lse, geometry)
 
 
@@ -191,7 +200,7 @@ def _forward_jvp(calls, saved, info, geometry, tangents):
 
 
 # ----------------------------------------------------------------------------
-# na_backward: (q, k, v, kx, vx, out, lse, d_out, d_lse) -> J(x)^T (d_out, d_lse)
+# na_backward: (q, k, v, kx, vx, rpb, out, lse, d_out, d_lse) -> J(x)^T (d_out, d_lse)
 
 def _backward_save(tensors, outputs, geometry):
     # the same tensors for both: vmap's generated rule keeps one record of their batch dims
@@ -201,8 +210,8 @@ def _backward_save(tensors, outputs, geometry):
 def _backward_vjp(calls, saved, fused, geometry, grads):
     # out and lse are functions of q, k, v: the total derivative flows through q, k, v and the
     # out/lse inputs get none (no double count)
-    q, k, v, kx, vx, out, lse, d_out, d_lse = saved
-    x = (q, k, v, kx, vx)
+    q, k, v, kx, vx, rpb, out, lse, d_out, d_lse = saved
+    x = (q, k, v, kx, vx, rpb)
     if fused:
         # the cotangents g on (dq, ...) act as a tangent of the forward:
         # d/d(d_out, d_lse) <g, J^T c> = J g and d/dx <g, J(x)^T c> = grad_x <c, J(x) g>
@@ -210,18 +219,18 @@ def _backward_vjp(calls, saved, fused, geometry, grads):
         x_grads, t_out, t_lse = second_order(calls, x, grads, d_out, d_lse, geometry)
         return (*x_grads, None, None, t_out, t_lse)
     d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
-    gq, gk, gv, gkx, gvx, gdo, gdl = _vjp(lambda *p: _reference_backward(*p, geometry),
-                                          (*x, d_out, d_lse), zeros_for(grads, x))
-    return gq, gk, gv, gkx, gvx, None, None, gdo, gdl
+    *gx, gdo, gdl = _vjp(lambda *p: _reference_backward(*p, geometry), (*x, d_out, d_lse),
+                         zeros_for(grads, x))
+    return (*gx, None, None, gdo, gdl)
 
 
 def _backward_jvp(calls, saved, fused, geometry, tangents):
-    q, k, v, kx, vx, out, lse, d_out, d_lse = saved
-    tq, tk, tv, tkx, tvx, _, _, t_dout, t_dlse = tangents
-    x = (q, k, v, kx, vx)
+    q, k, v, kx, vx, rpb, out, lse, d_out, d_lse = saved
+    t_x, t_dout, t_dlse = tangents[:6], tangents[8], tangents[9]
+    x = (q, k, v, kx, vx, rpb)
     if fused:
         # J(x)^T c is linear in c; its derivative along x-tangent t is grad_x <c, J(x) t>
-        x_grads, _, _ = second_order(calls, x, (tq, tk, tv, tkx, tvx), d_out, d_lse, geometry)
+        x_grads, _, _ = second_order(calls, x, t_x, d_out, d_lse, geometry)
         if t_dout is None and t_dlse is None:
             return x_grads
         t_dout = torch.zeros_like(out) if t_dout is None else t_dout
@@ -230,18 +239,18 @@ def _backward_jvp(calls, saved, fused, geometry, tangents):
         return tuple(a + b for a, b in zip(linear, x_grads))
     d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
     primals = _dense((*x, d_out, d_lse))
-    tangents = _dense(zeros_for((tq, tk, tv, tkx, tvx, t_dout, t_dlse), primals))
+    tangents = _dense(zeros_for((*t_x, t_dout, t_dlse), primals))
     _, t = _jvp_by_double_vjp(lambda *p: _reference_backward(*p, geometry), primals, tangents)
     return t
 
 
 # ----------------------------------------------------------------------------
-# na_forward_jvp: (q, k, v, kx, vx, tq, tk, tv, tkx, tvx) -> (out, lse, t_out, t_lse)
+# na_forward_jvp: (q, k, v, kx, vx, rpb, tq, tk, tv, tkx, tvx, t_rpb) -> (out, lse, t_out, t_lse)
 
 def _forward_jvp_save(tensors, outputs, geometry):
     # the backward keeps absent tangents absent (the fused kernel skips their products)
-    primals = tensors[:5]
-    both = (*primals, *zeros_for(tensors[5:], primals))
+    primals = tensors[:6]
+    both = (*primals, *zeros_for(tensors[6:], primals))
     return (*tensors, *outputs), both, _fused(primals[0].device)
 
 
@@ -254,17 +263,17 @@ def _forward_jvp_vjp(calls, saved, fused, geometry, grads):
         if d_out is None and d_lse is None:
             return (None,) * len(inputs)
         d_out = torch.zeros_like(out) if d_out is None else d_out
-        return (*calls.backward(*inputs[:5], out, lse, d_out, d_lse, geometry), *(None,) * 5)
+        return (*calls.backward(*inputs[:6], out, lse, d_out, d_lse, geometry), *(None,) * 6)
     if fused:
         return calls.forward_jvp_backward(*inputs, out, lse, t_out, t_lse, *grads, geometry)
     outs = (out, lse, t_out, t_lse)
-    inputs = (*inputs[:5], *zeros_for(inputs[5:], inputs[:5]))
+    inputs = (*inputs[:6], *zeros_for(inputs[6:], inputs[:6]))
     return _vjp(lambda *p: _reference_forward_jvp(*p, geometry), inputs, zeros_for(grads, outs))
 
 
 def _forward_jvp_jvp(calls, saved, fused, geometry, tangents):
     saved = _dense(saved)
-    t = _dense(zeros_for(tangents[:10], saved))
+    t = _dense(zeros_for(tangents[:12], saved))
     _, t_out = _jvp_by_double_vjp(lambda *p: _reference_forward_jvp(*p, geometry), saved, t)
     return t_out
 
@@ -275,19 +284,19 @@ def _forward_jvp_jvp(calls, saved, fused, geometry, tangents):
 # t_lse are functions of the inputs: the reference recomputes them, and they get no gradient.
 
 def _forward_jvp_backward_save(tensors, outputs, geometry):
-    primals = tensors[:5]
-    both = (*zeros_for(tensors[:10], primals * 2), *zeros_for(tensors[14:18], tensors[10:14]))
+    primals = tensors[:6]
+    both = (*zeros_for(tensors[:12], primals * 2), *zeros_for(tensors[16:20], tensors[12:16]))
     return both, both, None
 
 
 def _forward_jvp_backward_vjp(calls, saved, info, geometry, grads):
-    g = _vjp(lambda *p: _reference_forward_jvp_backward(*p, geometry), saved, zeros_for(grads, saved[:10]))
-    return (*g[:10], None, None, None, None, *g[10:])
+    g = _vjp(lambda *p: _reference_forward_jvp_backward(*p, geometry), saved, zeros_for(grads, saved[:12]))
+    return (*g[:12], None, None, None, None, *g[12:])
 
 
 def _forward_jvp_backward_jvp(calls, saved, info, geometry, tangents):
     saved = _dense(saved)
-    t = _dense(zeros_for(tangents[:10] + tangents[14:18], saved))
+    t = _dense(zeros_for(tangents[:12] + tangents[16:20], saved))
     _, t_out = _jvp_by_double_vjp(lambda *p: _reference_forward_jvp_backward(*p, geometry), saved, t)
     return t_out
 
@@ -366,13 +375,13 @@ def _geometry_op(n_tensors: int, optional: Tuple[int, ...], save, vjp, jvp, name
 
 
 RULES = {
-    "na_forward": _geometry_op(5, (), _forward_save, _forward_vjp, _forward_jvp, "na_forward", sparse=True),
-    "na_backward": _geometry_op(9, (8,), _backward_save, _backward_vjp, _backward_jvp, "na_backward",
+    "na_forward": _geometry_op(6, (), _forward_save, _forward_vjp, _forward_jvp, "na_forward", sparse=True),
+    "na_backward": _geometry_op(10, (9,), _backward_save, _backward_vjp, _backward_jvp, "na_backward",
                                 sparse=True),
-    "na_forward_jvp": _geometry_op(10, (5, 6, 7, 8, 9), _forward_jvp_save, _forward_jvp_vjp,
+    "na_forward_jvp": _geometry_op(12, (6, 7, 8, 9, 10, 11), _forward_jvp_save, _forward_jvp_vjp,
                                    _forward_jvp_jvp, "na_forward_jvp", sparse=True),
     "na_forward_jvp_backward": _geometry_op(
-        18, (5, 6, 7, 8, 9, 14, 15, 16, 17), _forward_jvp_backward_save, _forward_jvp_backward_vjp,
+        20, (6, 7, 8, 9, 10, 11, 16, 17, 18, 19), _forward_jvp_backward_save, _forward_jvp_backward_vjp,
         _forward_jvp_backward_jvp, "na_forward_jvp_backward"),
     # the tensors are the parts' outputs, then their LSEs; the op takes them as two lists
     "merge_attentions": Rule(

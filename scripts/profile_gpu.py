@@ -7,6 +7,8 @@ import torch
 
 from nbhd import ops
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 PROBLEMS = {  # name: batch, extents, kernel, head dim
     "2d7": (8, (64, 64), (7, 7), 128),
     "2d7-64": (8, (64, 64), (7, 7), 64),
@@ -23,7 +25,7 @@ q, k, v = (torch.randn(B, *ext, H, D, device="cuda", dtype=torch.bfloat16) for _
 empty = torch.empty(B, 0, H, D, device="cuda", dtype=torch.bfloat16)
 geo = (list(ks), [1] * len(ks), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
 for _ in range(2):
-    out, lse = ops.na_forward(q, k, v, empty, empty, *geo)
-    ops.na_backward(q, k, v, empty, empty, out, lse, torch.randn_like(out), None, *geo)
+    out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
+    ops.na_backward(q, k, v, empty, empty, NO_RPB, out, lse, torch.randn_like(out), None, *geo)
 torch.cuda.synchronize()
 print(f"profiled {name}: B={B} {ext} window {ks} D={D} H={H}")

@@ -6,6 +6,8 @@ import torch
 import nbhd
 from nbhd import ops
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 CASES = [
     # rank extents kernel stride dilation causal H Hkv D S dtype
     (1, (37,), (7,), (2,), (1,), (False,), 2, 1, 64, 3, torch.bfloat16),
@@ -30,8 +32,8 @@ for use_ref, kv_parallel in ((False, True), (False, False), (True, False)):
         v = mk(B, *ext, Hkv, D) if rank else mk(B, 0, Hkv, D)
         kx, vx = mk(B, S, Hkv, D), mk(B, S, Hkv, D)
         geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5, [0] * (4 * len(ks)))
-        out, lse = ops.na_forward(q, k, v, kx, vx, *geo)
-        ops.na_backward(q, k, v, kx, vx, out, lse, torch.randn_like(out), torch.randn_like(lse), *geo)
-        ops.na_forward_jvp(q, k, v, kx, vx, q, None, v, kx if S else None, None, *geo)
+        out, lse = ops.na_forward(q, k, v, kx, vx, NO_RPB, *geo)
+        ops.na_backward(q, k, v, kx, vx, NO_RPB, out, lse, torch.randn_like(out), torch.randn_like(lse), *geo)
+        ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, q, None, v, kx if S else None, None, None, *geo)
 torch.cuda.synchronize()
 print("sanitize sweep done")

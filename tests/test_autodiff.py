@@ -160,6 +160,18 @@ def test_explicit_jvp_matches_and_is_differentiable():
     close(g, torch.autograd.grad(rt.square().sum(), (qr, kr, tqr)))
 
 
+def test_jvp_of_the_explicit_jvp():
+    # forward mode through na*d_jvp runs the forward+JVP's own jvp rule, which reads the
+    # tangents it saved for forward by position
+    case = CASES["2d_dilated_extra"]
+    q, k, v, kx, vx = inputs(case, 10)
+    tq, tk, s, u = (torch.randn_like(t) for t in (q, k, q, k))
+    kw = dict(**case.kwargs(), additional_keys=kx, additional_values=vx)
+    fused = lambda q, k: case.na_jvp()(q, k, v, tq, tk, None, **kw)[1]
+    ref = lambda q, k: jvp(lambda q, k: case.reference(q, k, v, kx, vx)[0], (q, k), (tq, tk))[1]
+    close(jvp(fused, (q, k), (s, u)), jvp(ref, (q, k), (s, u)))
+
+
 def test_forward_ad_dual_tensors():
     case = CASES["3d"]
     q, k, v = inputs(case, 7)
@@ -178,6 +190,17 @@ def test_activation_checkpointing():
     out = torch.utils.checkpoint.checkpoint(f, q, k, v, use_reentrant=False)
     g1 = torch.autograd.grad(out.sum(), (q, k, v, kx, vx))
     g2 = torch.autograd.grad(f(q, k, v).sum(), (q, k, v, kx, vx))
+    close(g1, g2, 1e-12)
+
+
+def test_activation_checkpointing_without_additional_keys():
+    # the recompute takes the cached prepared path, which must save the empty stand-ins too
+    case = CASES["3d"]
+    q, k, v = (t.requires_grad_() for t in inputs(case, 9))
+    f = lambda q, k, v: case.na()(q, k, v, **case.kwargs()).tanh()
+    out = torch.utils.checkpoint.checkpoint(f, q, k, v, use_reentrant=False)
+    g1 = torch.autograd.grad(out.sum(), (q, k, v))
+    g2 = torch.autograd.grad(f(q, k, v).sum(), (q, k, v))
     close(g1, g2, 1e-12)
 
 

@@ -31,11 +31,11 @@ def _shrunk(t):
 
 
 _OP_TENSORS = {
-    "na_forward": ("q", "k", "v", "kx", "vx"),
-    "na_backward": ("q", "k", "v", "kx", "vx", "out", "lse", "d_out", "d_lse"),
-    "na_forward_jvp": ("q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx"),
-    "na_forward_jvp_backward": ("q", "k", "v", "kx", "vx", "t_q", "t_k", "t_v", "t_kx", "t_vx", "out", "lse",
-                                "t_out", "t_lse", "d_out", "d_lse", "d_t_out", "d_t_lse"),
+    "na_forward": ("q", "k", "v", "kx", "vx", "rpb"),
+    "na_backward": ("q", "k", "v", "kx", "vx", "rpb", "out", "lse", "d_out", "d_lse"),
+    "na_forward_jvp": ("q", "k", "v", "kx", "vx", "rpb", "t_q", "t_k", "t_v", "t_kx", "t_vx", "t_rpb"),
+    "na_forward_jvp_backward": ("q", "k", "v", "kx", "vx", "rpb", "t_q", "t_k", "t_v", "t_kx", "t_vx", "t_rpb",
+                                "out", "lse", "t_out", "t_lse", "d_out", "d_lse", "d_t_out", "d_t_lse"),
 }
 
 
@@ -44,7 +44,7 @@ def _op(name, **given):
     replacing some of its arguments."""
     B, X, H, D = Q1.shape
     kx = torch.empty(B, 0, H, D)
-    valid = {"q": Q1, "k": Q1, "v": Q1, "kx": kx, "vx": kx, "out": Q1, "lse": R(B, X, H), "d_out": Q1,
+    valid = {"q": Q1, "k": Q1, "v": Q1, "kx": kx, "vx": kx, "rpb": torch.empty(0), "out": Q1, "lse": R(B, X, H), "d_out": Q1,
              "d_lse": None, "t_out": Q1, "t_lse": R(B, X, H), "kernel_size": [3], "stride": [1],
              "dilation": [1], "is_causal": [False], "scale": 0.5, "tiles": [0] * 4}
     args = {**valid, **given}

@@ -10,6 +10,8 @@ import nbhd
 from nbhd import _lib, backends, checks, configs, context, ops
 from nbhd.reference import na_reference
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 DT = torch.float64
 
 
@@ -193,7 +195,7 @@ def test_configs_and_tile_validation():
     geometry = ([3, 3], [1, 1], [1, 1], [False, False], 0.5, [1000003, 1, 0, 0, 0, 0, 0, 0])
     empty = q.new_empty((1, 0, 2, 4))
     with pytest.raises(_lib.NbhdError, match="NBHD_ERR_UNSUPPORTED.*q_tile"):
-        ops.na_forward(q, q, q, empty, empty, *geometry)
+        ops.na_forward(q, q, q, empty, empty, NO_RPB, *geometry)
 
 
 def _tile_case(rank, g):

@@ -13,6 +13,8 @@ import nbhd
 from nbhd import _lib, ops
 from utils import Case, TOL, poison_allocator, rel_err
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 CASES = [
     # shape, kernel, stride, dilation, causal, B, H, Hk, D, Dv, extra
     ((40,), (7,), (1,), (1,), (False,), 1, 2, 2, 16, 16, 0),       # 3 patches, partial last
@@ -295,7 +297,7 @@ def test_amx_backward_matches_reference(idx, monkeypatch):
 # ----------------------------------------------------------------------------
 # the backward through forward+JVP (csrc/cpu/fast/forward_jvp_backward.h) on the same sweep
 
-JVPB_NAMES = ["dq", "dk", "dv", "dkx", "dvx", "dtq", "dtk", "dtv", "dtkx", "dtvx"]
+JVPB_NAMES = ["dq", "dk", "dv", "dkx", "dvx", "d_rpb", "dtq", "dtk", "dtv", "dtkx", "dtvx", "d_t_rpb"]
 
 
 def _jvpb_inputs(case, idx, dtype):
@@ -319,7 +321,7 @@ def _jvpb_run(prims, tans, saved, cot, geo, use_reference):
     ops._OPTIONS["use_reference"] = use_reference
     try:
         poison_allocator()
-        return ops.na_forward_jvp_backward(*prims, *tans, *saved, *cot, *geo.args())
+        return ops.na_forward_jvp_backward(*prims, NO_RPB, *tans, None, *saved, *cot, *geo.args())
     finally:
         ops._OPTIONS["use_reference"] = old
 
@@ -333,16 +335,18 @@ def test_fast_jvp_backward_matches_reference(idx, dtype, isa, monkeypatch):
     monkeypatch.setenv("NBHD_CPU_ISA", isa)
     case = _case(CASES[idx])
     prims, tans, geo, rnd = _jvpb_inputs(case, idx, dtype)
-    saved = ops.na_forward_jvp(*prims, *tans, *geo.args())
+    saved = ops.na_forward_jvp(*prims, NO_RPB, *tans, None, *geo.args())
     out, lse, t_out, t_lse = saved
     cot = [rnd(out) if idx % 4 != 3 else None, rnd(lse, torch.float32) if idx % 3 == 0 else None,
            rnd(t_out) if idx % 6 != 5 else None, rnd(t_lse, torch.float32) if idx % 2 == 1 else None]
     fast = _jvpb_run(prims, tans, saved, cot, geo, False)
     ref = _jvpb_run(prims, tans, saved, cot, geo, True)
-    prim64 = [t.double() for t in prims]
-    tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip(tans, prim64)]
+    prim64 = [t.double() for t in (*prims, NO_RPB)]
+    tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip((*tans, None), prim64)]
     outs, vjp_fn = vjp(lambda *x: _reference_forward_jvp(*x, geo), *prim64, *tan64)
     truth = vjp_fn(tuple(c.double() if c is not None else torch.zeros_like(o) for c, o in zip(cot, outs)))
+    # one gradient per primal and tangent, tables included: zip must not pair them off by one
+    assert len(fast) == len(ref) == len(truth) == len(JVPB_NAMES)
     tol = TOL[dtype] if dtype != torch.float32 else 5e-5
     for name, a, r, t in zip(JVPB_NAMES, fast, ref, truth):
         if not t.numel():
@@ -357,7 +361,7 @@ def test_jvp_backward_deterministic():
     spec = ((12, 33), (3, 4), (2, 1), (2, 1), (True, False), 1, 4, 2, 12, 8, 2)
     case = _case(spec)
     prims, tans, geo, rnd = _jvpb_inputs(case, 0, torch.float32)
-    saved = ops.na_forward_jvp(*prims, *tans, *geo.args())
+    saved = ops.na_forward_jvp(*prims, NO_RPB, *tans, None, *geo.args())
     cot = [rnd(saved[0]), rnd(saved[1]), rnd(saved[2]), rnd(saved[3])]
     runs = []
     for threads in (1, 2, 3):

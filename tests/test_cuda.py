@@ -16,6 +16,8 @@ import nbhd
 from nbhd import _lib, configs, ops
 from nbhd.reference import na_reference
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not _lib.has_cuda(),
     reason="needs a CUDA GPU and nbhd built with nvcc")
@@ -161,7 +163,7 @@ def check_forward(case, dtype, seed, patch=0):
     geo = with_patch(inputs, geo, _lib.OP_FORWARD, patch)
     ref_out, ref_lse = reference(inputs, geo, case[0])
     poison()
-    out, lse = ops.na_forward(*inputs, *geo)
+    out, lse = ops.na_forward(*inputs, NO_RPB, *geo)
     torch.cuda.synchronize()
     check("out", out, ref_out, dtype, case)
     check("lse", lse, ref_lse, dtype, case)
@@ -241,9 +243,9 @@ def check_backward(case, dtype, patch=0):
     wrt = [t for t in ref_in if t.numel()]
     ref_grads = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), wrt,
                                     allow_unused=True)
-    out, lse = ops.na_forward(*inputs, *geo)
+    out, lse = ops.na_forward(*inputs, NO_RPB, *geo)
     poison()
-    grads = ops.na_backward(*inputs, out, lse, d_out.to(dtype), d_lse.to(lse.dtype), *geo)
+    grads = ops.na_backward(*inputs, NO_RPB, out, lse, d_out.to(dtype), d_lse.to(lse.dtype), *geo)
     torch.cuda.synchronize()
     got = [g for g, t in zip(grads, inputs) if t.numel()]
     for name, g, r in zip(["dq", "dk", "dv", "dkx", "dvx"], got, ref_grads):
@@ -263,7 +265,7 @@ def test_backward_determinism(dtype, patch):
     case = (2, (24, 20), (7, 5), (1, 1), (1, 2), (False, False), 2, 4, 2, 64, 64, 6, "contig")
     inputs, geo = build(case, dtype, 3)
     geo = with_patch(inputs, geo, _lib.OP_BACKWARD, int(patch))
-    out, lse = ops.na_forward(*inputs, *geo)
+    out, lse = ops.na_forward(*inputs, NO_RPB, *geo)
     gen = torch.Generator(device="cuda").manual_seed(5)
     d_out = torch.randn(out.shape, generator=gen, device="cuda", dtype=dtype)
     d_lse = torch.randn(lse.shape, generator=gen, device="cuda", dtype=lse.dtype)
@@ -272,7 +274,7 @@ def test_backward_determinism(dtype, patch):
         runs = {}
         for mode in (False, True):
             nbhd.use_kv_parallelism_in_fused_na(mode)
-            runs[mode] = [ops.na_backward(*inputs, out, lse, d_out, d_lse, *geo) for _ in range(3)]
+            runs[mode] = [ops.na_backward(*inputs, NO_RPB, out, lse, d_out, d_lse, *geo) for _ in range(3)]
     finally:
         nbhd.use_kv_parallelism_in_fused_na(old)
     first = runs[False][0]
@@ -291,7 +293,7 @@ def test_backward_out_unaligned(dtype):
     gives the same gradients, bit for bit, with KV parallelism off."""
     case = (2, (24, 20), (7, 5), (1, 1), (1, 2), (False, False), 2, 4, 2, 64, 64, 6, "contig")
     inputs, geo = build(case, dtype, 3)
-    out, lse = ops.na_forward(*inputs, *geo)
+    out, lse = ops.na_forward(*inputs, NO_RPB, *geo)
     gen = torch.Generator(device="cuda").manual_seed(5)
     d_out = torch.randn(out.shape, generator=gen, device="cuda", dtype=dtype)
     shifted = torch.empty(out.numel() + 1, device="cuda", dtype=dtype)[1:].view(out.shape)
@@ -299,8 +301,8 @@ def test_backward_out_unaligned(dtype):
     old = nbhd.is_kv_parallelism_in_fused_na_enabled()
     try:
         nbhd.use_kv_parallelism_in_fused_na(False)
-        want = ops.na_backward(*inputs, out, lse, d_out, None, *geo)
-        got = ops.na_backward(*inputs, shifted, lse, d_out, None, *geo)
+        want = ops.na_backward(*inputs, NO_RPB, out, lse, d_out, None, *geo)
+        got = ops.na_backward(*inputs, NO_RPB, shifted, lse, d_out, None, *geo)
     finally:
         nbhd.use_kv_parallelism_in_fused_na(old)
     for g0, g1 in zip(want, got):
@@ -365,7 +367,7 @@ def check_forward_jvp(case, dtype, absent, patch=0):
         tc[1] = None
         tc[4] = None
     poison()
-    out, lse, tout, tlse = ops.na_forward_jvp(*inputs, *tc, *geo)
+    out, lse, tout, tlse = ops.na_forward_jvp(*inputs, NO_RPB, *tc, None, *geo)
     torch.cuda.synchronize()
     check("out", out, ref_out, dtype, case)
     check("lse", lse, ref_lse, dtype, case)
@@ -419,22 +421,22 @@ def test_tile_configs(case):
         (qt, kt), (bqt, bkt) = fwd[min(i, len(fwd) - 1)], bwd[min(i, len(bwd) - 1)]
         tiled = (*geo[:5], [*qt, *kt, *bqt, *bkt])
         poison()
-        out, lse = ops.na_forward(*inputs, *tiled)
+        out, lse = ops.na_forward(*inputs, NO_RPB, *tiled)
         torch.cuda.synchronize()
         check(f"out {qt}x{kt}", out, ref_out, dtype, case)
         check(f"lse {qt}x{kt}", lse, ref_lse, dtype, case)
         poison()
-        grads = ops.na_backward(*inputs, out, lse, d_out.to(dtype), None, *tiled)
+        grads = ops.na_backward(*inputs, NO_RPB, out, lse, d_out.to(dtype), None, *tiled)
         got = [g for g, t in zip(grads, inputs) if t.numel()]
         for name, g, r in zip(["dq", "dk", "dv", "dkx", "dvx"], got, ref_grads):
             check(f"{name} {bqt}x{bkt}", g, r, dtype, case)
         poison()
-        _, _, tout, _ = ops.na_forward_jvp(*inputs, *tangents, *tiled)
+        _, _, tout, _ = ops.na_forward_jvp(*inputs, NO_RPB, *tangents, None, *tiled)
         check(f"t_out {qt}x{kt}", tout, ref_tout, dtype, case)
     listed = {tuple(c[0]) for c in fwd}
     bad = next(t for t in range(3, 40) if (t,) * rank not in listed)
     with pytest.raises(Exception, match="q_tile"):
-        ops.na_forward(*inputs, *geo[:5], [bad] * rank + [0] * (3 * rank))
+        ops.na_forward(*inputs, NO_RPB, *geo[:5], [bad] * rank + [0] * (3 * rank))
 
 
 # ----------------------------------------------------------------------------

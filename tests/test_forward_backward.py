@@ -8,6 +8,8 @@ import nbhd
 from nbhd import ops
 from utils import TOL, Case, random_case, rel_err
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 WORKED = [  # docs/design.md §1 examples and corner cases
     Case((10,), (4,), (1,), (1,), (False,)),
     Case((10,), (5,), (2,), (1,), (False,)),
@@ -89,9 +91,9 @@ def test_outputs_fully_written():
     empty = q.new_empty(q.shape[0], 0, *k.shape[-2:])
     for _ in range(2):
         torch.full((1 << 16,), float("nan"))
-        out, lse = ops.na_forward(q, k, v, empty, empty, *geometry)
+        out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *geometry)
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-        grads = ops.na_backward(q, k, v, empty, empty, out, lse, torch.randn_like(out), None, *geometry)
+        grads = ops.na_backward(q, k, v, empty, empty, NO_RPB, out, lse, torch.randn_like(out), None, *geometry)
         assert all(torch.isfinite(g).all() for g in grads)
 
 
@@ -142,12 +144,12 @@ def test_opcheck_every_op():
     kx = torch.randn(q.shape[0], 2, *k.shape[-2:])
     vx = torch.randn(q.shape[0], 2, *v.shape[-2:])
     geometry = ([3, 2], [1, 2], [2, 1], [False, True], 0.5, [0] * 8)
-    out, lse = ops.na_forward(q, k, v, kx, vx, *geometry)
+    out, lse = ops.na_forward(q, k, v, kx, vx, NO_RPB, *geometry)
     d_out = torch.randn_like(out)
     for t in (q, k, v, kx, vx):
         t.requires_grad_()
-    torch.library.opcheck(ops.na_forward, (q, k, v, kx, vx, *geometry))
-    torch.library.opcheck(ops.na_backward, (q, k, v, kx, vx, out, lse, d_out, torch.randn_like(lse), *geometry))
-    torch.library.opcheck(ops.na_backward, (q, k, v, kx, vx, out, lse, d_out, None, *geometry))
+    torch.library.opcheck(ops.na_forward, (q, k, v, kx, vx, NO_RPB, *geometry))
+    torch.library.opcheck(ops.na_backward, (q, k, v, kx, vx, NO_RPB, out, lse, d_out, torch.randn_like(lse), *geometry))
+    torch.library.opcheck(ops.na_backward, (q, k, v, kx, vx, NO_RPB, out, lse, d_out, None, *geometry))
     tq = torch.randn_like(q)
-    torch.library.opcheck(ops.na_forward_jvp, (q, k, v, kx, vx, tq, None, torch.randn_like(v), None, None, *geometry))
+    torch.library.opcheck(ops.na_forward_jvp, (q, k, v, kx, vx, NO_RPB, tq, None, torch.randn_like(v), None, None, None, *geometry))

@@ -10,6 +10,8 @@ from nbhd import ops
 from nbhd.rules import _reference_forward_jvp, Geometry
 from utils import Case, random_case, rel_err
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 CASES = [random_case(300 + i) for i in range(10)] + [
     Case((6, 5), (3, 2), (2, 1), (1, 2), (True, False), heads=4, kv_heads=2, head_dim=6,
          head_dim_v=4, extra=3, non_contiguous=True)]
@@ -37,18 +39,18 @@ def test_fused_jvp_backward_matches_reference(i, dtype, device):
     present = [True, i % 3 != 0, i % 2 == 0, True, i % 4 != 1]   # which tangents exist
     tans = [rnd(t) if p else None for t, p in zip((q, k, v, kx, vx), present)]
     geo = geometry(case)
-    out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, *tans, *geo.args())
+    out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, *tans, None, *geo.args())
     cot = [rnd(out), rnd(lse), rnd(t_out), rnd(t_lse)]
     if i % 5 == 2:
         cot[1] = None  # no gradient on lse
     torch.full((1 << 16,), float("nan"), device=device)  # poison freed memory
-    grads = ops.na_forward_jvp_backward(q, k, v, kx, vx, *tans, out, lse, t_out, t_lse, *cot, *geo.args())
-    prim64 = [t.double() for t in (q, k, v, kx, vx)]
-    tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip(tans, prim64)]
+    grads = ops.na_forward_jvp_backward(q, k, v, kx, vx, NO_RPB, *tans, None, out, lse, t_out, t_lse, *cot, *geo.args())
+    prim64 = [t.double() for t in (q, k, v, kx, vx, NO_RPB)]
+    tan64 = [t.double() if t is not None else torch.zeros_like(p) for t, p in zip((*tans, None), prim64)]
     outs, vjp_fn = vjp(lambda *x: _reference_forward_jvp(*x, geo), *prim64, *tan64)
     ref = vjp_fn(tuple(c.double() if c is not None else torch.zeros_like(o) for c, o in zip(cot, outs)))
     tol = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]
-    names = ["dq", "dk", "dv", "dkx", "dvx", "dtq", "dtk", "dtv", "dtkx", "dtvx"]
+    names = ["dq", "dk", "dv", "dkx", "dvx", "d_rpb", "dtq", "dtk", "dtv", "dtkx", "dtvx", "d_t_rpb"]
     for name, a, b in zip(names, grads, ref):
         if b.numel():
             assert rel_err(a, b) < tol, f"{name} {rel_err(a, b):.2e} {case}"
@@ -59,8 +61,8 @@ def test_jvp_backward_opcheck():
     q, k, v, kx, vx = case.tensors(torch.float32, 1)
     geo = geometry(case)
     tq, tv = torch.randn_like(q), torch.randn_like(v)
-    out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, tq, None, tv, None, None, *geo.args())
-    args = (q, k, v, kx, vx, tq, None, tv, None, None, out, lse, t_out, t_lse, torch.randn_like(out),
+    out, lse, t_out, t_lse = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, tq, None, tv, None, None, None, *geo.args())
+    args = (q, k, v, kx, vx, NO_RPB, tq, None, tv, None, None, None, out, lse, t_out, t_lse, torch.randn_like(out),
             None, torch.randn_like(t_out), torch.randn_like(t_lse), *geo.args())
     torch.library.opcheck(ops.na_forward_jvp_backward, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

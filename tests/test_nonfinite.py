@@ -14,6 +14,8 @@ import nbhd
 from nbhd import _lib, ops
 from nbhd.reference import neighborhood_index
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 # shape, kernel, stride, dilation, causal; 4 heads over 2 key/value heads (GQA); batch 3: batch 0
 # finite, batch 1 with a NaN, batch 2 with a +inf
 GEOMETRIES = {
@@ -209,12 +211,12 @@ def test_nonfinite_jvp_backward_cpu(isa, dtype, case, which, monkeypatch):
     kx, vx = q.new_empty(B, 0, HK, D), q.new_empty(B, 0, HK, DV)
     geo = Geometry(*geom[1:], D ** -0.5)
     tans = (t["tq"], t["tk"], t["tv"], None, None)
-    saved = ops.na_forward_jvp(q, k, v, kx, vx, *tans, *geo.args())
+    saved = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, *tans, None, *geo.args())
     cot = (t["d_out"], d_lse, torch.randn_like(saved[2]), torch.randn_like(saved[3]))
 
     def run(use_reference):
         monkeypatch.setitem(ops._OPTIONS, "use_reference", use_reference)
-        return ops.na_forward_jvp_backward(q, k, v, kx, vx, *tans, *saved, *cot, *geo.args())
+        return ops.na_forward_jvp_backward(q, k, v, kx, vx, NO_RPB, *tans, None, *saved, *cot, *geo.args())
     monkeypatch.setenv("NBHD_CPU_ISA", isa)
     fast, ref = run(False), run(True)
     assert not all(torch.isfinite(r).all() for r in ref), "no non-finite output"

@@ -1,6 +1,6 @@
 """Fuzz test of the custom-op layer: torch.ops.nbhd.* called directly, as compiled and exported
 graphs call them, with random geometries, shapes, strides (permuted, sliced, offset, expanded),
-dtypes, and one mutation per call: a wrong extent or rank, a wrong dtype or device, a storage
+dtypes, bias tables (present or zero-size), and one mutation per call: a wrong extent or rank, a wrong dtype or device, a storage
 too small for the view, or a geometry the C library refuses.
 
 A valid call must run and give what the same call on contiguous copies gives; a mutated one
@@ -25,8 +25,10 @@ st = hypothesis.strategies
 EXAMPLES = int(os.environ.get("NBHD_FUZZ_EXAMPLES", "300"))
 
 # each op's tensor arguments (name, kind, required) and how many there are; kinds as in checks.py
-PRIMALS = [("q", "q", 1), ("k", "k", 1), ("v", "v", 1), ("kx", "kx", 1), ("vx", "vx", 1)]
-TANGENTS = [("t_q", "q", 0), ("t_k", "k", 0), ("t_v", "v", 0), ("t_kx", "kx", 0), ("t_vx", "vx", 0)]
+# (kind "r": a relative positional bias table [H, prod(2K-1)], or zero-size when absent)
+PRIMALS = [("q", "q", 1), ("k", "k", 1), ("v", "v", 1), ("kx", "kx", 1), ("vx", "vx", 1), ("rpb", "r", 1)]
+TANGENTS = [("t_q", "q", 0), ("t_k", "k", 0), ("t_v", "v", 0), ("t_kx", "kx", 0), ("t_vx", "vx", 0),
+            ("t_rpb", "r", 0)]
 OPS = {
     "na_forward": PRIMALS,
     "na_backward": PRIMALS + [("out", "o", 1), ("lse", "l", 1), ("d_out", "o", 1), ("d_lse", "l", 0)],
@@ -37,6 +39,7 @@ OPS = {
 }
 # the extents that define the problem: changing one of these gives another valid problem
 DEFINING = {("q", -2), ("v", -1), ("kx", 1)}
+TABLES = ("rpb", "t_rpb")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 LAYOUTS = ("contiguous", "permuted", "sliced", "offset", "expanded")
 MUTATIONS = ("none", "none", "extent", "rank", "dtype", "storage", "device", "geometry")
@@ -62,33 +65,47 @@ def calls(draw):
     S_add = draw(st.integers(1 if rank == 0 else 0, 3))
     dtype = draw(st.sampled_from(DTYPES))
     S_kv = spatial if rank > 0 else [0]
+    entries = 1
+    for k in ks:
+        entries *= 2 * k - 1
+    # the kernels take a table for a non-causal window only (zero-size elsewhere): half the
+    # calls with spatial axes have one, their windows made non-causal
+    biased = rank > 0 and draw(st.booleans())
+    if biased:
+        causal = [False] * rank
     shapes = {"q": [B, *spatial, H, D], "k": [B, *S_kv, Hkv, D], "v": [B, *S_kv, Hkv, Dv],
               "kx": [B, S_add, Hkv, D], "vx": [B, S_add, Hkv, Dv], "o": [B, *spatial, H, Dv],
-              "l": [B, *spatial, H]}
+              "l": [B, *spatial, H], "r": [H, entries] if biased else [0]}
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31)))
     tensors = {}
     for name, kind, required in OPS[op]:
         if not required and draw(st.booleans()):
             tensors[name] = None
             continue
-        t_dtype = (torch.float64 if dtype == torch.float64 else torch.float32) if kind == "l" else dtype
-        tensors[name] = make(shapes[kind], t_dtype, draw(st.sampled_from(LAYOUTS)), gen,
+        t_dtype = (torch.float64 if dtype == torch.float64 else torch.float32) if kind in "lr" else dtype
+        # a table is contiguous (ops.py); offset keeps it so
+        layout = draw(st.sampled_from(("contiguous", "offset") if kind == "r" else LAYOUTS))
+        tensors[name] = make(shapes[kind], t_dtype, layout, gen,
                              draw(st.permutations(range(len(shapes[kind])))))
     geometry = [list(ks), list(st_), list(dil), list(causal), 0.5, [0] * (4 * rank)]
     mutation = draw(st.sampled_from(MUTATIONS))
-    present = [n for n, t in tensors.items() if t is not None]
+    # a zero-size table is absent whatever its dtype, device or storage: nothing to mutate
+    present = [n for n, t in tensors.items() if t is not None and not (n in TABLES and t.numel() == 0)]
     target = draw(st.sampled_from(present))
     t = tensors[target]
     if mutation == "extent":
         axis = draw(st.integers(0, t.dim() - 1))
         grow = draw(st.sampled_from((1, 2, 37)))
-        size = t.shape[axis] + grow if t.shape[axis] < grow or draw(st.booleans()) else t.shape[axis] - grow
+        # a table shrunk to zero elements would be a valid absent one: tables only grow
+        size = (t.shape[axis] + grow if t.shape[axis] < grow or target in TABLES or draw(st.booleans())
+                else t.shape[axis] - grow)
         new = list(t.shape)
         new[axis] = size
         tensors[target] = make(new, t.dtype, "contiguous", gen, range(len(new)))
         target = (target, axis - t.dim())
     elif mutation == "rank":
-        tensors[target] = t.unsqueeze(0) if draw(st.booleans()) else t.select(-1, 0)
+        # select needs an element on the last axis (an lse of zero heads has none)
+        tensors[target] = t.unsqueeze(0) if t.shape[-1] == 0 or draw(st.booleans()) else t.select(-1, 0)
     elif mutation == "dtype":
         tensors[target] = t.to(draw(st.sampled_from([d for d in (*DTYPES, torch.int32) if d != t.dtype])))
     elif mutation == "storage":
@@ -192,36 +209,37 @@ def test_custom_ops_reject_what_they_cannot_run(call):
 def test_the_reported_crashes_are_refused():
     """A 400,000-token query with 4-token keys; a 4-token d_out; an lse one token short."""
     q, k = torch.randn(1, 400000, 1, 8), torch.randn(1, 4, 1, 8)
-    kx = torch.empty(1, 0, 1, 8)
+    kx, no_rpb = torch.empty(1, 0, 1, 8), torch.empty(0)
     geometry = ([3], [1], [1], [False], 1.0, [0] * 4)
     with pytest.raises(ValueError, match=r"nbhd::na_forward: k must have shape \(1, 400000, 1, 8\)"):
-        torch.ops.nbhd.na_forward(q, k, k, kx, kx, *geometry)
+        torch.ops.nbhd.na_forward(q, k, k, kx, kx, no_rpb, *geometry)
     q = torch.randn(1, 64, 1, 8)
-    out, lse = torch.ops.nbhd.na_forward(q, q, q, kx, kx, *geometry)
+    out, lse = torch.ops.nbhd.na_forward(q, q, q, kx, kx, no_rpb, *geometry)
     with pytest.raises(ValueError, match=r"nbhd::na_backward: d_out must have shape"):
-        torch.ops.nbhd.na_backward(q, q, q, kx, kx, out, lse, out[:, :4], None, *geometry)
+        torch.ops.nbhd.na_backward(q, q, q, kx, kx, no_rpb, out, lse, out[:, :4], None, *geometry)
     with pytest.raises(ValueError, match=r"nbhd::na_backward: lse must have shape"):
-        torch.ops.nbhd.na_backward(q, q, q, kx, kx, out, lse[:, 1:], out, None, *geometry)
+        torch.ops.nbhd.na_backward(q, q, q, kx, kx, no_rpb, out, lse[:, 1:], out, None, *geometry)
 
 
 def test_a_shrunk_storage_is_refused():
     q = torch.randn(1, 16, 2, 8)
     k = torch.randn(1, 16, 2, 8)
-    kx = torch.empty(1, 0, 2, 8)
+    kx, no_rpb = torch.empty(1, 0, 2, 8), torch.empty(0)
     k.untyped_storage().resize_(64)   # 16 floats left under a view of 256
     with pytest.raises(ValueError, match=r"nbhd::na_forward: k .* reaches element 255 of a storage of 16"):
-        torch.ops.nbhd.na_forward(q, k, q, kx, kx, [3], [1], [1], [False], 1.0, [0] * 4)
+        torch.ops.nbhd.na_forward(q, k, q, kx, kx, no_rpb, [3], [1], [1], [False], 1.0, [0] * 4)
 
 
 def test_fake_tensors_raise_the_same_shape_errors():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         q, k = torch.empty(1, 40, 1, 8), torch.empty(1, 4, 1, 8)
-        kx = torch.empty(1, 0, 1, 8)
+        kx, no_rpb = torch.empty(1, 0, 1, 8), torch.empty(0)
         with pytest.raises(ValueError, match=r"nbhd::na_forward: k must have shape \(1, 40, 1, 8\)"):
-            torch.ops.nbhd.na_forward(q, k, k, kx, kx, [3], [1], [1], [False], 1.0, [0] * 4)
+            torch.ops.nbhd.na_forward(q, k, k, kx, kx, no_rpb, [3], [1], [1], [False], 1.0, [0] * 4)
     q, kx = torch.empty(1, 40, 1, 8, device="meta"), torch.empty(1, 0, 1, 8, device="meta")
-    out, lse = torch.ops.nbhd.na_forward(q, q, q, kx, kx, [3], [1], [1], [False], 1.0, [0] * 4)
+    no_rpb = torch.empty(0, device="meta")
+    out, lse = torch.ops.nbhd.na_forward(q, q, q, kx, kx, no_rpb, [3], [1], [1], [False], 1.0, [0] * 4)
     with pytest.raises(ValueError, match=r"nbhd::na_backward: lse has dtype torch.float64"):
-        torch.ops.nbhd.na_backward(q, q, q, kx, kx, out, lse.double(), out, None,
+        torch.ops.nbhd.na_backward(q, q, q, kx, kx, no_rpb, out, lse.double(), out, None,
                                    [3], [1], [1], [False], 1.0, [0] * 4)

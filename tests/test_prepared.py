@@ -110,6 +110,23 @@ def test_double_backward_takes_the_rules(op_path):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_signature_first_seen_under_vmap(op_path):
+    # the signature is validated inside vmap; the stand-ins it keeps must be plain tensors,
+    # which the double backward's rules path hands to the ops after the transform has ended
+    q, k, v = _qkv(shape=(3, 2, 6, 7, 2, 8), seed=5, dtype=torch.float64)
+    torch.func.vmap(lambda q, k: nbhd.na2d(q, k, v[0], 3))(q, k)
+    leaves = [t[0].clone().requires_grad_() for t in (q, k, v)]
+
+    def second():
+        out = nbhd.na2d(*leaves, 3)
+        (gq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
+        return torch.autograd.grad(gq.sin().sum(), leaves)
+
+    assert _prepared_for(leaves[0])
+    for a, b in zip(second(), op_path(second)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_backward_on_another_thread():
     leaves = _qkv(requires_grad=True)
     nbhd.na2d(*leaves, 3)

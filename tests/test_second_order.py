@@ -11,6 +11,8 @@ import nbhd
 from nbhd import autograd as nbhd_autograd, ops, rules
 from utils import Case, random_case, rel_err
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 CASES = [random_case(700 + i) for i in range(8)] + [
     Case((6, 5), (3, 2), (2, 1), (1, 2), (True, False), heads=4, kv_heads=2, head_dim=6,
          head_dim_v=4, extra=3, non_contiguous=True)]
@@ -128,7 +130,7 @@ def test_double_backward_of_the_custom_ops_fused(no_reference):
     case = CASES[-1]
     q, k, v, kx, vx = case.tensors(torch.float64, 2)
     geo = nbhd_autograd.Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, 0.3)
-    fused = lambda *x: ops.na_forward(*x, *geo.args())
+    fused = lambda *x: ops.na_forward(*x, NO_RPB, *geo.args())
     ref = lambda *x: case.reference(*x, scale=0.3)
     close(double_backward(fused, (q, k, v, kx, vx), 2), double_backward(ref, (q, k, v, kx, vx), 2))
 
@@ -184,7 +186,7 @@ def test_reference_rules_of_the_custom_ops(unfused):
     case = CASES[-1]
     q, k, v, kx, vx = case.tensors(torch.float64, 6)
     geo = nbhd_autograd.Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, 0.3)
-    fused = lambda *x: ops.na_forward(*x, *geo.args())
+    fused = lambda *x: ops.na_forward(*x, NO_RPB, *geo.args())
     ref = lambda *x: case.reference(*x, scale=0.3)
     close(double_backward(fused, (q, k, v, kx, vx), 6), double_backward(ref, (q, k, v, kx, vx), 6))
     # the backward through the forward+JVP op (a loss on the tangent output), compiled
@@ -210,6 +212,11 @@ class _RecordJvpBackward(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# nbhd::na_forward_jvp_backward's tensor arguments, in order (ops.py)
+_JVP_BACKWARD_TENSORS = ("q", "k", "v", "kx", "vx", "rpb", "t_q", "t_k", "t_v", "t_kx", "t_vx", "t_rpb",
+                         "out", "lse", "t_out", "t_lse", "d_out", "d_lse", "d_t_out", "d_t_lse")
+
+
 def test_second_order_passes_absent_inputs(no_reference):
     # outputs the loss does not use give no cotangent, and absent tangents stay absent: the fused
     # kernel skips their products rather than multiplying zeros (rules.Rule.sparse)
@@ -219,12 +226,17 @@ def test_second_order_passes_absent_inputs(no_reference):
         (gq,) = torch.autograd.grad(nbhd.na1d(q, k, v, 7).square().sum(), q, create_graph=True)
         gq.square().sum().backward()   # double backward of a loss on dq only
     (args,) = rec.calls
-    assert args[5] is not None and all(t is None for t in args[6:10]), "tangents other than tq"
-    assert args[14] is None and args[15] is None, "cotangents on (out, lse)"
+    assert len(args) == 20 + 6, "the op's tensors, then the geometry"
+    a = dict(zip(_JVP_BACKWARD_TENSORS, args))
+    assert a["t_q"] is not None, "the tangent of q"
+    assert all(a[n] is None for n in ("t_k", "t_v", "t_kx", "t_vx", "t_rpb")), "tangents other than tq"
+    assert a["d_out"] is None and a["d_lse"] is None, "cotangents on (out, lse)"
     t = torch.randn(q.shape, generator=g)
     with _RecordJvpBackward() as rec:
         out, tout = jvp(lambda x: nbhd.na1d(x, k, v, 7), (q,), (t,))
         (out.square().sum() + tout.square().sum()).backward()   # through the tangent
     (args,) = rec.calls
-    assert all(t is None for t in args[6:10]), "tangents of k, v"
-    assert args[14] is None and args[15] is None and args[17] is None, "cotangents of unused outputs"
+    a = dict(zip(_JVP_BACKWARD_TENSORS, args))
+    assert a["t_q"] is not None, "the tangent of q"
+    assert all(a[n] is None for n in ("t_k", "t_v", "t_kx", "t_vx", "t_rpb")), "tangents of k, v"
+    assert a["d_out"] is None and a["d_lse"] is None and a["d_t_lse"] is None, "cotangents of unused outputs"

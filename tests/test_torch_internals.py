@@ -97,14 +97,14 @@ def one_thread():
 def _tiny():
     q = torch.randn(1, 16, 1, 8, generator=torch.Generator().manual_seed(0))
     empty = torch.empty(1, 0, 1, 8)
-    return q, empty, autograd.Geometry([3], [1], [1], [False], 0.35)
+    return q, empty, torch.empty(0), autograd.Geometry([3], [1], [1], [False], 0.35)
 
 
 def test_eager_op_shortcut_pays_off(one_thread):
     """ops.call skips the custom op's dispatch for plain tensors (about half of a tiny call;
     python tests/test_torch_internals.py prints the ratios)."""
-    q, e, geo = _tiny()
-    args = (q, q, q, e, e, *geo.args())
+    q, e, no_rpb, geo = _tiny()
+    args = (q, q, q, e, e, no_rpb, *geo.args())
     shortcut = lambda: ops.call(ops.na_forward, *args)
     ratio = _faster(shortcut, lambda: ops.na_forward(*args), 0.85, rounds=15, calls=20)
     assert ratio < 0.85, f"the eager op shortcut takes {ratio:.2f} of the dispatched call"
@@ -112,12 +112,12 @@ def test_eager_op_shortcut_pays_off(one_thread):
 
 
 def test_function_apply_without_binding_pays_off(one_thread):
-    q, e, geo = _tiny()
+    q, e, no_rpb, geo = _tiny()
     cls = autograd.NeighborhoodAttention
-    public = lambda: torch.autograd.Function.apply.__func__(cls, q, q, q, e, e, geo)
-    for a, b in zip(cls.apply(q, q, q, e, e, geo), public()):
+    public = lambda: torch.autograd.Function.apply.__func__(cls, q, q, q, e, e, no_rpb, geo)
+    for a, b in zip(cls.apply(q, q, q, e, e, no_rpb, geo), public()):
         assert torch.equal(a, b)
-    ratio = _faster(lambda: cls.apply(q, q, q, e, e, geo), public, 0.9, rounds=15, calls=20)
+    ratio = _faster(lambda: cls.apply(q, q, q, e, e, no_rpb, geo), public, 0.9, rounds=15, calls=20)
     assert ratio < 0.9, f"apply without binding takes {ratio:.2f} of Function.apply"
 
 
@@ -140,7 +140,7 @@ _NO_ONE_KERNEL = (functional, "_dual_outputs", lambda *args: None)  # its jvp ru
 
 
 def test_one_kernel_jvp_pays_off(one_thread, monkeypatch):
-    q, _, _ = _tiny()
+    q = _tiny()[0]
     t = torch.randn_like(q)
     f = lambda: torch.func.jvp(lambda x: nbhd.na1d(x, q, q, 3), (q,), (t,))
     one = _patched(monkeypatch, [_NO_LONE_JVP], f)
@@ -155,7 +155,7 @@ def test_lone_jvp_pays_off(one_thread, monkeypatch):
     """Under torch.func.jvp alone, prepared._dual runs the kernel on the tensors unwrapped
     from the jvp's level (`lone_jvp_level`, `unwrap_level`, `below_level`, `wrap_level`)
     instead of the autograd.Function through functorch's custom_function_call."""
-    q, _, _ = _tiny()
+    q = _tiny()[0]
     t = torch.randn_like(q)
     f = lambda: torch.func.jvp(lambda x: nbhd.na1d(x, q, q, 3), (q,), (t,))
     f()
@@ -169,7 +169,7 @@ def test_lone_jvp_pays_off(one_thread, monkeypatch):
 def test_prepared_call_pays_off(one_thread, monkeypatch):
     """An unwatched call with a validated signature runs its kernel from prepared.py
     (`unwatched`, `raw_apply`) instead of NeighborhoodAttention and the op."""
-    q, _, _ = _tiny()
+    q = _tiny()[0]
     leaf = q.clone().requires_grad_()
     for x in (q, leaf):
         f = lambda: nbhd.na1d(x, q, q, 3)
@@ -183,7 +183,7 @@ def test_prepared_call_pays_off(one_thread, monkeypatch):
 
 
 def test_raw_apply_pays_off(one_thread):
-    q, _, _ = _tiny()
+    q = _tiny()[0]
     leaf = q.clone().requires_grad_()
     nbhd.na1d(leaf, q, q, 3)
     prep = next(c.prepared for c in functional._CHECKED.values()
@@ -200,7 +200,7 @@ def _dual_round_trips(n: int = 20):
     _torch_internals and through torch.autograd.forward_ad; each returns its last dual's
     (primal, tangent) outside the jvp."""
     import torch.autograd.forward_ad as fwAD
-    q, _, _ = _tiny()
+    q = _tiny()[0]
     t = torch.randn_like(q)
 
     def loop(unpack, make):
@@ -227,13 +227,13 @@ def test_raw_duals_pay_off(one_thread):
 
 if __name__ == "__main__":   # the ratios, for choosing the thresholds above
     torch.set_num_threads(1)
-    q, e, geo = _tiny()
-    args = (q, q, q, e, e, *geo.args())
+    q, e, no_rpb, geo = _tiny()
+    args = (q, q, q, e, e, no_rpb, *geo.args())
     cls = autograd.NeighborhoodAttention
     print("op shortcut", _faster(lambda: ops.call(ops.na_forward, *args), lambda: ops.na_forward(*args),
                                  0, 15, 20, 1))
-    print("apply", _faster(lambda: cls.apply(q, q, q, e, e, geo),
-                           lambda: torch.autograd.Function.apply.__func__(cls, q, q, q, e, e, geo), 0, 15, 20, 1))
+    print("apply", _faster(lambda: cls.apply(q, q, q, e, e, no_rpb, geo),
+                           lambda: torch.autograd.Function.apply.__func__(cls, q, q, q, e, e, no_rpb, geo), 0, 15, 20, 1))
     mp = pytest.MonkeyPatch()
     t = torch.randn_like(q)
     f = lambda: torch.func.jvp(lambda x: nbhd.na1d(x, q, q, 3), (q,), (t,))

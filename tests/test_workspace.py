@@ -13,6 +13,8 @@ import nbhd
 from nbhd import _lib, ops
 from utils import Case
 
+NO_RPB = torch.empty(0)  # the ops' absent bias table
+
 FWD, BWD, JVP, JVP_BWD = _lib.OP_FORWARD, _lib.OP_BACKWARD, _lib.OP_FORWARD_JVP, _lib.OP_FORWARD_JVP_BACKWARD
 
 
@@ -135,9 +137,9 @@ def _jvp_backward(case, prims, rnd):
         kx, vx = q.new_empty(q.shape[0], 0, *k.shape[-2:]), q.new_empty(q.shape[0], 0, *v.shape[-2:])
     geo = Geometry(case.kernel_size, case.stride, case.dilation, case.is_causal, 0.5)
     tans = [rnd(t) for t in (q, k, v, kx, vx)]
-    saved = ops.na_forward_jvp(q, k, v, kx, vx, *tans, *geo.args())
+    saved = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, *tans, None, *geo.args())
     cot = [rnd(saved[0]), rnd(saved[1]).float(), rnd(saved[2]), rnd(saved[3]).float()]
-    return ops.na_forward_jvp_backward(q, k, v, kx, vx, *tans, *saved, *cot, *geo.args())
+    return ops.na_forward_jvp_backward(q, k, v, kx, vx, NO_RPB, *tans, None, *saved, *cot, *geo.args())
 
 
 # one thread: the smallest tiles; two threads: a third of the forward's whole head (each tile

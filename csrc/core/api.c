@@ -129,6 +129,15 @@ nbhd_status nbhd_validate(const nbhd_problem *p) {
         tokens *= L;
     }
     if (p->rank == 0) tokens = p->extent[0];
+    if (p->rpb != 0 && p->rpb != 1)
+        return nbhd_fail_rule(NBHD_ERR_ARG, "0 or 1", "rpb=%d is invalid", p->rpb);
+    if (p->rpb && p->rank == 0)
+        return nbhd_fail(NBHD_ERR_ARG, "rpb=1 needs a window (rank >= 1); rank 0 has only additional keys, "
+                         "which get no bias");
+    for (int a = 0; p->rpb && a < p->rank; ++a)
+        if (p->causal[a])
+            return nbhd_fail(NBHD_ERR_ARG, "rpb=1 with causal[%d]=1: a relative positional bias is undefined "
+                             "with causal masking (need no causal axis)", a);
     /* every tensor's element count (and each kernel's row count) must fit int64 indexing */
     const int64_t width = p->head_dim > p->head_dim_v ? p->head_dim : p->head_dim_v;
     const int64_t heads = p->heads > p->kv_heads ? p->heads : p->kv_heads;
@@ -168,6 +177,12 @@ nbhd_geometry nbhd_geometry_of(const nbhd_problem *p) {
     g.group = p->kv_heads > 0 ? p->heads / p->kv_heads : 1;
     g.scale = p->scale;
     g.dtype = p->dtype;
+    g.rpb = p->rpb;
+    g.rpb_entries = 1;
+    for (int a = NBHD_MAX_RANK - 1; a >= 0; --a) {  /* row-major: the last axis steps by 1 */
+        g.rpb_stride[a] = g.rpb_entries;
+        g.rpb_entries *= 2 * (int64_t)g.axis[a].kernel - 1;
+    }
     return g;
 }
 
@@ -256,6 +271,43 @@ static nbhd_status check_tensor(const nbhd_geometry *g, const nbhd_tensor *t, co
     const tensor_view v = kind_view(g, k);
     return check_view(t, name, &v);
 }
+
+/* A bias table (rpb, t_rpb, d_rpb, d_t_rpb; nbhd.h): with problem.rpb = 0 it must be absent;
+ * otherwise absent (NULL data) or contiguous [heads, M] in the LSE's element type. */
+static nbhd_status check_table(const nbhd_geometry *g, const nbhd_tensor *t, const char *name) {
+    if (!g->rpb)
+        return t->data ? nbhd_fail(NBHD_ERR_ARG, "%s has data but problem.rpb=0 (set rpb=1 to add the bias)", name)
+                       : NBHD_OK;
+    if (!t->data) return NBHD_OK;
+    const int64_t M = g->rpb_entries;
+    if (t->stride[5] != 1 || (g->heads > 1 && t->stride[4] != M))
+        return nbhd_fail(NBHD_ERR_ARG, "%s: strides [%lld, %lld] (heads, entries) are invalid: the table must be "
+                         "contiguous [heads=%d, prod(2*kernel-1)=%lld] (need stride[4]=%lld, stride[5]=1)",
+                         name, (long long)t->stride[4], (long long)t->stride[5], g->heads, (long long)M,
+                         (long long)M);
+    nbhd_tensor flat = *t;
+    flat.stride[0] = flat.stride[1] = flat.stride[2] = flat.stride[3] = 0;
+    const tensor_view v = {{1, 1, 1, 1, g->heads, M}, g->dtype == NBHD_F64 ? 8 : 4};
+    return check_view(&flat, name, &v);
+}
+
+/* The problem's bias on its device: CUDA has no kernel (rpb stays off the CUDA dispatch). */
+static nbhd_status check_rpb_device(const nbhd_problem *p) {
+    if (p->rpb && p->device == NBHD_CUDA)
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "rpb: no CUDA kernel (a relative positional bias runs on the "
+                         "CPU; on CUDA fold it into the head dim, docs/rpb.md)");
+    return NBHD_OK;
+}
+
+/* A problem with no query rows (batch 0 or heads 0) sums nothing into a table gradient. */
+static void zero_table(const nbhd_geometry *g, nbhd_device device, nbhd_tensor t) {
+    const nbhd_device_ops *ops = device_ops(device);
+    if (!g->rpb || !t.data || !ops || !ops->zero) return;
+    const int64_t one[3] = {1, 1, 1};
+    ops->zero(t, 1, one, g->heads, g->rpb_entries, g->dtype == NBHD_F64 ? 8 : 4);
+}
+
+#define TABLE(t, name) if ((st = check_table(&g, &(t), name)) != NBHD_OK) return st
 
 #define REQUIRE(t, name, kind) if ((st = check_tensor(&g, &(t), name, kind, 1)) != NBHD_OK) return st
 #define OPTIONAL(t, name, kind) if ((st = check_tensor(&g, &(t), name, kind, 0)) != NBHD_OK) return st
@@ -399,6 +451,8 @@ nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, cons
     nbhd_status st = enter(p, a, NBHD_OP_FORWARD, &e, &tiled);
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
+    if ((st = check_rpb_device(p)) != NBHD_OK) return st;
+    TABLE(a->rpb, "rpb");
     if (is_empty(&g)) return NBHD_OK;
     REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
     if (g.has_window) { REQUIRE(a->k, "k", T_K); REQUIRE(a->v, "v", T_V); }
@@ -442,8 +496,10 @@ nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, co
     nbhd_status st = enter(p, a, NBHD_OP_BACKWARD, &e, &tiled);
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
+    if ((st = check_rpb_device(p)) != NBHD_OK) return st;
+    TABLE(a->rpb, "rpb"); TABLE(a->d_rpb, "d_rpb");
     if (g.batch > 0 && g.heads == 0) return backward_no_heads(&g, a, p->device, "d_k", "d_v", DKX_NAMES);
-    if (is_empty(&g)) return NBHD_OK;
+    if (is_empty(&g)) { zero_table(&g, p->device, a->d_rpb); return NBHD_OK; }
     REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
     REQUIRE(a->d_out, "d_out", T_O); OPTIONAL(a->d_lse, "d_lse", T_ROW); REQUIRE(a->d_q, "d_q", T_Q);
     if (g.has_window) {
@@ -460,6 +516,8 @@ nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args 
     nbhd_status st = enter(p, a, NBHD_OP_FORWARD_JVP, &e, &tiled);
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
+    if ((st = check_rpb_device(p)) != NBHD_OK) return st;
+    TABLE(a->rpb, "rpb"); TABLE(a->t_rpb, "t_rpb");
     if (is_empty(&g)) return NBHD_OK;
     REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
     REQUIRE(a->t_out, "t_out", T_O); REQUIRE(a->t_lse, "t_lse", T_ROW);
@@ -479,6 +537,8 @@ nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_
     nbhd_status st = enter(p, a, NBHD_OP_FORWARD_JVP_BACKWARD, &e, &tiled);
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
+    if ((st = check_rpb_device(p)) != NBHD_OK) return st;
+    TABLE(a->rpb, "rpb"); TABLE(a->t_rpb, "t_rpb"); TABLE(a->d_rpb, "d_rpb"); TABLE(a->d_t_rpb, "d_t_rpb");
     if (g.batch > 0 && g.heads == 0) {  /* no query sees any key: key-side gradients are zero */
         nbhd_backward_args zero = {0};
         zero.d_k = a->d_k; zero.d_v = a->d_v; zero.d_kx = a->d_kx; zero.d_vx = a->d_vx;
@@ -488,7 +548,11 @@ nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_
         zero.d_k = a->d_t_k; zero.d_v = a->d_t_v; zero.d_kx = a->d_t_kx; zero.d_vx = a->d_t_vx;
         return backward_no_heads(&g, &zero, p->device, "d_t_k", "d_t_v", "d_t_kx", "d_t_vx");
     }
-    if (is_empty(&g)) return NBHD_OK;
+    if (is_empty(&g)) {
+        zero_table(&g, p->device, a->d_rpb);
+        zero_table(&g, p->device, a->d_t_rpb);
+        return NBHD_OK;
+    }
     REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
     REQUIRE(a->t_out, "t_out", T_O); REQUIRE(a->t_lse, "t_lse", T_ROW); REQUIRE(a->d_q, "d_q", T_Q);
     OPTIONAL(a->t_q, "t_q", T_Q); OPTIONAL(a->d_out, "d_out", T_O); OPTIONAL(a->d_lse, "d_lse", T_ROW);

@@ -24,9 +24,21 @@ typedef struct {
     int32_t group;        /* heads / kv_heads: query heads per key/value head */
     double scale;
     nbhd_dtype dtype;
+    int rpb;              /* problem.rpb: window scores carry the table's bias (nbhd.h) */
+    int64_t rpb_entries;  /* M = prod (2K - 1) over the axes (padded axes: 1) */
+    int64_t rpb_stride[NBHD_MAX_RANK];  /* of r_a in the flat table index (row-major) */
 } nbhd_geometry;
 
 nbhd_geometry nbhd_geometry_of(const nbhd_problem *p);
+
+/* The flat table index of query coordinates x and key coordinates y of its window: r_a =
+ * (y_a - x_a) / d_a + K_a - 1 per axis (padded axes: 0), row-major (nbhd.h, docs/rpb.md). */
+static inline int64_t nbhd_rpb_index(const nbhd_geometry *g, const int64_t x[3], const int64_t y[3]) {
+    int64_t i = 0;
+    for (int a = 0; a < NBHD_MAX_RANK; ++a)
+        i += ((y[a] - x[a]) / g->axis[a].dilation + g->axis[a].kernel - 1) * g->rpb_stride[a];
+    return i;
+}
 size_t nbhd_dtype_size(nbhd_dtype t);
 
 /* The operations of one device, called by the entry points (api.c) once the problem, exec,

@@ -51,6 +51,7 @@ static int rank_of(const nbhd_geometry *g) {
 static nbhd_geometry rotated(const nbhd_geometry *g, int shift) {
     nbhd_geometry o = *g;
     for (int j = 0; j < 3; ++j) {
+        o.rpb_stride[j] = j >= shift ? g->rpb_stride[j - shift] : 0;   /* the table keeps the user's axes */
         if (j >= shift) o.axis[j] = g->axis[j - shift];
         else { o.axis[j].extent = 1; o.axis[j].kernel = 1; o.axis[j].stride = 1;
                o.axis[j].dilation = 1; o.axis[j].causal = 0; }
@@ -107,13 +108,17 @@ size_t nbhd_cpu_fast_tile_bytes(int threads) {
     return want > 0 ? (size_t)want : bytes;
 }
 
+/* Whether the AMX kernels may take g: they have no bias term, so a problem with a relative
+ * positional bias (problem.rpb) runs the AVX-512 kernels. */
+static int amx_takes(const nbhd_geometry *g) { return isa() == ISA_AMX && !g->rpb; }
+
 /* The AMX kernels pack whole heads: where that outgrows the SIMD kernels' workspace and the tile
  * budget, the workspace is not sized for them and the AVX-512 kernels run (use_amx). */
 size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
     const nbhd_geometry r = rotated(g, 3 - rank_of(g));
     const int threads = nbhd_cpu_threads(e);
     const size_t simd = nbhd_cpu_fast_generic.workspace_bytes(&r, op, threads);   /* the same for every ISA */
-    const size_t amx = g->dtype == NBHD_BF16 && isa() == ISA_AMX ? nbhd_cpu_amx_workspace_bytes(&r, op) : 0;
+    const size_t amx = g->dtype == NBHD_BF16 && amx_takes(g) ? nbhd_cpu_amx_workspace_bytes(&r, op) : 0;
     const size_t bound = simd > nbhd_cpu_fast_tile_bytes(threads) ? simd : nbhd_cpu_fast_tile_bytes(threads);
     return amx > simd && amx <= bound ? amx : simd;
 }
@@ -121,7 +126,7 @@ size_t nbhd_cpu_fast_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const n
 /* the op's AMX kernel may run: AMX chosen, and the caller's workspace holds its packed tensors
  * (sized by nbhd_cpu_fast_workspace_bytes while the same ISA was chosen) */
 static int use_amx(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
-    return isa() == ISA_AMX && e->workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g, op);
+    return amx_takes(g) && e->workspace_bytes >= nbhd_cpu_amx_workspace_bytes(g, op);
 }
 
 int nbhd_cpu_fast_default_lines(int rank) { return kernels()->default_lines(rank); }
@@ -202,6 +207,7 @@ nbhd_status nbhd_cpu_fast_slab_forward(const nbhd_geometry *g, const nbhd_forwar
     nbhd_tensor *const qs[] = {&a.q, &a.out, NULL}, *const ks[] = {&a.k, &a.v, &a.kx, &a.vx, NULL};
     nbhd_tensor *const rs[] = {&a.lse, NULL};
     move_to_slab(g, b, hk0, qs, ks, rs);
+    a.rpb = at_head(a.rpb, 0, hk0 * g->group, sizeof(float));   /* [H, M]: no batch */
     return nbhd_cpu_ref_forward(&s, &a, e);
 }
 
@@ -209,7 +215,7 @@ nbhd_status nbhd_cpu_fast_slab_forward(const nbhd_geometry *g, const nbhd_forwar
  * workspace: out of memory) */
 static nbhd_exec own_workspace(const nbhd_geometry *s, nbhd_op op, const nbhd_exec *e) {
     nbhd_exec own = *e;
-    own.workspace_bytes = nbhd_cpu_ref_workspace_bytes(s, op);
+    own.workspace_bytes = nbhd_cpu_ref_workspace_bytes(s, op, nbhd_cpu_threads(e));
     own.workspace = malloc(own.workspace_bytes ? own.workspace_bytes : 1);
     return own;
 }
@@ -242,6 +248,8 @@ nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_fo
     nbhd_tensor *const ks[] = {&a.k, &a.v, &a.kx, &a.vx, &a.t_k, &a.t_v, &a.t_kx, &a.t_vx, NULL};
     nbhd_tensor *const rs[] = {&a.lse, &a.t_lse, NULL};
     move_to_slab(g, b, hk0, qs, ks, rs);
+    a.rpb = at_head(a.rpb, 0, hk0 * g->group, sizeof(float));   /* [H, M]: no batch */
+    a.t_rpb = at_head(a.t_rpb, 0, hk0 * g->group, sizeof(float));
     return nbhd_cpu_ref_forward_jvp(&s, &a, e);
 }
 

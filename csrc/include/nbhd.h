@@ -84,7 +84,21 @@ typedef struct {
     double scale;                     /* finite; S = scale * q.k */
     nbhd_dtype dtype;                 /* of every input, output, gradient and tangent but LSE */
     nbhd_device device;
+    int32_t rpb;                      /* 1: the scores carry a relative positional bias (below;
+                                         no causal axis, rank >= 1, CPU only); 0: none, and the
+                                         args' rpb fields must have NULL data */
 } nbhd_problem;
+
+/* Relative positional bias (docs/rpb.md): with problem.rpb = 1 the window scores gain a bias
+ * from a per-head table of M = prod_a (2 K_a - 1) entries (axes 0..rank-1, row-major): for
+ * query x and a key y of its window, r_a = (y_a - x_a) / d_a + K_a - 1 and
+ *   S_ij = s q_i.k_j + rpb[h, flat(r)]
+ * (additional keys get no bias). Tables rpb, t_rpb, d_rpb, d_t_rpb are [H, M] (H query heads),
+ * float32 (float64 for NBHD_F64), contiguous: stride[4] = M (steps heads), stride[5] = 1, the
+ * other strides ignored. A read table with NULL data is zero; a written one with NULL data is
+ * not computed. The gradients d_rpb and d_t_rpb are sums over batch, queries and window slots,
+ * accumulated per thread in the workspace and reduced in a fixed order: deterministic for a
+ * given exec.threads. */
 
 /* A tensor: data pointer and element strides of its [B, X, Y, Z, H, D] view (see legend).
  * Every entry point checks each tensor it reads or writes: data not NULL, strides >= 0 on the
@@ -124,22 +138,27 @@ typedef struct {
 typedef struct {
     nbhd_tensor q, k, v, kx, vx;      /* read */
     nbhd_tensor out, lse;             /* written */
+    nbhd_tensor rpb;                  /* read when problem.rpb: S += rpb[h, flat(r)] */
 } nbhd_forward_args;
 
 /* Backward (docs/design.md §4.2): D_i = dO_i.O_i - dLSE_i, P = exp(S - LSE), dS = P (dO V^T - D),
  * dQ = s dS K, dK = s dS^T Q, dV = P^T dO. d_lse.data may be NULL (no gradient on LSE).
+ * With problem.rpb: S includes the bias, and d_rpb[h, flat(r_ij)] += dS_ij over the window pairs.
  * Deterministic: every output element is written by one thread in a fixed order. */
 typedef struct {
     nbhd_tensor q, k, v, kx, vx, out, lse, d_out, d_lse;   /* read */
     nbhd_tensor d_q, d_k, d_v, d_kx, d_vx;                 /* written */
+    nbhd_tensor rpb;                                       /* read when problem.rpb */
+    nbhd_tensor d_rpb;                                     /* written when problem.rpb and data != NULL */
 } nbhd_backward_args;
 
 /* Forward + JVP in one pass: O, LSE, tO and tLSE = mu from (Q,K,V) and tangents (tQ,tK,tV);
  * a tangent whose data is NULL is zero and its products are skipped.
- *   tS = s (tq.k + q.tk), mu = sum P tS, tO = sum P (tv + tS v) - mu O. */
+ *   tS = s (tq.k + q.tk) [+ t_rpb[h, flat(r)]], mu = sum P tS, tO = sum P (tv + tS v) - mu O. */
 typedef struct {
     nbhd_tensor q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx; /* read */
     nbhd_tensor out, lse, t_out, t_lse;                     /* written */
+    nbhd_tensor rpb, t_rpb;                                 /* read when problem.rpb */
 } nbhd_forward_jvp_args;
 
 /* Backward through forward+JVP (docs/design.md §4.4): gradients of a loss on (O, LSE, tO, tLSE) with
@@ -148,6 +167,8 @@ typedef struct {
  *   dtS = P w,  dS = P (dO v^T - D' + G tv^T + w n - E),
  *   dQ = s (dS K + dtS tK),  dK = s (dS^T Q + dtS^T tQ),  dV = P^T dO + (P n)^T G,
  *   dtQ = s dtS K,  dtK = s dtS^T Q,  dtV = P^T G.
+ * With problem.rpb, S and tS include rpb and t_rpb; the bias is additive in S and t_rpb in tS,
+ * so over the window pairs d_rpb[h, flat(r_ij)] += dS_ij and d_t_rpb[h, flat(r_ij)] += dtS_ij.
  * Any of d_out, d_lse, d_t_out, d_t_lse and the tangents may have NULL data (zero); d_t_*
  * outputs with NULL data are not computed. Deterministic, like nbhd_backward. */
 typedef struct {
@@ -156,6 +177,8 @@ typedef struct {
     nbhd_tensor d_out, d_lse, d_t_out, d_t_lse;              /* read */
     nbhd_tensor d_q, d_k, d_v, d_kx, d_vx;                   /* written */
     nbhd_tensor d_t_q, d_t_k, d_t_v, d_t_kx, d_t_vx;         /* written when data != NULL */
+    nbhd_tensor rpb, t_rpb;                                  /* read when problem.rpb */
+    nbhd_tensor d_rpb, d_t_rpb;                              /* written when problem.rpb and data != NULL */
 } nbhd_forward_jvp_backward_args;
 
 /* Merge (docs/design.md §4.5): n partial attentions of the same queries, as if their keys had been
@@ -214,9 +237,11 @@ NBHD_API int32_t nbhd_tile_configs(const nbhd_problem *p, nbhd_op op, nbhd_tile_
  *       and its halo, K_l, K_m, K_f the kernel sizes along the last axis, the one before it and
  *       the one before that (a missing axis's factor is 1),
  *   E = c S (D + Dv) kv_heads: the packed extra keys (S = extra_kv).
- * The reference kernels (exec.use_reference, fp64, rank 0) take 8
+ * The reference kernels (exec.use_reference, fp64, rank 0, problem.rpb) take 8
  * bytes per query row (batch * tokens * heads) for NBHD_OP_BACKWARD, 24 for
- * NBHD_OP_FORWARD_JVP_BACKWARD, nothing for the others. */
+ * NBHD_OP_FORWARD_JVP_BACKWARD, nothing for the others; with problem.rpb the backwards add
+ * 8 heads M bytes per thread (16 for NBHD_OP_FORWARD_JVP_BACKWARD): the per-thread partial
+ * tables of d_rpb (and d_t_rpb). */
 NBHD_API size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e);
 
 NBHD_API nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a,

@@ -98,6 +98,8 @@ static void fz_repair(nbhd_problem *p) {
     if (!isfinite(p->scale) || fabs(p->scale) > 100) p->scale = 0.5;
     if ((unsigned)p->dtype > NBHD_BF16) p->dtype = NBHD_F32;
     p->device = p->device == NBHD_CUDA ? NBHD_CUDA : NBHD_CPU;
+    if (p->rank == 0) p->rpb = 0;
+    for (int a = 0; p->rpb && a < 3; ++a) p->causal[a] = 0;  /* the bias is undefined with causal axes */
 }
 
 // ----------------------------------------------------------------------------
@@ -241,9 +243,9 @@ static void fz_invalid(const nbhd_problem *p, nbhd_exec *e) {
     memset(&t, 0, sizeof t);
     t.data = byte;
     for (int i = 0; i < 6; ++i) t.stride[i] = 1 << 20;  /* any access lands far out of bounds */
-    nbhd_forward_args fa = {t, t, t, t, t, t, t};
-    nbhd_backward_args ba = {t, t, t, t, t, t, t, t, t, t, t, t, t, t};
-    nbhd_forward_jvp_args ja = {t, t, t, t, t, t, t, t, t, t, t, t, t, t};
+    nbhd_forward_args fa = {t, t, t, t, t, t, t, {0}};
+    nbhd_backward_args ba = {t, t, t, t, t, t, t, t, t, t, t, t, t, t, {0}, {0}};
+    nbhd_forward_jvp_args ja = {t, t, t, t, t, t, t, t, t, t, t, t, t, t, {0}, {0}};
     e->workspace = byte;
     e->workspace_bytes = 1;
     FZ_CHECK(nbhd_workspace_bytes(p, NBHD_OP_FORWARD, e) == 0 &&
@@ -340,6 +342,16 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
     MAKE_IN(VX, svx, dt, vx, 0, 1);
     const nbhd_tensor tK = has_k ? K.t : fz_none(), tV = has_k ? V.t : fz_none();
     const nbhd_tensor tKX = has_x ? KX.t : fz_none(), tVX = has_x ? VX.t : fz_none();
+    /* a bias table when the problem has one (problem.rpb): every op reads it, the oracle adds it
+     * to its scores; the backward's table gradient is checked (the rng advances only then, so
+     * the other problems see the same inputs as before) */
+    const int64_t n_rpb = naive_bias_entries(p);
+    const int64_t srpb[6] = {1, 1, 1, 1, H, n_rpb}, strpb[6] = {0, 0, 0, 0, n_rpb, 1};
+    double *rpb = p->rpb ? dense_random(&r, H * n_rpb, -range, range) : NULL;
+    tbuf R = tbuf_make(srpb, lt, strpb);
+    if (p->rpb) tbuf_fill(&R, rpb);
+    const nbhd_tensor tR = p->rpb ? R.t : fz_none();
+    naive_bias.rpb = rpb;
     double *out = dense_alloc(dims_count(so)), *lse = dense_alloc(dims_count(sl));
     naive_forward(p, q, k, v, kx, vx, out, lse);
 
@@ -347,7 +359,7 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
     {
         MAKE_OUT(O, so, dt, 0);
         MAKE_OUT(L, sl, lt, 1);
-        nbhd_forward_args a = {Q.t, tK, tV, tKX, tVX, O.t, L.t};
+        nbhd_forward_args a = {Q.t, tK, tV, tKX, tVX, O.t, L.t, tR};
         fz_workspace(p, NBHD_OP_FORWARD, e);
         nbhd_tensor *req[5] = {&a.q, &a.out, &a.lse, has_k ? &a.k : &a.q, has_x ? &a.kx : &a.q};
         if (mode == 1) {
@@ -383,9 +395,11 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
         MAKE_OUT(dV, sv, dt, 0);
         MAKE_OUT(dKX, skx, dt, 0);
         MAKE_OUT(dVX, svx, dt, 0);
+        tbuf dR = tbuf_make(srpb, lt, strpb);
         nbhd_backward_args a = {Q.t, tK, tV, tKX, tVX, Oi.t, Li.t, dO.t, with_dlse ? dL.t : fz_none(),
                                 dQ.t, has_k ? dK.t : fz_none(), has_k ? dV.t : fz_none(),
-                                has_x ? dKX.t : fz_none(), has_x ? dVX.t : fz_none()};
+                                has_x ? dKX.t : fz_none(), has_x ? dVX.t : fz_none(), tR,
+                                p->rpb ? dR.t : fz_none()};
         fz_workspace(p, NBHD_OP_BACKWARD, e);
         nbhd_tensor *req[6] = {&a.q, &a.d_out, &a.lse, &a.d_q, has_k ? &a.d_k : &a.out,
                                has_x ? &a.d_vx : &a.d_q};
@@ -402,8 +416,13 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
             const int64_t nq = dims_count(sq), nk = dims_count(sk), nv = dims_count(sv),
                           nkx = dims_count(skx), nvx = dims_count(svx);
             double *dq = dense_alloc(nq), *dk = dense_alloc(nk), *dv = dense_alloc(nv),
-                   *dkx = dense_alloc(nkx), *dvx = dense_alloc(nvx);
+                   *dkx = dense_alloc(nkx), *dvx = dense_alloc(nvx), *drpb = dense_alloc(H * n_rpb);
+            memset(drpb, 0, sizeof(double) * (size_t)(H * n_rpb));
+            naive_bias.d_rpb = p->rpb ? drpb : NULL;
             naive_backward(p, q, k, v, kx, vx, o_in, dout, with_dlse ? dlse : NULL, dq, dk, dv, dkx, dvx);
+            naive_bias.d_rpb = NULL;
+            if (p->rpb) fz_close(p, "backward d_rpb", &dR, drpb, grad_tol);
+            free(drpb);
             fz_close(p, "backward dq", &dQ, dq, grad_tol);
             if (has_k) {
                 fz_close(p, "backward dk", &dK, dk, grad_tol);
@@ -417,7 +436,7 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
         }
         free(e->workspace);
         tbuf_free(&Oi); tbuf_free(&Li); tbuf_free(&dO); tbuf_free(&dL);
-        tbuf_free(&dQ); tbuf_free(&dK); tbuf_free(&dV); tbuf_free(&dKX); tbuf_free(&dVX);
+        tbuf_free(&dQ); tbuf_free(&dK); tbuf_free(&dV); tbuf_free(&dKX); tbuf_free(&dVX); tbuf_free(&dR);
         free(o_in); free(l_in); free(dout); free(dlse);
     }
     /* ---- forward + JVP */
@@ -437,7 +456,7 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
         nbhd_forward_jvp_args a = {Q.t, tK, tV, tKX, tVX,
                                    t0 ? TQ.t : fz_none(), t1 ? TK.t : fz_none(), t2 ? TV.t : fz_none(),
                                    t3 ? TKX.t : fz_none(), t4 ? TVX.t : fz_none(),
-                                   JO.t, JL.t, JTO.t, JTL.t};
+                                   JO.t, JL.t, JTO.t, JTL.t, tR, {0}};
         fz_workspace(p, NBHD_OP_FORWARD_JVP, e);
         nbhd_tensor *req[4] = {&a.t_out, &a.t_lse, &a.out, has_k ? &a.v : &a.q};
         if (mode == 1) {
@@ -517,7 +536,7 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
             has_x ? dKX.t : fz_none(), has_x ? dVX.t : fz_none(),
             with_dt ? dTQ.t : fz_none(), with_dt && has_k ? dTK.t : fz_none(),
             with_dt && has_k ? dTV.t : fz_none(), with_dt && has_x ? dTKX.t : fz_none(),
-            with_dt && has_x ? dTVX.t : fz_none()};
+            with_dt && has_x ? dTVX.t : fz_none(), tR, {0}, {0}, {0}};
         /* exec tiles were picked from the other ops' lists; keep them only if this op lists them */
         nbhd_tile_config listed[64];
         const int32_t n_listed = nbhd_tile_configs(p, NBHD_OP_FORWARD_JVP_BACKWARD, listed, 64);
@@ -592,8 +611,9 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
         free(tq); free(tk); free(tv); free(tkx); free(tvx); free(jo); free(jl); free(jto); free(jtl);
         free(o_in); free(l_in); free(to_in); free(tl_in); free(dout); free(dlse); free(dtout); free(dtlse);
     }
-    tbuf_free(&Q); tbuf_free(&K); tbuf_free(&V); tbuf_free(&KX); tbuf_free(&VX);
-    free(q); free(k); free(v); free(kx); free(vx); free(out); free(lse);
+    tbuf_free(&Q); tbuf_free(&K); tbuf_free(&V); tbuf_free(&KX); tbuf_free(&VX); tbuf_free(&R);
+    free(q); free(k); free(v); free(kx); free(vx); free(out); free(lse); free(rpb);
+    naive_bias.rpb = NULL;
 #undef MAKE_IN
 #undef MAKE_OUT
 }
@@ -665,6 +685,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t dev = fz_u8(&rd);
     p->device = dev >= 250 ? (nbhd_device)(int)(dev - 249) : NBHD_CPU;  /* 1 (CUDA) .. 6 */
     const uint8_t flags = fz_u8(&rd);
+    p->rpb = (flags >> 2) % 4 == 3;    /* one in four with a relative positional bias */
     if (flags % 4 != 0) fz_repair(p);  /* three in four inputs become valid problems */
 
     nbhd_exec e;
@@ -719,7 +740,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             unsigned char *byte = (unsigned char *)malloc(1);
             nbhd_tensor t = fz_none();
             t.data = byte;
-            nbhd_forward_args fa = {t, t, t, t, t, t, t};
+            nbhd_forward_args fa = {t, t, t, t, t, t, t, {0}};
             e.workspace = NULL;
             e.workspace_bytes = 0;
             memset(e.q_tile, 0, sizeof e.q_tile);  /* tiles are checked first: not this case */

@@ -11,6 +11,7 @@
  *   out, tout   [B, T, H,   Dv]      lse, dlse, tlse [B, T, H]
  *   kx, dkx, tkx [B, S, Hkv, D ]     vx, dvx, tvx [B, S, Hkv, Dv]
  * Rank 0 has no neighborhood keys (k, v unused). Tangent pointers may be NULL (zero).
+ * A relative positional bias (docs/rpb.md) is set in naive_bias by the caller.
  */
 #ifndef NBHD_TESTS_NAIVE_H
 #define NBHD_TESTS_NAIVE_H
@@ -71,6 +72,40 @@ static int naive_sees(const nbhd_problem *p, int64_t tq, int64_t tk) {
     return 1;
 }
 
+/* The relative positional bias of the oracle's window scores, when the caller sets it: dense
+ * tables [H, M], M = prod (2K-1) over the problem's axes, rpb added to S and t_rpb to tS; the
+ * backwards add dS (dtS) of every window pair into d_rpb (d_t_rpb) when not NULL (the caller
+ * zeroes them). Additional keys get no bias. */
+static struct { const double *rpb, *t_rpb; double *d_rpb, *d_t_rpb; } naive_bias;
+
+/* flat table index of query token tq and window key token tk: per axis (y - x)/d + K - 1,
+ * row-major over the problem's axes; naive_bias_entries() entries per head */
+static int64_t naive_bias_index(const nbhd_problem *p, int64_t tq, int64_t tk) {
+    const int64_t Y = naive_ext(p, 1), Z = naive_ext(p, 2);
+    const int64_t cq[3] = {tq / (Y * Z), (tq / Z) % Y, tq % Z};
+    const int64_t ck[3] = {tk / (Y * Z), (tk / Z) % Y, tk % Z};
+    int64_t idx = 0;
+    for (int a = 0; a < p->rank; ++a)
+        idx = idx * (2 * p->kernel[a] - 1) + (ck[a] - cq[a]) / p->dilation[a] + p->kernel[a] - 1;
+    return idx;
+}
+
+static int64_t naive_bias_entries(const nbhd_problem *p) {
+    int64_t m = 1;
+    for (int a = 0; a < p->rank; ++a) m *= 2 * p->kernel[a] - 1;
+    return m;
+}
+
+/* the entry of table t for (head h, query token tq, key tk): 0 for no table or an extra key */
+static double naive_bias_of(const nbhd_problem *p, const double *t, int64_t h, int64_t tq, int64_t key) {
+    if (!t || key >= naive_tokens(p)) return 0.0;
+    return t[h * naive_bias_entries(p) + naive_bias_index(p, tq, key)];
+}
+
+static void naive_bias_add(const nbhd_problem *p, double *t, int64_t h, int64_t tq, int64_t key, double x) {
+    if (t && key < naive_tokens(p)) t[h * naive_bias_entries(p) + naive_bias_index(p, tq, key)] += x;
+}
+
 static double naive_dot(const double *x, const double *y, int n) {
     double acc = 0;
     for (int i = 0; i < n; ++i) acc += x[i] * y[i];
@@ -103,7 +138,8 @@ static void naive_row_of(const nbhd_problem *p, const double *q, const double *k
     for (int64_t key = 0; key < T + p->extra_kv; ++key) {
         if (key < T && !naive_sees(p, t, key)) continue;
         row->key[row->n] = key;
-        row->score[row->n] = p->scale * naive_dot(q_bth, naive_key_ptr(p, k, kx, b, key, hk, D), D);
+        row->score[row->n] = p->scale * naive_dot(q_bth, naive_key_ptr(p, k, kx, b, key, hk, D), D) +
+                             naive_bias_of(p, naive_bias.rpb, h, t, key);
         row->n++;
     }
     double m = -INFINITY;
@@ -196,6 +232,7 @@ static void naive_backward(const nbhd_problem *p, const double *q, const double 
                     double *dk_j = (double *)naive_key_ptr(p, dk, dkx, b, key, hk, D);
                     double *dv_j = (double *)naive_key_ptr(p, dv, dvx, b, key, hk, Dv);
                     const double P = row.p[n], dS = P * (naive_dot(do_i, v_j, Dv) - Di);
+                    naive_bias_add(p, naive_bias.d_rpb, h, t, key, dS);
                     for (int c = 0; c < D; ++c) {
                         dq_i[c] += s * dS * k_j[c];
                         dk_j[c] += s * dS * q_i[c];
@@ -234,7 +271,7 @@ static void naive_forward_jvp(const nbhd_problem *p, const double *q, const doub
                     if (tq) ts += naive_dot(tq + i * D, k_j, D);
                     if (extra ? tkx != NULL : tk != NULL)
                         ts += naive_dot(q + i * D, naive_key_ptr(p, tk, tkx, b, key, hk, D), D);
-                    ts *= p->scale;
+                    ts = ts * p->scale + naive_bias_of(p, naive_bias.t_rpb, h, t, key);
                     const double P = row.p[n];
                     mu += P * ts;
                     for (int c = 0; c < Dv; ++c) {
@@ -324,11 +361,15 @@ static inline void naive_forward_jvp_backward(const nbhd_problem *p,
                     if (tq) tS += naive_dot(tq + i * D, k_j, D);
                     if (tk_j) tS += naive_dot(q_i, tk_j, D);
                     tS *= s;
+                    const double tb = naive_bias_of(p, naive_bias.t_rpb, h, t, key);
+                    tS += absolute ? fabs(tb) : tb;
                     const double nn = tS + sign * mu;
                     const double w = (G ? naive_dot(G, v_j, Dv) : 0.0) + sign * c + g_mu;
                     const double dtS = P * w;
                     const double dS = P * ((do_i ? naive_dot(do_i, v_j, Dv) : 0.0) + sign * Dp +
                                            (G && tv_j ? naive_dot(G, tv_j, Dv) : 0.0) + w * nn + sign * E);
+                    naive_bias_add(p, naive_bias.d_rpb, h, t, key, dS);
+                    naive_bias_add(p, naive_bias.d_t_rpb, h, t, key, dtS);
                     double *dk_j = (double *)naive_key_ptr(p, dk, dkx, b, key, hk, D);
                     double *dv_j = (double *)naive_key_ptr(p, dv, dvx, b, key, hk, Dv);
                     for (int cc = 0; cc < D; ++cc) {

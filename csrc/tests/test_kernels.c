@@ -5,7 +5,8 @@
  * Each case is seeded by its index (reproduce one with `test_kernels CASES FIRST`), and covers
  * rank 0-3, even/odd kernels, stride, dilation, causal per axis, GQA, Dv != D, extra keys,
  * F64/F32/F16/BF16, permuted/padded/broadcast strides, poisoned outputs with canaries, absent
- * tangents and dLSE, thread counts, and bitwise determinism of the backward pass.
+ * tangents and dLSE, thread counts, and bitwise determinism of the backward pass; and a sweep
+ * of every op with a relative positional bias (run_rpb_case: tables, their gradients and tangents).
  * Usage: test_kernels [cases=300] [first=0]. Last line: "N passed, M failed".
  */
 #include <stdio.h>
@@ -184,7 +185,7 @@ static int run_case(uint64_t seed) {
 
         /* ---- forward */
         tbuf O = output(&r, s.o, dt, 0), L = output(&r, s.lse, lt, 1);
-        nbhd_forward_args fa = {Q.t, tK, tV, tKX, tVX, O.t, L.t};
+        nbhd_forward_args fa = {Q.t, tK, tV, tKX, tVX, O.t, L.t, {0}};
         workspace_for(&p, NBHD_OP_FORWARD, &e);
         snprintf(what, sizeof what, "forward%s", use_ref ? " (reference)" : "");
         expect_ok(what, nbhd_forward(&p, &fa, &e));
@@ -229,7 +230,7 @@ static int run_case(uint64_t seed) {
             nbhd_backward_args ba = {Q.t, tK, tV, tKX, tVX, Oi.t, Li.t, dO.t,
                                      with_dlse ? dL.t : none(), dQ[run].t,
                                      has_k ? dK[run].t : none(), has_k ? dV[run].t : none(),
-                                     has_x ? dKX[run].t : none(), has_x ? dVX[run].t : none()};
+                                     has_x ? dKX[run].t : none(), has_x ? dVX[run].t : none(), {0}, {0}};
             snprintf(what, sizeof what, "backward%s", use_ref ? " (reference)" : "");
             expect_ok(what, nbhd_backward(&p, &ba, &e));
         }
@@ -287,7 +288,7 @@ static int run_case(uint64_t seed) {
                                     use_t[2] && has_k ? TV.t : none(),
                                     use_t[3] && has_x ? TKX.t : none(),
                                     use_t[4] && has_x ? TVX.t : none(),
-                                    JO.t, JL.t, JTO.t, JTL.t};
+                                    JO.t, JL.t, JTO.t, JTL.t, {0}, {0}};
         workspace_for(&p, NBHD_OP_FORWARD_JVP, &e);
         snprintf(what, sizeof what, "forward_jvp%s", use_ref ? " (reference)" : "");
         expect_ok(what, nbhd_forward_jvp(&p, &ja, &e));
@@ -312,7 +313,7 @@ static int run_case(uint64_t seed) {
         nbhd_exec e;
         memset(&e, 0, sizeof e);
         e.use_reference = 1;
-        nbhd_forward_args fa = {Q.t, tK, tV, tKX, tVX, O.t, L.t};
+        nbhd_forward_args fa = {Q.t, tK, tV, tKX, tVX, O.t, L.t, {0}};
         workspace_for(&p, NBHD_OP_FORWARD, &e);
         expect_ok("forward for thread check", nbhd_forward(&p, &fa, &e));
         free(e.workspace);
@@ -328,7 +329,7 @@ static int run_case(uint64_t seed) {
             tbuf DKX = output(&r, s.kx, dt, 0), DVX = output(&r, s.vx, dt, 0);
             nbhd_backward_args ba = {Q.t, tK, tV, tKX, tVX, O.t, L.t, dO.t, none(), dQ[run].t,
                                      has_k ? dK[run].t : none(), has_k ? dV[run].t : none(),
-                                     has_x ? DKX.t : none(), has_x ? DVX.t : none()};
+                                     has_x ? DKX.t : none(), has_x ? DVX.t : none(), {0}, {0}};
             expect_ok("backward for thread check", nbhd_backward(&p, &ba, &e));
             tbuf_free(&DKX);
             tbuf_free(&DVX);
@@ -352,6 +353,219 @@ static int run_case(uint64_t seed) {
 
     tbuf_free(&Q); tbuf_free(&K); tbuf_free(&V); tbuf_free(&KX); tbuf_free(&VX);
     free(q); free(k); free(v); free(kx); free(vx); free(out); free(lse);
+    return checks_failed == before;
+}
+
+/* a contiguous [H, M] bias table (nbhd.h) of type dt, filled from dense when given, else poisoned */
+static tbuf table(const nbhd_problem *p, nbhd_dtype dt, double *dense) {
+    const int64_t M = naive_bias_entries(p);
+    const int64_t dims[6] = {1, 1, 1, 1, p->heads, M}, st[6] = {0, 0, 0, 0, M, 1};
+    tbuf b = tbuf_make(dims, dt, st);
+    if (dense) tbuf_fill(&b, dense);
+    return b;
+}
+
+/* one case with a relative positional bias (problem.rpb = 1: rank >= 1, no causal axis): every op
+ * against the oracle with the bias, each table present or absent, outputs poisoned, the table
+ * gradients bitwise equal across two runs; returns 1 when every check passed */
+static int run_rpb_case(uint64_t seed) {
+    rng_t r = {seed * 0x9e3779b97f4a7c15ull + 7};
+    nbhd_problem p;
+    do random_problem(&r, &p); while (p.rank == 0);
+    for (int a = 0; a < 3; ++a) p.causal[a] = 0;
+    p.rpb = 1;
+    cur_p = &p;
+    cur_seed = seed;
+    const int before = checks_failed;
+    const nbhd_dtype dt = p.dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const double tol = tol_of(dt);
+    const shapes s = shapes_of(&p);
+    const int has_x = p.extra_kv > 0;
+    expect_ok("validate rpb", nbhd_validate(&p));
+    const int64_t nq = dims_count(s.q), nk = dims_count(s.k), nv = dims_count(s.v),
+                  no = dims_count(s.o), nl = dims_count(s.lse), nkx = dims_count(s.kx),
+                  nvx = dims_count(s.vx), nt = p.heads * naive_bias_entries(&p);
+    double *x[5], *t[5];
+    const int64_t n_of[5] = {nq, nk, nv, nkx, nvx};
+    const int64_t *dims_of[5] = {s.q, s.k, s.v, s.kx, s.vx};
+    tbuf X[5], T[5];
+    for (int i = 0; i < 5; ++i) {
+        x[i] = dense_random(&r, n_of[i], -1, 1);
+        t[i] = dense_random(&r, n_of[i], -1, 1);
+        X[i] = input(&r, dims_of[i], dt, x[i], 0);
+        T[i] = input(&r, dims_of[i], dt, t[i], 0);
+    }
+    /* a table spread like trained biases (a few units), so the bias moves the softmax */
+    double *rpb = dense_random(&r, nt, -2, 2), *t_rpb = dense_random(&r, nt, -1, 1);
+    tbuf R = table(&p, lt, rpb), TR = table(&p, lt, t_rpb);
+    nbhd_tensor tKX = has_x ? X[3].t : none(), tVX = has_x ? X[4].t : none();
+    double *dout = dense_random(&r, no, -1, 1), *dlse = dense_random(&r, nl, -1, 1),
+           *dtout = dense_random(&r, no, -1, 1), *dtlse = dense_random(&r, nl, -1, 1);
+    tbuf dO = input(&r, s.o, dt, dout, 0), dL = input(&r, s.lse, lt, dlse, 1),
+         dTO = input(&r, s.o, dt, dtout, 0), dTL = input(&r, s.lse, lt, dtlse, 1);
+    char what[80];
+    for (int use_ref = 1; use_ref >= 0; --use_ref) {
+        const char *path = use_ref ? " (reference)" : "";
+        nbhd_exec e;
+        memset(&e, 0, sizeof e);
+        e.use_reference = use_ref;
+        e.threads = (int32_t)rng_int(&r, 0, 3);
+        const int with_rpb = rng_int(&r, 0, 5) > 0, with_t_rpb = rng_int(&r, 0, 3) > 0;
+        naive_bias.rpb = with_rpb ? rpb : NULL;
+        naive_bias.t_rpb = with_t_rpb ? t_rpb : NULL;
+        const nbhd_tensor tR = with_rpb ? R.t : none(), tTR = with_t_rpb ? TR.t : none();
+
+        /* ---- forward + JVP and forward against the oracle */
+        double *jo = dense_alloc(no), *jl = dense_alloc(nl), *jto = dense_alloc(no), *jtl = dense_alloc(nl);
+        naive_forward_jvp(&p, x[0], x[1], x[2], x[3], x[4], t[0], t[1], t[2], t[3], t[4], jo, jl, jto, jtl);
+        tbuf O = output(&r, s.o, dt, 0), L = output(&r, s.lse, lt, 1);
+        nbhd_forward_args fa = {X[0].t, X[1].t, X[2].t, tKX, tVX, O.t, L.t, tR};
+        workspace_for(&p, NBHD_OP_FORWARD, &e);
+        expect_ok("rpb forward", nbhd_forward(&p, &fa, &e));
+        free(e.workspace);
+        snprintf(what, sizeof what, "rpb forward out%s", path);
+        expect_close(what, &O, jo, tol);
+        snprintf(what, sizeof what, "rpb forward lse%s", path);
+        expect_close(what, &L, jl, dt == NBHD_F64 ? 1e-12 : 1e-5);
+        tbuf JO = output(&r, s.o, dt, 0), JL = output(&r, s.lse, lt, 1), JTO = output(&r, s.o, dt, 0),
+             JTL = output(&r, s.lse, lt, 1);
+        nbhd_forward_jvp_args ja = {X[0].t, X[1].t, X[2].t, tKX, tVX, T[0].t, T[1].t, T[2].t,
+                                    has_x ? T[3].t : none(), has_x ? T[4].t : none(),
+                                    JO.t, JL.t, JTO.t, JTL.t, tR, tTR};
+        workspace_for(&p, NBHD_OP_FORWARD_JVP, &e);
+        expect_ok("rpb forward_jvp", nbhd_forward_jvp(&p, &ja, &e));
+        free(e.workspace);
+        snprintf(what, sizeof what, "rpb forward_jvp out%s", path);
+        expect_close(what, &JO, jo, tol);
+        snprintf(what, sizeof what, "rpb forward_jvp t_out%s", path);
+        expect_close(what, &JTO, jto, tol);
+        snprintf(what, sizeof what, "rpb forward_jvp t_lse%s", path);
+        expect_close(what, &JTL, jtl, dt == NBHD_F64 ? 1e-10 : 1e-4);
+        tbuf_free(&O); tbuf_free(&L); tbuf_free(&JO); tbuf_free(&JL); tbuf_free(&JTO); tbuf_free(&JTL);
+        /* the backwards take the oracle's forward (no broadcast layouts: they stay its values) */
+        double *out = jo, *tout = jto, *tlse = jtl;
+        tbuf Oi = input_b(&r, s.o, dt, jo, 0, 0), Li = input_b(&r, s.lse, lt, jl, 1, 0),
+             TOi = input_b(&r, s.o, dt, jto, 0, 0), TLi = input_b(&r, s.lse, lt, jtl, 1, 0);
+
+        /* ---- backward (from the oracle's out and lse with the full table: the kernels take them
+         * as given), twice for bitwise determinism of the table gradient */
+        double *want[5], *want_rpb = dense_alloc(nt);
+        for (int i = 0; i < 5; ++i) want[i] = dense_alloc(n_of[i]);
+        memset(want_rpb, 0, sizeof(double) * (size_t)nt);
+        naive_bias.d_rpb = want_rpb;
+        naive_backward(&p, x[0], x[1], x[2], x[3], x[4], out, dout, dlse, want[0], want[1], want[2],
+                       want[3], want[4]);
+        naive_bias.d_rpb = NULL;
+        workspace_for(&p, NBHD_OP_BACKWARD, &e);
+        tbuf G[2][5], DR[2];
+        for (int run = 0; run < 2; ++run) {
+            for (int i = 0; i < 5; ++i) G[run][i] = output(&r, dims_of[i], dt, 0);
+            DR[run] = table(&p, lt, NULL);
+            nbhd_backward_args ba = {X[0].t, X[1].t, X[2].t, tKX, tVX, Oi.t, Li.t, dO.t, dL.t,
+                                     G[run][0].t, G[run][1].t, G[run][2].t,
+                                     has_x ? G[run][3].t : none(), has_x ? G[run][4].t : none(),
+                                     tR, DR[run].t};
+            expect_ok("rpb backward", nbhd_backward(&p, &ba, &e));
+        }
+        free(e.workspace);
+        static const char *gname[5] = {"dq", "dk", "dv", "dkx", "dvx"};
+        for (int i = 0; i < (has_x ? 5 : 3); ++i) {
+            snprintf(what, sizeof what, "rpb backward %s%s", gname[i], path);
+            expect_close(what, &G[0][i], want[i], tol);
+        }
+        snprintf(what, sizeof what, "rpb backward d_rpb%s", path);
+        expect_close(what, &DR[0], want_rpb, tol);
+        if (memcmp(DR[0].base, DR[1].base, DR[0].alloc * DR[0].esize)) {
+            fprintf(stderr, "FAIL rpb backward%s: d_rpb differs between two runs\n", path);
+            describe(&p, seed);
+            checks_failed++;
+        }
+        for (int run = 0; run < 2; ++run) {
+            for (int i = 0; i < 5; ++i) tbuf_free(&G[run][i]);
+            tbuf_free(&DR[run]);
+        }
+
+        /* ---- backward through forward + JVP, the table tangent and both table gradients */
+        double *wt[5], *want_t_rpb = dense_alloc(nt);
+        for (int i = 0; i < 5; ++i) wt[i] = dense_alloc(n_of[i]);
+        memset(want_rpb, 0, sizeof(double) * (size_t)nt);
+        memset(want_t_rpb, 0, sizeof(double) * (size_t)nt);
+        naive_bias.d_rpb = want_rpb;
+        naive_bias.d_t_rpb = want_t_rpb;
+        const naive_jvp_backward_in in = {x[0], x[1], x[2], x[3], x[4], t[0], t[1], t[2], t[3], t[4],
+                                          out, tout, tlse, dout, dlse, dtout, dtlse};
+        naive_forward_jvp_backward(&p, &in, 0, want[0], want[1], want[2], want[3], want[4],
+                                   wt[0], wt[1], wt[2], wt[3], wt[4]);
+        naive_bias.d_rpb = naive_bias.d_t_rpb = NULL;
+        tbuf GQ[10], DT0 = table(&p, lt, NULL), DT1 = table(&p, lt, NULL);
+        for (int i = 0; i < 10; ++i) GQ[i] = output(&r, dims_of[i % 5], dt, 0);
+        nbhd_forward_jvp_backward_args jb = {
+            X[0].t, X[1].t, X[2].t, tKX, tVX, T[0].t, T[1].t, T[2].t, has_x ? T[3].t : none(),
+            has_x ? T[4].t : none(), Oi.t, Li.t, TOi.t, TLi.t, dO.t, dL.t, dTO.t, dTL.t,
+            GQ[0].t, GQ[1].t, GQ[2].t, has_x ? GQ[3].t : none(), has_x ? GQ[4].t : none(),
+            GQ[5].t, GQ[6].t, GQ[7].t, has_x ? GQ[8].t : none(), has_x ? GQ[9].t : none(),
+            tR, tTR, DT0.t, DT1.t};
+        workspace_for(&p, NBHD_OP_FORWARD_JVP_BACKWARD, &e);
+        expect_ok("rpb forward_jvp_backward", nbhd_forward_jvp_backward(&p, &jb, &e));
+        free(e.workspace);
+        /* sums of signed terms of a few units: bf16/f16 inputs round each to 2^-8 */
+        const double jtol = 4 * tol;
+        for (int i = 0; i < 10; ++i) {
+            if (!has_x && (i % 5) >= 3) continue;
+            snprintf(what, sizeof what, "rpb backward_jvp %s%s%s", i < 5 ? "" : "t_", gname[i % 5], path);
+            expect_close(what, &GQ[i], i < 5 ? want[i] : wt[i - 5], jtol);
+        }
+        snprintf(what, sizeof what, "rpb backward_jvp d_rpb%s", path);
+        expect_close(what, &DT0, want_rpb, jtol);
+        snprintf(what, sizeof what, "rpb backward_jvp d_t_rpb%s", path);
+        expect_close(what, &DT1, want_t_rpb, jtol);
+        for (int i = 0; i < 10; ++i) tbuf_free(&GQ[i]);
+        tbuf_free(&DT0); tbuf_free(&DT1);
+        for (int i = 0; i < 5; ++i) { free(want[i]); free(wt[i]); }
+        free(want_rpb); free(want_t_rpb);
+        tbuf_free(&Oi); tbuf_free(&Li); tbuf_free(&TOi); tbuf_free(&TLi);
+        free(jo); free(jl); free(jto); free(jtl);
+    }
+    naive_bias.rpb = naive_bias.t_rpb = NULL;
+
+    /* ---- the rules: a table with problem.rpb = 0, a causal axis, a padded table */
+    {
+        nbhd_exec e;
+        memset(&e, 0, sizeof e);
+        e.use_reference = 1;
+        tbuf O = output(&r, s.o, dt, 0), L = output(&r, s.lse, lt, 1);
+        nbhd_forward_args fa = {X[0].t, X[1].t, X[2].t, tKX, tVX, O.t, L.t, R.t};
+        nbhd_problem q = p;
+        q.rpb = 0;
+        if (p.batch > 0 && p.heads > 0 && nbhd_forward(&q, &fa, &e) != NBHD_ERR_ARG) {
+            fprintf(stderr, "FAIL rpb: a table with problem.rpb=0 was accepted\n");
+            checks_failed++;
+        }
+        q = p;
+        q.causal[0] = 1;
+        if (nbhd_validate(&q) != NBHD_ERR_ARG || !strstr(nbhd_last_error(), "causal")) {
+            fprintf(stderr, "FAIL rpb: a causal axis was accepted (%s)\n", nbhd_last_error());
+            checks_failed++;
+        }
+        fa.rpb.stride[4] += 1;
+        if (p.heads > 1 && (nbhd_forward(&p, &fa, &e) != NBHD_ERR_ARG || !strstr(nbhd_last_error(), "rpb"))) {
+            fprintf(stderr, "FAIL rpb: a padded table was accepted (%s)\n", nbhd_last_error());
+            checks_failed++;
+        }
+        q = p;
+        q.device = NBHD_CUDA;
+        if (nbhd_forward(&q, &fa, &e) != NBHD_ERR_UNSUPPORTED) {
+            fprintf(stderr, "FAIL rpb: CUDA was not refused (%s)\n", nbhd_last_error());
+            checks_failed++;
+        }
+        tbuf_free(&O); tbuf_free(&L);
+    }
+    if (checks_failed != before) describe(&p, seed);
+    for (int i = 0; i < 5; ++i) { tbuf_free(&X[i]); tbuf_free(&T[i]); free(x[i]); free(t[i]); }
+    tbuf_free(&R); tbuf_free(&TR);
+    tbuf_free(&dO); tbuf_free(&dL); tbuf_free(&dTO); tbuf_free(&dTL);
+    free(rpb); free(t_rpb);
+    free(dout); free(dlse); free(dtout); free(dtlse);
     return checks_failed == before;
 }
 
@@ -386,6 +600,10 @@ int main(int argc, char **argv) {
     if (check_naive_examples()) passed++; else failed++;
     for (int c = first; c < first + cases; ++c) {
         if (run_case((uint64_t)c)) passed++;
+        else failed++;
+    }
+    for (int c = first; c < first + (cases + 2) / 3; ++c) {  /* a third as many with a bias */
+        if (run_rpb_case((uint64_t)c)) passed++;
         else failed++;
     }
     amx_shapes = 1;   /* then a tenth as many for the AMX kernels (the SIMD ones where no AMX) */

@@ -157,11 +157,11 @@ static void run_case(uint64_t seed) {
             nbhd_status st;
             int64_t checked = 4;
             if (op == NBHD_OP_FORWARD) {
-                nbhd_forward_args fa = {Q, K, V, KX, VX, O, L};
+                nbhd_forward_args fa = {Q, K, V, KX, VX, O, L, {0}};
                 st = run(&p, op, &fa, &e);
                 checked = 2;
             } else if (op == NBHD_OP_FORWARD_JVP) {
-                nbhd_forward_jvp_args ja = {Q, K, V, KX, VX, TQ, TK, TV, TKX, TVX, O, L, TO, TL};
+                nbhd_forward_jvp_args ja = {Q, K, V, KX, VX, TQ, TK, TV, TKX, TVX, O, L, TO, TL, {0}, {0}};
                 st = run(&p, op, &ja, &e);
             } else {
                 const int jvpb = op == NBHD_OP_FORWARD_JVP_BACKWARD;
@@ -177,10 +177,10 @@ static void run_case(uint64_t seed) {
                     dKX = KX; dKX.data = o[7]; dVX = VX; dVX.data = o[8];
                     dTKX = KX; dTKX.data = o[12]; dTVX = VX; dTVX.data = o[13];
                 }
-                nbhd_backward_args ba = {Q, K, V, KX, VX, Oi, Li, dO, dL, dQ, dK, dV, dKX, dVX};
+                nbhd_backward_args ba = {Q, K, V, KX, VX, Oi, Li, dO, dL, dQ, dK, dV, dKX, dVX, {0}, {0}};
                 nbhd_forward_jvp_backward_args fjb = {Q, K, V, KX, VX, TQ, TK, TV, TKX, TVX, Oi, Li, TOi, TLi,
                                                       dO, dL, dTO, dTL, dQ, dK, dV, dKX, dVX,
-                                                      dTQ, dTK, dTV, dTKX, dTVX};
+                                                      dTQ, dTK, dTV, dTKX, dTVX, {0}, {0}, {0}, {0}};
                 st = jvpb ? run(&p, op, &fjb, &e) : run(&p, op, &ba, &e);
             }
             if (ci < 0) {
@@ -207,7 +207,7 @@ static void run_case(uint64_t seed) {
         e.q_tile[p.rank - 1] = 8;
         nbhd_tensor O = dense(got[0], &p, H, Dv), L = dense(got[1], &p, H, 1);
         L.stride[5] = 0;
-        nbhd_forward_args fa = {Q, K, V, KX, VX, O, L};
+        nbhd_forward_args fa = {Q, K, V, KX, VX, O, L, {0}};
         if (op == NBHD_OP_FORWARD)
             expect(run(&p, op, &fa, &e) == NBHD_ERR_UNSUPPORTED && strstr(nbhd_last_error(), "q_tile"),
                    "unlisted tile refused, naming q_tile", &p, seed, &list[0]);

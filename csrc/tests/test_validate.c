@@ -198,7 +198,7 @@ static void tensor_rules(void) {
     {
         const char *names[] = {"q", "k", "v", "kx", "vx", "out", "lse"};
         for (int i = 0; i < 7; ++i) {
-            nbhd_forward_args a = {T, T, T, T, T, T, T};
+            nbhd_forward_args a = {T, T, T, T, T, T, T, {0}};
             nbhd_tensor *f = &a.q;
             f[i].data = NULL;
             const nbhd_status st = nbhd_forward(&p, &a, &e);
@@ -212,7 +212,7 @@ static void tensor_rules(void) {
                                "d_q", "d_k", "d_v", "d_kx", "d_vx"};
         for (int i = 0; i < 14; ++i) {
             if (i == 8) continue;
-            nbhd_backward_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+            nbhd_backward_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T, {0}, {0}};
             nbhd_tensor *f = &a.q;
             f[i].data = NULL;
             e.workspace = dummy; /* large enough is not checked before the NULL data */
@@ -229,7 +229,7 @@ static void tensor_rules(void) {
                                "out", "lse", "t_out", "t_lse"};
         for (int i = 0; i < 14; ++i) {
             if (i >= 5 && i < 10) continue;
-            nbhd_forward_jvp_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+            nbhd_forward_jvp_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T, {0}, {0}};
             nbhd_tensor *f = &a.q;
             f[i].data = NULL;
             const nbhd_status st = nbhd_forward_jvp(&p, &a, &e);
@@ -249,13 +249,13 @@ static void tensor_rules(void) {
             e.workspace_bytes = mode == 1 ? need - 1 : mode == 2 ? 0 : need;
             nbhd_status st;
             if (ops[o] == NBHD_OP_FORWARD) {
-                nbhd_forward_args a = {T, T, T, T, T, T, T};
+                nbhd_forward_args a = {T, T, T, T, T, T, T, {0}};
                 st = nbhd_forward(&p, &a, &e);
             } else if (ops[o] == NBHD_OP_BACKWARD) {
-                nbhd_backward_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+                nbhd_backward_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T, {0}, {0}};
                 st = nbhd_backward(&p, &a, &e);
             } else {
-                nbhd_forward_jvp_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+                nbhd_forward_jvp_args a = {T, T, T, T, T, T, T, T, T, T, T, T, T, T, {0}, {0}};
                 st = nbhd_forward_jvp(&p, &a, &e);
             }
             snprintf(what, sizeof what, "op %d with workspace %s -> NBHD_ERR_WORKSPACE", (int)ops[o],
@@ -291,9 +291,9 @@ static void tensor_rules(void) {
             nbhd_exec x;
             memset(&x, 0, sizeof x);
             x.threads = bad[i];
-            nbhd_forward_args fa = {T, T, T, T, T, T, T};
-            nbhd_backward_args ba = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
-            nbhd_forward_jvp_args ja = {T, T, T, T, T, T, T, T, T, T, T, T, T, T};
+            nbhd_forward_args fa = {T, T, T, T, T, T, T, {0}};
+            nbhd_backward_args ba = {T, T, T, T, T, T, T, T, T, T, T, T, T, T, {0}, {0}};
+            nbhd_forward_jvp_args ja = {T, T, T, T, T, T, T, T, T, T, T, T, T, T, {0}, {0}};
             snprintf(what, sizeof what, "exec threads=%d -> NBHD_ERR_ARG naming threads", bad[i]);
             expect(nbhd_forward(&p, &fa, &x) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "threads") &&
                        nbhd_backward(&p, &ba, &x) == NBHD_ERR_ARG && strstr(nbhd_last_error(), "threads") &&
@@ -305,7 +305,7 @@ static void tensor_rules(void) {
     if (!nbhd_has_cuda()) {
         nbhd_problem q = valid();
         q.device = NBHD_CUDA;
-        nbhd_forward_args a = {T, T, T, T, T, T, T};
+        nbhd_forward_args a = {T, T, T, T, T, T, T, {0}};
         expect(nbhd_forward(&q, &a, NULL) == NBHD_ERR_UNSUPPORTED, "CUDA problem on a CPU-only build -> UNSUPPORTED");
     }
 }

@@ -55,7 +55,7 @@ def fna_flop_count(q_shape, k_shape, v_shape, kernel_size, dilation, is_causal,
                                return_macs))
 
 
-def _na_forward_flops(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale, tiles,
+def _na_forward_flops(q, k, v, kx, vx, rpb, kernel_size, stride, dilation, is_causal, scale, tiles,
                       **_) -> int:
     """nbhd::na_forward on shapes: q [B, *S, H, D] (rank 0: [B, S_q, H, D]), window W, plus the
     additional tokens kx [B, S_add, Hkv, D]."""

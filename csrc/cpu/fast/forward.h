@@ -11,6 +11,7 @@ typedef struct {
     const nbhd_forward_args *a;
     const float *KT, *VT, *KXT, *VXT;
     float qmul;   /* scale * log2(e): scores in log2 units */
+    const float *bias;   /* [H][M] the bias table times log2(e) (FAST(stage_table)); NULL: none */
 } FAST(fwd);
 
 /* per-thread scratch: per line its scores S, Q^T, accumulator O, running max m and sum l; the
@@ -179,6 +180,7 @@ static void FAST(fwd_unit)(const FAST(call) *c, void *scratch, const FAST(map) *
     const int64_t dims[1] = {Dv};
     for (int r = 0; r < it->nly; ++r) {
         if (!cnt[r]) continue;
+        if (f->bias) FAST(add_bias)(s->S[r], c->g, it, r, u, f->bias + it->h * c->g->rpb_entries);
         if (it->zd.masked) FAST(apply_mask)(s->S[r], cnt[r], nn, &it->zd, it->zd.base + u->c0, -INFINITY);
         FAST(softmax_step)(s->S[r], cnt[r] * nn, s->m[r], s->l[r], NULL, &s->O[r], dims, 1);
     }
@@ -253,10 +255,17 @@ static nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbh
     f.a = a;
     f.KT = ws + f.c.L.kt; f.VT = ws + f.c.L.vt; f.KXT = ws + f.c.L.kxt; f.VXT = ws + f.c.L.vxt;
     f.qmul = (float)(g->scale * LOG2E);
+    float *bias;
+    if (!FAST(stage_table)(&bias, g, &a->rpb, (float)LOG2E)) {
+        FAST(call_free)(&f.c);
+        return nbhd_fail(NBHD_ERR_ALLOC, "forward: out of host memory");
+    }
+    f.bias = bias;
     const nbhd_tensor *kv[4] = {&a->k, &a->v, &a->kx, &a->vx};
     FAST(key_side)(&f.c, kv, NULL, 1.0f);
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, Dv, 1);
     st = FAST(drive)(&f.c, &drv);
+    free(bias);
     FAST(call_free)(&f.c);
     return st;
 }

@@ -30,6 +30,8 @@ typedef struct {
     /* S = (scale log2e q).k in log2 units; tS = (scale tq).k + (scale log2e q).(ln2 tk), natural */
     float qmul, tqmul;
     int has_tq, has_tk, has_tv, has_tkx, has_tvx;
+    /* [H][M] the bias table times log2(e) (S's units) and its tangent (tS's); NULL: none */
+    const float *bias, *tbias;
 } FAST(jvp);
 
 /* per-thread scratch: per line S, T, Q^T, tQ^T, O, C, m, l, r; the unit's value rows */
@@ -95,6 +97,9 @@ static void FAST(jvp_unit)(const FAST(call) *c, void *scratch, const FAST(map) *
     const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
     for (int r = 0; r < it->nly; ++r) {
         if (!cnt[r]) continue;
+        const int64_t hm = it->h * c->g->rpb_entries;
+        if (f->bias) FAST(add_bias)(s->S[r], c->g, it, r, u, f->bias + hm);
+        if (f->tbias) FAST(add_bias)(s->T[r], c->g, it, r, u, f->tbias + hm);
         float *acc[2] = {s->O[r], s->C[r]};
         FAST(jvp_softmax)(s->S[r], s->T[r], cnt[r], nn, it->zd.masked ? &it->zd : NULL, it->zd.base + u->c0,
                           s->m[r], s->l[r], s->r[r], acc, Dv);
@@ -190,9 +195,19 @@ static nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const
     f.has_tkx = a->t_kx.data != NULL;
     f.has_tvx = a->t_vx.data != NULL;
     const nbhd_tensor *t[8] = {&a->k, &a->v, &a->kx, &a->vx, &a->t_k, &a->t_v, &a->t_kx, &a->t_vx};
+    float *bias, *tbias = NULL;
+    if (!FAST(stage_table)(&bias, g, &a->rpb, (float)LOG2E) || !FAST(stage_table)(&tbias, g, &a->t_rpb, 1.0f)) {
+        free(bias);
+        FAST(call_free)(&f.c);
+        return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory");
+    }
+    f.bias = bias;
+    f.tbias = tbias;
     f.keys = FAST(jvp_key_side)(&f.c, t, (float)LN2);
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, f.c.G.Dv, 2);   /* out and t_out */
     st = FAST(drive)(&f.c, &drv);
+    free(bias);
+    free(tbias);
     FAST(call_free)(&f.c);
     return st;
 }

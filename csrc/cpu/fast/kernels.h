@@ -142,6 +142,56 @@ static void FAST(apply_mask)(float *S, int64_t nrows, int64_t n, const FAST(zdes
         }
 }
 
+/* The bias table of a call (problem.rpb, docs/rpb.md) as fp32 [H][M] times mul (log2 e: the
+ * scores are in log2 units); *out NULL when the problem has none or the table is absent (a zero
+ * table). 0 when out of memory. */
+static int FAST(stage_table)(float **out, const nbhd_geometry *g, const nbhd_tensor *t, float mul) {
+    *out = NULL;
+    if (!g->rpb || !t->data) return 1;
+    const int64_t H = g->heads, M = g->rpb_entries;
+    float *b = (float *)malloc(sizeof(float) * (size_t)(H * M));
+    if (!b) return 0;
+    for (int64_t h = 0; h < H; ++h)
+        for (int64_t j = 0; j < M; ++j) b[h * M + j] = ((const float *)t->data)[h * t->stride[4] + j * t->stride[5]] * mul;
+    *out = b;
+    return 1;
+}
+
+/* Adds the bias to line r of query item it: its scores S of unit u (the line's rows in order,
+ * nn slot vectors each), tab the head's staged table. Shifted operands give every lane the
+ * same relative offset per slot (lane l's query and key both move by l), r_z = base + c0 + c
+ * - i0 + Kz - 1: one broadcast value per slot; broadcast operands (slot c is position base + c
+ * for every lane) give lane l r_z - l. Offsets off the table are masked slots: nothing added. */
+static void FAST(add_bias)(float *S, const nbhd_geometry *g, const FAST(qitem) *it, int r, const FAST(unit) *u,
+                           const float *tab) {
+    const nbhd_axis *ax = &g->axis[0], *ay = &g->axis[1], *az = &g->axis[2];
+    const int64_t Pz = 2 * (int64_t)az->kernel - 1, nn = u->nn;
+    const int64_t z0 = it->zd.base + u->c0 - it->i0 + az->kernel - 1;   /* slot 0's r_z */
+    const int64_t rx0 = (it->fx - it->x) / ax->dilation + ax->kernel - 1;
+    const int64_t ry0 = (it->fy[0] - it->ys[r]) / ay->dilation + ay->kernel - 1;
+    const int64_t c0 = z0 < 0 ? -z0 : 0, c1 = FAST(min)(nn, Pz - z0);
+    int64_t k = 0;
+    for (int64_t t = 0; t < u->nr; ++t) {
+        const int64_t q = u->r0 + t, uy = q % it->U;
+        if (!it->zlines && (uy < it->ua[r] || uy >= it->ub[r])) continue;   /* not in line r's window */
+        const float *row = tab + (rx0 + q / it->U) * g->rpb_stride[0] + (ry0 + uy) * g->rpb_stride[1];
+        float *s = S + 16 * nn * k++;
+        if (!it->zd.bcast) {
+            for (int64_t c = c0; c < c1; ++c)
+                vf_store(s + 16 * c, vf_add(vf_load(s + 16 * c), vf_set1(row[z0 + c])));
+            continue;
+        }
+        for (int64_t c = 0; c < nn; ++c) {
+            float b[16];
+            for (int l = 0; l < 16; ++l) {
+                const int64_t i = z0 + c - l;
+                b[l] = i >= 0 && i < Pz ? row[i] : 0.0f;
+            }
+            vf_store(s + 16 * c, vf_add(vf_load(s + 16 * c), vf_load(b)));
+        }
+    }
+}
+
 /* Online softmax step over nslots score vectors (log2 units): raises the running max m,
  * rescales l and the accumulators acc[0..nacc) (each [dims[i]][16]) when it grew, then
  * S <- exp2(S - m) and l += sum S. Returns nothing; r (JVP) is rescaled like l when given. */

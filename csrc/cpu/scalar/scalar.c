@@ -19,6 +19,9 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "convert.h"
 #include "internal.h"
@@ -126,12 +129,13 @@ static inline int64_t member_token(const nbhd_geometry *g, const nbhd_keyset *s,
 // ----------------------------------------------------------------------------
 // entry points
 
-size_t nbhd_cpu_ref_workspace_bytes(const nbhd_geometry *g, nbhd_op op) {
+size_t nbhd_cpu_ref_workspace_bytes(const nbhd_geometry *g, nbhd_op op, int threads) {
     /* backward keeps D_i = dO_i.O_i - dLSE_i per (b, token, head); the backward through the
-     * JVP keeps (D'_i, c_i, E_i) */
+     * JVP keeps (D'_i, c_i, E_i); with a bias, then each thread's partial d_rpb (and d_t_rpb) */
     const size_t rows = (size_t)(g->batch * g->tokens * g->heads);
-    if (op == NBHD_OP_BACKWARD) return rows * sizeof(double);
-    if (op == NBHD_OP_FORWARD_JVP_BACKWARD) return 3 * rows * sizeof(double);
+    const size_t table = g->rpb ? (size_t)threads * (size_t)g->heads * (size_t)g->rpb_entries : 0;
+    if (op == NBHD_OP_BACKWARD) return (rows + table) * sizeof(double);
+    if (op == NBHD_OP_FORWARD_JVP_BACKWARD) return (3 * rows + 2 * table) * sizeof(double);
     return 0;
 }
 

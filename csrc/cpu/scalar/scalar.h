@@ -7,7 +7,7 @@
 
 #include "internal.h"
 
-size_t nbhd_cpu_ref_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
+size_t nbhd_cpu_ref_workspace_bytes(const nbhd_geometry *g, nbhd_op op, int threads);
 nbhd_status nbhd_cpu_ref_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                  const nbhd_exec *e);
 nbhd_status nbhd_cpu_ref_backward(const nbhd_geometry *g, const nbhd_backward_args *a,

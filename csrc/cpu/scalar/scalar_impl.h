@@ -132,6 +132,24 @@ static inline ACC FN(weight)(ACC s, ACC m) {
     return s == -INFINITY ? (ACC)0 : (ACC)exp((double)(s - m));
 }
 
+/* The bias table's entry idx of head h: 0 for idx < 0 (no bias) or an absent table. Tables are
+ * contiguous [H, M] (nbhd.h), float64 for F64 problems, else float32. */
+static inline ACC FN(bias)(const nbhd_geometry *g, const nbhd_tensor *t, int64_t h, int64_t idx) {
+    if (idx < 0 || !t->data) return 0;
+    const int64_t off = h * t->stride[4] + idx;
+    return g->dtype == NBHD_F64 ? (ACC)((const double *)t->data)[off] : (ACC)((const float *)t->data)[off];
+}
+
+/* The table index of key set member n for query coordinates x; -1 without a bias, and for
+ * the additional keys (they get none) */
+static inline int64_t FN(bias_index)(const nbhd_geometry *g, const nbhd_keyset *ks, int64_t n,
+                                     const int64_t x[3]) {
+    if (!g->rpb || n >= ks->box) return -1;
+    int64_t y[3];
+    member_coords(ks, n, y);
+    return nbhd_rpb_index(g, x, y);
+}
+
 // ----------------------------------------------------------------------------
 // forward: online softmax per query row
 
@@ -150,7 +168,7 @@ static void FN(forward_row)(const nbhd_geometry *g, const nbhd_forward_args *a, 
     for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
         FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, ri.hk, D, dt);
         FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, ri.hk, Dv, dt);
-        const ACC s = scale * FN(dot)(q, k, D);
+        const ACC s = scale * FN(dot)(q, k, D) + FN(bias)(g, &a->rpb, ri.h, FN(bias_index)(g, &ks, n, ri.c));
         if (s > m) {  /* the max grew: acc = acc*exp(m_old - m), l likewise */
             const ACC corr = (ACC)exp((double)(m - s));
             l *= corr;
@@ -170,12 +188,13 @@ static void FN(forward_row)(const nbhd_geometry *g, const nbhd_forward_args *a, 
 // ----------------------------------------------------------------------------
 // backward
 
-/* dK_j, dV_j of one key row (k, v loaded) over the query rows of `queries` in the heads of
- * key head hk:  dV_j = sum_i P_ij dO_i,  dK_j = s sum_i dS_ij q_i,  dS_ij = P_ij (dO_i.v_j - D_i) */
+/* dK_j, dV_j of one key row (k, v loaded; kc its coordinates, NULL for an additional key) over
+ * the query rows of `queries` in the heads of key head hk:  dV_j = sum_i P_ij dO_i,
+ * dK_j = s sum_i dS_ij q_i,  dS_ij = P_ij (dO_i.v_j - D_i) */
 static void FN(key_gradients)(const nbhd_geometry *g, const nbhd_backward_args *a,
                               const double *Dws, int64_t b, int64_t hk,
-                              const nbhd_keyset *queries, const ACC *k, const ACC *v, ACC *q,
-                              ACC *dout, ACC *dk, ACC *dv) {
+                              const nbhd_keyset *queries, const int64_t *kc, const ACC *k,
+                              const ACC *v, ACC *q, ACC *dout, ACC *dk, ACC *dv) {
     const int D = g->head_dim, Dv = g->head_dim_v;
     const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
     const ACC scale = (ACC)g->scale;
@@ -183,12 +202,15 @@ static void FN(key_gradients)(const nbhd_geometry *g, const nbhd_backward_args *
     FN(zero)(dv, Dv);
     for (int64_t n = 0; n < queries->box; ++n) {
         const int64_t qtok = member_token(g, queries, n);
+        int64_t qc[3];
+        member_coords(queries, n, qc);
+        const int64_t idx = g->rpb && kc ? nbhd_rpb_index(g, qc, kc) : -1;
         for (int64_t h = hk * g->group; h < (hk + 1) * g->group; ++h) {
             FN(load_row)(q, &a->q, member_offset(queries, n, &a->q, NULL, b, h), D, dt);
             FN(load_row)(dout, &a->d_out, member_offset(queries, n, &a->d_out, NULL, b, h), Dv, dt);
             const ACC lse = (ACC)nbhd_load(a->lse.data, member_offset(queries, n, &a->lse, NULL, b, h), lt);
             const ACC Di = (ACC)Dws[(b * g->tokens + qtok) * g->heads + h];
-            const ACC p = FN(weight)(scale * FN(dot)(q, k, D), lse);
+            const ACC p = FN(weight)(scale * FN(dot)(q, k, D) + FN(bias)(g, &a->rpb, h, idx), lse);
             const ACC ds = p * (FN(dot)(dout, v, Dv) - Di);
             FN(axpy)(dv, p, dout, Dv);
             FN(axpy)(dk, ds, q, D);
@@ -200,9 +222,9 @@ static void FN(key_gradients)(const nbhd_geometry *g, const nbhd_backward_args *
 typedef struct { ACC *q, *k, *v, *dout, *o, *acc; } FN(bwd_rows);
 
 /* pass 1, query-stationary, query row r: D_i = dO_i.O_i - dLSE_i (into Dws[r]);
- * dQ_i = s sum_j dS_ij k_j */
+ * dQ_i = s sum_j dS_ij k_j; the window's dS_ij into the thread's table d_rpb (NULL: none) */
 static void FN(backward_query_row)(const nbhd_geometry *g, const nbhd_backward_args *a, double *Dws,
-                                   int64_t r, const FN(bwd_rows) *w) {
+                                   int64_t r, const FN(bwd_rows) *w, double *d_rpb) {
     const int D = g->head_dim, Dv = g->head_dim_v;
     const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
     const ACC scale = (ACC)g->scale;
@@ -221,9 +243,11 @@ static void FN(backward_query_row)(const nbhd_geometry *g, const nbhd_backward_a
     for (int64_t n = 0; n < ks.box + ks.extra; ++n) {
         FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, ri.hk, D, dt);
         FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, ri.hk, Dv, dt);
-        const ACC p = FN(weight)(scale * FN(dot)(q, k, D), lse);
+        const int64_t idx = FN(bias_index)(g, &ks, n, ri.c);
+        const ACC p = FN(weight)(scale * FN(dot)(q, k, D) + FN(bias)(g, &a->rpb, ri.h, idx), lse);
         const ACC ds = p * (FN(dot)(dout, v, Dv) - Di);
         FN(axpy)(acc, ds, k, D);
+        if (d_rpb && idx >= 0) d_rpb[ri.h * g->rpb_entries + idx] += (double)ds;
     }
     FN(store_row)(&a->d_q, FN(row_at)(&a->d_q, g, &ri), acc,
                   scale, D, dt);
@@ -243,7 +267,7 @@ static void FN(backward_key_row)(const nbhd_geometry *g, const nbhd_backward_arg
     /* k and v rows stay in `k` and `v`; `q` and `dout` are scratch in key_gradients */
     FN(load_key)(k, &ki, g, &a->k, &a->kx, D);
     FN(load_key)(v, &ki, g, &a->v, &a->vx, Dv);
-    FN(key_gradients)(g, a, Dws, ki.b, ki.hk, &qs, k, v, q, dout, dk, dv);
+    FN(key_gradients)(g, a, Dws, ki.b, ki.hk, &qs, all_queries ? NULL : ki.c, k, v, q, dout, dk, dv);
     FN(store_key)(&ki, g, &a->d_k, &a->d_kx, dk, scale, D);
     FN(store_key)(&ki, g, &a->d_v, &a->d_vx, dv, 1, Dv);
 }
@@ -275,15 +299,16 @@ static void FN(forward_jvp_row)(const nbhd_geometry *g, const nbhd_forward_jvp_a
         const nbhd_tensor *tv_src = in_box ? &a->t_v : &a->t_vx;
         FN(load_member)(k, &ks, n, &a->k, &a->kx, ri.b, ri.hk, D, dt);
         FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, ri.hk, Dv, dt);
-        const ACC s = scale * FN(dot)(q, k, D);
-        /* tS = s (tq.k + q.tk); absent tangents are skipped */
+        const int64_t idx = FN(bias_index)(g, &ks, n, ri.c);
+        const ACC s = scale * FN(dot)(q, k, D) + FN(bias)(g, &a->rpb, ri.h, idx);
+        /* tS = s (tq.k + q.tk) + t_rpb; absent tangents are skipped */
         ACC ts = 0;
         if (has_tq) ts += FN(dot)(tq, k, D);
         if (tk_src->data) {
             FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, ri.hk, D, dt);
             ts += FN(dot)(q, tk, D);
         }
-        ts *= scale;
+        ts = ts * scale + FN(bias)(g, &a->t_rpb, ri.h, idx);
         if (s > m) {
             const ACC corr = (ACC)exp((double)(m - s));
             l *= corr;
@@ -319,22 +344,23 @@ static void FN(forward_jvp_row)(const nbhd_geometry *g, const nbhd_forward_jvp_a
 // backward through forward + JVP (see nbhd_forward_jvp_backward_args in nbhd.h)
 
 /* One (query i, key j) pair of the backward through the JVP. Rows: q, tq, dO, G (= dL/dtO)
- * of the query; k, tk, v, tv of the key; NULL rows are zero. Per-query scalars: lse, mu,
- * g_mu = dL/dmu, and from pass 1: D' = dO.O - dLSE, c = G.O, E = G.tO. Returns P, n, dS, dtS. */
+ * of the query; k, tk, v, tv of the key; NULL rows are zero. Per-pair biases of S and tS
+ * (rpb, t_rpb entries). Per-query scalars: lse, mu, g_mu = dL/dmu, and from pass 1:
+ * D' = dO.O - dLSE, c = G.O, E = G.tO. Returns P, n, dS, dtS. */
 typedef struct { ACC p, n, ds, dts; } FN(pair);
 
 static inline FN(pair) FN(jvp_pair)(const nbhd_geometry *g, const ACC *q, const ACC *tq,
                                      const ACC *dout, const ACC *G, const ACC *k, const ACC *tk,
-                                     const ACC *v, const ACC *tv, ACC lse, ACC mu, ACC g_mu,
-                                     ACC Dp, ACC c, ACC E) {
+                                     const ACC *v, const ACC *tv, ACC bias, ACC t_bias, ACC lse,
+                                     ACC mu, ACC g_mu, ACC Dp, ACC c, ACC E) {
     const int D = g->head_dim, Dv = g->head_dim_v;
     const ACC scale = (ACC)g->scale;
     FN(pair) r;
-    ACC ts = 0;  /* tS = s (tq.k + q.tk) */
+    ACC ts = 0;  /* tS = s (tq.k + q.tk) + t_bias */
     if (tq) ts += FN(dot)(tq, k, D);
     if (tk) ts += FN(dot)(q, tk, D);
-    ts *= scale;
-    r.p = FN(weight)(scale * FN(dot)(q, k, D), lse);
+    ts = ts * scale + t_bias;
+    r.p = FN(weight)(scale * FN(dot)(q, k, D) + bias, lse);
     r.n = ts - mu;
     const ACC gv = G ? FN(dot)(G, v, Dv) : 0;
     const ACC w = gv - c + g_mu;                               /* w = G.v - c + g_mu */
@@ -348,7 +374,7 @@ static inline FN(pair) FN(jvp_pair)(const nbhd_geometry *g, const ACC *q, const 
 /* Gradients of one key row (k, tk, v, tv loaded) over the query rows of `queries`. */
 static void FN(jvp_key_gradients)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
                                   const double *ws, int64_t b, int64_t hk,
-                                  const nbhd_keyset *queries, const ACC *k, const ACC *tk,
+                                  const nbhd_keyset *queries, const int64_t *kc, const ACC *k, const ACC *tk,
                                   const ACC *v, const ACC *tv, ACC *q, ACC *tq, ACC *dout, ACC *G,
                                   ACC *dk, ACC *dtk, ACC *dv, ACC *dtv) {
     const int D = g->head_dim, Dv = g->head_dim_v;
@@ -356,6 +382,9 @@ static void FN(jvp_key_gradients)(const nbhd_geometry *g, const nbhd_forward_jvp
     FN(zero)(dk, D); FN(zero)(dtk, D); FN(zero)(dv, Dv); FN(zero)(dtv, Dv);
     for (int64_t n = 0; n < queries->box; ++n) {
         const int64_t qtok = member_token(g, queries, n);
+        int64_t qc[3];
+        member_coords(queries, n, qc);
+        const int64_t idx = g->rpb && kc ? nbhd_rpb_index(g, qc, kc) : -1;
         for (int64_t h = hk * g->group; h < (hk + 1) * g->group; ++h) {
             const int64_t row = (b * g->tokens + qtok) * g->heads + h;
             FN(load_row)(q, &a->q, member_offset(queries, n, &a->q, NULL, b, h), D, dt);
@@ -367,7 +396,9 @@ static void FN(jvp_key_gradients)(const nbhd_geometry *g, const nbhd_forward_jvp
             const ACC g_mu = a->d_t_lse.data
                 ? (ACC)nbhd_load(a->d_t_lse.data, member_offset(queries, n, &a->d_t_lse, NULL, b, h), lt) : 0;
             const FN(pair) r = FN(jvp_pair)(g, q, a->t_q.data ? tq : NULL, a->d_out.data ? dout : NULL,
-                                            a->d_t_out.data ? G : NULL, k, tk, v, tv, lse, mu, g_mu,
+                                            a->d_t_out.data ? G : NULL, k, tk, v, tv,
+                                            FN(bias)(g, &a->rpb, h, idx), FN(bias)(g, &a->t_rpb, h, idx),
+                                            lse, mu, g_mu,
                                             (ACC)ws[3 * row], (ACC)ws[3 * row + 1], (ACC)ws[3 * row + 2]);
             FN(axpy)(dk, r.ds, q, D);                          /* dK += dS q + dtS tq */
             if (a->t_q.data) FN(axpy)(dk, r.dts, tq, D);
@@ -387,9 +418,10 @@ typedef struct {
 } FN(jvpb_rows);
 
 /* pass 1, query-stationary, query row r: D', c, E (into ws[3r..]);
- * dQ = s sum (dS k + dtS tk),  dtQ = s sum dtS k */
+ * dQ = s sum (dS k + dtS tk),  dtQ = s sum dtS k; the window's dS and dtS into the thread's
+ * tables d_rpb and d_t_rpb (NULL: none) */
 static void FN(jvpb_query_row)(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, double *ws,
-                               int64_t r, const FN(jvpb_rows) *w) {
+                               int64_t r, const FN(jvpb_rows) *w, double *d_rpb, double *d_t_rpb) {
     const int D = g->head_dim, Dv = g->head_dim_v;
     const nbhd_dtype dt = g->dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
     const ACC scale = (ACC)g->scale;
@@ -427,9 +459,15 @@ static void FN(jvpb_query_row)(const nbhd_geometry *g, const nbhd_forward_jvp_ba
         FN(load_member)(v, &ks, n, &a->v, &a->vx, ri.b, ri.hk, Dv, dt);
         if (tk_src->data) FN(load_member)(tk, &ks, n, &a->t_k, &a->t_kx, ri.b, ri.hk, D, dt);
         if (tv_src->data) FN(load_member)(tv, &ks, n, &a->t_v, &a->t_vx, ri.b, ri.hk, Dv, dt);
+        const int64_t idx = FN(bias_index)(g, &ks, n, ri.c);
         const FN(pair) pr = FN(jvp_pair)(g, q, a->t_q.data ? tq : NULL, a->d_out.data ? dout : NULL,
                                          a->d_t_out.data ? G : NULL, k, tk_src->data ? tk : NULL,
-                                         v, tv_src->data ? tv : NULL, lse, mu, g_mu, Dp, c, E);
+                                         v, tv_src->data ? tv : NULL, FN(bias)(g, &a->rpb, ri.h, idx),
+                                         FN(bias)(g, &a->t_rpb, ri.h, idx), lse, mu, g_mu, Dp, c, E);
+        if (d_rpb && idx >= 0) {
+            d_rpb[ri.h * g->rpb_entries + idx] += (double)pr.ds;
+            d_t_rpb[ri.h * g->rpb_entries + idx] += (double)pr.dts;
+        }
         FN(axpy)(acc, pr.ds, k, D);
         if (tk_src->data) FN(axpy)(acc, pr.dts, tk, D);
         FN(axpy)(acc_t, pr.dts, k, D);
@@ -455,7 +493,7 @@ static void FN(jvpb_key_row)(const nbhd_geometry *g, const nbhd_forward_jvp_back
     if (has_tk) FN(load_key)(tk, &ki, g, &a->t_k, &a->t_kx, D);
     if (has_tv) FN(load_key)(tv, &ki, g, &a->t_v, &a->t_vx, Dv);
     const nbhd_keyset qs = all_queries ? *all_queries : inverse_window_of(g, ki.i);
-    FN(jvp_key_gradients)(g, a, ws, ki.b, ki.hk, &qs, k, has_tk ? tk : NULL, v, has_tv ? tv : NULL, w->q, w->tq,
+    FN(jvp_key_gradients)(g, a, ws, ki.b, ki.hk, &qs, all_queries ? NULL : ki.c, k, has_tk ? tk : NULL, v, has_tv ? tv : NULL, w->q, w->tq,
                           w->dout, w->G, w->acc, w->acc_t, w->acc_v, w->acc_tv);
     FN(store_key)(&ki, g, &a->d_k, &a->d_kx, w->acc, scale, D);
     FN(store_key)(&ki, g, &a->d_v, &a->d_vx, w->acc_v, 1, Dv);
@@ -481,24 +519,52 @@ typedef struct {
     nbhd_keyset all_queries;
 } FN(call);
 
+/* The table gradients of c's op on this call: 0 (none), 1 (d_rpb of the backward) or 2
+ * (d_rpb, d_t_rpb of the backward through the JVP, both accumulated when either is asked) */
+static int FN(table_grads)(const FN(call) *c) {
+    if (!c->g->rpb) return 0;
+    if (c->bwd) return c->bwd->d_rpb.data ? 1 : 0;
+    if (c->jvpb) return c->jvpb->d_rpb.data || c->jvpb->d_t_rpb.data ? 2 : 0;
+    return 0;
+}
+
 /* row r of pass `pass` of c's op, with a thread's scratch buf (the backwards: rows of `width`
- * elements, FN(bwd_rows) or FN(jvpb_rows)) */
-static void FN(pass_row)(const FN(call) *c, int pass, int64_t r, ACC *buf, size_t width) {
+ * elements, FN(bwd_rows) or FN(jvpb_rows)) and its partial table gradients part (NULL: none;
+ * d_rpb, then d_t_rpb, heads * M each) */
+static void FN(pass_row)(const FN(call) *c, int pass, int64_t r, ACC *buf, size_t width, double *part) {
     const nbhd_geometry *g = c->g;
     if (c->fwd) FN(forward_row)(g, c->fwd, r, buf);
     else if (c->jvp) FN(forward_jvp_row)(g, c->jvp, r, buf);
     else if (c->bwd) {
         const FN(bwd_rows) w = {buf, buf + width, buf + 2 * width, buf + 3 * width, buf + 4 * width,
                                 buf + 5 * width};
-        if (pass == 0) FN(backward_query_row)(g, c->bwd, c->ws, r, &w);
+        if (pass == 0) FN(backward_query_row)(g, c->bwd, c->ws, r, &w, part);
         else FN(backward_key_row)(g, c->bwd, c->ws, r, pass == 2 ? &c->all_queries : NULL, &w);
     } else {
         const FN(jvpb_rows) w = {buf, buf + width, buf + 2 * width, buf + 3 * width, buf + 4 * width,
                                  buf + 5 * width, buf + 6 * width, buf + 7 * width, buf + 8 * width,
                                  buf + 9 * width, buf + 10 * width, buf + 11 * width, buf + 12 * width,
                                  buf + 13 * width};
-        if (pass == 0) FN(jvpb_query_row)(g, c->jvpb, c->ws, r, &w);
+        if (pass == 0)
+            FN(jvpb_query_row)(g, c->jvpb, c->ws, r, &w, part,
+                               part ? part + g->heads * g->rpb_entries : NULL);
         else FN(jvpb_key_row)(g, c->jvpb, c->ws, r, pass == 2 ? &c->all_queries : NULL, &w);
+    }
+}
+
+/* The sum over the threads' partial tables (in thread order: deterministic for a team size) of
+ * table `which` into the [H, M] table gradient t (NULL data: not asked), entries split over the
+ * team. */
+static void FN(reduce_tables)(const FN(call) *c, const double *parts, int team, int tables, int which,
+                              const nbhd_tensor *t) {
+    const int64_t HM = (int64_t)c->g->heads * c->g->rpb_entries;
+    const nbhd_dtype lt = c->g->dtype == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    if (!t->data) return;
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < HM; ++j) {
+        double sum = 0;
+        for (int th = 0; th < team; ++th) sum += parts[((int64_t)th * tables + which) * HM + j];
+        nbhd_store(t->data, (j / c->g->rpb_entries) * t->stride[4] + j % c->g->rpb_entries, lt, sum);
     }
 }
 
@@ -506,7 +572,9 @@ static void FN(pass_row)(const FN(call) *c, int pass, int64_t r, ACC *buf, size_
  * rows; the backwards pass 1 over the query rows (each writes its row's scalars into the workspace:
  * D_i, or (D', c, E) through the JVP; the implicit barrier ends it before the others read them),
  * pass 2 key-stationary over each key row's inverse neighborhood, pass 3 over the extra key rows,
- * which every query sees. Each thread allocates its scratch rows. */
+ * which every query sees. Each thread allocates its scratch rows. With table gradients, pass 1
+ * also adds the window's dS (dtS) into the thread's partial tables in the workspace, after the
+ * row scalars, and the team sums them into d_rpb (d_t_rpb) before pass 2. */
 static nbhd_status FN(run)(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_forward_args *fwd,
                            const nbhd_forward_jvp_args *jvp, const nbhd_backward_args *bwd,
                            const nbhd_forward_jvp_backward_args *jvpb) {
@@ -521,18 +589,40 @@ static nbhd_status FN(run)(const nbhd_geometry *g, const nbhd_exec *e, const nbh
     const size_t elems = fwd ? 2 * (size_t)D + 2 * (size_t)Dv
                        : jvp ? 4 * (size_t)D + 4 * (size_t)Dv : (bwd ? 6 : 14) * width;
     const char *what = fwd ? "forward" : jvp ? "forward_jvp" : bwd ? "backward" : "forward_jvp_backward";
+    /* partial tables: after the row scalars, `tables` of [H, M] per thread; the team is at most
+     * the threads the workspace holds tables for (nbhd_cpu_ref_workspace_bytes) */
+    const int tables = FN(table_grads)(&c);
+    const int64_t HM = (int64_t)g->heads * g->rpb_entries;
+    double *parts = tables ? c.ws + (bwd ? 1 : 3) * rows[0] : NULL;
+    int team = nbhd_cpu_threads(e);
+    if (tables) {
+        const size_t room = (e->workspace_bytes - (size_t)((bwd ? 1 : 3) * rows[0]) * sizeof(double)) /
+                            ((size_t)tables * (size_t)HM * sizeof(double));
+        if ((size_t)team > room) team = (int)room;
+    }
     int failed = 0;
-#pragma omp parallel num_threads(nbhd_cpu_threads(e))
+#pragma omp parallel num_threads(team)
     {
         ACC *buf = (ACC *)malloc(sizeof(ACC) * elems);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
+        int th = 0, size = 1;
+#ifdef _OPENMP
+        th = omp_get_thread_num();
+        size = omp_get_num_threads();
+#endif
+        double *part = parts ? parts + (int64_t)th * tables * HM : NULL;
+        if (part) for (int64_t j = 0; j < tables * HM; ++j) part[j] = 0;
         for (int pass = 0; pass < (fwd || jvp ? 1 : 3); ++pass) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows[pass]; ++r)
-                if (buf) FN(pass_row)(&c, pass, r, buf, width);
+                if (buf) FN(pass_row)(&c, pass, r, buf, width, part);
+            if (pass == 0 && parts) {  /* after pass 1's barrier: every partial is complete */
+                FN(reduce_tables)(&c, parts, size, tables, 0, bwd ? &bwd->d_rpb : &jvpb->d_rpb);
+                if (jvpb) FN(reduce_tables)(&c, parts, size, tables, 1, &jvpb->d_t_rpb);
+            }
         }
         free(buf);
     }
