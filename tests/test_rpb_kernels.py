@@ -238,3 +238,61 @@ def _check_fast_bias(case):
         poison_allocator()
         for got, w in zip(_fused(case)(*xl), wl):
             torch.testing.assert_close(got.double(), w.double(), atol=btol, rtol=btol)
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["heads", "tiles"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("case", FAST_CASES, ids=FAST_IDS)
+def test_fast_backward_adds_the_bias(case, isa, tiles, monkeypatch):
+    """The fast backward: the bias in the recomputed scores of both passes, d_rpb from pass 1's
+    per-thread tables (dq, dk, dv, dkx, dvx, d_rpb against float64 and the scalar kernels)."""
+    from utils import poison_allocator
+    monkeypatch.setenv("NBHD_CPU_ISA", isa)
+    monkeypatch.setenv("NBHD_CPU_TILE_BYTES", "1" if tiles else str(1 << 40))
+    tol = 5e-5
+    x = _inputs(case, torch.float32, seed=21, grad=True)
+    g = torch.Generator().manual_seed(22)
+    go = torch.randn(x[0].shape[:-1] + (case[4],), generator=g), torch.randn(x[0].shape[:-1], generator=g)
+
+    def grads(fn, xs=x):   # cotangents of out and lse
+        out = fn(*xs)
+        return torch.autograd.grad(out, _present(xs), tuple(c.to(o.dtype) for c, o in zip(go, out)))
+
+    want = grads(_reference(case))
+    poison_allocator()
+    fast = _with_reference(False, lambda: grads(_fused(case)))
+    scalar = _with_reference(True, lambda: grads(_fused(case)))
+    for got, ref, w in zip(fast, scalar, want):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), w.double(), atol=tol, rtol=tol)
+        torch.testing.assert_close(ref.double(), w.double(), atol=tol, rtol=tol)
+    # the fast backward ran (dq and d_rpb round differently from the scalar kernels')
+    assert not torch.equal(fast[0], scalar[0])
+    assert not torch.equal(fast[-1], scalar[-1])
+    for dtype, btol in ((torch.bfloat16, 5e-2), (torch.float16, 1e-2)):
+        xl = _inputs(case, dtype, seed=23, grad=True)
+        wl = grads(_reference(case), xl)
+        for got, w in zip(grads(_fused(case), xl), wl):
+            scale = w.abs().max().item() + 1
+            torch.testing.assert_close(got.double() / scale, w.double() / scale, atol=btol, rtol=btol)
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["heads", "tiles"])
+@pytest.mark.parametrize("case", FAST_CASES[2:4], ids=FAST_IDS[2:4])
+def test_fast_backward_bias_of_non_finite_slabs(case, tiles, monkeypatch):
+    """A slab with a NaN goes to the reference kernels, which add their d_rpb to the fast sum of
+    the other slabs (on tiles after earlier tiles of the slab ran fast): the same NaN entries
+    as the scalar kernels, the finite ones close."""
+    monkeypatch.setenv("NBHD_CPU_TILE_BYTES", "1" if tiles else str(1 << 40))
+    x = [None if t is None else t.detach() for t in _inputs(case, torch.float32, seed=31)]
+    x[0][1].view(-1)[-1] = float("nan")   # the last query of batch 1: its slab's last tile
+    x = [None if t is None else t.requires_grad_() for t in x]
+    g = torch.Generator().manual_seed(32)
+    go = torch.randn(x[0].shape[:-1] + (case[4],), generator=g)
+    grads = lambda: torch.autograd.grad(_fused(case)(*x)[0], _present(x), go)
+    fast, scalar = _with_reference(False, grads), _with_reference(True, grads)
+    for got, ref in zip(fast, scalar):
+        assert torch.equal(got.isnan(), ref.isnan())
+        ok = ~ref.isnan()
+        torch.testing.assert_close(got[ok], ref[ok], atol=5e-5, rtol=5e-5)
+    assert fast[-1].isnan().any() and not fast[-1].isnan().all()

@@ -51,7 +51,9 @@ static nbhd_exec sized_exec(const nbhd_geometry *g, const nbhd_exec *e, int64_t 
 }
 
 /* whether the fast kernels of op add the relative positional bias (problem.rpb) */
-static int fast_has_bias(nbhd_op op) { return op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP; }
+static int fast_has_bias(nbhd_op op) {
+    return op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP || op == NBHD_OP_BACKWARD;
+}
 
 static int fast_supports(const nbhd_geometry *g, nbhd_op op) {
     const int low_precision = g->dtype == NBHD_F32 || g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;

@@ -237,7 +237,22 @@ nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backw
     nbhd_tensor *const ks[] = {&a.k, &a.v, &a.kx, &a.vx, &a.d_k, &a.d_v, &a.d_kx, &a.d_vx, NULL};
     nbhd_tensor *const rs[] = {&a.lse, &a.d_lse, NULL};
     move_to_slab(g, b, hk0, qs, ks, rs);
-    return ref_backward_alone(&s, &a, e);
+    a.rpb = at_head(a.rpb, 0, hk0 * g->group, sizeof(float));   /* [H, M]: no batch */
+    if (!g->rpb || !a0->d_rpb.data) return ref_backward_alone(&s, &a, e);
+    /* the reference writes the slab's whole d_rpb: into a table of its own, then added to the
+     * fast kernels' sum over the other slabs */
+    const int64_t M = g->rpb_entries, n = (int64_t)s.heads * M;
+    float *part = (float *)malloc(sizeof(float) * (size_t)n);
+    if (!part) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for the reference kernels");
+    a.d_rpb.data = part;
+    a.d_rpb.stride[4] = M;
+    a.d_rpb.stride[5] = 1;
+    const nbhd_status st = ref_backward_alone(&s, &a, e);
+    float *t = (float *)a0->d_rpb.data;
+    for (int64_t j = 0; st == NBHD_OK && j < n; ++j)
+        t[(hk0 * g->group + j / M) * a0->d_rpb.stride[4] + (j % M) * a0->d_rpb.stride[5]] += part[j];
+    free(part);
+    return st;
 }
 
 nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a0,

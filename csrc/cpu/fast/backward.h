@@ -8,7 +8,10 @@
  *   pass 3   the extra keys over every query of the group (dKx, dVx); on a tiled slab once
  *            after its tiles, packing each unit's query rows itself (the same values, the same
  *            order of sums)
- * Each output row is written by one thread.
+ * Each output row is written by one thread. With a bias (problem.rpb) passes 1 and 2 add it to
+ * the scores they recompute; pass 1 adds dS into the thread's partial table of the slab, folded
+ * into the thread's table once the slab is known finite (FAST(bwd_fold)); the team sums the
+ * threads' tables into d_rpb (nbhd_cpu_reduce_tables) before the reference slabs add theirs.
  */
 
 typedef struct {
@@ -18,6 +21,8 @@ typedef struct {
     float *QT, *DOT, *LR, *DR;
     float qmul;          /* scale * log2(e) */
     int64_t max_rows;    /* rows of a pass 3 unit at most: the query lines of a head */
+    const float *bias;   /* [H][M] the bias table times log2(e) (FAST(stage_table)); NULL: none */
+    double *tables;      /* d_rpb asked: [threads][H][M] the threads' partial tables; else NULL */
 } FAST(bwd);
 
 /* per-thread scratch: per line S, T, two lane operands (A1, A2) and two accumulators (O1, O2);
@@ -29,16 +34,23 @@ typedef struct {
     const float **v1, **v2;
     const float **p1, **p2, **p3, **p4;   /* pass 3: Q^T, dO^T, L, D rows [max_rows] */
     float *xq;                            /* pass 3 of a tiled slab: a unit's rows [SMAX][D + Dv + 2] */
+    double *part, *gline;                 /* d_rpb: the slab's [query heads][M] partial; the item's head's */
+    int64_t part_slab;                    /* the slab `part` holds (-1: none) */
 } FAST(bwd_scratch);
 
 static void *FAST(bwd_scratch_new)(const FAST(call) *c) {
     const int64_t wdim = c->G.D > c->G.Dv ? c->G.D : c->G.Dv, max_rows = ((const FAST(bwd) *)c)->max_rows;
     const size_t xq = c->plan.tiled ? (size_t)SMAX * (size_t)(c->G.D + c->G.Dv + 2) : 0;
-    const size_t bytes = sizeof(float) * (MAXLINES * (2 * (size_t)SMAX * 16 + 4 * (size_t)wdim * 16) + xq) +
+    const size_t part = ((const FAST(bwd) *)c)->tables ? (size_t)(c->nhk * c->g->group * c->g->rpb_entries) : 0;
+    const size_t bytes = sizeof(double) * part +
+                         sizeof(float) * (MAXLINES * (2 * (size_t)SMAX * 16 + 4 * (size_t)wdim * 16) + xq) +
                          SMAX * (2 + sizeof(int32_t) + 2 * sizeof(float *)) + 4 * sizeof(float *) * (size_t)max_rows + 128;
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)malloc(sizeof *s + bytes);
     if (!s) return NULL;
-    float *f = FAST(align64)(s + 1);
+    s->part = (double *)FAST(align64)(s + 1);
+    s->gline = NULL;
+    s->part_slab = -1;
+    float *f = FAST(align64)(s->part + part);
     for (int r = 0; r < MAXLINES; ++r) {
         s->S[r] = f; f += SMAX * 16; s->T[r] = f; f += SMAX * 16;
         s->A1[r] = f; f += wdim * 16; s->A2[r] = f; f += wdim * 16;
@@ -166,8 +178,15 @@ static void FAST(bwd_q_unit)(const FAST(call) *c, void *scratch, const FAST(map)
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
     FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rows);
-    const FAST(visit) v = {FAST(bwd_q_seg), FAST(bwd_q_line), &w};
+    /* with a bias, dS once a line's scores are whole: the bias walks the line's rows */
+    const int biased = f->bias || f->tables;
+    const FAST(visit) v = {FAST(bwd_q_seg), biased ? NULL : FAST(bwd_q_line), &w};
     const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
+    for (int r = 0; biased && r < it->nly; ++r) {
+        if (f->bias) FAST(add_bias)(s->S[r], c->g, it, r, u, f->bias + it->h * c->g->rpb_entries);
+        for (int64_t k = 0; k < cnt[r]; ++k) FAST(bwd_q_line)(&w, r, 16 * u->nn * k);
+        if (f->tables) FAST(bias_line)(s->T[r], c->g, it, r, u, NULL, s->gline);
+    }
     const FAST(rowset) rs = {s->ra, s->rb, s->v1, ne, it->zlines ? s->ns : NULL};
     FAST(values_lines)(s->O1, it->nly, f->c.G.D, (const float *const *)s->T, &rs, u->nn, km->ZP, it->zd.bcast);
 }
@@ -191,6 +210,14 @@ static int FAST(bwd_q_item)(const FAST(call) *c, void *scratch, const FAST(slab)
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
     FAST(qitem) it;
     FAST(qitem_of)(&it, c->g, &c->G, &c->YB, &sl->tile.wk, c->ylines, w, sl->nqh, sl->h0);
+    if (f->tables) {   /* the first item of a slab on this thread starts its partial table */
+        const int64_t M = c->g->rpb_entries;
+        if (s->part_slab != sl->index) {
+            memset(s->part, 0, sizeof(double) * (size_t)(sl->nqh * M));
+            s->part_slab = sl->index;
+        }
+        s->gline = s->part + (it.h - sl->h0) * M;
+    }
     vf Lq[MAXLINES], Dq[MAXLINES];
     FAST(bwd_q_start)(f, s, &sl->tile.qm, &it, it.h - sl->h0, Lq, Dq);
     const FAST(bwd_q_rows) rows = {Lq, Dq};
@@ -293,18 +320,18 @@ static inline void FAST(krow_at)(float **out, float *const *buf, const FAST(krow
 }
 
 /* a key item's unit as the ops' row visits see it: the op's call and scratch, the item, the
- * unit, its first packed slot at and the row stride ZP of the tile's query side */
+ * unit, its first packed slot at and the row stride ZP of the tile's query side, the query head h */
 typedef struct {
     const FAST(call) *c;
     void *s;
     const FAST(kitem) *it;
     const FAST(unit) *u;
-    int64_t at, ZP;
+    int64_t at, ZP, h;
 } FAST(kunit_ctx);
 
 static inline FAST(kunit_ctx) FAST(kunit_ctx_of)(const FAST(call) *c, void *s, const FAST(map) *qm,
-                                                 const FAST(kitem) *it, const FAST(unit) *u) {
-    const FAST(kunit_ctx) w = {c, s, it, u, FAST(map_z)(qm, &c->G, it->gr) + it->zd.base + u->c0, qm->ZP};
+                                                 const FAST(kitem) *it, const FAST(unit) *u, int64_t h) {
+    const FAST(kunit_ctx) w = {c, s, it, u, FAST(map_z)(qm, &c->G, it->gr) + it->zd.base + u->c0, qm->ZP, h};
     return w;
 }
 
@@ -326,6 +353,33 @@ NBHD_ALWAYS_INLINE void FAST(walk_key_unit)(const FAST(kitem) *it, const FAST(ma
     }
 }
 
+/* Adds the bias to the scores S (nn slot vectors) of key line r of key item it for query row q
+ * of unit u, tab the query head's staged table: r_z = key - query + Kz - 1, key j0 + l, query
+ * base + c0 + c (+ l when shifted): one value per slot shifted, lane l's r_z + l broadcast;
+ * offsets off the table are masked slots */
+static void FAST(key_bias)(float *S, const nbhd_geometry *g, const FAST(kitem) *it, int r, int64_t q,
+                           const FAST(unit) *u, const float *tab) {
+    const nbhd_axis *ax = &g->axis[0], *ay = &g->axis[1], *az = &g->axis[2];
+    const int64_t Pz = 2 * (int64_t)az->kernel - 1, nn = u->nn, uu = q % it->U;
+    const int64_t rx = (it->x - it->fx) / ax->dilation - q / it->U + ax->kernel - 1;
+    const int64_t ry = (it->ys[r] - it->fy[it->first]) / ay->dilation - uu + ay->kernel - 1;
+    const float *row = tab + rx * g->rpb_stride[0] + ry * g->rpb_stride[1];
+    const int64_t zk = it->j0 - it->zd.base - u->c0 + az->kernel - 1;   /* slot 0's r_z */
+    if (!it->zd.bcast) {
+        for (int64_t c = zk - Pz + 1 > 0 ? zk - Pz + 1 : 0, c1 = FAST(min)(nn, zk + 1); c < c1; ++c)
+            vf_store(S + 16 * c, vf_add(vf_load(S + 16 * c), vf_set1(row[zk - c])));
+        return;
+    }
+    for (int64_t c = 0; c < nn; ++c) {
+        float b[16];
+        for (int l = 0; l < 16; ++l) {
+            const int64_t i = zk - c + l;
+            b[l] = i >= 0 && i < Pz ? row[i] : 0.0f;
+        }
+        vf_store(S + 16 * c, vf_add(vf_load(S + 16 * c), vf_load(b)));
+    }
+}
+
 /* pass 2's S, T of one query row per line that sees it, P and dS */
 static void FAST(bwd_k_row)(void *ctx, const FAST(krow) *k) {
     const FAST(kunit_ctx) *w = (const FAST(kunit_ctx) *)ctx;
@@ -342,6 +396,7 @@ static void FAST(bwd_k_row)(void *ctx, const FAST(krow) *k) {
     FAST(score_lines)(Sr, (const float *const *)s->A1 + ra, rb - ra, D, qrow, ZP, nn, bcast);
     FAST(score_lines)(Tr, (const float *const *)s->A2 + ra, rb - ra, Dv, orow, ZP, nn, bcast);
     for (int r = ra; r < rb; ++r) {
+        if (f->bias) FAST(key_bias)(Sr[r - ra], f->c.g, it, r, w->u->r0 + k->t, w->u, f->bias + w->h * f->c.g->rpb_entries);
         if (it->zd.masked) FAST(apply_mask)(Sr[r - ra], 1, nn, &it->zd, it->zd.base + w->u->c0, -INFINITY);
         FAST(key_ds)(Sr[r - ra], Tr[r - ra], nn, lrow, drow, bcast);
     }
@@ -349,12 +404,12 @@ static void FAST(bwd_k_row)(void *ctx, const FAST(krow) *k) {
     s->v2[k->t] = qrow;
 }
 
-/* One unit of a pass 2 item for one query head (line0: the packed line of its query row 0 in
+/* One unit of a pass 2 item for query head h (line0: the packed line of its query row 0 in
  * qm, the tile's query side): S, T per line, P and dS, then dV += P dO, dK += dS q */
 static void FAST(bwd_k_unit)(const FAST(call) *c, void *scratch, const FAST(map) *qm, const FAST(kitem) *it,
-                             int64_t line0, const FAST(unit) *u) {
+                             int64_t h, int64_t line0, const FAST(unit) *u) {
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
-    FAST(kunit_ctx) w = FAST(kunit_ctx_of)(c, s, qm, it, u);
+    FAST(kunit_ctx) w = FAST(kunit_ctx_of)(c, s, qm, it, u, h);
     FAST(walk_key_unit)(it, qm, line0, u, s->ra, s->rb, FAST(bwd_k_row), &w);
     const int64_t D = c->G.D, Dv = c->G.Dv, ZP = qm->ZP, nn = u->nn;
     const FAST(rowset) rs_v = {s->ra, s->rb, s->v1, u->nr, NULL}, rs_k = {s->ra, s->rb, s->v2, u->nr, NULL};
@@ -367,10 +422,10 @@ static int64_t FAST(bwd_k_count)(const FAST(call) *c, const FAST(slab) *sl) {
     return sl->tile.wk.nx * sl->tile.wk.nyb * sl->tile.wk.nch * sl->nh;
 }
 
-/* A pass 2 unit of an op: call c, its scratch, the tile's query side qm, key item it, line0:
- * the packed line of a query head's row 0 on qm */
+/* A pass 2 unit of an op: call c, its scratch, the tile's query side qm, key item it, query
+ * head h, line0: the packed line of its row 0 on qm */
 typedef void (*FAST(key_unit_fn))(const FAST(call) *c, void *scratch, const FAST(map) *qm, const FAST(kitem) *it,
-                                   int64_t line0, const FAST(unit) *u);
+                                   int64_t h, int64_t line0, const FAST(unit) *u);
 
 /* unit over the inverse neighborhood of key item it, for every query head of its group */
 static void FAST(key_item_units)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, const FAST(kitem) *it,
@@ -380,7 +435,7 @@ static void FAST(key_item_units)(const FAST(call) *c, void *scratch, const FAST(
         const int64_t line0 = FAST(map_head_line)(qm, h - sl->h0, it->fx, it->fy[it->first]);
         FAST(unit) u;
         for (int more = FAST(unit_first)(&u, it->cx * it->U, it->zd.n); more; more = FAST(unit_next)(&u))
-            unit(c, scratch, qm, it, line0, &u);
+            unit(c, scratch, qm, it, h, line0, &u);
     }
 }
 
@@ -532,6 +587,39 @@ static int FAST(bwd_x_item)(const FAST(call) *c, void *scratch, const FAST(slab)
 }
 
 // ----------------------------------------------------------------------------
+// the table gradient
+
+/* one item per thread of the team (static schedule: each thread at least one) */
+static int64_t FAST(bwd_fold_count)(const FAST(call) *c, const FAST(slab) *sl) {
+    (void)sl;
+    return nbhd_cpu_threads(c->e);
+}
+
+/* After a slab's passes, and only for a finite slab (the driver skips the others): the thread's
+ * partial table of the slab into its table; a second item of the thread finds nothing to add */
+static int FAST(bwd_fold)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
+    const FAST(bwd) *f = (const FAST(bwd) *)c;
+    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
+    (void)w;
+    if (s->part_slab != sl->index) return 0;
+    int th = 0;
+#ifdef _OPENMP
+    th = omp_get_thread_num();
+#endif
+    const int64_t M = c->g->rpb_entries, n = sl->nqh * M;
+    double *t = f->tables + ((int64_t)th * c->g->heads + sl->h0) * M;
+    for (int64_t j = 0; j < n; ++j) t[j] += s->part[j];
+    s->part_slab = -1;
+    return 0;
+}
+
+/* the threads' tables summed into d_rpb (every thread, after a barrier) */
+static void FAST(bwd_tables)(const FAST(call) *c, int team) {
+    const FAST(bwd) *f = (const FAST(bwd) *)c;
+    nbhd_cpu_reduce_tables(c->g, f->tables, team, 1, 0, &f->a->d_rpb);
+}
+
+// ----------------------------------------------------------------------------
 // entry
 
 static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
@@ -539,7 +627,8 @@ static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nb
     static const FAST(phase) pack_q = {FAST(qline_count), FAST(bwd_pack_q), 1, 1},
                              q = {FAST(qitem_count), FAST(bwd_q_item), 0, 0},
                              k = {FAST(bwd_k_count), FAST(bwd_k_item), 0, 0},
-                             x = {FAST(bwd_x_count), FAST(bwd_x_item), 0, 1};
+                             x = {FAST(bwd_x_count), FAST(bwd_x_item), 0, 1},
+                             fold = {FAST(bwd_fold_count), FAST(bwd_fold), 0, 0};
     FAST(bwd) f;
     nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_BACKWARD, a);
     if (st != NBHD_OK) return st;
@@ -555,8 +644,19 @@ static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nb
     FAST(key_side)(&f.c, kv, NULL, 1.0f);
     /* dQ, dK, dV are written once and not read here (counted as [.., H, D + Dv], at most their size) */
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, D + Dv, 1);
+    float *bias;
+    if (!FAST(stage_table)(&bias, g, &a->rpb, (float)LOG2E)) {
+        FAST(call_free)(&f.c);
+        return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory");
+    }
+    f.bias = bias;
+    f.tables = g->rpb && a->d_rpb.data ? (double *)(ws + L->rt) : NULL;
+    if (f.tables)
+        memset(f.tables, 0, sizeof(double) * (size_t)nbhd_cpu_threads(e) * (size_t)(g->heads * g->rpb_entries));
     FAST(passes) P;
-    st = FAST(drive)(&f.c, FAST(backward_passes)(&P, f.c.plan.tiled, pack_q, q, k, x, FAST(bwd_scratch_new)));
+    st = FAST(drive)(&f.c, FAST(backward_passes)(&P, f.c.plan.tiled, pack_q, q, k, x, f.tables ? &fold : NULL,
+                                                 FAST(bwd_scratch_new), f.tables ? FAST(bwd_tables) : NULL));
+    free(bias);
     FAST(call_free)(&f.c);
     return st;
 }

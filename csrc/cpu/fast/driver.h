@@ -44,11 +44,13 @@ typedef struct {
 } FAST(phase);
 
 /* An op: its phases per tile of a slab, then once per slab its tail phases; its per-thread
- * scratch (one block that free() releases; NULL when out of memory). */
+ * scratch (one block that free() releases; NULL when out of memory); team_end (NULL: none) runs
+ * on every thread of the team after the last slab and a barrier, before the reference slabs. */
 typedef struct {
     const FAST(phase) *phase, *tail;
     int nphases, ntail;
     void *(*scratch_new)(const FAST(call) *c);
+    void (*team_end)(const FAST(call) *c, int team);
 } FAST(driver);
 
 /* p rounded up to 64 bytes */
@@ -197,17 +199,20 @@ static nbhd_status FAST(slab_reference)(const FAST(call) *c, int64_t b, int64_t 
 }
 
 /* The driver of a backward (backward.h, forward_jvp_backward.h): the key side, then the query
- * side (pack_q), pass 1 (query items q), pass 2 (key items k), pass 3 (the extra keys x). No
+ * side (pack_q), pass 1 (query items q), pass 2 (key items k), pass 3 (the extra keys x), then
+ * once per slab `fold` (NULL: none; no barrier: each thread's item reads its own scratch). No
  * barrier between independent loops (nowait): one after the packing, one at the end; on tiles,
  * pass 2 waits for every thread before the next tile packs, and pass 3 runs once after the
  * tiles. P holds the phases. */
 typedef struct {
-    FAST(phase) ph[5];
+    FAST(phase) ph[6];
     FAST(driver) d;
 } FAST(passes);
 
 static const FAST(driver) *FAST(backward_passes)(FAST(passes) *P, int tiled, FAST(phase) pack_q, FAST(phase) q,
-                                                 FAST(phase) k, FAST(phase) x, void *(*scratch_new)(const FAST(call) *)) {
+                                                 FAST(phase) k, FAST(phase) x, const FAST(phase) *fold,
+                                                 void *(*scratch_new)(const FAST(call) *),
+                                                 void (*team_end)(const FAST(call) *, int)) {
     const FAST(phase) pack = {FAST(pack_count), FAST(pack_kv), 1, 0};
     P->ph[0] = pack;
     P->ph[1] = pack_q;
@@ -218,7 +223,10 @@ static const FAST(driver) *FAST(backward_passes)(FAST(passes) *P, int tiled, FAS
     P->ph[2].packs = P->ph[2].barrier = P->ph[3].packs = P->ph[4].packs = 0;
     P->ph[3].barrier = tiled;
     P->ph[4].barrier = 1;
-    const FAST(driver) d = {P->ph, tiled ? P->ph + 4 : NULL, tiled ? 4 : 5, tiled, scratch_new};
+    const int nfold = fold != NULL;
+    if (fold) P->ph[5] = *fold;
+    const FAST(driver) d = {P->ph, tiled ? P->ph + 4 : NULL, tiled ? 4 : 5 + nfold, tiled ? 1 + nfold : 0, scratch_new,
+                            team_end};
     P->d = d;
     return &P->d;
 }
@@ -246,6 +254,14 @@ static nbhd_status FAST(drive)(const FAST(call) *c, const FAST(driver) *d) {
                 for (int p = 0; p < d->nphases; ++p) FAST(run_phase)(c, &d->phase[p], scratch, &sl, to_ref);
             }
             for (int p = 0; p < d->ntail; ++p) FAST(run_phase)(c, &d->tail[p], scratch, &sl, to_ref);
+        }
+        if (d->team_end) {
+            int team = 1;
+#ifdef _OPENMP
+            team = omp_get_num_threads();
+#endif
+#pragma omp barrier
+            d->team_end(c, team);
         }
         free(scratch);
         vf_fence();   /* the streamed outputs */

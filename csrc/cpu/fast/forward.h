@@ -246,7 +246,7 @@ static nbhd_status FAST(nbhd_cpu_fast_forward)(const nbhd_geometry *g, const nbh
                                                const nbhd_exec *e) {
     static const FAST(phase) phases[2] = {{FAST(pack_count), FAST(pack_kv), 1, 1},
                                           {FAST(qitem_count), FAST(fwd_item), 0, 1}};
-    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(fwd_scratch_new)};
+    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(fwd_scratch_new), NULL};
     FAST(fwd) f;
     nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD, a);
     if (st != NBHD_OK) return st;

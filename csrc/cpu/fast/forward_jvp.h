@@ -182,7 +182,7 @@ static nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const
                                                    const nbhd_exec *e) {
     static const FAST(phase) phases[2] = {{FAST(pack_count), FAST(pack_kv), 1, 1},
                                           {FAST(qitem_count), FAST(jvp_item), 0, 1}};
-    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(jvp_scratch_new)};
+    static const FAST(driver) drv = {phases, NULL, 2, 0, FAST(jvp_scratch_new), NULL};
     FAST(jvp) f;
     nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_FORWARD_JVP, a);
     if (st != NBHD_OK) return st;

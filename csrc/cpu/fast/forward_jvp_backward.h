@@ -380,9 +380,9 @@ static void FAST(fjb_k_row)(void *ctx, const FAST(krow) *k) {
 /* One unit of a pass 2 item for one query head (line0: the packed line of its query row 0 in
  * qm, the tile's query side): the products per line, the pair step, the key sums */
 static void FAST(fjb_k_unit)(const FAST(call) *c, void *scratch, const FAST(map) *qm, const FAST(kitem) *it,
-                             int64_t line0, const FAST(unit) *u) {
+                             int64_t h, int64_t line0, const FAST(unit) *u) {
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
-    FAST(kunit_ctx) w = FAST(kunit_ctx_of)(c, s, qm, it, u);
+    FAST(kunit_ctx) w = FAST(kunit_ctx_of)(c, s, qm, it, u, h);
     FAST(walk_key_unit)(it, qm, line0, u, s->ra, s->rb, FAST(fjb_k_row), &w);
     float *const *O[4] = {s->O[0], s->O[1], s->O[2], s->O[3]};
     FAST(fjb_key_sums)((const FAST(fjb) *)c, s, O, it->nly, u->nr, u->nn, qm->ZP, it->zd.bcast);
@@ -552,7 +552,7 @@ static nbhd_status FAST(nbhd_cpu_fast_forward_jvp_backward)(const nbhd_geometry 
     /* dQ, dK, dV and their tangents' gradients: written once, not read here */
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, f.c.G.D + f.c.G.Dv, 2);
     FAST(passes) P;
-    st = FAST(drive)(&f.c, FAST(backward_passes)(&P, f.c.plan.tiled, pack_q, q, k, x, FAST(fjb_scratch_new)));
+    st = FAST(drive)(&f.c, FAST(backward_passes)(&P, f.c.plan.tiled, pack_q, q, k, x, NULL, FAST(fjb_scratch_new), NULL));
     FAST(call_free)(&f.c);
     return st;
 }

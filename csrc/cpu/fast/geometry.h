@@ -13,6 +13,10 @@
 #include "convert.h"
 #include "fast.h"
 #include "internal.h"
+#include "tables.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 enum {
     SMAX = 512,    /* slot vectors per processed unit (32 KiB of scores) */

@@ -157,13 +157,14 @@ static int FAST(stage_table)(float **out, const nbhd_geometry *g, const nbhd_ten
     return 1;
 }
 
-/* Adds the bias to line r of query item it: its scores S of unit u (the line's rows in order,
- * nn slot vectors each), tab the head's staged table. Shifted operands give every lane the
- * same relative offset per slot (lane l's query and key both move by l), r_z = base + c0 + c
- * - i0 + Kz - 1: one broadcast value per slot; broadcast operands (slot c is position base + c
- * for every lane) give lane l r_z - l. Offsets off the table are masked slots: nothing added. */
-static void FAST(add_bias)(float *S, const nbhd_geometry *g, const FAST(qitem) *it, int r, const FAST(unit) *u,
-                           const float *tab) {
+/* The bias of line r of query item it and its unit u (the line's rows in order, nn slot vectors
+ * each): with tab (the head's staged table) adds it to the scores S; else adds the line's dS (in
+ * S) into the head's table gradient grad. Shifted operands give every lane the same relative
+ * offset per slot (lane l's query and key both move by l), r_z = base + c0 + c - i0 + Kz - 1:
+ * one value per slot (grad: the 16 lanes summed); broadcast operands (slot c is position base +
+ * c for every lane) give lane l r_z - l. Offsets off the table are masked slots: skipped. */
+static void FAST(bias_line)(float *S, const nbhd_geometry *g, const FAST(qitem) *it, int r, const FAST(unit) *u,
+                            const float *tab, double *grad) {
     const nbhd_axis *ax = &g->axis[0], *ay = &g->axis[1], *az = &g->axis[2];
     const int64_t Pz = 2 * (int64_t)az->kernel - 1, nn = u->nn;
     const int64_t z0 = it->zd.base + u->c0 - it->i0 + az->kernel - 1;   /* slot 0's r_z */
@@ -174,22 +175,33 @@ static void FAST(add_bias)(float *S, const nbhd_geometry *g, const FAST(qitem) *
     for (int64_t t = 0; t < u->nr; ++t) {
         const int64_t q = u->r0 + t, uy = q % it->U;
         if (!it->zlines && (uy < it->ua[r] || uy >= it->ub[r])) continue;   /* not in line r's window */
-        const float *row = tab + (rx0 + q / it->U) * g->rpb_stride[0] + (ry0 + uy) * g->rpb_stride[1];
+        const int64_t row = (rx0 + q / it->U) * g->rpb_stride[0] + (ry0 + uy) * g->rpb_stride[1];
         float *s = S + 16 * nn * k++;
         if (!it->zd.bcast) {
-            for (int64_t c = c0; c < c1; ++c)
-                vf_store(s + 16 * c, vf_add(vf_load(s + 16 * c), vf_set1(row[z0 + c])));
+            for (int64_t c = c0; c < c1; ++c) {
+                if (tab) { vf_store(s + 16 * c, vf_add(vf_load(s + 16 * c), vf_set1(tab[row + z0 + c]))); continue; }
+                float sum = 0.0f;
+                for (int l = 0; l < 16; ++l) sum += s[16 * c + l];
+                grad[row + z0 + c] += (double)sum;
+            }
             continue;
         }
         for (int64_t c = 0; c < nn; ++c) {
             float b[16];
             for (int l = 0; l < 16; ++l) {
                 const int64_t i = z0 + c - l;
-                b[l] = i >= 0 && i < Pz ? row[i] : 0.0f;
+                if (!tab) { if (i >= 0 && i < Pz) grad[row + i] += (double)s[16 * c + l]; continue; }
+                b[l] = i >= 0 && i < Pz ? tab[row + i] : 0.0f;
             }
-            vf_store(s + 16 * c, vf_add(vf_load(s + 16 * c), vf_load(b)));
+            if (tab) vf_store(s + 16 * c, vf_add(vf_load(s + 16 * c), vf_load(b)));
         }
     }
+}
+
+/* Adds the bias to line r of query item it: its scores S of unit u, tab the head's staged table */
+static inline void FAST(add_bias)(float *S, const nbhd_geometry *g, const FAST(qitem) *it, int r, const FAST(unit) *u,
+                                  const float *tab) {
+    FAST(bias_line)(S, g, it, r, u, tab, NULL);
 }
 
 /* Online softmax step over nslots score vectors (log2 units): raises the running max m,

@@ -210,6 +210,7 @@ typedef struct {
     int tiled;
     int64_t nhk, ntiles, t[3], np[3];
     int64_t klines, kZP, qlines, qZP;
+    int threads;   /* the team it is sized for (the backward's partial tables) */
 } FAST(plan);
 
 /* packed floats of the rows of plan P's largest tile (its extents set here) */
@@ -240,6 +241,7 @@ static int FAST(plan_shrink)(FAST(plan) *P) {
 static FAST(plan) FAST(plan_of)(const nbhd_geometry *g, nbhd_op op, int threads) {
     FAST(plan) P;
     memset(&P, 0, sizeof P);
+    P.threads = threads;
     const int64_t rows = g->axis[0].extent * g->axis[1].extent, ZP = g->axis[2].extent + PAD * g->axis[2].dilation;
     size_t key, query;
     FAST(position_floats)(g, op, &key, &query);
@@ -298,6 +300,7 @@ static void FAST(tile_of)(FAST(tile) *T, const FAST(plan) *P, const nbhd_geometr
 /* Workspace layout (the one owner): float offsets of each packed array, total floats. */
 typedef struct {
     size_t kt, vt, kxt, vxt, tkt, tvt, tkxt, tvxt, qt, dot, lr, dr, tqt, gt, mr, cr, total;
+    size_t rt;   /* the backward's partial d_rpb per thread, [threads][H][M] doubles (FAST(bwd_tables)) */
 } FAST(layout_t);
 
 /* The next array of n floats at *at: it starts PAD floats in (the left margin of its first row) */
@@ -342,6 +345,10 @@ static FAST(layout_t) FAST(layout)(const nbhd_geometry *g, nbhd_op op, const FAS
         L.gt = FAST(place)(&at, lq * Dv * qZP);
         L.mr = FAST(place)(&at, lq * qZP);
         L.cr = FAST(place)(&at, lq * qZP);
+    }
+    if (op == NBHD_OP_BACKWARD && g->rpb) {
+        at = (at + 1) & ~(size_t)1;   /* doubles: 8-byte aligned on the 64-byte base */
+        L.rt = FAST(place_flat)(&at, 2 * (size_t)P->threads * (size_t)g->heads * (size_t)g->rpb_entries);
     }
     /* + 16 floats to align the base */
     L.total = at + 16;

@@ -26,6 +26,7 @@
 #include "convert.h"
 #include "internal.h"
 #include "scalar.h"
+#include "tables.h"
 
 // ----------------------------------------------------------------------------
 // addressing: token t = (x*Y + y)*Z + z; n-th key of a key set

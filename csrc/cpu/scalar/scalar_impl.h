@@ -552,22 +552,6 @@ static void FN(pass_row)(const FN(call) *c, int pass, int64_t r, ACC *buf, size_
     }
 }
 
-/* The sum over the threads' partial tables (in thread order: deterministic for a team size) of
- * table `which` into the [H, M] table gradient t (NULL data: not asked), entries split over the
- * team. */
-static void FN(reduce_tables)(const FN(call) *c, const double *parts, int team, int tables, int which,
-                              const nbhd_tensor *t) {
-    const int64_t HM = (int64_t)c->g->heads * c->g->rpb_entries;
-    const nbhd_dtype lt = c->g->dtype == NBHD_F64 ? NBHD_F64 : NBHD_F32;
-    if (!t->data) return;
-#pragma omp for schedule(static)
-    for (int64_t j = 0; j < HM; ++j) {
-        double sum = 0;
-        for (int th = 0; th < team; ++th) sum += parts[((int64_t)th * tables + which) * HM + j];
-        nbhd_store(t->data, (j / c->g->rpb_entries) * t->stride[4] + j % c->g->rpb_entries, lt, sum);
-    }
-}
-
 /* The op of fwd, jvp, bwd, jvpb (one given) on exec's threads: the forwards one pass over the query
  * rows; the backwards pass 1 over the query rows (each writes its row's scalars into the workspace:
  * D_i, or (D', c, E) through the JVP; the implicit barrier ends it before the others read them),
@@ -620,8 +604,8 @@ static nbhd_status FN(run)(const nbhd_geometry *g, const nbhd_exec *e, const nbh
             for (int64_t r = 0; r < rows[pass]; ++r)
                 if (buf) FN(pass_row)(&c, pass, r, buf, width, part);
             if (pass == 0 && parts) {  /* after pass 1's barrier: every partial is complete */
-                FN(reduce_tables)(&c, parts, size, tables, 0, bwd ? &bwd->d_rpb : &jvpb->d_rpb);
-                if (jvpb) FN(reduce_tables)(&c, parts, size, tables, 1, &jvpb->d_t_rpb);
+                nbhd_cpu_reduce_tables(g, parts, size, tables, 0, bwd ? &bwd->d_rpb : &jvpb->d_rpb);
+                if (jvpb) nbhd_cpu_reduce_tables(g, parts, size, tables, 1, &jvpb->d_t_rpb);
             }
         }
         free(buf);
