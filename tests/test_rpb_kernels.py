@@ -194,21 +194,21 @@ def _with_reference(use_reference, fn):
         ops._OPTIONS["use_reference"] = old
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Plans keep the workspace size of the CPU tile budget (NBHD_CPU_TILE_BYTES) they were made
+    under, and the tests here change that budget per case: each starts and ends without plans."""
+    _lib._local.__dict__.pop("plans", None)
+    yield
+    _lib._local.__dict__.pop("plans", None)
+
+
 @pytest.mark.parametrize("tiles", [False, True], ids=["heads", "tiles"])
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
 @pytest.mark.parametrize("case", FAST_CASES, ids=FAST_IDS)
 def test_fast_kernels_add_the_bias(case, isa, tiles, monkeypatch):
     monkeypatch.setenv("NBHD_CPU_ISA", isa)
     monkeypatch.setenv("NBHD_CPU_TILE_BYTES", "1" if tiles else str(1 << 40))
-    # plans keep the workspace size of the tile budget they were made under
-    _lib._local.__dict__.pop("plans", None)
-    try:
-        _check_fast_bias(case)
-    finally:
-        _lib._local.__dict__.pop("plans", None)
-
-
-def _check_fast_bias(case):
     from utils import poison_allocator
     tol = 3e-5
     x = _inputs(case, torch.float32, seed=11)
