@@ -118,8 +118,10 @@ def _extra(kx: Tensor, vx: Tensor, *more: Optional[Tensor]) -> tuple:
 
 def _tables(rpb: Tensor, *more: Optional[Tensor]) -> tuple:
     """The bias tables for the C library (rpb, then its tangent or gradients), or Nones when
-    there is no bias (zero-size rpb)."""
-    return (rpb, *more) if rpb.numel() else (None,) * (1 + len(more))
+    there is no bias (zero-size rpb); an absent (None or zero-size) tangent is None."""
+    if not rpb.numel():
+        return (None,) * (1 + len(more))
+    return (rpb, *(t if t is not None and t.numel() else None for t in more))
 
 
 def _table_grad(rpb: Tensor) -> Tensor:
@@ -228,7 +230,7 @@ def _na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb
     kx_, vx_, t_kx, t_vx = _extra(kx, vx, t_kx, t_vx)
     _lib.run(_lib.OP_FORWARD_JVP, _geometry(kernel_size, stride, dilation, is_causal, scale),
              (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse,
-              *_tables(rpb, t_rpb if t_rpb is not None and t_rpb.numel() else None)),
+              *_tables(rpb, t_rpb)),
              **run_options(tiles, backward=False))
     return out, lse, t_out, t_lse
 
@@ -276,7 +278,7 @@ def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Te
     _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
              (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse,
               d_t_out, d_t_lse, dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx,
-              *_tables(rpb, t_rpb if t_rpb is not None and t_rpb.numel() else None, d_rpb, d_t_rpb)),
+              *_tables(rpb, t_rpb, d_rpb, d_t_rpb)),
              **run_options(tiles, backward=True))
     return grads
 
