@@ -76,10 +76,12 @@ def main() -> None:
         wanted = {"no rpb", *args.runs.split(",")}
         runs = {label: run for label, run in runs.items() if label in wanted}
 
+        d_out = torch.randn_like(q)   # a dense cotangent (out.sum()'s is stride-0, which no fused kernel takes)
+
         def step(run):
             out = run()
             if args.bwd:
-                out.sum().backward()
+                out.backward(d_out)
 
         times = {label: [] for label in runs}
         for label, run in runs.items():   # warm-up
