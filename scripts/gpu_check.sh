@@ -107,10 +107,15 @@ if has bench; then
 fi
 
 if has rpb; then
-    for pass in "" --bwd; do
-        $PY bench/bench_rpb.py --device cuda --dtype bf16 --problems h-2d-64,h-2d-128,h-3d-16 \
-            --runs "no rpb,in-kernel,fold" --rounds 7 $pass ${RPB_ARGS:-} 2>&1 | tee -a "$OUT/rpb.log"
-    done
+    # the kernel ops alone, then the forward through the module (and the folded route: slow)
+    rpb_bench() {
+        $PY bench/bench_rpb.py --device cuda --dtype bf16 --problems h-2d-64,h-2d-128,h-3d-16 --rounds 7 \
+            ${RPB_ARGS:-} "$@" 2>&1 | tee -a "$OUT/rpb.log"
+    }
+    rpb_bench --op
+    rpb_bench --op --bwd
+    rpb_bench --op --jvp-bwd
+    rpb_bench --runs "no rpb,in-kernel,fold"
     summary+=("rpb bench: rpb.log")
 fi
 
