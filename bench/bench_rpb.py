@@ -12,6 +12,11 @@ and (before import) OpenMP's threads.
 
     python bench/bench_rpb.py [--device cpu] [--dtype fp32] [--problems 1d-1024,2d-32,3d-12]
                               [--threads 1] [--bwd | --jvp-bwd] [--op]
+                              [--runs "no rpb,in-kernel,fold,composed"]
+On a GPU (the README's small-window problems, bf16, D 128, 16 heads; composed needs
+O(N |window| D) memory, so leave it out there):
+    python bench/bench_rpb.py --device cuda --dtype bf16 --problems h-2d-64,h-2d-128,h-3d-16 \
+        --runs "no rpb,in-kernel,fold" [--bwd]
 """
 import argparse
 import os
@@ -27,11 +32,14 @@ import nbhd.compat as natten
 from nbhd import rpb as nbhd_rpb
 from timing import sample
 
-PROBLEMS = {  # name: (spatial, kernel_size, heads, head_dim)
+PROBLEMS = {  # name: (spatial, kernel_size, heads, head_dim[, batch])
     "1d-1024": ((1024,), (13,), 4, 32),
     "2d-32": ((32, 32), (7, 7), 4, 32),
     "2d-64": ((64, 64), (7, 7), 4, 32),
     "3d-12": ((12, 12, 12), (3, 5, 5), 4, 32),
+    "h-2d-64": ((64, 64), (7, 7), 16, 128, 8),
+    "h-2d-128": ((128, 128), (13, 13), 16, 128),
+    "h-3d-16": ((16, 32, 32), (7, 7, 7), 16, 128),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -80,6 +88,8 @@ def main() -> None:
     mode.add_argument("--bwd", action="store_true")
     mode.add_argument("--jvp-bwd", action="store_true", help="forward+JVP, then the backward through it")
     ap.add_argument("--op", action="store_true", help="the mode's last kernel op alone, without and with the table")
+    ap.add_argument("--runs", default="no rpb,in-kernel,fold,composed",
+                    help="which calls to time (comma-separated; 'no rpb' always runs: the ratios' base)")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.threads:
@@ -92,9 +102,9 @@ def main() -> None:
           f"(min / median of {args.rounds} rounds, ms)")
     grad = args.bwd or args.jvp_bwd
     for name in args.problems.split(","):
-        spatial, ks, heads, dim = PROBLEMS[name]
+        spatial, ks, heads, dim, *batch = PROBLEMS[name]
         na = {1: natten.na1d, 2: natten.na2d, 3: natten.na3d}[len(spatial)]
-        q, k, v = (torch.randn(1, *spatial, heads, dim, device=device, dtype=dtype,
+        q, k, v = (torch.randn(batch[0] if batch else 1, *spatial, heads, dim, device=device, dtype=dtype,
                                requires_grad=grad) for _ in range(3))
         rpb = torch.randn(heads, *(2 * x - 1 for x in ks), device=device, dtype=dtype,
                           requires_grad=grad)
@@ -109,6 +119,8 @@ def main() -> None:
                                                                       (False,) * rank, dim ** -0.5)[0]}
         if args.op:
             runs = op_runs(q, k, v, rpb, ks, dim ** -0.5, what)
+        wanted = {"no rpb", *args.runs.split(",")}
+        runs = {label: run for label, run in runs.items() if label in wanted}
 
         def step(run):
             if args.op:

@@ -200,9 +200,16 @@ def fold_index(shape: Sequence[int], kernel_size: Sequence[int], dilation: Seque
 
 
 def in_kernel_bias(query: Tensor, backend: Optional[str]) -> bool:
-    """The fused kernels add the bias themselves: the CPU kernels (nbhd's own backend). The
-    CUDA kernels have no bias term yet: there the bias is folded into the dot product."""
-    return query.device.type == "cpu" and backend in (None, "cpu-fna")
+    """Whether nbhd's fused kernels add the bias themselves (backend None or the device's own
+    fused backend). On CUDA they sum the table's gradient with atomic adds, in no fixed order,
+    so in deterministic mode (nbhd's or PyTorch's) the bias is folded into the dot product
+    there instead (docs/rpb.md)."""
+    from .context import are_deterministic_algorithms_enabled
+    kind = query.device.type
+    if kind == "cpu":
+        return backend in (None, "cpu-fna")
+    deterministic = are_deterministic_algorithms_enabled() or torch.are_deterministic_algorithms_enabled()
+    return kind == "cuda" and backend in (None, "cuda-fna") and not deterministic
 
 
 def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
@@ -215,7 +222,8 @@ def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
     (in_kernel_bias) the kernels add rpb[h, (y - x) / d + K - 1] to each window score
     themselves: the table [H, prod(2K-1)] (float32, float64 for float64 inputs) is an input of
     the fused ops, with its gradient (a scatter-add of the score gradients) and tangent, under
-    every transform. Elsewhere (CUDA), or with `fold` (bench/bench_rpb.py compares the two),
+    every transform. Otherwise (another backend, CUDA in deterministic mode), or with `fold`
+    (bench/bench_rpb.py compares the two),
     the bias is folded into the dot product. Every key gets a one-hot of its slot (y // d mod 2K-1 per
     axis) appended, every query the table rotated to its position and divided by scale, so
     scale * <q', k'> = scale * <q, k> + rpb[h, (y - x) / d + K - 1] for every key y of x's

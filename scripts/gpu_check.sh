@@ -7,7 +7,8 @@
 #   the library of another source tree, AB_REF=<dir>, AB_BENCH_ARGS="..." for its bench)
 #   "cp" runs bench/bench_context_parallel.py under torchrun on each of CP_WORLDS="2 4" GPUs
 #   (CP_ARGS="...", e.g. "--axes 2,0+2 --reps 2"); "autodiff" runs bench/bench_autodiff.py
-#   --device cuda (first- and second-order autodiff; AUTODIFF_ARGS="...")
+#   --device cuda (first- and second-order autodiff; AUTODIFF_ARGS="..."); "rpb" bench/bench_rpb.py
+#   on the GPU problems, forward and forward+backward (RPB_ARGS="...")
 #   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."  AB_KINDS="fwd jvp" (which A/Bs: fwd, jvp, bwd)
 set -u
 OUT=${OUT:-out}
@@ -103,6 +104,14 @@ fi
 
 if has bench; then
     $PY bench/bench_gpu.py --csv "$OUT/bench.csv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+
+if has rpb; then
+    for pass in "" --bwd; do
+        $PY bench/bench_rpb.py --device cuda --dtype bf16 --problems h-2d-64,h-2d-128,h-3d-16 \
+            --runs "no rpb,in-kernel,fold" --rounds 7 $pass ${RPB_ARGS:-} 2>&1 | tee -a "$OUT/rpb.log"
+    done
+    summary+=("rpb bench: rpb.log")
 fi
 
 if has autodiff; then

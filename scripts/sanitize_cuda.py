@@ -1,6 +1,7 @@
 """A small sweep of every CUDA kernel for compute-sanitizer (memcheck, racecheck): forward
 (tensor-core and simple), backward (KV-parallel and deterministic), forward+JVP, on small odd
-shapes with extra keys."""
+shapes with extra keys; the non-causal ones again with a relative positional bias table (all four
+ops)."""
 import torch
 
 import nbhd
@@ -32,8 +33,17 @@ for use_ref, kv_parallel in ((False, True), (False, False), (True, False)):
         v = mk(B, *ext, Hkv, D) if rank else mk(B, 0, Hkv, D)
         kx, vx = mk(B, S, Hkv, D), mk(B, S, Hkv, D)
         geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5, [0] * (4 * len(ks)))
-        out, lse = ops.na_forward(q, k, v, kx, vx, NO_RPB, *geo)
-        ops.na_backward(q, k, v, kx, vx, NO_RPB, out, lse, torch.randn_like(out), torch.randn_like(lse), *geo)
-        ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, q, None, v, kx if S else None, None, None, *geo)
+        tables = [NO_RPB]
+        if rank and not any(causal):
+            work = torch.float64 if dt == torch.float64 else torch.float32
+            tables.append(torch.randn(H, *(2 * x - 1 for x in ks), device="cuda", dtype=work).reshape(H, -1))
+        for rpb in tables:
+            t_rpb = torch.randn_like(rpb) if rpb.numel() else None
+            out, lse = ops.na_forward(q, k, v, kx, vx, rpb, *geo)
+            ops.na_backward(q, k, v, kx, vx, rpb, out, lse, torch.randn_like(out), torch.randn_like(lse), *geo)
+            fwd = ops.na_forward_jvp(q, k, v, kx, vx, rpb, q, None, v, kx if S else None, None, t_rpb, *geo)
+            if rpb.numel():
+                ops.na_forward_jvp_backward(q, k, v, kx, vx, rpb, q, None, v, None, None, t_rpb, *fwd,
+                                            *(torch.randn_like(t) for t in fwd), *geo)
 torch.cuda.synchronize()
 print("sanitize sweep done")

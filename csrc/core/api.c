@@ -291,20 +291,13 @@ static nbhd_status check_table(const nbhd_geometry *g, const nbhd_tensor *t, con
     return check_view(&flat, name, &v);
 }
 
-/* The problem's bias on its device: CUDA has no kernel (rpb stays off the CUDA dispatch). */
-static nbhd_status check_rpb_device(const nbhd_problem *p) {
-    if (p->rpb && p->device == NBHD_CUDA)
-        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "rpb: no CUDA kernel (a relative positional bias runs on the "
-                         "CPU; on CUDA fold it into the head dim, docs/rpb.md)");
-    return NBHD_OK;
-}
-
 /* A problem with no query rows (batch 0 or heads 0) sums nothing into a table gradient. */
-static void zero_table(const nbhd_geometry *g, nbhd_device device, nbhd_tensor t) {
+static nbhd_status zero_table(const nbhd_geometry *g, nbhd_device device, nbhd_tensor t, const nbhd_exec *e) {
     const nbhd_device_ops *ops = device_ops(device);
-    if (!g->rpb || !t.data || !ops || !ops->zero) return;
+    if (!g->rpb || !t.data) return NBHD_OK;
+    if (!ops) return no_device();
     const int64_t one[3] = {1, 1, 1};
-    ops->zero(t, 1, one, g->heads, g->rpb_entries, g->dtype == NBHD_F64 ? 8 : 4);
+    return ops->zero(t, 1, one, g->heads, g->rpb_entries, g->dtype == NBHD_F64 ? 8 : 4, e);
 }
 
 #define TABLE(t, name) if ((st = check_table(&g, &(t), name)) != NBHD_OK) return st
@@ -451,7 +444,6 @@ nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, cons
     nbhd_status st = enter(p, a, NBHD_OP_FORWARD, &e, &tiled);
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
-    if ((st = check_rpb_device(p)) != NBHD_OK) return st;
     TABLE(a->rpb, "rpb");
     if (is_empty(&g)) return NBHD_OK;
     REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
@@ -464,8 +456,8 @@ nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a, cons
 /* heads == 0 with batch > 0: no query sees any key, so dK, dV, dKx, dVx are zero (and the
  * kernels are not called with zero query heads). */
 static nbhd_status backward_no_heads(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                     nbhd_device device, const char *dk_name, const char *dv_name,
-                                     const char *dkx_name, const char *dvx_name) {
+                                     nbhd_device device, const nbhd_exec *e, const char *dk_name,
+                                     const char *dv_name, const char *dkx_name, const char *dvx_name) {
     nbhd_status st;
     if (g->has_window) {
         if ((st = check_tensor(g, &a->d_k, dk_name, T_K, 1)) != NBHD_OK) return st;
@@ -473,20 +465,19 @@ static nbhd_status backward_no_heads(const nbhd_geometry *g, const nbhd_backward
     }
     if ((st = check_extra(g, a->d_kx, a->d_vx, dkx_name, dvx_name)) != NBHD_OK) return st;
     const nbhd_device_ops *ops = device_ops(device);
-    if (!ops || !ops->zero)  /* TODO: a CUDA zero, without a host loop */
-        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "backward with heads=0 is only supported on the CPU");
+    if (!ops) return no_device();
     const size_t es = nbhd_dtype_size(g->dtype);
     const int64_t sp[3] = {g->axis[0].extent, g->axis[1].extent, g->axis[2].extent};
     const int64_t sx[3] = {g->extra_kv, 1, 1};
     if (g->has_window) {
-        ops->zero(a->d_k, g->batch, sp, g->kv_heads, g->head_dim, es);
-        ops->zero(a->d_v, g->batch, sp, g->kv_heads, g->head_dim_v, es);
+        if ((st = ops->zero(a->d_k, g->batch, sp, g->kv_heads, g->head_dim, es, e)) != NBHD_OK) return st;
+        if ((st = ops->zero(a->d_v, g->batch, sp, g->kv_heads, g->head_dim_v, es, e)) != NBHD_OK) return st;
     }
     if (g->extra_kv > 0) {  /* extra tensors: stride[1] steps tokens, stride[2..3] unused */
         nbhd_tensor kx = a->d_kx, vx = a->d_vx;
         kx.stride[2] = kx.stride[3] = vx.stride[2] = vx.stride[3] = 0;
-        ops->zero(kx, g->batch, sx, g->kv_heads, g->head_dim, es);
-        ops->zero(vx, g->batch, sx, g->kv_heads, g->head_dim_v, es);
+        if ((st = ops->zero(kx, g->batch, sx, g->kv_heads, g->head_dim, es, e)) != NBHD_OK) return st;
+        if ((st = ops->zero(vx, g->batch, sx, g->kv_heads, g->head_dim_v, es, e)) != NBHD_OK) return st;
     }
     return NBHD_OK;
 }
@@ -496,10 +487,9 @@ nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_args *a, co
     nbhd_status st = enter(p, a, NBHD_OP_BACKWARD, &e, &tiled);
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
-    if ((st = check_rpb_device(p)) != NBHD_OK) return st;
     TABLE(a->rpb, "rpb"); TABLE(a->d_rpb, "d_rpb");
-    if (g.batch > 0 && g.heads == 0) return backward_no_heads(&g, a, p->device, "d_k", "d_v", DKX_NAMES);
-    if (is_empty(&g)) { zero_table(&g, p->device, a->d_rpb); return NBHD_OK; }
+    if (g.batch > 0 && g.heads == 0) return backward_no_heads(&g, a, p->device, e, "d_k", "d_v", DKX_NAMES);
+    if (is_empty(&g)) return zero_table(&g, p->device, a->d_rpb, e);
     REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
     REQUIRE(a->d_out, "d_out", T_O); OPTIONAL(a->d_lse, "d_lse", T_ROW); REQUIRE(a->d_q, "d_q", T_Q);
     if (g.has_window) {
@@ -516,7 +506,6 @@ nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args 
     nbhd_status st = enter(p, a, NBHD_OP_FORWARD_JVP, &e, &tiled);
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
-    if ((st = check_rpb_device(p)) != NBHD_OK) return st;
     TABLE(a->rpb, "rpb"); TABLE(a->t_rpb, "t_rpb");
     if (is_empty(&g)) return NBHD_OK;
     REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
@@ -537,21 +526,19 @@ nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p, const nbhd_forward_
     nbhd_status st = enter(p, a, NBHD_OP_FORWARD_JVP_BACKWARD, &e, &tiled);
     if (st != NBHD_OK) return st;
     const nbhd_geometry g = nbhd_geometry_of(p);
-    if ((st = check_rpb_device(p)) != NBHD_OK) return st;
     TABLE(a->rpb, "rpb"); TABLE(a->t_rpb, "t_rpb"); TABLE(a->d_rpb, "d_rpb"); TABLE(a->d_t_rpb, "d_t_rpb");
     if (g.batch > 0 && g.heads == 0) {  /* no query sees any key: key-side gradients are zero */
         nbhd_backward_args zero = {0};
         zero.d_k = a->d_k; zero.d_v = a->d_v; zero.d_kx = a->d_kx; zero.d_vx = a->d_vx;
-        if ((st = backward_no_heads(&g, &zero, p->device, "d_k", "d_v", DKX_NAMES)) != NBHD_OK) return st;
+        if ((st = backward_no_heads(&g, &zero, p->device, e, "d_k", "d_v", DKX_NAMES)) != NBHD_OK) return st;
         const int has_t = a->d_t_k.data || a->d_t_v.data || a->d_t_kx.data || a->d_t_vx.data;
         if (!has_t) return NBHD_OK;
         zero.d_k = a->d_t_k; zero.d_v = a->d_t_v; zero.d_kx = a->d_t_kx; zero.d_vx = a->d_t_vx;
-        return backward_no_heads(&g, &zero, p->device, "d_t_k", "d_t_v", "d_t_kx", "d_t_vx");
+        return backward_no_heads(&g, &zero, p->device, e, "d_t_k", "d_t_v", "d_t_kx", "d_t_vx");
     }
     if (is_empty(&g)) {
-        zero_table(&g, p->device, a->d_rpb);
-        zero_table(&g, p->device, a->d_t_rpb);
-        return NBHD_OK;
+        if ((st = zero_table(&g, p->device, a->d_rpb, e)) != NBHD_OK) return st;
+        return zero_table(&g, p->device, a->d_t_rpb, e);
     }
     REQUIRE(a->q, "q", T_Q); REQUIRE(a->out, "out", T_O); REQUIRE(a->lse, "lse", T_ROW);
     REQUIRE(a->t_out, "t_out", T_O); REQUIRE(a->t_lse, "t_lse", T_ROW); REQUIRE(a->d_q, "d_q", T_Q);

@@ -33,7 +33,7 @@ nbhd_geometry nbhd_geometry_of(const nbhd_problem *p);
 
 /* The flat table index of query coordinates x and key coordinates y of its window: r_a =
  * (y_a - x_a) / d_a + K_a - 1 per axis (padded axes: 0), row-major (nbhd.h, docs/rpb.md). */
-static inline int64_t nbhd_rpb_index(const nbhd_geometry *g, const int64_t x[3], const int64_t y[3]) {
+NBHD_INLINE int64_t nbhd_rpb_index(const nbhd_geometry *g, const int64_t x[3], const int64_t y[3]) {
     int64_t i = 0;
     for (int a = 0; a < NBHD_MAX_RANK; ++a)
         i += ((y[a] - x[a]) / g->axis[a].dilation + g->axis[a].kernel - 1) * g->rpb_stride[a];
@@ -60,10 +60,11 @@ typedef struct {
      * max entries of out and returns the count, the default first (nbhd_tile_configs) */
     int32_t (*tile_configs)(const nbhd_geometry *g, int32_t rank, nbhd_op op,
                             nbhd_tile_config *out, int32_t max);
-    /* zeroes the [B, X, Y, Z, heads, width] elements of t (extent[] = {X, Y, Z}); the key
-     * gradients of a backward with no query heads */
-    void (*zero)(nbhd_tensor t, int64_t batch, const int64_t extent[3], int64_t heads,
-                 int64_t width, size_t esize);
+    /* zeroes the [B, X, Y, Z, heads, width] elements of t (extent[] = {X, Y, Z}) on e's
+     * stream: the key gradients of a backward with no query heads, the bias tables' gradients
+     * before a CUDA backward adds into them */
+    nbhd_status (*zero)(nbhd_tensor t, int64_t batch, const int64_t extent[3], int64_t heads,
+                        int64_t width, size_t esize, const nbhd_exec *e);
 } nbhd_device_ops;
 
 extern const nbhd_device_ops nbhd_cpu_ops;

@@ -103,8 +103,9 @@ static nbhd_status cpu_forward_jvp_backward(const nbhd_geometry *g,
 }
 
 /* Host memory: a plain loop; all-zero bytes are +0 in every nbhd_dtype. */
-static void cpu_zero(nbhd_tensor t, int64_t B, const int64_t sp[3], int64_t H, int64_t W,
-                     size_t esize) {
+static nbhd_status cpu_zero(nbhd_tensor t, int64_t B, const int64_t sp[3], int64_t H, int64_t W,
+                            size_t esize, const nbhd_exec *e) {
+    (void)e;
     for (int64_t b = 0; b < B; ++b)
         for (int64_t x = 0; x < sp[0]; ++x)
             for (int64_t y = 0; y < sp[1]; ++y)
@@ -115,6 +116,7 @@ static void cpu_zero(nbhd_tensor t, int64_t B, const int64_t sp[3], int64_t H, i
                                                 z * t.stride[3] + h * t.stride[4] + c * t.stride[5];
                             memset((char *)t.data + off * (int64_t)esize, 0, esize);
                         }
+    return NBHD_OK;
 }
 
 const nbhd_device_ops nbhd_cpu_ops = {

@@ -118,6 +118,25 @@ __device__ __forceinline__ int64_t member_offset(const keyset &s, int64_t n, con
 }
 
 // ----------------------------------------------------------------------------
+// relative positional bias (problem.rpb, docs/rpb.md): tables [H, M] contiguous, A-typed (float;
+// double for F64). Full-axis query x and window key y of head h share entry nbhd_rpb_index(x, y).
+
+/* table t's entry for the pair (x, y) of head h; 0 without a table (no data) */
+template <typename A>
+__device__ __forceinline__ A table_at(const nbhd_geometry &g, const nbhd_tensor &t, int64_t h, const int64_t x[3],
+                                      const int64_t y[3]) {
+    return t.data ? ((const A *)t.data)[h * g.rpb_entries + nbhd_rpb_index(&g, x, y)] : (A)0;
+}
+
+/* adds v to gradient table t's entry for the pair (x, y) of head h (nothing without data): atomic,
+ * so on CUDA the tables' sums have no fixed order (nbhd.h) */
+template <typename A>
+__device__ __forceinline__ void table_add(const nbhd_geometry &g, const nbhd_tensor &t, int64_t h, const int64_t x[3],
+                                          const int64_t y[3], A v) {
+    if (t.data) atomicAdd((A *)t.data + h * g.rpb_entries + nbhd_rpb_index(&g, x, y), v);
+}
+
+// ----------------------------------------------------------------------------
 // warp reductions
 
 template <typename A> __device__ __forceinline__ A warp_sum(A x) {

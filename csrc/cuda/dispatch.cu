@@ -18,6 +18,7 @@
  *                patches and its 64-query ones at D = 128) under the forward's conditions plus
  *                aligned tangents (absent ones skipped); else the simple kernel
  *   forward_jvp_backward  the simple kernels
+ * With problem.rpb the backwards zero the table gradients first and add into them atomically.
  * exec.use_reference forces the simple kernels. Tiles in exec (q_tile/kv_tile, already checked
  * against nbhd_cuda_tile_configs by the entry points) are honoured by the tensor-core kernels; a
  * problem that would fall back to a simple kernel (a layout they do not take) refuses them.
@@ -54,6 +55,43 @@ static nbhd_cuda_choice choose(const nbhd_geometry *g, nbhd_op op, const nbhd_ex
     return nbhd_cuda_choose(g, op, e, layout_ok, &dev);
 }
 
+/* Zeroes the [B, X, Y, Z, H, W] elements of t, one thread per element (esize 2, 4 or 8 bytes):
+ * the key gradients of a backward with no query heads, the bias tables' gradients. */
+__global__ void zero_kernel(nbhd_tensor t, int64_t B, int64_t X, int64_t Y, int64_t Z, int64_t H, int64_t W,
+                            int esize) {
+    const int64_t n = B * X * Y * Z * H * W;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t r = i;
+        const int64_t c = r % W; r /= W;
+        const int64_t h = r % H; r /= H;
+        const int64_t z = r % Z; r /= Z;
+        const int64_t y = r % Y; r /= Y;
+        const int64_t x = r % X, b = r / X;
+        const int64_t off = offset_of(t, b, x, y, z, h) + c * t.stride[5];
+        if (esize == 8) ((double *)t.data)[off] = 0.0;
+        else if (esize == 4) ((float *)t.data)[off] = 0.f;
+        else ((uint16_t *)t.data)[off] = 0;
+    }
+}
+
+static nbhd_status cuda_zero(nbhd_tensor t, int64_t B, const int64_t sp[3], int64_t H, int64_t W, size_t esize,
+                             const nbhd_exec *e) {
+    const int64_t n = B * sp[0] * sp[1] * sp[2] * H * W;
+    if (n == 0) return NBHD_OK;
+    const int64_t blocks = (n + 255) / 256;
+    zero_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, (cudaStream_t)e->stream>>>(
+        t, B, sp[0], sp[1], sp[2], H, W, (int)esize);
+    NBHD_CUDA_CHECK_LAUNCH("zero");
+    return NBHD_OK;
+}
+
+/* a backward's bias table gradient (absent: nothing), zeroed before the kernels add into it */
+static nbhd_status zero_table_grad(const nbhd_geometry *g, const nbhd_tensor &t, const nbhd_exec *e) {
+    if (!g->rpb || !t.data) return NBHD_OK;
+    const int64_t one[3] = {1, 1, 1};
+    return cuda_zero(t, 1, one, g->heads, g->rpb_entries, g->dtype == NBHD_F64 ? 8 : 4, e);
+}
+
 static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                 const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
@@ -66,6 +104,8 @@ static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args 
 static nbhd_status cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
                                  const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
+    const nbhd_status st = zero_table_grad(g, a->d_rpb, e);
+    if (st != NBHD_OK) return st;
     const nbhd_cuda_choice c = choose(g, NBHD_OP_BACKWARD, e, nbhd_cuda_mma_backward_supported(g, a));
     if (c.family != NBHD_CUDA_SIMPLE) return nbhd_cuda_mma_backward(g, a, e->workspace, &c, stream);
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("backward");
@@ -85,11 +125,13 @@ static nbhd_status cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_j
  * and geometry, O(N D) memory). */
 static nbhd_status cuda_forward_jvp_backward(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
                                              const nbhd_exec *e) {
+    nbhd_status st = zero_table_grad(g, a->d_rpb, e);
+    if (st == NBHD_OK) st = zero_table_grad(g, a->d_t_rpb, e);
+    if (st != NBHD_OK) return st;
     return nbhd_cuda_simple_forward_jvp_backward(g, a, e->workspace, (cudaStream_t)e->stream);
 }
 
-/* No device-side zeroing (a backward with no query heads is refused). Positional: C++17 has
- * no designated initializers; the order is nbhd_device_ops's. */
+/* Positional: C++17 has no designated initializers; the order is nbhd_device_ops's. */
 extern "C" const nbhd_device_ops nbhd_cuda_ops = {
     "CUDA",
     cuda_forward,
@@ -99,5 +141,5 @@ extern "C" const nbhd_device_ops nbhd_cuda_ops = {
     nbhd_cuda_merge,
     cuda_workspace_bytes,
     nbhd_cuda_tile_configs,
-    nullptr,                 /* zero */
+    cuda_zero,
 };

@@ -76,6 +76,27 @@ __device__ __forceinline__ void walk_members(int64_t total, int lane, V none, Te
     }
 }
 
+/* table t's entry (docs/rpb.md) for query c and member n of its keys ks: 0 for an extra key or
+ * without a table */
+template <typename A>
+__device__ __forceinline__ A member_bias(const nbhd_geometry &g, const nbhd_tensor &t, const keyset &ks, int64_t n,
+                                         int64_t h, const int64_t c[3]) {
+    if (!t.data || n >= ks.box) return (A)0;
+    int64_t y[3];
+    member_coords(ks, n, y);
+    return table_at<A>(g, t, h, c, y);
+}
+
+/* v into gradient table t's entry for query c and member n of its keys (window keys only) */
+template <typename A>
+__device__ __forceinline__ void member_table_add(const nbhd_geometry &g, const nbhd_tensor &t, const keyset &ks,
+                                                 int64_t n, int64_t h, const int64_t c[3], A v) {
+    if (!t.data || n >= ks.box) return;
+    int64_t y[3];
+    member_coords(ks, n, y);
+    table_add<A>(g, t, h, c, y, v);
+}
+
 /* what a walk without a per-chunk step passes as `chunk` */
 struct no_chunk_step {
     template <typename V> __device__ __forceinline__ void operator()(V &, bool) const {}
@@ -109,7 +130,8 @@ __device__ __forceinline__ void exact_forward_row(const nbhd_geometry &g, const 
         total, lane, terms{-INFINITY, 0, 0},
         [&](int64_t n) {
             terms t;
-            t.s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, member_offset(ks, n, a.k, a.kx, b, hk), q, D);
+            t.s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, member_offset(ks, n, a.k, a.kx, b, hk), q, D) +
+                  member_bias<A>(g, a.rpb, ks, n, h, c);
             t.v_off = member_offset(ks, n, a.v, a.vx, b, hk);
             return t;
         },
@@ -135,7 +157,9 @@ __device__ __forceinline__ void exact_forward_row(const nbhd_geometry &g, const 
 }
 
 // ----------------------------------------------------------------------------
-// backward, query rows: D_i = dO_i.O_i - dLSE_i, then dQ_i = s sum_j dS_ij k_j
+// backward, query rows: D_i = dO_i.O_i - dLSE_i, then dQ_i = s sum_j dS_ij k_j (and, with
+// table_grad, d_rpb += dS_ij: the tensor-core kernels' repairs pass false, their tiles having
+// added the row's terms, which are the pairs' own)
 
 template <typename T, typename A>
 __device__ __forceinline__ A exact_di(const nbhd_geometry &g, const nbhd_backward_args &a, int64_t b,
@@ -152,7 +176,8 @@ __device__ __forceinline__ A exact_di(const nbhd_geometry &g, const nbhd_backwar
 
 template <typename T, typename A>
 __device__ __forceinline__ void exact_dq_row(const nbhd_geometry &g, const nbhd_backward_args &a, int64_t b,
-                                             const int64_t c[3], int64_t h, A Di, A *scratch, int lane) {
+                                             const int64_t c[3], int64_t h, A Di, A *scratch, int lane,
+                                             bool table_grad) {
     const int D = g.head_dim, Dv = g.head_dim_v;
     A *q = scratch, *dout = q + D, *acc = dout + Dv;
     const int64_t hk = h / g.group;
@@ -180,10 +205,12 @@ __device__ __forceinline__ void exact_dq_row(const nbhd_geometry &g, const nbhd_
             // P_ij = exp(S_ij - lse_i), dS_ij = P_ij (dO_i.v_j - D_i)
             terms t;
             t.k_off = member_offset(ks, n, a.k, a.kx, b, hk);
-            const A s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, t.k_off, q, D);
+            const A s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, t.k_off, q, D) +
+                        member_bias<A>(g, a.rpb, ks, n, h, c);
             const int64_t v_off = member_offset(ks, n, a.v, a.vx, b, hk);
             const A p = prob_acc<A>(s - lse);
             t.ds = p * (dot_row<T, A>(n < ks.box ? a.v : a.vx, v_off, dout, Dv) - Di);
+            if (table_grad) member_table_add<A>(g, a.d_rpb, ks, n, h, c, t.ds);
             return t;
         },
         no_chunk_step(),
@@ -260,7 +287,8 @@ __device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd
             t.do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
             const A lse = ((const A *)a.lse.data)[offset_of(a.lse, b, qc[0], qc[1], qc[2], h)];
             const A Di = Dws[(b * g.tokens + token_of(g, qc)) * g.heads + h];
-            t.p = prob_acc<A>(scale * dot_row<T, A>(a.q, t.q_off, k, D) - lse);
+            const A bias = EXTRA ? (A)0 : table_at<A>(g, a.rpb, h, qc, c);
+            t.p = prob_acc<A>(scale * dot_row<T, A>(a.q, t.q_off, k, D) + bias - lse);
             t.ds = t.p * (dot_row<T, A>(a.d_out, t.do_off, v, Dv) - Di);
             return t;
         },
@@ -280,7 +308,7 @@ __device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd
 }
 
 // ----------------------------------------------------------------------------
-// forward + JVP: tS = s (tq.k + q.tk); r = sum p tS; acc_t = sum p (tv + tS v) (docs/design.md §4.3)
+// forward + JVP: tS = s (tq.k + q.tk) [+ t_rpb]; r = sum p tS; acc_t = sum p (tv + tS v) (docs/design.md §4.3)
 
 template <typename T, typename A>
 __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, const nbhd_forward_jvp_args &a,
@@ -318,7 +346,8 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
             if (has_tq) t.ts += dot_row<T, A>(in_box ? a.k : a.kx, k_off, tq, D);
             const nbhd_tensor &tks = in_box ? a.t_k : a.t_kx;
             if (tks.data) t.ts += dot_row<T, A>(tks, member_offset(ks, n, a.t_k, a.t_kx, b, hk), q, D);
-            t.ts *= scale;
+            t.s += member_bias<A>(g, a.rpb, ks, n, h, c);
+            t.ts = t.ts * scale + member_bias<A>(g, a.t_rpb, ks, n, h, c);
             return t;
         },
         [&](terms &t, bool valid) {
@@ -368,8 +397,8 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
 // ----------------------------------------------------------------------------
 // backward through forward + JVP (nbhd.h nbhd_forward_jvp_backward_args, docs/design.md §4.4),
 // as scalar_impl.h jvp_pair. Per query row i: D' = dO.O - dLSE, c = G.O, E = G.tO (G = dL/dtO),
-// kept in the workspace (3 per row) for the key rows; per pair (i, j): tS = s (tq.k + q.tk),
-// P = exp(s q.k - lse), n = tS - mu, w = G.v - c + g_mu, dS = P (dO.v - D' - E + w n + G.tv),
+// kept in the workspace (3 per row) for the key rows; per pair (i, j): tS = s (tq.k + q.tk) + tb,
+// P = exp(s q.k + b - lse) (b, tb: the pair's rpb and t_rpb entries), n = tS - mu, w = G.v - c + g_mu, dS = P (dO.v - D' - E + w n + G.tv),
 // dtS = P w. Absent tensors (no data) are zero; absent tangent-gradient outputs are skipped.
 
 __host__ __device__ constexpr int exact_jvpb_query_scratch(int D, int Dv) { return 4 * D + 2 * Dv; }
@@ -384,13 +413,13 @@ template <typename A> struct jvpb_pair {
     A p, n, ds, dts;
 };
 
-/* from the pair's dot products q.k, tq.k, q.tk, G.v, dO.v, G.tv */
+/* from the pair's dot products q.k, tq.k, q.tk, G.v, dO.v, G.tv and its biases (rpb, t_rpb) */
 template <typename A>
-__device__ __forceinline__ jvpb_pair<A> jvpb_pair_of(A scale, A qk, A tqk, A qtk, A Gv, A dov, A Gtv,
-                                                     const jvpb_scalars<A> &r) {
+__device__ __forceinline__ jvpb_pair<A> jvpb_pair_of(A scale, A qk, A tqk, A qtk, A Gv, A dov, A Gtv, A bias,
+                                                     A t_bias, const jvpb_scalars<A> &r) {
     jvpb_pair<A> o;
-    o.p = prob_acc<A>(scale * qk - r.lse);
-    o.n = scale * (tqk + qtk) - r.mu;
+    o.p = prob_acc<A>(scale * qk + bias - r.lse);
+    o.n = scale * (tqk + qtk) + t_bias - r.mu;
     const A w = Gv - r.c + r.g_mu;
     o.ds = o.p * (dov - r.Dp - r.E + w * o.n + Gtv);
     o.dts = o.p * w;
@@ -465,9 +494,13 @@ __device__ __forceinline__ void exact_jvpb_query_row(const nbhd_geometry &g, con
             const A dov = has_do ? dot_row<T, A>(vt, v_off, dout, Dv) : (A)0;
             const A Gtv = has_G && tvt.data
                               ? dot_row<T, A>(tvt, member_offset(ks, n, a.t_v, a.t_vx, b, hk), G, Dv) : (A)0;
-            const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv, sc);
+            const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv,
+                                                    member_bias<A>(g, a.rpb, ks, n, h, c),
+                                                    member_bias<A>(g, a.t_rpb, ks, n, h, c), sc);
             t.ds = pr.ds;
             t.dts = pr.dts;
+            member_table_add<A>(g, a.d_rpb, ks, n, h, c, t.ds);
+            member_table_add<A>(g, a.d_t_rpb, ks, n, h, c, t.dts);
             return t;
         },
         no_chunk_step(),
@@ -540,7 +573,9 @@ __device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const
             const A Gv = has_G ? dot_row<T, A>(a.d_t_out, t.G_off, v, Dv) : (A)0;
             const A dov = has_do ? dot_row<T, A>(a.d_out, t.do_off, v, Dv) : (A)0;
             const A Gtv = has_G && has_tv ? dot_row<T, A>(a.d_t_out, t.G_off, tv, Dv) : (A)0;
-            const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv, sc);
+            const A bias = EXTRA ? (A)0 : table_at<A>(g, a.rpb, h, qc, c);
+            const A t_bias = EXTRA ? (A)0 : table_at<A>(g, a.t_rpb, h, qc, c);
+            const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv, bias, t_bias, sc);
             t.p = pr.p;
             t.pn = pr.p * pr.n;
             t.ds = pr.ds;
@@ -635,7 +670,7 @@ __device__ __noinline__ void redo_dq_row(const nbhd_geometry *g, const nbhd_back
                                          int64_t b, int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
     const int64_t c[3] = {c0, c1, c2};
     const float Di = Dws[(b * g->tokens + token_of(*g, c)) * g->heads + h];
-    exact_dq_row<T, float>(*g, *a, b, c, h, Di, scratch, threadIdx.x & 31);
+    exact_dq_row<T, float>(*g, *a, b, c, h, Di, scratch, threadIdx.x & 31, false);
 }
 
 template <typename T, bool EXTRA>

@@ -72,14 +72,16 @@ fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_con
     // windows per axis; invalid rows get empty windows
     const int rq = lane >> 2, cq = lane & 3;
     auto my_row = [&](int mb, int hrow) { return (w * MB + mb) * 16 + rq + 8 * hrow; };
-    int wst[MB][2][RANK], wen[MB][2][RANK];
+    int wst[MB][2][RANK], wen[MB][2][RANK], brow[MB][2];
     bool rvalid[MB][2];
+    const float *tab = tile_bias<RANK>::table(g, a.rpb, C.h);
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
         for (int hrow = 0; hrow < 2; ++hrow) {
             int iq[3];
             rvalid[mb][hrow] = row_coords(my_row(mb, hrow), iq);
+            brow[mb][hrow] = tile_bias<RANK>::row(g, iq);
 #pragma unroll
             for (int ax = 0; ax < RANK; ++ax) {
                 int64_t st = 0, en = 0;
@@ -205,7 +207,8 @@ fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_con
                 }
             }
             float corr[MB][2];
-            if (fwd_softmax_tile<MB, BN, RANK>(sc, m, l, corr, full, win, kct, wst, wen, rvalid, sl2, cq))
+            if (fwd_softmax_tile<MB, BN, RANK>(g, sc, m, l, corr, full, win, kct, wst, wen, rvalid, sl2, cq, tab,
+                                               brow))
                 fwd_rescale<MB, HD>(o, corr);
             // O += P V: each V fragment feeds the warp's MB m-blocks
 #pragma unroll

@@ -128,6 +128,9 @@ fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant
     }
     int ulo[3], uhi[3];
     warp_union(wst, wen, rvalid, ulo, uhi);
+    const float *tab = tile_bias<3>::table(g, a.rpb, h);
+    float *d_tab = (float *)tile_bias<3>::table(g, a.d_rpb, h);
+    const int brow[2] = {tile_bias<3>::row(g, iq[0]), tile_bias<3>::row(g, iq[1])};
 
     float dq[HD / 8][4];
 #pragma unroll
@@ -160,16 +163,22 @@ fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int kr = nb * 8 + 2 * cq + e;
-                    const int j0 = kct[kr], j1 = kct[BC + kr], j2 = kct[2 * BC + kr];
+                    const int j[3] = {kct[kr], kct[BC + kr], kct[2 * BC + kr]};
+                    const int j0 = j[0], j1 = j[1], j2 = j[2];
+                    const int bk = tab ? tile_bias<3>::key(g, j) : 0;
 #pragma unroll
                     for (int hrow = 0; hrow < 2; ++hrow) {
                         const bool ok = win ? j0 >= wst[hrow][0] && j0 < wen[hrow][0] &&
                                                   j1 >= wst[hrow][1] && j1 < wen[hrow][1] &&
                                                   j2 >= wst[hrow][2] && j2 < wen[hrow][2]
                                             : rvalid[hrow] && j0 != KEY_NONE;
-                        // P = exp(S - lse), dS = P (dP - D)
-                        const float p = ok ? prob_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lse2[hrow]) : 0.f;
+                        // P = exp(S + bias - lse), dS = P (dP - D), added to the table's gradient
+                        const float bias = tile_bias<3>::at(tab, ok && win, bk, brow[hrow]);
+                        const float p = ok ? prob_exp2(fmaf(sc[nb][2 * hrow + e], P.scale_log2, bias * LOG2E_F) -
+                                                       lse2[hrow])
+                                           : 0.f;
                         sc[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - Di[hrow]);
+                        if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), sc[nb][2 * hrow + e]);
                     }
                 }
             tile_xb<T, HD>(dq, sc, Kt, lane);  // dQ += dS K
@@ -421,13 +430,14 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 
     // this thread's rows (keys): inverse windows per axis, in-group
     const int rq = lane >> 2, cq = lane & 3;
-    int ist[2][3], ien[2][3];
+    int ist[2][3], ien[2][3], bkey[2];
     bool rvalid[2];
     int rc[2][3];
     /* unrolled, these stay in registers (else a 112-byte local frame read in the tile loop) */
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         rvalid[hrow] = row_coords(w * 16 + rq + 8 * hrow, rc[hrow]);
+        bkey[hrow] = tile_bias<3>::key(g, rc[hrow]);
 #pragma unroll
         for (int ax = 0; ax < 3; ++ax) {
             int64_t f = 0, c = 0;
@@ -470,12 +480,15 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
                 sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
             tile_abt<T, HD>(sc, Ks, w * 16, Qt, lane);   // S^T = K Q^T
             tile_abt<T, HD>(dp, Vs, w * 16, dOt, lane);  // dP^T = V dO^T
+            const float *tab = EXTRA ? nullptr : tile_bias<3>::table(g, a.rpb, (int)(h0 + t / tiles_per_head));
 #pragma unroll
             for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int cr = nb * 8 + 2 * cq + e;
-                    const int j0 = qct[cr], j1 = qct[BC + cr], j2 = qct[2 * BC + cr];
+                    const int j[3] = {qct[cr], qct[BC + cr], qct[2 * BC + cr]};
+                    const int j0 = j[0], j1 = j[1], j2 = j[2];
+                    const int bq = tab ? tile_bias<3>::row(g, j) : 0;
                     const float lv = qlt[cr] * 1.4426950408889634f, dv_i = qdt[cr];
 #pragma unroll
                     for (int hrow = 0; hrow < 2; ++hrow) {
@@ -483,8 +496,10 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
                                               : j0 >= ist[hrow][0] && j0 < ien[hrow][0] &&
                                                     j1 >= ist[hrow][1] && j1 < ien[hrow][1] &&
                                                     j2 >= ist[hrow][2] && j2 < ien[hrow][2];
-                        // P^T = exp(S^T - lse), dS^T = P^T (dP^T - D)
-                        const float p = ok ? prob_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lv) : 0.f;
+                        // P^T = exp(S^T + bias - lse), dS^T = P^T (dP^T - D)
+                        const float bias = tile_bias<3>::at(tab, ok, bkey[hrow], bq);
+                        const float p = ok ? prob_exp2(fmaf(sc[nb][2 * hrow + e], P.scale_log2, bias * LOG2E_F) - lv)
+                                           : 0.f;
                         sc[nb][2 * hrow + e] = p;
                         dp[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - dv_i);
                     }

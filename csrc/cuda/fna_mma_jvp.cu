@@ -130,6 +130,8 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
         o[i][0] = o[i][1] = o[i][2] = o[i][3] = ct[i][0] = ct[i][1] = ct[i][2] = ct[i][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, r[2] = {0.f, 0.f};
     const float scale = P.scale_log2 * 0.69314718055994531f;
+    const float *tab = tile_bias<3>::table(g, a.rpb, h), *t_tab = tile_bias<3>::table(g, a.t_rpb, h);
+    const int brow[2] = {tile_bias<3>::row(g, iq[0]), tile_bias<3>::row(g, iq[1])};
 
     tile_ring_start<ST>(tiles, load_tile);  /* Q, tQ ride with tile 0's group */
     for (int t = 0; t < tiles; ++t) {
@@ -165,8 +167,8 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
             if (has_tq) tile_abt<T, HD>(ts, tQs, w * 16, Kt, lane);   // tS = tQ K^T
             if (has_tk) tile_abt<T, HD>(ts, Qs, w * 16, tKt, lane);   //    + Q tK^T
             float corr[2];
-            if (jvp_softmax_tile<BC, 3>(sc, ts, m, l, r, corr, full, win, kct, wst, wen, rvalid,
-                                        P.scale_log2, scale, cq)) {
+            if (jvp_softmax_tile<BC, 3>(g, sc, ts, m, l, r, corr, full, win, kct, wst, wen, rvalid,
+                                        P.scale_log2, scale, cq, tab, t_tab, brow)) {
 #pragma unroll
                 for (int nd = 0; nd < HD / 8; ++nd) {
                     o[nd][0] *= corr[0]; o[nd][1] *= corr[0]; o[nd][2] *= corr[1]; o[nd][3] *= corr[1];

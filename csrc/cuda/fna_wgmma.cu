@@ -60,6 +60,8 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     C.fragment_rows(g, P, w, lane, wst[0], wen[0], rvalid[0], iq);
     int ilo[RANK], ihi[RANK];
     C.box_inside(g, wg, ilo, ihi);
+    const float *tab = tile_bias<RANK>::table(g, a.rpb, C.h);
+    const int brow[1][2] = {{tile_bias<RANK>::row(g, iq[0]), tile_bias<RANK>::row(g, iq[1])}};
 
     float o[1][HD / 8][4];
 #pragma unroll
@@ -118,8 +120,8 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
         fence_regs(sc[0]);
 
         float corr[1][2];
-        const bool rescale = fwd_softmax_tile<1, BN, RANK>(sc, m, l, corr, full, win, kct, wst, wen,
-                                                           rvalid, sl2, cq);
+        const bool rescale = fwd_softmax_tile<1, BN, RANK>(g, sc, m, l, corr, full, win, kct, wst, wen,
+                                                           rvalid, sl2, cq, tab, brow);
         wgmma_wait<0>();
         pv_done();
         if (rescale) fwd_rescale<1, HD>(o, corr);

@@ -89,9 +89,11 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 
     // this thread's rows: windows, lse (base 2), D_i
     const int cq = lane & 3;
-    int wst[2][RANK], wen[2][RANK], ilo[RANK], ihi[RANK];
+    int wst[2][RANK], wen[2][RANK], ilo[RANK], ihi[RANK], brow[2];
     bool rvalid[2];
-    C.row_windows(g, P, w, lane, wst, wen, rvalid, ilo, ihi);
+    C.row_windows(g, P, w, lane, wst, wen, rvalid, ilo, ihi, brow);
+    const float *tab = tile_bias<RANK>::table(g, a.rpb, C.h);
+    float *d_tab = (float *)tile_bias<RANK>::table(g, a.d_rpb, C.h);
     float lse2[2], Di[2];
     {
         const group_ptr<const float> lp = group_ptr_of<const float>(a.lse, g, C.b, C.grp, C.h);
@@ -142,12 +144,13 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
         wgmma_score_pair<T, HD, BN, BM>(sc, q_base, k_base, dpt, do_base, v_base);
         issue_dq();
 
-        const bool full = win && tile_inside<BN, RANK>(kct, lane, ilo, ihi);
+        const bool full = !tab && win && tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S and dP are done; dQ may still run */
         fence_regs(sc);
         fence_regs(dpt);
 
-        // P = 2^(S s log2e - lse), masked unless full; dS = P (dP - D_i), left in sc
+        // P = 2^(S s log2e + bias log2e - lse), masked unless full; dS = P (dP - D_i), left in
+        // sc and added to the bias table's gradient
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
@@ -156,12 +159,15 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
                 int j[RANK];
 #pragma unroll
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : kct[ax * BN + kr];
+                const int bk = tab ? tile_bias<RANK>::key(g, j) : 0;
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
                     const bool ok = full || key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
+                    const float bias = tile_bias<RANK>::at(tab, ok && win, bk, brow[hrow]);
                     float &x = sc[nb][2 * hrow + e];
-                    const float p = ok ? prob_exp2(x * sl2 - lse2[hrow]) : 0.f;
+                    const float p = ok ? prob_exp2(fmaf(x, sl2, bias * LOG2E_F) - lse2[hrow]) : 0.f;
                     x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);
+                    if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), x);
                 }
             }
         wgmma_wait<0>();
@@ -291,12 +297,13 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
     // intersection over the warpgroup's box, [first(last key), end(first key)) as both ends
     // never decrease along an axis (empty unless all its keys are in the grid)
     const int cq = lane & 3;
-    int ist[2][RANK], ien[2][RANK];
+    int ist[2][RANK], ien[2][RANK], bkey[2];
     bool rvalid[2];
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         int ik[3];
         rvalid[hrow] = C.row(w * 16 + (lane >> 2) + 8 * hrow, ik);
+        bkey[hrow] = tile_bias<RANK>::key(g, ik);
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
             const int d = g.axis[ax].dilation;
@@ -352,7 +359,8 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         float sc[BN / 8][4], dpt[BN / 8][4];
         wgmma_fence();
         wgmma_score_pair<T, HD, BN, BM>(sc, k_base, q_st, dpt, v_base, do_st);
-        const bool full = tile_inside<BN, RANK>(qct, lane, ilo, ihi);
+        const float *tab = tile_bias<RANK>::table(g, a.rpb, (int)(h0 + t / tiles_per_head));
+        const bool full = !tab && tile_inside<BN, RANK>(qct, lane, ilo, ihi);
         wgmma_wait<0>();
         fence_regs(sc);
         fence_regs(dpt);
@@ -367,6 +375,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
                 int j[RANK];
 #pragma unroll
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
+                const int bq = tab ? tile_bias<RANK>::row(g, j) : 0;
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
                     bool ok = true;
@@ -374,8 +383,9 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
 #pragma unroll
                         for (int ax = 0; ax < RANK; ++ax)
                             ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
+                    const float bias = tile_bias<RANK>::at(tab, ok, bkey[hrow], bq);
                     float &x = sc[nb][2 * hrow + e];
-                    x = ok ? prob_exp2(x * sl2 - lv) : 0.f;
+                    x = ok ? prob_exp2(fmaf(x, sl2, bias * LOG2E_F) - lv) : 0.f;
                 }
             }
         uint32_t pf[BN / 16][4], df[BN / 16][4];  /* P^T, dS^T as wgmma A fragments */

@@ -82,9 +82,10 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
     };
 
     const int cq = lane & 3;
-    int wst[2][RANK], wen[2][RANK], ilo[RANK], ihi[RANK];
+    int wst[2][RANK], wen[2][RANK], ilo[RANK], ihi[RANK], brow[2];
     bool rvalid[2];
-    C.row_windows(g, P, w, lane, wst, wen, rvalid, ilo, ihi);
+    C.row_windows(g, P, w, lane, wst, wen, rvalid, ilo, ihi, brow);
+    const float *tab = tile_bias<RANK>::table(g, a.rpb, C.h), *t_tab = tile_bias<RANK>::table(g, a.t_rpb, C.h);
 
     float o[HD / 8][4], ct[HD / 8][4];
 #pragma unroll
@@ -151,8 +152,8 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
         fence_regs(ts);
 
         float corr[2];
-        const bool rescale = jvp_softmax_tile<BN, RANK>(sc, ts, m, l, r, corr, full, win, kct, wst,
-                                                        wen, rvalid, sl2, scale, cq);
+        const bool rescale = jvp_softmax_tile<BN, RANK>(g, sc, ts, m, l, r, corr, full, win, kct, wst,
+                                                        wen, rvalid, sl2, scale, cq, tab, t_tab, brow);
         wgmma_wait<0>();
         pv_done();
         if (rescale) {

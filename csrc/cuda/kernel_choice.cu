@@ -86,7 +86,8 @@ static int patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op, cons
  * than the separate dq kernel (bench/bench_gpu.py: bwd against bdet). */
 int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_cuda_device *dev) {
     const int D = g->head_dim;
-    if (!e || !e->kv_parallel || (g->dtype != NBHD_F16 && g->dtype != NBHD_BF16) || D != g->head_dim_v)
+    /* with a bias the dQ kernels (query-stationary) add the table's gradient */
+    if (!e || !e->kv_parallel || (g->dtype != NBHD_F16 && g->dtype != NBHD_BF16) || D != g->head_dim_v || g->rpb)
         return 0;
     return D == 32 || D == 64 || (D == 128 && patch_mb(g, e, NBHD_OP_BACKWARD, dev) == 2);
 }

@@ -382,22 +382,51 @@ __device__ __forceinline__ bool key_visible(bool win, const int (&j)[RANK], cons
     return ok;
 }
 
-/* One key tile of the online softmax in base 2: scale the scores, mask them (unless full: every
+/* The relative positional bias in the tensor-core kernels' score tiles (problem.rpb, docs/rpb.md).
+ * In-group coordinates differ by (y - x) / d per axis, so the table index of query row iq and key
+ * j is key(j) - row(iq): a per-key and a per-row part (RANK < 3: the padded axes add 0). tab: the
+ * head's row of a table (float), null without one; a tile with a bias takes the masked path. */
+#define LOG2E_F 1.4426950408889634f
+template <int RANK> struct tile_bias {
+    __device__ __forceinline__ static const float *table(const nbhd_geometry &g, const nbhd_tensor &t, int h) {
+        return g.rpb && t.data ? (const float *)t.data + (int64_t)h * g.rpb_entries : nullptr;
+    }
+    __device__ __forceinline__ static int key(const nbhd_geometry &g, const int *j) {
+        int k = 0;
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) k += j[ax] * (int)g.rpb_stride[ax];
+        return k;
+    }
+    __device__ __forceinline__ static int row(const nbhd_geometry &g, const int iq[3]) {
+        int r = 0;
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) r += (iq[ax] - g.axis[ax].kernel + 1) * (int)g.rpb_stride[ax];
+        return r;
+    }
+    /* the entry of a visible pair (ok), else 0 (no read: the index may be off the table) */
+    __device__ __forceinline__ static float at(const float *tab, bool ok, int k, int r) {
+        return tab && ok ? __ldg(tab + (k - r)) : 0.f;
+    }
+};
+
+/* One key tile of the online softmax in base 2: scale the scores, add the bias (tab: the head's
+ * table row, brow: the rows' tile_bias::row; none when tab is null), mask them (unless full: every
  * key of the tile inside every row's window; win: a window tile, else extra keys, kept for valid
  * rows and real keys), update the row max m and sum l, and leave P = 2^(S - m) in sc. Returns
  * whether a row max of the warp moved; then O must be rescaled by corr (fwd_rescale) before
  * P V is added. kct: the tile's in-group key coordinates [RANK][BN]. */
 template <int MB, int BN, int RANK>
-__device__ __forceinline__ bool fwd_softmax_tile(float (&sc)[MB][BN / 8][4], float (&m)[MB][2],
+__device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (&sc)[MB][BN / 8][4], float (&m)[MB][2],
                                                  float (&l)[MB][2], float (&corr)[MB][2], bool full,
                                                  bool win, const int *kct,
                                                  const int (&wst)[MB][2][RANK],
                                                  const int (&wen)[MB][2][RANK],
-                                                 const bool (&rvalid)[MB][2], float sl2, int cq) {
+                                                 const bool (&rvalid)[MB][2], float sl2, int cq,
+                                                 const float *tab, const int (&brow)[MB][2]) {
     float mx[MB][2];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) mx[mb][0] = mx[mb][1] = -INFINITY;
-    if (full) {
+    if (full && !tab) {
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
@@ -416,13 +445,15 @@ __device__ __forceinline__ bool fwd_softmax_tile(float (&sc)[MB][BN / 8][4], flo
                 int j[RANK];
 #pragma unroll
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
+                const int bk = tab ? tile_bias<RANK>::key(g, j) : 0;
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
                     for (int hrow = 0; hrow < 2; ++hrow) {
                         const bool ok = key_visible<RANK>(win, j, wst[mb][hrow], wen[mb][hrow], rvalid[mb][hrow]);
+                        const float bias = tile_bias<RANK>::at(tab, ok && win, bk, brow[mb][hrow]);
                         float &x = sc[mb][nb][2 * hrow + e];
-                        x = ok ? x * sl2 : -INFINITY;
+                        x = ok ? fmaf(x, sl2, bias * LOG2E_F) : -INFINITY;
                         mx[mb][hrow] = fmaxf(mx[mb][hrow], x);
                     }
             }
@@ -581,19 +612,21 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
 // the forward+JVP kernels' per-tile softmax and epilogue (fna_mma_jvp.cu, fna_wgmma_jvp.cu): one
 // 16-row m-block per warp, fragments as above
 
-/* One key tile of the forward+JVP's online softmax: sc (S) scaled to base 2 and masked as in
- * fwd_softmax_tile, ts (tS) scaled by the natural-log scale (masked keys: 0, never -inf); m, l
+/* One key tile of the forward+JVP's online softmax: sc (S) scaled to base 2, biased and masked as
+ * in fwd_softmax_tile, ts (tS) scaled by the natural-log scale plus t_tab's entry (masked keys: 0,
+ * never -inf); m, l
  * and r (the running sum of p tS) updated; leaves p in sc and p tS in ts. Returns whether a row
  * max of the warp moved: then O and C must be rescaled by corr before the tile's P V is added. */
 template <int BN, int RANK>
-__device__ __forceinline__ bool jvp_softmax_tile(float (&sc)[BN / 8][4], float (&ts)[BN / 8][4],
+__device__ __forceinline__ bool jvp_softmax_tile(const nbhd_geometry &g, float (&sc)[BN / 8][4], float (&ts)[BN / 8][4],
                                                  float (&m)[2], float (&l)[2], float (&r)[2],
                                                  float (&corr)[2], bool full, bool win,
                                                  const int *kct, const int (&wst)[2][RANK],
                                                  const int (&wen)[2][RANK], const bool (&rvalid)[2],
-                                                 float sl2, float scale, int cq) {
+                                                 float sl2, float scale, int cq, const float *tab,
+                                                 const float *t_tab, const int (&brow)[2]) {
     float mx[2] = {-INFINITY, -INFINITY};
-    if (full) {
+    if (full && !tab && !t_tab) {
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
@@ -611,12 +644,15 @@ __device__ __forceinline__ bool jvp_softmax_tile(float (&sc)[BN / 8][4], float (
                 int j[RANK];
 #pragma unroll
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
+                const int bk = tab || t_tab ? tile_bias<RANK>::key(g, j) : 0;
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
                     const bool ok = key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
+                    const float bias = tile_bias<RANK>::at(tab, ok && win, bk, brow[hrow]);
+                    const float t_bias = tile_bias<RANK>::at(t_tab, ok && win, bk, brow[hrow]);
                     float &x = sc[nb][2 * hrow + e];
-                    x = ok ? x * sl2 : -INFINITY;
-                    ts[nb][2 * hrow + e] = ok ? ts[nb][2 * hrow + e] * scale : 0.f;
+                    x = ok ? fmaf(x, sl2, bias * LOG2E_F) : -INFINITY;
+                    ts[nb][2 * hrow + e] = ok ? fmaf(ts[nb][2 * hrow + e], scale, t_bias) : 0.f;
                     mx[hrow] = fmaxf(mx[hrow], x);
                 }
             }

@@ -69,7 +69,7 @@ simple_rows_kernel(const nbhd_geometry g, const Args a, A *ws) {
     } else if constexpr (OP == DQ_ROW) {
         const A Di = exact_di<T, A>(g, a, b, c, h, lane);
         if (lane == 0) ws[r] = Di;
-        exact_dq_row<T, A>(g, a, b, c, h, Di, scratch, lane);
+        exact_dq_row<T, A>(g, a, b, c, h, Di, scratch, lane, true);
     } else if constexpr (OP == DKV_ROW) {
         exact_dkv_row<T, A, EXTRA>(g, a, ws, b, c, h, scratch, lane);
     } else if constexpr (OP == JVP_ROW) {

@@ -80,12 +80,15 @@ struct wg_cta : cta_patch<RANK, WGS> {
             g, P, x1, x2, head, d1, d2, tid, [](int r, int ch) { return gmma_off<BM>(r, ch); });
     }
 
-    /* a thread's fragment rows (validity, windows) and its warpgroup's intersection of windows */
+    /* a thread's fragment rows (validity, windows, tile_bias::row) and its warpgroup's
+     * intersection of windows */
     __device__ __forceinline__ void row_windows(const nbhd_geometry &g, const mma_plan &P, int w, int lane,
                                                 int (&wst)[2][RANK], int (&wen)[2][RANK], bool (&rvalid)[2],
-                                                int (&ilo)[RANK], int (&ihi)[RANK]) const {
+                                                int (&ilo)[RANK], int (&ihi)[RANK], int (&brow)[2]) const {
         int iq[2][3];
         this->fragment_rows(g, P, w, lane, wst, wen, rvalid, iq);
+        brow[0] = tile_bias<RANK>::row(g, iq[0]);
+        brow[1] = tile_bias<RANK>::row(g, iq[1]);
         box_inside(g, w >> 2, ilo, ihi);
     }
 

@@ -85,7 +85,7 @@ typedef struct {
     nbhd_dtype dtype;                 /* of every input, output, gradient and tangent but LSE */
     nbhd_device device;
     int32_t rpb;                      /* 1: the scores carry a relative positional bias (below;
-                                         no causal axis, rank >= 1, CPU only); 0: none, and the
+                                         no causal axis, rank >= 1); 0: none, and the
                                          args' rpb fields must have NULL data */
 } nbhd_problem;
 
@@ -96,9 +96,10 @@ typedef struct {
  * (additional keys get no bias). Tables rpb, t_rpb, d_rpb, d_t_rpb are [H, M] (H query heads),
  * float32 (float64 for NBHD_F64), contiguous: stride[4] = M (steps heads), stride[5] = 1, the
  * other strides ignored. A read table with NULL data is zero; a written one with NULL data is
- * not computed. The gradients d_rpb and d_t_rpb are sums over batch, queries and window slots,
- * accumulated per thread in the workspace and reduced in a fixed order: deterministic for a
- * given exec.threads. */
+ * not computed. The gradients d_rpb and d_t_rpb are sums over batch, queries and window slots:
+ * on the CPU accumulated per thread in the workspace and reduced in a fixed order (deterministic
+ * for a given exec.threads); on CUDA zeroed, then added to by atomics (summation order not fixed,
+ * whatever exec.kv_parallel says). */
 
 /* A tensor: data pointer and element strides of its [B, X, Y, Z, H, D] view (see legend).
  * Every entry point checks each tensor it reads or writes: data not NULL, strides >= 0 on the
@@ -119,7 +120,8 @@ typedef struct {
                                          count, < 0 up to -threads, fewer for small problems */
     int32_t kv_parallel;              /* GPU backward may add dQ with fp32 atomics (f16/bf16,
                                          D <= 64; D = 128 on Hopper's 128-row patches): not
-                                         bitwise deterministic; 0: deterministic. Pass the same
+                                         bitwise deterministic; 0: deterministic (a CUDA
+                                         d_rpb is not, above). Pass the same
                                          value to nbhd_workspace_bytes. */
     int32_t use_reference;            /* force the plain scalar kernels (tests, debugging) */
     int32_t q_tile[NBHD_MAX_RANK];    /* query tile per problem axis; all 0: the library chooses */
@@ -144,7 +146,8 @@ typedef struct {
 /* Backward (docs/design.md §4.2): D_i = dO_i.O_i - dLSE_i, P = exp(S - LSE), dS = P (dO V^T - D),
  * dQ = s dS K, dK = s dS^T Q, dV = P^T dO. d_lse.data may be NULL (no gradient on LSE).
  * With problem.rpb: S includes the bias, and d_rpb[h, flat(r_ij)] += dS_ij over the window pairs.
- * Deterministic: every output element is written by one thread in a fixed order. */
+ * Deterministic (exec.kv_parallel 0): every output element is written by one thread in a fixed
+ * order, but for the CUDA table gradient (above). */
 typedef struct {
     nbhd_tensor q, k, v, kx, vx, out, lse, d_out, d_lse;   /* read */
     nbhd_tensor d_q, d_k, d_v, d_kx, d_vx;                 /* written */
