@@ -122,6 +122,8 @@ def main() -> None:
         wanted = {"no rpb", *args.runs.split(",")}
         runs = {label: run for label, run in runs.items() if label in wanted}
 
+        d_out = torch.randn_like(q)   # a dense cotangent (out.sum()'s is stride-0, which no fused kernel takes)
+
         def step(run):
             if args.op:
                 run()
@@ -132,7 +134,7 @@ def main() -> None:
                 return
             out = run(q, k, v, rpb)
             if args.bwd:
-                out.sum().backward()
+                out.backward(d_out)
 
         times = {label: [] for label in runs}
         for label, run in runs.items():   # warm-up

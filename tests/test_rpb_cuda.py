@@ -57,7 +57,7 @@ def build(case, dtype, seed):
     r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)
     q, k, v = r(B, *ext, H, D), r(B, *ext, Hkv, D), r(B, *ext, Hkv, Dv)
     kx, vx = r(B, S, Hkv, D), r(B, S, Hkv, Dv)
-    table = r(H, *(2 * x - 1 for x in ks)) * 2   # biases of a few units
+    table = r(H, *(2 * x - 1 for x in ks)).reshape(H, -1) * 2   # [H, M], biases of a few units
     work = torch.float64 if dtype == torch.float64 else torch.float32
     geo = (list(ks), list(st), list(dil), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
     return [t.to(dtype) for t in (q, k, v, kx, vx)], table.to(work), geo
@@ -161,9 +161,9 @@ def test_backward_through_forward_jvp_with_bias(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_nan_key_reaches_only_its_queries(dtype):
-    """A NaN key makes NaN exactly the outputs of the queries whose windows hold it (the
-    tensor-core kernels repair rows a masked NaN reached), biased or not; dK of keys no NaN row
-    sees stays finite."""
+    """A NaN key (kv head 0: query heads 0 and 1) makes NaN exactly the outputs and dQ rows of
+    the queries whose windows hold it (the tensor-core kernels repair rows a masked NaN reached);
+    the other kv head's query heads and keys stay finite."""
     case = ((16, 16), (7, 7), (1, 1), (1, 1), 1, 4, 2, 128, 128, 0)
     xs, table, geo = build(case, dtype, 3)
     xs[1][0, 8, 8, 0, 0] = float("nan")
@@ -174,7 +174,9 @@ def test_nan_key_reaches_only_its_queries(dtype):
     assert torch.equal(bad, sees) and torch.equal(torch.isnan(out[0, :, :, 1]).any(-1), sees)
     d_out = torch.randn_like(out)
     grads = ops.na_backward(*xs, table, out, lse, d_out, torch.zeros_like(lse), *geo)
-    assert torch.isfinite(grads[0][0, :, :, 1]).all() and torch.isfinite(grads[1][0, :, :, 1]).all()
+    assert torch.equal(torch.isnan(grads[0][0, :, :, 0].float()).any(-1), sees)
+    assert torch.isfinite(grads[0][0, :, :, 2:]).all() and torch.isfinite(grads[1][0, :, :, 1]).all()
+    assert torch.isfinite(grads[2][0, :, :, 1]).all()
 
 
 def test_cuda_runs_the_bias_in_the_kernels(monkeypatch):

@@ -15,7 +15,9 @@
  * accumulate the chunk's 32 value rows (p_j broadcast by shuffle). The row's inputs and
  * accumulators live in `scratch` (per warp, lanes own the elements d = lane + 32 n, so only
  * __syncwarp is needed); the sizes are *_SCRATCH below, in accumulation elements. Row
- * coordinates c are full-axis token coordinates (an extra key: c[0] is its index).
+ * coordinates c are full-axis token coordinates (an extra key: c[0] is its index). BIAS: the
+ * problem has a relative positional bias (problem.rpb; the tables may still be absent); without
+ * it the rows compute exactly the expressions they would with no bias term at all.
  */
 #ifndef NBHD_CUDA_EXACT_ROWS_CUH
 #define NBHD_CUDA_EXACT_ROWS_CUH
@@ -105,7 +107,7 @@ struct no_chunk_step {
 // ----------------------------------------------------------------------------
 // forward: O, LSE of query (b, c, h)
 
-template <typename T, typename A>
+template <typename T, typename A, bool BIAS>
 __device__ __forceinline__ void exact_forward_row(const nbhd_geometry &g, const nbhd_forward_args &a,
                                                   int64_t b, const int64_t c[3], int64_t h, A *scratch,
                                                   int lane) {
@@ -130,8 +132,8 @@ __device__ __forceinline__ void exact_forward_row(const nbhd_geometry &g, const 
         total, lane, terms{-INFINITY, 0, 0},
         [&](int64_t n) {
             terms t;
-            t.s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, member_offset(ks, n, a.k, a.kx, b, hk), q, D) +
-                  member_bias<A>(g, a.rpb, ks, n, h, c);
+            t.s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, member_offset(ks, n, a.k, a.kx, b, hk), q, D);
+            if constexpr (BIAS) t.s += member_bias<A>(g, a.rpb, ks, n, h, c);
             t.v_off = member_offset(ks, n, a.v, a.vx, b, hk);
             return t;
         },
@@ -174,7 +176,7 @@ __device__ __forceinline__ A exact_di(const nbhd_geometry &g, const nbhd_backwar
     return Di;
 }
 
-template <typename T, typename A>
+template <typename T, typename A, bool BIAS>
 __device__ __forceinline__ void exact_dq_row(const nbhd_geometry &g, const nbhd_backward_args &a, int64_t b,
                                              const int64_t c[3], int64_t h, A Di, A *scratch, int lane,
                                              bool table_grad) {
@@ -205,12 +207,12 @@ __device__ __forceinline__ void exact_dq_row(const nbhd_geometry &g, const nbhd_
             // P_ij = exp(S_ij - lse_i), dS_ij = P_ij (dO_i.v_j - D_i)
             terms t;
             t.k_off = member_offset(ks, n, a.k, a.kx, b, hk);
-            const A s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, t.k_off, q, D) +
-                        member_bias<A>(g, a.rpb, ks, n, h, c);
+            A s = scale * dot_row<T, A>(n < ks.box ? a.k : a.kx, t.k_off, q, D);
+            if constexpr (BIAS) s += member_bias<A>(g, a.rpb, ks, n, h, c);
             const int64_t v_off = member_offset(ks, n, a.v, a.vx, b, hk);
             const A p = prob_acc<A>(s - lse);
             t.ds = p * (dot_row<T, A>(n < ks.box ? a.v : a.vx, v_off, dout, Dv) - Di);
-            if (table_grad) member_table_add<A>(g, a.d_rpb, ks, n, h, c, t.ds);
+            if (BIAS && table_grad) member_table_add<A>(g, a.d_rpb, ks, n, h, c, t.ds);
             return t;
         },
         no_chunk_step(),
@@ -255,7 +257,7 @@ __device__ __forceinline__ void load_or_zero(const nbhd_tensor &t, int64_t off, 
 // backward, key rows: dK_j = s sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i over the queries i that
 // see key j x group heads. Dws: D_i per query row (b, token, head), as exact_di gives it.
 
-template <typename T, typename A, bool EXTRA>
+template <typename T, typename A, bool EXTRA, bool BIAS>
 __device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd_backward_args &a, const A *Dws,
                                               int64_t b, const int64_t c[3], int64_t hk, A *scratch, int lane) {
     const int D = g.head_dim, Dv = g.head_dim_v;
@@ -287,8 +289,10 @@ __device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd
             t.do_off = offset_of(a.d_out, b, qc[0], qc[1], qc[2], h);
             const A lse = ((const A *)a.lse.data)[offset_of(a.lse, b, qc[0], qc[1], qc[2], h)];
             const A Di = Dws[(b * g.tokens + token_of(g, qc)) * g.heads + h];
-            const A bias = EXTRA ? (A)0 : table_at<A>(g, a.rpb, h, qc, c);
-            t.p = prob_acc<A>(scale * dot_row<T, A>(a.q, t.q_off, k, D) + bias - lse);
+            if constexpr (BIAS && !EXTRA)
+                t.p = prob_acc<A>(scale * dot_row<T, A>(a.q, t.q_off, k, D) + table_at<A>(g, a.rpb, h, qc, c) - lse);
+            else
+                t.p = prob_acc<A>(scale * dot_row<T, A>(a.q, t.q_off, k, D) - lse);
             t.ds = t.p * (dot_row<T, A>(a.d_out, t.do_off, v, Dv) - Di);
             return t;
         },
@@ -310,7 +314,7 @@ __device__ __forceinline__ void exact_dkv_row(const nbhd_geometry &g, const nbhd
 // ----------------------------------------------------------------------------
 // forward + JVP: tS = s (tq.k + q.tk) [+ t_rpb]; r = sum p tS; acc_t = sum p (tv + tS v) (docs/design.md §4.3)
 
-template <typename T, typename A>
+template <typename T, typename A, bool BIAS>
 __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, const nbhd_forward_jvp_args &a,
                                                       int64_t b, const int64_t c[3], int64_t h, A *scratch,
                                                       int lane) {
@@ -346,8 +350,11 @@ __device__ __forceinline__ void exact_forward_jvp_row(const nbhd_geometry &g, co
             if (has_tq) t.ts += dot_row<T, A>(in_box ? a.k : a.kx, k_off, tq, D);
             const nbhd_tensor &tks = in_box ? a.t_k : a.t_kx;
             if (tks.data) t.ts += dot_row<T, A>(tks, member_offset(ks, n, a.t_k, a.t_kx, b, hk), q, D);
-            t.s += member_bias<A>(g, a.rpb, ks, n, h, c);
-            t.ts = t.ts * scale + member_bias<A>(g, a.t_rpb, ks, n, h, c);
+            t.ts *= scale;
+            if constexpr (BIAS) {
+                t.s += member_bias<A>(g, a.rpb, ks, n, h, c);
+                t.ts += member_bias<A>(g, a.t_rpb, ks, n, h, c);
+            }
             return t;
         },
         [&](terms &t, bool valid) {
@@ -414,12 +421,17 @@ template <typename A> struct jvpb_pair {
 };
 
 /* from the pair's dot products q.k, tq.k, q.tk, G.v, dO.v, G.tv and its biases (rpb, t_rpb) */
-template <typename A>
+template <typename A, bool BIAS>
 __device__ __forceinline__ jvpb_pair<A> jvpb_pair_of(A scale, A qk, A tqk, A qtk, A Gv, A dov, A Gtv, A bias,
                                                      A t_bias, const jvpb_scalars<A> &r) {
     jvpb_pair<A> o;
-    o.p = prob_acc<A>(scale * qk + bias - r.lse);
-    o.n = scale * (tqk + qtk) + t_bias - r.mu;
+    if constexpr (BIAS) {
+        o.p = prob_acc<A>(scale * qk + bias - r.lse);
+        o.n = scale * (tqk + qtk) + t_bias - r.mu;
+    } else {
+        o.p = prob_acc<A>(scale * qk - r.lse);
+        o.n = scale * (tqk + qtk) - r.mu;
+    }
     const A w = Gv - r.c + r.g_mu;
     o.ds = o.p * (dov - r.Dp - r.E + w * o.n + Gtv);
     o.dts = o.p * w;
@@ -434,7 +446,7 @@ __device__ __forceinline__ A scalar_or_zero(const nbhd_tensor &t, int64_t off) {
 
 /* pass 1, query row r = (b, c, h): D', c, E into ws[3r..]; dQ = s sum (dS k + dtS tk),
  * dtQ = s sum dtS k */
-template <typename T, typename A>
+template <typename T, typename A, bool BIAS>
 __device__ __forceinline__ void exact_jvpb_query_row(const nbhd_geometry &g, const nbhd_forward_jvp_backward_args &a,
                                                      A *ws, int64_t r, int64_t b, const int64_t c[3], int64_t h,
                                                      A *scratch, int lane) {
@@ -494,13 +506,15 @@ __device__ __forceinline__ void exact_jvpb_query_row(const nbhd_geometry &g, con
             const A dov = has_do ? dot_row<T, A>(vt, v_off, dout, Dv) : (A)0;
             const A Gtv = has_G && tvt.data
                               ? dot_row<T, A>(tvt, member_offset(ks, n, a.t_v, a.t_vx, b, hk), G, Dv) : (A)0;
-            const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv,
-                                                    member_bias<A>(g, a.rpb, ks, n, h, c),
-                                                    member_bias<A>(g, a.t_rpb, ks, n, h, c), sc);
+            const A bias = BIAS ? member_bias<A>(g, a.rpb, ks, n, h, c) : (A)0;
+            const A t_bias = BIAS ? member_bias<A>(g, a.t_rpb, ks, n, h, c) : (A)0;
+            const jvpb_pair<A> pr = jvpb_pair_of<A, BIAS>(scale, qk, tqk, qtk, Gv, dov, Gtv, bias, t_bias, sc);
             t.ds = pr.ds;
             t.dts = pr.dts;
-            member_table_add<A>(g, a.d_rpb, ks, n, h, c, t.ds);
-            member_table_add<A>(g, a.d_t_rpb, ks, n, h, c, t.dts);
+            if constexpr (BIAS) {
+                member_table_add<A>(g, a.d_rpb, ks, n, h, c, t.ds);
+                member_table_add<A>(g, a.d_t_rpb, ks, n, h, c, t.dts);
+            }
             return t;
         },
         no_chunk_step(),
@@ -528,7 +542,7 @@ __device__ __forceinline__ void exact_jvpb_query_row(const nbhd_geometry &g, con
 
 /* pass 2 (3: EXTRA), key row (b, c, hk) over the queries that see it x group heads: dK, dtK,
  * dV, dtV. ws: pass 1's (D', c, E) per query row. */
-template <typename T, typename A, bool EXTRA>
+template <typename T, typename A, bool EXTRA, bool BIAS>
 __device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const nbhd_forward_jvp_backward_args &a,
                                                    const A *ws, int64_t b, const int64_t c[3], int64_t hk,
                                                    A *scratch, int lane) {
@@ -573,9 +587,10 @@ __device__ __forceinline__ void exact_jvpb_key_row(const nbhd_geometry &g, const
             const A Gv = has_G ? dot_row<T, A>(a.d_t_out, t.G_off, v, Dv) : (A)0;
             const A dov = has_do ? dot_row<T, A>(a.d_out, t.do_off, v, Dv) : (A)0;
             const A Gtv = has_G && has_tv ? dot_row<T, A>(a.d_t_out, t.G_off, tv, Dv) : (A)0;
-            const A bias = EXTRA ? (A)0 : table_at<A>(g, a.rpb, h, qc, c);
-            const A t_bias = EXTRA ? (A)0 : table_at<A>(g, a.t_rpb, h, qc, c);
-            const jvpb_pair<A> pr = jvpb_pair_of<A>(scale, qk, tqk, qtk, Gv, dov, Gtv, bias, t_bias, sc);
+            constexpr bool PAIR_BIAS = BIAS && !EXTRA;  /* extra keys have no bias */
+            const A bias = PAIR_BIAS ? table_at<A>(g, a.rpb, h, qc, c) : (A)0;
+            const A t_bias = PAIR_BIAS ? table_at<A>(g, a.t_rpb, h, qc, c) : (A)0;
+            const jvpb_pair<A> pr = jvpb_pair_of<A, PAIR_BIAS>(scale, qk, tqk, qtk, Gv, dov, Gtv, bias, t_bias, sc);
             t.p = pr.p;
             t.pn = pr.p * pr.n;
             t.ds = pr.ds;
@@ -654,14 +669,16 @@ template <typename T>
 __device__ __noinline__ void redo_forward_row(const nbhd_geometry *g, const nbhd_forward_args *a, int64_t b,
                                               int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
     const int64_t c[3] = {c0, c1, c2};
-    exact_forward_row<T, float>(*g, *a, b, c, h, scratch, threadIdx.x & 31);
+    if (g->rpb) exact_forward_row<T, float, true>(*g, *a, b, c, h, scratch, threadIdx.x & 31);
+    else exact_forward_row<T, float, false>(*g, *a, b, c, h, scratch, threadIdx.x & 31);
 }
 
 template <typename T>
 __device__ __noinline__ void redo_forward_jvp_row(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, int64_t b,
                                                   int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
     const int64_t c[3] = {c0, c1, c2};
-    exact_forward_jvp_row<T, float>(*g, *a, b, c, h, scratch, threadIdx.x & 31);
+    if (g->rpb) exact_forward_jvp_row<T, float, true>(*g, *a, b, c, h, scratch, threadIdx.x & 31);
+    else exact_forward_jvp_row<T, float, false>(*g, *a, b, c, h, scratch, threadIdx.x & 31);
 }
 
 /* dQ of query (b, c, h) exactly, given the tensor-core backward's D_i (float, [b, token, h]) */
@@ -670,14 +687,16 @@ __device__ __noinline__ void redo_dq_row(const nbhd_geometry *g, const nbhd_back
                                          int64_t b, int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
     const int64_t c[3] = {c0, c1, c2};
     const float Di = Dws[(b * g->tokens + token_of(*g, c)) * g->heads + h];
-    exact_dq_row<T, float>(*g, *a, b, c, h, Di, scratch, threadIdx.x & 31, false);
+    if (g->rpb) exact_dq_row<T, float, true>(*g, *a, b, c, h, Di, scratch, threadIdx.x & 31, false);
+    else exact_dq_row<T, float, false>(*g, *a, b, c, h, Di, scratch, threadIdx.x & 31, false);
 }
 
 template <typename T, bool EXTRA>
 __device__ __noinline__ void redo_dkv_row(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                           int64_t b, int64_t c0, int64_t c1, int64_t c2, int64_t hk, float *scratch) {
     const int64_t c[3] = {c0, c1, c2};
-    exact_dkv_row<T, float, EXTRA>(*g, *a, Dws, b, c, hk, scratch, threadIdx.x & 31);
+    if (g->rpb) exact_dkv_row<T, float, EXTRA, true>(*g, *a, Dws, b, c, hk, scratch, threadIdx.x & 31);
+    else exact_dkv_row<T, float, EXTRA, false>(*g, *a, Dws, b, c, hk, scratch, threadIdx.x & 31);
 }
 
 #endif /* NBHD_CUDA_EXACT_ROWS_CUH */

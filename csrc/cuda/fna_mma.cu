@@ -37,7 +37,8 @@ template <typename T, int HD, int BN /* keys per tile: 64, or 32 for small windo
           int MB /* 16-row m-blocks per warp: 1 (64-query patches) or 2 (128) */,
           int MINB /* CTAs per SM the registers are budgeted for */,
           bool QREG /* Q fragments held in registers (else re-read from shared memory per tile,
-                       32 registers fewer per m-block at D = 128) */>
+                       32 registers fewer per m-block at D = 128) */,
+          bool BIAS /* problem.rpb: the scores gain the table's bias (mma_util.cuh tile_bias) */>
 __global__ void __launch_bounds__(MMA_THREADS, MINB)
 fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_args a, const mma_plan P) {
     constexpr int BM = 64 * MB;  /* queries per CTA */
@@ -74,7 +75,7 @@ fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_con
     auto my_row = [&](int mb, int hrow) { return (w * MB + mb) * 16 + rq + 8 * hrow; };
     int wst[MB][2][RANK], wen[MB][2][RANK], brow[MB][2];
     bool rvalid[MB][2];
-    const float *tab = tile_bias<RANK>::table(g, a.rpb, C.h);
+    const float *tab = BIAS ? tile_bias<RANK>::table(g, a.rpb, C.h) : nullptr;
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
@@ -207,8 +208,8 @@ fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_con
                 }
             }
             float corr[MB][2];
-            if (fwd_softmax_tile<MB, BN, RANK>(g, sc, m, l, corr, full, win, kct, wst, wen, rvalid, sl2, cq, tab,
-                                               brow))
+            if (fwd_softmax_tile<MB, BN, RANK, BIAS>(g, sc, m, l, corr, full, win, kct, wst, wen, rvalid, sl2, cq,
+                                                     tab, brow))
                 fwd_rescale<MB, HD>(o, corr);
             // O += P V: each V fragment feeds the warp's MB m-blocks
 #pragma unroll
@@ -266,7 +267,9 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *
                                cudaStream_t st) {
     constexpr int ST = FWD_STAGES;
     const size_t smem = sizeof(T) * (size_t)(64 * MB * HD + 2 * ST * BN * HD) + sizeof(int) * ST * RANK * BN;
-    return nbhd_cuda_launch(fna_mma_forward_kernel<T, HD, BN, RANK, MB, MINB, QREG>, g->batch * g->heads * P.patches,
+    auto kernel = g->rpb ? fna_mma_forward_kernel<T, HD, BN, RANK, MB, MINB, QREG, true>
+                         : fna_mma_forward_kernel<T, HD, BN, RANK, MB, MINB, QREG, false>;
+    return nbhd_cuda_launch(kernel, g->batch * g->heads * P.patches,
                             MMA_THREADS, smem, "mma forward", st, *g, *a, P);
 }
 

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nb
 
 /* 3 CTAs per SM (168 registers; 20 bytes spilled at D = 64, 168 at D = 128): faster than two
  * despite the spills (bench/bench_gpu.py) */
-template <typename T, int HD>
+template <typename T, int HD, bool BIAS /* problem.rpb */>
 __global__ void __launch_bounds__(BW_THREADS, 3)
 fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                   const mma_plan P) {
@@ -128,8 +128,8 @@ fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant
     }
     int ulo[3], uhi[3];
     warp_union(wst, wen, rvalid, ulo, uhi);
-    const float *tab = tile_bias<3>::table(g, a.rpb, h);
-    float *d_tab = (float *)tile_bias<3>::table(g, a.d_rpb, h);
+    const float *tab = BIAS ? tile_bias<3>::table(g, a.rpb, h) : nullptr;
+    float *d_tab = BIAS ? (float *)tile_bias<3>::table(g, a.d_rpb, h) : nullptr;
     const int brow[2] = {tile_bias<3>::row(g, iq[0]), tile_bias<3>::row(g, iq[1])};
 
     float dq[HD / 8][4];
@@ -158,29 +158,35 @@ fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant
                 sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
             tile_abt<T, HD>(sc, Qs, w * 16, Kt, lane);   // S = Q K^T
             tile_abt<T, HD>(dp, dOs, w * 16, Vt, lane);  // dP = dO V^T
+            {
 #pragma unroll
-            for (int nb = 0; nb < BC / 8; ++nb)
+                for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int kr = nb * 8 + 2 * cq + e;
-                    const int j[3] = {kct[kr], kct[BC + kr], kct[2 * BC + kr]};
-                    const int j0 = j[0], j1 = j[1], j2 = j[2];
-                    const int bk = tab ? tile_bias<3>::key(g, j) : 0;
+                    for (int e = 0; e < 2; ++e) {
+                        const int kr = nb * 8 + 2 * cq + e;
+                        const int j[3] = {kct[kr], kct[BC + kr], kct[2 * BC + kr]};
+                        const int j0 = j[0], j1 = j[1], j2 = j[2];
+                        const int bk = BIAS ? tile_bias<3>::key(g, j) : 0;
 #pragma unroll
-                    for (int hrow = 0; hrow < 2; ++hrow) {
-                        const bool ok = win ? j0 >= wst[hrow][0] && j0 < wen[hrow][0] &&
-                                                  j1 >= wst[hrow][1] && j1 < wen[hrow][1] &&
-                                                  j2 >= wst[hrow][2] && j2 < wen[hrow][2]
-                                            : rvalid[hrow] && j0 != KEY_NONE;
-                        // P = exp(S + bias - lse), dS = P (dP - D), added to the table's gradient
-                        const float bias = tile_bias<3>::at(tab, ok && win, bk, brow[hrow]);
-                        const float p = ok ? prob_exp2(fmaf(sc[nb][2 * hrow + e], P.scale_log2, bias * LOG2E_F) -
-                                                       lse2[hrow])
-                                           : 0.f;
-                        sc[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - Di[hrow]);
-                        if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), sc[nb][2 * hrow + e]);
+                        for (int hrow = 0; hrow < 2; ++hrow) {
+                            const bool ok = win ? j0 >= wst[hrow][0] && j0 < wen[hrow][0] &&
+                                                      j1 >= wst[hrow][1] && j1 < wen[hrow][1] &&
+                                                      j2 >= wst[hrow][2] && j2 < wen[hrow][2]
+                                                : rvalid[hrow] && j0 != KEY_NONE;
+                            // P = exp(S + bias - lse), dS = P (dP - D), added to the table's gradient
+                            float &x = sc[nb][2 * hrow + e];
+                            if constexpr (BIAS) {
+                                const float b2 = tile_bias<3>::at(tab, ok && win, bk, brow[hrow]) * LOG2E_F;
+                                const float p = ok ? prob_exp2(fmaf(x, P.scale_log2, b2 - lse2[hrow])) : 0.f;
+                                x = p * (dp[nb][2 * hrow + e] - Di[hrow]);
+                                if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), x);
+                            } else {
+                                const float p = ok ? prob_exp2(x * P.scale_log2 - lse2[hrow]) : 0.f;
+                                x = p * (dp[nb][2 * hrow + e] - Di[hrow]);
+                            }
+                        }
                     }
-                }
+            }
             tile_xb<T, HD>(dq, sc, Kt, lane);  // dQ += dS K
         }
     }
@@ -311,7 +317,7 @@ __global__ void __launch_bounds__(256) dq_repair_kernel(const __grid_constant__ 
     }
 }
 
-template <typename T, int HD, bool EXTRA, bool KVP, int MINB = 2>
+template <typename T, int HD, bool EXTRA, bool KVP, int MINB, bool BIAS /* problem.rpb (not EXTRA, not KVP) */>
 __global__ void __launch_bounds__(BW_THREADS, MINB)
 fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                     float *dq_acc, const mma_plan P) {
@@ -480,30 +486,36 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
                 sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
             tile_abt<T, HD>(sc, Ks, w * 16, Qt, lane);   // S^T = K Q^T
             tile_abt<T, HD>(dp, Vs, w * 16, dOt, lane);  // dP^T = V dO^T
-            const float *tab = EXTRA ? nullptr : tile_bias<3>::table(g, a.rpb, (int)(h0 + t / tiles_per_head));
+            const float *tab = BIAS ? tile_bias<3>::table(g, a.rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
+            {
 #pragma unroll
-            for (int nb = 0; nb < BC / 8; ++nb)
+                for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int cr = nb * 8 + 2 * cq + e;
-                    const int j[3] = {qct[cr], qct[BC + cr], qct[2 * BC + cr]};
-                    const int j0 = j[0], j1 = j[1], j2 = j[2];
-                    const int bq = tab ? tile_bias<3>::row(g, j) : 0;
-                    const float lv = qlt[cr] * 1.4426950408889634f, dv_i = qdt[cr];
+                    for (int e = 0; e < 2; ++e) {
+                        const int cr = nb * 8 + 2 * cq + e;
+                        const int j[3] = {qct[cr], qct[BC + cr], qct[2 * BC + cr]};
+                        const int j0 = j[0], j1 = j[1], j2 = j[2];
+                        const int bq = BIAS ? tile_bias<3>::row(g, j) : 0;
+                        const float lv = qlt[cr] * 1.4426950408889634f, dv_i = qdt[cr];
 #pragma unroll
-                    for (int hrow = 0; hrow < 2; ++hrow) {
-                        const bool ok = EXTRA ? rvalid[hrow] && j0 != KEY_NONE
-                                              : j0 >= ist[hrow][0] && j0 < ien[hrow][0] &&
-                                                    j1 >= ist[hrow][1] && j1 < ien[hrow][1] &&
-                                                    j2 >= ist[hrow][2] && j2 < ien[hrow][2];
-                        // P^T = exp(S^T + bias - lse), dS^T = P^T (dP^T - D)
-                        const float bias = tile_bias<3>::at(tab, ok, bkey[hrow], bq);
-                        const float p = ok ? prob_exp2(fmaf(sc[nb][2 * hrow + e], P.scale_log2, bias * LOG2E_F) - lv)
-                                           : 0.f;
-                        sc[nb][2 * hrow + e] = p;
-                        dp[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - dv_i);
+                        for (int hrow = 0; hrow < 2; ++hrow) {
+                            const bool ok = EXTRA ? rvalid[hrow] && j0 != KEY_NONE
+                                                  : j0 >= ist[hrow][0] && j0 < ien[hrow][0] &&
+                                                        j1 >= ist[hrow][1] && j1 < ien[hrow][1] &&
+                                                        j2 >= ist[hrow][2] && j2 < ien[hrow][2];
+                            // P^T = exp(S^T + bias - lse), dS^T = P^T (dP^T - D)
+                            float p;
+                            if constexpr (BIAS) {
+                                const float b2 = tile_bias<3>::at(tab, ok, bkey[hrow], bq) * LOG2E_F;
+                                p = ok ? prob_exp2(fmaf(sc[nb][2 * hrow + e], P.scale_log2, b2 - lv)) : 0.f;
+                            } else {
+                                p = ok ? prob_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lv) : 0.f;
+                            }
+                            sc[nb][2 * hrow + e] = p;
+                            dp[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - dv_i);
+                        }
                     }
-                }
+            }
             tile_xb<T, HD>(dv, sc, dOt, lane);  // dV += P^T dO
             tile_xb<T, HD>(dk, dp, Qt, lane);   // dK += dS^T Q
             if (KVP)  /* this warp's 16 keys x BC queries of dS^T, rounded as the dK operand */
@@ -585,7 +597,9 @@ static nbhd_status launch_dkdv(const nbhd_geometry *g, const nbhd_backward_args 
     /* window keys at D = 64: registers for three CTAs per SM (168, ~135 bytes spilled), faster
      * than two despite the spills (bench/bench_gpu.py) */
     constexpr int minb = !EXTRA && HD == 64 ? 3 : 2;
-    auto kernel = fna_mma_dkdv_kernel<T, HD, EXTRA, KVP, minb>;
+    constexpr bool CAN_BIAS = !EXTRA && !KVP;  /* extra keys have no bias; KV parallelism is off with one */
+    auto kernel = CAN_BIAS && g->rpb ? fna_mma_dkdv_kernel<T, HD, EXTRA, KVP, minb, CAN_BIAS>
+                                     : fna_mma_dkdv_kernel<T, HD, EXTRA, KVP, minb, false>;
     const nbhd_status s = nbhd_cuda_reserve_smem(kernel, smem_kv, "mma backward (dk, dv)");
     if (s != NBHD_OK) return s;
     mma_plan PK = P;
@@ -637,9 +651,9 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
         if constexpr (HD <= 64) s = launch_key_stationary<T, HD, true>(g, a, Dws, dq_acc, P, st);
     } else {
         const size_t smem_dq = sizeof(T) * (size_t)(2 * BR * HD + 4 * BC * HD) + sizeof(int) * 6 * BC;
-        if ((s = nbhd_cuda_reserve_smem(fna_mma_dq_kernel<T, HD>, smem_dq, "mma backward (dq)")) != NBHD_OK)
-            return s;
-        fna_mma_dq_kernel<T, HD><<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
+        auto dq_kernel = g->rpb ? fna_mma_dq_kernel<T, HD, true> : fna_mma_dq_kernel<T, HD, false>;
+        if ((s = nbhd_cuda_reserve_smem(dq_kernel, smem_dq, "mma backward (dq)")) != NBHD_OK) return s;
+        dq_kernel<<<(unsigned)ctas, BW_THREADS, smem_dq, st>>>(*g, *a, Dws, P);
         NBHD_CUDA_CHECK_LAUNCH("mma backward (dq)");
         s = launch_key_stationary<T, HD, false>(g, a, Dws, nullptr, P, st);
     }

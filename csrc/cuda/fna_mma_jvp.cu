@@ -21,7 +21,7 @@
  * K/V/tK/tV tile read once for twice the queries. MINB: CTAs per SM the registers are budgeted
  * for (at D = 64 three CTAs of 4 warps, 168 registers and ~116 spilled bytes, faster than two:
  * bench/bench_gpu.py) */
-template <typename T, int HD, int WARPS, int MINB>
+template <typename T, int HD, int WARPS, int MINB, bool BIAS /* problem.rpb */>
 __global__ void __launch_bounds__(32 * WARPS, MINB)
 fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_args a, const mma_plan P) {
     constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS, ST = JVP_STAGES;
@@ -130,7 +130,8 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
         o[i][0] = o[i][1] = o[i][2] = o[i][3] = ct[i][0] = ct[i][1] = ct[i][2] = ct[i][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, r[2] = {0.f, 0.f};
     const float scale = P.scale_log2 * 0.69314718055994531f;
-    const float *tab = tile_bias<3>::table(g, a.rpb, h), *t_tab = tile_bias<3>::table(g, a.t_rpb, h);
+    const float *tab = BIAS ? tile_bias<3>::table(g, a.rpb, h) : nullptr;
+    const float *t_tab = BIAS ? tile_bias<3>::table(g, a.t_rpb, h) : nullptr;
     const int brow[2] = {tile_bias<3>::row(g, iq[0]), tile_bias<3>::row(g, iq[1])};
 
     tile_ring_start<ST>(tiles, load_tile);  /* Q, tQ ride with tile 0's group */
@@ -167,8 +168,8 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
             if (has_tq) tile_abt<T, HD>(ts, tQs, w * 16, Kt, lane);   // tS = tQ K^T
             if (has_tk) tile_abt<T, HD>(ts, Qs, w * 16, tKt, lane);   //    + Q tK^T
             float corr[2];
-            if (jvp_softmax_tile<BC, 3>(g, sc, ts, m, l, r, corr, full, win, kct, wst, wen, rvalid,
-                                        P.scale_log2, scale, cq, tab, t_tab, brow)) {
+            if (jvp_softmax_tile<BC, 3, BIAS>(g, sc, ts, m, l, r, corr, full, win, kct, wst, wen, rvalid,
+                                              P.scale_log2, scale, cq, tab, t_tab, brow)) {
 #pragma unroll
                 for (int nd = 0; nd < HD / 8; ++nd) {
                     o[nd][0] *= corr[0]; o[nd][1] *= corr[0]; o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
@@ -229,7 +230,8 @@ static nbhd_status launch_kernel(const nbhd_geometry *g, const nbhd_forward_jvp_
     static_assert(sizeof(T) == 2, "f16/bf16 tiles");
     const mma_plan P = mma_plan_of(g, WARPS / 4);
     const size_t smem = nbhd_cuda_mma_jvp_smem_bytes(g, WARPS);
-    return nbhd_cuda_launch(fna_mma_jvp_kernel<T, HD, WARPS, MINB>, g->batch * g->heads * P.patches, 32 * WARPS,
+    auto kernel = g->rpb ? fna_mma_jvp_kernel<T, HD, WARPS, MINB, true> : fna_mma_jvp_kernel<T, HD, WARPS, MINB, false>;
+    return nbhd_cuda_launch(kernel, g->batch * g->heads * P.patches, 32 * WARPS,
                             smem, "mma forward_jvp", st, *g, *a, P);
 }
 

@@ -21,7 +21,7 @@
  */
 #include "wgmma.cuh"
 
-template <typename T, int HD, int BN, int RANK, int MINB, int WGS>
+template <typename T, int HD, int BN, int RANK, int MINB, int WGS, bool BIAS /* problem.rpb */>
 __global__ void __launch_bounds__(wg_threads(WGS), MINB)
 fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
@@ -60,7 +60,7 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     C.fragment_rows(g, P, w, lane, wst[0], wen[0], rvalid[0], iq);
     int ilo[RANK], ihi[RANK];
     C.box_inside(g, wg, ilo, ihi);
-    const float *tab = tile_bias<RANK>::table(g, a.rpb, C.h);
+    const float *tab = BIAS ? tile_bias<RANK>::table(g, a.rpb, C.h) : nullptr;
     const int brow[1][2] = {{tile_bias<RANK>::row(g, iq[0]), tile_bias<RANK>::row(g, iq[1])}};
 
     float o[1][HD / 8][4];
@@ -120,8 +120,8 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
         fence_regs(sc[0]);
 
         float corr[1][2];
-        const bool rescale = fwd_softmax_tile<1, BN, RANK>(g, sc, m, l, corr, full, win, kct, wst, wen,
-                                                           rvalid, sl2, cq, tab, brow);
+        const bool rescale = fwd_softmax_tile<1, BN, RANK, BIAS>(g, sc, m, l, corr, full, win, kct, wst, wen,
+                                                                 rvalid, sl2, cq, tab, brow);
         wgmma_wait<0>();
         pv_done();
         if (rescale) fwd_rescale<1, HD>(o, corr);
@@ -154,7 +154,7 @@ int nbhd_cuda_wgmma_ready(void) {
     }
     if (!ready[dev]) {
         cudaFuncAttributes attr;
-        const bool ok = cudaFuncGetAttributes(&attr, fna_wgmma_forward_kernel<__nv_bfloat16, 128, 64, 1, 1, 2>) ==
+        const bool ok = cudaFuncGetAttributes(&attr, fna_wgmma_forward_kernel<__nv_bfloat16, 128, 64, 1, 1, 2, false>) ==
                             cudaSuccess && attr.binaryVersion == 90;
         cudaGetLastError();
         ready[dev] = ok ? 1 : 2;
@@ -167,7 +167,9 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *
                                cudaStream_t st) {
     const size_t smem = 1024 + sizeof(T) * (size_t)(wg_rows(WGS) + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
                         sizeof(int) * WGMMA_K_STAGES * RANK * BN;
-    return nbhd_cuda_launch(fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS>, g->batch * g->heads * P.patches,
+    auto kernel = g->rpb ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, true>
+                         : fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false>;
+    return nbhd_cuda_launch(kernel, g->batch * g->heads * P.patches,
                             wg_threads(WGS), smem, "wgmma forward", st, *g, *a, P);
 }
 

@@ -57,7 +57,7 @@ static constexpr size_t dkdv_smem_bytes() {
 
 /* two warpgroups: one CTA per SM (at two, 128 registers, ptxas serialises the wgmma (C7512)
  * even at D = 64); one warpgroup (64-query patches at D = 128): three */
-template <typename T, int HD, int BN, int RANK, int WGS>
+template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rpb */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 3 : 1)
 fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                     const mma_plan P) {
@@ -92,8 +92,8 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     int wst[2][RANK], wen[2][RANK], ilo[RANK], ihi[RANK], brow[2];
     bool rvalid[2];
     C.row_windows(g, P, w, lane, wst, wen, rvalid, ilo, ihi, brow);
-    const float *tab = tile_bias<RANK>::table(g, a.rpb, C.h);
-    float *d_tab = (float *)tile_bias<RANK>::table(g, a.d_rpb, C.h);
+    const float *tab = BIAS ? tile_bias<RANK>::table(g, a.rpb, C.h) : nullptr;
+    float *d_tab = BIAS ? (float *)tile_bias<RANK>::table(g, a.d_rpb, C.h) : nullptr;
     float lse2[2], Di[2];
     {
         const group_ptr<const float> lp = group_ptr_of<const float>(a.lse, g, C.b, C.grp, C.h);
@@ -144,32 +144,39 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
         wgmma_score_pair<T, HD, BN, BM>(sc, q_base, k_base, dpt, do_base, v_base);
         issue_dq();
 
-        const bool full = !tab && win && tile_inside<BN, RANK>(kct, lane, ilo, ihi);
+        const bool full = !BIAS && win && tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S and dP are done; dQ may still run */
         fence_regs(sc);
         fence_regs(dpt);
 
         // P = 2^(S s log2e + bias log2e - lse), masked unless full; dS = P (dP - D_i), left in
         // sc and added to the bias table's gradient
+        {
 #pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
+            for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int kr = nb * 8 + 2 * cq + e;
-                int j[RANK];
+                for (int e = 0; e < 2; ++e) {
+                    const int kr = nb * 8 + 2 * cq + e;
+                    int j[RANK];
 #pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : kct[ax * BN + kr];
-                const int bk = tab ? tile_bias<RANK>::key(g, j) : 0;
+                    for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : kct[ax * BN + kr];
+                    const int bk = BIAS ? tile_bias<RANK>::key(g, j) : 0;
 #pragma unroll
-                for (int hrow = 0; hrow < 2; ++hrow) {
-                    const bool ok = full || key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
-                    const float bias = tile_bias<RANK>::at(tab, ok && win, bk, brow[hrow]);
-                    float &x = sc[nb][2 * hrow + e];
-                    const float p = ok ? prob_exp2(fmaf(x, sl2, bias * LOG2E_F) - lse2[hrow]) : 0.f;
-                    x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);
-                    if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), x);
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        const bool ok = full || key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
+                        float &x = sc[nb][2 * hrow + e];
+                        if constexpr (BIAS) {
+                            const float b2 = tile_bias<RANK>::at(tab, ok && win, bk, brow[hrow]) * LOG2E_F;
+                            const float p = ok ? prob_exp2(fmaf(x, sl2, b2 - lse2[hrow])) : 0.f;
+                            x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);
+                            if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), x);
+                        } else {
+                            const float p = ok ? prob_exp2(x * sl2 - lse2[hrow]) : 0.f;
+                            x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);
+                        }
+                    }
                 }
-            }
+        }
         wgmma_wait<0>();
         dq_done();
 #pragma unroll
@@ -211,7 +218,7 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 
 /* two warpgroups on 128-key patches, one CTA per SM; one warpgroup (64-key patches at D = 128,
  * not KV-parallel): two */
-template <typename T, int HD, int BN, int RANK, bool KVP, int WGS>
+template <typename T, int HD, int BN, int RANK, bool KVP, int WGS, bool BIAS /* problem.rpb (not with KVP) */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                       float *dq_acc, const mma_plan P) {
@@ -359,35 +366,41 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         float sc[BN / 8][4], dpt[BN / 8][4];
         wgmma_fence();
         wgmma_score_pair<T, HD, BN, BM>(sc, k_base, q_st, dpt, v_base, do_st);
-        const float *tab = tile_bias<RANK>::table(g, a.rpb, (int)(h0 + t / tiles_per_head));
-        const bool full = !tab && tile_inside<BN, RANK>(qct, lane, ilo, ihi);
+        const float *tab = BIAS ? tile_bias<RANK>::table(g, a.rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
+        const bool full = !BIAS && tile_inside<BN, RANK>(qct, lane, ilo, ihi);
         wgmma_wait<0>();
         fence_regs(sc);
         fence_regs(dpt);
 
-        // P^T = 2^(S^T s log2e - lse), masked unless full
+        // P^T = 2^(S^T s log2e + bias log2e - lse), masked unless full
+        {
 #pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
+            for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int cr = nb * 8 + 2 * cq + e;
-                const float lv = qlt[cr] * 1.4426950408889634f;
-                int j[RANK];
+                for (int e = 0; e < 2; ++e) {
+                    const int cr = nb * 8 + 2 * cq + e;
+                    const float lv = qlt[cr] * 1.4426950408889634f;
+                    int j[RANK];
 #pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
-                const int bq = tab ? tile_bias<RANK>::row(g, j) : 0;
+                    for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
+                    const int bq = BIAS ? tile_bias<RANK>::row(g, j) : 0;
 #pragma unroll
-                for (int hrow = 0; hrow < 2; ++hrow) {
-                    bool ok = true;
-                    if (!full)
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        bool ok = true;
+                        if (!full)
 #pragma unroll
-                        for (int ax = 0; ax < RANK; ++ax)
-                            ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
-                    const float bias = tile_bias<RANK>::at(tab, ok, bkey[hrow], bq);
-                    float &x = sc[nb][2 * hrow + e];
-                    x = ok ? prob_exp2(fmaf(x, sl2, bias * LOG2E_F) - lv) : 0.f;
+                            for (int ax = 0; ax < RANK; ++ax)
+                                ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
+                        float &x = sc[nb][2 * hrow + e];
+                        if constexpr (BIAS) {
+                            const float b2 = tile_bias<RANK>::at(tab, ok, bkey[hrow], bq) * LOG2E_F;
+                            x = ok ? prob_exp2(fmaf(x, sl2, b2 - lv)) : 0.f;
+                        } else {
+                            x = ok ? prob_exp2(x * sl2 - lv) : 0.f;
+                        }
+                    }
                 }
-            }
+        }
         uint32_t pf[BN / 16][4], df[BN / 16][4];  /* P^T, dS^T as wgmma A fragments */
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
@@ -491,15 +504,18 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
     if ((s = nbhd_cuda_grid_fits(q_ctas, "wgmma backward")) != NBHD_OK) return s;
     if constexpr (WGS == 2 && (BN / 64) * (HD / 64) == 2) {
         if (dq_acc)
-            return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true, WGS>, kv_ctas, wg_threads(WGS),
+            return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true, WGS, false>, kv_ctas, wg_threads(WGS),
                                     dkdv_smem_bytes<HD, BN, RANK, true, WGS>(), "wgmma backward (dk, dv, dq)", st,
                                     *g, *a, Dws, dq_acc, P);
     }
     if (dq_acc) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: no KV-parallel pass on one warpgroup");
-    if ((s = nbhd_cuda_launch(fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS>, q_ctas, wg_threads(WGS),
+    auto dq_kernel = g->rpb ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, true> : fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false>;
+    auto dkdv_kernel = g->rpb ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, true>
+                              : fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false>;
+    if ((s = nbhd_cuda_launch(dq_kernel, q_ctas, wg_threads(WGS),
                               dq_smem_bytes<HD, BN, RANK, WGS>(), "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
         return s;
-    return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS>, kv_ctas, wg_threads(WGS),
+    return nbhd_cuda_launch(dkdv_kernel, kv_ctas, wg_threads(WGS),
                             dkdv_smem_bytes<HD, BN, RANK, false, WGS>(), "wgmma backward (dk, dv)", st,
                             *g, *a, Dws, (float *)nullptr, P);
 }

@@ -27,7 +27,7 @@ static constexpr size_t wgj_smem_bytes(int rank) {
            sizeof(int) * WGMMA_K_STAGES * rank * BN;
 }
 
-template <typename T, int HD, int BN, int RANK, int WGS>
+template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rpb */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
@@ -85,7 +85,8 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
     int wst[2][RANK], wen[2][RANK], ilo[RANK], ihi[RANK], brow[2];
     bool rvalid[2];
     C.row_windows(g, P, w, lane, wst, wen, rvalid, ilo, ihi, brow);
-    const float *tab = tile_bias<RANK>::table(g, a.rpb, C.h), *t_tab = tile_bias<RANK>::table(g, a.t_rpb, C.h);
+    const float *tab = BIAS ? tile_bias<RANK>::table(g, a.rpb, C.h) : nullptr;
+    const float *t_tab = BIAS ? tile_bias<RANK>::table(g, a.t_rpb, C.h) : nullptr;
 
     float o[HD / 8][4], ct[HD / 8][4];
 #pragma unroll
@@ -152,8 +153,8 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
         fence_regs(ts);
 
         float corr[2];
-        const bool rescale = jvp_softmax_tile<BN, RANK>(g, sc, ts, m, l, r, corr, full, win, kct, wst,
-                                                        wen, rvalid, sl2, scale, cq, tab, t_tab, brow);
+        const bool rescale = jvp_softmax_tile<BN, RANK, BIAS>(g, sc, ts, m, l, r, corr, full, win, kct, wst, wen,
+                                                              rvalid, sl2, scale, cq, tab, t_tab, brow);
         wgmma_wait<0>();
         pv_done();
         if (rescale) {
@@ -196,7 +197,8 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_ar
                                cudaStream_t st) {
     constexpr size_t smem = wgj_smem_bytes<HD, BN, WGS>(RANK);
     static_assert(smem <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
-    return nbhd_cuda_launch(fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS>, g->batch * g->heads * P.patches,
+    auto kernel = g->rpb ? fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, true> : fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, false>;
+    return nbhd_cuda_launch(kernel, g->batch * g->heads * P.patches,
                             wg_threads(WGS), smem, "wgmma forward_jvp", st, *g, *a, P);
 }
 

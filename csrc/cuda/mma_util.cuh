@@ -385,7 +385,9 @@ __device__ __forceinline__ bool key_visible(bool win, const int (&j)[RANK], cons
 /* The relative positional bias in the tensor-core kernels' score tiles (problem.rpb, docs/rpb.md).
  * In-group coordinates differ by (y - x) / d per axis, so the table index of query row iq and key
  * j is key(j) - row(iq): a per-key and a per-row part (RANK < 3: the padded axes add 0). tab: the
- * head's row of a table (float), null without one; a tile with a bias takes the masked path. */
+ * head's row of a table (float), null without one; a tile with a bias takes the masked path.
+ * The kernels are compiled with and without the bias term (their BIAS parameter, problem.rpb),
+ * so that problems without a bias run exactly the code they ran before there was one. */
 #define LOG2E_F 1.4426950408889634f
 template <int RANK> struct tile_bias {
     __device__ __forceinline__ static const float *table(const nbhd_geometry &g, const nbhd_tensor &t, int h) {
@@ -415,7 +417,7 @@ template <int RANK> struct tile_bias {
  * rows and real keys), update the row max m and sum l, and leave P = 2^(S - m) in sc. Returns
  * whether a row max of the warp moved; then O must be rescaled by corr (fwd_rescale) before
  * P V is added. kct: the tile's in-group key coordinates [RANK][BN]. */
-template <int MB, int BN, int RANK>
+template <int MB, int BN, int RANK, bool BIAS>
 __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (&sc)[MB][BN / 8][4], float (&m)[MB][2],
                                                  float (&l)[MB][2], float (&corr)[MB][2], bool full,
                                                  bool win, const int *kct,
@@ -426,7 +428,7 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
     float mx[MB][2];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) mx[mb][0] = mx[mb][1] = -INFINITY;
-    if (full && !tab) {
+    if (full && !BIAS) {
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
@@ -445,15 +447,19 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
                 int j[RANK];
 #pragma unroll
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
-                const int bk = tab ? tile_bias<RANK>::key(g, j) : 0;
+                const int bk = BIAS ? tile_bias<RANK>::key(g, j) : 0;
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
                     for (int hrow = 0; hrow < 2; ++hrow) {
                         const bool ok = key_visible<RANK>(win, j, wst[mb][hrow], wen[mb][hrow], rvalid[mb][hrow]);
-                        const float bias = tile_bias<RANK>::at(tab, ok && win, bk, brow[mb][hrow]);
                         float &x = sc[mb][nb][2 * hrow + e];
-                        x = ok ? fmaf(x, sl2, bias * LOG2E_F) : -INFINITY;
+                        if constexpr (BIAS) {
+                            const float bias = tile_bias<RANK>::at(tab, ok && win, bk, brow[mb][hrow]);
+                            x = ok ? fmaf(x, sl2, bias * LOG2E_F) : -INFINITY;
+                        } else {
+                            x = ok ? x * sl2 : -INFINITY;
+                        }
                         mx[mb][hrow] = fmaxf(mx[mb][hrow], x);
                     }
             }
@@ -617,7 +623,7 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
  * never -inf); m, l
  * and r (the running sum of p tS) updated; leaves p in sc and p tS in ts. Returns whether a row
  * max of the warp moved: then O and C must be rescaled by corr before the tile's P V is added. */
-template <int BN, int RANK>
+template <int BN, int RANK, bool BIAS>
 __device__ __forceinline__ bool jvp_softmax_tile(const nbhd_geometry &g, float (&sc)[BN / 8][4], float (&ts)[BN / 8][4],
                                                  float (&m)[2], float (&l)[2], float (&r)[2],
                                                  float (&corr)[2], bool full, bool win,
@@ -626,7 +632,7 @@ __device__ __forceinline__ bool jvp_softmax_tile(const nbhd_geometry &g, float (
                                                  float sl2, float scale, int cq, const float *tab,
                                                  const float *t_tab, const int (&brow)[2]) {
     float mx[2] = {-INFINITY, -INFINITY};
-    if (full && !tab && !t_tab) {
+    if (full && !BIAS) {
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
@@ -644,15 +650,20 @@ __device__ __forceinline__ bool jvp_softmax_tile(const nbhd_geometry &g, float (
                 int j[RANK];
 #pragma unroll
                 for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
-                const int bk = tab || t_tab ? tile_bias<RANK>::key(g, j) : 0;
+                const int bk = BIAS ? tile_bias<RANK>::key(g, j) : 0;
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
                     const bool ok = key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
-                    const float bias = tile_bias<RANK>::at(tab, ok && win, bk, brow[hrow]);
-                    const float t_bias = tile_bias<RANK>::at(t_tab, ok && win, bk, brow[hrow]);
                     float &x = sc[nb][2 * hrow + e];
-                    x = ok ? fmaf(x, sl2, bias * LOG2E_F) : -INFINITY;
-                    ts[nb][2 * hrow + e] = ok ? fmaf(ts[nb][2 * hrow + e], scale, t_bias) : 0.f;
+                    if constexpr (BIAS) {
+                        const float bias = tile_bias<RANK>::at(tab, ok && win, bk, brow[hrow]);
+                        const float t_bias = tile_bias<RANK>::at(t_tab, ok && win, bk, brow[hrow]);
+                        x = ok ? fmaf(x, sl2, bias * LOG2E_F) : -INFINITY;
+                        ts[nb][2 * hrow + e] = ok ? fmaf(ts[nb][2 * hrow + e], scale, t_bias) : 0.f;
+                    } else {
+                        x = ok ? x * sl2 : -INFINITY;
+                        ts[nb][2 * hrow + e] = ok ? ts[nb][2 * hrow + e] * scale : 0.f;
+                    }
                     mx[hrow] = fmaxf(mx[hrow], x);
                 }
             }

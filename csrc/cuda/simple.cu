@@ -10,6 +10,7 @@
  *                2. row = key (b, tok, hk) over its inverse neighborhood x group heads: dK, dV
  *                3. row = extra key (b, e, hk) over every query x group heads: dKx, dVx
  *                each output element written by one lane in a fixed order: deterministic
+ *                (but d_rpb, which the query rows add to atomically)
  *   forward_jvp  row = query: O, LSE, tO, mu in one pass
  *   forward_jvp_backward
  *                1. row = query: D', c, E (to the workspace), dQ, dtQ
@@ -50,9 +51,10 @@ __host__ __device__ inline row_shape shape_of(const nbhd_geometry &g, bool key, 
     return s;
 }
 
-/* One warp per row of OP (EXTRA: over the extra keys). ws: the backwards' per-query-row
- * workspace, written by the first pass and read by the key passes; unused by the forwards. */
-template <typename T, typename A, row_op OP, bool EXTRA, typename Args>
+/* One warp per row of OP (EXTRA: over the extra keys; BIAS: problem.rpb). ws: the backwards'
+ * per-query-row workspace, written by the first pass and read by the key passes; unused by the
+ * forwards. */
+template <typename T, typename A, row_op OP, bool EXTRA, bool BIAS, typename Args>
 __global__ void __launch_bounds__(WARPS * 32)
 simple_rows_kernel(const nbhd_geometry g, const Args a, A *ws) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -65,19 +67,19 @@ simple_rows_kernel(const nbhd_geometry g, const Args a, A *ws) {
     if (!EXTRA) token_coords(g, tok, c);
     A *scratch = (A *)smem_raw + (size_t)w * row_scratch(OP, g.head_dim, g.head_dim_v);
     if constexpr (OP == FORWARD_ROW) {
-        exact_forward_row<T, A>(g, a, b, c, h, scratch, lane);
+        exact_forward_row<T, A, BIAS>(g, a, b, c, h, scratch, lane);
     } else if constexpr (OP == DQ_ROW) {
         const A Di = exact_di<T, A>(g, a, b, c, h, lane);
         if (lane == 0) ws[r] = Di;
-        exact_dq_row<T, A>(g, a, b, c, h, Di, scratch, lane, true);
+        exact_dq_row<T, A, BIAS>(g, a, b, c, h, Di, scratch, lane, true);
     } else if constexpr (OP == DKV_ROW) {
-        exact_dkv_row<T, A, EXTRA>(g, a, ws, b, c, h, scratch, lane);
+        exact_dkv_row<T, A, EXTRA, BIAS>(g, a, ws, b, c, h, scratch, lane);
     } else if constexpr (OP == JVP_ROW) {
-        exact_forward_jvp_row<T, A>(g, a, b, c, h, scratch, lane);
+        exact_forward_jvp_row<T, A, BIAS>(g, a, b, c, h, scratch, lane);
     } else if constexpr (OP == JVPB_QUERY_ROW) {
-        exact_jvpb_query_row<T, A>(g, a, ws, r, b, c, h, scratch, lane);
+        exact_jvpb_query_row<T, A, BIAS>(g, a, ws, r, b, c, h, scratch, lane);
     } else {
-        exact_jvpb_key_row<T, A, EXTRA>(g, a, ws, b, c, h, scratch, lane);
+        exact_jvpb_key_row<T, A, EXTRA, BIAS>(g, a, ws, b, c, h, scratch, lane);
     }
 }
 
@@ -131,7 +133,8 @@ static nbhd_status launch_rows(const nbhd_geometry *g, const Args *a, void *ws, 
     const row_shape rs = shape_of(*g, is_key_row(OP), EXTRA);
     const int64_t rows = g->batch * rs.tokens * rs.heads;
     const size_t smem = sizeof(A) * WARPS * (size_t)row_scratch(OP, g->head_dim, g->head_dim_v);
-    void (*const kernel)(nbhd_geometry, Args, A *) = simple_rows_kernel<T, A, OP, EXTRA, Args>;
+    void (*const kernel)(nbhd_geometry, Args, A *) = g->rpb ? simple_rows_kernel<T, A, OP, EXTRA, true, Args>
+                                                             : simple_rows_kernel<T, A, OP, EXTRA, false, Args>;
     TRY(smem_for(kernel, smem, what));
     kernel<<<(unsigned)((rows + WARPS - 1) / WARPS), WARPS * 32, smem, st>>>(*g, *a, (A *)ws);
     NBHD_CUDA_CHECK_LAUNCH(what);
