@@ -4,7 +4,7 @@ add the bias, docs/rpb.md), "fold" the bias folded into the fused kernels' dot p
 CUDA route; na_with_rpb_fused(fold=True)), "composed" nbhd.rpb.na_with_rpb
 (gather + softmax, the reference). Forward, or forward+backward with --bwd, or with --jvp-bwd
 the forward+JVP (torch.func.jvp, tangents of q, k, v and the table) and the backward through it
-(of out + tangent out: nbhd::na_forward_jvp_backward); configurations interleaved; min and
+(of out and tangent out: nbhd::na_forward_jvp_backward); configurations interleaved; min and
 median over --rounds, in ms. --op times the mode's last kernel op alone (nbhd.ops.na_forward,
 na_backward or na_forward_jvp_backward, on saved inputs), without and with the table (and its
 tangent): the kernels' cost of the bias without the layers above them. --threads sets torch's
@@ -123,6 +123,7 @@ def main() -> None:
         runs = {label: run for label, run in runs.items() if label in wanted}
 
         d_out = torch.randn_like(q)   # a dense cotangent (out.sum()'s is stride-0, which no fused kernel takes)
+        d_t_out = torch.randn_like(q)   # ... and one of the tangent out (--jvp-bwd)
 
         def step(run):
             if args.op:
@@ -130,7 +131,7 @@ def main() -> None:
                 return
             if args.jvp_bwd:
                 out, t_out = torch.func.jvp(run, (q, k, v, rpb), tangents)
-                (out + t_out).sum().backward()
+                torch.autograd.backward((out, t_out), (d_out, d_t_out))
                 return
             out = run(q, k, v, rpb)
             if args.bwd:
