@@ -296,3 +296,103 @@ def test_fast_backward_bias_of_non_finite_slabs(case, tiles, monkeypatch):
         ok = ~ref.isnan()
         torch.testing.assert_close(got[ok], ref[ok], atol=5e-5, rtol=5e-5)
     assert fast[-1].isnan().any() and not fast[-1].isnan().all()
+
+
+# ---- the fast backward through forward+JVP (csrc/cpu/fast/forward_jvp_backward.h) with the bias:
+# the ops called directly with every tangent and cotangent (t_rpb included), all 12 gradients
+# (d_rpb and d_t_rpb among them) against the float64 reference and the forced scalar kernels
+
+JVPB_NAMES = ["dq", "dk", "dv", "dkx", "dvx", "d_rpb", "dtq", "dtk", "dtv", "dtkx", "dtvx", "d_t_rpb"]
+
+
+def _jvpb_args(case, dtype, seed, nan=False):
+    """(primals, tangents, saved forward+JVP outputs, cotangents, geometry) of the ops for case:
+    the table [H, M] in float32, kx, vx zero-length when the case has no extra keys; with nan,
+    the last query of batch 1 is NaN (its slab's last tile, on tiles)."""
+    from nbhd.rules import Geometry
+    _, _, _, _, _, ks, st, dil, _ = case
+    q, k, v, kx, vx, rpb = _inputs(case, dtype, seed)
+    if nan:
+        q[1].view(-1)[-1] = float("nan")
+    if kx is None:
+        kx, vx = q.new_empty(q.shape[0], 0, *k.shape[-2:]), q.new_empty(q.shape[0], 0, *v.shape[-2:])
+    prims = (q, k, v, kx, vx, rpb.reshape(rpb.shape[0], -1).float())
+    g = torch.Generator().manual_seed(seed + 1)
+    rnd = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype)
+    tans = tuple(rnd(t) for t in prims)
+    geo = Geometry(ks, st, dil, (False,) * len(ks), 0.4)
+    saved = ops.na_forward_jvp(*prims, *tans, *geo.args())
+    return prims, tans, saved, tuple(rnd(t) for t in saved), geo
+
+
+def _jvpb(args, use_reference):
+    from utils import poison_allocator
+    prims, tans, saved, cot, geo = args
+
+    def run():
+        poison_allocator()
+        return ops.na_forward_jvp_backward(*prims, *tans, *saved, *cot, *geo.args())
+    return _with_reference(use_reference, run)
+
+
+_JVPB_TRUTH = {}
+
+
+def _jvpb_truth(i, args):
+    """The float64 reference's 12 gradients of FAST_CASES[i] (the fp32 inputs of seed 41)."""
+    from nbhd.rules import _reference_forward_jvp_backward
+    if i not in _JVPB_TRUTH:
+        prims, tans, _, cot, geo = args
+        d = lambda ts: [t.double() for t in ts]
+        _JVPB_TRUTH[i] = _reference_forward_jvp_backward(*d(prims), *d(tans), *d(cot), geo)
+    return _JVPB_TRUTH[i]
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["heads", "tiles"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("i", range(len(FAST_CASES)), ids=FAST_IDS)
+def test_fast_jvp_backward_adds_the_bias(i, isa, tiles, monkeypatch):
+    """The fast backward through forward+JVP: rpb and t_rpb in the scores and tangents both
+    passes recompute, d_rpb and d_t_rpb from pass 1's per-thread tables."""
+    from utils import rel_err
+    monkeypatch.setenv("NBHD_CPU_ISA", isa)
+    monkeypatch.setenv("NBHD_CPU_TILE_BYTES", "1" if tiles else str(1 << 40))
+    case = FAST_CASES[i]
+    args = _jvpb_args(case, torch.float32, 41)
+    truth = _jvpb_truth(i, args)
+    fast, scalar = _jvpb(args, False), _jvpb(args, True)
+    assert len(fast) == len(scalar) == len(truth) == len(JVPB_NAMES)
+    for name, got, ref, want in zip(JVPB_NAMES, fast, scalar, truth):
+        if not want.numel():
+            continue
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, want) < 1e-4, f"{name}: {rel_err(got, want):.3g} against float64"
+        assert rel_err(ref, want) < 1e-4, f"{name}: scalar kernels {rel_err(ref, want):.3g} against float64"
+    # the fast kernels ran: dq and both table gradients round differently from the scalar kernels'
+    for j in (0, 5, 11):
+        assert not torch.equal(fast[j], scalar[j]), JVPB_NAMES[j]
+    for dtype, tol in ((torch.bfloat16, 5e-2), (torch.float16, 1e-2)):
+        low = _jvpb_args(case, dtype, 43)
+        d = lambda ts: [t.double() for t in ts]
+        from nbhd.rules import _reference_forward_jvp_backward
+        want = _reference_forward_jvp_backward(*d(low[0]), *d(low[1]), *d(low[3]), low[4])
+        for name, got, w in zip(JVPB_NAMES, _jvpb(low, False), want):
+            if w.numel():
+                assert rel_err(got, w) < tol, f"{dtype} {name}: {rel_err(got, w):.3g}"
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["heads", "tiles"])
+@pytest.mark.parametrize("case", FAST_CASES[2:4], ids=FAST_IDS[2:4])
+def test_fast_jvp_backward_bias_of_non_finite_slabs(case, tiles, monkeypatch):
+    """A slab with a NaN goes to the reference kernels, which add their d_rpb and d_t_rpb (from
+    the slab's heads of rpb and t_rpb) to the fast sums of the other slabs: the same NaN entries
+    as the scalar kernels, the finite ones close."""
+    monkeypatch.setenv("NBHD_CPU_TILE_BYTES", "1" if tiles else str(1 << 40))
+    args = _jvpb_args(case, torch.float32, 51, nan=True)
+    fast, scalar = _jvpb(args, False), _jvpb(args, True)
+    for name, got, ref in zip(JVPB_NAMES, fast, scalar):
+        assert torch.equal(got.isnan(), ref.isnan()), name
+        ok = ~ref.isnan()
+        torch.testing.assert_close(got[ok], ref[ok], atol=5e-5, rtol=5e-5, msg=name)
+    for j in (5, 11):
+        assert fast[j].isnan().any() and not fast[j].isnan().all(), JVPB_NAMES[j]

@@ -6,8 +6,8 @@
  *   fast       fp32/fp16/bf16, rank 1..3 (any strides, geometry, GQA, extra keys); fast.c picks
  *              the ISA, and the AMX-BF16 kernels (amx/) for bf16 where the CPU has them
  *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only), and
- *              a relative positional bias (problem.rpb) in the ops whose fast kernels have no
- *              bias term yet (fast_has_bias)
+ *              a relative positional bias (problem.rpb) in an op whose fast kernels have no
+ *              bias term (fast_has_bias: none now, all four ops add it)
  */
 #ifdef _OPENMP
 #include <omp.h>
@@ -52,7 +52,8 @@ static nbhd_exec sized_exec(const nbhd_geometry *g, const nbhd_exec *e, int64_t 
 
 /* whether the fast kernels of op add the relative positional bias (problem.rpb) */
 static int fast_has_bias(nbhd_op op) {
-    return op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP || op == NBHD_OP_BACKWARD;
+    return op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP || op == NBHD_OP_BACKWARD ||
+           op == NBHD_OP_FORWARD_JVP_BACKWARD;
 }
 
 static int fast_supports(const nbhd_geometry *g, nbhd_op op) {

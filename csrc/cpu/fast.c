@@ -220,12 +220,42 @@ static nbhd_exec own_workspace(const nbhd_geometry *s, nbhd_op op, const nbhd_ex
     return own;
 }
 
-/* the reference backward on slab geometry s with a workspace of its own */
-static nbhd_status ref_backward_alone(const nbhd_geometry *s, const nbhd_backward_args *a, const nbhd_exec *e) {
-    nbhd_exec own = own_workspace(s, NBHD_OP_BACKWARD, e);
-    if (!own.workspace) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for the reference kernels");
-    const nbhd_status st = nbhd_cpu_ref_backward(s, a, &own);
+/* the reference kernels of a backward op (the backward, or the backward through forward+JVP)
+ * on slab geometry s, args a (nbhd_backward_args or nbhd_forward_jvp_backward_args), with a
+ * workspace of their own */
+static nbhd_status ref_alone(const nbhd_geometry *s, nbhd_op op, const void *a, const nbhd_exec *e) {
+    const char *name = op == NBHD_OP_BACKWARD ? "backward" : "forward_jvp_backward";
+    nbhd_exec own = own_workspace(s, op, e);
+    if (!own.workspace) return nbhd_fail(NBHD_ERR_ALLOC, "%s: out of host memory for the reference kernels", name);
+    const nbhd_status st = op == NBHD_OP_BACKWARD ? nbhd_cpu_ref_backward(s, a, &own)
+                                                  : nbhd_cpu_ref_forward_jvp_backward(s, a, &own);
     free(own.workspace);
+    return st;
+}
+
+/* ... when the fast kernels have summed the other slabs' table gradients into t[k] (k < n;
+ * d_rpb, d_t_rpb of a's tensors; NULL data: not asked): the reference writes its slab's whole
+ * tables, so into tables of their own, then added to that sum at the slab's heads */
+static nbhd_status ref_alone_tables(const nbhd_geometry *g, const nbhd_geometry *s, nbhd_op op, const void *a,
+                                    nbhd_tensor *const *t, int n, int64_t hk0, const nbhd_exec *e) {
+    if (!g->rpb) return ref_alone(s, op, a, e);
+    const int64_t M = g->rpb_entries, hm = (int64_t)s->heads * M;
+    nbhd_tensor whole[2];
+    float *part = (float *)malloc(sizeof(float) * (size_t)(n * hm));
+    if (!part) return nbhd_fail(NBHD_ERR_ALLOC, "out of host memory for the reference kernels");
+    for (int k = 0; k < n; ++k) {
+        whole[k] = *t[k];
+        if (!t[k]->data) continue;
+        t[k]->data = part + k * hm;
+        t[k]->stride[4] = M;
+        t[k]->stride[5] = 1;
+    }
+    const nbhd_status st = ref_alone(s, op, a, e);
+    for (int k = 0; st == NBHD_OK && k < n; ++k)
+        for (int64_t j = 0; whole[k].data && j < hm; ++j)
+            ((float *)whole[k].data)[(hk0 * g->group + j / M) * whole[k].stride[4] + (j % M) * whole[k].stride[5]] +=
+                part[k * hm + j];
+    free(part);
     return st;
 }
 
@@ -238,21 +268,8 @@ nbhd_status nbhd_cpu_fast_slab_backward(const nbhd_geometry *g, const nbhd_backw
     nbhd_tensor *const rs[] = {&a.lse, &a.d_lse, NULL};
     move_to_slab(g, b, hk0, qs, ks, rs);
     a.rpb = at_head(a.rpb, 0, hk0 * g->group, sizeof(float));   /* [H, M]: no batch */
-    if (!g->rpb || !a0->d_rpb.data) return ref_backward_alone(&s, &a, e);
-    /* the reference writes the slab's whole d_rpb: into a table of its own, then added to the
-     * fast kernels' sum over the other slabs */
-    const int64_t M = g->rpb_entries, n = (int64_t)s.heads * M;
-    float *part = (float *)malloc(sizeof(float) * (size_t)n);
-    if (!part) return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory for the reference kernels");
-    a.d_rpb.data = part;
-    a.d_rpb.stride[4] = M;
-    a.d_rpb.stride[5] = 1;
-    const nbhd_status st = ref_backward_alone(&s, &a, e);
-    float *t = (float *)a0->d_rpb.data;
-    for (int64_t j = 0; st == NBHD_OK && j < n; ++j)
-        t[(hk0 * g->group + j / M) * a0->d_rpb.stride[4] + (j % M) * a0->d_rpb.stride[5]] += part[j];
-    free(part);
-    return st;
+    nbhd_tensor *const tables[] = {&a.d_rpb};
+    return ref_alone_tables(g, &s, NBHD_OP_BACKWARD, &a, tables, 1, hk0, e);
 }
 
 nbhd_status nbhd_cpu_fast_slab_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a0,
@@ -278,10 +295,8 @@ nbhd_status nbhd_cpu_fast_slab_forward_jvp_backward(const nbhd_geometry *g,
     nbhd_tensor *const ks[] = {&a.k, &a.v, &a.kx, &a.vx, &a.t_k, &a.t_v, &a.t_kx, &a.t_vx,
                                &a.d_k, &a.d_v, &a.d_kx, &a.d_vx, &a.d_t_k, &a.d_t_v, &a.d_t_kx, &a.d_t_vx, NULL};
     move_to_slab(g, b, hk0, qs, ks, rs);
-    nbhd_exec own = own_workspace(&s, NBHD_OP_FORWARD_JVP_BACKWARD, e);
-    if (!own.workspace)
-        return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp_backward: out of host memory for the reference kernels");
-    const nbhd_status st = nbhd_cpu_ref_forward_jvp_backward(&s, &a, &own);
-    free(own.workspace);
-    return st;
+    a.rpb = at_head(a.rpb, 0, hk0 * g->group, sizeof(float));   /* [H, M]: no batch */
+    a.t_rpb = at_head(a.t_rpb, 0, hk0 * g->group, sizeof(float));
+    nbhd_tensor *const tables[] = {&a.d_rpb, &a.d_t_rpb};
+    return ref_alone_tables(g, &s, NBHD_OP_FORWARD_JVP_BACKWARD, &a, tables, 2, hk0, e);
 }

@@ -1,6 +1,6 @@
 /*
  * tables.h — the sum of the per-thread partial table gradients (d_rpb, d_t_rpb) that the
- * scalar kernels (scalar_impl.h) and the fast backward (fast/backward.h) accumulate.
+ * scalar kernels (scalar_impl.h) and the fast backwards (fast/backward.h FAST(tgrads)) accumulate.
  */
 #ifndef NBHD_CPU_TABLES_H
 #define NBHD_CPU_TABLES_H

@@ -240,11 +240,11 @@ NBHD_API int32_t nbhd_tile_configs(const nbhd_problem *p, nbhd_op op, nbhd_tile_
  *       and its halo, K_l, K_m, K_f the kernel sizes along the last axis, the one before it and
  *       the one before that (a missing axis's factor is 1),
  *   E = c S (D + Dv) kv_heads: the packed extra keys (S = extra_kv).
- * The reference kernels (exec.use_reference, fp64, rank 0, problem.rpb) take 8
+ * The reference kernels (exec.use_reference, fp64, rank 0) take 8
  * bytes per query row (batch * tokens * heads) for NBHD_OP_BACKWARD, 24 for
- * NBHD_OP_FORWARD_JVP_BACKWARD, nothing for the others; with problem.rpb the backwards add
- * 8 heads M bytes per thread (16 for NBHD_OP_FORWARD_JVP_BACKWARD): the per-thread partial
- * tables of d_rpb (and d_t_rpb). */
+ * NBHD_OP_FORWARD_JVP_BACKWARD, nothing for the others. With problem.rpb the backwards, on
+ * either path, add 8 heads M bytes per thread (16 for NBHD_OP_FORWARD_JVP_BACKWARD): the
+ * per-thread partial tables of d_rpb (and d_t_rpb). */
 NBHD_API size_t nbhd_workspace_bytes(const nbhd_problem *p, nbhd_op op, const nbhd_exec *e);
 
 NBHD_API nbhd_status nbhd_forward(const nbhd_problem *p, const nbhd_forward_args *a,

@@ -6,7 +6,8 @@
  * rank 0-3, even/odd kernels, stride, dilation, causal per axis, GQA, Dv != D, extra keys,
  * F64/F32/F16/BF16, permuted/padded/broadcast strides, poisoned outputs with canaries, absent
  * tangents and dLSE, thread counts, and bitwise determinism of the backward pass; and a sweep
- * of every op with a relative positional bias (run_rpb_case: tables, their gradients and tangents).
+ * of every op with a relative positional bias (run_rpb_case: tables, their gradients and tangents,
+ * on the reference and the default path, the fast kernels for fp32/fp16/bf16).
  * Usage: test_kernels [cases=300] [first=0]. Last line: "N passed, M failed".
  */
 #include <stdio.h>
@@ -507,7 +508,22 @@ static int run_rpb_case(uint64_t seed) {
             tR, tTR, DT0.t, DT1.t};
         workspace_for(&p, NBHD_OP_FORWARD_JVP_BACKWARD, &e);
         expect_ok("rpb forward_jvp_backward", nbhd_forward_jvp_backward(&p, &jb, &e));
+        /* again with one table gradient asked (which one by seed): bitwise the first run's */
+        const int only_t = (int)(seed & 1);
+        tbuf DT2 = table(&p, lt, NULL);
+        nbhd_forward_jvp_backward_args jb1 = jb;
+        jb1.d_rpb = only_t ? none() : DT2.t;
+        jb1.d_t_rpb = only_t ? DT2.t : none();
+        expect_ok("rpb forward_jvp_backward, one table", nbhd_forward_jvp_backward(&p, &jb1, &e));
         free(e.workspace);
+        const tbuf *first = only_t ? &DT1 : &DT0;
+        if (memcmp(DT2.base, first->base, DT2.alloc * DT2.esize)) {
+            fprintf(stderr, "FAIL rpb backward_jvp%s: %s alone differs from the run with both tables\n", path,
+                    only_t ? "d_t_rpb" : "d_rpb");
+            describe(&p, seed);
+            checks_failed++;
+        }
+        tbuf_free(&DT2);
         /* sums of signed terms of a few units: bf16/f16 inputs round each to 2^-8 */
         const double jtol = 4 * tol;
         for (int i = 0; i < 10; ++i) {

@@ -10,8 +10,9 @@
  *            order of sums)
  * Each output row is written by one thread. With a bias (problem.rpb) passes 1 and 2 add it to
  * the scores they recompute; pass 1 adds dS into the thread's partial table of the slab, folded
- * into the thread's table once the slab is known finite (FAST(bwd_fold)); the team sums the
+ * into the thread's table once the slab is known finite (FAST(tgrads_fold)); the team sums the
  * threads' tables into d_rpb (nbhd_cpu_reduce_tables) before the reference slabs add theirs.
+ * The table gradients' helpers here serve forward_jvp_backward.h too (d_rpb and d_t_rpb).
  */
 
 typedef struct {
@@ -22,35 +23,146 @@ typedef struct {
     float qmul;          /* scale * log2(e) */
     int64_t max_rows;    /* rows of a pass 3 unit at most: the query lines of a head */
     const float *bias;   /* [H][M] the bias table times log2(e) (FAST(stage_table)); NULL: none */
-    double *tables;      /* d_rpb asked: [threads][H][M] the threads' partial tables; else NULL */
 } FAST(bwd);
 
-/* per-thread scratch: per line S, T, two lane operands (A1, A2) and two accumulators (O1, O2);
- * a unit's value rows; pass 3's operands and row pointers */
+// ----------------------------------------------------------------------------
+// the table gradients (problem.rpb): the call's FAST(tgrads), per-thread partials of a slab
+
+/* A thread's partial tables of one slab, the first member of a backward's scratch (the fold
+ * phase finds it there): part holds the call's n tables of the slab's [query heads][M], line[k]
+ * table k's row of the current item's query head; slab: the slab part holds (-1: none) */
 typedef struct {
+    double *part, *line[2];
+    int64_t slab;
+} FAST(tpart);
+
+/* doubles of a thread's partial tables (0: no table gradient asked) */
+static inline size_t FAST(tpart_doubles)(const FAST(call) *c) {
+    return c->tg.parts ? (size_t)c->tg.n * (size_t)(c->nhk * c->g->group * c->g->rpb_entries) : 0;
+}
+
+/* p's tables at mem (FAST(tpart_doubles)); returns the 64-byte aligned end */
+static inline float *FAST(tpart_place)(FAST(tpart) *p, void *mem, const FAST(call) *c) {
+    p->part = (double *)FAST(align64)(mem);
+    p->slab = -1;
+    return FAST(align64)(p->part + FAST(tpart_doubles)(c));
+}
+
+/* The call's table gradients out[0..FAST(op_tables)): with a bias and one of them asked, the
+ * threads' tables in the workspace, zeroed */
+static void FAST(tgrads_init)(FAST(call) *c, const nbhd_tensor *const *out) {
+    FAST(tgrads) *t = &c->tg;
+    int asked = 0;
+    t->n = FAST(op_tables)(c->op);
+    for (int k = 0; k < t->n; ++k) {
+        t->out[k] = out[k];
+        asked |= out[k]->data != NULL;
+    }
+    t->parts = c->g->rpb && asked ? (double *)(c->ws + c->L.rt) : NULL;
+    if (t->parts)
+        memset(t->parts, 0, sizeof(double) * (size_t)(nbhd_cpu_threads(c->e) * t->n) *
+                                (size_t)(c->g->heads * c->g->rpb_entries));
+}
+
+/* A pass 1 item of query head h: the first of a slab on this thread starts its partial tables;
+ * line[k] is the head's row of table k */
+static void FAST(tpart_start)(const FAST(call) *c, FAST(tpart) *p, const FAST(slab) *sl, int64_t h) {
+    if (!c->tg.parts) return;
+    const int64_t M = c->g->rpb_entries, hm = sl->nqh * M;
+    if (p->slab != sl->index) {
+        memset(p->part, 0, sizeof(double) * (size_t)(c->tg.n * hm));
+        p->slab = sl->index;
+    }
+    for (int k = 0; k < c->tg.n; ++k) p->line[k] = p->part + k * hm + (h - sl->h0) * M;
+}
+
+/* Pass 1 of a unit u of a backward with a bias, once its lines' scores are whole (walk_unit
+ * without a line visit), line by line: the staged tables tab[k] (the item's head's; NULL: none)
+ * added to the line's scores S[k][r], k < n, the op's step line(ctx, r, o) on each of its
+ * cnt[r] rows, then (table gradients asked) their gradients G[k][r] (dS, dtS) into the
+ * thread's partial tables p->line[k] */
+static void FAST(bias_lines)(const FAST(call) *c, const FAST(qitem) *it, const FAST(unit) *u, const int64_t *cnt,
+                             int n, float *const *const *S, const float *const *tab, float *const *const *G,
+                             const FAST(tpart) *p, void (*line)(void *, int, int64_t), void *ctx) {
+    for (int r = 0; r < it->nly; ++r) {
+        for (int k = 0; k < n; ++k)
+            if (tab[k]) FAST(add_bias)(S[k][r], c->g, it, r, u, tab[k]);
+        for (int64_t j = 0; j < cnt[r]; ++j) line(ctx, r, 16 * u->nn * j);
+        for (int k = 0; c->tg.parts && k < n; ++k) FAST(bias_line)(G[k][r], c->g, it, r, u, NULL, p->line[k]);
+    }
+}
+
+/* head h's rows of a staged table (NULL: none) */
+static inline const float *FAST(head_table)(const float *tab, const nbhd_geometry *g, int64_t h) {
+    return tab ? tab + h * g->rpb_entries : NULL;
+}
+
+/* the fold phase: one item per thread of the team (static schedule: each thread at least one) */
+static int64_t FAST(tgrads_fold_count)(const FAST(call) *c, const FAST(slab) *sl) {
+    (void)sl;
+    return nbhd_cpu_threads(c->e);
+}
+
+/* After a slab's passes, and only for a finite slab (the driver skips the others): the thread's
+ * partial tables of the slab into its tables; a second item of the thread finds nothing to add */
+static int FAST(tgrads_fold)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
+    FAST(tpart) *p = (FAST(tpart) *)scratch;
+    (void)w;
+    if (p->slab != sl->index) return 0;
+    int th = 0;
+#ifdef _OPENMP
+    th = omp_get_thread_num();
+#endif
+    const int64_t H = c->g->heads, M = c->g->rpb_entries, hm = sl->nqh * M;
+    for (int k = 0; k < c->tg.n; ++k) {
+        double *t = c->tg.parts + (((int64_t)th * c->tg.n + k) * H + sl->h0) * M;
+        for (int64_t j = 0; j < hm; ++j) t[j] += p->part[k * hm + j];
+    }
+    p->slab = -1;
+    return 0;
+}
+
+static const FAST(phase) FAST(tgrads_fold_phase) = {FAST(tgrads_fold_count), FAST(tgrads_fold), 0, 0};
+
+/* the threads' tables summed into the gradients (every thread, after a barrier) */
+static void FAST(tgrads_reduce)(const FAST(call) *c, int team) {
+    for (int k = 0; k < c->tg.n; ++k) nbhd_cpu_reduce_tables(c->g, c->tg.parts, team, c->tg.n, k, c->tg.out[k]);
+}
+
+/* The driver of a backward (FAST(backward_passes)) with the fold phase and the team's sum of
+ * the tables when the call forms table gradients */
+static const FAST(driver) *FAST(backward_driver)(FAST(passes) *P, const FAST(call) *c, FAST(phase) pack_q,
+                                                 FAST(phase) q, FAST(phase) k, FAST(phase) x,
+                                                 void *(*scratch_new)(const FAST(call) *)) {
+    const int t = c->tg.parts != NULL;
+    return FAST(backward_passes)(P, c->plan.tiled, pack_q, q, k, x, t ? &FAST(tgrads_fold_phase) : NULL, scratch_new,
+                                 t ? FAST(tgrads_reduce) : NULL);
+}
+
+// ----------------------------------------------------------------------------
+// the backward's scratch
+
+/* per-thread scratch: the partial tables (first), per line S, T, two lane operands (A1, A2) and
+ * two accumulators (O1, O2); a unit's value rows; pass 3's operands and row pointers */
+typedef struct {
+    FAST(tpart) tp;
     float *S[MAXLINES], *T[MAXLINES], *A1[MAXLINES], *A2[MAXLINES], *O1[MAXLINES], *O2[MAXLINES];
     int8_t *ra, *rb;
     int32_t *ns;
     const float **v1, **v2;
     const float **p1, **p2, **p3, **p4;   /* pass 3: Q^T, dO^T, L, D rows [max_rows] */
     float *xq;                            /* pass 3 of a tiled slab: a unit's rows [SMAX][D + Dv + 2] */
-    double *part, *gline;                 /* d_rpb: the slab's [query heads][M] partial; the item's head's */
-    int64_t part_slab;                    /* the slab `part` holds (-1: none) */
 } FAST(bwd_scratch);
 
 static void *FAST(bwd_scratch_new)(const FAST(call) *c) {
     const int64_t wdim = c->G.D > c->G.Dv ? c->G.D : c->G.Dv, max_rows = ((const FAST(bwd) *)c)->max_rows;
     const size_t xq = c->plan.tiled ? (size_t)SMAX * (size_t)(c->G.D + c->G.Dv + 2) : 0;
-    const size_t part = ((const FAST(bwd) *)c)->tables ? (size_t)(c->nhk * c->g->group * c->g->rpb_entries) : 0;
-    const size_t bytes = sizeof(double) * part +
+    const size_t bytes = sizeof(double) * FAST(tpart_doubles)(c) +
                          sizeof(float) * (MAXLINES * (2 * (size_t)SMAX * 16 + 4 * (size_t)wdim * 16) + xq) +
                          SMAX * (2 + sizeof(int32_t) + 2 * sizeof(float *)) + 4 * sizeof(float *) * (size_t)max_rows + 128;
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)malloc(sizeof *s + bytes);
     if (!s) return NULL;
-    s->part = (double *)FAST(align64)(s + 1);
-    s->gline = NULL;
-    s->part_slab = -1;
-    float *f = FAST(align64)(s->part + part);
+    float *f = FAST(tpart_place)(&s->tp, s + 1, c);
     for (int r = 0; r < MAXLINES; ++r) {
         s->S[r] = f; f += SMAX * 16; s->T[r] = f; f += SMAX * 16;
         s->A1[r] = f; f += wdim * 16; s->A2[r] = f; f += wdim * 16;
@@ -179,13 +291,13 @@ static void FAST(bwd_q_unit)(const FAST(call) *c, void *scratch, const FAST(map)
     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
     FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rows);
     /* with a bias, dS once a line's scores are whole: the bias walks the line's rows */
-    const int biased = f->bias || f->tables;
+    const int biased = f->bias || c->tg.parts;
     const FAST(visit) v = {FAST(bwd_q_seg), biased ? NULL : FAST(bwd_q_line), &w};
     const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
-    for (int r = 0; biased && r < it->nly; ++r) {
-        if (f->bias) FAST(add_bias)(s->S[r], c->g, it, r, u, f->bias + it->h * c->g->rpb_entries);
-        for (int64_t k = 0; k < cnt[r]; ++k) FAST(bwd_q_line)(&w, r, 16 * u->nn * k);
-        if (f->tables) FAST(bias_line)(s->T[r], c->g, it, r, u, NULL, s->gline);
+    if (biased) {
+        float *const *S[1] = {s->S}, *const *G[1] = {s->T};
+        const float *tab[1] = {FAST(head_table)(f->bias, c->g, it->h)};
+        FAST(bias_lines)(c, it, u, cnt, 1, S, tab, G, &s->tp, FAST(bwd_q_line), &w);
     }
     const FAST(rowset) rs = {s->ra, s->rb, s->v1, ne, it->zlines ? s->ns : NULL};
     FAST(values_lines)(s->O1, it->nly, f->c.G.D, (const float *const *)s->T, &rs, u->nn, km->ZP, it->zd.bcast);
@@ -210,14 +322,7 @@ static int FAST(bwd_q_item)(const FAST(call) *c, void *scratch, const FAST(slab)
     FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
     FAST(qitem) it;
     FAST(qitem_of)(&it, c->g, &c->G, &c->YB, &sl->tile.wk, c->ylines, w, sl->nqh, sl->h0);
-    if (f->tables) {   /* the first item of a slab on this thread starts its partial table */
-        const int64_t M = c->g->rpb_entries;
-        if (s->part_slab != sl->index) {
-            memset(s->part, 0, sizeof(double) * (size_t)(sl->nqh * M));
-            s->part_slab = sl->index;
-        }
-        s->gline = s->part + (it.h - sl->h0) * M;
-    }
+    FAST(tpart_start)(c, &s->tp, sl, it.h);
     vf Lq[MAXLINES], Dq[MAXLINES];
     FAST(bwd_q_start)(f, s, &sl->tile.qm, &it, it.h - sl->h0, Lq, Dq);
     const FAST(bwd_q_rows) rows = {Lq, Dq};
@@ -587,39 +692,6 @@ static int FAST(bwd_x_item)(const FAST(call) *c, void *scratch, const FAST(slab)
 }
 
 // ----------------------------------------------------------------------------
-// the table gradient
-
-/* one item per thread of the team (static schedule: each thread at least one) */
-static int64_t FAST(bwd_fold_count)(const FAST(call) *c, const FAST(slab) *sl) {
-    (void)sl;
-    return nbhd_cpu_threads(c->e);
-}
-
-/* After a slab's passes, and only for a finite slab (the driver skips the others): the thread's
- * partial table of the slab into its table; a second item of the thread finds nothing to add */
-static int FAST(bwd_fold)(const FAST(call) *c, void *scratch, const FAST(slab) *sl, int64_t w) {
-    const FAST(bwd) *f = (const FAST(bwd) *)c;
-    FAST(bwd_scratch) *s = (FAST(bwd_scratch) *)scratch;
-    (void)w;
-    if (s->part_slab != sl->index) return 0;
-    int th = 0;
-#ifdef _OPENMP
-    th = omp_get_thread_num();
-#endif
-    const int64_t M = c->g->rpb_entries, n = sl->nqh * M;
-    double *t = f->tables + ((int64_t)th * c->g->heads + sl->h0) * M;
-    for (int64_t j = 0; j < n; ++j) t[j] += s->part[j];
-    s->part_slab = -1;
-    return 0;
-}
-
-/* the threads' tables summed into d_rpb (every thread, after a barrier) */
-static void FAST(bwd_tables)(const FAST(call) *c, int team) {
-    const FAST(bwd) *f = (const FAST(bwd) *)c;
-    nbhd_cpu_reduce_tables(c->g, f->tables, team, 1, 0, &f->a->d_rpb);
-}
-
-// ----------------------------------------------------------------------------
 // entry
 
 static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nbhd_backward_args *a,
@@ -627,8 +699,7 @@ static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nb
     static const FAST(phase) pack_q = {FAST(qline_count), FAST(bwd_pack_q), 1, 1},
                              q = {FAST(qitem_count), FAST(bwd_q_item), 0, 0},
                              k = {FAST(bwd_k_count), FAST(bwd_k_item), 0, 0},
-                             x = {FAST(bwd_x_count), FAST(bwd_x_item), 0, 1},
-                             fold = {FAST(bwd_fold_count), FAST(bwd_fold), 0, 0};
+                             x = {FAST(bwd_x_count), FAST(bwd_x_item), 0, 1};
     FAST(bwd) f;
     nbhd_status st = FAST(call_init)(&f.c, g, e, NBHD_OP_BACKWARD, a);
     if (st != NBHD_OK) return st;
@@ -650,12 +721,10 @@ static nbhd_status FAST(nbhd_cpu_fast_backward)(const nbhd_geometry *g, const nb
         return nbhd_fail(NBHD_ERR_ALLOC, "backward: out of host memory");
     }
     f.bias = bias;
-    f.tables = g->rpb && a->d_rpb.data ? (double *)(ws + L->rt) : NULL;
-    if (f.tables)
-        memset(f.tables, 0, sizeof(double) * (size_t)nbhd_cpu_threads(e) * (size_t)(g->heads * g->rpb_entries));
+    const nbhd_tensor *tables[1] = {&a->d_rpb};
+    FAST(tgrads_init)(&f.c, tables);
     FAST(passes) P;
-    st = FAST(drive)(&f.c, FAST(backward_passes)(&P, f.c.plan.tiled, pack_q, q, k, x, f.tables ? &fold : NULL,
-                                                 FAST(bwd_scratch_new), f.tables ? FAST(bwd_tables) : NULL));
+    st = FAST(drive)(&f.c, FAST(backward_driver)(&P, &f.c, pack_q, q, k, x, FAST(bwd_scratch_new)));
     free(bias);
     FAST(call_free)(&f.c);
     return st;

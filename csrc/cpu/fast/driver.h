@@ -6,6 +6,15 @@
  * finite. forward.h, forward_jvp.h, backward.h and forward_jvp_backward.h give it their phases.
  */
 
+/* The table gradients of a backward with a bias (docs/rpb.md; backward.h FAST(tgrads_init)):
+ * n of them (FAST(op_tables)), out[k] (NULL data: not asked), the threads' tables in the
+ * workspace, parts [threads][n][H][M] (NULL: none asked or no bias) */
+typedef struct {
+    double *parts;
+    int n;
+    const nbhd_tensor *out[2];
+} FAST(tgrads);
+
 /* One call of a fast kernel: the problem, its blocking, its packed workspace. An op's context
  * starts with it (the phases get the call and cast it to the op's). */
 typedef struct {
@@ -24,6 +33,7 @@ typedef struct {
     FAST(packed) pk[4];        /* the key-side tensors every slab packs first (FAST(pack_phase)) */
     int np;
     int stream;                /* outputs bypass the caches (nbhd_cpu_stream_outputs) */
+    FAST(tgrads) tg;           /* the backwards' table gradients */
 } FAST(call);
 
 /* A slab: batch b, key heads [hk0, hk0 + nh), their query heads [h0, h0 + nqh); the tile of it

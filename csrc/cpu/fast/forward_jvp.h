@@ -195,19 +195,20 @@ static nbhd_status FAST(nbhd_cpu_fast_forward_jvp)(const nbhd_geometry *g, const
     f.has_tkx = a->t_kx.data != NULL;
     f.has_tvx = a->t_vx.data != NULL;
     const nbhd_tensor *t[8] = {&a->k, &a->v, &a->kx, &a->vx, &a->t_k, &a->t_v, &a->t_kx, &a->t_vx};
-    float *bias, *tbias = NULL;
-    if (!FAST(stage_table)(&bias, g, &a->rpb, (float)LOG2E) || !FAST(stage_table)(&tbias, g, &a->t_rpb, 1.0f)) {
-        free(bias);
+    float *tabs[2];
+    const nbhd_tensor *staged[2] = {&a->rpb, &a->t_rpb};
+    const float muls[2] = {(float)LOG2E, 1.0f};   /* S in log2 units, tS natural */
+    if (!FAST(stage_tables)(tabs, g, staged, muls, 2)) {
         FAST(call_free)(&f.c);
         return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp: out of host memory");
     }
-    f.bias = bias;
-    f.tbias = tbias;
+    f.bias = tabs[0];
+    f.tbias = tabs[1];
     f.keys = FAST(jvp_key_side)(&f.c, t, (float)LN2);
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, f.c.G.Dv, 2);   /* out and t_out */
     st = FAST(drive)(&f.c, &drv);
-    free(bias);
-    free(tbias);
+    free(tabs[0]);
+    free(tabs[1]);
     FAST(call_free)(&f.c);
     return st;
 }

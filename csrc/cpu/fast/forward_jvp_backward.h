@@ -18,6 +18,9 @@
  * passes, as the backward's. An absent input (NULL data) is zero: it is not packed and its
  * products are skipped; absent d_t_* outputs are not written. 21 products per pair at most
  * (the forward's 2): 6 + 3 in pass 1, 6 + 6 in pass 2.
+ * With a bias (problem.rpb) passes 1 and 2 add rpb and t_rpb (times log2e) to S1 and T1 as the
+ * backward adds rpb (backward.h); pass 1 adds dS and dtS into the thread's partial tables of
+ * the slab, and the team sums them into d_rpb and d_t_rpb (backward.h FAST(tgrads)).
  */
 
 typedef struct {
@@ -27,12 +30,16 @@ typedef struct {
     float *QT, *TQT, *DOT, *GT, *LR, *MR, *ER, *CR;
     float qmul;   /* scale * log2(e), for Q and tQ */
     int has_tq, has_tk, has_tv, has_tkx, has_tvx, has_do, has_g;
+    /* [H][M] the bias table and its tangent times log2(e) (S1's and T1's units); NULL: none */
+    const float *bias, *tbias;
 } FAST(fjb);
 
-/* per-thread scratch: per line the four products W[0..3] (S1, T1, S2, T2; after the pair step
- * P, P n, dtS, dS), four lane operands A and four accumulators O; a unit's rows; pass 3's row
- * pointers p[0..8) (Q', tQ', G, dO, L, mu, E, C) and, on tiled slabs, a unit's rows xq */
+/* per-thread scratch: the partial tables (first, backward.h), per line the four products
+ * W[0..3] (S1, T1, S2, T2; after the pair step P, P n, dtS, dS), four lane operands A and four
+ * accumulators O; a unit's rows; pass 3's row pointers p[0..8) (Q', tQ', G, dO, L, mu, E, C)
+ * and, on tiled slabs, a unit's rows xq */
 typedef struct {
+    FAST(tpart) tp;
     float *W[4][MAXLINES], *A[4][MAXLINES], *O[4][MAXLINES];
     int8_t *ra, *rb;
     int32_t *ns;
@@ -44,11 +51,12 @@ typedef struct {
 static void *FAST(fjb_scratch_new)(const FAST(call) *c) {
     const int64_t wdim = c->G.D > c->G.Dv ? c->G.D : c->G.Dv;
     const size_t xq = c->plan.tiled ? (size_t)SMAX * (size_t)(2 * (c->G.D + c->G.Dv) + 4) : 0;
-    const size_t bytes = sizeof(float) * (MAXLINES * (4 * (size_t)SMAX * 16 + 8 * (size_t)wdim * 16) + xq) +
+    const size_t bytes = sizeof(double) * FAST(tpart_doubles)(c) +
+                         sizeof(float) * (MAXLINES * (4 * (size_t)SMAX * 16 + 8 * (size_t)wdim * 16) + xq) +
                          SMAX * (2 + sizeof(int32_t) + 12 * sizeof(float *)) + 128;
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)malloc(sizeof *s + bytes);
     if (!s) return NULL;
-    float *f = FAST(align64)(s + 1);
+    float *f = FAST(tpart_place)(&s->tp, s + 1, c);
     for (int r = 0; r < MAXLINES; ++r)
         for (int k = 0; k < 4; ++k) {
             s->W[k][r] = f; f += SMAX * 16;
@@ -260,8 +268,15 @@ static void FAST(fjb_q_unit)(const FAST(call) *c, void *scratch, const FAST(map)
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
     int64_t cnt[MAXLINES] = {0, 0, 0, 0};
     FAST(unit_ctx) w = FAST(unit_ctx_of)(f, s, &f->c.G, km, it, u, rows);
-    const FAST(visit) v = {FAST(fjb_q_seg), FAST(fjb_q_line), &w};
+    /* with a bias, the pair step once a line's products are whole (backward.h FAST(bias_lines)) */
+    const int biased = f->bias || f->tbias || c->tg.parts;
+    const FAST(visit) v = {FAST(fjb_q_seg), biased ? NULL : FAST(fjb_q_line), &w};
     const int64_t ne = FAST(walk_unit)(it, km, zs, line0, u, cnt, s->ra, s->rb, s->ns, &v);
+    if (biased) {   /* rpb into S1, t_rpb into T1; dS (W[3]) into d_rpb, dtS (W[2]) into d_t_rpb */
+        float *const *S[2] = {s->W[0], s->W[1]}, *const *G[2] = {s->W[3], s->W[2]};
+        const float *tab[2] = {FAST(head_table)(f->bias, c->g, it->h), FAST(head_table)(f->tbias, c->g, it->h)};
+        FAST(bias_lines)(c, it, u, cnt, 2, S, tab, G, &s->tp, FAST(fjb_q_line), &w);
+    }
     const FAST(rowset) rs = {s->ra, s->rb, s->v[0], ne, it->zlines ? s->ns : NULL};
     FAST(jvp_values)(s->O[1], s->O[0], it->nly, f->c.G.D, (const float *const *)s->W[2], (const float *const *)s->W[3],
                      &rs, s->v[1], u->nn, km->ZP, it->zd.bcast, f->has_tk);
@@ -296,6 +311,7 @@ static int FAST(fjb_q_item)(const FAST(call) *c, void *scratch, const FAST(slab)
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
     FAST(qitem) it;
     FAST(qitem_of)(&it, c->g, &c->G, &c->YB, &sl->tile.wk, c->ylines, w, sl->nqh, sl->h0);
+    FAST(tpart_start)(c, &s->tp, sl, it.h);
     FAST(fjb_rows) rq[MAXLINES];
     FAST(fjb_q_start)(f, s, &sl->tile.qm, &it, it.h - sl->h0, rq);
     const int64_t xo = FAST(query_item_units)(c, s, sl, &it, rq, FAST(fjb_q_unit));
@@ -369,15 +385,19 @@ static void FAST(fjb_k_row)(void *ctx, const FAST(krow) *k) {
     float *const *Wp[4] = {Wr[0], Wr[1], Wr[2], Wr[3]};
     const float *const *Ap[4] = {Ar[0], Ar[1], Ar[2], Ar[3]};
     FAST(fjb_k_products)(f, Wp, Ap, rb - ra, b, ZP, nn, bcast, f->has_tk, f->has_tv);
+    const int64_t q = w->u->r0 + k->t;
+    const float *tab = FAST(head_table)(f->bias, f->c.g, w->h), *ttab = FAST(head_table)(f->tbias, f->c.g, w->h);
     for (int r = ra; r < rb; ++r) {
         float *Wl[4] = {Wr[0][r - ra], Wr[1][r - ra], Wr[2][r - ra], Wr[3][r - ra]};
+        if (tab) FAST(key_bias)(Wl[0], f->c.g, it, r, q, w->u, tab);
+        if (ttab) FAST(key_bias)(Wl[1], f->c.g, it, r, q, w->u, ttab);
         if (it->zd.masked) FAST(apply_mask)(Wl[0], 1, nn, &it->zd, it->zd.base + w->u->c0, -INFINITY);
         FAST(fjb_key_pairs)(Wl, 0, nn, sc, bcast, f->has_g, f->has_g || f->has_do);
     }
     for (int j = 0; j < 4; ++j) s->v[j][k->t] = b[j];
 }
 
-/* One unit of a pass 2 item for one query head (line0: the packed line of its query row 0 in
+/* One unit of a pass 2 item for query head h (line0: the packed line of its query row 0 in
  * qm, the tile's query side): the products per line, the pair step, the key sums */
 static void FAST(fjb_k_unit)(const FAST(call) *c, void *scratch, const FAST(map) *qm, const FAST(kitem) *it,
                              int64_t h, int64_t line0, const FAST(unit) *u) {
@@ -548,11 +568,24 @@ static nbhd_status FAST(nbhd_cpu_fast_forward_jvp_backward)(const nbhd_geometry 
     f.has_tvx = a->t_vx.data != NULL;
     f.has_do = a->d_out.data != NULL;
     f.has_g = a->d_t_out.data != NULL;
+    float *tabs[2];
+    const nbhd_tensor *staged[2] = {&a->rpb, &a->t_rpb};
+    const float muls[2] = {(float)LOG2E, (float)LOG2E};   /* S1 = log2e S, T1 = log2e tS */
+    if (!FAST(stage_tables)(tabs, g, staged, muls, 2)) {
+        FAST(call_free)(&f.c);
+        return nbhd_fail(NBHD_ERR_ALLOC, "forward_jvp_backward: out of host memory");
+    }
+    f.bias = tabs[0];
+    f.tbias = tabs[1];
     FAST(fjb_packed)(&f, a);
     /* dQ, dK, dV and their tangents' gradients: written once, not read here */
     f.c.stream = FAST(stream_outputs)(&f.c.G, e, f.c.G.D + f.c.G.Dv, 2);
+    const nbhd_tensor *tables[2] = {&a->d_rpb, &a->d_t_rpb};
+    FAST(tgrads_init)(&f.c, tables);
     FAST(passes) P;
-    st = FAST(drive)(&f.c, FAST(backward_passes)(&P, f.c.plan.tiled, pack_q, q, k, x, NULL, FAST(fjb_scratch_new), NULL));
+    st = FAST(drive)(&f.c, FAST(backward_driver)(&P, &f.c, pack_q, q, k, x, FAST(fjb_scratch_new)));
+    free(tabs[0]);
+    free(tabs[1]);
     FAST(call_free)(&f.c);
     return st;
 }

@@ -157,6 +157,18 @@ static int FAST(stage_table)(float **out, const nbhd_geometry *g, const nbhd_ten
     return 1;
 }
 
+/* The call's tables t[k] (k < n) staged times mul[k] into out[k] (FAST(stage_table)); 0 when
+ * out of memory, none kept */
+static int FAST(stage_tables)(float **out, const nbhd_geometry *g, const nbhd_tensor *const *t, const float *mul,
+                              int n) {
+    for (int k = 0; k < n; ++k)
+        if (!FAST(stage_table)(&out[k], g, t[k], mul[k])) {
+            while (k--) free(out[k]);
+            return 0;
+        }
+    return 1;
+}
+
 /* The bias of line r of query item it and its unit u (the line's rows in order, nn slot vectors
  * each): with tab (the head's staged table) adds it to the scores S; else adds the line's dS (in
  * S) into the head's table gradient grad. Shifted operands give every lane the same relative

@@ -210,7 +210,7 @@ typedef struct {
     int tiled;
     int64_t nhk, ntiles, t[3], np[3];
     int64_t klines, kZP, qlines, qZP;
-    int threads;   /* the team it is sized for (the backward's partial tables) */
+    int threads;   /* the team it is sized for (the backwards' partial tables) */
 } FAST(plan);
 
 /* packed floats of the rows of plan P's largest tile (its extents set here) */
@@ -300,8 +300,14 @@ static void FAST(tile_of)(FAST(tile) *T, const FAST(plan) *P, const nbhd_geometr
 /* Workspace layout (the one owner): float offsets of each packed array, total floats. */
 typedef struct {
     size_t kt, vt, kxt, vxt, tkt, tvt, tkxt, tvxt, qt, dot, lr, dr, tqt, gt, mr, cr, total;
-    size_t rt;   /* the backward's partial d_rpb per thread, [threads][H][M] doubles (FAST(bwd_tables)) */
+    size_t rt;   /* the backwards' partial table gradients, [threads][tables][H][M] doubles (FAST(tgrads)) */
 } FAST(layout_t);
+
+/* The table gradients op forms with a bias (problem.rpb): d_rpb (backward), d_rpb and d_t_rpb
+ * (backward through forward+JVP), none for the forwards */
+static inline int FAST(op_tables)(nbhd_op op) {
+    return op == NBHD_OP_BACKWARD ? 1 : op == NBHD_OP_FORWARD_JVP_BACKWARD ? 2 : 0;
+}
 
 /* The next array of n floats at *at: it starts PAD floats in (the left margin of its first row) */
 static inline size_t FAST(place)(size_t *at, size_t n) {
@@ -346,9 +352,10 @@ static FAST(layout_t) FAST(layout)(const nbhd_geometry *g, nbhd_op op, const FAS
         L.mr = FAST(place)(&at, lq * qZP);
         L.cr = FAST(place)(&at, lq * qZP);
     }
-    if (op == NBHD_OP_BACKWARD && g->rpb) {
+    if (g->rpb && FAST(op_tables)(op)) {
         at = (at + 1) & ~(size_t)1;   /* doubles: 8-byte aligned on the 64-byte base */
-        L.rt = FAST(place_flat)(&at, 2 * (size_t)P->threads * (size_t)g->heads * (size_t)g->rpb_entries);
+        L.rt = FAST(place_flat)(&at, 2 * (size_t)FAST(op_tables)(op) * (size_t)P->threads * (size_t)g->heads *
+                                         (size_t)g->rpb_entries);
     }
     /* + 16 floats to align the base */
     L.total = at + 16;
