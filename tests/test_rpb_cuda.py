@@ -12,6 +12,7 @@ import torch
 import nbhd
 from nbhd import _lib, ops
 from nbhd.rpb import in_kernel_bias, na_with_rpb, na_with_rpb_fused
+from test_cuda import poison, rel_err, use_reference  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not _lib.has_cuda(),
@@ -44,13 +45,6 @@ def ids(case):
     return f"{'x'.join(map(str, ext))}-k{ks}-s{st}-d{dil}-H{H}/{Hkv}-D{D}/{Dv}-S{S}"
 
 
-def poison():
-    """NaN bytes in the caching allocator's free blocks: torch.empty outputs start NaN."""
-    blocks = [torch.empty(n, dtype=torch.uint8, device="cuda").fill_(0xFF)
-              for n in [1 << 16] * 16 + [1 << 20] * 8 + [1 << 24] * 4]
-    del blocks
-
-
 def build(case, dtype, seed):
     ext, ks, st, dil, B, H, Hkv, D, Dv, S = case
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -78,23 +72,9 @@ def reference(xs, table, geo, tangents=None):
     return torch.func.jvp(f, primals, tuple(t.double() for t in tangents))
 
 
-def rel_err(x, ref):
-    x, ref = x.double(), ref.double()
-    assert not torch.isnan(x).any(), "NaN in result (an unwritten output element?)"
-    return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
 def check(name, got, want, dtype, case):
     err = rel_err(got, want)
     assert err < TOL[dtype], f"{name}: rel err {err:.3g} >= {TOL[dtype]} for {ids(case)} {dtype}"
-
-
-@pytest.fixture(params=[False, True], ids=["fast", "simple"])
-def use_reference(request):
-    old = ops._OPTIONS["use_reference"]
-    ops._OPTIONS["use_reference"] = request.param
-    yield request.param
-    ops._OPTIONS["use_reference"] = old
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
