@@ -5,9 +5,8 @@
  *
  *   fast       fp32/fp16/bf16, rank 1..3 (any strides, geometry, GQA, extra keys); fast.c picks
  *              the ISA, and the AMX-BF16 kernels (amx/) for bf16 where the CPU has them
- *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only), and
- *              a relative positional bias (problem.rpb) in an op whose fast kernels have no
- *              bias term (fast_has_bias: none now, all four ops add it)
+ *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only);
+ *              the fast kernels of all four ops add a relative positional bias (problem.rpb)
  */
 #ifdef _OPENMP
 #include <omp.h>
@@ -50,47 +49,41 @@ static nbhd_exec sized_exec(const nbhd_geometry *g, const nbhd_exec *e, int64_t 
     return s;
 }
 
-/* whether the fast kernels of op add the relative positional bias (problem.rpb) */
-static int fast_has_bias(nbhd_op op) {
-    return op == NBHD_OP_FORWARD || op == NBHD_OP_FORWARD_JVP || op == NBHD_OP_BACKWARD ||
-           op == NBHD_OP_FORWARD_JVP_BACKWARD;
-}
-
-static int fast_supports(const nbhd_geometry *g, nbhd_op op) {
+static int fast_supports(const nbhd_geometry *g) {
     const int low_precision = g->dtype == NBHD_F32 || g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
-    return low_precision && g->has_window && (!g->rpb || fast_has_bias(op));
+    return low_precision && g->has_window;
 }
 
-static int use_fast(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op) {
-    return !e->use_reference && fast_supports(g, op);
+static int use_fast(const nbhd_geometry *g, const nbhd_exec *e) {
+    return !e->use_reference && fast_supports(g);
 }
 
 /* The workspace of the path exec takes (the fast kernels allocate the reference's for the slabs
  * they hand over). The fast kernels may run on fewer threads than exec's count (sized_exec):
  * their workspace never grows with fewer. */
 static size_t cpu_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e) {
-    if (use_fast(g, e, op)) return nbhd_cpu_fast_workspace_bytes(g, op, e);
+    if (use_fast(g, e)) return nbhd_cpu_fast_workspace_bytes(g, op, e);
     return nbhd_cpu_ref_workspace_bytes(g, op, nbhd_cpu_threads(e));
 }
 
 static nbhd_status cpu_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                const nbhd_exec *e) {
     const nbhd_exec s = sized_exec(g, e, 1);
-    if (use_fast(g, &s, NBHD_OP_FORWARD)) return nbhd_cpu_fast_forward(g, a, &s);
+    if (use_fast(g, &s)) return nbhd_cpu_fast_forward(g, a, &s);
     return nbhd_cpu_ref_forward(g, a, &s);
 }
 
 static nbhd_status cpu_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
                                 const nbhd_exec *e) {
     const nbhd_exec s = sized_exec(g, e, 3);
-    if (use_fast(g, &s, NBHD_OP_BACKWARD)) return nbhd_cpu_fast_backward(g, a, &s);
+    if (use_fast(g, &s)) return nbhd_cpu_fast_backward(g, a, &s);
     return nbhd_cpu_ref_backward(g, a, &s);
 }
 
 static nbhd_status cpu_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                    const nbhd_exec *e) {
     const nbhd_exec s = sized_exec(g, e, 2);
-    if (use_fast(g, &s, NBHD_OP_FORWARD_JVP)) return nbhd_cpu_fast_forward_jvp(g, a, &s);
+    if (use_fast(g, &s)) return nbhd_cpu_fast_forward_jvp(g, a, &s);
     return nbhd_cpu_ref_forward_jvp(g, a, &s);
 }
 
@@ -98,7 +91,7 @@ static nbhd_status cpu_forward_jvp_backward(const nbhd_geometry *g,
                                             const nbhd_forward_jvp_backward_args *a,
                                             const nbhd_exec *e) {
     const nbhd_exec s = sized_exec(g, e, 6);
-    if (use_fast(g, &s, NBHD_OP_FORWARD_JVP_BACKWARD)) return nbhd_cpu_fast_forward_jvp_backward(g, a, &s);
+    if (use_fast(g, &s)) return nbhd_cpu_fast_forward_jvp_backward(g, a, &s);
     return nbhd_cpu_ref_forward_jvp_backward(g, a, &s);
 }
 
