@@ -184,3 +184,24 @@ class _deterministic:
 
     def __exit__(self, *exc):
         nbhd.use_deterministic_algorithms(self.old)
+
+
+def test_transforms_of_the_fused_path_on_cuda():
+    """na_with_rpb_fused on CUDA (float64: the simple kernels, exact) under gradcheck,
+    gradgradcheck (the backward through forward+JVP) and torch.func.jvp against the reference."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)
+    q, k, v = r(1, 5, 6, 2, 3), r(1, 5, 6, 2, 3), r(1, 5, 6, 2, 3)
+    rpb = r(2, 5, 3)
+    ks, st, dil = (3, 2), (1, 1), (1, 2)
+    f = lambda q, k, v, t: na_with_rpb_fused(q, k, v, t, ks, st, dil, 0.5)[0]
+    ref = lambda q, k, v, t: na_with_rpb(q, k, v, t, ks, st, dil, (False, False), 0.5)[0]
+    x = tuple(t.clone().requires_grad_() for t in (q, k, v, rpb))
+    # the table's gradient is summed by atomics: reentrant only up to the summation order
+    assert torch.autograd.gradcheck(f, x, nondet_tol=1e-12)
+    assert torch.autograd.gradgradcheck(f, x, nondet_tol=1e-12)
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v, rpb))
+    got = torch.func.jvp(f, (q, k, v, rpb), tangents)
+    want = torch.func.jvp(ref, (q, k, v, rpb), tangents)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
