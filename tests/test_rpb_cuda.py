@@ -205,3 +205,24 @@ def test_transforms_of_the_fused_path_on_cuda():
     want = torch.func.jvp(ref, (q, k, v, rpb), tangents)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_empty_problems_zero_the_gradients_on_cuda():
+    """Batch 0: the table's gradient is zero; no query heads: the key gradients are zero
+    (both written by the CUDA zero kernel into poisoned outputs)."""
+    geo = ([3], [1], [1], [False], 0.5, [0] * 4)
+    table = torch.randn(2, 5, device="cuda")
+    none = torch.empty(0, device="cuda")
+    q, k, v = (torch.randn(0, 9, 2, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ex = torch.empty(0, 0, 2, 32, device="cuda", dtype=torch.bfloat16)
+    out, lse = ops.na_forward(q, k, v, ex, ex, table, *geo)
+    poison()
+    d_rpb = ops.na_backward(q, k, v, ex, ex, table, out, lse, torch.zeros_like(out), None, *geo)[5]
+    assert d_rpb.shape == table.shape and torch.equal(d_rpb, torch.zeros_like(table))
+    q = torch.randn(2, 9, 0, 32, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 9, 1, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ex = torch.empty(2, 0, 1, 32, device="cuda", dtype=torch.bfloat16)
+    out, lse = ops.na_forward(q, k, v, ex, ex, none, *geo)
+    poison()
+    grads = ops.na_backward(q, k, v, ex, ex, none, out, lse, torch.zeros_like(out), None, *geo)
+    assert torch.equal(grads[1], torch.zeros_like(k)) and torch.equal(grads[2], torch.zeros_like(v))
