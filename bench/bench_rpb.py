@@ -1,7 +1,7 @@
 """Cost of relative positional bias: na*d with rpb against the same call without it.
-"in-kernel" is nbhd.compat's na*d(rpb=...) (nbhd.rpb.na_with_rpb_fused: on the CPU the kernels
-add the bias, docs/rpb.md), "fold" the bias folded into the fused kernels' dot product (the
-CUDA route; na_with_rpb_fused(fold=True)), "composed" nbhd.rpb.na_with_rpb
+"in-kernel" is nbhd.compat's na*d(rpb=...) (nbhd.rpb.na_with_rpb_fused: the CPU and CUDA kernels
+add the bias, docs/rpb.md), "fold" the bias folded into the fused kernels' dot product (the route
+of deterministic mode on CUDA; na_with_rpb_fused(fold=True)), "composed" nbhd.rpb.na_with_rpb
 (gather + softmax, the reference). Forward, or forward+backward with --bwd, or with --jvp-bwd
 the forward+JVP (torch.func.jvp, tangents of q, k, v and the table) and the backward through it
 (of out and tangent out: nbhd::na_forward_jvp_backward); configurations interleaved; min and
