@@ -291,13 +291,17 @@ static nbhd_status check_table(const nbhd_geometry *g, const nbhd_tensor *t, con
     return check_view(&flat, name, &v);
 }
 
+nbhd_status nbhd_zero_table(const nbhd_device_ops *ops, const nbhd_geometry *g, nbhd_tensor t, const nbhd_exec *e) {
+    if (!g->rpb || !t.data) return NBHD_OK;
+    const int64_t one[3] = {1, 1, 1};
+    return ops->zero(t, 1, one, g->heads, g->rpb_entries, g->dtype == NBHD_F64 ? 8 : 4, e);
+}
+
 /* A problem with no query rows (batch 0 or heads 0) sums nothing into a table gradient. */
 static nbhd_status zero_table(const nbhd_geometry *g, nbhd_device device, nbhd_tensor t, const nbhd_exec *e) {
     const nbhd_device_ops *ops = device_ops(device);
     if (!g->rpb || !t.data) return NBHD_OK;
-    if (!ops) return no_device();
-    const int64_t one[3] = {1, 1, 1};
-    return ops->zero(t, 1, one, g->heads, g->rpb_entries, g->dtype == NBHD_F64 ? 8 : 4, e);
+    return ops ? nbhd_zero_table(ops, g, t, e) : no_device();
 }
 
 #define TABLE(t, name) if ((st = check_table(&g, &(t), name)) != NBHD_OK) return st

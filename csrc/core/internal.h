@@ -67,6 +67,9 @@ typedef struct {
                         int64_t width, size_t esize, const nbhd_exec *e);
 } nbhd_device_ops;
 
+/* Zeroes a bias table's gradient t ([H, M]; absent, or problem.rpb = 0: nothing) with ops->zero. */
+nbhd_status nbhd_zero_table(const nbhd_device_ops *ops, const nbhd_geometry *g, nbhd_tensor t, const nbhd_exec *e);
+
 extern const nbhd_device_ops nbhd_cpu_ops;
 #ifdef NBHD_WITH_CUDA
 extern const nbhd_device_ops nbhd_cuda_ops;

@@ -85,13 +85,6 @@ static nbhd_status cuda_zero(nbhd_tensor t, int64_t B, const int64_t sp[3], int6
     return NBHD_OK;
 }
 
-/* a backward's bias table gradient (absent: nothing), zeroed before the kernels add into it */
-static nbhd_status zero_table_grad(const nbhd_geometry *g, const nbhd_tensor &t, const nbhd_exec *e) {
-    if (!g->rpb || !t.data) return NBHD_OK;
-    const int64_t one[3] = {1, 1, 1};
-    return cuda_zero(t, 1, one, g->heads, g->rpb_entries, g->dtype == NBHD_F64 ? 8 : 4, e);
-}
-
 static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                 const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
@@ -104,7 +97,7 @@ static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args 
 static nbhd_status cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
                                  const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
-    const nbhd_status st = zero_table_grad(g, a->d_rpb, e);
+    const nbhd_status st = nbhd_zero_table(&nbhd_cuda_ops, g, a->d_rpb, e);  /* the kernels add into it */
     if (st != NBHD_OK) return st;
     const nbhd_cuda_choice c = choose(g, NBHD_OP_BACKWARD, e, nbhd_cuda_mma_backward_supported(g, a));
     if (c.family != NBHD_CUDA_SIMPLE) return nbhd_cuda_mma_backward(g, a, e->workspace, &c, stream);
@@ -125,8 +118,8 @@ static nbhd_status cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_j
  * and geometry, O(N D) memory). */
 static nbhd_status cuda_forward_jvp_backward(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
                                              const nbhd_exec *e) {
-    nbhd_status st = zero_table_grad(g, a->d_rpb, e);
-    if (st == NBHD_OK) st = zero_table_grad(g, a->d_t_rpb, e);
+    nbhd_status st = nbhd_zero_table(&nbhd_cuda_ops, g, a->d_rpb, e);  /* the kernels add into them */
+    if (st == NBHD_OK) st = nbhd_zero_table(&nbhd_cuda_ops, g, a->d_t_rpb, e);
     if (st != NBHD_OK) return st;
     return nbhd_cuda_simple_forward_jvp_backward(g, a, e->workspace, (cudaStream_t)e->stream);
 }

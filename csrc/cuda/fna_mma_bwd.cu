@@ -158,35 +158,33 @@ fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant
                 sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
             tile_abt<T, HD>(sc, Qs, w * 16, Kt, lane);   // S = Q K^T
             tile_abt<T, HD>(dp, dOs, w * 16, Vt, lane);  // dP = dO V^T
-            {
 #pragma unroll
-                for (int nb = 0; nb < BC / 8; ++nb)
+            for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int kr = nb * 8 + 2 * cq + e;
-                        const int j[3] = {kct[kr], kct[BC + kr], kct[2 * BC + kr]};
-                        const int j0 = j[0], j1 = j[1], j2 = j[2];
-                        const int bk = BIAS ? tile_bias<3>::key(g, j) : 0;
+                for (int e = 0; e < 2; ++e) {
+                    const int kr = nb * 8 + 2 * cq + e;
+                    const int j[3] = {kct[kr], kct[BC + kr], kct[2 * BC + kr]};
+                    const int j0 = j[0], j1 = j[1], j2 = j[2];
+                    const int bk = BIAS ? tile_bias<3>::key(g, j) : 0;
 #pragma unroll
-                        for (int hrow = 0; hrow < 2; ++hrow) {
-                            const bool ok = win ? j0 >= wst[hrow][0] && j0 < wen[hrow][0] &&
-                                                      j1 >= wst[hrow][1] && j1 < wen[hrow][1] &&
-                                                      j2 >= wst[hrow][2] && j2 < wen[hrow][2]
-                                                : rvalid[hrow] && j0 != KEY_NONE;
-                            // P = exp(S + bias - lse), dS = P (dP - D), added to the table's gradient
-                            float &x = sc[nb][2 * hrow + e];
-                            if constexpr (BIAS) {
-                                const float b2 = tile_bias<3>::at(tab, ok && win, bk, brow[hrow]) * LOG2E_F;
-                                const float p = ok ? prob_exp2(fmaf(x, P.scale_log2, b2 - lse2[hrow])) : 0.f;
-                                x = p * (dp[nb][2 * hrow + e] - Di[hrow]);
-                                if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), x);
-                            } else {
-                                const float p = ok ? prob_exp2(x * P.scale_log2 - lse2[hrow]) : 0.f;
-                                x = p * (dp[nb][2 * hrow + e] - Di[hrow]);
-                            }
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        const bool ok = win ? j0 >= wst[hrow][0] && j0 < wen[hrow][0] &&
+                                                  j1 >= wst[hrow][1] && j1 < wen[hrow][1] &&
+                                                  j2 >= wst[hrow][2] && j2 < wen[hrow][2]
+                                            : rvalid[hrow] && j0 != KEY_NONE;
+                        // P = exp(S + bias - lse), dS = P (dP - D), added to the table's gradient
+                        float &x = sc[nb][2 * hrow + e];
+                        if constexpr (BIAS) {
+                            const float b2 = tile_bias<3>::at(tab, ok && win, bk, brow[hrow]) * LOG2E_F;
+                            const float p = ok ? prob_exp2(fmaf(x, P.scale_log2, b2 - lse2[hrow])) : 0.f;
+                            x = p * (dp[nb][2 * hrow + e] - Di[hrow]);
+                            if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), x);
+                        } else {
+                            const float p = ok ? prob_exp2(x * P.scale_log2 - lse2[hrow]) : 0.f;
+                            x = p * (dp[nb][2 * hrow + e] - Di[hrow]);
                         }
                     }
-            }
+                }
             tile_xb<T, HD>(dq, sc, Kt, lane);  // dQ += dS K
         }
     }
@@ -487,35 +485,33 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
             tile_abt<T, HD>(sc, Ks, w * 16, Qt, lane);   // S^T = K Q^T
             tile_abt<T, HD>(dp, Vs, w * 16, dOt, lane);  // dP^T = V dO^T
             const float *tab = BIAS ? tile_bias<3>::table(g, a.rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
-            {
 #pragma unroll
-                for (int nb = 0; nb < BC / 8; ++nb)
+            for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int cr = nb * 8 + 2 * cq + e;
-                        const int j[3] = {qct[cr], qct[BC + cr], qct[2 * BC + cr]};
-                        const int j0 = j[0], j1 = j[1], j2 = j[2];
-                        const int bq = BIAS ? tile_bias<3>::row(g, j) : 0;
-                        const float lv = qlt[cr] * 1.4426950408889634f, dv_i = qdt[cr];
+                for (int e = 0; e < 2; ++e) {
+                    const int cr = nb * 8 + 2 * cq + e;
+                    const int j[3] = {qct[cr], qct[BC + cr], qct[2 * BC + cr]};
+                    const int j0 = j[0], j1 = j[1], j2 = j[2];
+                    const int bq = BIAS ? tile_bias<3>::row(g, j) : 0;
+                    const float lv = qlt[cr] * 1.4426950408889634f, dv_i = qdt[cr];
 #pragma unroll
-                        for (int hrow = 0; hrow < 2; ++hrow) {
-                            const bool ok = EXTRA ? rvalid[hrow] && j0 != KEY_NONE
-                                                  : j0 >= ist[hrow][0] && j0 < ien[hrow][0] &&
-                                                        j1 >= ist[hrow][1] && j1 < ien[hrow][1] &&
-                                                        j2 >= ist[hrow][2] && j2 < ien[hrow][2];
-                            // P^T = exp(S^T + bias - lse), dS^T = P^T (dP^T - D)
-                            float p;
-                            if constexpr (BIAS) {
-                                const float b2 = tile_bias<3>::at(tab, ok, bkey[hrow], bq) * LOG2E_F;
-                                p = ok ? prob_exp2(fmaf(sc[nb][2 * hrow + e], P.scale_log2, b2 - lv)) : 0.f;
-                            } else {
-                                p = ok ? prob_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lv) : 0.f;
-                            }
-                            sc[nb][2 * hrow + e] = p;
-                            dp[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - dv_i);
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        const bool ok = EXTRA ? rvalid[hrow] && j0 != KEY_NONE
+                                              : j0 >= ist[hrow][0] && j0 < ien[hrow][0] &&
+                                                    j1 >= ist[hrow][1] && j1 < ien[hrow][1] &&
+                                                    j2 >= ist[hrow][2] && j2 < ien[hrow][2];
+                        // P^T = exp(S^T + bias - lse), dS^T = P^T (dP^T - D)
+                        float p;
+                        if constexpr (BIAS) {
+                            const float b2 = tile_bias<3>::at(tab, ok, bkey[hrow], bq) * LOG2E_F;
+                            p = ok ? prob_exp2(fmaf(sc[nb][2 * hrow + e], P.scale_log2, b2 - lv)) : 0.f;
+                        } else {
+                            p = ok ? prob_exp2(sc[nb][2 * hrow + e] * P.scale_log2 - lv) : 0.f;
                         }
+                        sc[nb][2 * hrow + e] = p;
+                        dp[nb][2 * hrow + e] = p * (dp[nb][2 * hrow + e] - dv_i);
                     }
-            }
+                }
             tile_xb<T, HD>(dv, sc, dOt, lane);  // dV += P^T dO
             tile_xb<T, HD>(dk, dp, Qt, lane);   // dK += dS^T Q
             if (KVP)  /* this warp's 16 keys x BC queries of dS^T, rounded as the dK operand */

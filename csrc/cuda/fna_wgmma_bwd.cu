@@ -151,32 +151,30 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 
         // P = 2^(S s log2e + bias log2e - lse), masked unless full; dS = P (dP - D_i), left in
         // sc and added to the bias table's gradient
-        {
 #pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb)
+        for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int kr = nb * 8 + 2 * cq + e;
-                    int j[RANK];
+            for (int e = 0; e < 2; ++e) {
+                const int kr = nb * 8 + 2 * cq + e;
+                int j[RANK];
 #pragma unroll
-                    for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : kct[ax * BN + kr];
-                    const int bk = BIAS ? tile_bias<RANK>::key(g, j) : 0;
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : kct[ax * BN + kr];
+                const int bk = BIAS ? tile_bias<RANK>::key(g, j) : 0;
 #pragma unroll
-                    for (int hrow = 0; hrow < 2; ++hrow) {
-                        const bool ok = full || key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
-                        float &x = sc[nb][2 * hrow + e];
-                        if constexpr (BIAS) {
-                            const float b2 = tile_bias<RANK>::at(tab, ok && win, bk, brow[hrow]) * LOG2E_F;
-                            const float p = ok ? prob_exp2(fmaf(x, sl2, b2 - lse2[hrow])) : 0.f;
-                            x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);
-                            if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), x);
-                        } else {
-                            const float p = ok ? prob_exp2(x * sl2 - lse2[hrow]) : 0.f;
-                            x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);
-                        }
+                for (int hrow = 0; hrow < 2; ++hrow) {
+                    const bool ok = full || key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
+                    float &x = sc[nb][2 * hrow + e];
+                    if constexpr (BIAS) {
+                        const float b2 = tile_bias<RANK>::at(tab, ok && win, bk, brow[hrow]) * LOG2E_F;
+                        const float p = ok ? prob_exp2(fmaf(x, sl2, b2 - lse2[hrow])) : 0.f;
+                        x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);
+                        if (d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), x);
+                    } else {
+                        const float p = ok ? prob_exp2(x * sl2 - lse2[hrow]) : 0.f;
+                        x = p * (dpt[nb][2 * hrow + e] - Di[hrow]);
                     }
                 }
-        }
+            }
         wgmma_wait<0>();
         dq_done();
 #pragma unroll
@@ -373,34 +371,32 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         fence_regs(dpt);
 
         // P^T = 2^(S^T s log2e + bias log2e - lse), masked unless full
-        {
 #pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb)
+        for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int cr = nb * 8 + 2 * cq + e;
-                    const float lv = qlt[cr] * 1.4426950408889634f;
-                    int j[RANK];
+            for (int e = 0; e < 2; ++e) {
+                const int cr = nb * 8 + 2 * cq + e;
+                const float lv = qlt[cr] * 1.4426950408889634f;
+                int j[RANK];
 #pragma unroll
-                    for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
-                    const int bq = BIAS ? tile_bias<RANK>::row(g, j) : 0;
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
+                const int bq = BIAS ? tile_bias<RANK>::row(g, j) : 0;
 #pragma unroll
-                    for (int hrow = 0; hrow < 2; ++hrow) {
-                        bool ok = true;
-                        if (!full)
+                for (int hrow = 0; hrow < 2; ++hrow) {
+                    bool ok = true;
+                    if (!full)
 #pragma unroll
-                            for (int ax = 0; ax < RANK; ++ax)
-                                ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
-                        float &x = sc[nb][2 * hrow + e];
-                        if constexpr (BIAS) {
-                            const float b2 = tile_bias<RANK>::at(tab, ok, bkey[hrow], bq) * LOG2E_F;
-                            x = ok ? prob_exp2(fmaf(x, sl2, b2 - lv)) : 0.f;
-                        } else {
-                            x = ok ? prob_exp2(x * sl2 - lv) : 0.f;
-                        }
+                        for (int ax = 0; ax < RANK; ++ax)
+                            ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
+                    float &x = sc[nb][2 * hrow + e];
+                    if constexpr (BIAS) {
+                        const float b2 = tile_bias<RANK>::at(tab, ok, bkey[hrow], bq) * LOG2E_F;
+                        x = ok ? prob_exp2(fmaf(x, sl2, b2 - lv)) : 0.f;
+                    } else {
+                        x = ok ? prob_exp2(x * sl2 - lv) : 0.f;
                     }
                 }
-        }
+            }
         uint32_t pf[BN / 16][4], df[BN / 16][4];  /* P^T, dS^T as wgmma A fragments */
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
