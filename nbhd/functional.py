@@ -46,12 +46,12 @@ class _Call:
         self.backend = backends.choose(q, backend)
 
     @classmethod
-    def checked(cls, rank, q, k, v, kx, vx, geometry, backend) -> "_Call":
+    def checked(cls, rank, q, k, v, kx, vx, geometry, backend, rpb=None) -> "_Call":
         """A call whose arguments were validated before (the same shapes, dtypes and options):
         its normalised geometry and backend, without checking again."""
         call = cls.__new__(cls)
         call.q, call.k, call.v, call.kx, call.vx = q, k, v, kx, vx
-        call.rpb = None
+        call.rpb = rpb
         call.spatial = tuple(q.shape[1:-2])
         call.geometry, call.backend = geometry, backend
         return call
@@ -355,9 +355,9 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
     """na{rank}d; `rpb` (nbhd.rpb's in-kernel path only): a relative positional bias table
     [H, prod(2K-1)], float32 (float64 for float64 q), added to the scores by the kernels."""
     cache_key = None
-    if (attention_kwargs is None and backend in _CACHED_BACKENDS and rpb is None
-            and not torch.compiler.is_compiling()):
-        cache_key = _call_key(rank, (query, key, value, additional_keys, additional_values), (
+    if attention_kwargs is None and backend in _CACHED_BACKENDS and not torch.compiler.is_compiling():
+        tensors = (query, key, value, additional_keys, additional_values)
+        cache_key = _call_key(rank, tensors if rpb is None else (*tensors, rpb), (
             kernel_size, stride, dilation, is_causal, scale, backend, q_tile_shape, kv_tile_shape,
             backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
             backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
@@ -366,12 +366,12 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
         if checked is not None:
             if checked.prepared is not None:
                 done = prepared.na(checked.prepared, query, key, value, additional_keys,
-                                   additional_values, return_lse)
+                                   additional_values, return_lse, rpb)
                 if done is not None:
                     return done if return_lse else done[0]
             out, lse = _forward(_Call.checked(rank, query, key, value, additional_keys,
-                                              additional_values, checked.geometry, checked.backend),
-                                torch_compile)
+                                              additional_values, checked.geometry, checked.backend,
+                                              rpb), torch_compile)
             return (out, lse) if return_lse else out
     checks.flags(return_lse=return_lse, torch_compile=torch_compile,
                  backward_use_pt_reduction=backward_use_pt_reduction,

@@ -43,15 +43,18 @@ class Prepared:
     """One validated call signature of the fused kernels: its geometry, its outputs' shapes,
     and the keys of its C arguments in _lib's per-thread plans (built on first use in each
     thread and for each run_state()). kx/vx: None or the additional keys (then present in every
-    call of the signature); empty_kx/empty_vx/empty_rpb: the zero-length stand-ins the ops take
-    for absent ones and for no bias table, plain tensors (functional.py's, made outside any
-    transform: this object outlives the call that built it)."""
+    call of the signature); empty_kx/empty_vx: the zero-length stand-ins the ops take for absent
+    ones, plain tensors (functional.py's, made outside any transform: this object outlives the
+    call that built it). table: the call's bias table [H, M] (then every call of the signature
+    passes its own, `biased`) or the zero-size stand-in for none (kept as empty_rpb; a biased
+    signature keeps no table)."""
 
     __slots__ = ("geometry", "plan_geometry", "tiles", "dtype", "lse_dtype", "device", "shapes",
-                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "empty_rpb", "flat", "__weakref__")
+                 "out_shape", "lse_shape", "empty_kx", "empty_vx", "empty_rpb", "biased", "flat",
+                 "__weakref__")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, kx: Optional[Tensor], vx: Optional[Tensor],
-                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor, empty_rpb: Tensor, spatial=None):
+                 geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor, table: Tensor, spatial=None):
         ks, st, dil, causal, scale, tiles = geometry.args()
         self.geometry, self.tiles = geometry, tiles
         self.plan_geometry = (len(ks), tuple(ks), tuple(st), tuple(dil), tuple(causal), scale)
@@ -62,7 +65,8 @@ class Prepared:
         self.out_shape = (*q.shape[:-1], (v if ks else vx).shape[-1])
         self.lse_shape = tuple(q.shape[:-1])
         self.empty_kx, self.empty_vx = empty_kx, empty_vx
-        self.empty_rpb = empty_rpb
+        self.biased = table.numel() > 0
+        self.empty_rpb = None if self.biased else table
         # self attention flattened into dense attention of the tokens (spatial: the axes):
         # (the empty k and v, the outputs' spatial shapes)
         self.flat = None if spatial is None else (
@@ -92,26 +96,32 @@ class Prepared:
         return _lib.prepare(key, op, self.plan_geometry, tensors,
                             **ops.run_options(self.tiles, backward, state))
 
-    def forward(self, q, k, v, kx, vx, lse_wanted: bool = True) -> Tuple[Tensor, Tensor]:
-        """(out, lse). Without lse_wanted the kernel writes the LSE into a spare tensor that this
-        thread's plan keeps (the caller must not return or keep it)."""
+    def forward(self, q, k, v, kx, vx, rpb=None, lse_wanted: bool = True) -> Tuple[Tensor, Tensor]:
+        """(out, lse). rpb: the bias table of a biased signature, else None. Without lse_wanted
+        the kernel writes the LSE into a spare tensor that this thread's plan keeps (the caller
+        must not return or keep it)."""
         state = _run_state()
         key = (self, _lib.OP_FORWARD, state)
         plan = _plans().get(key)
         out = self._out()
         lse = plan.spare if plan is not None and not lse_wanted else self._lse()
-        tensors = (q, k, v, kx, vx, out, lse)
+        tensors = (q, k, v, kx, vx, out, lse) if rpb is None else (q, k, v, kx, vx, out, lse, rpb)
         if plan is None:
             plan = self._plan(key, _lib.OP_FORWARD, tensors, state, False)
             plan.spare = self._lse()
         plan.launch(tensors)
         return out, lse
 
-    def backward(self, q, k, v, kx, vx, out, lse, d_out, d_lse) -> tuple:
-        """(dq, dk, dv, dkx, dvx): None for absent additional keys."""
+    def backward(self, q, k, v, kx, vx, out, lse, d_out, d_lse, rpb=None) -> list:
+        """[dq, dk, dv, dkx, dvx, d_rpb]: None for absent additional keys and for no table."""
         dev, dt = self.device, self.dtype
         grads = [None if s is None else torch.empty(s, dtype=dt, device=dev) for s in self.shapes]
         tensors = (q, k, v, kx, vx, out, lse, d_out, d_lse, *grads)
+        if rpb is None:
+            grads.append(None)
+        else:   # the kernel writes the whole table gradient (zeroed first)
+            grads.append(torch.empty(rpb.shape, dtype=rpb.dtype, device=dev))
+            tensors = (*tensors, rpb, grads[-1])
         state = _run_state()
         key = (self, _lib.OP_BACKWARD, state, d_out.stride(), None if d_lse is None else d_lse.stride())
         plan = _plans().get(key) or self._plan(key, _lib.OP_BACKWARD, tensors, state, True)
@@ -168,15 +178,15 @@ def _plain_grad(t: Optional[Tensor]) -> bool:
     return t is None or (type(t) is Tensor and _stored(t))
 
 
-def _save(ctx, prep: Prepared, q, k, v, kx, vx, out, lse) -> None:
+def _save(ctx, prep: Prepared, q, k, v, kx, vx, rpb, out, lse) -> None:
     """Saves what NeighborhoodAttention saves, in its order (q, k, v, kx, vx, rpb, out, lse),
-    the empty stand-ins for absent kx, vx and the table: activation checkpointing recomputes a
+    the empty stand-ins for absent kx, vx and table: activation checkpointing recomputes a
     first call's NeighborhoodAttention through this cached path, and pairs the tensors saved
     then with these by position."""
     ctx.absent = kx is None
     if ctx.absent:
         kx, vx = prep.empty_kx, prep.empty_vx
-    ctx.save_for_backward(q, k, v, kx, vx, prep.empty_rpb, out, lse)
+    ctx.save_for_backward(q, k, v, kx, vx, prep.empty_rpb if rpb is None else rpb, out, lse)
 
 
 class PreparedAttention(torch.autograd.Function):
@@ -184,31 +194,32 @@ class PreparedAttention(torch.autograd.Function):
     only (unwatched): the transforms take NeighborhoodAttention."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kx, vx, prep):
-        out, lse = prep.forward(q, k, v, kx, vx)
+    def forward(ctx, q, k, v, kx, vx, rpb, prep):
+        out, lse = prep.forward(q, k, v, kx, vx, rpb)
         ctx.set_materialize_grads(False)
         ctx.prep = prep
-        _save(ctx, prep, q, k, v, kx, vx, out, lse)
+        _save(ctx, prep, q, k, v, kx, vx, rpb, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         if d_out is None and d_lse is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         prep, absent = ctx.prep, ctx.absent
         q, k, v, kx, vx, rpb, out, lse = ctx.saved_tensors
         if (d_out is not None and not torch.is_grad_enabled() and _unwatched()
                 and _plain_grad(d_out) and _plain_grad(d_lse)):
-            dq, dk, dv, dkx, dvx = prep.backward(q, k, v, None if absent else kx, None if absent else vx,
-                                                 out, lse, d_out, d_lse)
-            return dq, dk, dv, dkx, dvx, None
+            grads = prep.backward(q, k, v, None if absent else kx, None if absent else vx,
+                                  out, lse, d_out, d_lse, rpb if prep.biased else None)
+            return (*grads, None)
         # a differentiable backward (create_graph), or a watched one: the rules' path
         from .autograd import EAGER
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv, dkx, dvx, _ = EAGER.backward(q, k, v, kx, vx, rpb, out, lse, d_out, d_lse,
-                                                 prep.geometry)
-        return dq, dk, dv, None if absent else dkx, None if absent else dvx, None
+        dq, dk, dv, dkx, dvx, d_rpb = EAGER.backward(q, k, v, kx, vx, rpb, out, lse, d_out, d_lse,
+                                                     prep.geometry)
+        return (dq, dk, dv, None if absent else dkx, None if absent else dvx,
+                d_rpb if prep.biased else None, None)
 
 
 class PreparedJvpPrimal(PreparedAttention):
@@ -217,10 +228,10 @@ class PreparedJvpPrimal(PreparedAttention):
     MeanFlow step, which stops the tangent) never reaches the tangents' graph through it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kx, vx, prep, ran):
+    def forward(ctx, q, k, v, kx, vx, rpb, prep, ran):
         ctx.set_materialize_grads(False)
         ctx.prep = prep
-        _save(ctx, prep, q, k, v, kx, vx, ran[0], ran[1])
+        _save(ctx, prep, q, k, v, kx, vx, rpb, ran[0], ran[1])
         return ran[0], ran[1]
 
     @staticmethod
@@ -281,30 +292,33 @@ def _jvp_with_grad(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layout
     the primal outputs: a backward from them alone would then visit every node that computed a
     tangent, all the way up the model."""
     ran = prep.forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts)
-    out, lse = _apply_jvp_primal(q, k, v, kx, vx, prep, ran)
+    out, lse = _apply_jvp_primal(q, k, v, kx, vx, None, prep, ran)
     t_out, t_lse = _apply_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts, ran)
     return out, lse, t_out, t_lse
 
 
-def _requires_grad(q, k, v, kx, vx) -> bool:
+def _requires_grad(q, k, v, kx, vx, rpb=None) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-        kx is not None and (kx.requires_grad or vx.requires_grad)))
+        kx is not None and (kx.requires_grad or vx.requires_grad)) or (
+        rpb is not None and rpb.requires_grad))
 
 
-def na(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[Tuple[Tensor, Tensor]]:
-    """(out, lse) of a call with prep's signature, or None (PyTorch's path). Without
-    lse_wanted, lse is a spare the caller must drop (unless the backward needs it), or None."""
+def na(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True,
+       rpb: Optional[Tensor] = None) -> Optional[Tuple[Tensor, Tensor]]:
+    """(out, lse) of a call with prep's signature (rpb: its table when prep.biased), or None
+    (PyTorch's path). Without lse_wanted, lse is a spare the caller must drop (unless the
+    backward needs it), or None."""
     if _unwatched():
-        if not _stored(q, k, v, kx, vx):
+        if not _stored(q, k, v, kx, vx, rpb):
             return None
         if prep.flat is not None:
             q, k, v, kx, vx = prep.tokens(q, k, v)
-        if _requires_grad(q, k, v, kx, vx):
-            outs = _apply(q, k, v, kx, vx, prep)
+        if _requires_grad(q, k, v, kx, vx, rpb):
+            outs = _apply(q, k, v, kx, vx, rpb, prep)
         else:
-            outs = prep.forward(q, k, v, kx, vx, lse_wanted)
+            outs = prep.forward(q, k, v, kx, vx, rpb, lse_wanted)
         return outs if prep.flat is None else prep.spatial(*outs)
-    if _forward_ad_active():
+    if _forward_ad_active() and not prep.biased:   # a table's tangent takes PyTorch's path
         return _dual(prep, q, k, v, kx, vx, lse_wanted)
     return None
 
@@ -346,7 +360,7 @@ def _dual(prep: Prepared, q, k, v, kx, vx, lse_wanted: bool = True) -> Optional[
         if grad:
             out, lse, t_out, t_lse = _jvp_with_grad(prep, *primals, *tangents, layouts)
         else:   # an unwanted LSE and its tangent go to the plan's spares
-            out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts, lse_wanted)
+            out, lse, t_out, t_lse = prep.forward_jvp(*primals, *tangents, layouts, lse_wanted=lse_wanted)
         if prep.flat is not None:
             out, lse, t_out, t_lse = prep.spatial(out, lse, t_out, t_lse)
     out = _make_dual(_wrap(out, level), _wrap(t_out, level))

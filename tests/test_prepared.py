@@ -381,3 +381,67 @@ def test_self_attention_on_the_cpu_keeps_the_fast_kernels(launches):
     dense = torch.nn.functional.scaled_dot_product_attention(
         *(t.flatten(1, 2).transpose(1, 2) for t in (q, k, v)))
     torch.testing.assert_close(out, dense.transpose(1, 2).reshape(out.shape), rtol=1e-5, atol=1e-6)
+
+
+def _biased(requires_grad=False, dtype=torch.float32, seed=3):
+    """q, k, v [2, 6, 7, 2, 8] and a 3x3 window's table [2, 5, 5]."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = _qkv(seed=seed, requires_grad=requires_grad, dtype=dtype)
+    rpb = torch.randn(2, 5, 5, generator=g, dtype=dtype).requires_grad_(requires_grad)
+    return q, k, v, rpb
+
+
+def test_bias_table_calls_are_prepared(op_path, launches):
+    """A call with a relative positional bias table (nbhd.compat's na2d(rpb=), which passes the
+    table to the kernels): its later calls run prepared, with the table each call passes,
+    results and table gradients bit for bit the op path's."""
+    import nbhd.compat as natten
+    leaves = _biased(requires_grad=True)
+    q, k, v, rpb = (t.detach() for t in leaves)
+    w = torch.randn(2, 6, 7, 2, 8)
+    cases = {
+        "forward": (lambda: natten.na2d(q, k, v, 3, rpb=rpb, return_lse=True), [_lib.OP_FORWARD]),
+        "other table": (lambda: natten.na2d(q, k, v, 3, rpb=rpb.flip(-1).contiguous()), [_lib.OP_FORWARD]),
+        "grads": (lambda: torch.autograd.grad(
+            (natten.na2d(*leaves[:3], 3, rpb=leaves[3]) * w).sum(), leaves),
+            [_lib.OP_FORWARD, _lib.OP_BACKWARD]),
+        "table grad alone": (lambda: torch.autograd.grad(
+            (natten.na2d(q, k, v, 3, rpb=leaves[3]) * w).sum(), leaves[3]),
+            [_lib.OP_FORWARD, _lib.OP_BACKWARD]),
+    }
+    for name, (f, want_ops) in cases.items():
+        f()
+        got, ops = launches(f)
+        assert ops == want_ops, name
+        for a, b in zip(got, op_path(f)):
+            assert torch.equal(a, b), name
+    assert not torch.equal(cases["forward"][0]()[0], cases["other table"][0]())
+    assert any(p.biased for p in _prepared_for(q))
+
+
+def test_bias_table_calls_under_transforms(op_path):
+    """Second order, torch.func.jvp with the table's tangent and checkpointing of a prepared
+    biased signature: the rules' path, as the op path computes them."""
+    import nbhd.compat as natten
+    leaves = _biased(requires_grad=True, dtype=torch.float64)
+    tangents = [torch.randn_like(t) for t in leaves]
+    na = lambda q, k, v, rpb: natten.na2d(q, k, v, 3, rpb=rpb)
+
+    def second():
+        (gq,) = torch.autograd.grad(na(*leaves).square().sum(), leaves[0], create_graph=True)
+        return torch.autograd.grad(gq.sin().sum(), leaves)
+
+    def jvp():
+        return torch.func.jvp(na, tuple(t.detach() for t in leaves), tuple(tangents))
+
+    def checkpointed():
+        out = torch.utils.checkpoint.checkpoint(na, *leaves, use_reentrant=False)
+        return torch.autograd.grad(out.square().sum(), leaves)
+
+    for f in (second, jvp, checkpointed):
+        f()
+        for a, b in zip(f(), op_path(f)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    plain = torch.autograd.grad(na(*leaves).square().sum(), leaves)
+    for a, b in zip(checkpointed(), plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple, Union
 
+import torch
 from torch import Tensor
 
 from ..attention import attention as _nbhd_attention
@@ -64,30 +65,66 @@ def _rank_of(query) -> int:
     return query.dim() - 3
 
 
+_FLAG_NAMES = ("return_lse", "torch_compile", "backward_use_pt_reduction", "run_persistent_kernel",
+               "try_fuse_additional_kv")
+
+
+def _flags(*values) -> None:
+    for name, value in zip(_FLAG_NAMES, values):
+        _flag(name, value)
+
+
+_RPB_CHECKED: dict = {}   # _nbhd_functional._call_key of a validated rpb call -> its arguments
+
+
+def _na_with_rpb(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                 additional_keys, additional_values, backend, rpb, flags):
+    """(out, lse) of na*d with a bias table through nbhd.rpb.na_with_rpb_fused. Validated once
+    per signature (the tensors' types, shapes, strides, dtypes and devices, and the options),
+    like nbhd's own calls: a training step's later calls go straight to the kernels."""
+    cache_key = args = None
+    if not torch.compiler.is_compiling():
+        tensors = (query, key, value, additional_keys, additional_values, rpb)
+        cache_key = _nbhd_functional._call_key(
+            rank, tensors, (kernel_size, stride, dilation, is_causal, scale, backend, flags))
+        args = _RPB_CHECKED.get(cache_key) if cache_key is not None else None
+    if args is None:
+        _checks.check_tensors(query=query, key=key, value=value, additional_keys=additional_keys,
+                              additional_values=additional_values, rpb=rpb)
+        ks, st, dil, causal = _checks.check_all_args(rank, kernel_size, stride, dilation, is_causal)
+        _flags(*flags)
+        name = map_backend(query, backend)
+        q, k, v = _nbhd_checks.qkv(query, key, value, rank)
+        _nbhd_checks.additional_kv(additional_keys, additional_values, q, k, v)
+        _checks.check_args_against_input(q, ks, st, dil, causal)
+        _rpb.check_rpb(rpb, q.shape[-2], ks, causal, q)
+        args = (ks, st, dil, _nbhd_checks.scale_of(_scale(scale), q.shape[-1], q.dtype), name)
+        if cache_key is not None:
+            if len(_RPB_CHECKED) >= _nbhd_functional._MAX_CACHED:
+                _RPB_CHECKED.clear()
+            _RPB_CHECKED[cache_key] = args
+    ks, st, dil, scale, name = args
+    return _rpb.na_with_rpb_fused(query, key, value, rpb, ks, st, dil, scale, additional_keys,
+                                  additional_values, backend=name)
+
+
 def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
         additional_values, attention_kwargs, backend, q_tile_shape, kv_tile_shape,
         backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
         backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
         return_lse, rpb, try_fuse_additional_kv=False):
+    if rpb is not None:
+        out, lse = _na_with_rpb(rank, query, key, value, kernel_size, stride, dilation, is_causal,
+                                scale, additional_keys, additional_values, backend, rpb, (
+                                    return_lse, torch_compile, backward_use_pt_reduction,
+                                    run_persistent_kernel, try_fuse_additional_kv))
+        return (out, lse) if return_lse else out
     _checks.check_tensors(query=query, key=key, value=value, additional_keys=additional_keys,
-                          additional_values=additional_values, rpb=rpb)
+                          additional_values=additional_values)
     ks, st, dil, causal = _checks.check_all_args(rank, kernel_size, stride, dilation, is_causal)
     scale = _scale(scale)
-    for name, flag in (("return_lse", return_lse), ("torch_compile", torch_compile),
-                       ("backward_use_pt_reduction", backward_use_pt_reduction),
-                       ("run_persistent_kernel", run_persistent_kernel),
-                       ("try_fuse_additional_kv", try_fuse_additional_kv)):
-        _flag(name, flag)
-    if rpb is not None:   # folded into the fused kernels' dot product (nbhd.rpb, docs/rpb.md)
-        name = map_backend(query, backend)
-        q, k, v = _nbhd_checks.qkv(query, key, value, rank)
-        kx, vx = _nbhd_checks.additional_kv(additional_keys, additional_values, q, k, v)
-        _checks.check_args_against_input(q, ks, st, dil, causal)
-        _rpb.check_rpb(rpb, q.shape[-2], ks, causal, q)
-        out, lse = _rpb.na_with_rpb_fused(
-            q, k, v, rpb, ks, st, dil, _nbhd_checks.scale_of(scale, q.shape[-1], q.dtype), kx, vx,
-            backend=name)
-        return (out, lse) if return_lse else out
+    _flags(return_lse, torch_compile, backward_use_pt_reduction, run_persistent_kernel,
+           try_fuse_additional_kv)
     return _NBHD_NA[rank](
         query, key, value, ks, stride=st, dilation=dil, is_causal=causal, scale=scale,
         additional_keys=additional_keys, additional_values=additional_values,
@@ -105,8 +142,8 @@ _NA_DOC = """{rank}-D neighborhood attention with NATTEN's signature (see nbhd.n
     query/key/value [B, {dims}, H(kv), D]; kernel_size, stride, dilation, is_causal: int/bool or
     {rank}-tuple (None: the default); scale: falsy means head_dim ** -0.5. rpb (NATTEN 0.17):
     [H, 2*kernel_size-1 per axis], added to the scores with NATTEN's indexing (nbhd.rpb);
-    not with causal masking; it runs the fused kernels with the bias folded into the dot
-    product (nbhd.rpb.na_with_rpb_fused; tile arguments have no effect there). The positional order is NATTEN 0.21's (stride before dilation). Returns [B, {dims}, H, Dv], or (output, lse) with return_lse.
+    not with causal masking; the fused kernels add it to the scores (nbhd.rpb.na_with_rpb_fused;
+    tile arguments have no effect there). The positional order is NATTEN 0.21's (stride before dilation). Returns [B, {dims}, H, Dv], or (output, lse) with return_lse.
     """
 
 
