@@ -7,11 +7,12 @@ the forward+JVP (torch.func.jvp, tangents of q, k, v and the table) and the back
 (of out and tangent out: nbhd::na_forward_jvp_backward); configurations interleaved; min and
 median over --rounds, in ms. --op times the mode's last kernel op alone (nbhd.ops.na_forward,
 na_backward or na_forward_jvp_backward, on saved inputs), without and with the table (and its
-tangent): the kernels' cost of the bias without the layers above them. --threads sets torch's
-and (before import) OpenMP's threads.
+tangent): the kernels' cost of the bias without the layers above them. --calls: calls per
+round, back to back (default 1, each call's latency). --threads sets torch's and (before
+import) OpenMP's threads.
 
     python bench/bench_rpb.py [--device cpu] [--dtype fp32] [--problems 1d-1024,2d-32,3d-12]
-                              [--threads 1] [--bwd | --jvp-bwd] [--op]
+                              [--threads 1] [--bwd | --jvp-bwd] [--op] [--calls 1]
                               [--runs "no rpb,in-kernel,fold,composed"]
 On a GPU (the README's small-window problems, bf16, D 128, 16 heads; composed needs
 O(N |window| D) memory, so leave it out there):
@@ -44,8 +45,8 @@ PROBLEMS = {  # name: (spatial, kernel_size, heads, head_dim[, batch])
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def timed(fn, device) -> float:
-    return sample(fn, rounds=1, device=device)[0]
+def timed(fn, device, calls: int) -> float:
+    return sample(fn, rounds=1, calls=calls, device=device)[0]
 
 
 def op_runs(q, k, v, rpb, ks, scale, mode):
@@ -84,6 +85,9 @@ def main() -> None:
     ap.add_argument("--problems", default="1d-1024,2d-32,3d-12")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=1,
+                    help="back-to-back calls per round (1: each call's latency, the host's time "
+                         "included; more: a step's rate, where the GPU's queue hides the host)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--bwd", action="store_true")
     mode.add_argument("--jvp-bwd", action="store_true", help="forward+JVP, then the backward through it")
@@ -99,7 +103,7 @@ def main() -> None:
     if args.op:
         title = {"fwd": "na_forward", "bwd": "na_backward", "jvp-bwd": "na_forward_jvp_backward"}[what] + " alone"
     print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} {title} "
-          f"(min / median of {args.rounds} rounds, ms)")
+          f"(min / median of {args.rounds} rounds of {args.calls} calls, ms per call)")
     grad = args.bwd or args.jvp_bwd
     for name in args.problems.split(","):
         spatial, ks, heads, dim, *batch = PROBLEMS[name]
@@ -142,7 +146,7 @@ def main() -> None:
             step(run)
         for _ in range(args.rounds):
             for label, run in runs.items():
-                times[label].append(timed(lambda: step(run), device) * 1e3)
+                times[label].append(timed(lambda: step(run), device, args.calls) * 1e3)
         cells = []
         for label in runs:
             lo, med = min(times[label]), statistics.median(times[label])

@@ -8,7 +8,7 @@
 #   "cp" runs bench/bench_context_parallel.py under torchrun on each of CP_WORLDS="2 4" GPUs
 #   (CP_ARGS="...", e.g. "--axes 2,0+2 --reps 2"); "autodiff" runs bench/bench_autodiff.py
 #   --device cuda (first- and second-order autodiff; AUTODIFF_ARGS="..."); "rpb" bench/bench_rpb.py
-#   on the GPU problems, forward and forward+backward (RPB_ARGS="...")
+#   on the GPU problems: each op alone, then the forward through nbhd.compat (RPB_ARGS="...")
 #   BENCH_ARGS="..."  PYTEST_ARGS="..."  AB_ARGS="..."  AB_KINDS="fwd jvp" (which A/Bs: fwd, jvp, bwd)
 set -u
 OUT=${OUT:-out}
@@ -112,10 +112,11 @@ if has rpb; then
         $PY bench/bench_rpb.py --device cuda --dtype bf16 --problems h-2d-64,h-2d-128,h-3d-16 --rounds 7 \
             ${RPB_ARGS:-} "$@" 2>&1 | tee -a "$OUT/rpb.log"
     }
-    rpb_bench --op
-    rpb_bench --op --bwd
-    rpb_bench --op --jvp-bwd
+    rpb_bench --op --calls 20 --rounds 9
+    rpb_bench --op --bwd --calls 20 --rounds 9
+    rpb_bench --op --jvp-bwd --rounds 3
     rpb_bench --runs "no rpb,in-kernel,fold"
+    rpb_bench --runs "no rpb,in-kernel" --calls 20
     summary+=("rpb bench: rpb.log")
 fi
 

@@ -16,6 +16,9 @@ CASES = [
     (3, (5, 6, 7), (3, 3, 4), (1, 1, 2), (1, 2, 1), (True, False, False), 2, 1, 128, 5, torch.bfloat16),
     (2, (7, 8), (3, 4), (1, 1), (1, 1), (False, False), 2, 2, 24, 2, torch.float32),
     (0, (9,), (), (), (), (), 2, 1, 64, 17, torch.bfloat16),
+    # D = 128, a small window: on Hopper the one-warpgroup kernels (their table staged and, in the
+    # dq kernel, its gradient summed in shared memory)
+    (2, (12, 11), (5, 5), (1, 1), (1, 1), (False, False), 2, 1, 128, 0, torch.bfloat16),
     # windows of 512+ keys: 128-row patches of the forward, JVP and backward (on Hopper the wgmma
     # kernels; the D = 128 JVP takes them on every window there)
     (1, (600,), (520,), (1,), (1,), (False,), 1, 1, 128, 0, torch.bfloat16),

@@ -226,3 +226,50 @@ def test_empty_problems_zero_the_gradients_on_cuda():
     poison()
     grads = ops.na_backward(q, k, v, ex, ex, none, out, lse, torch.zeros_like(out), None, *geo)
     assert torch.equal(grads[1], torch.zeros_like(k)) and torch.equal(grads[2], torch.zeros_like(v))
+
+
+def _kernels(fn):
+    """The CUDA kernels fn() launches, by name (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "_kernel" in e.name}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma kernels need Hopper")
+@pytest.mark.parametrize("ext, ks, heads, tiles, forward, dq", [
+    ((10, 10, 10), (7, 7, 7), 4, [0] * 12, "fna_wgmma_forward_kernel", "fna_wgmma_dq_kernel"),
+    ((10, 10, 10), (9, 9, 9), 4, [4] * 6 + [0] * 6, "fna_mma_forward_kernel", "fna_wgmma_dq_kernel"),
+    ((10, 10, 10), (9, 9, 9), 4, [0] * 12, "fna_wgmma_forward_kernel", "fna_wgmma_dq_kernel"),
+    ((11, 11, 13), (11, 11, 13), 1, [0] * 12, "fna_wgmma_forward_kernel", "fna_mma_dq_kernel"),
+], ids=["7^3", "9^3 64-query", "9^3 128-query", "11x11x13"])
+def test_table_staged_or_global(ext, ks, heads, tiles, forward, dq):
+    """The Hopper kernels stage the head's table in shared memory (the forward and the dq
+    kernel, which also sums the table's gradient there): a table too large for the CTAs an SM
+    holds takes the mma.sync kernels, which read it from and add to global memory. The forward:
+    13^3 entries beside the three 64-query CTAs of an SM, 17^3 beside one 128-query CTA but not
+    on 64-query patches. The dq kernel: 17^3 beside one 128-row CTA, 21x21x25 not. Each against
+    the float64 reference."""
+    case = (ext, ks, (1,) * len(ks), (1,) * len(ks), 1, heads, heads, 128, 128, 0)
+    xs, table, geo = build(case, torch.bfloat16, 21)
+    geo = (*geo[:5], tiles)
+    poison()
+    ran = _kernels(lambda: ops.na_forward(*xs, table, *geo))
+    assert any(forward in name for name in ran), ran
+    out, lse = ops.na_forward(*xs, table, *geo)
+    want_out, want_lse = reference(xs, table, geo)
+    check("out", out, want_out, torch.bfloat16, case)
+    check("lse", lse, want_lse, torch.bfloat16, case)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    d_out = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
+    poison()
+    ran = _kernels(lambda: ops.na_backward(*xs, table, out, lse, d_out.to(out.dtype), None, *geo))
+    assert any(dq in name for name in ran), ran
+    grads = ops.na_backward(*xs, table, out, lse, d_out.to(out.dtype), None, *geo)
+    prim = [x.double().requires_grad_() for x in (*xs, table)]
+    ro, _ = reference(prim[:5], prim[5], geo)
+    want = torch.autograd.grad((ro * d_out).sum(), prim, allow_unused=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dkx", "dvx", "d_rpb"), grads, want):
+        if b is not None and a.numel():
+            check(name, a, b, torch.bfloat16, case)

@@ -306,6 +306,11 @@ nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward
 
 /* fna_mma_jvp.cu: shared memory of the forward+JVP kernel on `warps` warps (4 or 8) */
 size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps);
+/* the wgmma forward's shared memory per CTA on mb m-blocks per warp (fna_wgmma.cu), its bias
+ * table included: a table too large for it takes the mma.sync forward */
+size_t nbhd_cuda_wgmma_forward_smem_bytes(const nbhd_geometry *g, int mb);
+/* the wgmma backward's dq kernel likewise (fna_wgmma_bwd.cu), with the table and its gradient */
+size_t nbhd_cuda_wgmma_dq_smem_bytes(const nbhd_geometry *g, int mb);
 
 /* merge.cu: nbhd_merge on the GPU (nbhd_device_ops.merge) */
 nbhd_status nbhd_cuda_merge(const nbhd_merge_problem *p, const nbhd_merge_args *a, const nbhd_exec *e);

@@ -32,6 +32,7 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     T *Ks = Qs + BM * HD;                          /* [KST][BN][HD] */
     T *Vs = Ks + KST * BN * HD;                    /* [VST][BN][HD] */
     int *kc = (int *)(Vs + VST * BN * HD);         /* [KST][RANK][BN] in-group key coordinates */
+    float *tabs = (float *)(kc + KST * RANK * BN); /* with a bias: the head's table * log2e */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
     CTA C;  /* (b, head, patch) and the patch's key walk */
@@ -60,7 +61,7 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     C.fragment_rows(g, P, w, lane, wst[0], wen[0], rvalid[0], iq);
     int ilo[RANK], ihi[RANK];
     C.box_inside(g, wg, ilo, ihi);
-    const float *tab = BIAS ? tile_bias<RANK>::table(g, a.rpb, C.h) : nullptr;
+    if (BIAS) stage_bias_table(tabs, tile_bias<RANK>::table(g, a.rpb, C.h), g.rpb_entries, tid, THREADS);
     const int brow[1][2] = {{tile_bias<RANK>::row(g, iq[0]), tile_bias<RANK>::row(g, iq[1])}};
 
     float o[1][HD / 8][4];
@@ -120,8 +121,8 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
         fence_regs(sc[0]);
 
         float corr[1][2];
-        const bool rescale = fwd_softmax_tile<1, BN, RANK, BIAS>(g, sc, m, l, corr, full, win, kct, wst, wen,
-                                                                 rvalid, sl2, cq, tab, brow);
+        const bool rescale = fwd_softmax_tile<1, BN, RANK, BIAS ? BIAS_STAGED : BIAS_NONE>(
+            g, sc, m, l, corr, full, win, kct, wst, wen, rvalid, sl2, cq, tabs, brow);
         wgmma_wait<0>();
         pv_done();
         if (rescale) fwd_rescale<1, HD>(o, corr);
@@ -162,11 +163,22 @@ int nbhd_cuda_wgmma_ready(void) {
     return ready[dev] == 1;
 }
 
+/* a CTA's shared memory: alignment slack, Q, the K and V stages, their key coordinates, and
+ * with a bias the head's table (rpb_entries floats) */
+static size_t forward_smem_bytes(const nbhd_geometry *g, size_t elem, int HD, int BN, int RANK, int WGS) {
+    return 1024 + elem * (size_t)(wg_rows(WGS) + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
+           sizeof(int) * WGMMA_K_STAGES * RANK * BN + (g->rpb ? sizeof(float) * (size_t)g->rpb_entries : 0);
+}
+
+size_t nbhd_cuda_wgmma_forward_smem_bytes(const nbhd_geometry *g, int mb) {
+    const int HD = (int)g->head_dim;
+    return forward_smem_bytes(g, 2, HD, mb == 2 ? 64 : 32, NBHD_MAX_RANK, mb);
+}
+
 template <typename T, int HD, int BN, int RANK, int MINB, int WGS>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                                cudaStream_t st) {
-    const size_t smem = 1024 + sizeof(T) * (size_t)(wg_rows(WGS) + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
-                        sizeof(int) * WGMMA_K_STAGES * RANK * BN;
+    const size_t smem = forward_smem_bytes(g, sizeof(T), HD, BN, RANK, WGS);
     auto kernel = g->rpb ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, true>
                          : fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false>;
     return nbhd_cuda_launch(kernel, g->batch * g->heads * P.patches,

@@ -106,13 +106,19 @@ int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, co
  * --forward-only, A/B of two builds. */
 static void choose_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev, nbhd_cuda_choice *c) {
     const int D = g->head_dim;
-    if (c->mb == 2 && dev->wgmma) {
+    /* the wgmma forward stages a bias table in shared memory; a table that would cost it CTAs
+     * per SM (64-query patches: 3-D windows of 9^3+, 2-D of 34^2+) takes the mma.sync forward,
+     * which reads the table from global memory */
+    const int ctas = c->mb == 1 ? 3 : D == 64 ? 2 : 1;
+    const bool fits = !g->rpb || (size_t)ctas * (nbhd_cuda_wgmma_forward_smem_bytes(g, c->mb) + 1024) <=
+                                     dev->smem_optin + 1024;  /* an SM: the opt-in limit + 1 KiB per CTA */
+    if (c->mb == 2 && dev->wgmma && fits) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 64;
         c->minb = D == 64 ? 2 : 1;
         return;
     }
-    if (one_warpgroup(g, c, dev)) {
+    if (one_warpgroup(g, c, dev) && fits) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 32;
         c->minb = 3;
@@ -156,6 +162,14 @@ static void choose_forward_jvp(const nbhd_geometry *g, const nbhd_cuda_device *d
 static void choose_backward(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_cuda_device *dev,
                             nbhd_cuda_choice *c) {
     c->kv_parallel = nbhd_cuda_kv_parallel_applies(g, e, dev) && (uintptr_t)e->workspace % 16 == 0;
+    /* the wgmma dq kernel sums a bias table's gradient in shared memory beside a copy of the
+     * table (two CTAs per SM on 64-row patches, one on 128); a table too large for that takes
+     * the 64-row mma.sync backward, whose atomics go to global memory */
+    if (g->rpb && dev->wgmma &&
+        (size_t)(c->mb == 1 ? 2 : 1) * (nbhd_cuda_wgmma_dq_smem_bytes(g, c->mb) + 1024) > dev->smem_optin + 1024) {
+        c->mb = 1;
+        return;
+    }
     if (c->mb == 2) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = g->head_dim == 64 ? 128 : 64;

@@ -411,13 +411,26 @@ template <int RANK> struct tile_bias {
     }
 };
 
-/* One key tile of the online softmax in base 2: scale the scores, add the bias (tab: the head's
- * table row, brow: the rows' tile_bias::row; none when tab is null), mask them (unless full: every
+/* How a score loop reads the table: none, the head's row in global memory (times log2e at each
+ * read), or staged in shared memory already in the scores' base-2 units (stage_bias_table): a
+ * 32-bit shared load and no multiply per pair, which the small-window forward needs to keep the
+ * bias within a few percent of its time (bench/bench_rpb.py --op). */
+enum { BIAS_NONE = 0, BIAS_GLOBAL = 1, BIAS_STAGED = 2 };
+
+/* The head's table row (tab, null: zeros) into shared memory as tab * log2e; the caller's next
+ * CTA barrier publishes it. */
+__device__ __forceinline__ void stage_bias_table(float *dst, const float *tab, int64_t entries, int tid,
+                                                 int threads) {
+    for (int64_t i = tid; i < entries; i += threads) dst[i] = tab ? __ldg(tab + i) * LOG2E_F : 0.f;
+}
+
+/* One key tile of the online softmax in base 2: scale the scores, add the bias (BIAS; tab: the
+ * head's table row, global or staged, brow: the rows' tile_bias::row), mask them (unless full: every
  * key of the tile inside every row's window; win: a window tile, else extra keys, kept for valid
  * rows and real keys), update the row max m and sum l, and leave P = 2^(S - m) in sc. Returns
  * whether a row max of the warp moved; then O must be rescaled by corr (fwd_rescale) before
  * P V is added. kct: the tile's in-group key coordinates [RANK][BN]. */
-template <int MB, int BN, int RANK, bool BIAS>
+template <int MB, int BN, int RANK, int BIAS /* BIAS_NONE, BIAS_GLOBAL or BIAS_STAGED */>
 __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (&sc)[MB][BN / 8][4], float (&m)[MB][2],
                                                  float (&l)[MB][2], float (&corr)[MB][2], bool full,
                                                  bool win, const int *kct,
@@ -454,7 +467,10 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
                     for (int hrow = 0; hrow < 2; ++hrow) {
                         const bool ok = key_visible<RANK>(win, j, wst[mb][hrow], wen[mb][hrow], rvalid[mb][hrow]);
                         float &x = sc[mb][nb][2 * hrow + e];
-                        if constexpr (BIAS) {
+                        if constexpr (BIAS == BIAS_STAGED) {
+                            const float bias = ok && win ? tab[bk - brow[mb][hrow]] : 0.f;
+                            x = ok ? fmaf(x, sl2, bias) : -INFINITY;
+                        } else if constexpr (BIAS == BIAS_GLOBAL) {
                             const float bias = tile_bias<RANK>::at(tab, ok && win, bk, brow[mb][hrow]);
                             x = ok ? fmaf(x, sl2, bias * LOG2E_F) : -INFINITY;
                         } else {
