@@ -190,7 +190,8 @@ def test_raw_apply_pays_off(one_thread):
                 if c.prepared is not None and c.prepared.shapes[0] == q.shape)
     raw, public = prepared._apply, prepared.PreparedAttention.apply
     assert raw is not public
-    ratio = _faster(lambda: raw(leaf, q, q, None, None, prep), lambda: public(leaf, q, q, None, None, prep),
+    ratio = _faster(lambda: raw(leaf, q, q, None, None, None, prep),
+                    lambda: public(leaf, q, q, None, None, None, prep),
                     0.95, rounds=15, calls=20)
     assert ratio < 0.95, f"the C++ apply takes {ratio:.2f} of Function.apply"
 
@@ -248,6 +249,6 @@ if __name__ == "__main__":   # the ratios, for choosing the thresholds above
               _faster(g, _patched(mp, [(prepared, "na", lambda *a, **kw: None)], g), 0, 15, 20, 1))
     prep = next(c.prepared for c in functional._CHECKED.values() if c.prepared is not None)
     print("raw duals", _faster(*_dual_round_trips(), 0, 8, 5, 1))
-    print("raw apply", _faster(lambda: prepared._apply(leaf, q, q, None, None, prep),
-                               lambda: prepared.PreparedAttention.apply(leaf, q, q, None, None, prep),
+    print("raw apply", _faster(lambda: prepared._apply(leaf, q, q, None, None, None, prep),
+                               lambda: prepared.PreparedAttention.apply(leaf, q, q, None, None, None, prep),
                                0, 15, 20, 1))

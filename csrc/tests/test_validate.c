@@ -394,6 +394,7 @@ static void extent_rules(void) {
         static const char *names[] = {"q", "k", "v", "kx", "vx", "out", "lse"};
         static const int kinds[] = {K_Q, K_K, K_V, K_KX, K_VX, K_O, K_ROW};
         nbhd_forward_args a;
+        memset(&a, 0, sizeof a);   /* the bias tables after the tensors set: absent */
         extent_rules_of("forward", NBHD_OP_FORWARD, call_fwd, &a.q, 7, names, kinds, &p);
     }
     {
@@ -402,6 +403,7 @@ static void extent_rules(void) {
         static const int kinds[] = {K_Q, K_K, K_V, K_KX, K_VX, K_O, K_ROW, K_O, K_ROW,
                                     K_Q, K_K, K_V, K_KX, K_VX};
         nbhd_backward_args a;
+        memset(&a, 0, sizeof a);   /* the bias tables after the tensors set: absent */
         extent_rules_of("backward", NBHD_OP_BACKWARD, call_bwd, &a.q, 14, names, kinds, &p);
     }
     {
@@ -410,6 +412,7 @@ static void extent_rules(void) {
         static const int kinds[] = {K_Q, K_K, K_V, K_KX, K_VX, K_Q, K_K, K_V, K_KX, K_VX,
                                     K_O, K_ROW, K_O, K_ROW};
         nbhd_forward_jvp_args a;
+        memset(&a, 0, sizeof a);   /* the bias tables after the tensors set: absent */
         extent_rules_of("forward_jvp", NBHD_OP_FORWARD_JVP, call_jvp, &a.q, 14, names, kinds, &p);
     }
     {
@@ -421,6 +424,7 @@ static void extent_rules(void) {
                                     K_O, K_ROW, K_O, K_ROW, K_O, K_ROW, K_O, K_ROW,
                                     K_Q, K_K, K_V, K_KX, K_VX, K_Q, K_K, K_V, K_KX, K_VX};
         nbhd_forward_jvp_backward_args a;
+        memset(&a, 0, sizeof a);   /* the bias tables after the tensors set: absent */
         extent_rules_of("forward_jvp_backward", NBHD_OP_FORWARD_JVP_BACKWARD, call_jvpb, &a.q, 28, names,
                         kinds, &p);
     }
