@@ -157,8 +157,8 @@ static void FAST(load_lanes)(float *A, const nbhd_tensor *t, nbhd_dtype dt, int6
                              int64_t b, int64_t x, int64_t y, const int64_t *zl, int nl, int64_t h,
                              float mul) {
     const int64_t s5 = t->stride[5], d16 = FAST(dims16)(t, dim);
-    int64_t tok[NBHD_LANES];
-    for (int l = 0; l < nl; ++l) tok[l] = FAST(off)(t, b, x, y, zl[l], h);
+    int64_t tok[NBHD_LANES];   /* unused lanes at offset 0: no lane ever holds an unset offset */
+    for (int l = 0; l < NBHD_LANES; ++l) tok[l] = l < nl ? FAST(off)(t, b, x, y, zl[l], h) : 0;
     const vf vmul = vf_set1(mul);
     for (int64_t d0 = 0; d0 < d16; d0 += 16) {
         vf r[NBHD_LANES];
@@ -177,8 +177,8 @@ static void FAST(store_lanes)(const nbhd_tensor *t, nbhd_dtype dt, int64_t dim, 
                               int64_t x, int64_t y, const int64_t *zl, int nl, int64_t h,
                               const float *A, const float *mul, int stream) {
     const int64_t s5 = t->stride[5], d16 = FAST(dims16)(t, dim);
-    int64_t tok[NBHD_LANES];
-    for (int l = 0; l < nl; ++l) tok[l] = FAST(off)(t, b, x, y, zl[l], h);
+    int64_t tok[NBHD_LANES];   /* unused lanes at offset 0: no lane ever holds an unset offset */
+    for (int l = 0; l < NBHD_LANES; ++l) tok[l] = l < nl ? FAST(off)(t, b, x, y, zl[l], h) : 0;
     for (int64_t d0 = 0; d0 < d16; d0 += 16) {
         vf r[NBHD_LANES];
         for (int i = 0; i < NBHD_LANES; ++i) r[i] = vf_load(A + 16 * (d0 + i));
