@@ -92,6 +92,13 @@ int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, co
     return D == 32 || D == 64 || (D == 128 && patch_mb(g, e, NBHD_OP_BACKWARD, dev) == 2);
 }
 
+/* Do `ctas` CTAs of `bytes` of shared memory each fit one SM (its opt-in limit plus the 1 KiB the
+ * system keeps per CTA)? The wgmma kernels' bias tables are staged only where they keep the CTAs
+ * an SM holds. */
+static bool sm_holds(int ctas, size_t bytes, const nbhd_cuda_device *dev) {
+    return (size_t)ctas * (bytes + 1024) <= dev->smem_optin + 1024;
+}
+
 /* The mma.sync forward. Small windows (|window| < 512 keys) take 64-query patches and 32-key
  * tiles: finer per-warp tile skipping and less padding of the union. Large ones take 128-query
  * patches: two m-blocks per warp, so each K and V fragment read from shared memory feeds two
@@ -110,8 +117,7 @@ static void choose_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev, 
      * per SM (64-query patches: 3-D windows of 9^3+, 2-D of 34^2+) takes the mma.sync forward,
      * which reads the table from global memory */
     const int ctas = c->mb == 1 ? 3 : D == 64 ? 2 : 1;
-    const bool fits = !g->rpb || (size_t)ctas * (nbhd_cuda_wgmma_forward_smem_bytes(g, c->mb) + 1024) <=
-                                     dev->smem_optin + 1024;  /* an SM: the opt-in limit + 1 KiB per CTA */
+    const bool fits = !g->rpb || sm_holds(ctas, nbhd_cuda_wgmma_forward_smem_bytes(g, c->mb), dev);
     if (c->mb == 2 && dev->wgmma && fits) {
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 64;
@@ -166,7 +172,7 @@ static void choose_backward(const nbhd_geometry *g, const nbhd_exec *e, const nb
      * table (two CTAs per SM on 64-row patches, one on 128); a table too large for that takes
      * the 64-row mma.sync backward, whose atomics go to global memory */
     if (g->rpb && dev->wgmma &&
-        (size_t)(c->mb == 1 ? 2 : 1) * (nbhd_cuda_wgmma_dq_smem_bytes(g, c->mb) + 1024) > dev->smem_optin + 1024) {
+        !sm_holds(c->mb == 1 ? 2 : 1, nbhd_cuda_wgmma_dq_smem_bytes(g, c->mb), dev)) {
         c->mb = 1;
         return;
     }
