@@ -376,6 +376,126 @@ def check_forward_jvp(case, dtype, absent, patch=0):
 
 
 # ----------------------------------------------------------------------------
+# the backward through forward+JVP (second order): for f16/bf16 at D = Dv in {32, 64, 128} the
+# tensor-core kernels (csrc/cuda/fna_mma_jvp_bwd.cu, the tangents' part on the first-order
+# backward's), else the simple kernels
+
+# Half-precision tolerance of the second-order gradients: their pair terms multiply two rounded
+# score products (n = tS - mu and w = G.v - c), twice the first-order rounding.
+JVPB_TOL = {torch.float64: 1e-5, torch.float32: 1e-5, torch.float16: 3e-2, torch.bfloat16: 3e-2}
+JVPB_NAMES = ["dq", "dk", "dv", "dkx", "dvx", "d_rpb", "dtq", "dtk", "dtv", "dtkx", "dtvx", "d_t_rpb"]
+
+
+def check_forward_jvp_backward(case, dtype, absent, seed_offset=0):
+    """nbhd's gradients of a random loss on (out, lse, t_out, t_lse) against the float64
+    reference's (vjp of its jvp), every output poisoned first. absent: "tq" (no query tangent),
+    "tkv" (no key and extra-value tangents), "dout" (no cotangent on out and lse: the loss is on
+    the tangent only) or "none"."""
+    rank = case[0]
+    inputs, geo = build(case, dtype, 3 + seed_offset + zlib.crc32(ids(case).encode()) % 1000)
+    gen = torch.Generator(device="cuda").manual_seed(13 + seed_offset)
+    rnd = lambda t: torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64)  # noqa: E731
+    tangents = [rnd(t).to(dtype) for t in inputs]
+    if absent == "tq":
+        tangents[0] = None
+    if absent == "tkv":
+        tangents[1] = tangents[4] = None
+    out, lse, t_out, t_lse = ops.na_forward_jvp(*inputs, NO_RPB, *tangents, None, *geo)
+    cots = [rnd(t) for t in (out, lse, t_out, t_lse)]
+    if absent == "dout":
+        cots[0] = cots[1] = None
+    poison()
+    grads = ops.na_forward_jvp_backward(
+        *inputs, NO_RPB, *tangents, None, out, lse, t_out, t_lse,
+        *[None if c is None else c.to(t.dtype) for c, t in zip(cots, (out, lse, t_out, t_lse))], *geo)
+    torch.cuda.synchronize()
+    prim = [t.double() for t in inputs]
+    tan = [torch.zeros_like(p) if t is None else t.double() for t, p in zip(tangents, prim)]
+
+    def forward_jvp(*x):
+        (o, l), (to, tl) = torch.func.jvp(lambda *a: reference(a, geo, rank), tuple(x[:5]), tuple(x[5:]))
+        return o, l, to, tl
+    outs, vjp_fn = torch.func.vjp(forward_jvp, *prim, *tan)
+    want = vjp_fn(tuple(torch.zeros_like(o) if c is None else c for c, o in zip(cots, outs)))
+    got = [g for i, g in enumerate(grads) if i not in (5, 11)]
+    names = [n for n in JVPB_NAMES if "rpb" not in n]
+    for name, g, w in zip(names, got, want):
+        if g.numel():
+            err = rel_err(g, w)
+            assert err < JVPB_TOL[dtype], f"{name}: rel err {err:.3g} >= {JVPB_TOL[dtype]} for {ids(case)} {dtype}"
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=ids)
+@pytest.mark.parametrize("absent", ["none", "tq", "tkv", "dout"])
+def test_forward_jvp_backward(case, dtype, absent, use_reference):
+    check_forward_jvp_backward(case, dtype, absent)
+
+
+def _kernel_names(fn):
+    """The CUDA kernels fn() launches, by name (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "kernel" in e.name}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[9] == c[10] and c[9] in (32, 64, 128)
+                                  and c[12] != "strided_d"][:6], ids=ids)
+def test_forward_jvp_backward_runs_tensor_cores(case):
+    """bf16 at D = Dv in {32, 64, 128} with aligned rows runs the tensor-core kernels (no simple
+    row kernel), and with KV parallelism off gives bitwise-equal gradients on a second call."""
+    inputs, geo = build(case, torch.bfloat16, 5)
+    tangents = [torch.randn_like(t) for t in inputs]
+    out, lse, t_out, t_lse = ops.na_forward_jvp(*inputs, NO_RPB, *tangents, None, *geo)
+    cots = [torch.randn_like(t) for t in (out, lse, t_out, t_lse)]
+    run = lambda: ops.na_forward_jvp_backward(*inputs, NO_RPB, *tangents, None, out, lse, t_out, t_lse,  # noqa: E731
+                                              *cots, *geo)
+    ran = _kernel_names(run)
+    assert any("jvpb_dq_kernel" in n for n in ran), ran
+    assert not any("simple_rows_kernel" in n for n in ran), ran
+    was = nbhd.is_kv_parallelism_in_fused_na_enabled()
+    nbhd.use_kv_parallelism_in_fused_na(False)
+    try:
+        first, second = run(), run()
+    finally:
+        nbhd.use_kv_parallelism_in_fused_na(was)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b), "deterministic backward through forward+JVP differs between calls"
+
+
+@pytest.mark.parametrize("tangent_grad", [False, True], ids=["tangent-detached", "tangent-grad"])
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_backprop_through_tangent_on_tensor_cores(D, tangent_grad):
+    """MeanFlow's pattern, backpropagating through the tangent: torch.func.jvp along q, a loss on
+    both outputs, gradients w.r.t. q, k, v (and the tangent itself: only its gradient of the three
+    tangent gradients is asked for). It runs the tensor-core kernels and matches the float64
+    reference."""
+    gen = torch.Generator(device="cuda").manual_seed(D)
+    q, k, v, t = (torch.randn(2, 12, 11, 4, D, generator=gen, device="cuda", dtype=torch.float64)
+                  for _ in range(4))
+
+    def grads(x, backend):
+        leaves = [y.clone().requires_grad_() for y in x]
+        qq, kk, vv, tt = leaves
+        out, tout = torch.func.jvp(lambda y: nbhd.na2d(y, kk, vv, (5, 3), dilation=(2, 1), backend=backend),
+                                   (qq,), (tt,))
+        loss = out.square().sum() + (tout * torch.cos(out.detach())).sum()
+        return torch.autograd.grad(loss, leaves if tangent_grad else leaves[:3])
+
+    half = [x.to(torch.bfloat16) for x in (q, k, v, t)]
+    want = grads([x.double() for x in half], "reference")
+    poison()
+    ran = _kernel_names(lambda: grads(half, None))
+    assert any("jvpb_dq_kernel" in n for n in ran), ran
+    assert not any("simple_rows_kernel" in n for n in ran), ran
+    for name, g, w in zip(["dq", "dk", "dv", "dt"], grads(half, None), want):
+        err = rel_err(g, w)
+        assert err < JVPB_TOL[torch.bfloat16], f"{name}: rel err {err:.3g}"
+
+
+# ----------------------------------------------------------------------------
 # tile configurations: every one nbhd_tile_configs lists (csrc/cuda/kernel_choice.cu) gives the right
 # result, and a tile it does not list is refused
 

@@ -304,6 +304,16 @@ int nbhd_cuda_mma_forward_jvp_supported(const nbhd_geometry *g, const nbhd_forwa
 nbhd_status nbhd_cuda_mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a,
                                       const nbhd_cuda_choice *c, cudaStream_t stream);
 
+/* fna_mma_jvp_bwd.cu: tensor-core backward through forward + JVP: the primals' gradients on
+ * its kernels, the tangents' by nbhd_cuda_mma_backward with the choice `tangent` (dO = dL/dtO) */
+int nbhd_cuda_mma_forward_jvp_backward_supported(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a);
+nbhd_status nbhd_cuda_mma_forward_jvp_backward(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                               void *workspace, const nbhd_cuda_choice *tangent, cudaStream_t stream);
+size_t nbhd_cuda_mma_forward_jvp_backward_workspace_bytes(const nbhd_geometry *g, int kv_parallel);
+/* the first-order backward whose gradients are the tangents': dO = dL/dtO, dLSE = dL/dtLSE (a
+ * tangent gradient not asked for goes to its primal's output, written after it) */
+nbhd_backward_args nbhd_cuda_tangent_backward_args(const nbhd_forward_jvp_backward_args *a);
+
 /* fna_mma_jvp.cu: shared memory of the forward+JVP kernel on `warps` warps (4 or 8) */
 size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps);
 /* the wgmma forward's shared memory per CTA on mb m-blocks per warp (fna_wgmma.cu), its bias

@@ -17,7 +17,9 @@
  *   forward_jvp  mma.sync kernel (fna_mma_jvp.cu; fna_wgmma_jvp.cu on Hopper's 128-query
  *                patches and its 64-query ones at D = 128) under the forward's conditions plus
  *                aligned tangents (absent ones skipped); else the simple kernel
- *   forward_jvp_backward  the simple kernels
+ *   forward_jvp_backward  tensor-core kernels (fna_mma_jvp_bwd.cu) for the primals' gradients
+ *                and the backward's above for the tangents' (dO = dL/dtO), under the
+ *                backward's conditions plus aligned tangents and dL/dtO; else the simple kernels
  * With problem.rpb the backwards zero the table gradients first and add into them atomically.
  * exec.use_reference forces the simple kernels. Tiles in exec (q_tile/kv_tile, already checked
  * against nbhd_cuda_tile_configs by the entry points) are honoured by the tensor-core kernels; a
@@ -44,8 +46,10 @@ static size_t cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbh
      * the KV-parallel mma backward adds its fp32 dQ accumulator */
     const nbhd_cuda_device dev = nbhd_cuda_device_facts();
     const size_t simple = nbhd_cuda_simple_workspace_bytes(g, op);
-    const size_t mma = op == NBHD_OP_BACKWARD
-                           ? nbhd_cuda_mma_backward_workspace_bytes(g, nbhd_cuda_kv_parallel_applies(g, e, &dev))
+    const int kv_parallel = nbhd_cuda_kv_parallel_applies(g, e, &dev);
+    const size_t mma = op == NBHD_OP_BACKWARD ? nbhd_cuda_mma_backward_workspace_bytes(g, kv_parallel)
+                       : op == NBHD_OP_FORWARD_JVP_BACKWARD
+                           ? nbhd_cuda_mma_forward_jvp_backward_workspace_bytes(g, kv_parallel)
                            : 0;
     return simple > mma ? simple : mma;
 }
@@ -114,13 +118,19 @@ static nbhd_status cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_j
     return nbhd_cuda_simple_forward_jvp(g, a, stream);
 }
 
-/* The backward through forward+JVP runs on the simple kernels (a warp per row, every dtype
- * and geometry, O(N D) memory). */
+/* The backward through forward+JVP: tensor-core kernels where the backward's would run the
+ * tangents' part, else the simple kernels (a warp per row, every dtype and geometry); both in
+ * O(N D) memory. */
 static nbhd_status cuda_forward_jvp_backward(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
                                              const nbhd_exec *e) {
     nbhd_status st = nbhd_zero_table(&nbhd_cuda_ops, g, a->d_rpb, e);  /* the kernels add into them */
     if (st == NBHD_OK) st = nbhd_zero_table(&nbhd_cuda_ops, g, a->d_t_rpb, e);
     if (st != NBHD_OK) return st;
+    const nbhd_backward_args t = nbhd_cuda_tangent_backward_args(a);
+    const int layout_ok = nbhd_cuda_mma_forward_jvp_backward_supported(g, a) && nbhd_cuda_mma_backward_supported(g, &t);
+    const nbhd_cuda_choice c = choose(g, NBHD_OP_BACKWARD, e, layout_ok);
+    if (c.family != NBHD_CUDA_SIMPLE)
+        return nbhd_cuda_mma_forward_jvp_backward(g, a, e->workspace, &c, (cudaStream_t)e->stream);
     return nbhd_cuda_simple_forward_jvp_backward(g, a, e->workspace, (cudaStream_t)e->stream);
 }
 

@@ -445,11 +445,11 @@ __device__ __forceinline__ A scalar_or_zero(const nbhd_tensor &t, int64_t off) {
 }
 
 /* pass 1, query row r = (b, c, h): D', c, E into ws[3r..]; dQ = s sum (dS k + dtS tk),
- * dtQ = s sum dtS k */
+ * dtQ = s sum dtS k; tables: also add the pairs' dS, dtS to d_rpb, d_t_rpb (with BIAS) */
 template <typename T, typename A, bool BIAS>
 __device__ __forceinline__ void exact_jvpb_query_row(const nbhd_geometry &g, const nbhd_forward_jvp_backward_args &a,
                                                      A *ws, int64_t r, int64_t b, const int64_t c[3], int64_t h,
-                                                     A *scratch, int lane) {
+                                                     A *scratch, int lane, bool tables = true) {
     const int D = g.head_dim, Dv = g.head_dim_v;
     A *q = scratch, *tq = q + D, *acc = tq + D, *acc_t = acc + D, *dout = acc_t + D, *G = dout + Dv;
     const int64_t hk = h / g.group;
@@ -511,7 +511,7 @@ __device__ __forceinline__ void exact_jvpb_query_row(const nbhd_geometry &g, con
             const jvpb_pair<A> pr = jvpb_pair_of<A, BIAS>(scale, qk, tqk, qtk, Gv, dov, Gtv, bias, t_bias, sc);
             t.ds = pr.ds;
             t.dts = pr.dts;
-            if constexpr (BIAS) {
+            if (BIAS && tables) {
                 member_table_add<A>(g, a.d_rpb, ks, n, h, c, t.ds);
                 member_table_add<A>(g, a.d_t_rpb, ks, n, h, c, t.dts);
             }
@@ -697,6 +697,29 @@ __device__ __noinline__ void redo_dkv_row(const nbhd_geometry *g, const nbhd_bac
     const int64_t c[3] = {c0, c1, c2};
     if (g->rpb) exact_dkv_row<T, float, EXTRA, true>(*g, *a, Dws, b, c, hk, scratch, threadIdx.x & 31);
     else exact_dkv_row<T, float, EXTRA, false>(*g, *a, Dws, b, c, hk, scratch, threadIdx.x & 31);
+}
+
+/* the backward through forward+JVP's query row (dQ, dtQ) exactly, given (D', c, E) per row in
+ * ws3; the tile kernels have added the row's pairs to the table gradients */
+template <typename T>
+__device__ __noinline__ void redo_jvpb_query_row(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                                 const float *ws3, int64_t b, int64_t c0, int64_t c1, int64_t c2,
+                                                 int64_t h, float *scratch) {
+    const int64_t c[3] = {c0, c1, c2};
+    const int64_t r = (b * g->tokens + token_of(*g, c)) * g->heads + h;
+    /* the pass rewrites the row's (D', c, E) with the same values */
+    if (g->rpb) exact_jvpb_query_row<T, float, true>(*g, *a, (float *)ws3, r, b, c, h, scratch, threadIdx.x & 31, false);
+    else exact_jvpb_query_row<T, float, false>(*g, *a, (float *)ws3, r, b, c, h, scratch, threadIdx.x & 31, false);
+}
+
+/* its key row (dK, dV, dtK, dtV) exactly */
+template <typename T, bool EXTRA>
+__device__ __noinline__ void redo_jvpb_key_row(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                               const float *ws3, int64_t b, int64_t c0, int64_t c1, int64_t c2,
+                                               int64_t hk, float *scratch) {
+    const int64_t c[3] = {c0, c1, c2};
+    if (g->rpb) exact_jvpb_key_row<T, float, EXTRA, true>(*g, *a, ws3, b, c, hk, scratch, threadIdx.x & 31);
+    else exact_jvpb_key_row<T, float, EXTRA, false>(*g, *a, ws3, b, c, hk, scratch, threadIdx.x & 31);
 }
 
 #endif /* NBHD_CUDA_EXACT_ROWS_CUH */

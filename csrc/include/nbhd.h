@@ -253,7 +253,8 @@ NBHD_API nbhd_status nbhd_backward(const nbhd_problem *p, const nbhd_backward_ar
                                    const nbhd_exec *e);
 NBHD_API nbhd_status nbhd_forward_jvp(const nbhd_problem *p, const nbhd_forward_jvp_args *a,
                                       const nbhd_exec *e);
-/* On the CPU and on CUDA (there the simple kernels: a warp per row, O(N D) memory). */
+/* On the CPU and on CUDA (tensor-core kernels for f16/bf16 at D = Dv in {32, 64, 128}, else a
+ * warp per row), in O(N D) memory. */
 NBHD_API nbhd_status nbhd_forward_jvp_backward(const nbhd_problem *p,
                                                const nbhd_forward_jvp_backward_args *a,
                                                const nbhd_exec *e);
