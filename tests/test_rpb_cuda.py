@@ -117,8 +117,9 @@ def test_forward_jvp_with_bias(case, dtype, use_reference):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", CASES[::2], ids=ids)
 def test_backward_through_forward_jvp_with_bias(case, dtype):
-    """Backward through the tangent output: nbhd's forward+JVP backward (the simple kernels on
-    CUDA) gives every primal's and every tangent's gradient, tables included."""
+    """Backward through the tangent output: nbhd's forward+JVP backward (the tensor-core kernels
+    for bf16 at D in {32, 64, 128}, else the simple ones) gives every primal's and every
+    tangent's gradient, tables included."""
     xs, table, geo = build(case, dtype, 11)
     g = torch.Generator(device="cuda").manual_seed(9)
     tangents = [torch.randn(x.shape, generator=g, device="cuda", dtype=torch.float64).to(x.dtype)

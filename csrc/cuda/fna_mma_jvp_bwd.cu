@@ -12,10 +12,11 @@
  *   1. jvpb_rows_kernel   per query row D', c, E (the exact rows' workspace) and the tiles'
  *                         row terms (lse log2 e, mu, D' + E, g_mu - c)
  *   2. jvpb_dq_kernel     query-stationary, the first-order dq kernel's tiles (64-query patch,
+ *                         128 at D = 128 where they fit,
  *                         exact union of windows, then the extra keys; 32-key tiles):
  *                           S = Q K^T, tS = s (tQ K^T + Q tK^T), dP = dO V^T + G tV^T, GV = G V^T,
  *                           dQ = s (dS K + dtS tK),  d_rpb += dS
- *   3. jvpb_dkdv_kernel   key-stationary over the inverse neighbourhoods of a 64-key patch (and
+ *   3. jvpb_dkdv_kernel   key-stationary over the inverse neighbourhoods of a 64- (128-) key patch (and
  *                         once more with EXTRA for the extra keys), every query head of the key
  *                         head in turn:  dK = s (dS^T Q + dtS^T tQ),  dV = P^T dO + (P n)^T G
  * Six score products and four output products per tile pair, against two and three for the
@@ -25,9 +26,6 @@
 #include <string.h>
 
 #include "mma_util.cuh"
-
-#define JB_WARPS 4
-#define JB_THREADS (JB_WARPS * 32)
 
 /* the row terms the tile kernels read per query: one 16-byte load */
 struct jvpb_row_terms {
@@ -104,18 +102,21 @@ struct extra_kv_view {
 // ----------------------------------------------------------------------------
 // 2. dQ, query-stationary
 
-/* MINB: CTAs per SM the registers are budgeted for (at D = 128 the ~130 KiB of shared memory
- * hold one) */
-template <typename T, int HD, int MINB, bool BIAS /* problem.rpb */>
-__global__ void __launch_bounds__(JB_THREADS, MINB)
+/* WARPS: 4 (64-query patches) or 8 (128, mma_plan_of's mb = 2: every key tile read once for
+ * twice the queries, and two warps per scheduler); MINB: CTAs per SM the registers are
+ * budgeted for */
+template <typename T, int HD, int WARPS, int MINB, bool BIAS /* problem.rpb */>
+__global__ void __launch_bounds__(32 * WARPS, MINB)
 jvpb_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_backward_args a,
                const float *ws3, const float4 *rt, const mma_plan P) {
+    constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
+    static_assert(THREADS / BC <= HD / 8, "a key row needs a 16-byte chunk per thread");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T *Qs = (T *)smem_raw;           /* [BR][HD] each: Q, tQ, G, dO */
-    T *tQs = Qs + BR * HD;
-    T *Gs = tQs + BR * HD;
-    T *dOs = Gs + BR * HD;
-    T *Ks = dOs + BR * HD;           /* [2][BC][HD] each: K, V, tK, tV */
+    T *Qs = (T *)smem_raw;           /* [ROWS][HD] each: Q, tQ, G, dO */
+    T *tQs = Qs + ROWS * HD;
+    T *Gs = tQs + ROWS * HD;
+    T *dOs = Gs + ROWS * HD;
+    T *Ks = dOs + ROWS * HD;         /* [2][BC][HD] each: K, V, tK, tV */
     T *Vs = Ks + 2 * BC * HD;
     T *tKs = Vs + 2 * BC * HD;
     T *tVs = tKs + 2 * BC * HD;
@@ -138,14 +139,14 @@ jvpb_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ 
     const extra_kv_view tx = {has_tkx ? a.t_kx : a.kx, has_tvx ? a.t_vx : a.vx};
 
     const auto off = [](int r, int ch) { return swz<HD>(r, ch * 8); };
-    C.template copy_rows<T, HD, BR, JB_THREADS, true>(g, P, a.q, a.t_q, h, Qs, tQs, tid, off);
-    C.template copy_rows<T, HD, BR, JB_THREADS, true>(g, P, a.d_t_out, a.d_out, h, Gs, dOs, tid, off);
+    C.template copy_rows<T, HD, ROWS, THREADS, true>(g, P, a.q, a.t_q, h, Qs, tQs, tid, off);
+    C.template copy_rows<T, HD, ROWS, THREADS, true>(g, P, a.d_t_out, a.d_out, h, Gs, dOs, tid, off);
     auto load_tile = [&](int t, int s) {
-        C.template load_kv_tile<T, HD, BC, JB_THREADS>(g, a, kp, vp, t, Ks + s * BC * HD, Vs + s * BC * HD,
+        C.template load_kv_tile<T, HD, BC, THREADS>(g, a, kp, vp, t, Ks + s * BC * HD, Vs + s * BC * HD,
                                                        kc + s * 3 * BC, tid, off);
         const bool win = t < win_tiles, htk = win ? has_tk : has_tkx, htv = win ? has_tv : has_tvx;
         if (htk || htv)
-            load_row_tiles<T, HD, BC, JB_THREADS, true>(
+            load_row_tiles<T, HD, BC, THREADS, true>(
                 tid, tKs + s * BC * HD, tVs + s * BC * HD, off, [&](int kr, const T *&s1, const T *&s2, bool &ok2) {
                     int j[3];
                     const bool ok = C.kv_rows(g, tx, tkp, tvp, t, kr, BC, j, s1, s2);
@@ -255,16 +256,19 @@ jvpb_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ 
 // ----------------------------------------------------------------------------
 // 3. dK, dV, key-stationary (EXTRA: the extra keys, over every query)
 
-template <typename T, int HD, bool EXTRA, int MINB, bool BIAS /* problem.rpb, not EXTRA */>
-__global__ void __launch_bounds__(JB_THREADS, MINB)
+/* WARPS: 4 or 8 (64- or 128-key patches, as the dq kernel's) */
+template <typename T, int HD, bool EXTRA, int WARPS, int MINB, bool BIAS /* problem.rpb, not EXTRA */>
+__global__ void __launch_bounds__(32 * WARPS, MINB)
 jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_backward_args a,
                  const float *ws3, const float4 *rt, const mma_plan P) {
+    constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
+    static_assert(THREADS / BC <= HD / 8, "a query row needs a 16-byte chunk per thread");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T *Ks = (T *)smem_raw;             /* [BR][HD] each: K, V, tK, tV */
-    T *Vs = Ks + BR * HD;
-    T *tKs = Vs + BR * HD;
-    T *tVs = tKs + BR * HD;
-    T *Qs = tVs + BR * HD;             /* [2][BC][HD] each: Q, tQ, dO, G */
+    T *Ks = (T *)smem_raw;             /* [ROWS][HD] each: K, V, tK, tV */
+    T *Vs = Ks + ROWS * HD;
+    T *tKs = Vs + ROWS * HD;
+    T *tVs = tKs + ROWS * HD;
+    T *Qs = tVs + ROWS * HD;           /* [2][BC][HD] each: Q, tQ, dO, G */
     T *tQs = Qs + 2 * BC * HD;
     T *dOs = tQs + 2 * BC * HD;
     T *Gs = dOs + 2 * BC * HD;
@@ -281,9 +285,9 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
     const int hk = C.h;
     const int64_t dil[3] = {EXTRA ? 1 : g.axis[0].dilation, EXTRA ? 1 : g.axis[1].dilation,
                             EXTRA ? 1 : g.axis[2].dilation};
-    if (EXTRA) {  /* rows: extra keys patch * 64 + r */
+    if (EXTRA) {  /* rows: extra keys patch * ROWS + r */
         for (int ax = 0; ax < 3; ++ax) { C.grp[ax] = 0; C.i0[ax] = 0; C.Lg[ax] = 1; }
-        C.i0[0] = (int)patch * BR;
+        C.i0[0] = (int)patch * ROWS;
         C.Lg[0] = (int)g.extra_kv;
     } else if (!C.locate(g, P, patch)) {
         return;
@@ -318,14 +322,14 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
     };
     const auto off = [](int r, int ch) { return swz<HD>(r, ch * 8); };
     /* the rows' K, V, tK, tV; an absent tangent zero-filled from the primal's (valid) address */
-    load_row_tiles<T, HD, BR, JB_THREADS, true>(tid, Ks, Vs, off, [&](int r, const T *&ks, const T *&vs, bool &ok2) {
+    load_row_tiles<T, HD, ROWS, THREADS, true>(tid, Ks, Vs, off, [&](int r, const T *&ks, const T *&vs, bool &ok2) {
         int iq[3];
         const bool ok = ok2 = row_coords(r, iq);
         ks = (const T *)kt.data + (ok ? row_offset(kt, iq) : 0);
         vs = (const T *)vt.data + (ok ? row_offset(vt, iq) : 0);
         return ok;
     });
-    load_row_tiles<T, HD, BR, JB_THREADS, true>(tid, tKs, tVs, off, [&](int r, const T *&ks, const T *&vs, bool &ok2) {
+    load_row_tiles<T, HD, ROWS, THREADS, true>(tid, tKs, tVs, off, [&](int r, const T *&ks, const T *&vs, bool &ok2) {
         int iq[3];
         const bool ok = row_coords(r, iq);
         ks = has_tk && ok ? (const T *)tkt.data + row_offset(tkt, iq) : (const T *)kt.data;
@@ -347,7 +351,7 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
     const udiv32 div_c1 = udiv32_of((uint32_t)max(cnt[1], (int64_t)1)),
                  div_c2 = udiv32_of((uint32_t)max(cnt[2], (int64_t)1));
     auto load_tile = [&](int t, int s) {
-        constexpr int CH = HD / 8, TPR = JB_THREADS / BC, CPT = CH / TPR;
+        constexpr int CH = HD / 8, TPR = THREADS / BC, CPT = CH / TPR;
         T *Qd = Qs + s * BC * HD, *tQd = tQs + s * BC * HD, *dOd = dOs + s * BC * HD, *Gd = Gs + s * BC * HD;
         int *qcd = qc + s * 3 * BC;
         const int hh = t / tiles_per_head;  /* query head hk * group + hh */
@@ -488,11 +492,18 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
 // ----------------------------------------------------------------------------
 // conditions and launch
 
-/* shared memory of the dq and dk/dv kernels (the same: four row tiles, four double-buffered
- * column tiles, and per tile column its coordinates (dq) or coordinates and row terms (dk/dv)) */
-static size_t jvpb_smem_bytes(const nbhd_geometry *g, size_t esize) {
+/* shared memory of the dq and dk/dv kernels on `warps` warps (the same: four tiles of 16 warps
+ * rows, four double-buffered column tiles, and per tile column its coordinates (dq) or
+ * coordinates and row terms (dk/dv)) */
+static size_t jvpb_smem_bytes(const nbhd_geometry *g, size_t esize, int warps) {
     const size_t HD = (size_t)g->head_dim;
-    return esize * (4 * BR * HD + 8 * BC * HD) + sizeof(float4) * 2 * BC + sizeof(int) * 6 * BC;
+    return esize * (4 * 16 * (size_t)warps * HD + 8 * BC * HD) + sizeof(float4) * 2 * BC + sizeof(int) * 6 * BC;
+}
+
+/* 8 warps at D = 128 where their ~192 KiB fit (Hopper, A100): with four, the ~130 KiB of one CTA
+ * leave an SM one warp per scheduler (bench/bench_autodiff.py --device cuda) */
+static int jvpb_warps(const nbhd_geometry *g) {
+    return g->head_dim == 128 && nbhd_cuda_device_facts().smem_optin >= jvpb_smem_bytes(g, 2, 8) ? 8 : 4;
 }
 
 int nbhd_cuda_mma_forward_jvp_backward_supported(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a) {
@@ -513,7 +524,7 @@ int nbhd_cuda_mma_forward_jvp_backward_supported(const nbhd_geometry *g, const n
     const bool small_steps = steps(a->q) && steps(a->t_q) && steps(a->d_out) && steps(a->d_t_out) &&
                              (!win || (steps(a->k) && steps(a->v) && steps(a->t_k) && steps(a->t_v)));
     const nbhd_cuda_device dev = nbhd_cuda_device_facts();
-    const bool smem_fits = dev.smem_optin >= jvpb_smem_bytes(g, 2);
+    const bool smem_fits = dev.smem_optin >= jvpb_smem_bytes(g, 2, 4);
     return half_type && head_dim_ok && inputs_aligned && outputs_aligned && small_axes && small_steps && smem_fits;
 }
 
@@ -525,6 +536,36 @@ static size_t rows_bytes(const nbhd_geometry *g, size_t per_row) {
 size_t nbhd_cuda_mma_forward_jvp_backward_workspace_bytes(const nbhd_geometry *g, int kv_parallel) {
     return rows_bytes(g, 3 * sizeof(float)) + rows_bytes(g, sizeof(float4)) +
            nbhd_cuda_mma_backward_workspace_bytes(g, kv_parallel);
+}
+
+/* the primals' kernels on WARPS warps */
+template <typename T, int HD, int WARPS>
+static nbhd_status launch_primal(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, const float *ws3,
+                                 const float4 *rt, cudaStream_t st) {
+    constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
+    constexpr int minb = HD == 128 ? 1 : 2;  /* registers for two CTAs at D <= 64, one at D = 128 */
+    const mma_plan P = mma_plan_of(g, WARPS / 4);
+    const size_t smem = jvpb_smem_bytes(g, sizeof(T), WARPS);
+    nbhd_status s;
+    auto dq = g->rpb ? jvpb_dq_kernel<T, HD, WARPS, minb, true> : jvpb_dq_kernel<T, HD, WARPS, minb, false>;
+    if ((s = nbhd_cuda_launch(dq, g->batch * g->heads * P.patches, THREADS, smem,
+                              "mma backward through forward+JVP (dq)", st, *g, *a, ws3, rt, P)) != NBHD_OK)
+        return s;
+    if (g->has_window) {
+        auto dkdv = g->rpb ? jvpb_dkdv_kernel<T, HD, false, WARPS, minb, true>
+                           : jvpb_dkdv_kernel<T, HD, false, WARPS, minb, false>;
+        if ((s = nbhd_cuda_launch(dkdv, g->batch * g->kv_heads * P.patches, THREADS, smem,
+                                  "mma backward through forward+JVP (dk, dv)", st, *g, *a, ws3, rt, P)) != NBHD_OK)
+            return s;
+    }
+    if (g->extra_kv > 0) {
+        mma_plan PX = P;
+        PX.patches = (g->extra_kv + ROWS - 1) / ROWS;
+        return nbhd_cuda_launch(jvpb_dkdv_kernel<T, HD, true, WARPS, minb, false>, g->batch * g->kv_heads * PX.patches,
+                                THREADS, smem, "mma backward through forward+JVP (extra dk, dv)", st, *g, *a, ws3, rt,
+                                PX);
+    }
+    return NBHD_OK;
 }
 
 template <typename T, int HD>
@@ -544,28 +585,9 @@ static nbhd_status launch_jvpb(const nbhd_geometry *g, const nbhd_forward_jvp_ba
     if ((s = nbhd_cuda_launch(jvpb_rows_kernel<T>, (rows + 7) / 8, 256, 0, "mma backward through forward+JVP (rows)",
                               st, *g, *a, ws3, rt)) != NBHD_OK)
         return s;
-    const mma_plan P = mma_plan_of(g);
-    const size_t smem = jvpb_smem_bytes(g, sizeof(T));
-    constexpr int minb = HD == 128 ? 1 : 2;
-    auto dq = g->rpb ? jvpb_dq_kernel<T, HD, minb, true> : jvpb_dq_kernel<T, HD, minb, false>;
-    if ((s = nbhd_cuda_launch(dq, g->batch * g->heads * P.patches, JB_THREADS, smem,
-                              "mma backward through forward+JVP (dq)", st, *g, *a, ws3, (const float4 *)rt, P)) != NBHD_OK)
-        return s;
-    if (g->has_window) {
-        auto dkdv = g->rpb ? jvpb_dkdv_kernel<T, HD, false, minb, true> : jvpb_dkdv_kernel<T, HD, false, minb, false>;
-        if ((s = nbhd_cuda_launch(dkdv, g->batch * g->kv_heads * P.patches, JB_THREADS, smem,
-                                  "mma backward through forward+JVP (dk, dv)", st, *g, *a, ws3, (const float4 *)rt,
-                                  P)) != NBHD_OK)
-            return s;
-    }
-    if (g->extra_kv > 0) {
-        mma_plan PX = P;
-        PX.patches = (g->extra_kv + BR - 1) / BR;
-        return nbhd_cuda_launch(jvpb_dkdv_kernel<T, HD, true, minb, false>, g->batch * g->kv_heads * PX.patches,
-                                JB_THREADS, smem, "mma backward through forward+JVP (extra dk, dv)", st, *g, *a, ws3,
-                                (const float4 *)rt, PX);
-    }
-    return NBHD_OK;
+    if constexpr (HD == 128)
+        if (jvpb_warps(g) == 8) return launch_primal<T, HD, 8>(g, a, ws3, rt, st);
+    return launch_primal<T, HD, 4>(g, a, ws3, rt, st);
 }
 
 nbhd_backward_args nbhd_cuda_tangent_backward_args(const nbhd_forward_jvp_backward_args *a) {
