@@ -441,12 +441,14 @@ def _kernel_names(fn):
     return {e.name for e in prof.events() if "kernel" in e.name}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", [c for c in CASES if c[9] == c[10] and c[9] in (32, 64, 128)
                                   and c[12] != "strided_d"][:6], ids=ids)
-def test_forward_jvp_backward_runs_tensor_cores(case):
-    """bf16 at D = Dv in {32, 64, 128} with aligned rows runs the tensor-core kernels (no simple
-    row kernel), and with KV parallelism off gives bitwise-equal gradients on a second call."""
-    inputs, geo = build(case, torch.bfloat16, 5)
+def test_forward_jvp_backward_runs_tensor_cores(case, dtype):
+    """f16/bf16 at D = Dv in {32, 64, 128} with aligned rows runs the tensor-core kernels (no
+    simple row kernel), and with KV parallelism off gives bitwise-equal gradients on a second
+    call."""
+    inputs, geo = build(case, dtype, 5)
     tangents = [torch.randn_like(t) for t in inputs]
     out, lse, t_out, t_lse = ops.na_forward_jvp(*inputs, NO_RPB, *tangents, None, *geo)
     cots = [torch.randn_like(t) for t in (out, lse, t_out, t_lse)]
