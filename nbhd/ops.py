@@ -262,16 +262,19 @@ def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Te
                              d_t_out: Optional[Tensor], d_t_lse: Optional[Tensor],
                              kernel_size: List[int], stride: List[int], dilation: List[int],
                              is_causal: List[bool], scale: float,
-                             tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                             tiles: List[int], tangent_grads: bool = True
+                             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dkx, dvx, d_rpb, dtq, dtk, dtv, dtkx, dtvx, d_t_rpb), shaped like
-    (q, k, v, kx, vx, rpb) twice."""
+    (q, k, v, kx, vx, rpb) twice; with tangent_grads False the last six are empty (size 0) and
+    not computed."""
     _check("na_forward_jvp_backward", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out,
            t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, True,
            (("rpb", rpb), ("t_rpb", t_rpb)))
-    new = torch.zeros_like if q.shape[-2] == 0 else torch.empty_like  # no heads: zero gradients
-    grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx, rpb) * 2)
+    grads = _jvp_backward_grads(q, k, v, kx, vx, rpb, tangent_grads)
     dq, dk, dv, dkx, dvx, d_rpb, dtq, dtk, dtv, dtkx, dtvx, d_t_rpb = grads
+    if not tangent_grads:  # the kernels skip absent outputs
+        dtq = dtk = dtv = dtkx = dtvx = d_t_rpb = None
     kx_, vx_, t_kx, t_vx, dkx, dvx, dtkx, dtvx = _extra(kx, vx, t_kx, t_vx, dkx, dvx, dtkx, dtvx)
     if q.is_cuda:  # untiled on CUDA: the tiles handed down are the backward kernels' own
         tiles = [0] * len(tiles)
@@ -283,16 +286,26 @@ def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Te
     return grads
 
 
+def _jvp_backward_grads(q, k, v, kx, vx, rpb, tangent_grads: bool) -> Tuple[Tensor, ...]:
+    """The backward through forward+JVP's outputs, uninitialised (zeros when there are no
+    heads); the tangents' empty without tangent_grads."""
+    new = torch.zeros_like if q.shape[-2] == 0 else torch.empty_like
+    primal = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx, rpb))
+    if tangent_grads:
+        return primal + tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx, rpb))
+    return primal + tuple(t.new_empty(0) for t in (q, k, v, kx, vx, rpb))
+
+
 na_forward_jvp_backward = _kernel_op("na_forward_jvp_backward", _na_forward_jvp_backward)
 
 
 @na_forward_jvp_backward.register_fake
 def _(q, k, v, kx, vx, rpb, t_q, t_k, t_v, t_kx, t_vx, t_rpb, out, lse, t_out, t_lse, d_out, d_lse,
-      d_t_out, d_t_lse, kernel_size, stride, dilation, is_causal, scale, tiles):
+      d_t_out, d_t_lse, kernel_size, stride, dilation, is_causal, scale, tiles, tangent_grads=True):
     _check("na_forward_jvp_backward", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out,
            t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, False,
            (("rpb", rpb), ("t_rpb", t_rpb)))
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx, rpb) * 2)
+    return _jvp_backward_grads(q, k, v, kx, vx, rpb, tangent_grads)
 
 
 # ----------------------------------------------------------------------------

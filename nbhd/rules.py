@@ -59,6 +59,18 @@ class Geometry:
                 "tiles={})".format(*self.args()))
 
 
+class PrimalGradsGeometry(Geometry):
+    """The geometry of a backward through forward+JVP whose caller keeps only the primals'
+    gradients (rules.second_order): its args() end with the op's `tangent_grads` flag, False,
+    so that the kernels skip the tangents' gradients (on CUDA a whole first-order backward)."""
+
+    def __init__(self, kernel_size, stride, dilation, is_causal, scale, tiles=None, tangent_grads=False):
+        super().__init__(kernel_size, stride, dilation, is_causal, scale, tiles)
+
+    def args(self):
+        return (*super().args(), False)
+
+
 @dataclass(frozen=True)
 class Calls:
     """The differentiable ops a rule may call, each taking (*tensors, extra)."""
@@ -175,7 +187,7 @@ def second_order(calls: Calls, x, tangents, d_out, d_lse, geometry):
     tangent is zero."""
     out, lse, t_out, t_lse = calls.forward_jvp(*x, *tangents, geometry)
     grads = calls.forward_jvp_backward(*x, *tangents, out, lse, t_out, t_lse, None, None, d_out, d_lse,
-                                       geometry)
+                                       PrimalGradsGeometry(*geometry.args()))
     return grads[:6], t_out, t_lse
 
 
@@ -290,6 +302,8 @@ def _forward_jvp_backward_save(tensors, outputs, geometry):
 
 
 def _forward_jvp_backward_vjp(calls, saved, info, geometry, grads):
+    if isinstance(geometry, PrimalGradsGeometry):  # the tangents' gradients were not made
+        grads = (*grads[:6], None, None, None, None, None, None)
     g = _vjp(lambda *p: _reference_forward_jvp_backward(*p, geometry), saved, zeros_for(grads, saved[:12]))
     return (*g[:12], None, None, None, None, *g[12:])
 
@@ -298,6 +312,8 @@ def _forward_jvp_backward_jvp(calls, saved, info, geometry, tangents):
     saved = _dense(saved)
     t = _dense(zeros_for(tangents[:12] + tangents[16:20], saved))
     _, t_out = _jvp_by_double_vjp(lambda *p: _reference_forward_jvp_backward(*p, geometry), saved, t)
+    if isinstance(geometry, PrimalGradsGeometry):  # empty outputs, empty tangents
+        t_out = (*t_out[:6], *(x.new_zeros(0) for x in t_out[6:]))
     return t_out
 
 
@@ -365,12 +381,16 @@ def _merge_jvp(calls, saved, info, n, tangents):
 # the table
 
 def _geometry_op(n_tensors: int, optional: Tuple[int, ...], save, vjp, jvp, name: str,
-                 sparse: bool = False) -> Rule:
-    """A rule of an na_* op: `n_tensors` tensors, then the Geometry's six arguments."""
+                 sparse: bool = False, flag: bool = False) -> Rule:
+    """A rule of an na_* op: `n_tensors` tensors, then the Geometry's six arguments (flag: and
+    the op's `tangent_grads`, False in a PrimalGradsGeometry)"""
+    def split(args):
+        if flag and len(args) > n_tensors + 6 and not args[n_tensors + 6]:
+            return args[:n_tensors], PrimalGradsGeometry(*args[n_tensors:n_tensors + 6])
+        return args[:n_tensors], Geometry(*args[n_tensors:n_tensors + 6])
     return Rule(op=name, tensors=n_tensors, optional=optional, save=save, vjp=vjp, jvp=jvp,
-                op_args=lambda tensors, geometry: (*tensors, *geometry.args()),
-                split=lambda args: (args[:n_tensors], Geometry(*args[n_tensors:])),
-                op_grads=lambda grads, geometry: (*grads, None, None, None, None, None, None),
+                op_args=lambda tensors, geometry: (*tensors, *geometry.args()), split=split,
+                op_grads=lambda grads, geometry: (*grads, *(None,) * (7 if flag else 6)),
                 geometry=True, sparse=sparse)
 
 
@@ -382,7 +402,7 @@ RULES = {
                                    _forward_jvp_jvp, "na_forward_jvp", sparse=True),
     "na_forward_jvp_backward": _geometry_op(
         20, (6, 7, 8, 9, 10, 11, 16, 17, 18, 19), _forward_jvp_backward_save, _forward_jvp_backward_vjp,
-        _forward_jvp_backward_jvp, "na_forward_jvp_backward"),
+        _forward_jvp_backward_jvp, "na_forward_jvp_backward", flag=True),
     # the tensors are the parts' outputs, then their LSEs; the op takes them as two lists
     "merge_attentions": Rule(
         op="merge_attentions", tensors=2, optional=(), save=_merge_save, vjp=_merge_vjp,

@@ -83,3 +83,28 @@ def test_grad_through_tangent_on_cuda():
         return torch.autograd.grad(t_out.square().sum(), (q, k, v, kx, vx))
     for a, b in zip(loss(None), loss("reference")):
         assert rel_err(a, b) < 1e-9
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_primal_gradients_alone(dtype, device):
+    """tangent_grads=False (what second order asks for: rules.second_order) gives the same
+    primal gradients bit for bit, and empty tangent gradients; opcheck passes with it. D = 64:
+    on CUDA the tensor-core kernels, which then skip the tangents' first-order backward."""
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
+    q, k, v = rnd(2, 12, 11, 4, 64), rnd(2, 12, 11, 2, 64), rnd(2, 12, 11, 2, 64)
+    kx, vx = rnd(2, 3, 2, 64), rnd(2, 3, 2, 64)
+    geo = Geometry((5, 3), (2, 1), (1, 2), (True, False), 0.125)
+    tans = (torch.randn_like(q), torch.randn_like(k), None, torch.randn_like(kx), None)
+    saved = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, *tans, None, *geo.args())
+    cot = (None, None, torch.randn_like(saved[2]), torch.randn_like(saved[3]))
+    args = (q, k, v, kx, vx, NO_RPB, *tans, None, *saved, *cot, *geo.args())
+    both = ops.na_forward_jvp_backward(*args)
+    primal = ops.na_forward_jvp_backward(*args, False)
+    for a, b in zip(both[:6], primal[:6]):
+        assert torch.equal(a, b)
+    assert all(t.numel() == 0 for t in primal[6:])
+    if device == "cpu":
+        torch.library.opcheck(ops.na_forward_jvp_backward, (*args, False),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
