@@ -16,8 +16,9 @@ i.e. torch.func on the pure-PyTorch implementation), and each row's fused time a
 fwd+bwd's ('x fb', 'mem x fb'): what a second-order step costs in first-order steps.
 
 CPU (the default): float32, the problems of CPU_PROBLEMS; the wall time's median (--min: the
-fastest) and peak extra resident memory (Linux VmHWM, reset through /proc/self/clear_refs; memory
-that an earlier row freed stays resident, so a row shows only what it needs beyond that).
+fastest) and peak extra resident memory of one call, measured in a fresh process per row (Linux
+VmHWM over VmRSS once the inputs exist: in one process, memory an earlier row freed stays
+resident and hides what the next one needs).
 CUDA (--device cuda): bfloat16 unless --dtype, head dims --dims (64 and 128), --heads 16, a
 small window (2-D 64x64 w7, batch 8) and a large one (1-D 32768 w2048, batch 1); the median
 time by CUDA events over loops of back-to-back calls, a call slower than a second timed once
@@ -33,6 +34,7 @@ import argparse
 import csv
 import gc
 import statistics
+import subprocess
 import sys
 import time
 
@@ -79,19 +81,35 @@ def cpu_times(fn, repeats):
     return out
 
 
-def measure_cpu(fn, repeats):
-    """(STAT of the seconds, peak extra MiB over the resident set before the call, '')."""
-    fn()  # warm up
+def first_call_mib(fn):
+    """Peak resident MiB of one call over the resident set before it: in a fresh process (the
+    --memory-of child), where no earlier call left freed memory resident."""
     gc.collect()
     try:
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+            f.write("5")   # VmHWM back to VmRSS
     except OSError:
         pass
     base = rss_kib("VmRSS:")
+    fn()
+    return max(rss_kib("VmHWM:") - base, 0) / 1024
+
+
+def child_mib(args, problem, path, backend):
+    """first_call_mib of one row, in a child process"""
+    cmd = [sys.executable, __file__, "--memory-of", problem, path, backend or "fused",
+           "--threads", str(torch.get_num_threads())]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
+    return float(out[-1])
+
+
+def measure_cpu(fn, repeats):
+    """(STAT of the seconds, nan: main() takes the memory from child_mib, '')."""
+    fn()  # warm up
     times = sample(fn, rounds=repeats) if not CPU_TIME else cpu_times(fn, repeats)
-    peak = max(rss_kib("VmHWM:") - base, 0)
-    return STAT(times), peak / 1024, ""
+    return STAT(times), float("nan"), ""
 
 
 def measure_cuda(fn, repeats, device):
@@ -224,7 +242,20 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (nbhd takes as many)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="CPU: time by the process's CPU seconds (steadier on a shared machine with --threads 1)")
+    ap.add_argument("--memory-of", nargs=3, metavar=("PROBLEM", "PATH", "BACKEND"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory_of:   # the child of child_mib: one row's first call, its MiB on stdout
+        torch.set_num_threads(args.threads or torch.get_num_threads())
+        problem, path, backend = args.memory_of
+        dtype = getattr(torch, args.dtype or "float32")
+        (_, rank, spatial, kernel, B, H, D), = [p for p in CPU_PROBLEMS if p[0] == problem]
+        backend = None if backend == "fused" else backend
+        # thread pools, plans and lazy initialisation first, on a sixteenth of the tokens
+        small = tuple(max(kernel, n // 4) for n in spatial[:2]) + tuple(spatial[2:])
+        dict(cases(rank, small, kernel, B, H, D, torch.device("cpu"), dtype))[path](backend)()
+        make = dict(cases(rank, spatial, kernel, B, H, D, torch.device("cpu"), dtype))[path]
+        print(f"{first_call_mib(make(backend)):.3f}")
+        return
     if args.device == "cuda" and not (torch.cuda.is_available() and nbhd.has_cuda()):
         sys.exit("bench_autodiff.py --device cuda: "
                  + ("torch sees no CUDA GPU" if not torch.cuda.is_available()
@@ -250,6 +281,9 @@ def main():
             tf, mf, mark = measure(make, None, args.repeats, device)
             tu, mu, umark = measure(make, "reference", max(1, args.repeats // 2), device) if unfused \
                 else (float("nan"), float("nan"), "")
+            if device.type == "cpu":
+                mf = child_mib(args, name, path, None)
+                mu = child_mib(args, name, path, "reference") if unfused else mu
             if path in ("forward", "fwd+bwd"):
                 base[path] = (tf, mf)
             fb_t, fb_m = base.get("fwd+bwd", (float("nan"), float("nan")))
