@@ -355,3 +355,22 @@ __device__ __forceinline__ void warp_union(const int (&st)[2][AX], const int (&e
         hi[ax] = h0;
     }
 }
+
+/* per axis, the intersection [lo, hi) of the ranges [st, en) of the warp's fragment rows when
+ * all of them are valid (a tile of keys inside it needs no mask), else empty (lo > hi) */
+template <int AX>
+__device__ __forceinline__ void warp_intersection(const int (&st)[2][AX], const int (&en)[2][AX],
+                                                  const bool (&valid)[2], int (&lo)[AX], int (&hi)[AX]) {
+    const bool all_rows = __all_sync(0xffffffffu, valid[0] && valid[1]);
+#pragma unroll
+    for (int ax = 0; ax < AX; ++ax) {
+        int l1 = max(st[0][ax], st[1][ax]), h1 = min(en[0][ax], en[1][ax]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            l1 = max(l1, __shfl_xor_sync(0xffffffffu, l1, o));
+            h1 = min(h1, __shfl_xor_sync(0xffffffffu, h1, o));
+        }
+        lo[ax] = all_rows ? l1 : 1 << 30;
+        hi[ax] = all_rows ? h1 : -(1 << 30);
+    }
+}

@@ -113,16 +113,7 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
     // the intersection of its windows (tiles inside it need no mask)
     int ulo[3], uhi[3], ilo[3], ihi[3];
     warp_union(wst, wen, rvalid, ulo, uhi);
-    const bool all_rows = __all_sync(0xffffffffu, rvalid[0] && rvalid[1]);
-    for (int ax = 0; ax < 3; ++ax) {
-        int l1 = max(wst[0][ax], wst[1][ax]), h1 = min(wen[0][ax], wen[1][ax]);
-        for (int o = 16; o > 0; o >>= 1) {
-            l1 = max(l1, __shfl_xor_sync(0xffffffffu, l1, o));
-            h1 = min(h1, __shfl_xor_sync(0xffffffffu, h1, o));
-        }
-        ilo[ax] = all_rows ? l1 : 1 << 30;
-        ihi[ax] = all_rows ? h1 : -(1 << 30);
-    }
+    warp_intersection(wst, wen, rvalid, ilo, ihi);
 
     float o[HD / 8][4], ct[HD / 8][4];
 #pragma unroll

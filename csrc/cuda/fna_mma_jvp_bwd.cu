@@ -25,6 +25,8 @@
  */
 #include <string.h>
 
+#include <type_traits>
+
 #include "mma_util.cuh"
 
 /* the row terms the tile kernels read per query: one 16-byte load */
@@ -173,8 +175,12 @@ jvpb_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ 
             rw[hrow] = jvpb_row_terms{x.x, x.y, x.z, x.w};
         }
     }
-    int ulo[3], uhi[3];
+    // the warp's key union (tiles outside it are skipped) and the intersection of its windows
+    // (tiles inside it need no mask)
+    int ulo[3], uhi[3], ilo[3], ihi[3];
     warp_union(wst, wen, rvalid, ulo, uhi);
+    warp_intersection(wst, wen, rvalid, ilo, ihi);
+    const bool all_rows = __all_sync(0xffffffffu, rvalid[0] && rvalid[1]);
     const float *tab = BIAS ? tile_bias<3>::table(g, a.rpb, h) : nullptr;
     const float *t_tab = BIAS ? tile_bias<3>::table(g, a.t_rpb, h) : nullptr;
     float *d_tab = BIAS ? (float *)tile_bias<3>::table(g, a.d_rpb, h) : nullptr;
@@ -191,15 +197,18 @@ jvpb_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ 
         const T *Kt = Ks + s * BC * HD, *Vt = Vs + s * BC * HD, *tKt = tKs + s * BC * HD, *tVt = tVs + s * BC * HD;
         const int *kct = kc + s * 3 * BC;
         const bool win = t < win_tiles, htk = win ? has_tk : has_tkx, htv = win ? has_tv : has_tvx;
-        bool mine = false;
+        bool mine, inside;
         if (win) {
             const int kr = lane;  /* BC == 32 */
             const int j0 = kct[kr], j1 = kct[BC + kr], j2 = kct[2 * BC + kr];
             mine = j0 >= ulo[0] && j0 < uhi[0] && j1 >= ulo[1] && j1 < uhi[1] && j2 >= ulo[2] && j2 < uhi[2];
+            inside = j0 >= ilo[0] && j0 < ihi[0] && j1 >= ilo[1] && j1 < ihi[1] && j2 >= ilo[2] && j2 < ihi[2];
         } else {
             mine = ulo[0] < uhi[0];
+            inside = all_rows && kct[lane] != KEY_NONE;
         }
         if (!__any_sync(0xffffffffu, mine)) continue;
+        const bool full = __all_sync(0xffffffffu, inside);  /* every pair visible: no mask */
         float sc[BC / 8][4], ts[BC / 8][4], dp[BC / 8][4], gv[BC / 8][4];
 #pragma unroll
         for (int i = 0; i < BC / 8; ++i)
@@ -211,28 +220,33 @@ jvpb_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ 
         if (has_do) tile_abt<T, HD>(dp, dOs, w * 16, Vt, lane);    // dP = dO V^T
         if (htv) tile_abt<T, HD>(dp, Gs, w * 16, tVt, lane);       //    + G tV^T
         tile_abt<T, HD>(gv, Gs, w * 16, Vt, lane);                 // GV = G V^T
+        auto pair_terms = [&](auto masked) {  /* dS into sc, dtS into ts */
 #pragma unroll
-        for (int nb = 0; nb < BC / 8; ++nb)
+            for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int kr = nb * 8 + 2 * cq + e;
-                const int j[3] = {kct[kr], kct[BC + kr], kct[2 * BC + kr]};
-                const int bk = BIAS ? tile_bias<3>::key(g, j) : 0;
+                for (int e = 0; e < 2; ++e) {
+                    const int kr = nb * 8 + 2 * cq + e;
+                    const int j[3] = {kct[kr], kct[BC + kr], kct[2 * BC + kr]};
+                    const int bk = BIAS ? tile_bias<3>::key(g, j) : 0;
 #pragma unroll
-                for (int hrow = 0; hrow < 2; ++hrow) {
-                    const bool ok = win ? j[0] >= wst[hrow][0] && j[0] < wen[hrow][0] && j[1] >= wst[hrow][1] &&
-                                              j[1] < wen[hrow][1] && j[2] >= wst[hrow][2] && j[2] < wen[hrow][2]
-                                        : rvalid[hrow] && j[0] != KEY_NONE;
-                    const int x = 2 * hrow + e;
-                    const float bias = BIAS ? tile_bias<3>::at(tab, ok && win, bk, brow[hrow]) : 0.f;
-                    const float t_bias = BIAS ? tile_bias<3>::at(t_tab, ok && win, bk, brow[hrow]) : 0.f;
-                    const jvpb_pair_terms pr = jvpb_terms(sc[nb][x], ts[nb][x], dp[nb][x], gv[nb][x], ok, bias,
-                                                          t_bias, P.scale_log2, scale, rw[hrow]);
-                    sc[nb][x] = pr.ds;
-                    ts[nb][x] = pr.dts;
-                    if (BIAS && d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), pr.ds);
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        const bool ok = !decltype(masked)::value ||
+                                        (win ? j[0] >= wst[hrow][0] && j[0] < wen[hrow][0] && j[1] >= wst[hrow][1] &&
+                                                   j[1] < wen[hrow][1] && j[2] >= wst[hrow][2] && j[2] < wen[hrow][2]
+                                             : rvalid[hrow] && j[0] != KEY_NONE);
+                        const int x = 2 * hrow + e;
+                        const float bias = BIAS ? tile_bias<3>::at(tab, ok && win, bk, brow[hrow]) : 0.f;
+                        const float t_bias = BIAS ? tile_bias<3>::at(t_tab, ok && win, bk, brow[hrow]) : 0.f;
+                        const jvpb_pair_terms pr = jvpb_terms(sc[nb][x], ts[nb][x], dp[nb][x], gv[nb][x], ok, bias,
+                                                              t_bias, P.scale_log2, scale, rw[hrow]);
+                        sc[nb][x] = pr.ds;
+                        ts[nb][x] = pr.dts;
+                        if (BIAS && d_tab && ok && win) atomicAdd(d_tab + (bk - brow[hrow]), pr.ds);
+                    }
                 }
-            }
+        };
+        if (full) pair_terms(std::false_type{});
+        else pair_terms(std::true_type{});
         tile_xb<T, HD>(dq, sc, Kt, lane);            // dQ += dS K
         if (htk) tile_xb<T, HD>(dq, ts, tKt, lane);  //     + dtS tK
     }
@@ -400,9 +414,11 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
             ien[hrow][ax] = rvalid[hrow] ? (int)(f / dil[ax] + c) : 0;
         }
     }
-    int ulo[3], uhi[3];
+    int ulo[3], uhi[3], ilo[3], ihi[3];
     warp_union(ist, ien, rvalid, ulo, uhi);
+    warp_intersection(ist, ien, rvalid, ilo, ihi);
     const bool warp_has_rows = __any_sync(0xffffffffu, rvalid[0] || rvalid[1]);
+    const bool all_rows = __all_sync(0xffffffffu, rvalid[0] && rvalid[1]);
     const float scale = P.scale_log2 * 0.69314718055994531f;
 
     float dk[HD / 8][4], dv[HD / 8][4];
@@ -416,15 +432,18 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
         const T *Qt = Qs + s * BC * HD, *tQt = tQs + s * BC * HD, *dOt = dOs + s * BC * HD, *Gt = Gs + s * BC * HD;
         const int *qct = qc + s * 3 * BC;
         const float4 *qtt = qt + s * BC;
-        bool mine;
+        bool mine, inside;
         if (!EXTRA) {
             const int cr = lane;  /* BC == 32 */
             const int j0 = qct[cr], j1 = qct[BC + cr], j2 = qct[2 * BC + cr];
             mine = j0 >= ulo[0] && j0 < uhi[0] && j1 >= ulo[1] && j1 < uhi[1] && j2 >= ulo[2] && j2 < uhi[2];
+            inside = j0 >= ilo[0] && j0 < ihi[0] && j1 >= ilo[1] && j1 < ihi[1] && j2 >= ilo[2] && j2 < ihi[2];
         } else {
             mine = warp_has_rows;
+            inside = all_rows && qct[lane] != KEY_NONE;
         }
         if (!__any_sync(0xffffffffu, mine)) continue;
+        const bool full = __all_sync(0xffffffffu, inside);  /* every pair visible: no mask */
         float sc[BC / 8][4], ts[BC / 8][4], dp[BC / 8][4], gv[BC / 8][4];
 #pragma unroll
         for (int i = 0; i < BC / 8; ++i)
@@ -438,31 +457,36 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
         tile_abt<T, HD>(gv, Vs, w * 16, Gt, lane);                // GV^T = V G^T
         const float *tab = BIAS ? tile_bias<3>::table(g, a.rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
         const float *t_tab = BIAS ? tile_bias<3>::table(g, a.t_rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
+        auto pair_terms = [&](auto masked) {  /* P into sc, P n into ts, dS into dp, dtS into gv */
 #pragma unroll
-        for (int nb = 0; nb < BC / 8; ++nb)
+            for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int cr = nb * 8 + 2 * cq + e;
-                const int j[3] = {qct[cr], qct[BC + cr], qct[2 * BC + cr]};
-                const int bq = BIAS ? tile_bias<3>::row(g, j) : 0;
-                const float4 q4 = qtt[cr];
-                const jvpb_row_terms rw = {q4.x, q4.y, q4.z, q4.w};
+                for (int e = 0; e < 2; ++e) {
+                    const int cr = nb * 8 + 2 * cq + e;
+                    const int j[3] = {qct[cr], qct[BC + cr], qct[2 * BC + cr]};
+                    const int bq = BIAS ? tile_bias<3>::row(g, j) : 0;
+                    const float4 q4 = qtt[cr];
+                    const jvpb_row_terms rw = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
-                for (int hrow = 0; hrow < 2; ++hrow) {
-                    const bool ok = EXTRA ? rvalid[hrow] && j[0] != KEY_NONE
-                                          : j[0] >= ist[hrow][0] && j[0] < ien[hrow][0] && j[1] >= ist[hrow][1] &&
-                                                j[1] < ien[hrow][1] && j[2] >= ist[hrow][2] && j[2] < ien[hrow][2];
-                    const int x = 2 * hrow + e;
-                    const float bias = BIAS ? tile_bias<3>::at(tab, ok, bkey[hrow], bq) : 0.f;
-                    const float t_bias = BIAS ? tile_bias<3>::at(t_tab, ok, bkey[hrow], bq) : 0.f;
-                    const jvpb_pair_terms pr = jvpb_terms(sc[nb][x], ts[nb][x], dp[nb][x], gv[nb][x], ok, bias,
-                                                          t_bias, P.scale_log2, scale, rw);
-                    sc[nb][x] = pr.p;
-                    ts[nb][x] = pr.p * pr.n;
-                    dp[nb][x] = pr.ds;
-                    gv[nb][x] = pr.dts;
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        const bool ok = !decltype(masked)::value ||
+                                        (EXTRA ? rvalid[hrow] && j[0] != KEY_NONE
+                                               : j[0] >= ist[hrow][0] && j[0] < ien[hrow][0] && j[1] >= ist[hrow][1] &&
+                                                     j[1] < ien[hrow][1] && j[2] >= ist[hrow][2] && j[2] < ien[hrow][2]);
+                        const int x = 2 * hrow + e;
+                        const float bias = BIAS ? tile_bias<3>::at(tab, ok, bkey[hrow], bq) : 0.f;
+                        const float t_bias = BIAS ? tile_bias<3>::at(t_tab, ok, bkey[hrow], bq) : 0.f;
+                        const jvpb_pair_terms pr = jvpb_terms(sc[nb][x], ts[nb][x], dp[nb][x], gv[nb][x], ok, bias,
+                                                              t_bias, P.scale_log2, scale, rw);
+                        sc[nb][x] = pr.p;
+                        ts[nb][x] = pr.p * pr.n;
+                        dp[nb][x] = pr.ds;
+                        gv[nb][x] = pr.dts;
+                    }
                 }
-            }
+        };
+        if (full) pair_terms(std::false_type{});
+        else pair_terms(std::true_type{});
         if (has_do) tile_xb<T, HD>(dv, sc, dOt, lane);  // dV += P^T dO
         tile_xb<T, HD>(dv, ts, Gt, lane);               //    + (P n)^T G
         tile_xb<T, HD>(dk, dp, Qt, lane);               // dK += dS^T Q
