@@ -197,50 +197,13 @@ def test_nonfinite_stays_in_neighborhood_cuda(dims, patch, case, dtype, which, k
 
 
 # the backward through forward+JVP (nbhd::na_forward_jvp_backward): the fast kernels hand a slab
-# holding a non-finite value to the scalar reference, so their non-finite outputs are the
+# holding a non-finite value to the scalar reference (on CUDA the tensor-core kernels compute
+# again exactly the rows a masked slot made non-finite), so their non-finite outputs are the
 # reference's exactly (which visits each query's own keys), and the finite ones agree
-@pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv", "d_out"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
-@pytest.mark.parametrize("isa,dtype", [x for x in ISA_DTYPES if x[0] != "reference" and x[1] != torch.float16],
-                         ids=lambda x: str(x))
-def test_nonfinite_jvp_backward_cpu(isa, dtype, case, which, monkeypatch):
+
+def _check_jvp_backward(geom, dtype, which, device, dims, tol, monkeypatch):
     from nbhd.rules import Geometry
-    geom = GEOMETRIES[case[0]][case[1]]
-    t, d_lse = _inputs(geom, dtype, which)
-    q, k, v = t["q"], t["k"], t["v"]
-    kx, vx = q.new_empty(B, 0, HK, D), q.new_empty(B, 0, HK, DV)
-    geo = Geometry(*geom[1:], D ** -0.5)
-    tans = (t["tq"], t["tk"], t["tv"], None, None)
-    saved = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, *tans, None, *geo.args())
-    cot = (t["d_out"], d_lse, torch.randn_like(saved[2]), torch.randn_like(saved[3]))
-
-    def run(use_reference):
-        monkeypatch.setitem(ops._OPTIONS, "use_reference", use_reference)
-        return ops.na_forward_jvp_backward(q, k, v, kx, vx, NO_RPB, *tans, None, *saved, *cot, *geo.args())
-    monkeypatch.setenv("NBHD_CPU_ISA", isa)
-    fast, ref = run(False), run(True)
-    assert not all(torch.isfinite(r).all() for r in ref), "no non-finite output"
-    for name, a, r in zip(["dq", "dk", "dv", "dkx", "dvx", "d_rpb", "dtq", "dtk", "dtv"], fast, ref):
-        bad, expected = ~torch.isfinite(a.double()), ~torch.isfinite(r.double())
-        assert torch.equal(bad, expected), f"{name}: {(bad ^ expected).nonzero().tolist()[:8]}"
-        fin = ~expected
-        if fin.any():
-            err = ((a.double() - r.double()).abs()[fin].max() / r.double().abs()[fin].max().clamp(min=1e-30)).item()
-            assert err < TOL[dtype], f"{name}: finite outputs off by {err:.3g}"
-
-
-# the same on CUDA: the tensor-core kernels (bf16/fp16 at D = Dv in {32, 64, 128}) against the
-# simple kernels, which visit each query's own keys: they compute again exactly the rows a
-# masked slot made non-finite
-@pytest.mark.skipif(not (torch.cuda.is_available() and _lib.has_cuda()), reason="needs CUDA")
-@pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv", "d_out"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (128, 128)], ids=lambda x: f"D{x[0]}")
-def test_nonfinite_jvp_backward_cuda(dims, dtype, case, which, monkeypatch):
-    from nbhd.rules import Geometry
-    geom = GEOMETRIES[case[0]][case[1]]
-    t, d_lse = _inputs(geom, dtype, which, device="cuda", D=dims[0], DV=dims[1])
+    t, d_lse = _inputs(geom, dtype, which, device=device, D=dims[0], DV=dims[1])
     q, k, v = t["q"], t["k"], t["v"]
     kx, vx = q.new_empty(B, 0, HK, dims[0]), q.new_empty(B, 0, HK, dims[1])
     geo = Geometry(*geom[1:], dims[0] ** -0.5)
@@ -259,4 +222,22 @@ def test_nonfinite_jvp_backward_cuda(dims, dtype, case, which, monkeypatch):
         fin = ~expected
         if fin.any():
             err = ((a.double() - r.double()).abs()[fin].max() / r.double().abs()[fin].max().clamp(min=1e-30)).item()
-            assert err < 3e-2, f"{name}: finite outputs off by {err:.3g}"
+            assert err < tol, f"{name}: finite outputs off by {err:.3g}"
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv", "d_out"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
+@pytest.mark.parametrize("isa,dtype", [x for x in ISA_DTYPES if x[0] != "reference" and x[1] != torch.float16],
+                         ids=lambda x: str(x))
+def test_nonfinite_jvp_backward_cpu(isa, dtype, case, which, monkeypatch):
+    monkeypatch.setenv("NBHD_CPU_ISA", isa)
+    _check_jvp_backward(GEOMETRIES[case[0]][case[1]], dtype, which, "cpu", (D, DV), TOL[dtype], monkeypatch)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and _lib.has_cuda()), reason="needs CUDA")
+@pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv", "d_out"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (128, 128)], ids=lambda x: f"D{x[0]}")
+def test_nonfinite_jvp_backward_cuda(dims, dtype, case, which, monkeypatch):
+    _check_jvp_backward(GEOMETRIES[case[0]][case[1]], dtype, which, "cuda", dims, 3e-2, monkeypatch)
