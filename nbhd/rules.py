@@ -65,6 +65,7 @@ class PrimalGradsGeometry(Geometry):
     so that the kernels skip the tangents' gradients (on CUDA a whole first-order backward)."""
 
     def __init__(self, kernel_size, stride, dilation, is_causal, scale, tiles=None, tangent_grads=False):
+        # tangent_grads is taken (and is False) so that PrimalGradsGeometry(*g.args()) of one works
         super().__init__(kernel_size, stride, dilation, is_causal, scale, tiles)
 
     def args(self):
