@@ -15,6 +15,7 @@ import torch
 import nbhd
 from nbhd import _lib, configs, ops
 from nbhd.reference import na_reference
+from utils import cuda_kernels
 
 NO_RPB = torch.empty(0)  # the ops' absent bias table
 
@@ -433,14 +434,6 @@ def test_forward_jvp_backward(case, dtype, absent, use_reference):
     check_forward_jvp_backward(case, dtype, absent)
 
 
-def _kernel_names(fn):
-    """The CUDA kernels fn() launches, by name (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if "kernel" in e.name}
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", [c for c in CASES if c[9] == c[10] and c[9] in (32, 64, 128)
                                   and c[12] != "strided_d"][:6], ids=ids)
@@ -454,7 +447,7 @@ def test_forward_jvp_backward_runs_tensor_cores(case, dtype):
     cots = [torch.randn_like(t) for t in (out, lse, t_out, t_lse)]
     run = lambda: ops.na_forward_jvp_backward(*inputs, NO_RPB, *tangents, None, out, lse, t_out, t_lse,  # noqa: E731
                                               *cots, *geo)
-    ran = _kernel_names(run)
+    ran = cuda_kernels(run)
     assert any("jvpb_dq_kernel" in n for n in ran), ran
     assert not any("simple_rows_kernel" in n for n in ran), ran
     was = nbhd.is_kv_parallelism_in_fused_na_enabled()
@@ -489,7 +482,7 @@ def test_backprop_through_tangent_on_tensor_cores(D, tangent_grad):
     half = [x.to(torch.bfloat16) for x in (q, k, v, t)]
     want = grads([x.double() for x in half], "reference")
     poison()
-    ran = _kernel_names(lambda: grads(half, None))
+    ran = cuda_kernels(lambda: grads(half, None))
     assert any("jvpb_dq_kernel" in n for n in ran), ran
     assert not any("simple_rows_kernel" in n for n in ran), ran
     for name, g, w in zip(["dq", "dk", "dv", "dt"], grads(half, None), want):

@@ -13,6 +13,7 @@ import nbhd
 from nbhd import _lib, ops
 from nbhd.rpb import in_kernel_bias, na_with_rpb, na_with_rpb_fused
 from test_cuda import poison, rel_err, use_reference  # noqa: F401 (a fixture)
+from utils import cuda_kernels
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not _lib.has_cuda(),
@@ -229,14 +230,6 @@ def test_empty_problems_zero_the_gradients_on_cuda():
     assert torch.equal(grads[1], torch.zeros_like(k)) and torch.equal(grads[2], torch.zeros_like(v))
 
 
-def _kernels(fn):
-    """The CUDA kernels fn() launches, by name (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if "_kernel" in e.name}
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the wgmma kernels need Hopper")
 @pytest.mark.parametrize("ext, ks, heads, tiles, forward, dq", [
@@ -256,7 +249,7 @@ def test_table_staged_or_global(ext, ks, heads, tiles, forward, dq):
     xs, table, geo = build(case, torch.bfloat16, 21)
     geo = (*geo[:5], tiles)
     poison()
-    ran = _kernels(lambda: ops.na_forward(*xs, table, *geo))
+    ran = cuda_kernels(lambda: ops.na_forward(*xs, table, *geo))
     assert any(forward in name for name in ran), ran
     out, lse = ops.na_forward(*xs, table, *geo)
     want_out, want_lse = reference(xs, table, geo)
@@ -265,7 +258,7 @@ def test_table_staged_or_global(ext, ks, heads, tiles, forward, dq):
     g = torch.Generator(device="cuda").manual_seed(5)
     d_out = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.float64)
     poison()
-    ran = _kernels(lambda: ops.na_backward(*xs, table, out, lse, d_out.to(out.dtype), None, *geo))
+    ran = cuda_kernels(lambda: ops.na_backward(*xs, table, out, lse, d_out.to(out.dtype), None, *geo))
     assert any(dq in name for name in ran), ran
     grads = ops.na_backward(*xs, table, out, lse, d_out.to(out.dtype), None, *geo)
     prim = [x.double().requires_grad_() for x in (*xs, table)]

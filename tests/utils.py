@@ -96,3 +96,11 @@ def poison_allocator(device="cpu"):
     allocator returns fresh pages, so allocate-fill-free a few blocks of common sizes first."""
     for n in (1 << 10, 1 << 14, 1 << 18):
         torch.full((n,), float("nan"), device=device)
+
+
+def cuda_kernels(fn) -> set:
+    """The CUDA kernels fn() launches, by name (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "_kernel" in e.name}
