@@ -129,6 +129,17 @@ nbhd_status nbhd_validate(const nbhd_problem *p) {
         tokens *= L;
     }
     if (p->rank == 0) tokens = p->extent[0];
+    for (int a = 0; a < NBHD_MAX_RANK; ++a) {
+        const int64_t b = p->query_begin[a], e = p->query_end[a];
+        if (b == 0 && e == 0) continue;
+        if (a >= p->rank)
+            return nbhd_fail(NBHD_ERR_ARG, "query_begin[%d]=%lld, query_end[%d]=%lld on an axis past rank %d "
+                             "(need both 0)", a, (long long)b, a, (long long)e, p->rank);
+        if (b < 0 || b >= e || e > p->extent[a])
+            return nbhd_fail(NBHD_ERR_ARG, "query range [%lld, %lld) on axis %d is invalid (need both 0, or "
+                             "0 <= query_begin < query_end <= extent=%lld)", (long long)b, (long long)e, a,
+                             (long long)p->extent[a]);
+    }
     if (p->rpb != 0 && p->rpb != 1)
         return nbhd_fail_rule(NBHD_ERR_ARG, "0 or 1", "rpb=%d is invalid", p->rpb);
     if (p->rpb && p->rank == 0)
@@ -155,17 +166,22 @@ nbhd_status nbhd_validate(const nbhd_problem *p) {
 nbhd_geometry nbhd_geometry_of(const nbhd_problem *p) {
     nbhd_geometry g;
     g.tokens = 1;
+    g.query_range = 0;
     for (int a = 0; a < NBHD_MAX_RANK; ++a) {
-        nbhd_axis ax = {1, 1, 1, 1, 0};
-        if (a < p->rank)
-            ax = (nbhd_axis){p->extent[a], p->kernel[a], p->stride[a], p->dilation[a], p->causal[a]};
+        nbhd_axis ax = {1, 1, 1, 1, 0, 0, 1};
+        if (a < p->rank) {
+            const int whole = p->query_begin[a] == 0 && p->query_end[a] == 0;
+            ax = (nbhd_axis){p->extent[a], p->kernel[a], p->stride[a], p->dilation[a], p->causal[a],
+                             whole ? 0 : p->query_begin[a], whole ? p->extent[a] : p->query_end[a]};
+            g.query_range |= !whole;
+        }
         g.axis[a] = ax;
         g.tokens *= ax.extent;
     }
     g.has_window = p->rank > 0;
     if (p->rank == 0) {
         /* dense: queries along axis 0, no neighborhood keys */
-        g.axis[0].extent = p->extent[0];
+        g.axis[0].extent = g.axis[0].query_end = p->extent[0];
         g.tokens = p->extent[0];
     }
     g.batch = p->batch;

@@ -19,6 +19,7 @@ typedef struct {
     nbhd_axis axis[NBHD_MAX_RANK];
     int64_t tokens;       /* X*Y*Z: queries (and neighborhood keys) per batch and head */
     int has_window;       /* rank > 0 */
+    int query_range;      /* some axis computes only part of its queries (nbhd.h query range) */
     int64_t batch, extra_kv;
     int32_t heads, kv_heads, head_dim, head_dim_v;
     int32_t group;        /* heads / kv_heads: query heads per key/value head */

@@ -20,7 +20,20 @@
 typedef struct {
     int64_t extent;
     int32_t kernel, stride, dilation, causal;
+    int64_t query_begin, query_end;  /* the queries computed, [begin, end) (nbhd.h query range) */
 } nbhd_axis;
+
+/* In-group indices [lo, hi) of group g's queries inside the axis's query range. */
+NBHD_INLINE void nbhd_query_range_in_group(const nbhd_axis *a, int64_t g, int64_t *lo, int64_t *hi) {
+    const int64_t d = a->dilation;
+    *lo = a->query_begin > g ? (a->query_begin - g + d - 1) / d : 0;
+    *hi = a->query_end > g ? (a->query_end - g + d - 1) / d : 0;
+}
+
+/* Is full-axis query x inside the axis's query range? */
+NBHD_INLINE int nbhd_query_in_range(const nbhd_axis *a, int64_t x) {
+    return x >= a->query_begin && x < a->query_end;
+}
 
 /* In-group window [start, end) of in-group query index i on a group of length group_len. */
 NBHD_INLINE void nbhd_window_in_group(const nbhd_axis *a, int64_t i, int64_t group_len,
@@ -59,7 +72,7 @@ NBHD_INLINE void nbhd_window(const nbhd_axis *a, int64_t x, int64_t *first, int6
 
 /* Inverse neighborhood of key y: the queries x (same group, step = dilation) whose window holds
  * y form one contiguous in-group range, because start(i) and end(i) never decrease with i.
- * Found by two binary searches. */
+ * Found by two binary searches, then cut to the query range. */
 NBHD_INLINE void nbhd_inverse_window(const nbhd_axis *a, int64_t y, int64_t *first,
                                      int64_t *count) {
     const int64_t d = a->dilation, g = y % d, j = y / d, n = nbhd_group_len(a, g);
@@ -79,8 +92,11 @@ NBHD_INLINE void nbhd_inverse_window(const nbhd_axis *a, int64_t y, int64_t *fir
         nbhd_window_in_group(a, mid, n, &st, &en);
         if (st > j) hi = mid; else lo = mid + 1;
     }
-    *first = g + i_lo * d;
-    *count = lo - i_lo;
+    int64_t q_lo, q_hi;
+    nbhd_query_range_in_group(a, g, &q_lo, &q_hi);
+    const int64_t f = i_lo > q_lo ? i_lo : q_lo, e = lo < q_hi ? lo : q_hi;
+    *first = g + f * d;
+    *count = e > f ? e - f : 0;
 }
 
 #endif /* NBHD_CORE_WINDOW_H */

@@ -5,7 +5,9 @@
  *
  *   fast       fp32/fp16/bf16, rank 1..3 (any strides, geometry, GQA, extra keys); fast.c picks
  *              the ISA, and the AMX-BF16 kernels (amx/) for bf16 where the CPU has them
- *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only);
+ *   reference  forced (exec.use_reference), fp64, rank 0 (dense over the extra keys only), a
+ *              query range (nbhd.h; context parallelism: the fast kernels' query lines would
+ *              read rows outside it);
  *              the fast kernels of all four ops add a relative positional bias (problem.rpb)
  */
 #ifdef _OPENMP
@@ -51,7 +53,7 @@ static nbhd_exec sized_exec(const nbhd_geometry *g, const nbhd_exec *e, int64_t 
 
 static int fast_supports(const nbhd_geometry *g) {
     const int low_precision = g->dtype == NBHD_F32 || g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
-    return low_precision && g->has_window;
+    return low_precision && g->has_window && !g->query_range;
 }
 
 static int use_fast(const nbhd_geometry *g, const nbhd_exec *e) {

@@ -87,7 +87,17 @@ typedef struct {
     int32_t rpb;                      /* 1: the scores carry a relative positional bias (below;
                                          no causal axis, rank >= 1); 0: none, and the
                                          args' rpb fields must have NULL data */
+    int64_t query_begin[NBHD_MAX_RANK];  /* query range (below): per axis both 0 (the whole axis) */
+    int64_t query_end[NBHD_MAX_RANK];    /* or 0 <= query_begin < query_end <= extent */
 } nbhd_problem;
+
+/* Query range (context parallelism, docs/context_parallel.md): only the queries x with
+ * query_begin[a] <= x_a < query_end[a] on every axis are computed; windows are those of the whole
+ * grid, so a key outside the range is still seen by the queries inside it. The rows of the other
+ * queries are neither read nor written by any op: their q, out, lse, d_out, d_lse, t_q, t_out,
+ * t_lse may hold anything (NaN included), and their d_q, d_t_q, out, lse, t_out, t_lse keep what
+ * they held. Key-side gradients (d_k, d_v, their tangents' and the tables') sum over the range's
+ * queries only. Rank 0 has no range (all zero). */
 
 /* Relative positional bias (docs/rpb.md): with problem.rpb = 1 the window scores gain a bias
  * from a per-head table of M = prod_a (2 K_a - 1) entries (axes 0..rank-1, row-major): for
