@@ -36,7 +36,7 @@ r = len(ext)
 torch.manual_seed(0)
 q, k, v = (torch.randn(B, *ext, H, D, dtype=dt) for _ in range(3))
 empty = torch.empty(B, 0, H, D, dtype=dt)
-geo = ([W] * r, [1] * r, [1] * r, [False] * r, D ** -0.5, [0] * (4 * r))
+geo = ([W] * r, [1] * r, [1] * r, [False] * r, D ** -0.5, [0] * (4 * r), [])
 out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
 d_out = torch.randn_like(out)
 if kind == "fwd":

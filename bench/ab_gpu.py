@@ -81,14 +81,14 @@ def main():
             base = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5)
             flop = 4.0 * B * H * math.prod(ext) * math.prod(ks) * D * (2.5 if args.bwd else 1.0)
             if args.bwd:
-                out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *base, [0] * (4 * len(ks)))
+                out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *base, [0] * (4 * len(ks)), [])
                 d_out = torch.randn_like(out)
-                fn = lambda t: ops.na_backward(q, k, v, empty, empty, NO_RPB, out, lse, d_out, None, *base, t)
+                fn = lambda t: ops.na_backward(q, k, v, empty, empty, NO_RPB, out, lse, d_out, None, *base, t, [])
             elif args.jvp:
                 tq, tk, tv = (torch.randn_like(x) for x in (q, k, v))
-                fn = lambda t: ops.na_forward_jvp(q, k, v, empty, empty, NO_RPB, tq, tk, tv, empty, empty, None, *base, t)
+                fn = lambda t: ops.na_forward_jvp(q, k, v, empty, empty, NO_RPB, tq, tk, tv, empty, empty, None, *base, t, [])
             else:
-                fn = lambda t: ops.na_forward(q, k, v, empty, empty, NO_RPB, *base, t)
+                fn = lambda t: ops.na_forward(q, k, v, empty, empty, NO_RPB, *base, t, [])
             configs = variants(op, q, k, v, base, args.bwd)
             ref = None
             for label, tiles, kvp in configs:  # warm-up, and every variant gives the same output

@@ -55,7 +55,7 @@ def battery(device: str, threads: int, quick: bool) -> dict:
             k, v = rnd(B, *ext, Hkv, D), rnd(B, *ext, Hkv, Dv)
             kx, vx = rnd(B, nx, Hkv, D), rnd(B, nx, Hkv, Dv)
             tq, tk, tv, tkx, tvx = (torch.randn_like(t) for t in (q, k, v, kx, vx))
-            geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5, [0] * (4 * len(ks)))
+            geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5, [0] * (4 * len(ks)), [])
             key = f"{name}/{dname}"
             out, lse = ops.na_forward(q, k, v, kx, vx, NO_RPB, *geo)
             d_out, d_lse = torch.randn_like(out), torch.randn_like(lse)

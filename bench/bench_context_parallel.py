@@ -12,10 +12,10 @@ slowest rank's time counts. Problems (bf16 on GPUs, B = 1):
 For each sharded axis (`--axes`: a list of axes, `0+2` shards two axes on a balanced mesh):
 forward, forward+backward and MeanFlow step time (torch.func.jvp with tangents on q, k, v,
 then the backward of the primal output), speedup (strong) or efficiency
-(weak), the halo exchange alone (k and v), the forward kernel alone on the rank's key box (the
-compute share; the rest is exchange, padding and slicing), the halo bytes a rank receives per step (forward:
-k, v; backward: their gradients, as many bytes), and the key box / owned tokens ratio (the
-queries each rank computes, halo ones included, per query it owns).
+(weak), the halo exchange alone (k and v), the forward kernel alone on the rank's key box for
+its own queries (the compute share; the rest is exchange, padding and slicing), the halo bytes a
+rank receives per step (forward: k, v; backward: their gradients, as many bytes), and the key
+box / owned tokens ratio (the keys and values each rank holds per query it owns).
 Times: CUDA events (CPU: perf_counter) around `--reps` calls after a warm-up, median of 5.
 """
 from __future__ import annotations
@@ -149,10 +149,11 @@ def main():
                 del tangents
             with torch.no_grad():
                 t_halo = slowest(run(lambda: cp.exchange_halo(plan, k, v), args.reps), device)
-                # the kernel alone on this rank's key box: the compute share of the sharded time
+                # the kernel alone on this rank's key box for its own queries: the compute share
                 box_shape = [hi - lo for lo, hi in plan.key_box]
                 qb, kb, vb = make_qkv(box_shape, heads, dim, dtype, device, False)
-                t_box = slowest(run(lambda: nbhd.na3d(qb, kb, vb, **geo), args.reps), device)
+                t_box = slowest(run(lambda: nbhd.na3d(qb, kb, vb, **geo, query_range=plan.query_range),
+                                    args.reps), device)
                 del qb, kb, vb
             halo_tokens = torch.tensor([plan.halo_tokens], dtype=torch.float64, device=device)
             dist.all_reduce(halo_tokens, op=dist.ReduceOp.MAX)

@@ -21,7 +21,7 @@ def main():
     torch.set_num_threads(1)
     q = torch.randn(1, 16, 1, 8, requires_grad=True)
     kx, no_rpb = torch.empty(1, 0, 1, 8), torch.empty(0)
-    geometry = ([3], [1], [1], [False], 0.35, [0] * 4)
+    geometry = ([3], [1], [1], [False], 0.35, [0] * 4, [])
     with torch.no_grad():
         out, lse = torch.ops.nbhd.na_forward(q, q, q, kx, kx, no_rpb, *geometry)
     g, t = geometry[:4], geometry[5]

@@ -31,7 +31,7 @@ def main():
             q, k, v = (torch.randn(B, *ext, args.heads, D, generator=gen, device="cuda",
                                    dtype=torch.bfloat16) for _ in range(3))
             empty = torch.empty(B, 0, args.heads, D, device="cuda", dtype=torch.bfloat16)
-            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
+            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)), [])
             if args.op == "bwd":
                 out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
                 d_out = torch.randn_like(out)

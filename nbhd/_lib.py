@@ -86,6 +86,8 @@ class _Problem(ctypes.Structure):
         ("dtype", ctypes.c_int),
         ("device", ctypes.c_int),
         ("rpb", ctypes.c_int32),
+        ("query_begin", ctypes.c_int64 * MAX_RANK),
+        ("query_end", ctypes.c_int64 * MAX_RANK),
     ]
 
 
@@ -235,10 +237,12 @@ class Problem:
     `kernel_size` etc. are per-axis tuples of length rank (rank 0: dense attention over the
     additional keys only). q: [B, *spatial, H, D]; k: [B, *spatial, Hkv, D]; v: [..., Dv];
     kx/vx: [B, S, Hkv, D|Dv] or None. `rpb`: the scores carry a relative positional bias
-    (the ops' tables, docs/rpb.md).
+    (the ops' tables, docs/rpb.md). `query_range`: () for every query, else
+    (begin0, end0, begin1, end1, ...) per axis: only those queries are computed (nbhd.h).
     """
 
-    def __init__(self, q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale, rpb=False):
+    def __init__(self, q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale, rpb=False,
+                 query_range=()):
         rank = len(kernel_size)
         p = _Problem()
         p.rank = rank
@@ -264,6 +268,8 @@ class Problem:
         p.dtype = _DTYPES[q.dtype]
         p.device = 1 if q.device.type == "cuda" else 0
         p.rpb = 1 if rpb else 0
+        for a in range(len(query_range) // 2):   # absent axes stay 0: the whole axis
+            p.query_begin[a], p.query_end[a] = query_range[2 * a], query_range[2 * a + 1]
         self.c = p
         self.rank = rank
         self.device = q.device
@@ -348,7 +354,7 @@ class _Plan:
 
     def __init__(self, op, geometry, tensors, threads, use_reference, q_tile, kv_tile, kv_parallel,
                  problem=None):
-        rank, kernel_size, stride, dilation, is_causal, scale = geometry
+        rank, kernel_size, stride, dilation, is_causal, scale, query_range = geometry
         q, k, v, kx, vx = tensors[:5]
         self.op = op
         # the bias tables are the structs' last fields: a caller without them may leave them off
@@ -358,7 +364,7 @@ class _Plan:
                              f"{tables} optional), got {len(tensors)}")
         has_rpb = any(t is not None for name, t in zip(FIELDS[op], tensors) if name in _TABLES)
         self.problem = problem or Problem(q, k, v, kx, vx, kernel_size, stride, dilation, is_causal, scale,
-                                          rpb=has_rpb)
+                                          rpb=has_rpb, query_range=query_range)
         self.args = _ARGS[op]()   # ctypes structures start zeroed: absent tensors stay NULL
         self.slots = []           # (64-bit word of the data pointer, position in `tensors`)
         for pos, (name, t) in enumerate(zip(FIELDS[op], tensors)):
@@ -448,9 +454,10 @@ def prepare(key, op: int, geometry, tensors: Sequence[Optional[torch.Tensor]], t
 def run(op: int, geometry, tensors: Sequence[Optional[torch.Tensor]], threads: int = 0,
         use_reference: bool = False, q_tile=(), kv_tile=(), kv_parallel: bool = False,
         problem: Optional[Problem] = None) -> None:
-    """Calls one entry point. geometry = (rank, kernel_size, stride, dilation, is_causal, scale)
-    with tuples of length rank; `tensors` are the op's C arguments in FIELDS[op] order (None:
-    absent). The C structs are built once per geometry, layout and options (per thread).
+    """Calls one entry point. geometry = (rank, kernel_size, stride, dilation, is_causal, scale,
+    query_range) with tuples of length rank (query_range: () or 2 x rank, Problem's); `tensors`
+    are the op's C arguments in FIELDS[op] order (None: absent). The C structs are built once
+    per geometry, layout and options (per thread).
     `problem` replaces the one the tensors describe, uncached (tests of the library's checks)."""
     if problem is not None:
         _Plan(op, geometry, tensors, threads, use_reference, q_tile, kv_tile, kv_parallel,

@@ -14,8 +14,9 @@ of rules.py.
           traces (Dynamo cannot trace an autograd.Function that defines jvp) and exported graphs
           run. See `na_compiled`.
 
-`geometry` below is a Geometry: (kernel_size, stride, dilation, is_causal, scale, tiles) with
-lists of length rank (tiles: 4 x rank), already validated by functional.py.
+`geometry` below is a Geometry: (kernel_size, stride, dilation, is_causal, scale, tiles,
+query_range) with lists of length rank (tiles: 4 x rank; query_range: empty or 2 x rank),
+already validated by functional.py.
 """
 from __future__ import annotations
 

@@ -162,6 +162,32 @@ def geometry(spatial: Sequence[int], kernel_size, stride, dilation, is_causal):
     return ks, st, dil, causal
 
 
+def query_range(value, spatial: Sequence[int]) -> Tuple[int, ...]:
+    """na*d's query_range: None, or one (begin, end) pair of ints per spatial axis with
+    0 <= begin < end <= extent. Returns the ops' flat form (begin0, end0, begin1, end1, ...),
+    or () when it is None or spans every axis whole (nothing to restrict)."""
+    if value is None:
+        return ()
+    rank = len(spatial)
+    rule = f"one (begin, end) pair of ints per spatial axis ({rank}), 0 <= begin < end <= extent"
+    if not isinstance(value, (Sequence, torch.Size)) or isinstance(value, str) or len(value) != rank:
+        raise ValueError(f"query_range must be None or {rule}, got query_range={value!r}")
+    flat = []
+    for a, pair in enumerate(value):
+        if not isinstance(pair, Sequence) or isinstance(pair, str) or len(pair) != 2:
+            raise ValueError(f"query_range must be None or {rule}; axis {a} has {pair!r}")
+        if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in pair):
+            raise TypeError(f"query_range entries must be ints ({rule}); axis {a} has {pair!r}")
+        begin, end = int(pair[0]), int(pair[1])
+        if not 0 <= begin < end <= spatial[a]:
+            raise ValueError(f"query_range must satisfy 0 <= begin < end <= extent on every axis; "
+                             f"axis {a}: ({begin}, {end}) with extent {spatial[a]}")
+        flat += (begin, end)
+    if all(flat[2 * a] == 0 and flat[2 * a + 1] == spatial[a] for a in range(rank)):
+        return ()
+    return tuple(flat)
+
+
 # ----------------------------------------------------------------------------
 # the custom ops' arguments (ops.py): compiled and exported graphs call the ops directly, so
 # each op checks every tensor against the geometry before the C library reads it
@@ -202,6 +228,21 @@ def op_geometry(op: str, kernel_size, stride, dilation, is_causal, tiles) -> int
                 if not -_INT32_MAX <= x <= _INT32_MAX:
                     _op_fail(op, f"{name} entry {x} does not fit a 32-bit int")
     return rank
+
+
+def op_query_range(op: str, query_range, spatial) -> None:
+    """Checks an op's non-empty query_range against q's spatial extents: 2 x rank ints
+    [begin0, end0, ...] with 0 <= begin < end <= extent per axis (the kernels read only
+    those queries, and nothing outside the grid)."""
+    rank = len(spatial)
+    if len(query_range) != 2 * rank:
+        _op_fail(op, f"query_range has {len(query_range)} entries; need 0 (every query) or "
+                     f"2 x rank = {2 * rank} (begin, end per axis)")
+    for a in range(rank):
+        begin, end = query_range[2 * a], query_range[2 * a + 1]
+        if not 0 <= begin < end <= spatial[a]:
+            _op_fail(op, f"query_range must satisfy 0 <= begin < end <= extent on every axis; "
+                         f"axis {a}: [{begin}, {end}) with extent {spatial[a]}")
 
 
 def _op_shapes(op: str, rank: int, q: Tensor, k: Tensor, v: Tensor, kx: Tensor) -> dict:

@@ -4,9 +4,9 @@ The grid [B, *S, H, D] is split along one or two spatial axes into boxes, one pe
 sizes allowed). Neighborhood attention is local, so each rank needs only a halo of keys/values
 around its box: along a sharded axis, the union of its queries' windows is one contiguous key
 range [L, R) (docs/context_parallel.md derives it). Every rank receives the halo from the ranks
-that own it (point-to-point, possibly several ranks deep), runs the ordinary fused kernel on the
-sub-grid [L, R) with its own queries in place (halo queries are zero and their outputs are
-dropped), and keeps its queries' outputs. Sub-grid windows equal the global windows because
+that own it (point-to-point, possibly several ranks deep) and runs the fused kernel on the
+sub-grid [L, R) with a query range: only its own queries are computed (the halo tokens serve as
+keys and values alone). Sub-grid windows equal the global windows because
 NATTEN's window is the centred window clamped into the grid, and [L, R) is chosen (and checked
 at plan time, per axis) so that every own query's clamped window is the same on both grids.
 
@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _torch_internals as _ti
 from . import checks, functional
 from .modules import NeighborhoodAttention2D, NeighborhoodAttention3D
 from .reference import axis_windows
@@ -96,6 +97,28 @@ def axis_key_range(extent: int, kernel: int, stride: int, dilation: int, causal:
             f"[{start}, {end}) (extent={extent}, kernel={kernel}, stride={stride}, "
             f"dilation={dilation}, causal={causal}); this is a bug in nbhd")
     return lo, hi
+
+
+def own_box_queries(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
+                    lo: int, hi: int) -> Optional[Range]:
+    """The longest run of queries in [lo, hi) whose windows on the sub-axis [lo, hi) alone are
+    their windows on the whole axis [0, extent): the queries a rank can compute before its halo
+    arrives. None when there is none (or the sub-axis is shorter than a window)."""
+    if hi - lo < kernel * dilation:
+        return None
+    keys, valid = axis_windows(extent, kernel, stride, dilation, causal)
+    sub_keys, sub_valid = axis_windows(hi - lo, kernel, stride, dilation, causal)
+    keys, valid, sub_keys = keys[lo:hi], valid[lo:hi], sub_keys + lo
+    same = ((valid == sub_valid) & ((keys == sub_keys) | ~valid)).all(1).tolist()
+    best, start = None, None
+    for x, ok in enumerate(same + [False]):
+        if ok and start is None:
+            start = x
+        if not ok and start is not None:
+            if best is None or x - start > best[1] - best[0]:
+                best = (start, x)
+            start = None
+    return None if best is None else (lo + best[0], lo + best[1])
 
 
 def split_sizes(extent: int, parts: int) -> Tuple[int, ...]:
@@ -261,6 +284,20 @@ class HaloPlan:
                       for piece in [_intersect(self.box, self.key_boxes[r])] if piece is not None]
         self.recvs = [(r, piece) for r in range(sharding.world) if r != me
                       for piece in [_intersect(self.boxes[r], self.key_box)] if piece is not None]
+        # the own queries the own box alone serves (computed while the halo travels), and the
+        # border pieces of the own box around them (computed on the key box once it arrived)
+        inner = [own_box_queries(sharding.global_shape[a], ks[a], st[a], dil[a], causal[a], *self.box[a])
+                 if a in sharding.axes else self.box[a] for a in range(len(self.box))]
+        self.interior: Optional[Box] = None if any(r is None for r in inner) else tuple(inner)
+        self.border: List[Box] = []
+        if self.interior is not None:
+            rest = list(self.box)
+            for a in sharding.axes:
+                (lo, hi), (ilo, ihi) = rest[a], self.interior[a]
+                self.border += [tuple(rest[:a]) + ((x0, x1),) + tuple(rest[a + 1:])
+                                for x0, x1 in ((lo, ilo), (ihi, hi)) if x0 < x1]
+                rest[a] = (ilo, ihi)
+        self._pending = None
 
     @property
     def owned_tokens(self) -> int:
@@ -268,28 +305,50 @@ class HaloPlan:
 
     @property
     def key_box_tokens(self) -> int:
-        """Tokens of this rank's sub-grid: the queries its kernel call computes (owned + halo)."""
+        """Tokens of this rank's sub-grid (owned + halo): the keys its kernel call may read."""
         return math.prod(hi - lo for lo, hi in self.key_box)
+
+    @property
+    def query_range(self) -> Tuple[Range, ...]:
+        """The owned box in the key box's coordinates: the queries this rank's kernel computes."""
+        return tuple((lo - klo, hi - klo) for (lo, hi), (klo, _) in zip(self.box, self.key_box))
 
     @property
     def halo_tokens(self) -> int:
         """Tokens this rank receives per exchanged tensor (its sends are other ranks' receives)."""
         return sum(math.prod(hi - lo for lo, hi in box) for _, box in self.recvs)
 
-    def _exchange(self, pieces_out, pieces_in):
-        """One batch of point-to-point transfers, waited for."""
+    def _post(self, pieces_out, pieces_in) -> list:
+        """One batch of point-to-point transfers, posted: the requests to wait for."""
         ops = []
         group = self.sharding.group
         for peer, tensor in pieces_out:
             ops.append(dist.P2POp(dist.isend, tensor, self.sharding.global_rank(peer), group))
         for peer, tensor in pieces_in:
             ops.append(dist.P2POp(dist.irecv, tensor, self.sharding.global_rank(peer), group))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def _exchange(self, pieces_out, pieces_in):
+        """One batch of point-to-point transfers, waited for."""
+        for req in self._post(pieces_out, pieces_in):
+            req.wait()
 
     def gather_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]) -> List[Tensor]:
-        """Owned tensors (spatial axes from dims[i]) -> their key boxes, halos from their owners."""
+        """Owned tensors (spatial axes from dims[i]) -> their key boxes, halos from their owners.
+        Completes the exchange prefetch_halo started for the same tensors, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == _identity(tensors, dims):
+            return self._finish(pending[1])
+        if pending is not None:   # never expected: every rank runs the same calls; drain it
+            self._finish(pending[1])
+        return self._finish(self._start(tensors, dims))
+
+    def prefetch_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]) -> None:
+        """Posts the exchange of gather_halo(tensors, dims) now, so that it travels while the
+        caller computes; that gather_halo call then only waits for it."""
+        self._pending = (_identity(tensors, dims), self._start(tensors, dims))
+
+    def _start(self, tensors, dims):
         out, sends, recvs, fills = [], [], [], []
         origin_own = [lo for lo, _ in self.box]
         origin_key = [lo for lo, _ in self.key_box]
@@ -306,7 +365,13 @@ class HaloPlan:
                 recvs.append((peer, torch.empty_like(buf, memory_format=torch.contiguous_format)))
                 fills.append((buf, recvs[-1][1]))
             out.append(full)
-        self._exchange(sends, recvs)
+        return out, fills, sends, self._post(sends, recvs)
+
+    @staticmethod
+    def _finish(started) -> List[Tensor]:
+        out, fills, _sends, requests = started   # the sends stay referenced until done
+        for req in requests:
+            req.wait()
         for dst, src in fills:
             dst.copy_(src)
         return out
@@ -386,6 +451,11 @@ class _ReduceHalo(torch.autograd.Function):
         return _ReduceHalo.apply(plan, new_dims, *moved), (0,) * len(tensors)
 
 
+def _identity(tensors, dims) -> tuple:
+    """What a prefetched exchange is matched by: the tensors' storage, layout and version."""
+    return tuple((t.data_ptr(), t.shape, t.stride(), t._version, d) for t, d in zip(tensors, dims))
+
+
 def _save_shapes(ctx, inputs, output):
     ctx.plan, ctx.dims = inputs[0], inputs[1]
     ctx.shapes = [t.shape for t in inputs[2:]]
@@ -463,7 +533,8 @@ def gather(x: Tensor, sharding: Sharding, spatial_dim: int = 1) -> Tensor:
 
 
 def _na_sharded(rank: int, query: Tensor, key: Tensor, value: Tensor, kernel_size, stride,
-                dilation, is_causal, scale, sharding: Sharding, backend, return_lse: bool):
+                dilation, is_causal, scale, sharding: Sharding, backend, return_lse: bool,
+                overlap: bool):
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding must be an nbhd.distributed.Sharding, got {type(sharding).__name__}")
     if len(sharding.global_shape) != rank:
@@ -477,20 +548,45 @@ def _na_sharded(rank: int, query: Tensor, key: Tensor, value: Tensor, kernel_siz
                          f"{sharding.global_shape}, box {sharding.box(sharding.rank)})")
     plan = sharding.plan(kernel_size, stride, dilation, is_causal)
     ks, st, dil, causal = checks.geometry(sharding.global_shape, kernel_size, stride, dilation, is_causal)
+
+    def na(qq, kk, vv, queries: Box):   # the kernel on qq's grid, for `queries` of it only
+        return _NA[rank](qq, kk, vv, ks, st, dil, causal, scale, backend=backend,
+                         return_lse=return_lse, query_range=queries)
+
+    own_origin, key_origin = [lo for lo, _ in plan.box], [lo for lo, _ in plan.key_box]
+    early = None
+    if overlap and plan.interior is not None and plan.border and _can_overlap(q, k, v):
+        # the queries the own box serves run while the halo travels
+        plan.prefetch_halo((k, v), (1, 1))
+        early = na(q, k, v, _relative(plan.interior, own_origin))
     k_box, v_box = exchange_halo(plan, k, v)
-    # halo queries are zero: their outputs are dropped and, since their output gradients are
-    # zero, they add nothing to the key/value gradients
+    # halo rows of q are never read (query ranges): zeros only give q the key box's shape
     pad = []
     for a in reversed(range(rank)):
         (lo, hi), (klo, khi) = plan.box[a], plan.key_box[a]
         pad += [lo - klo, khi - hi]
     q_box = F.pad(q, [0, 0, 0, 0] + pad)
-    res = _NA[rank](q_box, k_box, v_box, ks, st, dil, causal, scale, backend=backend,
-                    return_lse=return_lse)
-    own = _slices(1, plan.box, [lo for lo, _ in plan.key_box])
+    own = _slices(1, plan.box, key_origin)
+    pick = (lambda r: (r[0][own], r[1][own])) if return_lse else (lambda r: r[own])
+    if early is None:
+        return pick(na(q_box, k_box, v_box, plan.query_range))
+    # each call's rows outside its range are zero: the parts add up exactly
+    parts = [early] + [pick(na(q_box, k_box, v_box, _relative(b, key_origin))) for b in plan.border]
     if return_lse:
-        return res[0][own], res[1][own]
-    return res[own]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    return sum(parts)
+
+
+def _relative(box: Box, origin: Sequence[int]) -> Box:
+    return tuple((lo - o, hi - o) for (lo, hi), o in zip(box, origin))
+
+
+def _can_overlap(*tensors: Tensor) -> bool:
+    """An eager call on plain tensors outside every functorch transform, forward-mode AD and
+    torch.compile: the exchange can be posted early and completed by the exchange Function
+    (under transforms it runs inside the Function, on the transformed tensors)."""
+    return (not torch.compiler.is_compiling() and not _ti.forward_ad_active()
+            and all(_ti.plain_tensor(t) for t in tensors))
 
 
 _DOC = """{rank}-D neighborhood attention on a grid sharded across a process group.
@@ -505,6 +601,9 @@ _DOC = """{rank}-D neighborhood attention on a grid sharded across a process gro
         sharding: an nbhd.distributed.Sharding of {rank} spatial axes (the same on every rank)
         backend: as nbhd.na{rank}d
         return_lse: also return the logsumexp [B, *local_shape, H]
+        overlap: compute the own queries whose windows lie in the own box while the halo
+            travels, the others after it arrived (eager calls outside functorch transforms
+            and forward-mode AD; elsewhere, and with False, the exchange is waited for first)
 
     Returns:
         output [B, *local_shape, H, Dv], or (output, lse).
@@ -512,17 +611,17 @@ _DOC = """{rank}-D neighborhood attention on a grid sharded across a process gro
     Every rank of the group must call it (the halo exchange is collective). Differentiable under
     autograd (the backward returns the halo gradients to their owners), torch.func.grad/vjp/
     jvp/vmap and forward-mode AD; torch.compile runs the exchange eagerly (a graph break).
-    Compute: each rank runs the kernel over its key box (owned + halo tokens);
-    sharding.plan(...).key_box_tokens / owned_tokens is that overhead.
+    Compute: each rank runs the kernel on its key box (owned + halo tokens) for its own queries
+    only (a query range), so its work is that of its own queries' windows.
     """
 
 
 def _make(rank: int):
     def na(query: Tensor, key: Tensor, value: Tensor, kernel_size, stride=1, dilation=1,
            is_causal=False, scale: Optional[float] = None, *, sharding: Sharding,
-           backend: Optional[str] = None, return_lse: bool = False):
+           backend: Optional[str] = None, return_lse: bool = False, overlap: bool = True):
         return _na_sharded(rank, query, key, value, kernel_size, stride, dilation, is_causal,
-                           scale, sharding, backend, return_lse)
+                           scale, sharding, backend, return_lse, overlap)
 
     na.__name__ = na.__qualname__ = f"na{rank}d"
     na.__doc__ = _DOC.format(rank=rank)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -15,12 +15,13 @@ from torch import Tensor
 
 from . import _torch_internals, backends, checks, configs, prepared
 from .autograd import Geometry, na_autograd, na_compiled, na_jvp_autograd, na_jvp_compiled
-from .reference import na_reference
+from .reference import na_reference, zero_outside
 
 __all__ = ["na1d", "na2d", "na3d", "na1d_jvp", "na2d_jvp", "na3d_jvp"]
 
 Dims = Union[int, Tuple[int, ...]]
 Flags = Union[bool, Tuple[bool, ...]]
+Ranges = Sequence[Tuple[int, int]]   # query_range: one (begin, end) per spatial axis
 
 
 class _Call:
@@ -28,7 +29,7 @@ class _Call:
 
     def __init__(self, rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, backend, q_tile_shape, kv_tile_shape,
-                 backward_q_tile_shape, backward_kv_tile_shape, attention_kwargs):
+                 backward_q_tile_shape, backward_kv_tile_shape, attention_kwargs, query_range=None):
         q, k, v = checks.qkv(query, key, value, rank)
         kx, vx = checks.additional_kv(additional_keys, additional_values, q, k, v)
         spatial = tuple(q.shape[1:-2])
@@ -42,7 +43,8 @@ class _Call:
         self.q, self.k, self.v, self.kx, self.vx = q, k, v, kx, vx
         self.rpb = None   # the bias table [H, M] of na_with_table's calls
         self.spatial = spatial
-        self.geometry = Geometry(ks, st, dil, causal, checks.scale_of(scale, q.shape[-1], q.dtype))
+        self.geometry = Geometry(ks, st, dil, causal, checks.scale_of(scale, q.shape[-1], q.dtype),
+                                 query_range=checks.query_range(query_range, spatial))
         self.backend = backends.choose(q, backend)
 
     @classmethod
@@ -62,9 +64,11 @@ class _Call:
 
     def is_self_attention(self) -> bool:
         """Every axis spans its whole extent and none is causal: plain self attention (unless
-        tiles were asked for the neighborhood kernels)."""
-        ks, _, _, causal, _, tiles = self.geometry.args()
-        return all(k == n for k, n in zip(ks, self.spatial)) and not any(causal) and not any(tiles)
+        tiles were asked for the neighborhood kernels, or a query range, which dense attention
+        of the flattened tokens has not)."""
+        ks, _, _, causal, _, tiles, query_range = self.geometry.args()
+        return (all(k == n for k, n in zip(ks, self.spatial)) and not any(causal) and not any(tiles)
+                and not query_range)
 
     def runs_dense(self) -> bool:
         """Self attention run as dense attention of the flattened tokens: on CUDA. The CPU's
@@ -159,12 +163,14 @@ def _flex_blocks(tiles) -> Optional[Tuple[int, int]]:
 
 def _forward(call: _Call, torch_compile: bool = False) -> Tuple[Tensor, Tensor]:
     if call.backend == "flex-fna":
-        ks, st, dil, causal, scale, tiles = call.geometry.args()
-        return backends.flex_na(call.q, call.k, call.v, call.kx, call.vx, (ks, st, dil, causal),
-                                scale, torch_compile=torch_compile, block_size=_flex_blocks(tiles))
+        ks, st, dil, causal, scale, tiles, query_range = call.geometry.args()
+        out, lse = backends.flex_na(call.q, call.k, call.v, call.kx, call.vx, (ks, st, dil, causal),
+                                    scale, torch_compile=torch_compile, block_size=_flex_blocks(tiles))
+        return zero_outside(out, lse, query_range)
     if call.backend == "reference":
-        ks, st, dil, causal, scale, _ = call.geometry.args()
-        return na_reference(call.q, call.k, call.v, ks, st, dil, causal, scale, call.kx, call.vx)
+        ks, st, dil, causal, scale, _, query_range = call.geometry.args()
+        return na_reference(call.q, call.k, call.v, ks, st, dil, causal, scale, call.kx, call.vx,
+                            query_range=query_range)
     args = call.kernel_args()
     if _use_custom_op():
         out, lse = na_compiled(*args)
@@ -206,11 +212,12 @@ def _jvp(call: _Call, tangents) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     if call.backend == "flex-fna":
         backends.can_run_flex_fna(call.q, raise_error=True, tensors=tangents, forward_ad=True)
     if call.backend == "reference":
-        ks, st, dil, causal, scale, _ = call.geometry.args()
+        ks, st, dil, causal, scale, _, query_range = call.geometry.args()
         primals = (call.q, call.k, call.v, call.kx, call.vx)
         tans = tuple(torch.zeros_like(p) if (t is None and p is not None) else t
                      for t, p in zip(tangents, primals))
-        fn = lambda q, k, v, kx, vx: na_reference(q, k, v, ks, st, dil, causal, scale, kx, vx)
+        fn = lambda q, k, v, kx, vx: na_reference(q, k, v, ks, st, dil, causal, scale, kx, vx,
+                                                  query_range=query_range)
         if call.kx is None:
             (out, lse), (t_out, t_lse) = torch.func.jvp(
                 lambda q, k, v: fn(q, k, v, None, None), primals[:3], tans[:3])
@@ -275,6 +282,13 @@ _DOC = """{rank}-D neighborhood attention (NATTEN-compatible).
         backend: None (best available), "cpu-fna", "cuda-fna", "flex-fna", "reference", or a
             NATTEN name (mapped with a warning; see nbhd.backends)
         return_lse: also return the logsumexp [B, {dims}, H] (float32; float64 for float64 inputs)
+        query_range: keyword only; None (every query), or one (begin, end) pair per spatial
+            axis, 0 <= begin < end <= extent: only the queries x with begin <= x < end on every
+            axis are computed (context parallelism: the grid also holds another rank's halo
+            keys). Their windows are those of the whole grid. Output and lse rows of the other
+            queries are zero, their cotangents are ignored, the query gradient is zero there
+            (the fused kernels do not read those queries), and the gradients of key, value and
+            the additional keys/values sum over the range's queries only.
 
     Tiles: q_tile_shape, kv_tile_shape (forward) and backward_q_tile_shape,
         backward_kv_tile_shape ({rank}-tuples or ints): a configuration listed by
@@ -351,7 +365,7 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False,
-        try_fuse_additional_kv=False, return_lse=False, rpb=None):
+        try_fuse_additional_kv=False, return_lse=False, rpb=None, query_range=None):
     """na{rank}d; `rpb` (nbhd.rpb's in-kernel path only): a relative positional bias table
     [H, prod(2K-1)], float32 (float64 for float64 q), added to the scores by the kernels."""
     cache_key = None
@@ -361,7 +375,7 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
             kernel_size, stride, dilation, is_causal, scale, backend, q_tile_shape, kv_tile_shape,
             backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
             backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
-            try_fuse_additional_kv, return_lse))
+            try_fuse_additional_kv, return_lse, query_range))
         checked = _CHECKED.get(cache_key) if cache_key is not None else None
         if checked is not None:
             if checked.prepared is not None:
@@ -381,9 +395,9 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
         checks.tile_shape("backward_kv_splits", backward_kv_splits, rank)
     call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, backend, q_tile_shape, kv_tile_shape,
-                 backward_q_tile_shape, backward_kv_tile_shape, attention_kwargs)
+                 backward_q_tile_shape, backward_kv_tile_shape, attention_kwargs, query_range)
     call.rpb = rpb
-    ks, st, dil, causal, _, _ = call.geometry.args()
+    ks, st, dil, causal, _, _, _ = call.geometry.args()
     call.set_tiles(configs.validate_tiles(
         call.backend, call.q, call.k, call.v, q_tile_shape, kv_tile_shape, backward_q_tile_shape,
         backward_kv_tile_shape, window=dict(kernel_size=ks, stride=st, dilation=dil, is_causal=causal)))
@@ -396,14 +410,15 @@ def _na(rank, query, key, value, kernel_size, stride=1, dilation=1, is_causal=Fa
 def _na_jvp(rank, query, key, value, tangent_query, tangent_key, tangent_value, kernel_size,
             stride=1, dilation=1, is_causal=False, scale=None, additional_keys=None,
             additional_values=None, tangent_additional_keys=None, tangent_additional_values=None,
-            backend=None, return_lse=False):
+            backend=None, return_lse=False, query_range=None):
     primals = (query, key, value, additional_keys, additional_values)
     tangents = (tangent_query, tangent_key, tangent_value, tangent_additional_keys,
                 tangent_additional_values)
     cache_key = None
     if backend in _CACHED_BACKENDS and not torch.compiler.is_compiling():
         cache_key = _call_key(("jvp", rank), (*primals, *tangents),
-                              (kernel_size, stride, dilation, is_causal, scale, backend, return_lse))
+                              (kernel_size, stride, dilation, is_causal, scale, backend, return_lse,
+                               query_range))
         checked = _CHECKED.get(cache_key) if cache_key is not None else None
         if checked is not None:
             done = checked.prepared and prepared.na_jvp(checked.prepared, *primals, *tangents,
@@ -414,7 +429,8 @@ def _na_jvp(rank, query, key, value, tangent_query, tangent_key, tangent_value, 
             return (out, t_out, lse, t_lse) if return_lse else (out, t_out)
     checks.flags(return_lse=return_lse)
     call = _Call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
-                 additional_keys, additional_values, backend, None, None, None, None, None)
+                 additional_keys, additional_values, backend, None, None, None, None, None,
+                 query_range)
     tangents = _check_tangents(call, *tangents)
     out, lse, t_out, t_lse = _jvp(call, tangents)
     if cache_key is not None and call.backend != "flex-fna":
@@ -432,12 +448,13 @@ def _make(rank: int, dims: str, example: str, ks: str):
            backward_kv_splits: Optional[Dims] = None, backward_use_pt_reduction: bool = False,
            run_persistent_kernel: bool = True, kernel_schedule: Optional[str] = None,
            torch_compile: bool = False, try_fuse_additional_kv: bool = False,
-           return_lse: bool = False):
+           return_lse: bool = False, *, query_range: Optional[Ranges] = None):
         return _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                    additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
                    kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
                    backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
-                   kernel_schedule, torch_compile, try_fuse_additional_kv, return_lse)
+                   kernel_schedule, torch_compile, try_fuse_additional_kv, return_lse,
+                   query_range=query_range)
 
     def na_jvp(query: Tensor, key: Tensor, value: Tensor, tangent_query: Optional[Tensor],
                tangent_key: Optional[Tensor], tangent_value: Optional[Tensor], kernel_size: Dims,
@@ -446,11 +463,11 @@ def _make(rank: int, dims: str, example: str, ks: str):
                additional_values: Optional[Tensor] = None,
                tangent_additional_keys: Optional[Tensor] = None,
                tangent_additional_values: Optional[Tensor] = None, backend: Optional[str] = None,
-               return_lse: bool = False):
+               return_lse: bool = False, *, query_range: Optional[Ranges] = None):
         return _na_jvp(rank, query, key, value, tangent_query, tangent_key, tangent_value,
                        kernel_size, stride, dilation, is_causal, scale, additional_keys,
                        additional_values, tangent_additional_keys, tangent_additional_values,
-                       backend, return_lse)
+                       backend, return_lse, query_range)
 
     na.__name__ = na.__qualname__ = f"na{rank}d"
     na.__doc__ = _DOC.format(rank=rank, dims=dims, example=example, ks=ks)
@@ -464,7 +481,8 @@ def _make(rank: int, dims: str, example: str, ks: str):
     Returns:
         (output, tangent_output), both [B, {dims}, H, Dv]; with return_lse=True
         (output, tangent_output, lse, tangent_lse). Differentiable (for consistency-distillation
-        losses on the tangent) and usable under torch.compile.
+        losses on the tangent) and usable under torch.compile. With query_range (keyword only,
+        as na{rank}d's) every output, tangents included, is zero outside the range.
     """)
     return na, na_jvp
 

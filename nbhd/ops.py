@@ -6,7 +6,11 @@ serves both the real op and its fake. Geometry arrives canonical (functional.py 
 kernel_size/stride/dilation/is_causal are lists of length rank (0 for dense attention), and
 `tiles` is [q_tile, kv_tile, backward_q_tile, backward_kv_tile] flattened (4 x rank ints, 0:
 the kernel chooses): forward-type ops pass the first half to the C library, backward-type ops
-the second.
+the second. `query_range` is [] (every query) or [begin0, end0, begin1, end1, ...] (2 x rank
+ints, 0 <= begin < end <= extent per axis): only the queries inside that box are computed
+(context parallelism: the grid also holds another rank's halo keys). Windows stay those of the
+whole grid; the rows of the other queries are zero in every row output (out, lse, t_out, t_lse,
+dq, d_t_q), their inputs are not read, and the key-side gradients sum over the box's queries.
 
 Every op checks its geometry lists and tensors (checks.op_geometry, checks.op_tensors: shapes
 against q, k, v and kx, dtypes, devices, views inside their storage) before the C library
@@ -98,17 +102,24 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _forward_shapes(q: Tensor, v: Tensor, vx: Tensor, rank: int):
+def _rows(query_range: List[int]):
+    """The allocator of row outputs (out, lse, their tangents, dq, d_t_q): zeros with a query
+    range, since the kernels leave the rows outside it untouched."""
+    return torch.zeros_like if query_range else torch.empty_like
+
+
+def _forward_shapes(q: Tensor, v: Tensor, vx: Tensor, rank: int, query_range: List[int]):
     dv = (v if rank > 0 else vx).shape[-1]
-    out = q.new_empty((*q.shape[:-1], dv))
-    lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
+    new = q.new_zeros if query_range else q.new_empty
+    out = new((*q.shape[:-1], dv))
+    lse = new(q.shape[:-1], dtype=_lse_dtype(q.dtype))
     return out, lse
 
 
-def _geometry(kernel_size, stride, dilation, is_causal, scale):
-    """The geometry as _lib.run keys its plans: (rank, per-axis tuples, scale)."""
+def _geometry(kernel_size, stride, dilation, is_causal, scale, query_range):
+    """The geometry as _lib.run keys its plans: (rank, per-axis tuples, scale, query range)."""
     return (len(kernel_size), tuple(kernel_size), tuple(stride), tuple(dilation), tuple(is_causal),
-            scale)
+            scale, tuple(query_range))
 
 
 def _extra(kx: Tensor, vx: Tensor, *more: Optional[Tensor]) -> tuple:
@@ -144,13 +155,15 @@ _SPEC = {
 }
 
 
-def _check(name: str, tensors, kernel_size, stride, dilation, is_causal, tiles, real: bool,
-           tables=()) -> None:
+def _check(name: str, tensors, kernel_size, stride, dilation, is_causal, tiles, query_range,
+           real: bool, tables=()) -> None:
     """Validates one op call (the kernel: real=True; the fake: shapes, dtypes and devices);
     `tables`: (name, table) of its bias tables."""
     op = f"nbhd::{name}"
     rank = checks.op_geometry(op, kernel_size, stride, dilation, is_causal, tiles)
     checks.op_tensors(op, rank, _SPEC[name], tensors, real)
+    if query_range:
+        checks.op_query_range(op, query_range, tensors[0].shape[1:1 + rank])
     for table_name, t in tables:
         checks.op_table(op, table_name, t, tensors[0], kernel_size, is_causal, real)
 
@@ -160,12 +173,13 @@ def _check(name: str, tensors, kernel_size, stride, dilation, is_causal, tiles, 
 
 def _na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb: Tensor,
                 kernel_size: List[int], stride: List[int], dilation: List[int], is_causal: List[bool],
-                scale: float, tiles: List[int]) -> Tuple[Tensor, Tensor]:
-    """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention (+ rpb [H, M] on the scores)."""
-    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, True,
-           (("rpb", rpb),))
-    out, lse = _forward_shapes(q, v, vx, len(kernel_size))
-    _lib.run(_lib.OP_FORWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
+                scale: float, tiles: List[int], query_range: List[int]) -> Tuple[Tensor, Tensor]:
+    """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention (+ rpb [H, M] on the scores);
+    with a query range, zero outside it."""
+    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles,
+           query_range, True, (("rpb", rpb),))
+    out, lse = _forward_shapes(q, v, vx, len(kernel_size), query_range)
+    _lib.run(_lib.OP_FORWARD, _geometry(kernel_size, stride, dilation, is_causal, scale, query_range),
              (q, k, v, *_extra(kx, vx), out, lse, *_tables(rpb)), **run_options(tiles, backward=False))
     return out, lse
 
@@ -174,10 +188,10 @@ na_forward = _kernel_op("na_forward", _na_forward)
 
 
 @na_forward.register_fake
-def _(q, k, v, kx, vx, rpb, kernel_size, stride, dilation, is_causal, scale, tiles):
-    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles, False,
-           (("rpb", rpb),))
-    return _forward_shapes(q, v, vx, len(kernel_size))
+def _(q, k, v, kx, vx, rpb, kernel_size, stride, dilation, is_causal, scale, tiles, query_range):
+    _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles,
+           query_range, False, (("rpb", rpb),))
+    return _forward_shapes(q, v, vx, len(kernel_size), query_range)
 
 
 # ----------------------------------------------------------------------------
@@ -186,18 +200,26 @@ def _(q, k, v, kx, vx, rpb, kernel_size, stride, dilation, is_causal, scale, til
 def _na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb: Tensor, out: Tensor,
                  lse: Tensor, d_out: Tensor, d_lse: Optional[Tensor], kernel_size: List[int],
                  stride: List[int], dilation: List[int], is_causal: List[bool], scale: float,
-                 tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dkx, dvx, d_rpb), shaped like (q, k, v, kx, vx, rpb)."""
+                 tiles: List[int], query_range: List[int]
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dkx, dvx, d_rpb), shaped like (q, k, v, kx, vx, rpb); with a query range
+    dq is zero outside it and the others sum over its queries."""
     _check("na_backward", (q, k, v, kx, vx, out, lse, d_out, d_lse), kernel_size, stride, dilation,
-           is_causal, tiles, True, (("rpb", rpb),))
-    grads = (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx)),
-             _table_grad(rpb))
+           is_causal, tiles, query_range, True, (("rpb", rpb),))
+    grads = _backward_grads(q, k, v, kx, vx, rpb, query_range)
     dq, dk, dv, dkx, dvx, d_rpb = grads
     kx_, vx_, dkx, dvx = _extra(kx, vx, dkx, dvx)
-    _lib.run(_lib.OP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
+    _lib.run(_lib.OP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale, query_range),
              (q, k, v, kx_, vx_, out, lse, d_out, d_lse, dq, dk, dv, dkx, dvx, *_tables(rpb, d_rpb)),
              **run_options(tiles, backward=True))
     return grads
+
+
+def _backward_grads(q, k, v, kx, vx, rpb, query_range) -> Tuple[Tensor, ...]:
+    """The backward's outputs, contiguous and uninitialised but dq (_rows)."""
+    fmt = torch.contiguous_format
+    return (_rows(query_range)(q, memory_format=fmt),
+            *(torch.empty_like(t, memory_format=fmt) for t in (k, v, kx, vx)), _table_grad(rpb))
 
 
 na_backward = _kernel_op("na_backward", _na_backward)
@@ -205,11 +227,10 @@ na_backward = _kernel_op("na_backward", _na_backward)
 
 @na_backward.register_fake
 def _(q, k, v, kx, vx, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation, is_causal, scale,
-      tiles):
+      tiles, query_range):
     _check("na_backward", (q, k, v, kx, vx, out, lse, d_out, d_lse), kernel_size, stride, dilation,
-           is_causal, tiles, False, (("rpb", rpb),))
-    return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx)),
-            _table_grad(rpb))
+           is_causal, tiles, query_range, False, (("rpb", rpb),))
+    return _backward_grads(q, k, v, kx, vx, rpb, query_range)
 
 
 # ----------------------------------------------------------------------------
@@ -219,16 +240,18 @@ def _na_forward_jvp(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb
                     t_q: Optional[Tensor], t_k: Optional[Tensor], t_v: Optional[Tensor],
                     t_kx: Optional[Tensor], t_vx: Optional[Tensor], t_rpb: Optional[Tensor],
                     kernel_size: List[int], stride: List[int], dilation: List[int],
-                    is_causal: List[bool], scale: float,
-                    tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                    is_causal: List[bool], scale: float, tiles: List[int],
+                    query_range: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, tangent_out, tangent_lse) in one pass; a None tangent is zero (t_rpb: the
-    table's tangent, rpb's shape)."""
+    table's tangent, rpb's shape); with a query range, all four are zero outside it."""
     _check("na_forward_jvp", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx), kernel_size, stride,
-           dilation, is_causal, tiles, True, (("rpb", rpb), ("t_rpb", t_rpb)))
-    out, lse = _forward_shapes(q, v, vx, len(kernel_size))
-    t_out, t_lse = torch.empty_like(out), torch.empty_like(lse)
+           dilation, is_causal, tiles, query_range, True, (("rpb", rpb), ("t_rpb", t_rpb)))
+    out, lse = _forward_shapes(q, v, vx, len(kernel_size), query_range)
+    new = _rows(query_range)
+    t_out, t_lse = new(out), new(lse)
     kx_, vx_, t_kx, t_vx = _extra(kx, vx, t_kx, t_vx)
-    _lib.run(_lib.OP_FORWARD_JVP, _geometry(kernel_size, stride, dilation, is_causal, scale),
+    _lib.run(_lib.OP_FORWARD_JVP,
+             _geometry(kernel_size, stride, dilation, is_causal, scale, query_range),
              (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse,
               *_tables(rpb, t_rpb)),
              **run_options(tiles, backward=False))
@@ -240,11 +263,12 @@ na_forward_jvp = _kernel_op("na_forward_jvp", _na_forward_jvp)
 
 @na_forward_jvp.register_fake
 def _(q, k, v, kx, vx, rpb, t_q, t_k, t_v, t_kx, t_vx, t_rpb, kernel_size, stride, dilation, is_causal,
-      scale, tiles):
+      scale, tiles, query_range):
     _check("na_forward_jvp", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx), kernel_size, stride,
-           dilation, is_causal, tiles, False, (("rpb", rpb), ("t_rpb", t_rpb)))
-    out, lse = _forward_shapes(q, v, vx, len(kernel_size))
-    return out, lse, torch.empty_like(out), torch.empty_like(lse)
+           dilation, is_causal, tiles, query_range, False, (("rpb", rpb), ("t_rpb", t_rpb)))
+    out, lse = _forward_shapes(q, v, vx, len(kernel_size), query_range)
+    new = _rows(query_range)
+    return out, lse, new(out), new(lse)
 
 
 # ----------------------------------------------------------------------------
@@ -261,24 +285,25 @@ def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Te
                              d_out: Optional[Tensor], d_lse: Optional[Tensor],
                              d_t_out: Optional[Tensor], d_t_lse: Optional[Tensor],
                              kernel_size: List[int], stride: List[int], dilation: List[int],
-                             is_causal: List[bool], scale: float,
-                             tiles: List[int], tangent_grads: bool = True
+                             is_causal: List[bool], scale: float, tiles: List[int],
+                             query_range: List[int], tangent_grads: bool = True
                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                         Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dkx, dvx, d_rpb, dtq, dtk, dtv, dtkx, dtvx, d_t_rpb), shaped like
     (q, k, v, kx, vx, rpb) twice; with tangent_grads False the last six are empty (size 0) and
-    not computed."""
+    not computed. With a query range, dq and dtq are zero outside it."""
     _check("na_forward_jvp_backward", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out,
-           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, True,
-           (("rpb", rpb), ("t_rpb", t_rpb)))
-    grads = _jvp_backward_grads(q, k, v, kx, vx, rpb, tangent_grads)
+           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles,
+           query_range, True, (("rpb", rpb), ("t_rpb", t_rpb)))
+    grads = _jvp_backward_grads(q, k, v, kx, vx, rpb, tangent_grads, query_range)
     dq, dk, dv, dkx, dvx, d_rpb, dtq, dtk, dtv, dtkx, dtvx, d_t_rpb = grads
     if not tangent_grads:  # the kernels skip absent outputs
         dtq = dtk = dtv = dtkx = dtvx = d_t_rpb = None
     kx_, vx_, t_kx, t_vx, dkx, dvx, dtkx, dtvx = _extra(kx, vx, t_kx, t_vx, dkx, dvx, dtkx, dtvx)
     if q.is_cuda:  # untiled on CUDA: the tiles handed down are the backward kernels' own
         tiles = [0] * len(tiles)
-    _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale),
+    _lib.run(_lib.OP_FORWARD_JVP_BACKWARD,
+             _geometry(kernel_size, stride, dilation, is_causal, scale, query_range),
              (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse,
               d_t_out, d_t_lse, dq, dk, dv, dkx, dvx, dtq, dtk, dtv, dtkx, dtvx,
               *_tables(rpb, t_rpb, d_rpb, d_t_rpb)),
@@ -286,14 +311,17 @@ def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Te
     return grads
 
 
-def _jvp_backward_grads(q, k, v, kx, vx, rpb, tangent_grads: bool) -> Tuple[Tensor, ...]:
+def _jvp_backward_grads(q, k, v, kx, vx, rpb, tangent_grads: bool, query_range) -> Tuple[Tensor, ...]:
     """The backward through forward+JVP's outputs, uninitialised (zeros when there are no
-    heads); the tangents' empty without tangent_grads."""
+    heads; dq and dtq with a query range, _rows); the tangents' empty without tangent_grads."""
+    fmt = torch.contiguous_format
     new = torch.zeros_like if q.shape[-2] == 0 else torch.empty_like
-    primal = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx, rpb))
+    rows = torch.zeros_like if q.shape[-2] == 0 else _rows(query_range)
+    grads = lambda: (rows(q, memory_format=fmt),
+                     *(new(t, memory_format=fmt) for t in (k, v, kx, vx, rpb)))
     if tangent_grads:
-        return primal + tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v, kx, vx, rpb))
-    return primal + tuple(t.new_empty(0) for t in (q, k, v, kx, vx, rpb))
+        return grads() + grads()
+    return grads() + tuple(t.new_empty(0) for t in (q, k, v, kx, vx, rpb))
 
 
 na_forward_jvp_backward = _kernel_op("na_forward_jvp_backward", _na_forward_jvp_backward)
@@ -301,11 +329,12 @@ na_forward_jvp_backward = _kernel_op("na_forward_jvp_backward", _na_forward_jvp_
 
 @na_forward_jvp_backward.register_fake
 def _(q, k, v, kx, vx, rpb, t_q, t_k, t_v, t_kx, t_vx, t_rpb, out, lse, t_out, t_lse, d_out, d_lse,
-      d_t_out, d_t_lse, kernel_size, stride, dilation, is_causal, scale, tiles, tangent_grads=True):
+      d_t_out, d_t_lse, kernel_size, stride, dilation, is_causal, scale, tiles, query_range,
+      tangent_grads=True):
     _check("na_forward_jvp_backward", (q, k, v, kx, vx, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out,
-           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles, False,
-           (("rpb", rpb), ("t_rpb", t_rpb)))
-    return _jvp_backward_grads(q, k, v, kx, vx, rpb, tangent_grads)
+           t_lse, d_out, d_lse, d_t_out, d_t_lse), kernel_size, stride, dilation, is_causal, tiles,
+           query_range, False, (("rpb", rpb), ("t_rpb", t_rpb)))
+    return _jvp_backward_grads(q, k, v, kx, vx, rpb, tangent_grads, query_range)
 
 
 # ----------------------------------------------------------------------------

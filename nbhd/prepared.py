@@ -47,17 +47,19 @@ class Prepared:
     ones, plain tensors (functional.py's, made outside any transform: this object outlives the
     call that built it). table: the call's bias table [H, M] (then every call of the signature
     passes its own, `biased`) or the zero-size stand-in for none (kept as empty_rpb; a biased
-    signature keeps no table)."""
+    signature keeps no table). With a query range in the geometry, the row outputs (out, lse,
+    their tangents, dq, d_t_q) are allocated zeroed: the kernels leave the rows outside it."""
 
     __slots__ = ("geometry", "plan_geometry", "tiles", "dtype", "lse_dtype", "device", "shapes",
                  "out_shape", "lse_shape", "empty_kx", "empty_vx", "empty_rpb", "biased", "flat",
-                 "__weakref__")
+                 "rows", "__weakref__")
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, kx: Optional[Tensor], vx: Optional[Tensor],
                  geometry: Geometry, empty_kx: Tensor, empty_vx: Tensor, table: Tensor, spatial=None):
-        ks, st, dil, causal, scale, tiles = geometry.args()
+        ks, st, dil, causal, scale, tiles, query_range = geometry.args()
         self.geometry, self.tiles = geometry, tiles
-        self.plan_geometry = (len(ks), tuple(ks), tuple(st), tuple(dil), tuple(causal), scale)
+        self.plan_geometry = ops._geometry(ks, st, dil, causal, scale, query_range)
+        self.rows = torch.zeros if query_range else torch.empty
         self.dtype, self.lse_dtype, self.device = q.dtype, _lse_dtype(q.dtype), q.device
         # gradients for every tensor but the zero-length k, v of dense attention (rank 0)
         self.shapes = tuple(None if t is None or (not ks and i in (1, 2)) else t.shape
@@ -87,10 +89,18 @@ class Prepared:
         return tuple(o.reshape(out_shape if i % 2 == 0 else lse_shape) for i, o in enumerate(outs))
 
     def _out(self) -> Tensor:
-        return torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        return self.rows(self.out_shape, dtype=self.dtype, device=self.device)
 
     def _lse(self) -> Tensor:
-        return torch.empty(self.lse_shape, dtype=self.lse_dtype, device=self.device)
+        return self.rows(self.lse_shape, dtype=self.lse_dtype, device=self.device)
+
+    def _grads(self, wanted=(True,) * 5) -> list:
+        """Gradients shaped like (q, k, v, kx, vx), None where absent or not `wanted`: dq by
+        `rows`, the others uninitialised (the kernels write them whole)."""
+        dev, dt = self.device, self.dtype
+        new = lambda i: self.rows if i == 0 else torch.empty
+        return [None if s is None or not w else new(i)(s, dtype=dt, device=dev)
+                for i, (s, w) in enumerate(zip(self.shapes, wanted))]
 
     def _plan(self, key, op: int, tensors, state, backward: bool) -> _lib._Plan:
         return _lib.prepare(key, op, self.plan_geometry, tensors,
@@ -114,8 +124,8 @@ class Prepared:
 
     def backward(self, q, k, v, kx, vx, out, lse, d_out, d_lse, rpb=None) -> list:
         """[dq, dk, dv, dkx, dvx, d_rpb]: None for absent additional keys and for no table."""
-        dev, dt = self.device, self.dtype
-        grads = [None if s is None else torch.empty(s, dtype=dt, device=dev) for s in self.shapes]
+        dev = self.device
+        grads = self._grads()
         tensors = (q, k, v, kx, vx, out, lse, d_out, d_lse, *grads)
         if rpb is None:
             grads.append(None)
@@ -148,11 +158,7 @@ class Prepared:
     def forward_jvp_backward(self, saved, grads, wanted, layouts) -> list:
         """Gradients of <grads, (out, lse, t_out, t_lse)> w.r.t. the primals (None for absent
         additional keys) and the tangents (None unless `wanted`: needs_input_grad)."""
-        q, k, v, kx, vx, tq, tk, tv, tkx, tvx = saved[:10]
-        dev, dt = self.device, self.dtype
-        d_x = [None if s is None else torch.empty(s, dtype=dt, device=dev) for s in self.shapes]
-        d_t = [torch.empty(s, dtype=dt, device=dev) if w and s is not None else None
-               for s, w in zip(self.shapes, wanted)]
+        d_x, d_t = self._grads(), self._grads(wanted)
         tensors = (*saved, *grads, *d_x, *d_t)
         state = _run_state()
         key = (self, _lib.OP_FORWARD_JVP_BACKWARD, state, layouts,

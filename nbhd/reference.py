@@ -8,7 +8,8 @@ the additional keys. Memory is O(N * |window|): this is also nbhd's "unfused PyT
 Shapes (heads-last): q [B, *S, H, D], k [B, *S, Hkv, D], v [B, *S, Hkv, Dv],
 additional k/v [B, S_add, Hkv, D|Dv]; returns out [B, *S, H, Dv] and lse [B, *S, H]
 (float32, or float64 for float64 inputs). Rank 0 (kernel_size == ()) is dense attention of
-q [B, S_q, H, D] over the additional keys alone.
+q [B, S_q, H, D] over the additional keys alone. A query range (the ops' [begin0, end0, ...])
+computes every row and then zeroes those outside it, as the kernels leave them.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from torch import Tensor
 
 from . import _torch_internals
 
-__all__ = ["axis_windows", "neighborhood_index", "na_reference", "na_mask", "merge_reference"]
+__all__ = ["axis_windows", "neighborhood_index", "na_reference", "na_mask", "merge_reference",
+           "zero_outside"]
 
 
 def axis_windows(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
@@ -93,10 +95,12 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 def na_reference(q: Tensor, k: Tensor, v: Tensor, kernel_size: Sequence[int], stride: Sequence[int],
                  dilation: Sequence[int], is_causal: Sequence[bool], scale: float,
                  additional_keys: Optional[Tensor] = None,
-                 additional_values: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                 additional_values: Optional[Tensor] = None,
+                 query_range: Sequence[int] = ()) -> Tuple[Tensor, Tensor]:
     """Neighborhood attention by gather + masked softmax. Returns (out, lse); see module doc.
 
     Computes in float32 for half inputs (like the fused kernels) and returns out in q's dtype.
+    query_range: () or [begin0, end0, begin1, end1, ...] (zero_outside).
     """
     rank = len(kernel_size)
     in_dtype = q.dtype
@@ -143,7 +147,24 @@ def na_reference(q: Tensor, k: Tensor, v: Tensor, kernel_size: Sequence[int], st
             out = out + torch.einsum("bnhs,bshe->bnhe", pk, val)
     out = out.reshape(B, *spatial, H, -1).to(in_dtype)
     lse = lse.reshape(B, *spatial, H).to(_lse_dtype(in_dtype))
-    return out, lse
+    return zero_outside(out, lse, query_range)
+
+
+def zero_outside(out: Tensor, lse: Tensor, query_range: Sequence[int]) -> Tuple[Tensor, Tensor]:
+    """(out [B, *S, H, Dv], lse [B, *S, H]) with the rows of the queries outside query_range
+    (() or [begin0, end0, begin1, end1, ...] over the axes of S) set to zero: a select, so that
+    those rows' cotangents reach nothing and a non-finite row becomes 0 too."""
+    if not query_range:
+        return out, lse
+    spatial = lse.shape[1:-1]
+    inside = torch.ones((), dtype=torch.bool, device=lse.device)
+    for a, extent in enumerate(spatial):
+        x = torch.arange(extent, device=lse.device)
+        axis = (x >= query_range[2 * a]) & (x < query_range[2 * a + 1])
+        inside = inside.unsqueeze(-1) & axis   # row-major: axis a is the last so far
+    inside = inside.unsqueeze(-1)              # [*S, 1]: every head
+    return (torch.where(inside.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device)),
+            torch.where(inside, lse, torch.zeros((), dtype=lse.dtype, device=lse.device)))
 
 
 # ----------------------------------------------------------------------------

@@ -217,7 +217,8 @@ def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
                       dilation: Sequence[int], scale: float,
                       additional_keys: Optional[Tensor] = None,
                       additional_values: Optional[Tensor] = None,
-                      backend: Optional[str] = None, fold: bool = False) -> Tuple[Tensor, Tensor]:
+                      backend: Optional[str] = None, fold: bool = False,
+                      query_range=None) -> Tuple[Tensor, Tensor]:
     """na_with_rpb (non-causal) through nbhd's fused kernels, exactly. On the CPU
     (in_kernel_bias) the kernels add rpb[h, (y - x) / d + K - 1] to each window score
     themselves: the table [H, prod(2K-1)] (float32, float64 for float64 inputs) is an input of
@@ -231,7 +232,9 @@ def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
     Additional keys get zeros (no bias). Query/key head dim grows by M = prod(2K-1) (49 more
     for 4x4, 169 for 7x7): the cost of the score product grows accordingly. Differentiable
     like the fused ops (the table's gradient is autograd's scatter-add through the gather).
-    Shapes as na_with_rpb; returns (out, lse)."""
+    query_range: None or a (begin, end) pair per spatial axis, as na*d's (rows outside it are
+    zero; the table's gradient sums over the range's queries). Shapes as na_with_rpb; returns
+    (out, lse)."""
     from .functional import _na, na1d, na2d, na3d   # functional imports nothing from here
     spatial = tuple(query.shape[1:-2])
     if in_kernel_bias(query, backend) and not fold:
@@ -239,7 +242,7 @@ def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
         table = table.reshape(rpb.shape[0], -1).contiguous()
         return _na(len(spatial), query, key, value, tuple(kernel_size), tuple(stride),
                    tuple(dilation), False, scale, additional_keys, additional_values,
-                   backend=backend, return_lse=True, rpb=table)
+                   backend=backend, return_lse=True, rpb=table, query_range=query_range)
     B, H = query.shape[0], query.shape[-2]
     key_slot, table = fold_index(spatial, kernel_size, dilation, query.device)
     m = table.shape[1]
@@ -254,4 +257,4 @@ def na_with_rpb_fused(query: Tensor, key: Tensor, value: Tensor, rpb: Tensor,
     return na(torch.cat([query, q_fold], -1), torch.cat([key, k_fold], -1), value,
               tuple(kernel_size), stride=tuple(stride), dilation=tuple(dilation), scale=scale,
               additional_keys=kx, additional_values=additional_values, backend=backend,
-              return_lse=True)
+              return_lse=True, query_range=query_range)

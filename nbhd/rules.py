@@ -34,29 +34,34 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .reference import merge_infinite_parts, na_reference
+from .reference import merge_infinite_parts, na_reference, zero_outside
 
 __all__ = ["Geometry", "Rule", "Calls", "RULES", "second_order"]
 
 
 class Geometry:
-    """(kernel_size, stride, dilation, is_causal, scale, tiles) of one call; `args()` gives them
-    in the ops' argument order. `tiles` is [q_tile, kv_tile, backward_q_tile, backward_kv_tile]
-    flattened (4 x rank ints, 0 = the kernel chooses; ops.py reads its half). A plain object on purpose: autograd.Function's generated vmap rule
-    flattens tuples and lists among the arguments as pytrees, which must not happen to the
-    geometry; and attribute reads (no __iter__, no __slots__) trace under every Dynamo."""
+    """(kernel_size, stride, dilation, is_causal, scale, tiles, query_range) of one call;
+    `args()` gives them in the ops' argument order. `tiles` is [q_tile, kv_tile,
+    backward_q_tile, backward_kv_tile] flattened (4 x rank ints, 0 = the kernel chooses; ops.py
+    reads its half); `query_range` is [] (every query) or [begin0, end0, begin1, end1, ...]
+    (ops.py: only those queries are computed, the other rows are zero). A plain object on
+    purpose: autograd.Function's generated vmap rule flattens tuples and lists among the
+    arguments as pytrees, which must not happen to the geometry; and attribute reads (no
+    __iter__, no __slots__) trace under every Dynamo."""
 
-    def __init__(self, kernel_size, stride, dilation, is_causal, scale, tiles=None):
+    def __init__(self, kernel_size, stride, dilation, is_causal, scale, tiles=None, query_range=None):
         self.kernel_size, self.stride, self.dilation = list(kernel_size), list(stride), list(dilation)
         self.is_causal, self.scale = [bool(c) for c in is_causal], float(scale)
         self.tiles = [int(t) for t in tiles] if tiles else [0] * (4 * len(self.kernel_size))
+        self.query_range = [int(x) for x in query_range] if query_range else []
 
     def args(self):
-        return self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale, self.tiles
+        return (self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale, self.tiles,
+                self.query_range)
 
     def __repr__(self):
         return ("Geometry(kernel_size={}, stride={}, dilation={}, is_causal={}, scale={}, "
-                "tiles={})".format(*self.args()))
+                "tiles={}, query_range={})".format(*self.args()))
 
 
 class PrimalGradsGeometry(Geometry):
@@ -64,9 +69,10 @@ class PrimalGradsGeometry(Geometry):
     gradients (rules.second_order): its args() end with the op's `tangent_grads` flag, False,
     so that the kernels skip the tangents' gradients (on CUDA a whole first-order backward)."""
 
-    def __init__(self, kernel_size, stride, dilation, is_causal, scale, tiles=None, tangent_grads=False):
+    def __init__(self, kernel_size, stride, dilation, is_causal, scale, tiles=None, query_range=None,
+                 tangent_grads=False):
         # tangent_grads is taken (and is False) so that PrimalGradsGeometry(*g.args()) of one works
-        super().__init__(kernel_size, stride, dilation, is_causal, scale, tiles)
+        super().__init__(kernel_size, stride, dilation, is_causal, scale, tiles, query_range)
 
     def args(self):
         return (*super().args(), False)
@@ -121,13 +127,14 @@ def _fused(device: torch.device) -> bool:
 # the reference math: the rules where no fused kernel serves
 
 def _reference(q, k, v, kx, vx, rpb, geometry):
-    kernel_size, stride, dilation, is_causal, scale, _ = geometry.args()
+    kernel_size, stride, dilation, is_causal, scale, _, query_range = geometry.args()
     if rpb.numel():
         from .rpb import na_with_rpb   # rpb.py imports functional, which imports this module
         out, lse = na_with_rpb(q, k, v, rpb, kernel_size, stride, dilation, is_causal, scale,
                                kx if kx.shape[1] else None, vx if vx.shape[1] else None)
-        return out, lse
-    return na_reference(q, k, v, kernel_size, stride, dilation, is_causal, scale, kx, vx)
+        return zero_outside(out, lse, query_range)
+    return na_reference(q, k, v, kernel_size, stride, dilation, is_causal, scale, kx, vx,
+                        query_range=query_range)
 
 
 def _reference_backward(q, k, v, kx, vx, rpb, d_out, d_lse, geometry):
@@ -381,17 +388,23 @@ def _merge_jvp(calls, saved, info, n, tangents):
 # ----------------------------------------------------------------------------
 # the table
 
+# Geometry.args(): kernel_size, stride, dilation, is_causal, scale, tiles, query_range
+_GEOMETRY_ARGS = 7
+
+
 def _geometry_op(n_tensors: int, optional: Tuple[int, ...], save, vjp, jvp, name: str,
                  sparse: bool = False, flag: bool = False) -> Rule:
-    """A rule of an na_* op: `n_tensors` tensors, then the Geometry's six arguments (flag: and
-    the op's `tangent_grads`, False in a PrimalGradsGeometry)"""
+    """A rule of an na_* op: `n_tensors` tensors, then the Geometry's arguments (flag: and the
+    op's `tangent_grads`, False in a PrimalGradsGeometry)"""
+    end = n_tensors + _GEOMETRY_ARGS
+
     def split(args):
-        if flag and len(args) > n_tensors + 6 and not args[n_tensors + 6]:
-            return args[:n_tensors], PrimalGradsGeometry(*args[n_tensors:n_tensors + 6])
-        return args[:n_tensors], Geometry(*args[n_tensors:n_tensors + 6])
+        if flag and len(args) > end and not args[end]:
+            return args[:n_tensors], PrimalGradsGeometry(*args[n_tensors:end])
+        return args[:n_tensors], Geometry(*args[n_tensors:end])
     return Rule(op=name, tensors=n_tensors, optional=optional, save=save, vjp=vjp, jvp=jvp,
                 op_args=lambda tensors, geometry: (*tensors, *geometry.args()), split=split,
-                op_grads=lambda grads, geometry: (*grads, *(None,) * (7 if flag else 6)),
+                op_grads=lambda grads, geometry: (*grads, *(None,) * (_GEOMETRY_ARGS + int(flag))),
                 geometry=True, sparse=sparse)
 
 

@@ -23,7 +23,7 @@ B, ext, ks, D = PROBLEMS[name]
 H = 16
 q, k, v = (torch.randn(B, *ext, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 empty = torch.empty(B, 0, H, D, device="cuda", dtype=torch.bfloat16)
-geo = (list(ks), [1] * len(ks), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
+geo = (list(ks), [1] * len(ks), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)), [])
 for _ in range(2):
     out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
     ops.na_backward(q, k, v, empty, empty, NO_RPB, out, lse, torch.randn_like(out), None, *geo)

@@ -1,7 +1,8 @@
 """A small sweep of every CUDA kernel for compute-sanitizer (memcheck, racecheck): forward
 (tensor-core and simple), backward (KV-parallel and deterministic), forward+JVP and the backward
 through it, on small odd shapes with extra keys; the non-causal ones again with a relative
-positional bias table."""
+positional bias table; every op again with a query range (initcheck: no kernel reads a row
+terms entry the range left unwritten)."""
 import torch
 
 import nbhd
@@ -40,12 +41,18 @@ for use_ref, kv_parallel in ((False, True), (False, False), (True, False)):
         if rank and not any(causal):
             work = torch.float64 if dt == torch.float64 else torch.float32
             tables.append(torch.randn(H, *(2 * x - 1 for x in ks), device="cuda", dtype=work).reshape(H, -1))
+        # the whole grid, then the first axis cut to its middle half (rank 0 has no range)
+        ranges = [[]] + ([[ext[0] // 4, ext[0] - ext[0] // 4] + [x for e in ext[1:] for x in (0, e)]]
+                         if rank else [])
         for rpb in tables:
             t_rpb = torch.randn_like(rpb) if rpb.numel() else None
-            out, lse = ops.na_forward(q, k, v, kx, vx, rpb, *geo)
-            ops.na_backward(q, k, v, kx, vx, rpb, out, lse, torch.randn_like(out), torch.randn_like(lse), *geo)
-            fwd = ops.na_forward_jvp(q, k, v, kx, vx, rpb, q, None, v, kx if S else None, None, t_rpb, *geo)
-            ops.na_forward_jvp_backward(q, k, v, kx, vx, rpb, q, None, v, kx if S else None, None, t_rpb, *fwd,
-                                        *(torch.randn_like(t) for t in fwd), *geo)
+            for qr in ranges:
+                out, lse = ops.na_forward(q, k, v, kx, vx, rpb, *geo, qr)
+                ops.na_backward(q, k, v, kx, vx, rpb, out, lse, torch.randn_like(out), torch.randn_like(lse),
+                                *geo, qr)
+                fwd = ops.na_forward_jvp(q, k, v, kx, vx, rpb, q, None, v, kx if S else None, None, t_rpb,
+                                         *geo, qr)
+                ops.na_forward_jvp_backward(q, k, v, kx, vx, rpb, q, None, v, kx if S else None, None, t_rpb,
+                                            *fwd, *(torch.randn_like(t) for t in fwd), *geo, qr)
 torch.cuda.synchronize()
 print("sanitize sweep done")

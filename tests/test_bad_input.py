@@ -46,10 +46,11 @@ def _op(name, **given):
     kx = torch.empty(B, 0, H, D)
     valid = {"q": Q1, "k": Q1, "v": Q1, "kx": kx, "vx": kx, "rpb": torch.empty(0), "out": Q1, "lse": R(B, X, H), "d_out": Q1,
              "d_lse": None, "t_out": Q1, "t_lse": R(B, X, H), "kernel_size": [3], "stride": [1],
-             "dilation": [1], "is_causal": [False], "scale": 0.5, "tiles": [0] * 4}
+             "dilation": [1], "is_causal": [False], "scale": 0.5, "tiles": [0] * 4, "query_range": []}
     args = {**valid, **given}
     tensors = [args.get(n) for n in _OP_TENSORS[name]]
-    geometry = [args[n] for n in ("kernel_size", "stride", "dilation", "is_causal", "scale", "tiles")]
+    geometry = [args[n] for n in ("kernel_size", "stride", "dilation", "is_causal", "scale", "tiles",
+                                  "query_range")]
     return getattr(torch.ops.nbhd, name)(*tensors, *geometry)
 
 

@@ -192,7 +192,7 @@ def test_configs_and_tile_validation():
         nbhd.na2d(q, q, q, 3, backward_q_tile_shape=(1000003, 1))
     nbhd.na2d(q, q, q, 3, q_tile_shape=(3, 5), backend="reference")  # no tiles: not used
     # the C library refuses an unlisted tile itself (the check is not only in Python)
-    geometry = ([3, 3], [1, 1], [1, 1], [False, False], 0.5, [1000003, 1, 0, 0, 0, 0, 0, 0])
+    geometry = ([3, 3], [1, 1], [1, 1], [False, False], 0.5, [1000003, 1, 0, 0, 0, 0, 0, 0], [])
     empty = q.new_empty((1, 0, 2, 4))
     with pytest.raises(_lib.NbhdError, match="NBHD_ERR_UNSUPPORTED.*q_tile"):
         ops.na_forward(q, q, q, empty, empty, NO_RPB, *geometry)

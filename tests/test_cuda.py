@@ -93,7 +93,7 @@ def build(case, dtype, seed):
         v = torch.empty(B, 0, Hkv, Dv, device="cuda", dtype=dtype)
     kx = make((B, S, Hkv, D), dtype, layout if S else "contig", gen)
     vx = make((B, S, Hkv, Dv), dtype, layout if S else "contig", gen)
-    geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5, [0] * (4 * len(ks)))
+    geo = (list(ks), list(st), list(dil), list(causal), D ** -0.5, [0] * (4 * len(ks)), [])
     return (q, k, v, kx, vx), geo
 
 
@@ -103,7 +103,7 @@ def with_patch(inputs, geo, op, queries):
     when `queries` is 0 or no such configuration is listed for this device."""
     if not queries:
         return geo
-    ks, st, dil, causal, scale, tiles = geo
+    ks, st, dil, causal, scale, tiles, query_range = geo
     rank = len(ks)
     q, k, v, kx, vx = inputs
     problem = _lib.Problem(q, k, v, kx if kx.shape[1] else None, vx if vx.shape[1] else None,
@@ -113,7 +113,7 @@ def with_patch(inputs, geo, op, queries):
             first = 2 * rank if op == _lib.OP_BACKWARD else 0
             tiles = list(tiles)
             tiles[first:first + rank], tiles[first + rank:first + 2 * rank] = list(q_tile), list(kv_tile)
-            return ks, st, dil, causal, scale, tiles
+            return ks, st, dil, causal, scale, tiles, query_range
     return geo
 
 
@@ -534,7 +534,7 @@ def test_tile_configs(case):
         tuple(t.double() for t in tangents))
     for i in range(max(len(fwd), len(bwd))):
         (qt, kt), (bqt, bkt) = fwd[min(i, len(fwd) - 1)], bwd[min(i, len(bwd) - 1)]
-        tiled = (*geo[:5], [*qt, *kt, *bqt, *bkt])
+        tiled = (*geo[:5], [*qt, *kt, *bqt, *bkt], geo[6])
         poison()
         out, lse = ops.na_forward(*inputs, NO_RPB, *tiled)
         torch.cuda.synchronize()
@@ -551,7 +551,7 @@ def test_tile_configs(case):
     listed = {tuple(c[0]) for c in fwd}
     bad = next(t for t in range(3, 40) if (t,) * rank not in listed)
     with pytest.raises(Exception, match="q_tile"):
-        ops.na_forward(*inputs, NO_RPB, *geo[:5], [bad] * rank + [0] * (3 * rank))
+        ops.na_forward(*inputs, NO_RPB, *geo[:5], [bad] * rank + [0] * (3 * rank), geo[6])
 
 
 # ----------------------------------------------------------------------------

@@ -87,7 +87,8 @@ def test_outputs_fully_written():
     """Outputs are poisoned before the kernel runs: every element must be overwritten."""
     case = WORKED[7]
     q, k, v, _, _ = case.tensors(torch.float32, 3)
-    geometry = ([*case.kernel_size], [*case.stride], [*case.dilation], [*case.is_causal], 0.3, [0] * (4 * len(case.kernel_size)))
+    geometry = ([*case.kernel_size], [*case.stride], [*case.dilation], [*case.is_causal], 0.3, [0] * (4 * len(case.kernel_size)),
+                [])
     empty = q.new_empty(q.shape[0], 0, *k.shape[-2:])
     for _ in range(2):
         torch.full((1 << 16,), float("nan"))
@@ -143,7 +144,7 @@ def test_opcheck_every_op():
     q, k, v, kx, vx = case.tensors(torch.float32, 0)
     kx = torch.randn(q.shape[0], 2, *k.shape[-2:])
     vx = torch.randn(q.shape[0], 2, *v.shape[-2:])
-    geometry = ([3, 2], [1, 2], [2, 1], [False, True], 0.5, [0] * 8)
+    geometry = ([3, 2], [1, 2], [2, 1], [False, True], 0.5, [0] * 8, [])
     out, lse = ops.na_forward(q, k, v, kx, vx, NO_RPB, *geometry)
     d_out = torch.randn_like(out)
     for t in (q, k, v, kx, vx):

@@ -87,7 +87,7 @@ def calls(draw):
         layout = draw(st.sampled_from(("contiguous", "offset") if kind == "r" else LAYOUTS))
         tensors[name] = make(shapes[kind], t_dtype, layout, gen,
                              draw(st.permutations(range(len(shapes[kind])))))
-    geometry = [list(ks), list(st_), list(dil), list(causal), 0.5, [0] * (4 * rank)]
+    geometry = [list(ks), list(st_), list(dil), list(causal), 0.5, [0] * (4 * rank), []]
     mutation = draw(st.sampled_from(MUTATIONS))
     # a zero-size table is absent whatever its dtype, device or storage: nothing to mutate
     present = [n for n, t in tensors.items() if t is not None and not (n in TABLES and t.numel() == 0)]
@@ -210,7 +210,7 @@ def test_the_reported_crashes_are_refused():
     """A 400,000-token query with 4-token keys; a 4-token d_out; an lse one token short."""
     q, k = torch.randn(1, 400000, 1, 8), torch.randn(1, 4, 1, 8)
     kx, no_rpb = torch.empty(1, 0, 1, 8), torch.empty(0)
-    geometry = ([3], [1], [1], [False], 1.0, [0] * 4)
+    geometry = ([3], [1], [1], [False], 1.0, [0] * 4, [])
     with pytest.raises(ValueError, match=r"nbhd::na_forward: k must have shape \(1, 400000, 1, 8\)"):
         torch.ops.nbhd.na_forward(q, k, k, kx, kx, no_rpb, *geometry)
     q = torch.randn(1, 64, 1, 8)
@@ -227,7 +227,7 @@ def test_a_shrunk_storage_is_refused():
     kx, no_rpb = torch.empty(1, 0, 2, 8), torch.empty(0)
     k.untyped_storage().resize_(64)   # 16 floats left under a view of 256
     with pytest.raises(ValueError, match=r"nbhd::na_forward: k .* reaches element 255 of a storage of 16"):
-        torch.ops.nbhd.na_forward(q, k, q, kx, kx, no_rpb, [3], [1], [1], [False], 1.0, [0] * 4)
+        torch.ops.nbhd.na_forward(q, k, q, kx, kx, no_rpb, [3], [1], [1], [False], 1.0, [0] * 4, [])
 
 
 def test_fake_tensors_raise_the_same_shape_errors():
@@ -236,10 +236,10 @@ def test_fake_tensors_raise_the_same_shape_errors():
         q, k = torch.empty(1, 40, 1, 8), torch.empty(1, 4, 1, 8)
         kx, no_rpb = torch.empty(1, 0, 1, 8), torch.empty(0)
         with pytest.raises(ValueError, match=r"nbhd::na_forward: k must have shape \(1, 40, 1, 8\)"):
-            torch.ops.nbhd.na_forward(q, k, k, kx, kx, no_rpb, [3], [1], [1], [False], 1.0, [0] * 4)
+            torch.ops.nbhd.na_forward(q, k, k, kx, kx, no_rpb, [3], [1], [1], [False], 1.0, [0] * 4, [])
     q, kx = torch.empty(1, 40, 1, 8, device="meta"), torch.empty(1, 0, 1, 8, device="meta")
     no_rpb = torch.empty(0, device="meta")
-    out, lse = torch.ops.nbhd.na_forward(q, q, q, kx, kx, no_rpb, [3], [1], [1], [False], 1.0, [0] * 4)
+    out, lse = torch.ops.nbhd.na_forward(q, q, q, kx, kx, no_rpb, [3], [1], [1], [False], 1.0, [0] * 4, [])
     with pytest.raises(ValueError, match=r"nbhd::na_backward: lse has dtype torch.float64"):
         torch.ops.nbhd.na_backward(q, q, q, kx, kx, no_rpb, out, lse.double(), out, None,
-                                   [3], [1], [1], [False], 1.0, [0] * 4)
+                                   [3], [1], [1], [False], 1.0, [0] * 4, [])

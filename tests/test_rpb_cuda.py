@@ -54,14 +54,14 @@ def build(case, dtype, seed):
     kx, vx = r(B, S, Hkv, D), r(B, S, Hkv, Dv)
     table = r(H, *(2 * x - 1 for x in ks)).reshape(H, -1) * 2   # [H, M], biases of a few units
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    geo = (list(ks), list(st), list(dil), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)))
+    geo = (list(ks), list(st), list(dil), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)), [])
     return [t.to(dtype) for t in (q, k, v, kx, vx)], table.to(work), geo
 
 
 def reference(xs, table, geo, tangents=None):
     """(out, lse) of the float64 composed reference; with tangents (of q, k, v, kx, vx, table),
     also their jvp"""
-    ks, st, dil, causal, scale, _ = geo
+    ks, st, dil, causal, scale, _, _ = geo
     shape = (table.shape[0], *(2 * x - 1 for x in ks))
 
     def f(q, k, v, kx, vx, t):
@@ -212,7 +212,7 @@ def test_transforms_of_the_fused_path_on_cuda():
 def test_empty_problems_zero_the_gradients_on_cuda():
     """Batch 0: the table's gradient is zero; no query heads: the key gradients are zero
     (both written by the CUDA zero kernel into poisoned outputs)."""
-    geo = ([3], [1], [1], [False], 0.5, [0] * 4)
+    geo = ([3], [1], [1], [False], 0.5, [0] * 4, [])
     table = torch.randn(2, 5, device="cuda")
     none = torch.empty(0, device="cuda")
     q, k, v = (torch.randn(0, 9, 2, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -247,7 +247,7 @@ def test_table_staged_or_global(ext, ks, heads, tiles, forward, dq):
     the float64 reference."""
     case = (ext, ks, (1,) * len(ks), (1,) * len(ks), 1, heads, heads, 128, 128, 0)
     xs, table, geo = build(case, torch.bfloat16, 21)
-    geo = (*geo[:5], tiles)
+    geo = (*geo[:5], tiles, geo[6])
     poison()
     ran = cuda_kernels(lambda: ops.na_forward(*xs, table, *geo))
     assert any(forward in name for name in ran), ran

@@ -159,14 +159,14 @@ def test_ops_take_the_table_and_reject_bad_ones():
     q, k, v, _, _, rpb = _inputs(case, torch.float32, seed=9)
     empty = torch.empty(2, 0, 1, 4)
     table = rpb.reshape(2, -1)
-    geo = ([4], [1], [2], [False], 0.4, [0] * 4)
+    geo = ([4], [1], [2], [False], 0.4, [0] * 4, [])
     out, lse = ops.na_forward(q, k, v, empty, empty.narrow(-1, 0, 3), table, *geo)
     want, _ = _reference(case)(q, k, v, None, None, rpb)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match=r"rpb must be a \[heads, prod\(2\*kernel_size-1\)\]"):
         ops.na_forward(q, k, v, empty, empty.narrow(-1, 0, 3), table[:, :-1], *geo)
     with pytest.raises(ValueError, match="rpb needs a non-causal neighborhood"):
-        ops.na_forward(q, k, v, empty, empty.narrow(-1, 0, 3), table, [4], [1], [2], [True], 0.4, [0] * 4)
+        ops.na_forward(q, k, v, empty, empty.narrow(-1, 0, 3), table, [4], [1], [2], [True], 0.4, [0] * 4, [])
 
 
 # ---- the fast SIMD kernels (csrc/cpu/fast) with the bias: problems large enough for interior

@@ -17,7 +17,7 @@ def _problem(q, k, v, kernel=3):
 def _run(op, prob, tensors):
     """_lib.run with an explicit problem (the one q describes) and tensors by C field name."""
     r = prob.rank
-    geometry = (r, (3,) * r, (1,) * r, (1,) * r, (False,) * r, prob.c.scale)
+    geometry = (r, (3,) * r, (1,) * r, (1,) * r, (False,) * r, prob.c.scale, ())
     _lib.run(op, geometry, tuple(tensors.get(f) for f in _lib.FIELDS[op]), problem=prob)
 
 

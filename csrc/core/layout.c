@@ -22,6 +22,7 @@ static const nbhd_layout_entry entries[] = {
     AT(nbhd_problem, batch), AT(nbhd_problem, extra_kv), AT(nbhd_problem, heads),
     AT(nbhd_problem, kv_heads), AT(nbhd_problem, head_dim), AT(nbhd_problem, head_dim_v),
     AT(nbhd_problem, scale), AT(nbhd_problem, dtype), AT(nbhd_problem, device), AT(nbhd_problem, rpb),
+    AT(nbhd_problem, query_begin), AT(nbhd_problem, query_end),
     SIZE(nbhd_tensor), AT(nbhd_tensor, data), AT(nbhd_tensor, stride), AT(nbhd_tensor, elements),
     SIZE(nbhd_exec), AT(nbhd_exec, stream), AT(nbhd_exec, workspace), AT(nbhd_exec, workspace_bytes),
     AT(nbhd_exec, threads), AT(nbhd_exec, kv_parallel), AT(nbhd_exec, use_reference),

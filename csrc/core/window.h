@@ -70,6 +70,20 @@ NBHD_INLINE void nbhd_window(const nbhd_axis *a, int64_t x, int64_t *first, int6
     *count = en - st;
 }
 
+/* In-group query range [i_lo, i_hi) of group g cut to the axis's query range: first, count.
+ * Both ends are clamped into the range, so that cut ranges stay ordered along the keys (an
+ * empty one sits at the range's edge) and the union of consecutive keys' cut ranges is
+ * [first of the first, end of the last). */
+NBHD_INLINE void nbhd_inverse_in_range(const nbhd_axis *a, int64_t g, int64_t i_lo, int64_t i_hi,
+                                       int64_t *first, int64_t *count) {
+    int64_t q_lo, q_hi;
+    nbhd_query_range_in_group(a, g, &q_lo, &q_hi);
+    const int64_t f = i_lo < q_lo ? q_lo : i_lo > q_hi ? q_hi : i_lo;
+    const int64_t e = i_hi < q_lo ? q_lo : i_hi > q_hi ? q_hi : i_hi;
+    *first = g + f * a->dilation;
+    *count = e - f;
+}
+
 /* Inverse neighborhood of key y: the queries x (same group, step = dilation) whose window holds
  * y form one contiguous in-group range, because start(i) and end(i) never decrease with i.
  * Found by two binary searches, then cut to the query range. */
@@ -92,11 +106,7 @@ NBHD_INLINE void nbhd_inverse_window(const nbhd_axis *a, int64_t y, int64_t *fir
         nbhd_window_in_group(a, mid, n, &st, &en);
         if (st > j) hi = mid; else lo = mid + 1;
     }
-    int64_t q_lo, q_hi;
-    nbhd_query_range_in_group(a, g, &q_lo, &q_hi);
-    const int64_t f = i_lo > q_lo ? i_lo : q_lo, e = lo < q_hi ? lo : q_hi;
-    *first = g + f * d;
-    *count = e > f ? e - f : 0;
+    nbhd_inverse_in_range(a, g, i_lo, lo, first, count);
 }
 
 #endif /* NBHD_CORE_WINDOW_H */

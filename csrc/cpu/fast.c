@@ -54,7 +54,8 @@ static nbhd_geometry rotated(const nbhd_geometry *g, int shift) {
         o.rpb_stride[j] = j >= shift ? g->rpb_stride[j - shift] : 0;   /* the table keeps the user's axes */
         if (j >= shift) o.axis[j] = g->axis[j - shift];
         else { o.axis[j].extent = 1; o.axis[j].kernel = 1; o.axis[j].stride = 1;
-               o.axis[j].dilation = 1; o.axis[j].causal = 0; }
+               o.axis[j].dilation = 1; o.axis[j].causal = 0;
+               o.axis[j].query_begin = 0; o.axis[j].query_end = 1; }
     }
     return o;
 }

@@ -14,7 +14,8 @@
 
 /* The exact union of a CTA's windows: per axis the in-group range [lo, lo + cnt) from the
  * start of its first query to the end of its last (starts and ends never decrease along an
- * axis), walked row-major: walk index n -> in-group key coordinates. */
+ * axis), walked row-major: walk index n -> in-group key coordinates. The last query is the
+ * patch's last before `end` (the group's length, or the end of its query range). */
 struct key_box {
     int lo[3], cnt[3];
     udiv32 d1, d2;  /* by cnt[1], cnt[2] */
@@ -23,13 +24,13 @@ struct key_box {
 
 template <typename I>
 __device__ __forceinline__ key_box key_box_of(const nbhd_geometry &g, const I i0[3], const int ct[3],
-                                              const I Lg[3]) {
+                                              const I Lg[3], const I end[3]) {
     key_box kb;
     int64_t total = g.has_window ? 1 : 0;
 #pragma unroll
     for (int ax = 0; ax < 3; ++ax) {
         int64_t st, en, st2, en2;
-        const int last = (int)min((int64_t)i0[ax] + ct[ax], (int64_t)Lg[ax]) - 1;
+        const int last = (int)min((int64_t)i0[ax] + ct[ax], (int64_t)end[ax]) - 1;
         window32(&g.axis[ax], i0[ax], Lg[ax], &st, &en);
         window32(&g.axis[ax], last, Lg[ax], &st2, &en2);
         kb.lo[ax] = (int)st;
@@ -120,6 +121,7 @@ struct cta_patch {
     int h;                /* the patch's head: a query head, or the key head of a key patch */
     int64_t grp[3];       /* dilation group per axis */
     int i0[3], Lg[3];     /* first in-group position of the patch, group length */
+    int Qe[3];            /* end of the patch's rows: a query patch's query range (nbhd.h), else Lg */
     key_box kb;           /* a query patch's keys (walk): the union of its windows */
     int win_tiles, tiles; /* tiles of the walk: the key box's, then the extra keys' */
 
@@ -131,21 +133,26 @@ struct cta_patch {
     }
 
     /* patch index -> dilation group, first in-group position and group length per axis (the
-     * last axis fastest); false: an empty slot (uniform over the CTA). The grid has < 2^31
-     * CTAs (nbhd_cuda_grid_fits) and the axes < 2^31 positions: 32-bit arithmetic. */
-    __device__ __forceinline__ bool locate(const nbhd_geometry &g, const mma_plan &P, uint32_t patch) {
+     * last axis fastest); false: an empty slot (uniform over the CTA). A query patch (queries)
+     * tiles its group's query range, from its start: slots past its end are empty. The grid has
+     * < 2^31 CTAs (nbhd_cuda_grid_fits) and the axes < 2^31 positions: 32-bit arithmetic. */
+    __device__ __forceinline__ bool locate(const nbhd_geometry &g, const mma_plan &P, uint32_t patch,
+                                           bool queries) {
         constexpr int AXES = RANK ? RANK : 3;
 #pragma unroll
-        for (int ax = 0; ax < 3; ++ax) grp[ax] = 0, i0[ax] = 0, Lg[ax] = 1;
+        for (int ax = 0; ax < 3; ++ax) grp[ax] = 0, i0[ax] = 0, Lg[ax] = 1, Qe[ax] = 1;
 #pragma unroll
         for (int ax = AXES - 1; ax >= 0; --ax) {
             const uint32_t ns = (uint32_t)P.slots[ax], slot = patch % ns;
             patch /= ns;
             const int d = g.axis[ax].dilation;
             grp[ax] = d == 1 ? 0 : (int)(slot % (uint32_t)d);
-            i0[ax] = (d == 1 ? (int)slot : (int)(slot / (uint32_t)d)) * ct(P, ax);
             Lg[ax] = d == 1 ? (int)g.axis[ax].extent : ((int)g.axis[ax].extent - (int)grp[ax] + d - 1) / d;
-            if (i0[ax] >= Lg[ax]) return false;
+            int first = 0;
+            Qe[ax] = Lg[ax];
+            if (queries) query_range32(&g.axis[ax], (int)grp[ax], first, Qe[ax]);
+            i0[ax] = first + (d == 1 ? (int)slot : (int)(slot / (uint32_t)d)) * ct(P, ax);
+            if (i0[ax] >= Qe[ax]) return false;
         }
         return true;
     }
@@ -181,14 +188,14 @@ struct cta_patch {
     __device__ __forceinline__ bool place_keys(const nbhd_geometry &g, const mma_plan &P) {
         const uint32_t patch = head_major(P, (uint32_t)g.kv_heads);
         hk = h;
-        return locate(g, P, patch);
+        return locate(g, P, patch, false);
     }
 
     /* query patch, head-major, with its key walk in tiles of bn keys; false: an empty slot */
     __device__ __forceinline__ bool place_queries(const nbhd_geometry &g, const mma_plan &P, int bn) {
         const uint32_t patch = head_major(P, (uint32_t)g.heads);
         hk = g.group == 1 ? h : h / g.group;
-        if (!locate(g, P, patch)) return false;
+        if (!locate(g, P, patch, true)) return false;
         walk(g, P, bn);
         return true;
     }
@@ -196,7 +203,7 @@ struct cta_patch {
     /* the exact union of a query patch's windows */
     __device__ __forceinline__ key_box keys(const nbhd_geometry &g, const mma_plan &P) const {
         const int c[3] = {ct(P, 0), ct(P, 1), ct(P, 2)};
-        return key_box_of(g, i0, c, Lg);
+        return key_box_of(g, i0, c, Lg, Qe);
     }
 
     /* the union of the patch's windows, walked in tiles of bn keys, then the extra keys */
@@ -206,7 +213,8 @@ struct cta_patch {
         tiles = win_tiles + (int)((g.extra_kv + bn - 1) / bn);
     }
 
-    /* row qr of the CTA -> in-group coordinates; false outside the grid */
+    /* row qr of the CTA -> in-group coordinates; false outside the grid (a query patch: outside
+     * the query range) */
     __device__ __forceinline__ bool row(const mma_plan &P, int qr, int iq[3]) const {
         return row_in(wt(P, 0), wt(P, 1), wt(P, 2), qr, iq);
     }
@@ -220,7 +228,7 @@ struct cta_patch {
         iq[0] = i0[0] + mblock * w0 + r0;
         iq[1] = i0[1] + r1;
         iq[2] = i0[2] + r2;
-        return iq[0] < Lg[0] && iq[1] < Lg[1] && iq[2] < Lg[2];
+        return iq[0] < Qe[0] && iq[1] < Qe[1] && iq[2] < Qe[2];
     }
 
     /* a thread's fragment rows qr(hrow) = 16 w + lane / 4 + 8 hrow: validity, in-group

@@ -48,6 +48,13 @@ __device__ __forceinline__ void token_coords(const nbhd_geometry &g, int64_t tok
     c[2] = tok % Z;
 }
 
+/* Is a query at coordinates c inside the query range (nbhd.h)? Rows outside it are neither read
+ * nor written. */
+__device__ __forceinline__ bool row_in_range(const nbhd_geometry &g, const int64_t c[3]) {
+    return nbhd_query_in_range(&g.axis[0], c[0]) && nbhd_query_in_range(&g.axis[1], c[1]) &&
+           nbhd_query_in_range(&g.axis[2], c[2]);
+}
+
 __device__ __forceinline__ int64_t offset_of(const nbhd_tensor &t, int64_t b, int64_t x,
                                              int64_t y, int64_t z, int64_t h) {
     return b * t.stride[0] + x * t.stride[1] + y * t.stride[2] + z * t.stride[3] +
@@ -85,14 +92,16 @@ __device__ __forceinline__ keyset inverse_window_queries(const nbhd_geometry &g,
     return s;
 }
 
+/* every query of the query range (the whole grid by default): the extra keys' queries */
 __device__ __forceinline__ keyset all_queries(const nbhd_geometry &g) {
     keyset s;
+    s.box = 1;
     for (int a = 0; a < 3; ++a) {
-        s.first[a] = 0;
-        s.count[a] = g.axis[a].extent;
+        s.first[a] = g.axis[a].query_begin;
+        s.count[a] = g.axis[a].query_end - g.axis[a].query_begin;
         s.step[a] = 1;
+        s.box *= s.count[a];
     }
-    s.box = g.tokens;
     s.extra = 0;
     return s;
 }

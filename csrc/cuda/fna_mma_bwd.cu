@@ -39,13 +39,14 @@ __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nb
     const int per_row = g.head_dim_v / 8;
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, r = i / per_row;
     const int d = (int)(i - r * per_row) * 8;
-    const bool valid = r < g.batch * g.tokens * g.heads;
+    bool valid = r < g.batch * g.tokens * g.heads;
     int64_t h = 0, b = 0, c[3] = {0, 0, 0};
     float acc = 0.f;
+    if (valid) token_coords(g, (r / g.heads) % g.tokens, c);
+    valid = valid && (!g.query_range || row_in_range(g, c));  /* a row's threads agree: the shuffles stay uniform */
     if (valid) {
         h = r % g.heads;
         b = r / (g.heads * g.tokens);
-        token_coords(g, (r / g.heads) % g.tokens, c);
         const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h) + d;
         const uint4 dv = *(const uint4 *)((const T *)a.d_out.data + offset_of(a.d_out, b, c[0], c[1], c[2], h) + d);
         const uint4 ov = VEC ? *(const uint4 *)((const T *)a.out.data + oo) : make_uint4(0, 0, 0, 0);
@@ -89,7 +90,7 @@ fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
     cta_patch<0, 1> C;  /* (b, kv head, patch, query head); the patch shape from the plan */
-    if (!C.locate(g, P, C.group_major(g, P))) return;
+    if (!C.locate(g, P, C.group_major(g, P), true)) return;
     const int64_t b = C.b;
     const int h = C.h, hk = (int)C.hk;
     C.walk(g, P, BC);
@@ -280,6 +281,7 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, 
     const int64_t h = row % g.heads, tok = (row / g.heads) % g.tokens, b = row / (g.heads * g.tokens);
     int64_t c[3];
     token_coords(g, tok, c);
+    if (g.query_range && !row_in_range(g, c)) return;
     const float4 lo = ((const float4 *)acc)[2 * i], hi = ((const float4 *)acc)[2 * i + 1];
     uint32_t *dst = (uint32_t *)((T *)dq.data + offset_of(dq, b, c[0], c[1], c[2], h) + d);
     dst[0] = pack2<T>(lo.x * scale, lo.y * scale);
@@ -307,6 +309,7 @@ __global__ void __launch_bounds__(256) dq_repair_kernel(const __grid_constant__ 
         const int64_t h = r % g.heads, b = r / (g.heads * g.tokens);
         int64_t c[3];
         token_coords(g, (r / g.heads) % g.tokens, c);
+        if (g.query_range && !row_in_range(g, c)) continue;
         const int64_t off = offset_of(a.d_q, b, c[0], c[1], c[2], h);
         bool fin = true;
         for (int d = lane; d < g.head_dim; d += 32) fin = fin && finite_value(ld<T, float>(a.d_q, off + d * a.d_q.stride[5]));
@@ -344,16 +347,16 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
         for (int ax = 0; ax < 3; ++ax) { C.grp[ax] = 0; C.i0[ax] = 0; C.Lg[ax] = 1; }
         C.i0[0] = (int)patch * BR;
         C.Lg[0] = (int)g.extra_kv;
-    } else if (!C.locate(g, P, patch)) {
+    } else if (!C.locate(g, P, patch, false)) {
         return;
     }
-    // columns: the union of the rows' inverse neighborhoods (EXTRA: every query token)
+    // columns: the union of the rows' inverse neighborhoods (EXTRA: every query)
     int64_t lo[3], cnt[3];
 #pragma unroll
     for (int ax = 0; ax < 3; ++ax) {
-        if (EXTRA) {
-            lo[ax] = 0;
-            cnt[ax] = g.axis[ax].extent;
+        if (EXTRA) {  /* the query range (nbhd.h), the whole grid by default */
+            lo[ax] = g.axis[ax].query_begin;
+            cnt[ax] = g.axis[ax].query_end - g.axis[ax].query_begin;
         } else {
             inverse_union(&g.axis[ax], C.grp[ax], C.i0[ax], min(C.i0[ax] + P.ct[ax], C.Lg[ax]) - 1,
                           &lo[ax], &cnt[ax]);

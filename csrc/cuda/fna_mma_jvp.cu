@@ -41,7 +41,7 @@ fna_mma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constan
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
     cta_patch<0, 1> C;  /* (b, kv head, patch, query head); the patch shape from the plan */
-    if (!C.locate(g, P, C.group_major(g, P))) return;
+    if (!C.locate(g, P, C.group_major(g, P), true)) return;
     const int64_t b = C.b;
     const int h = C.h, hk = (int)C.hk;
     const int nk = C.keys(g, P).total;

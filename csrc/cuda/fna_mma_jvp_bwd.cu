@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(256) jvpb_rows_kernel(const __grid_constant__ 
     const int64_t h = r % g.heads, b = r / (g.heads * g.tokens);
     int64_t c[3];
     token_coords(g, (r / g.heads) % g.tokens, c);
+    if (g.query_range && !row_in_range(g, c)) return;
     const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h), too = offset_of(a.t_out, b, c[0], c[1], c[2], h);
     const int64_t doo = offset_of(a.d_out, b, c[0], c[1], c[2], h), go = offset_of(a.d_t_out, b, c[0], c[1], c[2], h);
     float dp = 0.f, cg = 0.f, eg = 0.f;
@@ -126,7 +127,7 @@ jvpb_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
 
     cta_patch<0, 1> C;  /* (b, kv head, patch, query head); the patch shape from the plan */
-    if (!C.locate(g, P, C.group_major(g, P))) return;
+    if (!C.locate(g, P, C.group_major(g, P), true)) return;
     const int64_t b = C.b;
     const int h = C.h, hk = (int)C.hk;
     C.walk(g, P, BC);
@@ -303,16 +304,16 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
         for (int ax = 0; ax < 3; ++ax) { C.grp[ax] = 0; C.i0[ax] = 0; C.Lg[ax] = 1; }
         C.i0[0] = (int)patch * ROWS;
         C.Lg[0] = (int)g.extra_kv;
-    } else if (!C.locate(g, P, patch)) {
+    } else if (!C.locate(g, P, patch, false)) {
         return;
     }
-    // columns: the union of the rows' inverse neighborhoods (EXTRA: every query token)
+    // columns: the union of the rows' inverse neighborhoods (EXTRA: every query)
     int64_t lo[3], cnt[3];
 #pragma unroll
     for (int ax = 0; ax < 3; ++ax) {
-        if (EXTRA) {
-            lo[ax] = 0;
-            cnt[ax] = g.axis[ax].extent;
+        if (EXTRA) {  /* the query range (nbhd.h), the whole grid by default */
+            lo[ax] = g.axis[ax].query_begin;
+            cnt[ax] = g.axis[ax].query_end - g.axis[ax].query_begin;
         } else {
             inverse_union(&g.axis[ax], C.grp[ax], C.i0[ax], min(C.i0[ax] + P.ct[ax], C.Lg[ax]) - 1, &lo[ax],
                           &cnt[ax]);

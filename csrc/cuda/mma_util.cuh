@@ -229,6 +229,13 @@ __device__ __forceinline__ void window32(const nbhd_axis *a, int64_t i64, int64_
     }
 }
 
+/* nbhd_query_range_in_group in 32 bits: group g's in-group query range [lo, hi) */
+__device__ __forceinline__ void query_range32(const nbhd_axis *a, int g, int &lo, int &hi) {
+    const int d = a->dilation, b = (int)a->query_begin, e = (int)a->query_end;
+    lo = d == 1 ? b : b > g ? (b - g + d - 1) / d : 0;
+    hi = d == 1 ? e : e > g ? (e - g + d - 1) / d : 0;
+}
+
 __device__ __forceinline__ void inverse32(const nbhd_axis *a, int64_t y64, int64_t *first,
                                           int64_t *count) {
     const int d = a->dilation, y = (int)y64, g = y % d, j = y / d;
@@ -247,8 +254,10 @@ __device__ __forceinline__ void inverse32(const nbhd_axis *a, int64_t y64, int64
         window32(a, mid, n, &st, &en);
         if (st > j) hi = mid; else lo = mid + 1;
     }
-    *first = g + (int64_t)i_lo * d;
-    *count = lo - i_lo;
+    int q_lo, q_hi;
+    query_range32(a, g, q_lo, q_hi);
+    *first = g + (int64_t)min(max(i_lo, q_lo), q_hi) * d;
+    *count = min(max(lo, q_lo), q_hi) - min(max(i_lo, q_lo), q_hi);  /* window.h nbhd_inverse_in_range */
 }
 
 // ----------------------------------------------------------------------------

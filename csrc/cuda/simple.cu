@@ -65,6 +65,7 @@ simple_rows_kernel(const nbhd_geometry g, const Args a, A *ws) {
     const int64_t b = r / (rs.heads * rs.tokens), tok = (r / rs.heads) % rs.tokens, h = r % rs.heads;
     int64_t c[3] = {tok, 0, 0};  // an extra key: c[0] is its index
     if (!EXTRA) token_coords(g, tok, c);
+    if (!is_key_row(OP) && g.query_range && !row_in_range(g, c)) return;
     A *scratch = (A *)smem_raw + (size_t)w * row_scratch(OP, g.head_dim, g.head_dim_v);
     if constexpr (OP == FORWARD_ROW) {
         exact_forward_row<T, A, BIAS>(g, a, b, c, h, scratch, lane);

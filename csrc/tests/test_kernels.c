@@ -7,7 +7,10 @@
  * F64/F32/F16/BF16, permuted/padded/broadcast strides, poisoned outputs with canaries, absent
  * tangents and dLSE, thread counts, and bitwise determinism of the backward pass; and a sweep
  * of every op with a relative positional bias (run_rpb_case: tables, their gradients and tangents,
- * on the reference and the default path, the fast kernels for fp32/fp16/bf16).
+ * on the reference and the default path, the fast kernels for fp32/fp16/bf16); and a sweep of
+ * every op with a query range (run_range_case: rows outside it poisoned and never written, the
+ * rows inside and the key-side gradients those of the full problem with the outside's
+ * cotangents zero).
  * Usage: test_kernels [cases=300] [first=0]. Last line: "N passed, M failed".
  */
 #include <stdio.h>
@@ -28,6 +31,11 @@ static void describe(const nbhd_problem *p, uint64_t seed) {
             p->stride[1], p->stride[2], p->dilation[0], p->dilation[1], p->dilation[2],
             p->causal[0], p->causal[1], p->causal[2], (long long)p->batch, p->heads, p->kv_heads,
             p->head_dim, p->head_dim_v, (long long)p->extra_kv, p->scale, dtype_name[p->dtype]);
+    if (p->rpb) fprintf(stderr, "    rpb=1\n");
+    for (int a = 0; a < 3; ++a)
+        if (p->query_begin[a] || p->query_end[a])
+            fprintf(stderr, "    query range axis %d: [%lld, %lld)\n", a, (long long)p->query_begin[a],
+                    (long long)p->query_end[a]);
 }
 
 /* 1: bf16 problems with head dims that the AMX kernels take (32 or 64; Dv also 16) */
@@ -579,6 +587,360 @@ static int run_rpb_case(uint64_t seed) {
     return checks_failed == before;
 }
 
+/* ---- query range (nbhd.h): only the queries of a box are computed, their windows those of the
+ * whole grid; each op runs once on the full problem with the cotangents of the rows outside the
+ * box zero (so they add nothing to the key-side sums) and once with the box, its rows outside
+ * poisoned with NaN and its outputs prefilled with a sentinel */
+
+#define RANGE_SENTINEL 12345.0
+
+/* the sentinel as a buffer of dtype dt holds it (rounded: 12345 is no f16/bf16 value) */
+static double sentinel_as(nbhd_dtype dt) {
+    double buf[1];
+    nbhd_store(buf, 0, dt, RANGE_SENTINEL);
+    return nbhd_load(buf, 0, dt);
+}
+
+static void fill_sentinel(tbuf *b) {
+    const int64_t n = dims_count(b->dims);
+    for (int64_t i = 0; i < n; ++i) nbhd_store(b->t.data, tbuf_offset(b, i), b->dtype, RANGE_SENTINEL);
+}
+
+static tbuf sentinel_output(rng_t *r, const int64_t dims[6], nbhd_dtype dt, int ignore_last) {
+    tbuf b = output(r, dims, dt, ignore_last);
+    fill_sentinel(&b);
+    return b;
+}
+
+/* is element lin of a row tensor [B, X, Y, Z, H, .] (dims) one of p's range queries? */
+static int in_range(const nbhd_problem *p, const int64_t dims[6], int64_t lin) {
+    const int64_t tok = lin / (dims[4] * dims[5]);
+    const int64_t c[3] = {(tok / (dims[2] * dims[3])) % dims[1], (tok / dims[3]) % dims[2], tok % dims[3]};
+    for (int a = 0; a < p->rank; ++a)
+        if ((p->query_begin[a] || p->query_end[a]) && (c[a] < p->query_begin[a] || c[a] >= p->query_end[a]))
+            return 0;
+    return 1;
+}
+
+/* a row input for the full run (from dense, rounded in place; rows outside the range zeroed when
+ * zero_out: a cotangent) and for the range run (the same rows inside, NaN outside), in layouts
+ * without broadcast (a stride-0 axis would alias rows inside and outside) */
+typedef struct { tbuf full, cut; } row_pair;
+
+static row_pair row_inputs(rng_t *r, const nbhd_problem *p, const int64_t dims[6], nbhd_dtype dt,
+                           int ignore_last, double *dense, int zero_out) {
+    const int64_t n = dims_count(dims);
+    double *poisoned = dense_alloc(n);
+    for (int64_t i = 0; i < n; ++i)
+        if (zero_out && !in_range(p, dims, i)) dense[i] = 0;
+    row_pair rp;
+    rp.full = input_b(r, dims, dt, dense, ignore_last, 0);
+    for (int64_t i = 0; i < n; ++i) poisoned[i] = in_range(p, dims, i) ? dense[i] : NAN;
+    rp.cut = input_b(r, dims, dt, poisoned, ignore_last, 0);
+    free(poisoned);
+    return rp;
+}
+
+static void row_pair_free(row_pair *rp) {
+    tbuf_free(&rp->full);
+    tbuf_free(&rp->cut);
+}
+
+/* a rounding's worth: the scalar kernels give the range's rows bitwise the full run's */
+static double range_tol(nbhd_dtype dt) {
+    return dt == NBHD_F64 ? 1e-12 : dt == NBHD_F32 ? 1e-5 : 1e-2;
+}
+
+/* a row output of the range run against the full run's: rows inside close, rows outside still
+ * exactly the sentinel, nothing written outside the logical elements */
+static void expect_rows(const char *what, const tbuf *cut, const tbuf *full, double tol) {
+    const int64_t n = dims_count(cut->dims);
+    double *got = dense_alloc(n), *want = dense_alloc(n);
+    tbuf_gather(cut, got);
+    tbuf_gather(full, want);
+    const double sent = sentinel_as(cut->dtype);
+    int64_t m = 0, overwritten = 0, first = -1;
+    double first_value = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (in_range(cur_p, cut->dims, i)) {  /* compacted in place: m <= i */
+            got[m] = got[i];
+            want[m] = want[i];
+            m++;
+        } else if (!(got[i] == sent)) {
+            if (first < 0) {
+                first = i;
+                first_value = got[i];
+            }
+            overwritten++;
+        }
+    }
+    const double err = rel_error(got, want, m);
+    const int outside = tbuf_untouched_outside(cut);
+    if (!(err <= tol) || overwritten || !outside) {
+        fprintf(stderr, "FAIL %s: rows inside the range: rel error %.3g (tol %.1g); rows outside: %lld of "
+                "%lld elements lost the sentinel%s\n", what, err, tol, (long long)overwritten,
+                (long long)(n - m), outside ? "" : "; wrote outside its elements (padding or canary)");
+        if (first >= 0)
+            fprintf(stderr, "    first outside: element %lld holds %.8g\n", (long long)first, first_value);
+        describe(cur_p, cur_seed);
+        checks_failed++;
+    }
+    free(got);
+    free(want);
+}
+
+/* a key-side output (every element written) of the range run against the full run's */
+static void expect_same(const char *what, const tbuf *cut, const tbuf *full, double tol) {
+    double *want = dense_alloc(dims_count(full->dims));
+    tbuf_gather(full, want);
+    expect_close(what, cut, want, tol);
+    free(want);
+}
+
+/* one case with a query range: every op, the range run against the full run; returns 1 when
+ * every check passed */
+static int run_range_case(uint64_t seed) {
+    rng_t r = {seed * 0xd1342543de82ef95ull + 3};
+    nbhd_problem p;
+    do random_problem(&r, &p); while (p.rank == 0);
+    if (rng_int(&r, 0, 2) == 0) {  /* a bias needs no causal axis */
+        p.rpb = 1;
+        for (int a = 0; a < 3; ++a) p.causal[a] = 0;
+    }
+    /* per axis whole (0,0), cut, or now and then the whole extent given as a range (the range
+     * path computing every query); one axis, `cut`, always cut at random */
+    const int cut = (int)rng_int(&r, 0, p.rank - 1);
+    for (int a = 0; a < p.rank; ++a) {
+        const int64_t L = p.extent[a], kind = a == cut ? 6 : rng_int(&r, 0, 6);
+        if (kind <= 1) continue;
+        if (kind == 2) {
+            p.query_end[a] = L;
+            continue;
+        }
+        p.query_begin[a] = rng_int(&r, 0, L - 1);
+        p.query_end[a] = rng_int(&r, p.query_begin[a] + 1, L);
+    }
+    nbhd_problem full = p;
+    memset(full.query_begin, 0, sizeof full.query_begin);
+    memset(full.query_end, 0, sizeof full.query_end);
+    cur_p = &p;
+    cur_seed = seed;
+    const int before = checks_failed;
+    const nbhd_dtype dt = p.dtype, lt = dt == NBHD_F64 ? NBHD_F64 : NBHD_F32;
+    const double tol = range_tol(dt), ltol = range_tol(lt);
+    const shapes s = shapes_of(&p);
+    const int has_x = p.extra_kv > 0;
+    expect_ok("range validate", nbhd_validate(&p));
+
+    /* key-side inputs and tangents (shared by both runs), the rows' q and tq */
+    const int64_t nq = dims_count(s.q), no = dims_count(s.o), nl = dims_count(s.lse);
+    const int64_t *kdims[4] = {s.k, s.v, s.kx, s.vx};
+    double *kd[4], *ktd[4];
+    tbuf KV[4], TKV[4];
+    for (int i = 0; i < 4; ++i) {
+        kd[i] = dense_random(&r, dims_count(kdims[i]), -1, 1);
+        ktd[i] = dense_random(&r, dims_count(kdims[i]), -1, 1);
+        KV[i] = input(&r, kdims[i], dt, kd[i], 0);
+        TKV[i] = input(&r, kdims[i], dt, ktd[i], 0);
+    }
+    double *q = dense_random(&r, nq, -1, 1), *tq = dense_random(&r, nq, -1, 1);
+    row_pair Q = row_inputs(&r, &p, s.q, dt, 0, q, 0), TQ = row_inputs(&r, &p, s.q, dt, 0, tq, 0);
+    const int64_t nt = p.rpb ? p.heads * naive_bias_entries(&p) : 1;
+    double *rpb = dense_random(&r, nt, -2, 2), *t_rpb = dense_random(&r, nt, -1, 1);
+    tbuf R = table(&p, lt, p.rpb ? rpb : NULL), TR = table(&p, lt, p.rpb ? t_rpb : NULL);
+    const nbhd_tensor tR = p.rpb ? R.t : none(), tTR = p.rpb && rng_int(&r, 0, 3) ? TR.t : none();
+    const nbhd_tensor tKX = has_x ? KV[2].t : none(), tVX = has_x ? KV[3].t : none();
+
+    /* the full run on the reference kernels, which the range's run takes on either path */
+    nbhd_exec ea, eb;
+    memset(&ea, 0, sizeof ea);
+    ea.use_reference = 1;
+    ea.threads = (int32_t)rng_int(&r, 0, 3);
+    eb = ea;
+    eb.use_reference = (int32_t)rng_int(&r, 0, 1);
+    const char *path = eb.use_reference ? " (reference)" : " (default path)";
+    char what[96];
+
+    /* ---- forward */
+    tbuf Oa = output(&r, s.o, dt, 0), La = output(&r, s.lse, lt, 1);
+    tbuf Ob = sentinel_output(&r, s.o, dt, 0), Lb = sentinel_output(&r, s.lse, lt, 1);
+    nbhd_forward_args fa = {Q.full.t, KV[0].t, KV[1].t, tKX, tVX, Oa.t, La.t, tR}, fb = fa;
+    fb.q = Q.cut.t;
+    fb.out = Ob.t;
+    fb.lse = Lb.t;
+    workspace_for(&full, NBHD_OP_FORWARD, &ea);
+    workspace_for(&p, NBHD_OP_FORWARD, &eb);
+    expect_ok("range forward (full)", nbhd_forward(&full, &fa, &ea));
+    expect_ok("range forward", nbhd_forward(&p, &fb, &eb));
+    free(ea.workspace);
+    free(eb.workspace);
+    snprintf(what, sizeof what, "range forward out%s", path);
+    expect_rows(what, &Ob, &Oa, tol);
+    snprintf(what, sizeof what, "range forward lse%s", path);
+    expect_rows(what, &Lb, &La, ltol);
+
+    /* ---- forward + JVP, each tangent present or absent */
+    const int use_t[5] = {rng_int(&r, 0, 3) > 0, rng_int(&r, 0, 3) > 0, rng_int(&r, 0, 3) > 0,
+                          rng_int(&r, 0, 3) > 0, rng_int(&r, 0, 3) > 0};
+    const nbhd_tensor tTK = use_t[1] ? TKV[0].t : none(), tTV = use_t[2] ? TKV[1].t : none(),
+                      tTKX = use_t[3] && has_x ? TKV[2].t : none(), tTVX = use_t[4] && has_x ? TKV[3].t : none();
+    tbuf Ja[4], Jb[4];  /* out, lse, t_out, t_lse */
+    for (int i = 0; i < 4; ++i) {
+        Ja[i] = output(&r, i % 2 ? s.lse : s.o, i % 2 ? lt : dt, i % 2);
+        Jb[i] = sentinel_output(&r, i % 2 ? s.lse : s.o, i % 2 ? lt : dt, i % 2);
+    }
+    nbhd_forward_jvp_args ja = {Q.full.t, KV[0].t, KV[1].t, tKX, tVX, use_t[0] ? TQ.full.t : none(),
+                                tTK, tTV, tTKX, tTVX, Ja[0].t, Ja[1].t, Ja[2].t, Ja[3].t, tR, tTR};
+    nbhd_forward_jvp_args jb = ja;
+    jb.q = Q.cut.t;
+    jb.t_q = use_t[0] ? TQ.cut.t : none();
+    jb.out = Jb[0].t;
+    jb.lse = Jb[1].t;
+    jb.t_out = Jb[2].t;
+    jb.t_lse = Jb[3].t;
+    workspace_for(&full, NBHD_OP_FORWARD_JVP, &ea);
+    workspace_for(&p, NBHD_OP_FORWARD_JVP, &eb);
+    expect_ok("range forward_jvp (full)", nbhd_forward_jvp(&full, &ja, &ea));
+    expect_ok("range forward_jvp", nbhd_forward_jvp(&p, &jb, &eb));
+    free(ea.workspace);
+    free(eb.workspace);
+    static const char *jname[4] = {"out", "lse", "t_out", "t_lse"};
+    for (int i = 0; i < 4; ++i) {
+        snprintf(what, sizeof what, "range forward_jvp %s%s", jname[i], path);
+        expect_rows(what, &Jb[i], &Ja[i], i % 2 ? ltol : tol);
+    }
+
+    /* ---- backward from the full forward's out and lse */
+    static const char *gname[5] = {"dq", "dk", "dv", "dkx", "dvx"};
+    const int64_t *gdims[5] = {s.q, s.k, s.v, s.kx, s.vx};
+    double *o_d = dense_alloc(no), *l_d = dense_alloc(nl), *dout = dense_random(&r, no, -1, 1),
+           *dlse = dense_random(&r, nl, -1, 1);
+    tbuf_gather(&Oa, o_d);
+    tbuf_gather(&La, l_d);
+    row_pair OI = row_inputs(&r, &p, s.o, dt, 0, o_d, 0), LI = row_inputs(&r, &p, s.lse, lt, 1, l_d, 0),
+             dO = row_inputs(&r, &p, s.o, dt, 0, dout, 1), dL = row_inputs(&r, &p, s.lse, lt, 1, dlse, 1);
+    const int with_dlse = rng_int(&r, 0, 2) > 0, with_drpb = p.rpb && rng_int(&r, 0, 4) > 0;
+    tbuf Ga[5], Gb[5], DRa = table(&p, lt, NULL), DRb = table(&p, lt, NULL);
+    fill_sentinel(&DRb);
+    for (int i = 0; i < 5; ++i) {
+        Ga[i] = output(&r, gdims[i], dt, 0);
+        Gb[i] = sentinel_output(&r, gdims[i], dt, 0);
+    }
+    nbhd_backward_args ba = {Q.full.t, KV[0].t, KV[1].t, tKX, tVX, OI.full.t, LI.full.t, dO.full.t,
+                             with_dlse ? dL.full.t : none(), Ga[0].t, Ga[1].t, Ga[2].t,
+                             has_x ? Ga[3].t : none(), has_x ? Ga[4].t : none(), tR,
+                             with_drpb ? DRa.t : none()};
+    nbhd_backward_args bb = {Q.cut.t, KV[0].t, KV[1].t, tKX, tVX, OI.cut.t, LI.cut.t, dO.cut.t,
+                             with_dlse ? dL.cut.t : none(), Gb[0].t, Gb[1].t, Gb[2].t,
+                             has_x ? Gb[3].t : none(), has_x ? Gb[4].t : none(), tR,
+                             with_drpb ? DRb.t : none()};
+    workspace_for(&full, NBHD_OP_BACKWARD, &ea);
+    workspace_for(&p, NBHD_OP_BACKWARD, &eb);
+    expect_ok("range backward (full)", nbhd_backward(&full, &ba, &ea));
+    expect_ok("range backward", nbhd_backward(&p, &bb, &eb));
+    free(ea.workspace);
+    free(eb.workspace);
+    snprintf(what, sizeof what, "range backward dq%s", path);
+    expect_rows(what, &Gb[0], &Ga[0], tol);
+    for (int i = 1; i < (has_x ? 5 : 3); ++i) {
+        snprintf(what, sizeof what, "range backward %s%s", gname[i], path);
+        expect_same(what, &Gb[i], &Ga[i], tol);
+    }
+    if (with_drpb) {
+        snprintf(what, sizeof what, "range backward d_rpb%s", path);
+        expect_same(what, &DRb, &DRa, ltol);
+    }
+    for (int i = 0; i < 5; ++i) { tbuf_free(&Ga[i]); tbuf_free(&Gb[i]); }
+    tbuf_free(&DRa); tbuf_free(&DRb);
+    row_pair_free(&OI); row_pair_free(&LI); row_pair_free(&dO); row_pair_free(&dL);
+    free(o_d); free(l_d); free(dout); free(dlse);
+
+    /* ---- backward through forward + JVP from its full run's outputs, each cotangent present or
+     * absent, the tangents' gradients asked or not */
+    row_pair JI[4], dJ[4];
+    const int with_d[4] = {rng_int(&r, 0, 3) > 0, rng_int(&r, 0, 3) > 0, rng_int(&r, 0, 3) > 0,
+                           rng_int(&r, 0, 3) > 0};
+    for (int i = 0; i < 4; ++i) {
+        const int64_t *dims = i % 2 ? s.lse : s.o;
+        const nbhd_dtype et = i % 2 ? lt : dt;
+        const int64_t n = i % 2 ? nl : no;
+        double *x = dense_alloc(n), *d = dense_random(&r, n, -1, 1);
+        tbuf_gather(&Ja[i], x);
+        JI[i] = row_inputs(&r, &p, dims, et, i % 2, x, 0);
+        dJ[i] = row_inputs(&r, &p, dims, et, i % 2, d, 1);
+        free(x);
+        free(d);
+    }
+    const int with_dt = rng_int(&r, 0, 3) > 0, with_dt_rpb = p.rpb && rng_int(&r, 0, 3) > 0;
+    tbuf Ha[10], Hb[10], DTa[2], DTb[2];
+    for (int i = 0; i < 10; ++i) {
+        Ha[i] = output(&r, gdims[i % 5], dt, 0);
+        Hb[i] = sentinel_output(&r, gdims[i % 5], dt, 0);
+    }
+    for (int i = 0; i < 2; ++i) {
+        DTa[i] = table(&p, lt, NULL);
+        DTb[i] = table(&p, lt, NULL);
+        fill_sentinel(&DTb[i]);
+    }
+    nbhd_forward_jvp_backward_args jba, jbb;
+    for (int run = 0; run < 2; ++run) {
+        const row_pair *rp[9] = {&Q, &TQ, &JI[0], &JI[1], &JI[2], &JI[3], &dJ[0], &dJ[1], &dJ[2]};
+        nbhd_tensor x[9];
+        for (int i = 0; i < 9; ++i) x[i] = run ? rp[i]->cut.t : rp[i]->full.t;
+        const nbhd_tensor dtl = run ? dJ[3].cut.t : dJ[3].full.t;
+        tbuf *H = run ? Hb : Ha, *DT = run ? DTb : DTa;
+        nbhd_forward_jvp_backward_args a = {
+            x[0], KV[0].t, KV[1].t, tKX, tVX, use_t[0] ? x[1] : none(), tTK, tTV, tTKX, tTVX,
+            x[2], x[3], x[4], x[5],
+            with_d[0] ? x[6] : none(), with_d[1] ? x[7] : none(), with_d[2] ? x[8] : none(),
+            with_d[3] ? dtl : none(),
+            H[0].t, H[1].t, H[2].t, has_x ? H[3].t : none(), has_x ? H[4].t : none(),
+            with_dt ? H[5].t : none(), with_dt ? H[6].t : none(), with_dt ? H[7].t : none(),
+            with_dt && has_x ? H[8].t : none(), with_dt && has_x ? H[9].t : none(),
+            tR, tTR, p.rpb ? DT[0].t : none(), with_dt_rpb ? DT[1].t : none()};
+        if (run) jbb = a; else jba = a;
+    }
+    workspace_for(&full, NBHD_OP_FORWARD_JVP_BACKWARD, &ea);
+    workspace_for(&p, NBHD_OP_FORWARD_JVP_BACKWARD, &eb);
+    expect_ok("range forward_jvp_backward (full)", nbhd_forward_jvp_backward(&full, &jba, &ea));
+    expect_ok("range forward_jvp_backward", nbhd_forward_jvp_backward(&p, &jbb, &eb));
+    free(ea.workspace);
+    free(eb.workspace);
+    for (int i = 0; i < 10; ++i) {
+        if ((i % 5) >= 3 && !has_x) continue;
+        if (i >= 5 && !with_dt) continue;
+        snprintf(what, sizeof what, "range backward_jvp %s%s%s", i < 5 ? "" : "t_", gname[i % 5], path);
+        if (i % 5 == 0) expect_rows(what, &Hb[i], &Ha[i], tol);
+        else expect_same(what, &Hb[i], &Ha[i], tol);
+    }
+    if (p.rpb) {
+        snprintf(what, sizeof what, "range backward_jvp d_rpb%s", path);
+        expect_same(what, &DTb[0], &DTa[0], ltol);
+    }
+    if (with_dt_rpb) {
+        snprintf(what, sizeof what, "range backward_jvp d_t_rpb%s", path);
+        expect_same(what, &DTb[1], &DTa[1], ltol);
+    }
+
+    for (int i = 0; i < 10; ++i) { tbuf_free(&Ha[i]); tbuf_free(&Hb[i]); }
+    for (int i = 0; i < 2; ++i) { tbuf_free(&DTa[i]); tbuf_free(&DTb[i]); }
+    for (int i = 0; i < 4; ++i) {
+        row_pair_free(&JI[i]);
+        row_pair_free(&dJ[i]);
+        tbuf_free(&Ja[i]);
+        tbuf_free(&Jb[i]);
+        tbuf_free(&KV[i]);
+        tbuf_free(&TKV[i]);
+        free(kd[i]);
+        free(ktd[i]);
+    }
+    tbuf_free(&Oa); tbuf_free(&La); tbuf_free(&Ob); tbuf_free(&Lb);
+    row_pair_free(&Q); row_pair_free(&TQ);
+    tbuf_free(&R); tbuf_free(&TR);
+    free(q); free(tq); free(rpb); free(t_rpb);
+    return checks_failed == before;
+}
+
 /* the oracle itself against docs/design.md §1's worked examples (L = 10, d = 1) */
 static int check_naive_examples(void) {
     int bad = 0;
@@ -614,6 +976,10 @@ int main(int argc, char **argv) {
     }
     for (int c = first; c < first + (cases + 2) / 3; ++c) {  /* a third as many with a bias */
         if (run_rpb_case((uint64_t)c)) passed++;
+        else failed++;
+    }
+    for (int c = first; c < first + (cases + 2) / 3; ++c) {  /* a third as many with a query range */
+        if (run_range_case((uint64_t)c)) passed++;
         else failed++;
     }
     amx_shapes = 1;   /* then a tenth as many for the AMX kernels (the SIMD ones where no AMX) */

@@ -148,6 +148,45 @@ static void descriptor_rules(void) {
     REJECT("extent[0]", "rank 0 with extent[0] 0", (p.rank = 0, p.extent[0] = 0));
     REJECT("extent[0]", "rank 0 with extent[0] -1", (p.rank = 0, p.extent[0] = -1));
     REJECT("extra_kv", "rank 0 without extra keys", (p.rank = 0, p.extra_kv = 0));
+    /* query range: both 0, or 0 <= begin < end <= extent, on the problem's axes only */
+    REJECT("query range", "query range begin == end", (p.query_begin[0] = 4, p.query_end[0] = 4));
+    REJECT("query range", "query range begin > end", (p.query_begin[1] = 5, p.query_end[1] = 3));
+    REJECT("query range", "query range end 0 with begin 3", (p.query_begin[0] = 3, p.query_end[0] = 0));
+    REJECT("query range", "query range end > extent", (p.query_begin[0] = 2, p.query_end[0] = 10));
+    REJECT("query range", "query range end > extent on axis 1", (p.query_begin[1] = 0, p.query_end[1] = 9));
+    REJECT("query range", "query range begin < 0", (p.query_begin[1] = -1, p.query_end[1] = 3));
+    REJECT("query range", "query range begin INT64_MIN", (p.query_begin[0] = INT64_MIN, p.query_end[0] = 1));
+    REJECT("query range", "query range end INT64_MAX", (p.query_begin[0] = 1, p.query_end[0] = INT64_MAX));
+    REJECT("query range", "query range begin == extent", (p.query_begin[0] = 9, p.query_end[0] = 10));
+    REJECT("query range", "query range, one axis bad of two", (p.query_begin[0] = 1, p.query_end[0] = 5,
+                                                              p.query_begin[1] = 6, p.query_end[1] = 6));
+    REJECT("query_begin[2]", "query range on axis 2 of a rank-2 problem", p.query_end[2] = 1);
+    REJECT("query_begin[2]", "query begin alone on axis 2 of a rank-2 problem", p.query_begin[2] = 1);
+    REJECT("query_begin[1]", "query range on axis 1 of a rank-1 problem",
+           (p.rank = 1, p.query_begin[1] = 0, p.query_end[1] = 3));
+    REJECT("query_begin[0]", "query range on rank 0", (p.rank = 0, p.extent[0] = 5, p.query_end[0] = 2));
+    REJECT("query_begin[0]", "query range on rank 0, the whole axis",
+           (p.rank = 0, p.extent[0] = 5, p.query_begin[0] = 0, p.query_end[0] = 5));
+    REJECT("query_begin[1]", "query end alone on axis 1 of rank 0", (p.rank = 0, p.extent[0] = 5, p.query_end[1] = 1));
+    {
+        static const struct { int rank; int64_t b[3], e[3]; const char *what; } ok[] = {
+            {2, {0, 0, 0}, {0, 0, 0}, "query range (0,0) on every axis is valid (the whole grid)"},
+            {2, {0, 0, 0}, {9, 8, 0}, "query range of the whole extent is valid"},
+            {2, {3, 0, 0}, {4, 0, 0}, "query range of one query on axis 0, axis 1 whole, is valid"},
+            {2, {8, 7, 0}, {9, 8, 0}, "query range of the last query on both axes is valid"},
+            {2, {0, 2, 0}, {0, 5, 0}, "query range on axis 1 only is valid"},
+            {2, {2, 1, 0}, {7, 6, 0}, "query range on both axes is valid"},
+            {1, {5, 0, 0}, {9, 0, 0}, "query range on rank 1 is valid"},
+            {3, {0, 0, 1}, {0, 0, 3}, "query range on axis 2 of rank 3 is valid"},
+        };
+        for (size_t i = 0; i < sizeof ok / sizeof ok[0]; ++i) {
+            nbhd_problem p = valid();
+            p.rank = ok[i].rank;
+            if (p.rank == 3) { p.extent[2] = 4; p.kernel[2] = 2; p.stride[2] = 1; p.dilation[2] = 1; }
+            for (int a = 0; a < 3; ++a) { p.query_begin[a] = ok[i].b[a]; p.query_end[a] = ok[i].e[a]; }
+            expect(nbhd_validate(&p) == NBHD_OK, ok[i].what);
+        }
+    }
     {
         nbhd_problem p = valid();
         p.rank = 0;

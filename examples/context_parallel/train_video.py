@@ -206,7 +206,7 @@ def main(argv=None):
     if rank == 0:
         print(f"{world} ranks ({backend}), video {args.frames}x{args.size}x{args.size}, token grid "
               f"{sharding.global_shape}, window {tuple(args.kernel)}; frames per rank "
-              f"{sharding.sizes[0]}; rank 0 owns frames [{t0}, {t1}), computes key box "
+              f"{sharding.sizes[0]}; rank 0 owns frames [{t0}, {t1}), reads the keys of frames "
               f"{plan.key_box[0]} ({plan.key_box_tokens / plan.owned_tokens:.2f}x its tokens), "
               f"halo per exchanged tensor {plan.halo_tokens} tokens")
 

@@ -56,11 +56,12 @@ def fna_flop_count(q_shape, k_shape, v_shape, kernel_size, dilation, is_causal,
 
 
 def _na_forward_flops(q, k, v, kx, vx, rpb, kernel_size, stride, dilation, is_causal, scale, tiles,
-                      **_) -> int:
+                      query_range=(), **_) -> int:
     """nbhd::na_forward on shapes: q [B, *S, H, D] (rank 0: [B, S_q, H, D]), window W, plus the
-    additional tokens kx [B, S_add, Hkv, D]."""
+    additional tokens kx [B, S_add, Hkv, D]; with a query range, its queries only."""
     b, h, d, dv = q[0], q[-2], q[-1], v[-1]
-    n = _math.prod(q[1:-2])
+    n = (_math.prod(e - b for b, e in zip(query_range[0::2], query_range[1::2])) if query_range
+         else _math.prod(q[1:-2]))
     w = (_math.prod(kernel_size) if len(kernel_size) else 0) + kx[1]   # rank 0: dense over kx
     return 2 * b * h * n * w * (d + dv)
 
