@@ -12,7 +12,9 @@ slowest rank's time counts. Problems (bf16 on GPUs, B = 1):
 For each sharded axis (`--axes`: a list of axes, `0+2` shards two axes on a balanced mesh):
 forward, forward+backward and MeanFlow step time (torch.func.jvp with tangents on q, k, v,
 then the backward of the primal output), speedup (strong) or efficiency
-(weak), the halo exchange alone (k and v), the forward kernel alone on the rank's key box for
+(weak), the forward with the exchange overlapped with the interior queries (`overlap=True`;
+`overlapped` says whether the rank had interior queries to overlap it with), the halo
+exchange alone (k and v), the forward kernel alone on the rank's key box for
 its own queries (the compute share; the rest is exchange, padding and slicing), the halo bytes a
 rank receives per step (forward: k, v; backward: their gradients, as many bytes), and the key
 box / owned tokens ratio (the keys and values each rank holds per query it owns).
@@ -141,6 +143,9 @@ def main():
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
             na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding)
             t_fwd = slowest(run(lambda: na(q, k, v), args.reps), device)
+            # the same with the exchange overlapped with the interior queries (split calls)
+            t_fwd_overlap = slowest(run(lambda: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True),
+                                        args.reps), device)
             t_fb = slowest(run(lambda: fwd_and_bwd(na, q, k, v), args.reps), device)
             t_mf = 0.0
             if meanflow:
@@ -167,7 +172,9 @@ def main():
                        axis="+".join(map(str, axis)), mesh="x".join(map(str, sharding.mesh_shape)),
                        heads=heads, dim=dim, dtype=str(dtype).replace("torch.", ""),
                        base_fwd_ms=round(b_fwd, 3), base_fwdbwd_ms=round(b_fb, 3), base_meanflow_ms=round(b_mf, 3),
-                       fwd_ms=round(t_fwd, 3), fwdbwd_ms=round(t_fb, 3), meanflow_ms=round(t_mf, 3),
+                       fwd_ms=round(t_fwd, 3), fwd_overlap_ms=round(t_fwd_overlap, 3),
+                       overlapped=int(plan.interior is not None and bool(plan.border)),
+                       fwdbwd_ms=round(t_fb, 3), meanflow_ms=round(t_mf, 3),
                        fwd_score=round(score[0], 3), fwdbwd_score=round(score[1], 3),
                        meanflow_score=round(score[2], 3),
                        halo_ms=round(t_halo, 3), keybox_kernel_fwd_ms=round(t_box, 3), halo_bytes_fwd=bytes_fwd, halo_bytes_step=2 * bytes_fwd,
@@ -179,7 +186,8 @@ def main():
                       if meanflow else "")
                 print(f"{name} {kind} {row['grid']} on {world} ({backend}, axes {row['axis']}, mesh "
                       f"{row['mesh']}): fwd {t_fwd:.3f} ms "
-                      f"(1 device {b_fwd:.3f}, {label} {score[0]:.2f}), fwd+bwd {t_fb:.3f} ms "
+                      f"(1 device {b_fwd:.3f}, {label} {score[0]:.2f}; overlapped: {t_fwd_overlap:.3f} ms), "
+                      f"fwd+bwd {t_fb:.3f} ms "
                       f"(1 device {b_fb:.3f}, {label} {score[1]:.2f}){mf}; halo exchange {t_halo:.3f} ms, kernel on "
                       f"the key box alone {t_box:.3f} ms (fwd), "
                       f"{bytes_fwd / 2**20:.2f} MiB fwd + as much bwd per rank; key box / owned "

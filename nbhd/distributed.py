@@ -603,7 +603,9 @@ _DOC = """{rank}-D neighborhood attention on a grid sharded across a process gro
         return_lse: also return the logsumexp [B, *local_shape, H]
         overlap: compute the own queries whose windows lie in the own box while the halo
             travels, the others after it arrived (eager calls outside functorch transforms
-            and forward-mode AD; elsewhere, and with False, the exchange is waited for first)
+            and forward-mode AD; elsewhere, and by default, the exchange is waited for first:
+            on GPUs NCCL's transfer kernels take SMs from the attention kernel, and the split
+            calls were slower in bench/bench_context_parallel.py, docs/context_parallel.md)
 
     Returns:
         output [B, *local_shape, H, Dv], or (output, lse).
@@ -619,7 +621,7 @@ _DOC = """{rank}-D neighborhood attention on a grid sharded across a process gro
 def _make(rank: int):
     def na(query: Tensor, key: Tensor, value: Tensor, kernel_size, stride=1, dilation=1,
            is_causal=False, scale: Optional[float] = None, *, sharding: Sharding,
-           backend: Optional[str] = None, return_lse: bool = False, overlap: bool = True):
+           backend: Optional[str] = None, return_lse: bool = False, overlap: bool = False):
         return _na_sharded(rank, query, key, value, kernel_size, stride, dilation, is_causal,
                            scale, sharding, backend, return_lse, overlap)
 

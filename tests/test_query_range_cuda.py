@@ -8,9 +8,9 @@ import zlib
 import pytest
 import torch
 
-import nbhd
 from nbhd import _lib, ops
-from test_cuda import CASES, JVPB_TOL, NO_RPB, TOL, build, ids, poison, reference, rel_err, with_patch
+from test_cuda import (CASES, JVPB_TOL, NO_RPB, TOL, build, ids, kv_parallel, poison,  # noqa: F401
+                       reference, rel_err, use_reference, with_patch)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not _lib.has_cuda(),
@@ -66,26 +66,20 @@ def check_full(name, got, want, tol, case, dtype):
     assert err < tol, f"{name}: rel err {err:.3g} >= {tol} for {ids(case)} {dtype}"
 
 
-@pytest.fixture(params=[False, True], ids=["fast", "simple"])
-def use_reference(request):
-    old = ops._OPTIONS["use_reference"]
-    ops._OPTIONS["use_reference"] = request.param
-    yield request.param
-    ops._OPTIONS["use_reference"] = old
-
-
-def seed_of(case, k):
-    return k + zlib.crc32(ids(case).encode()) % 1000
+def problem(case, dtype, seed, op=None, patch=0):
+    """(inputs, geo on the patch asked for, the case's range, its mask) of a case"""
+    inputs, geo = build(case, dtype, seed + zlib.crc32(ids(case).encode()) % 1000)
+    if op is not None:
+        geo = with_patch(inputs, geo, op, patch)
+    qr = query_range(case)
+    return inputs, geo, qr, inside(case, qr)
 
 
 @pytest.mark.parametrize("patch", [0, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", RANGE_CASES, ids=ids)
 def test_forward(case, dtype, patch, use_reference):
-    inputs, geo = build(case, dtype, seed_of(case, 21))
-    geo = with_patch(inputs, geo, _lib.OP_FORWARD, patch)
-    qr = query_range(case)
-    m = inside(case, qr)
+    inputs, geo, qr, m = problem(case, dtype, 21, _lib.OP_FORWARD, patch)
     ref_out, ref_lse = reference(inputs, geo, case[0])
     poison()
     out, lse = ops.na_forward(poisoned(inputs[0], m), *inputs[1:], NO_RPB, *geo[:6], qr)
@@ -94,51 +88,39 @@ def test_forward(case, dtype, patch, use_reference):
     check_rows("lse", lse, ref_lse, m, TOL[dtype], case, dtype)
 
 
-@pytest.mark.parametrize("kv_parallel", [True, False], ids=["kvpar", "determ"])
 @pytest.mark.parametrize("patch", [0, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", RANGE_CASES, ids=ids)
 def test_backward(case, dtype, patch, kv_parallel, use_reference):
-    old = nbhd.is_kv_parallelism_in_fused_na_enabled()
-    nbhd.use_kv_parallelism_in_fused_na(kv_parallel)
-    try:
-        inputs, geo = build(case, dtype, seed_of(case, 22))
-        geo = with_patch(inputs, geo, _lib.OP_BACKWARD, patch)
-        qr = query_range(case)
-        m = inside(case, qr)
-        gen = torch.Generator(device="cuda").manual_seed(23)
-        ref_in = [t.double().requires_grad_() for t in inputs]
-        ref_out, ref_lse = reference(ref_in, geo, case[0])
-        d_out = torch.randn(ref_out.shape, generator=gen, device="cuda", dtype=torch.float64)
-        d_lse = torch.randn(ref_lse.shape, generator=gen, device="cuda", dtype=torch.float64)
-        wrt = [t for t in ref_in if t.numel()]
-        loss = (ref_out * masked(d_out, m)).sum() + (ref_lse * masked(d_lse, m)).sum()
-        want = torch.autograd.grad(loss, wrt, allow_unused=True)
-        out, lse = ops.na_forward(*inputs, NO_RPB, *geo[:6], qr)
-        q_p = poisoned(inputs[0], m)
-        poison()
-        grads = ops.na_backward(q_p, *inputs[1:], NO_RPB, poisoned(out, m), poisoned(lse, m),
-                                poisoned(d_out.to(dtype), m), poisoned(d_lse.to(lse.dtype), m), *geo[:6], qr)
-        torch.cuda.synchronize()
-        got = [g for g, t in zip(grads, inputs) if t.numel()]
-        for i, (name, g, w) in enumerate(zip(["dq", "dk", "dv", "dkx", "dvx"], got, want)):
-            w = torch.zeros_like(g, dtype=torch.float64) if w is None else w
-            if i == 0:
-                check_rows(name, g, w, m, TOL[dtype], case, dtype)
-            else:
-                check_full(name, g, w, TOL[dtype], case, dtype)
-    finally:
-        nbhd.use_kv_parallelism_in_fused_na(old)
+    inputs, geo, qr, m = problem(case, dtype, 22, _lib.OP_BACKWARD, patch)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    ref_in = [t.double().requires_grad_() for t in inputs]
+    ref_out, ref_lse = reference(ref_in, geo, case[0])
+    d_out = torch.randn(ref_out.shape, generator=gen, device="cuda", dtype=torch.float64)
+    d_lse = torch.randn(ref_lse.shape, generator=gen, device="cuda", dtype=torch.float64)
+    wrt = [t for t in ref_in if t.numel()]
+    loss = (ref_out * masked(d_out, m)).sum() + (ref_lse * masked(d_lse, m)).sum()
+    want = torch.autograd.grad(loss, wrt, allow_unused=True)
+    out, lse = ops.na_forward(*inputs, NO_RPB, *geo[:6], qr)
+    q_p = poisoned(inputs[0], m)
+    poison()
+    grads = ops.na_backward(q_p, *inputs[1:], NO_RPB, poisoned(out, m), poisoned(lse, m),
+                            poisoned(d_out.to(dtype), m), poisoned(d_lse.to(lse.dtype), m), *geo[:6], qr)
+    torch.cuda.synchronize()
+    got = [g for g, t in zip(grads, inputs) if t.numel()]
+    for i, (name, g, w) in enumerate(zip(["dq", "dk", "dv", "dkx", "dvx"], got, want)):
+        w = torch.zeros_like(g, dtype=torch.float64) if w is None else w
+        if i == 0:
+            check_rows(name, g, w, m, TOL[dtype], case, dtype)
+        else:
+            check_full(name, g, w, TOL[dtype], case, dtype)
 
 
 @pytest.mark.parametrize("patch", [0, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", RANGE_CASES, ids=ids)
 def test_forward_jvp(case, dtype, patch, use_reference):
-    inputs, geo = build(case, dtype, seed_of(case, 24))
-    geo = with_patch(inputs, geo, _lib.OP_FORWARD_JVP, patch)
-    qr = query_range(case)
-    m = inside(case, qr)
+    inputs, geo, qr, m = problem(case, dtype, 24, _lib.OP_FORWARD_JVP, patch)
     gen = torch.Generator(device="cuda").manual_seed(25)
     tangents = [torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64).to(dtype) for t in inputs]
     (ref_out, ref_lse), (ref_tout, ref_tlse) = torch.func.jvp(
@@ -155,9 +137,7 @@ def test_forward_jvp(case, dtype, patch, use_reference):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", RANGE_CASES, ids=ids)
 def test_forward_jvp_backward(case, dtype, use_reference):
-    inputs, geo = build(case, dtype, seed_of(case, 26))
-    qr = query_range(case)
-    m = inside(case, qr)
+    inputs, geo, qr, m = problem(case, dtype, 26)
     gen = torch.Generator(device="cuda").manual_seed(27)
     rnd = lambda t: torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64)  # noqa: E731
     tangents = [rnd(t).to(dtype) for t in inputs]

@@ -14,8 +14,8 @@
 
 /* The exact union of a CTA's windows: per axis the in-group range [lo, lo + cnt) from the
  * start of its first query to the end of its last (starts and ends never decrease along an
- * axis), walked row-major: walk index n -> in-group key coordinates. The last query is the
- * patch's last before `end` (the group's length, or the end of its query range). */
+ * axis), walked row-major: walk index n -> in-group key coordinates. Its queries are the
+ * patch's inside [begin, end) (the group, or its query range). */
 struct key_box {
     int lo[3], cnt[3];
     udiv32 d1, d2;  /* by cnt[1], cnt[2] */
@@ -24,14 +24,15 @@ struct key_box {
 
 template <typename I>
 __device__ __forceinline__ key_box key_box_of(const nbhd_geometry &g, const I i0[3], const int ct[3],
-                                              const I Lg[3], const I end[3]) {
+                                              const I Lg[3], const I begin[3], const I end[3]) {
     key_box kb;
     int64_t total = g.has_window ? 1 : 0;
 #pragma unroll
     for (int ax = 0; ax < 3; ++ax) {
         int64_t st, en, st2, en2;
+        const int first = max((int)i0[ax], (int)begin[ax]);
         const int last = (int)min((int64_t)i0[ax] + ct[ax], (int64_t)end[ax]) - 1;
-        window32(&g.axis[ax], i0[ax], Lg[ax], &st, &en);
+        window32(&g.axis[ax], first, Lg[ax], &st, &en);
         window32(&g.axis[ax], last, Lg[ax], &st2, &en2);
         kb.lo[ax] = (int)st;
         kb.cnt[ax] = max((int)(en2 - st), 1);
@@ -121,7 +122,7 @@ struct cta_patch {
     int h;                /* the patch's head: a query head, or the key head of a key patch */
     int64_t grp[3];       /* dilation group per axis */
     int i0[3], Lg[3];     /* first in-group position of the patch, group length */
-    int Qe[3];            /* end of the patch's rows: a query patch's query range (nbhd.h), else Lg */
+    int Qb[3], Qe[3];     /* the patch's valid rows: a query patch's query range (nbhd.h), else [0, Lg) */
     key_box kb;           /* a query patch's keys (walk): the union of its windows */
     int win_tiles, tiles; /* tiles of the walk: the key box's, then the extra keys' */
 
@@ -134,13 +135,13 @@ struct cta_patch {
 
     /* patch index -> dilation group, first in-group position and group length per axis (the
      * last axis fastest); false: an empty slot (uniform over the CTA). A query patch (queries)
-     * tiles its group's query range, from its start: slots past its end are empty. The grid has
+     * covers its group's query range: slots past its end are empty. The grid has
      * < 2^31 CTAs (nbhd_cuda_grid_fits) and the axes < 2^31 positions: 32-bit arithmetic. */
     __device__ __forceinline__ bool locate(const nbhd_geometry &g, const mma_plan &P, uint32_t patch,
                                            bool queries) {
         constexpr int AXES = RANK ? RANK : 3;
 #pragma unroll
-        for (int ax = 0; ax < 3; ++ax) grp[ax] = 0, i0[ax] = 0, Lg[ax] = 1, Qe[ax] = 1;
+        for (int ax = 0; ax < 3; ++ax) grp[ax] = 0, i0[ax] = 0, Lg[ax] = 1, Qb[ax] = 0, Qe[ax] = 1;
 #pragma unroll
         for (int ax = AXES - 1; ax >= 0; --ax) {
             const uint32_t ns = (uint32_t)P.slots[ax], slot = patch % ns;
@@ -148,10 +149,13 @@ struct cta_patch {
             const int d = g.axis[ax].dilation;
             grp[ax] = d == 1 ? 0 : (int)(slot % (uint32_t)d);
             Lg[ax] = d == 1 ? (int)g.axis[ax].extent : ((int)g.axis[ax].extent - (int)grp[ax] + d - 1) / d;
-            int first = 0;
+            Qb[ax] = 0;
             Qe[ax] = Lg[ax];
-            if (queries) query_range32(&g.axis[ax], (int)grp[ax], first, Qe[ax]);
-            i0[ax] = first + (d == 1 ? (int)slot : (int)(slot / (uint32_t)d)) * ct(P, ax);
+            if (queries) query_range32(&g.axis[ax], (int)grp[ax], Qb[ax], Qe[ax]);
+            // patches stay where the whole grid's are (a stride group's queries share a patch
+            // there), from the one holding the range's first query
+            const int c = ct(P, ax);
+            i0[ax] = (Qb[ax] / c + (d == 1 ? (int)slot : (int)(slot / (uint32_t)d))) * c;
             if (i0[ax] >= Qe[ax]) return false;
         }
         return true;
@@ -203,7 +207,7 @@ struct cta_patch {
     /* the exact union of a query patch's windows */
     __device__ __forceinline__ key_box keys(const nbhd_geometry &g, const mma_plan &P) const {
         const int c[3] = {ct(P, 0), ct(P, 1), ct(P, 2)};
-        return key_box_of(g, i0, c, Lg, Qe);
+        return key_box_of(g, i0, c, Lg, Qb, Qe);
     }
 
     /* the union of the patch's windows, walked in tiles of bn keys, then the extra keys */
@@ -228,7 +232,8 @@ struct cta_patch {
         iq[0] = i0[0] + mblock * w0 + r0;
         iq[1] = i0[1] + r1;
         iq[2] = i0[2] + r2;
-        return iq[0] < Qe[0] && iq[1] < Qe[1] && iq[2] < Qe[2];
+        return iq[0] >= Qb[0] && iq[1] >= Qb[1] && iq[2] >= Qb[2] && iq[0] < Qe[0] && iq[1] < Qe[1] &&
+               iq[2] < Qe[2];
     }
 
     /* a thread's fragment rows qr(hrow) = 16 w + lane / 4 + 8 hrow: validity, in-group

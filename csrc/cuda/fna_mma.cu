@@ -103,12 +103,12 @@ fna_mma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_con
         row_coords(w * MB * 16, wq);  /* the warp's first row */
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
-            warp_has_rows &= wq[ax] < C.Qe[ax];
-            all_rows &= wq[ax] + WX[ax] <= C.Qe[ax];
+            warp_has_rows &= wq[ax] < C.Qe[ax] && wq[ax] + WX[ax] > C.Qb[ax];
+            all_rows &= wq[ax] >= C.Qb[ax] && wq[ax] + WX[ax] <= C.Qe[ax];
         }
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
-            const int f = min(wq[ax], C.Qe[ax] - 1), l = min(wq[ax] + WX[ax], C.Qe[ax]) - 1;
+            const int f = max(min(wq[ax], C.Qe[ax] - 1), C.Qb[ax]), l = min(wq[ax] + WX[ax], C.Qe[ax]) - 1;
             int64_t sf, ef, sl, el;
             window32(&g.axis[ax], f, C.Lg[ax], &sf, &ef);
             window32(&g.axis[ax], l, C.Lg[ax], &sl, &el);

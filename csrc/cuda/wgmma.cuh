@@ -102,10 +102,11 @@ struct wg_cta : cta_patch<RANK, WGS> {
         this->row(wg * 64, wq);
         bool all_rows = true;
 #pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) all_rows &= wq[ax] + WX[ax] <= this->Qe[ax];
+        for (int ax = 0; ax < RANK; ++ax) all_rows &= wq[ax] >= this->Qb[ax] && wq[ax] + WX[ax] <= this->Qe[ax];
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
-            const int f = min(wq[ax], this->Qe[ax] - 1), l = min(wq[ax] + WX[ax], this->Qe[ax]) - 1;
+            const int f = max(min(wq[ax], this->Qe[ax] - 1), this->Qb[ax]);
+            const int l = min(wq[ax] + WX[ax], this->Qe[ax]) - 1;
             int64_t sf, ef, sl, el;
             window32(&g.axis[ax], f, this->Lg[ax], &sf, &ef);
             window32(&g.axis[ax], l, this->Lg[ax], &sl, &el);
