@@ -9,7 +9,8 @@ other ranks wait; then every rank runs the sharded problem (nbhd.distributed.na3
 slowest rank's time counts. Problems (bf16 on GPUs, B = 1):
   strong: 30x48x80, window 18x24x24 (stride 1 and 16x8x8), the same grid on 1 and on N devices;
   weak:   the strided problem with N x 30 frames on N devices against 30 frames on one.
-For each sharded axis (`--axes`: a list of axes, `0+2` shards two axes on a balanced mesh):
+For each sharded axis (`--axes`: a list of axes, `0+2` shards two axes on a balanced mesh;
+shard sizes in multiples of the axis's stride, split_sizes(..., multiple=stride)):
 forward, forward+backward and MeanFlow step time (torch.func.jvp with tangents on q, k, v,
 then the backward of the primal output), speedup (strong) or efficiency
 (weak), the forward with the exchange overlapped with the interior queries (`overlap=True`;
@@ -139,6 +140,10 @@ def main():
             full[scaled] *= world
         for axis in parse_axes(args.axes, default_axes):
             sharding = cp.Sharding(tuple(full), axes=axis)
+            # shard boundaries on stride-group boundaries (no group cut across two ranks)
+            sharding = cp.Sharding(tuple(full), axes=axis, mesh_shape=sharding.mesh_shape,
+                                   sizes=[cp.split_sizes(full[a], m, st[a])
+                                          for a, m in zip(sharding.axes, sharding.mesh_shape)])
             plan = sharding.plan(ks, st, 1, False)
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
             na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding)
@@ -170,6 +175,7 @@ def main():
             score = (b_fwd / t_fwd, b_fb / t_fb, b_mf / t_mf if meanflow else 0.0)
             row = dict(problem=name, kind=kind, world=world, grid="x".join(map(str, full)),
                        axis="+".join(map(str, axis)), mesh="x".join(map(str, sharding.mesh_shape)),
+                       sizes=";".join("/".join(map(str, ax)) for ax in sharding.sizes),
                        heads=heads, dim=dim, dtype=str(dtype).replace("torch.", ""),
                        base_fwd_ms=round(b_fwd, 3), base_fwdbwd_ms=round(b_fb, 3), base_meanflow_ms=round(b_mf, 3),
                        fwd_ms=round(t_fwd, 3), fwd_overlap_ms=round(t_fwd_overlap, 3),

@@ -121,9 +121,24 @@ def own_box_queries(extent: int, kernel: int, stride: int, dilation: int, causal
     return None if best is None else (lo + best[0], lo + best[1])
 
 
-def split_sizes(extent: int, parts: int) -> Tuple[int, ...]:
-    """torch.tensor_split's sizes: the first extent % parts shards are one token longer."""
-    return tuple(extent // parts + (1 if i < extent % parts else 0) for i in range(parts))
+def split_sizes(extent: int, parts: int, multiple: int = 1) -> Tuple[int, ...]:
+    """Shard sizes of one axis: multiples of `multiple` as even as they go, the last shard
+    short by what the axis lacks of a whole multiple (multiple 1: torch.tensor_split's sizes,
+    the first extent % parts shards one token longer). With `multiple` = stride * dilation of
+    a strided axis no shard boundary cuts a stride group, whose queries share one window: a
+    cut group costs a partly filled query patch on each side (docs/context_parallel.md)."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    units = -(-extent // multiple)
+    if units < parts:
+        raise ValueError(f"an extent of {extent} holds {units} multiples of {multiple}: too few "
+                         f"for {parts} shards (need units >= parts)")
+    sizes = [(units // parts + (1 if i < units % parts else 0)) * multiple for i in range(parts)]
+    sizes[-1] -= units * multiple - extent
+    if sizes[-1] < 1:
+        raise ValueError(f"the last of {parts} shards of {extent} tokens in multiples of {multiple} "
+                         f"would be empty")
+    return tuple(sizes)
 
 
 def shard_box(global_shape: Sequence[int], axes: Sequence[int], sizes: Sequence[Sequence[int]],

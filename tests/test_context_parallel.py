@@ -283,6 +283,17 @@ def test_nccl_against_single_process(world):
     _check(_spawn(world, "nccl"), tol=1e-4, bitwise=False)
 
 
+def test_split_sizes():
+    assert cp.split_sizes(13, 2) == (7, 6) and cp.split_sizes(12, 4) == (3, 3, 3, 3)
+    # multiples of a stride group: the remainder on the last shard
+    assert cp.split_sizes(60, 2, 16) == (32, 28) and cp.split_sizes(30, 2, 16) == (16, 14)
+    assert cp.split_sizes(80, 2, 8) == (40, 40) and cp.split_sizes(70, 3, 8) == (24, 24, 22)
+    with pytest.raises(ValueError, match="too few"):
+        cp.split_sizes(20, 3, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        cp.split_sizes(20, 2, 0)
+
+
 @pytest.mark.parametrize("extent", [7, 11])
 def test_axis_key_range_exhaustive(extent):
     """Every kernel/stride/dilation/causal and query range [a, b) of small axes: the sub-axis
