@@ -244,19 +244,31 @@ def _backward_vjp(calls, saved, fused, geometry, grads):
     return (*gx, None, None, gdo, gdl)
 
 
+def _sum_releasing(a: list, b: list) -> tuple:
+    """a[i] + b[i] (None counts as zero), each pair dropped from the lists once summed, so that
+    the peak holds two sets of gradients and one sum rather than three sets."""
+    out = []
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        a[i] = b[i] = None
+        out.append(x if y is None else y if x is None else x + y)
+        del x, y
+    return tuple(out)
+
+
 def _backward_jvp(calls, saved, fused, geometry, tangents):
     q, k, v, kx, vx, rpb, out, lse, d_out, d_lse = saved
     t_x, t_dout, t_dlse = tangents[:6], tangents[8], tangents[9]
     x = (q, k, v, kx, vx, rpb)
     if fused:
         # J(x)^T c is linear in c; its derivative along x-tangent t is grad_x <c, J(x) t>
-        x_grads, _, _ = second_order(calls, x, t_x, d_out, d_lse, geometry)
+        x_grads = list(second_order(calls, x, t_x, d_out, d_lse, geometry)[0])
         if t_dout is None and t_dlse is None:
-            return x_grads
+            return tuple(x_grads)
         t_dout = torch.zeros_like(out) if t_dout is None else t_dout
         t_dlse = torch.zeros_like(lse) if t_dlse is None else t_dlse
-        linear = calls.backward(*x, out, lse, t_dout, t_dlse, geometry)
-        return tuple(a + b for a, b in zip(linear, x_grads))
+        linear = list(calls.backward(*x, out, lse, t_dout, t_dlse, geometry))
+        return _sum_releasing(linear, x_grads)
     d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
     primals = _dense((*x, d_out, d_lse))
     tangents = _dense(zeros_for((*t_x, t_dout, t_dlse), primals))
