@@ -294,6 +294,31 @@ def test_split_sizes():
         cp.split_sizes(20, 2, 0)
 
 
+def test_own_box_queries_exhaustive():
+    """Every kernel/stride/dilation/causal and own range [a, b) of an 11-token axis: each query of
+    the returned run gets its whole-axis window from the own range alone, and the run cannot be
+    extended by one query on either side (None: no query can, or the range is under a window)."""
+    N = 11
+    for K in range(2, N + 1):
+        for d in range(1, N // K + 1):
+            for s in range(1, K + 1):
+                for causal in (False, True):
+                    for a in range(N):
+                        for b in range(a + 1, N + 1):
+                            run = cp.own_box_queries(N, K, s, d, causal, a, b)
+                            match = lambda x: _windows_match(N, K, s, d, causal, x, x + 1, a, b)
+                            if b - a < K * d:
+                                assert run is None
+                                continue
+                            if run is None:
+                                assert not any(match(x) for x in range(a, b))
+                                continue
+                            lo, hi = run
+                            assert a <= lo < hi <= b and all(match(x) for x in range(lo, hi))
+                            assert lo == a or not match(lo - 1)
+                            assert hi == b or not match(hi)
+
+
 @pytest.mark.parametrize("extent", [7, 11])
 def test_axis_key_range_exhaustive(extent):
     """Every kernel/stride/dilation/causal and query range [a, b) of small axes: the sub-axis
