@@ -48,15 +48,22 @@ Box = Tuple[Range, ...]
 # ---------------------------------------------------------------------------------------------
 # Per-axis window arithmetic
 
-def _windows_match(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
-                   start: int, end: int, lo: int, hi: int) -> bool:
-    """True iff every query in [start, end) sees, on the sub-axis [lo, hi), exactly its window
-    on the whole axis [0, extent)."""
+def _queries_matching(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
+                      lo: int, hi: int) -> Tensor:
+    """bool [hi - lo]: does each query of [lo, hi) see, on the sub-axis [lo, hi), exactly its
+    window on the whole axis [0, extent)?"""
     keys, valid = axis_windows(extent, kernel, stride, dilation, causal)
     sub_keys, sub_valid = axis_windows(hi - lo, kernel, stride, dilation, causal)
-    keys, valid = keys[start:end], valid[start:end]
-    sub_keys, sub_valid = sub_keys[start - lo:end - lo] + lo, sub_valid[start - lo:end - lo]
-    return bool(torch.equal(valid, sub_valid) and torch.equal(keys[valid], sub_keys[sub_valid]))
+    keys, valid = keys[lo:hi], valid[lo:hi]
+    return ((valid == sub_valid) & ((keys == sub_keys + lo) | ~valid)).all(1)
+
+
+def _windows_match(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
+                   start: int, end: int, lo: int, hi: int) -> bool:
+    """True iff every query in [start, end) (inside [lo, hi)) sees, on the sub-axis [lo, hi),
+    exactly its window on the whole axis [0, extent)."""
+    same = _queries_matching(extent, kernel, stride, dilation, causal, lo, hi)
+    return bool(same[start - lo:end - lo].all())
 
 
 def axis_key_range(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
@@ -106,10 +113,7 @@ def own_box_queries(extent: int, kernel: int, stride: int, dilation: int, causal
     arrives. None when there is none (or the sub-axis is shorter than a window)."""
     if hi - lo < kernel * dilation:
         return None
-    keys, valid = axis_windows(extent, kernel, stride, dilation, causal)
-    sub_keys, sub_valid = axis_windows(hi - lo, kernel, stride, dilation, causal)
-    keys, valid, sub_keys = keys[lo:hi], valid[lo:hi], sub_keys + lo
-    same = ((valid == sub_valid) & ((keys == sub_keys) | ~valid)).all(1).tolist()
+    same = _queries_matching(extent, kernel, stride, dilation, causal, lo, hi).tolist()
     best, start = None, None
     for x, ok in enumerate(same + [False]):
         if ok and start is None:
@@ -326,7 +330,7 @@ class HaloPlan:
     @property
     def query_range(self) -> Tuple[Range, ...]:
         """The owned box in the key box's coordinates: the queries this rank's kernel computes."""
-        return tuple((lo - klo, hi - klo) for (lo, hi), (klo, _) in zip(self.box, self.key_box))
+        return _relative(self.box, [lo for lo, _ in self.key_box])
 
     @property
     def halo_tokens(self) -> int:

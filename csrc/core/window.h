@@ -35,6 +35,12 @@ NBHD_INLINE int nbhd_query_in_range(const nbhd_axis *a, int64_t x) {
     return x >= a->query_begin && x < a->query_end;
 }
 
+/* Is the query at coordinates c (the three axes of `axes`) inside the query range? */
+NBHD_INLINE int nbhd_token_in_range(const nbhd_axis axes[3], const int64_t c[3]) {
+    return nbhd_query_in_range(&axes[0], c[0]) && nbhd_query_in_range(&axes[1], c[1]) &&
+           nbhd_query_in_range(&axes[2], c[2]);
+}
+
 /* In-group window [start, end) of in-group query index i on a group of length group_len. */
 NBHD_INLINE void nbhd_window_in_group(const nbhd_axis *a, int64_t i, int64_t group_len,
                                       int64_t *start, int64_t *end) {

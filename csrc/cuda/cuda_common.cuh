@@ -51,8 +51,7 @@ __device__ __forceinline__ void token_coords(const nbhd_geometry &g, int64_t tok
 /* Is a query at coordinates c inside the query range (nbhd.h)? Rows outside it are neither read
  * nor written. */
 __device__ __forceinline__ bool row_in_range(const nbhd_geometry &g, const int64_t c[3]) {
-    return nbhd_query_in_range(&g.axis[0], c[0]) && nbhd_query_in_range(&g.axis[1], c[1]) &&
-           nbhd_query_in_range(&g.axis[2], c[2]);
+    return nbhd_token_in_range(g.axis, c);
 }
 
 __device__ __forceinline__ int64_t offset_of(const nbhd_tensor &t, int64_t b, int64_t x,

@@ -254,10 +254,11 @@ __device__ __forceinline__ void inverse32(const nbhd_axis *a, int64_t y64, int64
         window32(a, mid, n, &st, &en);
         if (st > j) hi = mid; else lo = mid + 1;
     }
-    int q_lo, q_hi;
+    int q_lo, q_hi;  /* cut to the query range as window.h's nbhd_inverse_in_range does */
     query_range32(a, g, q_lo, q_hi);
-    *first = g + (int64_t)min(max(i_lo, q_lo), q_hi) * d;
-    *count = min(max(lo, q_lo), q_hi) - min(max(i_lo, q_lo), q_hi);  /* window.h nbhd_inverse_in_range */
+    const int f = min(max(i_lo, q_lo), q_hi), e = min(max(lo, q_lo), q_hi);
+    *first = g + (int64_t)f * d;
+    *count = e - f;
 }
 
 // ----------------------------------------------------------------------------

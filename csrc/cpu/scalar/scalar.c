@@ -45,6 +45,13 @@ static inline void token_coords(const nbhd_geometry *g, int64_t tok, int64_t c[3
     c[2] = tok % Z;
 }
 
+/* Is query row r of the flattened [B, tokens, H] rows inside the query range (nbhd.h)? */
+static inline int query_row_in_range(const nbhd_geometry *g, int64_t r) {
+    int64_t c[3];
+    token_coords(g, (r / g->heads) % g->tokens, c);
+    return nbhd_token_in_range(g->axis, c);
+}
+
 /* A box of tokens per axis (first, count; step = dilation) followed by `extra` extra keys. */
 typedef struct {
     int64_t first[3], count[3], step[3];

@@ -88,14 +88,6 @@ static inline FN(row_index) FN(row_of)(const nbhd_geometry *g, int64_t r) {
 }
 
 /* offset of query row ri (its token, its head) in t */
-/* Is query row r inside the query range (nbhd.h)? */
-static inline int FN(row_in_range)(const nbhd_geometry *g, int64_t r) {
-    int64_t c[3];
-    token_coords(g, (r / g->heads) % g->tokens, c);
-    return nbhd_query_in_range(&g->axis[0], c[0]) && nbhd_query_in_range(&g->axis[1], c[1]) &&
-           nbhd_query_in_range(&g->axis[2], c[2]);
-}
-
 static inline int64_t FN(row_at)(const nbhd_tensor *t, const nbhd_geometry *g, const FN(row_index) *ri) {
     return token_offset(t, g, ri->b, ri->c[0], ri->c[1], ri->c[2], ri->h);
 }
@@ -541,7 +533,7 @@ static int FN(table_grads)(const FN(call) *c) {
  * d_rpb, then d_t_rpb, heads * M each) */
 static void FN(pass_row)(const FN(call) *c, int pass, int64_t r, ACC *buf, size_t width, double *part) {
     const nbhd_geometry *g = c->g;
-    if (pass == 0 && g->query_range && !FN(row_in_range)(g, r)) return;  /* neither read nor written */
+    if (pass == 0 && g->query_range && !query_row_in_range(g, r)) return;  /* neither read nor written */
     if (c->fwd) FN(forward_row)(g, c->fwd, r, buf);
     else if (c->jvp) FN(forward_jvp_row)(g, c->jvp, r, buf);
     else if (c->bwd) {
