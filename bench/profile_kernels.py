@@ -1,7 +1,10 @@
 """CUDA time per kernel of one nbhd op on the GPU benchmark's problems (torch.profiler), to see
 which kernel of a multi-kernel op (the backward: D_i, dQ, dK/dV, extra keys) to work on.
 
-    python bench/profile_kernels.py [--op bwd|fwd|jvp] [--dims 128,64] [--problems 1d,3d-30] [--loop 5]
+    python bench/profile_kernels.py [--op bwd|fwd|jvp|jvpb] [--dims 128,64] [--problems 1d,3d-30] [--loop 5]
+
+jvpb: the backward through forward+JVP as backprop through the tangent runs it (a tangent of q
+only, cotangents of O and tO, the primals' gradients only).
 """
 import argparse
 
@@ -16,7 +19,7 @@ NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--op", choices=["bwd", "fwd", "jvp"], default="bwd")
+    ap.add_argument("--op", choices=["bwd", "fwd", "jvp", "jvpb"], default="bwd")
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--problems", default="")
@@ -39,6 +42,12 @@ def main():
             elif args.op == "jvp":
                 tq, tk, tv = (torch.randn_like(x) for x in (q, k, v))
                 fn = lambda: ops.na_forward_jvp(q, k, v, empty, empty, NO_RPB, tq, tk, tv, empty, empty, None, *geo)
+            elif args.op == "jvpb":
+                tq = torch.randn_like(q)
+                saved = ops.na_forward_jvp(q, k, v, empty, empty, NO_RPB, tq, None, None, None, None, None, *geo)
+                d_out, d_t_out = (torch.randn_like(saved[0]) for _ in range(2))
+                fn = lambda: ops.na_forward_jvp_backward(q, k, v, empty, empty, NO_RPB, tq, None, None, None, None,
+                                                         None, *saved, d_out, None, d_t_out, None, *geo, False)
             else:
                 fn = lambda: ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
             fn()

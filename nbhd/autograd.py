@@ -82,7 +82,7 @@ def _eager_function(name: str, rule: Rule, doc: str):
         ctx.save_for_forward(*for_forward)
 
     def backward(ctx, *grads):
-        grads = vjp(EAGER, ctx.saved_tensors, ctx.info, ctx.extra, grads)
+        grads = vjp(EAGER, ctx.saved_tensors, ctx.info, ctx.extra, grads, ctx.needs_input_grad)
         return (*(_drop(grads, ctx.absent) if optional else grads), None)
 
     def jvp_(ctx, *tangents):
@@ -175,7 +175,8 @@ def _register(rule: Rule) -> None:
         ctx.save_for_backward(*for_backward)
 
     def backward(ctx, *grads):
-        return op_grads(_drop(vjp(GRAPH, ctx.saved_tensors, ctx.info, ctx.extra, grads), ctx.absent),
+        return op_grads(_drop(vjp(GRAPH, ctx.saved_tensors, ctx.info, ctx.extra, grads, ctx.needs_input_grad),
+                                 ctx.absent),
                         ctx.extra)
 
     def batch_folding(info, in_dims, *args):

@@ -278,7 +278,9 @@ class PreparedJvp(torch.autograd.Function):
             inputs[3], inputs[4] = prep.empty_kx, prep.empty_vx
         primals = (*inputs[:5], prep.empty_rpb)
         both = (*primals, *zeros_for((*inputs[5:], None), primals))
-        g = list(RULES["na_forward_jvp"].vjp(EAGER, (*both, *outs), fused, prep.geometry, grads))
+        need = ctx.needs_input_grad
+        wanted = (*need[:5], False, *need[5:10], False)   # the rule's positions: no bias tables here
+        g = list(RULES["na_forward_jvp"].vjp(EAGER, (*both, *outs), fused, prep.geometry, grads, wanted))
         g = g[:5] + g[6:11]   # the prepared call has no bias table
         for i, t in enumerate(saved[:10]):
             if t is None:

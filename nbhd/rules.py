@@ -95,7 +95,9 @@ class Rule:
     tensors   its tensor arguments in order (a Tensor[] argument counts as one)
     optional  positions of tensors that may be None (absent: no gradient)
     save      (tensors, outputs, extra) -> (saved for backward, saved for forward, info)
-    vjp       (calls, saved, info, extra, output cotangents) -> a gradient per tensor
+    vjp       (calls, saved, info, extra, output cotangents, wanted) -> a gradient per tensor;
+              wanted: per tensor, whether its gradient is needed (ctx.needs_input_grad; None:
+              all), so that a rule may skip what nobody reads
     jvp       (calls, saved for forward, info, extra, input tangents) -> output tangents
     op_args   (tensors, extra) -> the op's arguments
     split     the op's arguments -> (tensors, extra)
@@ -206,7 +208,7 @@ def _forward_save(tensors, outputs, geometry):
     return (*tensors, *outputs), tensors, None
 
 
-def _forward_vjp(calls, saved, info, geometry, grads):
+def _forward_vjp(calls, saved, info, geometry, grads, wanted=None):
     d_out, d_lse = grads
     if d_out is None and d_lse is None:
         return (None,) * 6
@@ -227,7 +229,7 @@ def _backward_save(tensors, outputs, geometry):
     return tensors, tensors, _fused(tensors[0].device)
 
 
-def _backward_vjp(calls, saved, fused, geometry, grads):
+def _backward_vjp(calls, saved, fused, geometry, grads, wanted=None):
     # out and lse are functions of q, k, v: the total derivative flows through q, k, v and the
     # out/lse inputs get none (no double count)
     q, k, v, kx, vx, rpb, out, lse, d_out, d_lse = saved
@@ -286,7 +288,7 @@ def _forward_jvp_save(tensors, outputs, geometry):
     return (*tensors, *outputs), both, _fused(primals[0].device)
 
 
-def _forward_jvp_vjp(calls, saved, fused, geometry, grads):
+def _forward_jvp_vjp(calls, saved, fused, geometry, grads, wanted=None):
     *inputs, out, lse, t_out, t_lse = saved
     d_out, d_lse, d_t_out, d_t_lse = grads
     if d_t_out is None and d_t_lse is None:
@@ -297,6 +299,12 @@ def _forward_jvp_vjp(calls, saved, fused, geometry, grads):
         d_out = torch.zeros_like(out) if d_out is None else d_out
         return (*calls.backward(*inputs[:6], out, lse, d_out, d_lse, geometry), *(None,) * 6)
     if fused:
+        if wanted is not None and not any(wanted[6:12]):
+            # the tangents are data (a MeanFlow loss through its jvp): on CUDA their gradients
+            # would cost a whole first-order backward
+            grads = calls.forward_jvp_backward(*inputs, out, lse, t_out, t_lse, *grads,
+                                               PrimalGradsGeometry(*geometry.args()))
+            return (*grads[:6], *(None,) * 6)
         return calls.forward_jvp_backward(*inputs, out, lse, t_out, t_lse, *grads, geometry)
     outs = (out, lse, t_out, t_lse)
     inputs = (*inputs[:6], *zeros_for(inputs[6:], inputs[:6]))
@@ -321,7 +329,7 @@ def _forward_jvp_backward_save(tensors, outputs, geometry):
     return both, both, None
 
 
-def _forward_jvp_backward_vjp(calls, saved, info, geometry, grads):
+def _forward_jvp_backward_vjp(calls, saved, info, geometry, grads, wanted=None):
     if isinstance(geometry, PrimalGradsGeometry):  # the tangents' gradients were not made
         grads = (*grads[:6], None, None, None, None, None, None)
     g = _vjp(lambda *p: _reference_forward_jvp_backward(*p, geometry), saved, zeros_for(grads, saved[:12]))
@@ -356,7 +364,7 @@ def _merge_save(tensors, outputs, n):
     return both, both, None
 
 
-def _merge_vjp(calls, saved, info, n, grads):
+def _merge_vjp(calls, saved, info, n, grads, wanted=None):
     """d o_a = w_a g_o, d lse_a = w_a (g_o.(o_a - o) + g_L); 0 on rows of lse +inf, where the
     output is constant in every lse. Torch ops: double backward follows."""
     *tensors, out, lse = saved

@@ -108,3 +108,46 @@ def test_primal_gradients_alone(dtype, device):
     if device == "cpu":
         torch.library.opcheck(ops.na_forward_jvp_backward, (*args, False),
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+class _JvpBackwardFlags(torch.utils._python_dispatch.TorchDispatchMode):
+    """The `tangent_grads` flag of every nbhd::na_forward_jvp_backward call under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.flags = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name == "nbhd::na_forward_jvp_backward":
+            self.flags.append(bool(args[-1]) if isinstance(args[-1], bool) else True)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("tangent_requires_grad", [False, True])
+def test_tangent_gradients_only_when_wanted(tangent_requires_grad):
+    """Backprop through the tangent of torch.func.jvp (MeanFlow's loss): a tangent that is data
+    gets no gradient, so the fused backward runs with tangent_grads=False (on CUDA that skips a
+    whole first-order backward); a tangent that requires grad gets its gradient. Both match the
+    float64 reference."""
+    import nbhd
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 9, 10, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    t = torch.randn(1, 9, 10, 2, 8, generator=g, dtype=torch.float64)
+
+    def grads(backend, mode=None):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        tt = t.clone().requires_grad_(tangent_requires_grad)
+        f = lambda x: nbhd.na2d(x, leaves[1], leaves[2], (3, 5), dilation=(2, 1), backend=backend)  # noqa: E731
+        out, t_out = jvp(f, (leaves[0],), (tt,))
+        loss = out.square().sum() + (t_out * out.detach()).sum()
+        wrt = leaves + ([tt] if tangent_requires_grad else [])
+        if mode is None:
+            return torch.autograd.grad(loss, wrt)
+        with mode:
+            return torch.autograd.grad(loss, wrt)
+
+    mode = _JvpBackwardFlags()
+    fused = grads(None, mode)
+    assert mode.flags == [tangent_requires_grad]
+    for a, b in zip(fused, grads("reference")):
+        assert rel_err(a, b) < 1e-10
