@@ -40,33 +40,57 @@ struct jvpb_row_terms {
 // ----------------------------------------------------------------------------
 // 1. the row terms
 
-/* A warp per query row: D', c, E into ws3[3 r..] (the layout exact_jvpb_*_row read) and the
- * row terms into rt[r]. d_out may be absent (zero); G is present on this path. */
-template <typename T>
+/* A thread per 8 channels of a row (Dv / 8 = 4, 8 or 16 lanes of one warp per row): D', c, E into
+ * ws3[3 r..] (the layout exact_jvpb_*_row read) and the row terms into rt[r]. G and a present dO
+ * are 16-byte aligned rows on this path, one 16-byte load each; VEC: O and tO too, else their 8
+ * elements one by one. (A warp per row with 2-byte loads ran at about a fifth of the memory's
+ * bandwidth: bench/profile_kernels.py --op jvpb.) */
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(256) jvpb_rows_kernel(const __grid_constant__ nbhd_geometry g,
                                                         const __grid_constant__ nbhd_forward_jvp_backward_args a,
                                                         float *ws3, float4 *rt) {
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (r >= g.batch * g.tokens * g.heads) return;
-    const int64_t h = r % g.heads, b = r / (g.heads * g.tokens);
-    int64_t c[3];
-    token_coords(g, (r / g.heads) % g.tokens, c);
-    if (g.query_range && !row_in_range(g, c)) return;
-    const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h), too = offset_of(a.t_out, b, c[0], c[1], c[2], h);
-    const int64_t doo = offset_of(a.d_out, b, c[0], c[1], c[2], h), go = offset_of(a.d_t_out, b, c[0], c[1], c[2], h);
+    const int per_row = g.head_dim_v / 8;
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, r = i / per_row;
+    const int d = (int)(i - r * per_row) * 8;
+    bool valid = r < g.batch * g.tokens * g.heads;
+    int64_t h = 0, b = 0, c[3] = {0, 0, 0};
+    if (valid) token_coords(g, (r / g.heads) % g.tokens, c);
+    valid = valid && (!g.query_range || row_in_range(g, c));  /* a row's threads agree: the shuffles stay uniform */
     float dp = 0.f, cg = 0.f, eg = 0.f;
-    for (int d = lane; d < g.head_dim_v; d += 32) {
-        const float o = ld<T, float>(a.out, oo + d * a.out.stride[5]);
-        const float G = ld<T, float>(a.d_t_out, go + d * a.d_t_out.stride[5]);
-        if (a.d_out.data) dp += ld<T, float>(a.d_out, doo + d * a.d_out.stride[5]) * o;
-        cg += G * o;
-        eg += G * ld<T, float>(a.t_out, too + d * a.t_out.stride[5]);
+    if (valid) {
+        h = r % g.heads;
+        b = r / (g.heads * g.tokens);
+        const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h) + d * a.out.stride[5];
+        const int64_t too = offset_of(a.t_out, b, c[0], c[1], c[2], h) + d * a.t_out.stride[5];
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        const uint4 gv = *(const uint4 *)((const T *)a.d_t_out.data + offset_of(a.d_t_out, b, c[0], c[1], c[2], h) + d);
+        const uint4 dv = a.d_out.data ? *(const uint4 *)((const T *)a.d_out.data +
+                                                         offset_of(a.d_out, b, c[0], c[1], c[2], h) + d)
+                                      : zero;
+        const uint4 ov = VEC ? *(const uint4 *)((const T *)a.out.data + oo) : zero;
+        const uint4 tv = VEC ? *(const uint4 *)((const T *)a.t_out.data + too) : zero;
+        const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+        const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, tw[4] = {tv.x, tv.y, tv.z, tv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int64_t s0 = 2 * e * a.out.stride[5], s1 = 2 * e * a.t_out.stride[5];
+            const float2 o2 = VEC ? unpack2<T>(ow[e])
+                                  : make_float2(ld<T, float>(a.out, oo + s0), ld<T, float>(a.out, oo + s0 + a.out.stride[5]));
+            const float2 t2 = VEC ? unpack2<T>(tw[e])
+                                  : make_float2(ld<T, float>(a.t_out, too + s1),
+                                                ld<T, float>(a.t_out, too + s1 + a.t_out.stride[5]));
+            const float2 g2 = unpack2<T>(gw[e]), d2 = unpack2<T>(dw[e]);
+            dp += o2.x * d2.x + o2.y * d2.y;
+            cg += o2.x * g2.x + o2.y * g2.y;
+            eg += t2.x * g2.x + t2.y * g2.y;
+        }
     }
-    dp = warp_sum(dp);
-    cg = warp_sum(cg);
-    eg = warp_sum(eg);
-    if (lane == 0) {
+    for (int o = per_row / 2; o > 0; o >>= 1) {
+        dp += __shfl_xor_sync(0xffffffffu, dp, o);
+        cg += __shfl_xor_sync(0xffffffffu, cg, o);
+        eg += __shfl_xor_sync(0xffffffffu, eg, o);
+    }
+    if (valid && d == 0) {
         const float Dp = dp - scalar_or_zero<float>(a.d_lse, offset_of(a.d_lse, b, c[0], c[1], c[2], h));
         ws3[3 * r] = Dp;
         ws3[3 * r + 1] = cg;
@@ -607,8 +631,11 @@ static nbhd_status launch_jvpb(const nbhd_geometry *g, const nbhd_forward_jvp_ba
                                a->d_t_vx.data || a->d_t_rpb.data;
     const nbhd_backward_args t = nbhd_cuda_tangent_backward_args(a);
     if (tangent_grads && (s = nbhd_cuda_mma_backward(g, &t, ws_tangent, &tangent, st)) != NBHD_OK) return s;
-    if ((s = nbhd_cuda_launch(jvpb_rows_kernel<T>, (rows + 7) / 8, 256, 0, "mma backward through forward+JVP (rows)",
-                              st, *g, *a, ws3, rt)) != NBHD_OK)
+    const int64_t chunks = rows * (g->head_dim_v / 8);
+    auto row_terms = aligned_rows(a->out, 8, 16) && aligned_rows(a->t_out, 8, 16) ? jvpb_rows_kernel<T, true>
+                                                                                    : jvpb_rows_kernel<T, false>;
+    if ((s = nbhd_cuda_launch(row_terms, (chunks + 255) / 256, 256, 0, "mma backward through forward+JVP (rows)", st,
+                              *g, *a, ws3, rt)) != NBHD_OK)
         return s;
     if constexpr (HD == 128)
         if (jvpb_warps(g) == 8) return launch_primal<T, HD, 8>(g, a, ws3, rt, st);
