@@ -430,7 +430,9 @@ def check_forward_jvp_backward(case, dtype, absent, seed_offset=0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=ids)
 @pytest.mark.parametrize("absent", ["none", "tq", "tkv", "dout"])
-def test_forward_jvp_backward(case, dtype, absent, use_reference):
+def test_forward_jvp_backward(case, dtype, absent, use_reference, kv_parallel):
+    if use_reference and not kv_parallel:
+        pytest.skip("the reference has one mode")
     check_forward_jvp_backward(case, dtype, absent)
 
 
@@ -439,20 +441,25 @@ def test_forward_jvp_backward(case, dtype, absent, use_reference):
                                   and c[12] != "strided_d"][:6], ids=ids)
 def test_forward_jvp_backward_runs_tensor_cores(case, dtype):
     """f16/bf16 at D = Dv in {32, 64, 128} with aligned rows runs the tensor-core kernels (no
-    simple row kernel), and with KV parallelism off gives bitwise-equal gradients on a second
-    call."""
+    simple row kernel): KV-parallel (the default) without the dq kernel at D <= 64 (at D = 128 only
+    on Hopper's 128-row patches), and with KV parallelism off with it, giving
+    bitwise-equal gradients on a second call."""
     inputs, geo = build(case, dtype, 5)
     tangents = [torch.randn_like(t) for t in inputs]
     out, lse, t_out, t_lse = ops.na_forward_jvp(*inputs, NO_RPB, *tangents, None, *geo)
     cots = [torch.randn_like(t) for t in (out, lse, t_out, t_lse)]
     run = lambda: ops.na_forward_jvp_backward(*inputs, NO_RPB, *tangents, None, out, lse, t_out, t_lse,  # noqa: E731
                                               *cots, *geo)
-    ran = cuda_kernels(run)
-    assert any("jvpb_dq_kernel" in n for n in ran), ran
-    assert not any("simple_rows_kernel" in n for n in ran), ran
     was = nbhd.is_kv_parallelism_in_fused_na_enabled()
-    nbhd.use_kv_parallelism_in_fused_na(False)
     try:
+        nbhd.use_kv_parallelism_in_fused_na(True)
+        ran = cuda_kernels(run)
+        assert any("jvpb_dkdv_kernel" in n for n in ran), ran
+        assert not any("simple_rows_kernel" in n for n in ran), ran
+        if case[9] <= 64:
+            assert not any("jvpb_dq_kernel" in n for n in ran), ran
+        nbhd.use_kv_parallelism_in_fused_na(False)
+        assert any("jvpb_dq_kernel" in n for n in cuda_kernels(run))
         first, second = run(), run()
     finally:
         nbhd.use_kv_parallelism_in_fused_na(was)

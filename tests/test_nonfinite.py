@@ -239,5 +239,12 @@ def test_nonfinite_jvp_backward_cpu(isa, dtype, case, which, monkeypatch):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("dims", [(32, 32), (64, 64), (128, 128)], ids=lambda x: f"D{x[0]}")
-def test_nonfinite_jvp_backward_cuda(dims, dtype, case, which, monkeypatch):
-    _check_jvp_backward(GEOMETRIES[case[0]][case[1]], dtype, which, "cuda", dims, 3e-2, monkeypatch)
+@pytest.mark.parametrize("kv_parallel", [True, False], ids=["kvp", "deterministic"])
+def test_nonfinite_jvp_backward_cuda(dims, dtype, case, which, kv_parallel, monkeypatch):
+    """KV-parallel: dQ summed by atomics, its non-finite rows repaired after the conversion"""
+    was = nbhd.is_kv_parallelism_in_fused_na_enabled()
+    nbhd.use_kv_parallelism_in_fused_na(kv_parallel)
+    try:
+        _check_jvp_backward(GEOMETRIES[case[0]][case[1]], dtype, which, "cuda", dims, 3e-2, monkeypatch)
+    finally:
+        nbhd.use_kv_parallelism_in_fused_na(was)

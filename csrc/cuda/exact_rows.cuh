@@ -722,4 +722,19 @@ __device__ __noinline__ void redo_jvpb_key_row(const nbhd_geometry *g, const nbh
     else exact_jvpb_key_row<T, float, EXTRA, false>(*g, *a, ws3, b, c, hk, scratch, threadIdx.x & 31);
 }
 
+/* dQ's exact row by the op (the KV-parallel repair, mma_util.cuh dq_repair_kernel): the first-order
+ * backward's, given D_i per row in ws, or the backward through forward+JVP's, given (D', c, E) */
+#define REDO_QUERY_SCRATCH exact_jvpb_query_scratch(128, 128)  /* the larger; D = Dv <= 128 there */
+template <typename T>
+__device__ __forceinline__ void redo_query_row(const nbhd_geometry *g, const nbhd_backward_args *a, const float *ws,
+                                               int64_t b, int64_t c0, int64_t c1, int64_t c2, int64_t h, float *scratch) {
+    redo_dq_row<T>(g, a, ws, b, c0, c1, c2, h, scratch);
+}
+template <typename T>
+__device__ __forceinline__ void redo_query_row(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                               const float *ws, int64_t b, int64_t c0, int64_t c1, int64_t c2,
+                                               int64_t h, float *scratch) {
+    redo_jvpb_query_row<T>(g, a, ws, b, c0, c1, c2, h, scratch);
+}
+
 #endif /* NBHD_CUDA_EXACT_ROWS_CUH */

@@ -12,7 +12,8 @@
  * Deterministic (exec.kv_parallel off): each output element is written once by one thread.
  * KV-parallel (exec.kv_parallel on): no dq_kernel; the key-stationary kernels also form
  *   dQ += dS K per tile (dS staged in shared memory) and add it with fp32 atomics into a zeroed
- *   workspace, which dq_convert_kernel scales into dQ: one pass over S and dP instead of two,
+ *   workspace, which dq_convert_kernel scales into dQ (mma_util.cuh, shared with the backward
+ *   through forward+JVP): one pass over S and dP instead of two,
  *   summation order left to the hardware.
  * 128-row patches (on Hopper, D >= 64; kernel_choice.cu): steps 2 and 3 for the window keys run on
  *   wgmma instead (fna_wgmma_bwd.cu; KV-parallel at D = 64 as one pass adding dQ to the same
@@ -22,7 +23,6 @@
 
 #define BW_WARPS 4
 #define BW_THREADS (BW_WARPS * 32)
-#define DS_LD 40  /* row pitch of the staged dS^T tile [BR keys][BC queries]: 80 B, conflict-free */
 
 // ----------------------------------------------------------------------------
 // 1. D_i = dO_i.O_i - dLSE_i
@@ -209,114 +209,6 @@ fna_mma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant
 
 // ----------------------------------------------------------------------------
 // 3. dK, dV, key-stationary (EXTRA: the extra keys, over every query; KVP: dQ by atomics)
-
-/* KV-parallel dQ of one tile: dQ[BC queries][HD] += dS[BC][BR] K[BR][HD], dS read transposed
- * from the staged dS^T, keys of inactive warps skipped. Warp w takes queries (w & 1) * 16.. and
- * columns (w >> 1) * HD / 2.., in chunks of 32 columns (16 accumulator registers), and adds its
- * results to the fp32 accumulator rows of the tile's queries (in-group coordinates in qct). */
-template <typename T, int HD>
-__device__ __forceinline__ void tile_dq_atomic(const T *dST, const int *warp_active, const T *Ks,
-                                               const int *qct, const group_ptr<float> &dqp,
-                                               int64_t head_offset, int lane, int w) {
-    constexpr int NCOL = HD / 2, CHUNK = NCOL < 32 ? NCOL : 32;
-    const int q0 = (w & 1) * 16, d0 = (w >> 1) * NCOL, rq = lane >> 2, cq = lane & 3;
-    const int mat = lane >> 3;
-    float *dst[2];
-    bool row_ok[2];
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        const int cr = q0 + rq + 8 * hrow;
-        const int j0 = qct[cr];
-        row_ok[hrow] = j0 != KEY_NONE;
-        dst[hrow] = dqp.at(row_ok[hrow] ? j0 : 0, qct[BC + cr], qct[2 * BC + cr]) + head_offset + d0;
-    }
-#pragma unroll
-    for (int c0 = 0; c0 < NCOL; c0 += CHUNK) {
-        float acc[CHUNK / 8][4];
-#pragma unroll
-        for (int i = 0; i < CHUNK / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-        bool any = false;
-#pragma unroll
-        for (int kk = 0; kk < BR / 16; ++kk) {  /* keys 16 kk.. are warp kk's rows */
-            if (!warp_active[kk]) continue;
-            any = true;
-            uint32_t af[4];
-            ldmatrix_x4_trans(af, smem_u32(dST + (kk * 16 + (mat >> 1) * 8 + (lane & 7)) * DS_LD +
-                                           q0 + (mat & 1) * 8));
-#pragma unroll
-            for (int nd2 = 0; nd2 < CHUNK / 16; ++nd2) {
-                uint32_t bf[4];
-                const int row = kk * 16 + (mat & 1) * 8 + (lane & 7);
-                const int col = d0 + c0 + nd2 * 16 + (mat >> 1) * 8;
-                ldmatrix_x4_trans(bf, smem_u32(Ks + swz<HD>(row, col)));
-                mma16816<T>(acc[2 * nd2], af, bf[0], bf[1]);
-                mma16816<T>(acc[2 * nd2 + 1], af, bf[2], bf[3]);
-            }
-        }
-        if (!any) return;
-#pragma unroll
-        for (int nb = 0; nb < CHUNK / 8; ++nb)
-#pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow)
-                if (row_ok[hrow]) {
-                    float *p = dst[hrow] + c0 + nb * 8 + 2 * cq;
-                    atomicAdd(p, acc[nb][2 * hrow]);
-                    atomicAdd(p + 1, acc[nb][2 * hrow + 1]);
-                }
-    }
-}
-
-/* KV-parallel epilogue: dQ = scale * accumulator, in the caller's layout. One thread per 8
- * channels of a row (HD is a multiple of 8): two 16-byte loads, four 4-byte stores (dQ rows
- * are 4-byte aligned), and the row's coordinates decoded once for the 8 (a thread per pair
- * spends its time in 64-bit divisions: bench/profile_kernels.py --op bwd). A non-finite
- * accumulator raises the repair flag (dq_repair_kernel). */
-template <typename T>
-__global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, const nbhd_tensor dq,
-                                                         const float *acc, float scale) {
-    const int64_t per_row = g.head_dim / 8;
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= g.batch * g.tokens * g.heads * per_row) return;
-    const int64_t row = i / per_row, d = (i - row * per_row) * 8;
-    const int64_t h = row % g.heads, tok = (row / g.heads) % g.tokens, b = row / (g.heads * g.tokens);
-    int64_t c[3];
-    token_coords(g, tok, c);
-    if (g.query_range && !row_in_range(g, c)) return;
-    const float4 lo = ((const float4 *)acc)[2 * i], hi = ((const float4 *)acc)[2 * i + 1];
-    uint32_t *dst = (uint32_t *)((T *)dq.data + offset_of(dq, b, c[0], c[1], c[2], h) + d);
-    dst[0] = pack2<T>(lo.x * scale, lo.y * scale);
-    dst[1] = pack2<T>(lo.z * scale, lo.w * scale);
-    dst[2] = pack2<T>(hi.x * scale, hi.y * scale);
-    dst[3] = pack2<T>(hi.z * scale, hi.w * scale);
-    if (!(finite_value(lo.x + lo.y + lo.z + lo.w) && finite_value(hi.x + hi.y + hi.z + hi.w)))
-        atomicOr(repair_flag(g, acc), 1u);
-}
-
-/* The KV-parallel dQ's repair (exact_rows.cuh): dQ sums over CTAs by atomics, so its rows are
- * checked once complete. Exits at once unless dq_convert_kernel raised the flag; then each warp
- * takes rows in turn and computes its non-finite ones again exactly. A small grid: launched on
- * every KV-parallel backward, it costs one launch when there is nothing to repair. */
-#define REPAIR_CTAS 264
-template <typename T>
-__global__ void __launch_bounds__(256) dq_repair_kernel(const __grid_constant__ nbhd_geometry g,
-                                                        const __grid_constant__ nbhd_backward_args a,
-                                                        const float *Dws, const float *acc) {
-    __shared__ float scratch[256 / 32][exact_dq_scratch(128, 128)];  /* D = Dv <= 128 on this path */
-    if (*repair_flag(g, acc) == 0u) return;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t rows = g.batch * g.tokens * g.heads;
-    for (int64_t r = (int64_t)blockIdx.x * 8 + w; r < rows; r += (int64_t)gridDim.x * 8) {
-        const int64_t h = r % g.heads, b = r / (g.heads * g.tokens);
-        int64_t c[3];
-        token_coords(g, (r / g.heads) % g.tokens, c);
-        if (g.query_range && !row_in_range(g, c)) continue;
-        const int64_t off = offset_of(a.d_q, b, c[0], c[1], c[2], h);
-        bool fin = true;
-        for (int d = lane; d < g.head_dim; d += 32) fin = fin && finite_value(ld<T, float>(a.d_q, off + d * a.d_q.stride[5]));
-        if (__all_sync(EXACT_FULL, fin)) continue;
-        redo_dq_row<T>(&g, &a, Dws, b, c[0], c[1], c[2], h, scratch[w]);
-    }
-}
 
 template <typename T, int HD, bool EXTRA, bool KVP, int MINB, bool BIAS /* problem.rpb (not EXTRA, not KVP) */>
 __global__ void __launch_bounds__(BW_THREADS, MINB)
@@ -527,7 +419,7 @@ fna_mma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
         }
         if (KVP) {  /* dST and warp_active are rewritten only after the next tile's barrier */
             __syncthreads();
-            tile_dq_atomic<T, HD>(dST, warp_active, Ks, qct, dqp,
+            tile_dq_atomic<T, HD, BW_WARPS, false>(dST, nullptr, warp_active, Ks, nullptr, qct, dqp,
                                   (int64_t)(t / tiles_per_head) * dqa_t.stride[4], lane, w);
         }
     }
@@ -577,13 +469,8 @@ int nbhd_cuda_mma_backward_supported(const nbhd_geometry *g, const nbhd_backward
     return half_type && head_dim_ok && inputs_aligned && outputs_aligned && small_axes && small_steps;
 }
 
-/* workspace: D_i per query row, then (KV-parallel) the fp32 dQ accumulator, 256-byte aligned */
-static size_t di_bytes(const nbhd_geometry *g) {
-    return ((size_t)(g->batch * g->tokens * g->heads) * sizeof(float) + 255) & ~(size_t)255;
-}
-static size_t dq_accumulator_bytes(const nbhd_geometry *g) {
-    return (size_t)(g->batch * g->tokens * g->heads) * (size_t)g->head_dim * sizeof(float);
-}
+/* workspace: D_i per query row, then (KV-parallel) the fp32 dQ accumulator (mma_util.cuh) */
+static size_t di_bytes(const nbhd_geometry *g) { return rows_bytes(g, sizeof(float)); }
 
 /* the key-stationary kernel over the window keys or (EXTRA) the extra keys */
 template <typename T, int HD, bool EXTRA, bool KVP>
@@ -657,12 +544,7 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
         s = launch_key_stationary<T, HD, false>(g, a, Dws, nullptr, P, st);
     }
     if (s != NBHD_OK || !kv_parallel) return s;
-    dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, a->d_q, dq_acc, (float)g->scale);
-    NBHD_CUDA_CHECK_LAUNCH("mma backward (dq from the accumulator)");
-    const int64_t repair_ctas = (rows + 7) / 8 < REPAIR_CTAS ? (rows + 7) / 8 : REPAIR_CTAS;
-    dq_repair_kernel<T><<<(unsigned)repair_ctas, 256, 0, st>>>(*g, *a, Dws, dq_acc);
-    NBHD_CUDA_CHECK_LAUNCH("mma backward (dq repair)");
-    return NBHD_OK;
+    return finish_kv_parallel_dq<T>(g, a, Dws, dq_acc, st);
 }
 
 size_t nbhd_cuda_mma_backward_workspace_bytes(const nbhd_geometry *g, int kv_parallel) {

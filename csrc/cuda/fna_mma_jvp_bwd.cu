@@ -20,8 +20,12 @@
  *                         once more with EXTRA for the extra keys), every query head of the key
  *                         head in turn:  dK = s (dS^T Q + dtS^T tQ),  dV = P^T dO + (P n)^T G
  * Six score products and four output products per tile pair, against two and three for the
- * first-order backward. Deterministic (no atomics but the table gradient's, as the first-order
- * kernels). Rows with a non-finite result are computed again exactly (exact_rows.cuh).
+ * first-order backward. Deterministic with exec.kv_parallel off (no atomics but the table
+ * gradient's, as the first-order kernels). KV-parallel (exec.kv_parallel on, no bias table): no
+ * dq kernel; the dk/dv kernels stage dS^T and dtS^T in shared memory and add dQ = dS K + dtS tK
+ * with fp32 atomics (mma_util.cuh tile_dq_atomic, as the first-order backward does), which
+ * saves the dq kernel's four score products per pair. Rows with a non-finite result are
+ * computed again exactly (exact_rows.cuh).
  */
 #include <string.h>
 
@@ -44,11 +48,12 @@ struct jvpb_row_terms {
  * ws3[3 r..] (the layout exact_jvpb_*_row read) and the row terms into rt[r]. G and a present dO
  * are 16-byte aligned rows on this path, one 16-byte load each; VEC: O and tO too, else their 8
  * elements one by one. (A warp per row with 2-byte loads ran at about a fifth of the memory's
- * bandwidth: bench/profile_kernels.py --op jvpb.) */
+ * bandwidth: bench/profile_kernels.py --op jvpb.) dq_acc (KV-parallel): the thread also clears its
+ * 8 floats of the dQ accumulator (D = Dv), as the first-order backward's D_i pass does. */
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(256) jvpb_rows_kernel(const __grid_constant__ nbhd_geometry g,
                                                         const __grid_constant__ nbhd_forward_jvp_backward_args a,
-                                                        float *ws3, float4 *rt) {
+                                                        float *ws3, float4 *rt, float *dq_acc) {
     const int per_row = g.head_dim_v / 8;
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, r = i / per_row;
     const int d = (int)(i - r * per_row) * 8;
@@ -84,7 +89,12 @@ __global__ void __launch_bounds__(256) jvpb_rows_kernel(const __grid_constant__ 
             cg += o2.x * g2.x + o2.y * g2.y;
             eg += t2.x * g2.x + t2.y * g2.y;
         }
+        if (dq_acc) {  /* [B, X, Y, Z, H, D] contiguous: row r, channels d.. */
+            float4 *z = (float4 *)(dq_acc + r * g.head_dim + d);
+            z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
+    if (dq_acc && i == 0) *repair_flag(g, dq_acc) = 0u;
     for (int o = per_row / 2; o > 0; o >>= 1) {
         dp += __shfl_xor_sync(0xffffffffu, dp, o);
         cg += __shfl_xor_sync(0xffffffffu, cg, o);
@@ -295,11 +305,11 @@ jvpb_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ 
 // ----------------------------------------------------------------------------
 // 3. dK, dV, key-stationary (EXTRA: the extra keys, over every query)
 
-/* WARPS: 4 or 8 (64- or 128-key patches, as the dq kernel's) */
-template <typename T, int HD, bool EXTRA, int WARPS, int MINB, bool BIAS /* problem.rpb, not EXTRA */>
+/* WARPS: 4 or 8 (64- or 128-key patches, as the dq kernel's); KVP: dQ by atomics into dq_acc */
+template <typename T, int HD, bool EXTRA, bool KVP, int WARPS, int MINB, bool BIAS /* problem.rpb, not EXTRA, not KVP */>
 __global__ void __launch_bounds__(32 * WARPS, MINB)
 jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_backward_args a,
-                 const float *ws3, const float4 *rt, const mma_plan P) {
+                 const float *ws3, const float4 *rt, float *dq_acc, const mma_plan P) {
     constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
     static_assert(THREADS / BC <= HD / 8, "a query row needs a 16-byte chunk per thread");
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -313,6 +323,9 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
     T *Gs = dOs + 2 * BC * HD;
     float4 *qt = (float4 *)(Gs + 2 * BC * HD);  /* [2][BC] the queries' row terms */
     int *qc = (int *)(qt + 2 * BC);             /* [2][3][BC] in-group query coordinates */
+    T *dST = (T *)(qc + 6 * BC);                /* KVP: [ROWS][DS_LD] dS^T and dtS^T of the tile */
+    T *dtST = dST + ROWS * DS_LD;
+    int *warp_active = (int *)(dtST + ROWS * DS_LD); /* KVP: [WARPS] warps with rows in the tile */
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const nbhd_tensor &kt = EXTRA ? a.kx : a.k, &vt = EXTRA ? a.vx : a.v;
     const nbhd_tensor &tkt = EXTRA ? a.t_kx : a.t_k, &tvt = EXTRA ? a.t_vx : a.t_v;
@@ -385,6 +398,8 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
     const group_ptr<const T> gp = group_ptr_of<const T>(a.d_t_out, g, b, cgrp, h0, EXTRA);
     const group_ptr<const float> rtp =
         group_ptr_of<const float>(workspace_tensor(g, (const float *)rt, 4), g, b, cgrp, h0, EXTRA);
+    const nbhd_tensor dqa_t = dq_accumulator(g, dq_acc);
+    const group_ptr<float> dqp = group_ptr_of<float>(dqa_t, g, b, cgrp, h0, EXTRA);
     const int64_t q_hs = a.q.stride[4], tq_hs = has_tq ? a.t_q.stride[4] : q_hs;
     const int64_t do_hs = has_do ? a.d_out.stride[4] : a.d_t_out.stride[4], g_hs = a.d_t_out.stride[4];
     const udiv32 div_c1 = udiv32_of((uint32_t)max(cnt[1], (int64_t)1)),
@@ -467,55 +482,76 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
             mine = warp_has_rows;
             inside = all_rows && qct[lane] != KEY_NONE;
         }
-        if (!__any_sync(0xffffffffu, mine)) continue;
-        const bool full = __all_sync(0xffffffffu, inside);  /* every pair visible: no mask */
-        float sc[BC / 8][4], ts[BC / 8][4], dp[BC / 8][4], gv[BC / 8][4];
+        const bool active = __any_sync(0xffffffffu, mine);
+        if (KVP && lane == 0) warp_active[w] = active;
+        if (active) {
+            const bool full = __all_sync(0xffffffffu, inside);  /* every pair visible: no mask */
+            float sc[BC / 8][4], ts[BC / 8][4], dp[BC / 8][4], gv[BC / 8][4];
 #pragma unroll
-        for (int i = 0; i < BC / 8; ++i)
+            for (int i = 0; i < BC / 8; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) sc[i][e] = ts[i][e] = dp[i][e] = gv[i][e] = 0.f;
-        tile_abt<T, HD>(sc, Ks, w * 16, Qt, lane);                // S^T = K Q^T
-        if (has_tq) tile_abt<T, HD>(ts, Ks, w * 16, tQt, lane);   // tS^T / s = K tQ^T
-        if (has_tk) tile_abt<T, HD>(ts, tKs, w * 16, Qt, lane);   //          + tK Q^T
-        if (has_do) tile_abt<T, HD>(dp, Vs, w * 16, dOt, lane);   // dP^T = V dO^T
-        if (has_tv) tile_abt<T, HD>(dp, tVs, w * 16, Gt, lane);   //      + tV G^T
-        tile_abt<T, HD>(gv, Vs, w * 16, Gt, lane);                // GV^T = V G^T
-        const float *tab = BIAS ? tile_bias<3>::table(g, a.rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
-        const float *t_tab = BIAS ? tile_bias<3>::table(g, a.t_rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
-        auto pair_terms = [&](auto masked) {  /* P into sc, P n into ts, dS into dp, dtS into gv */
+                for (int e = 0; e < 4; ++e) sc[i][e] = ts[i][e] = dp[i][e] = gv[i][e] = 0.f;
+            tile_abt<T, HD>(sc, Ks, w * 16, Qt, lane);                // S^T = K Q^T
+            if (has_tq) tile_abt<T, HD>(ts, Ks, w * 16, tQt, lane);   // tS^T / s = K tQ^T
+            if (has_tk) tile_abt<T, HD>(ts, tKs, w * 16, Qt, lane);   //          + tK Q^T
+            if (has_do) tile_abt<T, HD>(dp, Vs, w * 16, dOt, lane);   // dP^T = V dO^T
+            if (has_tv) tile_abt<T, HD>(dp, tVs, w * 16, Gt, lane);   //      + tV G^T
+            tile_abt<T, HD>(gv, Vs, w * 16, Gt, lane);                // GV^T = V G^T
+            const float *tab = BIAS ? tile_bias<3>::table(g, a.rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
+            const float *t_tab = BIAS ? tile_bias<3>::table(g, a.t_rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
+            auto pair_terms = [&](auto masked) {  /* P into sc, P n into ts, dS into dp, dtS into gv */
 #pragma unroll
-            for (int nb = 0; nb < BC / 8; ++nb)
+                for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int cr = nb * 8 + 2 * cq + e;
-                    const int j[3] = {qct[cr], qct[BC + cr], qct[2 * BC + cr]};
-                    const int bq = BIAS ? tile_bias<3>::row(g, j) : 0;
-                    const float4 q4 = qtt[cr];
-                    const jvpb_row_terms rw = {q4.x, q4.y, q4.z, q4.w};
+                    for (int e = 0; e < 2; ++e) {
+                        const int cr = nb * 8 + 2 * cq + e;
+                        const int j[3] = {qct[cr], qct[BC + cr], qct[2 * BC + cr]};
+                        const int bq = BIAS ? tile_bias<3>::row(g, j) : 0;
+                        const float4 q4 = qtt[cr];
+                        const jvpb_row_terms rw = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+                        for (int hrow = 0; hrow < 2; ++hrow) {
+                            const bool ok = !decltype(masked)::value ||
+                                            (EXTRA ? rvalid[hrow] && j[0] != KEY_NONE
+                                                   : j[0] >= ist[hrow][0] && j[0] < ien[hrow][0] && j[1] >= ist[hrow][1] &&
+                                                         j[1] < ien[hrow][1] && j[2] >= ist[hrow][2] && j[2] < ien[hrow][2]);
+                            const int x = 2 * hrow + e;
+                            const float bias = BIAS ? tile_bias<3>::at(tab, ok, bkey[hrow], bq) : 0.f;
+                            const float t_bias = BIAS ? tile_bias<3>::at(t_tab, ok, bkey[hrow], bq) : 0.f;
+                            const jvpb_pair_terms pr = jvpb_terms(sc[nb][x], ts[nb][x], dp[nb][x], gv[nb][x], ok, bias,
+                                                                  t_bias, P.scale_log2, scale, rw);
+                            sc[nb][x] = pr.p;
+                            ts[nb][x] = pr.p * pr.n;
+                            dp[nb][x] = pr.ds;
+                            gv[nb][x] = pr.dts;
+                        }
+                    }
+            };
+            if (full) pair_terms(std::false_type{});
+            else pair_terms(std::true_type{});
+            if (has_do) tile_xb<T, HD>(dv, sc, dOt, lane);  // dV += P^T dO
+            tile_xb<T, HD>(dv, ts, Gt, lane);               //    + (P n)^T G
+            tile_xb<T, HD>(dk, dp, Qt, lane);               // dK += dS^T Q
+            if (has_tq) tile_xb<T, HD>(dk, gv, tQt, lane);  //    + dtS^T tQ
+            if (KVP)  /* this warp's 16 keys x BC queries of dS^T and dtS^T, rounded as the dK operands */
+#pragma unroll
+                for (int nb = 0; nb < BC / 8; ++nb)
 #pragma unroll
                     for (int hrow = 0; hrow < 2; ++hrow) {
-                        const bool ok = !decltype(masked)::value ||
-                                        (EXTRA ? rvalid[hrow] && j[0] != KEY_NONE
-                                               : j[0] >= ist[hrow][0] && j[0] < ien[hrow][0] && j[1] >= ist[hrow][1] &&
-                                                     j[1] < ien[hrow][1] && j[2] >= ist[hrow][2] && j[2] < ien[hrow][2]);
-                        const int x = 2 * hrow + e;
-                        const float bias = BIAS ? tile_bias<3>::at(tab, ok, bkey[hrow], bq) : 0.f;
-                        const float t_bias = BIAS ? tile_bias<3>::at(t_tab, ok, bkey[hrow], bq) : 0.f;
-                        const jvpb_pair_terms pr = jvpb_terms(sc[nb][x], ts[nb][x], dp[nb][x], gv[nb][x], ok, bias,
-                                                              t_bias, P.scale_log2, scale, rw);
-                        sc[nb][x] = pr.p;
-                        ts[nb][x] = pr.p * pr.n;
-                        dp[nb][x] = pr.ds;
-                        gv[nb][x] = pr.dts;
+                        const int at = (w * 16 + rq + 8 * hrow) * DS_LD + nb * 8 + 2 * cq;
+                        *(uint32_t *)(dST + at) = pack2<T>(dp[nb][2 * hrow], dp[nb][2 * hrow + 1]);
+                        if (has_tk) *(uint32_t *)(dtST + at) = pack2<T>(gv[nb][2 * hrow], gv[nb][2 * hrow + 1]);
                     }
-                }
-        };
-        if (full) pair_terms(std::false_type{});
-        else pair_terms(std::true_type{});
-        if (has_do) tile_xb<T, HD>(dv, sc, dOt, lane);  // dV += P^T dO
-        tile_xb<T, HD>(dv, ts, Gt, lane);               //    + (P n)^T G
-        tile_xb<T, HD>(dk, dp, Qt, lane);               // dK += dS^T Q
-        if (has_tq) tile_xb<T, HD>(dk, gv, tQt, lane);  //    + dtS^T tQ
+        }
+        if (KVP) {  /* dST, dtST and warp_active are rewritten only after the next tile's barrier */
+            __syncthreads();
+            const int64_t head_offset = (int64_t)(t / tiles_per_head) * dqa_t.stride[4];
+            if (has_tk)
+                tile_dq_atomic<T, HD, WARPS, true>(dST, dtST, warp_active, Ks, tKs, qct, dqp, head_offset, lane, w);
+            else
+                tile_dq_atomic<T, HD, WARPS, false>(dST, nullptr, warp_active, Ks, nullptr, qct, dqp, head_offset,
+                                                    lane, w);
+        }
     }
     cp_async_wait<0>();
     const nbhd_tensor &dkt = EXTRA ? a.d_kx : a.d_k, &dvt = EXTRA ? a.d_vx : a.d_v;
@@ -543,16 +579,17 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
 
 /* shared memory of the dq and dk/dv kernels on `warps` warps (the same: four tiles of 16 warps
  * rows, four double-buffered column tiles, and per tile column its coordinates (dq) or
- * coordinates and row terms (dk/dv)) */
-static size_t jvpb_smem_bytes(const nbhd_geometry *g, size_t esize, int warps) {
+ * coordinates and row terms (dk/dv)); kvp: the dk/dv kernel's staged dS^T and dtS^T too */
+static size_t jvpb_smem_bytes(const nbhd_geometry *g, size_t esize, int warps, bool kvp = false) {
     const size_t HD = (size_t)g->head_dim;
-    return esize * (4 * 16 * (size_t)warps * HD + 8 * BC * HD) + sizeof(float4) * 2 * BC + sizeof(int) * 6 * BC;
+    return esize * (4 * 16 * (size_t)warps * HD + 8 * BC * HD) + sizeof(float4) * 2 * BC + sizeof(int) * 6 * BC +
+           (kvp ? esize * 2 * 16 * (size_t)warps * DS_LD + sizeof(int) * (size_t)warps : 0);
 }
 
-/* 8 warps at D = 128 where their ~192 KiB fit (Hopper, A100): with four, the ~130 KiB of one CTA
- * leave an SM one warp per scheduler (bench/bench_autodiff.py --device cuda) */
-static int jvpb_warps(const nbhd_geometry *g) {
-    return g->head_dim == 128 && nbhd_cuda_device_facts().smem_optin >= jvpb_smem_bytes(g, 2, 8) ? 8 : 4;
+/* 8 warps at D = 128 where their ~192 KiB (~214 KiB KV-parallel) fit (Hopper): with four, the
+ * ~130 KiB of one CTA leave an SM one warp per scheduler (bench/bench_autodiff.py --device cuda) */
+static int jvpb_warps(const nbhd_geometry *g, bool kvp) {
+    return g->head_dim == 128 && nbhd_cuda_device_facts().smem_optin >= jvpb_smem_bytes(g, 2, 8, kvp) ? 8 : 4;
 }
 
 int nbhd_cuda_mma_forward_jvp_backward_supported(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a) {
@@ -578,43 +615,50 @@ int nbhd_cuda_mma_forward_jvp_backward_supported(const nbhd_geometry *g, const n
 }
 
 /* workspace: D', c, E per query row (float), then the row terms (float4), each 256-byte
- * aligned, then the first-order backward's */
-static size_t rows_bytes(const nbhd_geometry *g, size_t per_row) {
-    return ((size_t)(g->batch * g->tokens * g->heads) * per_row + 255) & ~(size_t)255;
-}
+ * aligned, then the first-order backward's (its D_i, then the KV-parallel dQ accumulator, which
+ * the primals' pass takes over once the tangents' backward is done with it) */
 size_t nbhd_cuda_mma_forward_jvp_backward_workspace_bytes(const nbhd_geometry *g, int kv_parallel) {
     return rows_bytes(g, 3 * sizeof(float)) + rows_bytes(g, sizeof(float4)) +
            nbhd_cuda_mma_backward_workspace_bytes(g, kv_parallel);
 }
 
-/* the primals' kernels on WARPS warps */
+/* the primals' kernels on WARPS warps; with dq_acc (KV-parallel) no dq kernel: the dk/dv kernels
+ * add dQ into it */
 template <typename T, int HD, int WARPS>
 static nbhd_status launch_primal(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, const float *ws3,
-                                 const float4 *rt, cudaStream_t st) {
+                                 const float4 *rt, float *dq_acc, cudaStream_t st) {
     constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
     constexpr int minb = HD == 128 ? 1 : 2;  /* registers for two CTAs at D <= 64, one at D = 128 */
+    const bool kvp = dq_acc != nullptr;
     const mma_plan P = mma_plan_of(g, WARPS / 4);
-    const size_t smem = jvpb_smem_bytes(g, sizeof(T), WARPS);
+    const size_t smem = jvpb_smem_bytes(g, sizeof(T), WARPS), smem_kv = jvpb_smem_bytes(g, sizeof(T), WARPS, kvp);
     nbhd_status s;
-    auto dq = g->rpb ? jvpb_dq_kernel<T, HD, WARPS, minb, true> : jvpb_dq_kernel<T, HD, WARPS, minb, false>;
-    if ((s = nbhd_cuda_launch(dq, g->batch * g->heads * P.patches, THREADS, smem,
-                              "mma backward through forward+JVP (dq)", st, *g, *a, ws3, rt, P)) != NBHD_OK)
-        return s;
-    if (g->has_window) {
-        auto dkdv = g->rpb ? jvpb_dkdv_kernel<T, HD, false, WARPS, minb, true>
-                           : jvpb_dkdv_kernel<T, HD, false, WARPS, minb, false>;
-        if ((s = nbhd_cuda_launch(dkdv, g->batch * g->kv_heads * P.patches, THREADS, smem,
-                                  "mma backward through forward+JVP (dk, dv)", st, *g, *a, ws3, rt, P)) != NBHD_OK)
+    if (!kvp) {
+        auto dq = g->rpb ? jvpb_dq_kernel<T, HD, WARPS, minb, true> : jvpb_dq_kernel<T, HD, WARPS, minb, false>;
+        if ((s = nbhd_cuda_launch(dq, g->batch * g->heads * P.patches, THREADS, smem,
+                                  "mma backward through forward+JVP (dq)", st, *g, *a, ws3, rt, P)) != NBHD_OK)
+            return s;
+    }
+    if (g->has_window) {  /* KV parallelism is off with a bias table (nbhd_cuda_kv_parallel_applies) */
+        auto dkdv = kvp      ? jvpb_dkdv_kernel<T, HD, false, true, WARPS, minb, false>
+                    : g->rpb ? jvpb_dkdv_kernel<T, HD, false, false, WARPS, minb, true>
+                             : jvpb_dkdv_kernel<T, HD, false, false, WARPS, minb, false>;
+        if ((s = nbhd_cuda_launch(dkdv, g->batch * g->kv_heads * P.patches, THREADS, smem_kv,
+                                  "mma backward through forward+JVP (dk, dv)", st, *g, *a, ws3, rt, dq_acc, P)) !=
+            NBHD_OK)
             return s;
     }
     if (g->extra_kv > 0) {
         mma_plan PX = P;
         PX.patches = (g->extra_kv + ROWS - 1) / ROWS;
-        return nbhd_cuda_launch(jvpb_dkdv_kernel<T, HD, true, WARPS, minb, false>, g->batch * g->kv_heads * PX.patches,
-                                THREADS, smem, "mma backward through forward+JVP (extra dk, dv)", st, *g, *a, ws3, rt,
-                                PX);
+        auto extra = kvp ? jvpb_dkdv_kernel<T, HD, true, true, WARPS, minb, false>
+                         : jvpb_dkdv_kernel<T, HD, true, false, WARPS, minb, false>;
+        if ((s = nbhd_cuda_launch(extra, g->batch * g->kv_heads * PX.patches, THREADS, smem_kv,
+                                  "mma backward through forward+JVP (extra dk, dv)", st, *g, *a, ws3, rt, dq_acc, PX)) !=
+            NBHD_OK)
+            return s;
     }
-    return NBHD_OK;
+    return kvp ? finish_kv_parallel_dq<T>(g, a, ws3, dq_acc, st) : NBHD_OK;
 }
 
 template <typename T, int HD>
@@ -631,15 +675,17 @@ static nbhd_status launch_jvpb(const nbhd_geometry *g, const nbhd_forward_jvp_ba
                                a->d_t_vx.data || a->d_t_rpb.data;
     const nbhd_backward_args t = nbhd_cuda_tangent_backward_args(a);
     if (tangent_grads && (s = nbhd_cuda_mma_backward(g, &t, ws_tangent, &tangent, st)) != NBHD_OK) return s;
+    /* KV-parallel: the dQ accumulator of the tangents' backward, after its D_i (fna_mma_bwd.cu) */
+    float *dq_acc = tangent.kv_parallel ? (float *)((unsigned char *)ws_tangent + rows_bytes(g, sizeof(float))) : nullptr;
     const int64_t chunks = rows * (g->head_dim_v / 8);
     auto row_terms = aligned_rows(a->out, 8, 16) && aligned_rows(a->t_out, 8, 16) ? jvpb_rows_kernel<T, true>
                                                                                     : jvpb_rows_kernel<T, false>;
     if ((s = nbhd_cuda_launch(row_terms, (chunks + 255) / 256, 256, 0, "mma backward through forward+JVP (rows)", st,
-                              *g, *a, ws3, rt)) != NBHD_OK)
+                              *g, *a, ws3, rt, dq_acc)) != NBHD_OK)
         return s;
     if constexpr (HD == 128)
-        if (jvpb_warps(g) == 8) return launch_primal<T, HD, 8>(g, a, ws3, rt, st);
-    return launch_primal<T, HD, 4>(g, a, ws3, rt, st);
+        if (jvpb_warps(g, dq_acc) == 8) return launch_primal<T, HD, 8>(g, a, ws3, rt, dq_acc, st);
+    return launch_primal<T, HD, 4>(g, a, ws3, rt, dq_acc, st);
 }
 
 nbhd_backward_args nbhd_cuda_tangent_backward_args(const nbhd_forward_jvp_backward_args *a) {

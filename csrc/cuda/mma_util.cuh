@@ -297,7 +297,7 @@ __host__ __device__ inline nbhd_tensor di_tensor(const nbhd_geometry &g, const f
 __host__ __device__ inline nbhd_tensor dq_accumulator(const nbhd_geometry &g, float *data) {
     return workspace_tensor(g, data, g.head_dim);
 }
-/* the KV-parallel backward's repair flag, after its dQ accumulator (fna_mma_bwd.cu dq_repair_kernel) */
+/* the KV-parallel dQ's repair flag, after its accumulator (dq_repair_kernel below) */
 __device__ __forceinline__ unsigned *repair_flag(const nbhd_geometry &g, const float *dq_acc) {
     return (unsigned *)(dq_acc + g.batch * g.tokens * g.heads * (int64_t)g.head_dim);
 }
@@ -771,6 +771,148 @@ __device__ __forceinline__ void jvp_store(const nbhd_geometry &g, const nbhd_for
             });
         }
     }
+}
+
+// ----------------------------------------------------------------------------
+// KV-parallel dQ: the key-stationary kernels of the first-order backward (fna_mma_bwd.cu) and of
+// the backward through forward+JVP (fna_mma_jvp_bwd.cu) add dQ with fp32 atomics into a zeroed
+// accumulator after the per-row workspace; two small passes then convert and repair it.
+
+#define DS_LD 40  /* row pitch of a staged dS^T tile [keys][BC queries]: 80 B, conflict-free */
+#define REPAIR_CTAS 264
+
+/* bytes of per_row bytes per query row, 256-byte aligned (the workspaces' per-row parts) */
+static inline size_t rows_bytes(const nbhd_geometry *g, size_t per_row) {
+    return ((size_t)(g->batch * g->tokens * g->heads) * per_row + 255) & ~(size_t)255;
+}
+static inline size_t dq_accumulator_bytes(const nbhd_geometry *g) {
+    return (size_t)(g->batch * g->tokens * g->heads) * (size_t)g->head_dim * sizeof(float);
+}
+
+/* One tile's dQ[BC queries][HD] += dS[BC][16 WARPS keys] K[16 WARPS][HD] (TWO: + dtS tK), dS read
+ * transposed from the staged dS^T (dtS^T), keys of inactive warps skipped. Warp w takes queries
+ * (w & 1) * 16.. and columns (w >> 1) * HD / (WARPS / 2).., in chunks of up to 32 columns (16
+ * accumulator registers), and adds its results to the fp32 accumulator rows of the tile's
+ * queries (in-group coordinates in qct). */
+template <typename T, int HD, int WARPS, bool TWO>
+__device__ __forceinline__ void tile_dq_atomic(const T *dST, const T *dtST, const int *warp_active, const T *Ks,
+                                               const T *tKs, const int *qct, const group_ptr<float> &dqp,
+                                               int64_t head_offset, int lane, int w) {
+    constexpr int NCOL = HD / (WARPS / 2), CHUNK = NCOL < 32 ? NCOL : 32;
+    static_assert(NCOL % 16 == 0, "a warp's columns are whole 16-column blocks");
+    const int q0 = (w & 1) * 16, d0 = (w >> 1) * NCOL, rq = lane >> 2, cq = lane & 3;
+    const int mat = lane >> 3;
+    float *dst[2];
+    bool row_ok[2];
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        const int cr = q0 + rq + 8 * hrow;
+        const int j0 = qct[cr];
+        row_ok[hrow] = j0 != KEY_NONE;
+        dst[hrow] = dqp.at(row_ok[hrow] ? j0 : 0, qct[BC + cr], qct[2 * BC + cr]) + head_offset + d0;
+    }
+#pragma unroll
+    for (int c0 = 0; c0 < NCOL; c0 += CHUNK) {
+        float acc[CHUNK / 8][4];
+#pragma unroll
+        for (int i = 0; i < CHUNK / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+        bool any = false;
+        auto product = [&](const T *sT, const T *Kt, int kk) {
+            uint32_t af[4];
+            ldmatrix_x4_trans(af, smem_u32(sT + (kk * 16 + (mat >> 1) * 8 + (lane & 7)) * DS_LD + q0 + (mat & 1) * 8));
+#pragma unroll
+            for (int nd2 = 0; nd2 < CHUNK / 16; ++nd2) {
+                uint32_t bf[4];
+                const int row = kk * 16 + (mat & 1) * 8 + (lane & 7);
+                const int col = d0 + c0 + nd2 * 16 + (mat >> 1) * 8;
+                ldmatrix_x4_trans(bf, smem_u32(Kt + swz<HD>(row, col)));
+                mma16816<T>(acc[2 * nd2], af, bf[0], bf[1]);
+                mma16816<T>(acc[2 * nd2 + 1], af, bf[2], bf[3]);
+            }
+        };
+#pragma unroll
+        for (int kk = 0; kk < WARPS; ++kk) {  /* keys 16 kk.. are warp kk's rows */
+            if (!warp_active[kk]) continue;
+            any = true;
+            product(dST, Ks, kk);
+            if (TWO) product(dtST, tKs, kk);
+        }
+        if (!any) return;
+#pragma unroll
+        for (int nb = 0; nb < CHUNK / 8; ++nb)
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow)
+                if (row_ok[hrow]) {
+                    float *p = dst[hrow] + c0 + nb * 8 + 2 * cq;
+                    atomicAdd(p, acc[nb][2 * hrow]);
+                    atomicAdd(p + 1, acc[nb][2 * hrow + 1]);
+                }
+    }
+}
+
+/* dQ = scale * accumulator, in the caller's layout. One thread per 8 channels of a row (HD is a
+ * multiple of 8): two 16-byte loads, four 4-byte stores (dQ rows are 4-byte aligned), and the
+ * row's coordinates decoded once for the 8 (a thread per pair spends its time in 64-bit
+ * divisions: bench/profile_kernels.py --op bwd). A non-finite accumulator raises the repair
+ * flag (dq_repair_kernel). */
+template <typename T>
+__global__ void __launch_bounds__(256) dq_convert_kernel(const nbhd_geometry g, const nbhd_tensor dq,
+                                                         const float *acc, float scale) {
+    const int64_t per_row = g.head_dim / 8;
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= g.batch * g.tokens * g.heads * per_row) return;
+    const int64_t row = i / per_row, d = (i - row * per_row) * 8;
+    const int64_t h = row % g.heads, tok = (row / g.heads) % g.tokens, b = row / (g.heads * g.tokens);
+    int64_t c[3];
+    token_coords(g, tok, c);
+    if (g.query_range && !row_in_range(g, c)) return;
+    const float4 lo = ((const float4 *)acc)[2 * i], hi = ((const float4 *)acc)[2 * i + 1];
+    uint32_t *dst = (uint32_t *)((T *)dq.data + offset_of(dq, b, c[0], c[1], c[2], h) + d);
+    dst[0] = pack2<T>(lo.x * scale, lo.y * scale);
+    dst[1] = pack2<T>(lo.z * scale, lo.w * scale);
+    dst[2] = pack2<T>(hi.x * scale, hi.y * scale);
+    dst[3] = pack2<T>(hi.z * scale, hi.w * scale);
+    if (!(finite_value(lo.x + lo.y + lo.z + lo.w) && finite_value(hi.x + hi.y + hi.z + hi.w)))
+        atomicOr(repair_flag(g, acc), 1u);
+}
+
+/* The repair (exact_rows.cuh): dQ sums over CTAs by atomics, so its rows are checked once
+ * complete. Exits at once unless dq_convert_kernel raised the flag; then each warp takes rows in
+ * turn and computes its non-finite ones again exactly (redo_query_row of the op's ARGS, with
+ * ws its per-row workspace). A small grid: launched on every KV-parallel pass, it costs one
+ * launch when there is nothing to repair. */
+template <typename T, typename ARGS>
+__global__ void __launch_bounds__(256) dq_repair_kernel(const __grid_constant__ nbhd_geometry g,
+                                                        const __grid_constant__ ARGS a, const float *ws,
+                                                        const float *acc) {
+    __shared__ float scratch[256 / 32][REDO_QUERY_SCRATCH];
+    if (*repair_flag(g, acc) == 0u) return;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t rows = g.batch * g.tokens * g.heads;
+    for (int64_t r = (int64_t)blockIdx.x * 8 + w; r < rows; r += (int64_t)gridDim.x * 8) {
+        const int64_t h = r % g.heads, b = r / (g.heads * g.tokens);
+        int64_t c[3];
+        token_coords(g, (r / g.heads) % g.tokens, c);
+        if (g.query_range && !row_in_range(g, c)) continue;
+        const int64_t off = offset_of(a.d_q, b, c[0], c[1], c[2], h);
+        bool fin = true;
+        for (int d = lane; d < g.head_dim; d += 32) fin = fin && finite_value(ld<T, float>(a.d_q, off + d * a.d_q.stride[5]));
+        if (__all_sync(EXACT_FULL, fin)) continue;
+        redo_query_row<T>(&g, &a, ws, b, c[0], c[1], c[2], h, scratch[w]);
+    }
+}
+
+/* The KV-parallel dQ's last two passes: the conversion, then the repair */
+template <typename T, typename ARGS>
+static nbhd_status finish_kv_parallel_dq(const nbhd_geometry *g, const ARGS *a, const float *ws, float *dq_acc,
+                                         cudaStream_t st) {
+    const int64_t rows = g->batch * g->tokens * g->heads, chunks = rows * (g->head_dim / 8);
+    dq_convert_kernel<T><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, a->d_q, dq_acc, (float)g->scale);
+    NBHD_CUDA_CHECK_LAUNCH("KV-parallel dQ from the accumulator");
+    const int64_t repair_ctas = (rows + 7) / 8 < REPAIR_CTAS ? (rows + 7) / 8 : REPAIR_CTAS;
+    dq_repair_kernel<T, ARGS><<<(unsigned)repair_ctas, 256, 0, st>>>(*g, *a, ws, dq_acc);
+    NBHD_CUDA_CHECK_LAUNCH("KV-parallel dQ repair");
+    return NBHD_OK;
 }
 
 #endif /* NBHD_CUDA_MMA_UTIL_CUH */
