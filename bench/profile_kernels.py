@@ -2,6 +2,7 @@
 which kernel of a multi-kernel op (the backward: D_i, dQ, dK/dV, extra keys) to work on.
 
     python bench/profile_kernels.py [--op bwd|fwd|jvp|jvpb] [--dims 128,64] [--problems 1d,3d-30] [--loop 5]
+                                    [--deterministic]
 
 jvpb: the backward through forward+JVP as backprop through the tangent runs it (a tangent of q
 only, cotangents of O and tO, the primals' gradients only).
@@ -11,6 +12,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import nbhd
 from nbhd import ops
 from ab_gpu import PROBLEMS
 
@@ -24,8 +26,11 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--problems", default="")
     ap.add_argument("--loop", type=int, default=5)
+    ap.add_argument("--deterministic", action="store_true", help="the backwards without KV parallelism")
     args = ap.parse_args()
-    print(f"device: {torch.cuda.get_device_name()}  op {args.op}: CUDA ms per call by kernel")
+    nbhd.use_kv_parallelism_in_fused_na(not args.deterministic)
+    mode = "deterministic" if args.deterministic else "KV-parallel"
+    print(f"device: {torch.cuda.get_device_name()}  op {args.op} ({mode}): CUDA ms per call by kernel")
     for D in [int(x) for x in args.dims.split(",")]:
         for name, B, ext, ks, st in PROBLEMS:
             if args.problems and not any(name.startswith(p) for p in args.problems.split(",")):
