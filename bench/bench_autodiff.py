@@ -18,7 +18,8 @@ fwd+bwd's ('x fb', 'mem x fb'): what a second-order step costs in first-order st
 CPU (the default): float32, the problems of CPU_PROBLEMS; the wall time's median (--min: the
 fastest) and peak extra resident memory of one call, measured in a fresh process per row (Linux
 VmHWM over VmRSS once the inputs exist: in one process, memory an earlier row freed stays
-resident and hides what the next one needs).
+resident and hides what the next one needs). A row's 'x fb' divides by fwd+bwd's time from
+calls taken in turn with the row's (a shared machine's speed drifts between rows).
 CUDA (--device cuda): bfloat16 unless --dtype, head dims --dims (64 and 128), --heads 16, a
 small window (2-D 64x64 w7, batch 8) and a large one (1-D 32768 w2048, batch 1); the median
 time by CUDA events over loops of back-to-back calls, a call slower than a second timed once
@@ -105,11 +106,22 @@ def child_mib(args, problem, path, backend):
     return float(out[-1])
 
 
-def measure_cpu(fn, repeats):
-    """(STAT of the seconds, nan: main() takes the memory from child_mib, '')."""
+def measure_cpu(fn, repeats, base=None):
+    """(STAT of the seconds, nan: main() takes the memory from child_mib, '', STAT of base's
+    seconds). With base (the problem's fwd+bwd), each call of fn follows one of base, so that
+    the row's ratio to it compares calls of the same minutes of a shared machine."""
     fn()  # warm up
-    times = sample(fn, rounds=repeats) if not CPU_TIME else cpu_times(fn, repeats)
-    return STAT(times), float("nan"), ""
+    if base is None:
+        times = sample(fn, rounds=repeats) if not CPU_TIME else cpu_times(fn, repeats)
+        return STAT(times), float("nan"), "", float("nan")
+    clock = time.process_time if CPU_TIME else time.perf_counter
+    times, base_times = [], []
+    for _ in range(repeats):
+        for f, out in ((base, base_times), (fn, times)):
+            t0 = clock()
+            f()
+            out.append(clock() - t0)
+    return STAT(times), float("nan"), "", STAT(base_times)
 
 
 def measure_cuda(fn, repeats, device):
@@ -133,17 +145,18 @@ def measure_cuda(fn, repeats, device):
     return statistics.median(times), peak, ""
 
 
-def measure(make, backend, repeats, device):
-    """(seconds, MiB, mark) of the function make(backend) gives, on the device; (nan, nan,
-    'oom') where the GPU ran out of memory, making it or running it."""
+def measure(make, backend, repeats, device, base=None):
+    """(seconds, MiB, mark, base's seconds) of the function make(backend) gives, on the device;
+    (nan, nan, 'oom', nan) where the GPU ran out of memory, making it or running it. base: on
+    the CPU, fwd+bwd's function, timed in turn with this one (measure_cpu); nan without."""
     if device.type != "cuda":
-        return measure_cpu(make(backend), repeats)
+        return measure_cpu(make(backend), repeats, base)
     try:
-        return measure_cuda(make(backend), repeats, device)
+        return (*measure_cuda(make(backend), repeats, device), float("nan"))
     except torch.cuda.OutOfMemoryError:
         gc.collect()
         torch.cuda.empty_cache()
-        return float("nan"), float("nan"), "oom"
+        return float("nan"), float("nan"), "oom", float("nan")
 
 
 def cases(rank, spatial, kernel, B, H, D, device, dtype):
@@ -277,16 +290,23 @@ def main():
     rows = []
     for name, rank, spatial, kernel, B, H, D in problems(args):
         base = {}
-        for path, make in cases(rank, spatial, kernel, B, H, D, device, dtype):
-            tf, mf, mark = measure(make, None, args.repeats, device)
-            tu, mu, umark = measure(make, "reference", max(1, args.repeats // 2), device) if unfused \
-                else (float("nan"), float("nan"), "")
+        made = cases(rank, spatial, kernel, B, H, D, device, dtype)
+        fwd_bwd = dict(made)["fwd+bwd"](None) if device.type == "cpu" else None
+        for path, make in made:
+            tb = float("nan")
+            if path in ("forward", "fwd+bwd"):
+                tf, mf, mark, _ = measure(make, None, args.repeats, device)
+            else:
+                tf, mf, mark, tb = measure(make, None, args.repeats, device, fwd_bwd)
+            tu, mu, umark, _ = measure(make, "reference", max(1, args.repeats // 2), device) if unfused \
+                else (float("nan"), float("nan"), "", float("nan"))
             if device.type == "cpu":
                 mf = child_mib(args, name, path, None)
                 mu = child_mib(args, name, path, "reference") if unfused else mu
             if path in ("forward", "fwd+bwd"):
                 base[path] = (tf, mf)
             fb_t, fb_m = base.get("fwd+bwd", (float("nan"), float("nan")))
+            fb_t = fb_t if tb != tb else tb   # on the CPU: fwd+bwd timed in turn with this row
             row = dict(problem=name, path=path, dtype=str(dtype)[6:], fused_ms=tf * 1e3, unfused_ms=tu * 1e3,
                        speedup=ratio(tu, tf), fused_mib=mf, unfused_mib=mu,
                        x_forward=ratio(tf, base["forward"][0]), x_fwd_bwd=ratio(tf, fb_t),
