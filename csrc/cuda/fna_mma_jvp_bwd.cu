@@ -331,66 +331,32 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
     const nbhd_tensor &tkt = EXTRA ? a.t_kx : a.t_k, &tvt = EXTRA ? a.t_vx : a.t_v;
     const bool has_tq = a.t_q.data, has_do = a.d_out.data, has_tk = tkt.data, has_tv = tvt.data;
 
-    cta_patch<0, 1> C;  /* (b, kv head, patch); the patch shape from the plan */
-    const uint32_t patch = C.head_major(P, (uint32_t)g.kv_heads);
-    const int64_t b = C.b;
-    const int hk = C.h;
-    const int64_t dil[3] = {EXTRA ? 1 : g.axis[0].dilation, EXTRA ? 1 : g.axis[1].dilation,
-                            EXTRA ? 1 : g.axis[2].dilation};
-    if (EXTRA) {  /* rows: extra keys patch * ROWS + r */
-        for (int ax = 0; ax < 3; ++ax) { C.grp[ax] = 0; C.i0[ax] = 0; C.Lg[ax] = 1; }
-        C.i0[0] = (int)patch * ROWS;
-        C.Lg[0] = (int)g.extra_kv;
-    } else if (!C.locate(g, P, patch, false)) {
-        return;
-    }
-    // columns: the union of the rows' inverse neighborhoods (EXTRA: every query)
-    int64_t lo[3], cnt[3];
-#pragma unroll
-    for (int ax = 0; ax < 3; ++ax) {
-        if (EXTRA) {  /* the query range (nbhd.h), the whole grid by default */
-            lo[ax] = g.axis[ax].query_begin;
-            cnt[ax] = g.axis[ax].query_end - g.axis[ax].query_begin;
-        } else {
-            inverse_union(&g.axis[ax], C.grp[ax], C.i0[ax], min(C.i0[ax] + P.ct[ax], C.Lg[ax]) - 1, &lo[ax],
-                          &cnt[ax]);
-        }
-    }
-    const int64_t ncol = cnt[0] * cnt[1] * cnt[2];
-    const int tiles_per_head = (int)((ncol + BC - 1) / BC);
+    key_patch<EXTRA> R;  /* rows: keys of the patch (EXTRA: extra keys patch * ROWS + r); columns */
+    if (!R.place(g, P, ROWS)) return;
+    const int64_t b = R.C.b;
+    const int hk = R.C.h;
+    const int tiles_per_head = (int)((R.ncol + BC - 1) / BC);
     const int tiles = tiles_per_head * g.group;
-
-    auto row_coords = [&](int qr, int iq[3]) -> bool {
-        if (EXTRA) {
-            iq[0] = C.i0[0] + qr;
-            iq[1] = iq[2] = 0;
-            return iq[0] < C.Lg[0];
-        }
-        return C.row(P, qr, iq);
-    };
-    auto row_offset = [&](const nbhd_tensor &t, const int iq[3]) -> int64_t {
-        if (EXTRA) return b * t.stride[0] + iq[0] * t.stride[1] + hk * t.stride[4];
-        return offset_of(t, b, C.grp[0] + iq[0] * dil[0], C.grp[1] + iq[1] * dil[1], C.grp[2] + iq[2] * dil[2], hk);
-    };
     const auto off = [](int r, int ch) { return swz<HD>(r, ch * 8); };
     /* the rows' K, V, tK, tV; an absent tangent zero-filled from the primal's (valid) address */
     load_row_tiles<T, HD, ROWS, THREADS, true>(tid, Ks, Vs, off, [&](int r, const T *&ks, const T *&vs, bool &ok2) {
         int iq[3];
-        const bool ok = ok2 = row_coords(r, iq);
-        ks = (const T *)kt.data + (ok ? row_offset(kt, iq) : 0);
-        vs = (const T *)vt.data + (ok ? row_offset(vt, iq) : 0);
+        const bool ok = ok2 = R.row(P, r, iq);
+        ks = (const T *)kt.data + (ok ? R.row_offset(kt, iq) : 0);
+        vs = (const T *)vt.data + (ok ? R.row_offset(vt, iq) : 0);
         return ok;
     });
     load_row_tiles<T, HD, ROWS, THREADS, true>(tid, tKs, tVs, off, [&](int r, const T *&ks, const T *&vs, bool &ok2) {
         int iq[3];
-        const bool ok = row_coords(r, iq);
-        ks = has_tk && ok ? (const T *)tkt.data + row_offset(tkt, iq) : (const T *)kt.data;
-        vs = has_tv && ok ? (const T *)tvt.data + row_offset(tvt, iq) : (const T *)vt.data;
+        const bool ok = R.row(P, r, iq);
+        ks = has_tk && ok ? (const T *)tkt.data + R.row_offset(tkt, iq) : (const T *)kt.data;
+        vs = has_tv && ok ? (const T *)tvt.data + R.row_offset(tvt, iq) : (const T *)vt.data;
         ok2 = ok && has_tv;
         return ok && has_tk;
     });
     // column addressing: in-group (EXTRA: full-axis) coordinates of query head hk * group
-    const int64_t cgrp[3] = {EXTRA ? 0 : C.grp[0], EXTRA ? 0 : C.grp[1], EXTRA ? 0 : C.grp[2]};
+    int64_t cgrp[3];
+    R.column_group(cgrp);
     const int64_t h0 = (int64_t)hk * g.group;
     const group_ptr<const T> qp = group_ptr_of<const T>(a.q, g, b, cgrp, h0, EXTRA);
     const group_ptr<const T> tqp = group_ptr_of<const T>(has_tq ? a.t_q : a.q, g, b, cgrp, h0, EXTRA);
@@ -402,23 +368,14 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
     const group_ptr<float> dqp = group_ptr_of<float>(dqa_t, g, b, cgrp, h0, EXTRA);
     const int64_t q_hs = a.q.stride[4], tq_hs = has_tq ? a.t_q.stride[4] : q_hs;
     const int64_t do_hs = has_do ? a.d_out.stride[4] : a.d_t_out.stride[4], g_hs = a.d_t_out.stride[4];
-    const udiv32 div_c1 = udiv32_of((uint32_t)max(cnt[1], (int64_t)1)),
-                 div_c2 = udiv32_of((uint32_t)max(cnt[2], (int64_t)1));
     auto load_tile = [&](int t, int s) {
         constexpr int CH = HD / 8, TPR = THREADS / BC, CPT = CH / TPR;
         T *Qd = Qs + s * BC * HD, *tQd = tQs + s * BC * HD, *dOd = dOs + s * BC * HD, *Gd = Gs + s * BC * HD;
         int *qcd = qc + s * 3 * BC;
         const int hh = t / tiles_per_head;  /* query head hk * group + hh */
         const int cr = tid / TPR;
-        const int n = (t - hh * tiles_per_head) * BC + cr;
-        const bool ok = n < ncol;
-        int j[3] = {0, 0, 0};
-        if (ok) {  /* coordinates in the box (ncol < 2^31 on this path) */
-            const uint32_t q2 = udiv((uint32_t)n, div_c2), q1 = udiv(q2, div_c1);
-            j[2] = (int)(lo[2] + ((uint32_t)n - q2 * (uint32_t)cnt[2]));
-            j[1] = (int)(lo[1] + (q2 - q1 * (uint32_t)cnt[1]));
-            j[0] = (int)(lo[0] + q1);
-        }
+        int j[3];
+        const bool ok = R.column((t - hh * tiles_per_head) * BC + cr, j);
         const T *qs = qp.at(j[0], j[1], j[2]) + hh * q_hs, *tqs = tqp.at(j[0], j[1], j[2]) + hh * tq_hs;
         const T *dos = dop.at(j[0], j[1], j[2]) + hh * do_hs, *gs = gp.at(j[0], j[1], j[2]) + hh * g_hs;
 #pragma unroll
@@ -442,18 +399,7 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
     int ist[2][3], ien[2][3], bkey[2];
     bool rvalid[2];
     int rc[2][3];
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        rvalid[hrow] = row_coords(w * 16 + rq + 8 * hrow, rc[hrow]);
-        bkey[hrow] = tile_bias<3>::key(g, rc[hrow]);
-#pragma unroll
-        for (int ax = 0; ax < 3; ++ax) {
-            int64_t f = 0, c = 0;
-            if (!EXTRA && rvalid[hrow]) inverse32(&g.axis[ax], C.grp[ax] + rc[hrow][ax] * dil[ax], &f, &c);
-            ist[hrow][ax] = (int)(f / dil[ax]);
-            ien[hrow][ax] = rvalid[hrow] ? (int)(f / dil[ax] + c) : 0;
-        }
-    }
+    R.fragment_rows(g, P, w, lane, rvalid, rc, bkey, ist, ien);
     int ulo[3], uhi[3], ilo[3], ihi[3];
     warp_union(ist, ien, rvalid, ulo, uhi);
     warp_intersection(ist, ien, rvalid, ilo, ihi);
@@ -558,15 +504,15 @@ jvpb_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant_
     unsigned bad = 0;
     for (int hrow = 0; hrow < 2; ++hrow) {
         if (!rvalid[hrow]) continue;
-        store_pairs<T>((T *)dkt.data + row_offset(dkt, rc[hrow]), dk, HD / 8, hrow, cq, scale);
-        store_pairs<T>((T *)dvt.data + row_offset(dvt, rc[hrow]), dv, HD / 8, hrow, cq, 1.f);
+        store_pairs<T>((T *)dkt.data + R.row_offset(dkt, rc[hrow]), dk, HD / 8, hrow, cq, scale);
+        store_pairs<T>((T *)dvt.data + R.row_offset(dvt, rc[hrow]), dv, HD / 8, hrow, cq, 1.f);
         if (!pairs_finite<HD / 8>(dk, hrow) || !pairs_finite<HD / 8>(dv, hrow)) bad |= 1u << hrow;
     }
     if (__syncthreads_or(bad != 0)) {  /* non-finite rows again, exactly (exact_rows.cuh) */
         float *scratch = (float *)smem_raw + w * exact_jvpb_key_scratch(HD, HD);
         for (int hrow = 0; hrow < 2; ++hrow) {
             int64_t c[3];
-            for (int ax = 0; ax < 3; ++ax) c[ax] = EXTRA ? rc[hrow][ax] : C.grp[ax] + rc[hrow][ax] * dil[ax];
+            for (int ax = 0; ax < 3; ++ax) c[ax] = EXTRA ? rc[hrow][ax] : R.C.grp[ax] + rc[hrow][ax] * R.dil[ax];
             redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
                 redo_jvpb_key_row<T, EXTRA>(&g, &a, ws3, b, r[0], r[1], r[2], hk, scratch);
             });

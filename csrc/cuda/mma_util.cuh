@@ -774,6 +774,107 @@ __device__ __forceinline__ void jvp_store(const nbhd_geometry &g, const nbhd_for
 }
 
 // ----------------------------------------------------------------------------
+// key-stationary CTAs: the dK/dV kernels of the first-order backward (fna_mma_bwd.cu) and of the
+// backward through forward+JVP (fna_mma_jvp_bwd.cu)
+
+/* A CTA's rows, a patch of the window keys of one key head (EXTRA: `rows` extra keys from
+ * patch * rows, coordinates (i, 0, 0)), and its columns: the box of queries their inverse
+ * neighbourhoods cover (EXTRA: the query range), walked row-major in tiles, every query head
+ * of the key head in turn. */
+template <bool EXTRA>
+struct key_patch {
+    cta_patch<0, 1> C;     /* (b, key head C.h, patch); the patch shape from the plan */
+    int64_t dil[3];        /* the rows' dilation per axis (1 for the extra keys) */
+    int64_t lo[3], cnt[3]; /* the column box, in-group (EXTRA: full-axis) coordinates */
+    int64_t ncol;
+    udiv32 div_c1, div_c2;
+
+    /* false: an empty slot (uniform over the CTA) */
+    __device__ __forceinline__ bool place(const nbhd_geometry &g, const mma_plan &P, int rows) {
+        const uint32_t patch = C.head_major(P, (uint32_t)g.kv_heads);
+#pragma unroll
+        for (int ax = 0; ax < 3; ++ax) dil[ax] = EXTRA ? 1 : g.axis[ax].dilation;
+        if (EXTRA) {
+            for (int ax = 0; ax < 3; ++ax) { C.grp[ax] = 0; C.i0[ax] = 0; C.Lg[ax] = 1; }
+            C.i0[0] = (int)patch * rows;
+            C.Lg[0] = (int)g.extra_kv;
+        } else if (!C.locate(g, P, patch, false)) {
+            return false;
+        }
+#pragma unroll
+        for (int ax = 0; ax < 3; ++ax) {
+            if (EXTRA) {  /* the query range (nbhd.h), the whole grid by default */
+                lo[ax] = g.axis[ax].query_begin;
+                cnt[ax] = g.axis[ax].query_end - g.axis[ax].query_begin;
+            } else {
+                inverse_union(&g.axis[ax], C.grp[ax], C.i0[ax], min(C.i0[ax] + P.ct[ax], C.Lg[ax]) - 1, &lo[ax],
+                              &cnt[ax]);
+            }
+        }
+        ncol = cnt[0] * cnt[1] * cnt[2];
+        div_c1 = udiv32_of((uint32_t)max(cnt[1], (int64_t)1));
+        div_c2 = udiv32_of((uint32_t)max(cnt[2], (int64_t)1));
+        return true;
+    }
+
+    /* row r -> in-group (EXTRA: extra-key) coordinates; false past the patch's keys */
+    __device__ __forceinline__ bool row(const mma_plan &P, int r, int iq[3]) const {
+        if (EXTRA) {
+            iq[0] = C.i0[0] + r;
+            iq[1] = iq[2] = 0;
+            return iq[0] < C.Lg[0];
+        }
+        return C.row(P, r, iq);
+    }
+
+    /* t's element offset of the row at iq, key head C.h */
+    __device__ __forceinline__ int64_t row_offset(const nbhd_tensor &t, const int iq[3]) const {
+        if (EXTRA) return C.b * t.stride[0] + iq[0] * t.stride[1] + C.h * t.stride[4];
+        return offset_of(t, C.b, C.grp[0] + iq[0] * dil[0], C.grp[1] + iq[1] * dil[1], C.grp[2] + iq[2] * dil[2],
+                         C.h);
+    }
+
+    /* the columns' group origin: the tensors of the queries are addressed in-group from it */
+    __device__ __forceinline__ void column_group(int64_t cgrp[3]) const {
+#pragma unroll
+        for (int ax = 0; ax < 3; ++ax) cgrp[ax] = EXTRA ? 0 : C.grp[ax];
+    }
+
+    /* column n of the box -> in-group query coordinates j (0s past its end); false past the end
+     * (ncol < 2^31 on these paths) */
+    __device__ __forceinline__ bool column(int n, int j[3]) const {
+        j[0] = j[1] = j[2] = 0;
+        if (n >= ncol) return false;
+        const uint32_t q2 = udiv((uint32_t)n, div_c2), q1 = udiv(q2, div_c1);
+        j[2] = (int)(lo[2] + ((uint32_t)n - q2 * (uint32_t)cnt[2]));
+        j[1] = (int)(lo[1] + (q2 - q1 * (uint32_t)cnt[1]));
+        j[0] = (int)(lo[0] + q1);
+        return true;
+    }
+
+    /* this thread's fragment rows 16 w + lane / 4 + 8 hrow: validity, coordinates, the bias
+     * table's key index, and in-group inverse windows [ist, ien) per axis (empty for invalid
+     * rows; unused for the extra keys) */
+    __device__ __forceinline__ void fragment_rows(const nbhd_geometry &g, const mma_plan &P, int w, int lane,
+                                                  bool rvalid[2], int rc[2][3], int bkey[2], int ist[2][3],
+                                                  int ien[2][3]) const {
+        /* unrolled, these stay in registers (else a 112-byte local frame read in the tile loop) */
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            rvalid[hrow] = row(P, w * 16 + (lane >> 2) + 8 * hrow, rc[hrow]);
+            bkey[hrow] = tile_bias<3>::key(g, rc[hrow]);
+#pragma unroll
+            for (int ax = 0; ax < 3; ++ax) {
+                int64_t f = 0, c = 0;
+                if (!EXTRA && rvalid[hrow]) inverse32(&g.axis[ax], C.grp[ax] + rc[hrow][ax] * dil[ax], &f, &c);
+                ist[hrow][ax] = (int)(f / dil[ax]);
+                ien[hrow][ax] = rvalid[hrow] ? (int)(f / dil[ax] + c) : 0;
+            }
+        }
+    }
+};
+
+// ----------------------------------------------------------------------------
 // KV-parallel dQ: the key-stationary kernels of the first-order backward (fna_mma_bwd.cu) and of
 // the backward through forward+JVP (fna_mma_jvp_bwd.cu) add dQ with fp32 atomics into a zeroed
 // accumulator after the per-row workspace; two small passes then convert and repair it.
