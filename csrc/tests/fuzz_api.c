@@ -3,17 +3,20 @@
  *
  * Decodes the input bytes into a problem descriptor (every field, including invalid and extreme
  * values), an exec (threads, use_reference, tiles), a mode (all tensors, one tensor NULL, a short
- * workspace, one tensor's allocation smaller than its view, NULL args/exec) and a seed for
- * layouts and data. Then:
+ * workspace, one tensor's allocation smaller than its view, NULL args/exec), a seed for layouts
+ * and data, and on one input in three a query range (valid, or now and then not). Then:
  *   invalid problem      every entry point returns an error status, nbhd_workspace_bytes is 0,
- *                        and nothing is read or written (the tensors are 1-byte allocations)
+ *                        and nothing is read or written (the tensors are 1-byte allocations);
+ *                        the query range alone is judged against nbhd.h's rule as well
  *   valid, empty         batch 0 or heads 0: the calls succeed without data (backward with
  *                        heads 0 writes zero key gradients)
  *   valid, small         tensors allocated exactly from the descriptor and the strides chosen
  *                        (under ASan an access one element out is reported), outputs poisoned;
  *                        forward, backward and forward_jvp are checked against naive.h; every
  *                        tensor states its extent (nbhd_tensor.elements), and one shrunk to a
- *                        single element is refused naming it, before anything is read
+ *                        single element is refused naming it, before anything is read. With a
+ *                        query range, input rows outside it are NaN, output rows outside it must
+ *                        keep a sentinel, and key-side gradients sum over the range's queries
  *   valid, large         nbhd_workspace_bytes only (no buffers that big)
  * Any mismatch or unexpected status aborts, which libFuzzer reports as a crash.
  *
@@ -102,6 +105,45 @@ static void fz_repair(nbhd_problem *p) {
     for (int a = 0; p->rpb && a < 3; ++a) p->causal[a] = 0;  /* the bias is undefined with causal axes */
 }
 
+/* The query range, read after the seed so that inputs from before ranges decode as they did (a
+ * missing byte is 0: no range). One input in three draws one; per axis a byte picks the whole
+ * axis (both 0), the extent given as a range (the range path computing every query), a random
+ * [begin, end) inside the extent, or (>= 240) raw bounds, valid or not, for validation to judge.
+ * Past the rank only raw bounds are set. */
+static void fz_range(fz_reader *r, nbhd_problem *p) {
+    if (fz_u8(r) % 3 != 1) return;
+    for (int a = 0; a < 3; ++a) {
+        const uint8_t kind = fz_u8(r);
+        const int64_t L = p->extent[a];
+        if (kind >= 240) {
+            p->query_begin[a] = fz_i64(r, -1, 15);
+            p->query_end[a] = fz_i64(r, -1, 15);
+        } else if (a >= p->rank || L < 1 || kind % 4 == 0) {
+            continue;
+        } else if (kind % 4 == 1) {
+            p->query_end[a] = L;
+        } else {
+            p->query_begin[a] = fz_u8(r) % L;
+            p->query_end[a] = p->query_begin[a] + 1 + fz_u8(r) % (L - p->query_begin[a]);
+        }
+    }
+}
+
+/* nbhd.h's range rule, transcribed independently of nbhd_validate */
+static int fz_range_ok(const nbhd_problem *p) {
+    for (int a = 0; a < 3; ++a) {
+        const int64_t b = p->query_begin[a], e = p->query_end[a];
+        if ((b || e) && !(a < p->rank && 0 <= b && b < e && e <= p->extent[a])) return 0;
+    }
+    return 1;
+}
+
+static int fz_has_range(const nbhd_problem *p) {
+    for (int a = 0; a < 3; ++a)
+        if (p->query_begin[a] || p->query_end[a]) return 1;
+    return 0;
+}
+
 // ----------------------------------------------------------------------------
 // checks
 
@@ -126,6 +168,10 @@ static void fz_describe(const nbhd_problem *p) {
             p->dilation[0], p->dilation[1], p->dilation[2], p->causal[0], p->causal[1], p->causal[2],
             (long long)p->batch, p->heads, p->kv_heads, p->head_dim, p->head_dim_v,
             (long long)p->extra_kv, p->scale, (int)p->dtype, (int)p->device);
+    if (fz_has_range(p))
+        fprintf(stderr, "  query range [%lld,%lld) [%lld,%lld) [%lld,%lld)\n", (long long)p->query_begin[0],
+                (long long)p->query_end[0], (long long)p->query_begin[1], (long long)p->query_end[1],
+                (long long)p->query_begin[2], (long long)p->query_end[2]);
 }
 
 /* Gradient outputs sum terms of both signs (dQ = s sum dS k with sum dS = 0), so their result
@@ -150,20 +196,66 @@ static double fz_error(const double *got, const double *want, int64_t n, double 
 
 static double fz_magnitude;  /* set per problem by fz_compute for the gradient checks */
 
-static void fz_close(const nbhd_problem *p, const char *what, const tbuf *b, const double *want,
-                     double tol) {
+/* What a row output (out, lse, t_out, t_lse, dq, dtq) holds before the call: the rows outside
+ * the query range must keep it. 12345 is no f16/bf16 value: compared as the dtype rounds it. */
+#define FZ_SENTINEL 12345.0
+
+static double fz_sentinel_as(nbhd_dtype dt) {
+    double buf[1];
+    nbhd_store(buf, 0, dt, FZ_SENTINEL);
+    return nbhd_load(buf, 0, dt);
+}
+
+static void fz_sentinel(tbuf *b) {
     const int64_t n = dims_count(b->dims);
-    double *got = dense_alloc(n);
+    for (int64_t i = 0; i < n; ++i) nbhd_store(b->t.data, tbuf_offset(b, i), b->dtype, FZ_SENTINEL);
+}
+
+/* is element lin of a row tensor [B, X, Y, Z, H, .] a query the problem computes? */
+static int fz_in_range(const nbhd_problem *p, const int64_t dims[6], int64_t lin) {
+    return naive_in_range(p, lin / (dims[4] * dims[5]) % (dims[1] * dims[2] * dims[3]));
+}
+
+/* tbuf_fill of a row input whose rows outside the query range are NaN (nbhd.h: never read),
+ * unless a broadcast spatial axis aliases them with rows inside */
+static void fz_fill_rows(const nbhd_problem *p, tbuf *b, double *dense) {
+    int poison = fz_has_range(p);
+    for (int a = 1; a <= 3; ++a) poison &= !(b->dims[a] > 1 && b->t.stride[a] == 0);
+    const int64_t n = dims_count(b->dims);
+    for (int64_t i = 0; i < n && poison; ++i)
+        if (!fz_in_range(p, b->dims, i)) dense[i] = NAN;
+    tbuf_fill(b, dense);
+}
+
+/* got against the oracle; a row output (rows) only on the rows of the query range, its other
+ * rows still the sentinel */
+static void fz_close(const nbhd_problem *p, const char *what, const tbuf *b, const double *want,
+                     double tol, int rows) {
+    const int64_t n = dims_count(b->dims);
+    double *got = dense_alloc(n), *want_in = dense_alloc(n);
     tbuf_gather(b, got);
+    const double sentinel = fz_sentinel_as(b->dtype);
+    int64_t m = 0, lost = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (!rows || fz_in_range(p, b->dims, i)) {  /* compacted in place: m <= i */
+            got[m] = got[i];
+            want_in[m++] = want[i];
+        } else {
+            lost += !(got[i] == sentinel);
+        }
+    }
     /* gradients and the output tangent (sum P (tv + (tS - mu) v)) are sums that cancel */
     const int cancels = strncmp(what, "backward", 8) == 0 || strstr(what, "t_out") != NULL;
-    const double err = fz_error(got, want, n, cancels ? fz_magnitude : 0);
+    const double err = fz_error(got, want_in, m, cancels ? fz_magnitude : 0);
     if (!(err <= tol) && getenv("NBHD_FUZZ_VERBOSE"))
-        for (int64_t i = 0; i < n && i < 48; ++i)
-            fprintf(stderr, "    %s[%lld] got %.9g want %.9g\n", what, (long long)i, got[i], want[i]);
+        for (int64_t i = 0; i < m && i < 48; ++i)
+            fprintf(stderr, "    %s[%lld] got %.9g want %.9g\n", what, (long long)i, got[i], want_in[i]);
     FZ_CHECK(err <= tol, "%s: rel error %g > %g", what, err, tol);
+    FZ_CHECK(lost == 0, "%s: %lld elements of rows outside the query range lost their sentinel", what,
+             (long long)lost);
     FZ_CHECK(tbuf_untouched_outside(b), "%s: wrote outside its elements", what);
     free(got);
+    free(want_in);
 }
 
 /* Does the exec's (partial) tile request name configuration c? (the rule of nbhd.h) */
@@ -334,8 +426,15 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
 #define MAKE_OUT(name, dims, type, ign)                                            \
     random_layout(&r, dims, 0, ign, st);                                           \
     tbuf name = tbuf_make(dims, type, st)
+    /* a query row's tensor: inputs NaN outside the query range, outputs the sentinel */
+#define MAKE_ROW_IN(name, dims, type, dense, ign)                                  \
+    MAKE_IN(name, dims, type, dense, ign, 1);                                      \
+    fz_fill_rows(p, &name, dense)
+#define MAKE_ROW_OUT(name, dims, type, ign)                                        \
+    MAKE_OUT(name, dims, type, ign);                                               \
+    fz_sentinel(&name)
 
-    MAKE_IN(Q, sq, dt, q, 0, 1);
+    MAKE_ROW_IN(Q, sq, dt, q, 0);
     MAKE_IN(K, sk, dt, k, 0, 1);
     MAKE_IN(V, sv, dt, v, 0, 1);
     MAKE_IN(KX, skx, dt, kx, 0, 1);
@@ -357,8 +456,8 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
 
     /* ---- forward */
     {
-        MAKE_OUT(O, so, dt, 0);
-        MAKE_OUT(L, sl, lt, 1);
+        MAKE_ROW_OUT(O, so, dt, 0);
+        MAKE_ROW_OUT(L, sl, lt, 1);
         nbhd_forward_args a = {Q.t, tK, tV, tKX, tVX, O.t, L.t, tR};
         fz_workspace(p, NBHD_OP_FORWARD, e);
         nbhd_tensor *req[5] = {&a.q, &a.out, &a.lse, has_k ? &a.k : &a.q, has_x ? &a.kx : &a.q};
@@ -372,8 +471,8 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
             FZ_SHORT(nbhd_forward(p, &a, e), "forward");
         } else {
             FZ_CHECK(nbhd_forward(p, &a, e) == NBHD_OK, "forward failed");
-            fz_close(p, "forward out", &O, out, tol);
-            fz_close(p, "forward lse", &L, lse, dt == NBHD_F64 ? 1e-12 : 1e-5 + M * 1e-7);
+            fz_close(p, "forward out", &O, out, tol, 1);
+            fz_close(p, "forward lse", &L, lse, dt == NBHD_F64 ? 1e-12 : 1e-5 + M * 1e-7, 1);
         }
         free(e->workspace);
         tbuf_free(&O);
@@ -383,14 +482,14 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
     {
         MAKE_IN(Oi, so, dt, o_in, 0, 0);
         memcpy(o_in, out, sizeof(double) * (size_t)dims_count(so));
-        tbuf_fill(&Oi, o_in);
+        fz_fill_rows(p, &Oi, o_in);
         MAKE_IN(Li, sl, lt, l_in, 1, 0);
         memcpy(l_in, lse, sizeof(double) * (size_t)dims_count(sl));
-        tbuf_fill(&Li, l_in);
-        MAKE_IN(dO, so, dt, dout, 0, 1);
-        MAKE_IN(dL, sl, lt, dlse, 1, 1);
+        fz_fill_rows(p, &Li, l_in);
+        MAKE_ROW_IN(dO, so, dt, dout, 0);
+        MAKE_ROW_IN(dL, sl, lt, dlse, 1);
         const int with_dlse = (seed >> 8) & 1;
-        MAKE_OUT(dQ, sq, dt, 0);
+        MAKE_ROW_OUT(dQ, sq, dt, 0);
         MAKE_OUT(dK, sk, dt, 0);
         MAKE_OUT(dV, sv, dt, 0);
         MAKE_OUT(dKX, skx, dt, 0);
@@ -421,16 +520,16 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
             naive_bias.d_rpb = p->rpb ? drpb : NULL;
             naive_backward(p, q, k, v, kx, vx, o_in, dout, with_dlse ? dlse : NULL, dq, dk, dv, dkx, dvx);
             naive_bias.d_rpb = NULL;
-            if (p->rpb) fz_close(p, "backward d_rpb", &dR, drpb, grad_tol);
+            if (p->rpb) fz_close(p, "backward d_rpb", &dR, drpb, grad_tol, 0);
             free(drpb);
-            fz_close(p, "backward dq", &dQ, dq, grad_tol);
+            fz_close(p, "backward dq", &dQ, dq, grad_tol, 1);
             if (has_k) {
-                fz_close(p, "backward dk", &dK, dk, grad_tol);
-                fz_close(p, "backward dv", &dV, dv, grad_tol);
+                fz_close(p, "backward dk", &dK, dk, grad_tol, 0);
+                fz_close(p, "backward dv", &dV, dv, grad_tol, 0);
             }
             if (has_x) {
-                fz_close(p, "backward dkx", &dKX, dkx, grad_tol);
-                fz_close(p, "backward dvx", &dVX, dvx, grad_tol);
+                fz_close(p, "backward dkx", &dKX, dkx, grad_tol, 0);
+                fz_close(p, "backward dvx", &dVX, dvx, grad_tol, 0);
             }
             free(dq); free(dk); free(dv); free(dkx); free(dvx);
         }
@@ -442,15 +541,15 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
     /* ---- forward + JVP */
     {
         const int use_t = (int)(seed >> 16);
-        MAKE_IN(TQ, sq, dt, tq, 0, 1);
+        MAKE_ROW_IN(TQ, sq, dt, tq, 0);
         MAKE_IN(TK, sk, dt, tk, 0, 1);
         MAKE_IN(TV, sv, dt, tv, 0, 1);
         MAKE_IN(TKX, skx, dt, tkx, 0, 1);
         MAKE_IN(TVX, svx, dt, tvx, 0, 1);
-        MAKE_OUT(JO, so, dt, 0);
-        MAKE_OUT(JL, sl, lt, 1);
-        MAKE_OUT(JTO, so, dt, 0);
-        MAKE_OUT(JTL, sl, lt, 1);
+        MAKE_ROW_OUT(JO, so, dt, 0);
+        MAKE_ROW_OUT(JL, sl, lt, 1);
+        MAKE_ROW_OUT(JTO, so, dt, 0);
+        MAKE_ROW_OUT(JTL, sl, lt, 1);
         const int t0 = use_t & 1, t1 = (use_t >> 1) & 1 && has_k, t2 = (use_t >> 2) & 1 && has_k,
                   t3 = (use_t >> 3) & 1 && has_x, t4 = (use_t >> 4) & 1 && has_x;
         nbhd_forward_jvp_args a = {Q.t, tK, tV, tKX, tVX,
@@ -473,10 +572,10 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
             double *jo = dense_alloc(no), *jl = dense_alloc(nl), *jto = dense_alloc(no), *jtl = dense_alloc(nl);
             naive_forward_jvp(p, q, k, v, kx, vx, t0 ? tq : NULL, t1 ? tk : NULL, t2 ? tv : NULL,
                               t3 ? tkx : NULL, t4 ? tvx : NULL, jo, jl, jto, jtl);
-            fz_close(p, "forward_jvp out", &JO, jo, tol);
-            fz_close(p, "forward_jvp lse", &JL, jl, dt == NBHD_F64 ? 1e-12 : 1e-5 + M * 1e-7);
-            fz_close(p, "forward_jvp t_out", &JTO, jto, tol);
-            fz_close(p, "forward_jvp t_lse", &JTL, jtl, dt == NBHD_F64 ? 1e-10 : 1e-3 + M * 4e-6);
+            fz_close(p, "forward_jvp out", &JO, jo, tol, 1);
+            fz_close(p, "forward_jvp lse", &JL, jl, dt == NBHD_F64 ? 1e-12 : 1e-5 + M * 1e-7, 1);
+            fz_close(p, "forward_jvp t_out", &JTO, jto, tol, 1);
+            fz_close(p, "forward_jvp t_lse", &JTL, jtl, dt == NBHD_F64 ? 1e-10 : 1e-3 + M * 4e-6, 1);
             free(jo); free(jl); free(jto); free(jtl);
         }
         free(e->workspace);
@@ -487,7 +586,7 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
     /* ---- backward through forward + JVP, from the oracle's (out, lse, tout, tlse) */
     {
         const int use_t = (int)(seed >> 16), pick = (int)(seed >> 24);
-        MAKE_IN(TQ, sq, dt, tq, 0, 1);
+        MAKE_ROW_IN(TQ, sq, dt, tq, 0);
         MAKE_IN(TK, sk, dt, tk, 0, 1);
         MAKE_IN(TV, sv, dt, tv, 0, 1);
         MAKE_IN(TKX, skx, dt, tkx, 0, 1);
@@ -500,28 +599,28 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
                           t3 ? tkx : NULL, t4 ? tvx : NULL, jo, jl, jto, jtl);
         MAKE_IN(Oi, so, dt, o_in, 0, 0);
         memcpy(o_in, jo, sizeof(double) * (size_t)no);
-        tbuf_fill(&Oi, o_in);
+        fz_fill_rows(p, &Oi, o_in);
         MAKE_IN(Li, sl, lt, l_in, 1, 0);
         memcpy(l_in, jl, sizeof(double) * (size_t)nl);
-        tbuf_fill(&Li, l_in);
+        fz_fill_rows(p, &Li, l_in);
         MAKE_IN(TOi, so, dt, to_in, 0, 0);
         memcpy(to_in, jto, sizeof(double) * (size_t)no);
-        tbuf_fill(&TOi, to_in);
+        fz_fill_rows(p, &TOi, to_in);
         MAKE_IN(TLi, sl, lt, tl_in, 1, 0);
         memcpy(tl_in, jtl, sizeof(double) * (size_t)nl);
-        tbuf_fill(&TLi, tl_in);
-        MAKE_IN(dO, so, dt, dout, 0, 1);
-        MAKE_IN(dL, sl, lt, dlse, 1, 1);
-        MAKE_IN(dTO, so, dt, dtout, 0, 1);
-        MAKE_IN(dTL, sl, lt, dtlse, 1, 1);
+        fz_fill_rows(p, &TLi, tl_in);
+        MAKE_ROW_IN(dO, so, dt, dout, 0);
+        MAKE_ROW_IN(dL, sl, lt, dlse, 1);
+        MAKE_ROW_IN(dTO, so, dt, dtout, 0);
+        MAKE_ROW_IN(dTL, sl, lt, dtlse, 1);
         const int c0 = pick & 1, c1 = (pick >> 1) & 1, c2 = (pick >> 2) & 1, c3 = (pick >> 3) & 1,
                   with_dt = (pick >> 4) & 1;
-        MAKE_OUT(dQ, sq, dt, 0);
+        MAKE_ROW_OUT(dQ, sq, dt, 0);
         MAKE_OUT(dK, sk, dt, 0);
         MAKE_OUT(dV, sv, dt, 0);
         MAKE_OUT(dKX, skx, dt, 0);
         MAKE_OUT(dVX, svx, dt, 0);
-        MAKE_OUT(dTQ, sq, dt, 0);
+        MAKE_ROW_OUT(dTQ, sq, dt, 0);
         MAKE_OUT(dTK, sk, dt, 0);
         MAKE_OUT(dTV, sv, dt, 0);
         MAKE_OUT(dTKX, skx, dt, 0);
@@ -597,7 +696,7 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
             for (int i = 0; i < 10; ++i) {
                 const int present = (i % 5 == 0 || ((i % 5 == 1 || i % 5 == 2) ? has_k : has_x)) &&
                                     (i < 5 || with_dt);
-                if (present) fz_close(p, names[i], got[i], want[i], grad_tol);
+                if (present) fz_close(p, names[i], got[i], want[i], grad_tol, i % 5 == 0);
             }
             fz_magnitude = saved_magnitude;
             for (int i = 0; i < 10; ++i) { free(want[i]); free(scale[i]); }
@@ -616,6 +715,8 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
     naive_bias.rpb = NULL;
 #undef MAKE_IN
 #undef MAKE_OUT
+#undef MAKE_ROW_IN
+#undef MAKE_ROW_OUT
 }
 
 /* batch 0 or heads 0: nothing to read; backward with heads 0 and batch > 0 zeroes dK/dV */
@@ -640,20 +741,22 @@ static void fz_empty(const nbhd_problem *p, nbhd_exec *e) {
 // what the inputs became, printed at exit (the numbers of the note)
 
 static struct {
-    long inputs, invalid, absurd_threads, null_args, device_refused, empty, too_large, computed,
-        null_tensor, short_workspace, short_tensor;
+    long inputs, invalid, bad_range, absurd_threads, null_args, device_refused, empty, too_large,
+        computed, null_tensor, short_workspace, short_tensor, ranged;
 } fz_count;
 
 static void fz_report(void) {
     fprintf(stderr,
-            "fuzz_api: %ld inputs: %ld invalid problems (all refused), %ld absurd thread counts "
-            "(refused), %ld NULL-args probes, %ld CUDA problems refused, %ld empty (batch or heads "
-            "0), %ld valid but too large to allocate (workspace size only), %ld computed and "
-            "checked against naive.h (%ld with one required tensor NULL, %ld with a short "
-            "workspace, %ld with a tensor past its allocation: refused)\n",
-            fz_count.inputs, fz_count.invalid, fz_count.absurd_threads, fz_count.null_args,
-            fz_count.device_refused, fz_count.empty, fz_count.too_large, fz_count.computed,
-            fz_count.null_tensor, fz_count.short_workspace, fz_count.short_tensor);
+            "fuzz_api: %ld inputs: %ld invalid problems (all refused; %ld only for their query "
+            "range), %ld absurd thread counts (refused), %ld NULL-args probes, %ld CUDA problems "
+            "refused, %ld empty (batch or heads 0), %ld valid but too large to allocate (workspace "
+            "size only), %ld computed and checked against naive.h (%ld with one required tensor "
+            "NULL, %ld with a short workspace, %ld with a tensor past its allocation: refused; %ld "
+            "with a query range)\n",
+            fz_count.inputs, fz_count.invalid, fz_count.bad_range, fz_count.absurd_threads,
+            fz_count.null_args, fz_count.device_refused, fz_count.empty, fz_count.too_large,
+            fz_count.computed, fz_count.null_tensor, fz_count.short_workspace,
+            fz_count.short_tensor, fz_count.ranged);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -704,9 +807,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t mode = fz_u8(&rd) % 8, victim = fz_u8(&rd);
     uint64_t seed = 0;
     for (int i = 0; i < 8; ++i) seed = seed << 8 | fz_u8(&rd);
+    fz_range(&rd, p);
 
-    if (nbhd_validate(p) != NBHD_OK) {
+    /* a query range makes a problem invalid exactly when it breaks nbhd.h's rule */
+    nbhd_problem whole = *p;
+    memset(whole.query_begin, 0, sizeof whole.query_begin);
+    memset(whole.query_end, 0, sizeof whole.query_end);
+    const int whole_valid = nbhd_validate(&whole) == NBHD_OK, valid = nbhd_validate(p) == NBHD_OK;
+    FZ_CHECK(valid == (whole_valid && fz_range_ok(p)), "validate %s the query range",
+             valid ? "accepted" : "refused");
+    if (!valid) {
         fz_count.invalid++;
+        fz_count.bad_range += whole_valid;
         fz_invalid(p, &e);
         return 0;
     }
@@ -769,6 +881,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fz_count.null_tensor += m == 1;
     fz_count.short_workspace += m == 2;
     fz_count.short_tensor += m == 3;
+    fz_count.ranged += fz_has_range(p);
     fz_compute(p, &e, m, victim, seed);
     return 0;
 }

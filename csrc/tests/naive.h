@@ -12,6 +12,9 @@
  *   kx, dkx, tkx [B, S, Hkv, D ]     vx, dvx, tvx [B, S, Hkv, Dv]
  * Rank 0 has no neighborhood keys (k, v unused). Tangent pointers may be NULL (zero).
  * A relative positional bias (docs/rpb.md) is set in naive_bias by the caller.
+ * With a query range (nbhd.h) only the queries inside it are visited: the other queries' rows
+ * are not read and their outputs not computed (left as they were, or zero where an op zeroes its
+ * outputs first), and key-side gradients sum over the range's queries only.
  */
 #ifndef NBHD_TESTS_NAIVE_H
 #define NBHD_TESTS_NAIVE_H
@@ -58,6 +61,16 @@ static int naive_axis_sees(int64_t L, int64_t K, int64_t s, int64_t d, int causa
     }
     /* rule 6 */
     return start <= j && j < end;
+}
+
+/* nbhd.h query range: is query token t inside it on every axis (both 0: the whole axis)? */
+static int naive_in_range(const nbhd_problem *p, int64_t t) {
+    const int64_t Y = naive_ext(p, 1), Z = naive_ext(p, 2);
+    const int64_t c[3] = {t / (Y * Z), (t / Z) % Y, t % Z};
+    for (int a = 0; a < 3; ++a)
+        if ((p->query_begin[a] || p->query_end[a]) && (c[a] < p->query_begin[a] || c[a] >= p->query_end[a]))
+            return 0;
+    return 1;
 }
 
 static int naive_sees(const nbhd_problem *p, int64_t tq, int64_t tk) {
@@ -176,7 +189,7 @@ static void naive_forward(const nbhd_problem *p, const double *q, const double *
     naive_row row = naive_row_alloc(p);
     for (int64_t b = 0; b < p->batch; ++b)
         for (int64_t t = 0; t < T; ++t)
-            for (int64_t h = 0; h < H; ++h) {
+            for (int64_t h = 0; h < H && naive_in_range(p, t); ++h) {
                 naive_row_of(p, q, k, kx, b, t, h, &row);
                 double *o = out + ((b * T + t) * H + h) * Dv;
                 memset(o, 0, sizeof(double) * (size_t)Dv);
@@ -212,7 +225,7 @@ static void naive_backward(const nbhd_problem *p, const double *q, const double 
     double *o = (double *)malloc(sizeof(double) * (size_t)Dv);
     for (int64_t b = 0; b < p->batch; ++b)
         for (int64_t t = 0; t < T; ++t)
-            for (int64_t h = 0; h < H; ++h) {
+            for (int64_t h = 0; h < H && naive_in_range(p, t); ++h) {
                 const int64_t hk = h / hper, i = (b * T + t) * H + h;
                 naive_row_of(p, q, k, kx, b, t, h, &row);
                 memset(o, 0, sizeof(double) * (size_t)Dv);
@@ -255,7 +268,7 @@ static void naive_forward_jvp(const nbhd_problem *p, const double *q, const doub
     naive_row row = naive_row_alloc(p);
     for (int64_t b = 0; b < p->batch; ++b)
         for (int64_t t = 0; t < T; ++t)
-            for (int64_t h = 0; h < H; ++h) {
+            for (int64_t h = 0; h < H && naive_in_range(p, t); ++h) {
                 const int64_t hk = h / hper, i = (b * T + t) * H + h;
                 naive_row_of(p, q, k, kx, b, t, h, &row);
                 double *o = out + i * Dv, *to = tout + i * Dv;
@@ -341,7 +354,7 @@ static inline void naive_forward_jvp_backward(const nbhd_problem *p,
     naive_row row = naive_row_alloc(p);  /* P from the exact scores (in->q, in->k: signs kept) */
     for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < T; ++t)
-            for (int64_t h = 0; h < H; ++h) {
+            for (int64_t h = 0; h < H && naive_in_range(p, t); ++h) {
                 const int64_t hk = h / hper, i = (b * T + t) * H + h;
                 naive_row_of(p, in->q, in->k, in->kx, b, t, h, &row);
                 const double *o_i = out + i * Dv, *to_i = tout + i * Dv, *q_i = q + i * D;
