@@ -104,16 +104,21 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _rows(query_range: List[int]):
     """The allocator of row outputs (out, lse, their tangents, dq, d_t_q): zeros with a query
-    range, since the kernels leave the rows outside it untouched."""
-    return torch.zeros_like if query_range else torch.empty_like
+    range, since the kernels leave the rows outside it untouched. new(t, **kw) is like t;
+    new(t, shape, **kw) has that shape on t's device, in t's dtype unless kw says."""
+    zeros = bool(query_range)
+
+    def new(t: Tensor, shape=None, **kw) -> Tensor:
+        if shape is None:
+            return (torch.zeros_like if zeros else torch.empty_like)(t, **kw)
+        return (t.new_zeros if zeros else t.new_empty)(shape, **kw)
+    return new
 
 
 def _forward_shapes(q: Tensor, v: Tensor, vx: Tensor, rank: int, query_range: List[int]):
     dv = (v if rank > 0 else vx).shape[-1]
-    new = q.new_zeros if query_range else q.new_empty
-    out = new((*q.shape[:-1], dv))
-    lse = new(q.shape[:-1], dtype=_lse_dtype(q.dtype))
-    return out, lse
+    new = _rows(query_range)
+    return new(q, (*q.shape[:-1], dv)), new(q, q.shape[:-1], dtype=_lse_dtype(q.dtype))
 
 
 def _geometry(kernel_size, stride, dilation, is_causal, scale, query_range):
