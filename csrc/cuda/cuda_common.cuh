@@ -258,6 +258,12 @@ int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, co
 int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
                                nbhd_tile_config *out, int32_t max);
 
+/* The backward on 128-row patches (8x4x4 in 3-D, 16x8 in 2-D: deep along axis 0) walks less
+ * where the deep axis is the one whose windows its patches cut least (e.g. not a strided time
+ * axis whose stride groups' windows overlap): 1 and order[i] = the problem axis the kernels see
+ * as axis i where another order walks clearly less, else 0 and the identity. */
+int nbhd_cuda_backward_axis_order(const nbhd_geometry *g, int order[3]);
+
 /* keys in a query's window (padded axes have kernel 1) */
 static inline int64_t nbhd_cuda_window_keys(const nbhd_geometry *g) {
     return (int64_t)g->axis[0].kernel * g->axis[1].kernel * g->axis[2].kernel;

@@ -98,13 +98,42 @@ static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args 
     return nbhd_cuda_simple_forward(g, a, stream);
 }
 
+/* The same problem with its spatial axes in another order: axis i of the result is axis
+ * order[i] of g, and each spatial tensor's strides follow (the extra keys' have no spatial
+ * axes; bias tables are not permuted, so no caller passes one). */
+static nbhd_geometry permuted_geometry(const nbhd_geometry *g, const int order[3]) {
+    nbhd_geometry p = *g;
+    for (int i = 0; i < NBHD_MAX_RANK; ++i) p.axis[i] = g->axis[order[i]];
+    return p;
+}
+static void permute_strides(nbhd_tensor *t, const int order[3]) {
+    const nbhd_tensor was = *t;
+    for (int i = 0; i < NBHD_MAX_RANK; ++i) t->stride[1 + i] = was.stride[1 + order[i]];
+}
+
+/* The tensor-core backward, on 128-row patches in the axis order that walks the fewest pairs
+ * (nbhd_cuda_backward_axis_order): the kernels see a permuted view, nothing is copied. Not with
+ * a bias table (its flat index follows the axes) or requested tiles (given per axis). */
+static nbhd_status mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e,
+                                const nbhd_cuda_choice &c) {
+    cudaStream_t stream = (cudaStream_t)e->stream;
+    int order[3];
+    if (c.mb != 2 || g->rpb || tiles_requested(e) || !nbhd_cuda_backward_axis_order(g, order))
+        return nbhd_cuda_mma_backward(g, a, e->workspace, &c, stream);
+    const nbhd_geometry pg = permuted_geometry(g, order);
+    nbhd_backward_args pa = *a;
+    nbhd_tensor *spatial[] = {&pa.q, &pa.k, &pa.v, &pa.out, &pa.lse, &pa.d_out, &pa.d_lse, &pa.d_q, &pa.d_k, &pa.d_v};
+    for (nbhd_tensor *t : spatial) permute_strides(t, order);
+    return nbhd_cuda_mma_backward(&pg, &pa, e->workspace, &c, stream);
+}
+
 static nbhd_status cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
                                  const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     const nbhd_status st = nbhd_zero_table(&nbhd_cuda_ops, g, a->d_rpb, e);  /* the kernels add into it */
     if (st != NBHD_OK) return st;
     const nbhd_cuda_choice c = choose(g, NBHD_OP_BACKWARD, e, nbhd_cuda_mma_backward_supported(g, a));
-    if (c.family != NBHD_CUDA_SIMPLE) return nbhd_cuda_mma_backward(g, a, e->workspace, &c, stream);
+    if (c.family != NBHD_CUDA_SIMPLE) return mma_backward(g, a, e, c);
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("backward");
     return nbhd_cuda_simple_backward(g, a, e->workspace, stream);
 }

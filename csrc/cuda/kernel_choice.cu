@@ -216,3 +216,65 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
     }
     return count;
 }
+
+// ----------------------------------------------------------------------------
+// the axis order of the backward's 128-row patches
+
+/* Pairs that patches of depth c walk along one axis (each patch its depth times the span of
+ * its rows' windows: keys and their inverse windows for the dK/dV kernels, queries and their
+ * windows for the dQ kernels), over the exact pairs. Windows are separable, so a patch's box
+ * costs the product of these per axis. */
+static double axis_walk(const nbhd_axis *a, int c, bool keys) {
+    const int64_t d = a->dilation;
+    double walked = 0, exact = 0;
+    for (int64_t g = 0; g < d && g < a->extent; ++g) {
+        const int64_t n = nbhd_group_len(a, g);
+        for (int64_t i0 = 0; i0 < n; i0 += c) {
+            const int64_t i1 = (i0 + c < n ? i0 + c : n) - 1;
+            int64_t f0, c0, f1, c1;
+            if (keys) {
+                nbhd_inverse_window(a, g + i0 * d, &f0, &c0);
+                nbhd_inverse_window(a, g + i1 * d, &f1, &c1);
+            } else {
+                nbhd_window(a, g + i0 * d, &f0, &c0);
+                nbhd_window(a, g + i1 * d, &f1, &c1);
+            }
+            const int64_t span = (f1 + c1 * d - f0) / d;
+            walked += (double)c * (double)(span > 0 ? span : 0);  /* a patch past the end costs its whole depth */
+        }
+    }
+    for (int64_t x = 0; x < a->extent; ++x) {  /* the pairs, counted by queries: O(1) each */
+        int64_t f, cnt;
+        nbhd_window(a, x, &f, &cnt);
+        exact += (double)cnt;
+    }
+    return exact > 0 ? walked / exact : 1.0;
+}
+
+int nbhd_cuda_backward_axis_order(const nbhd_geometry *g, int order[3]) {
+    const int rank = mma_rank_of(g);
+    order[0] = 0, order[1] = 1, order[2] = 2;
+    if (rank < 2) return 0;
+    /* the deep axis of the 128-row patch is position 0 (3-D 8x4x4, 2-D 16x8) */
+    const int deep = patch_ct(rank, 0, 2), shallow = patch_ct(rank, 1, 2);
+    double wk[3][2], wq[3][2];  /* [axis][deep, shallow] */
+    for (int a = 0; a < rank; ++a) {
+        wk[a][0] = axis_walk(&g->axis[a], deep, true), wk[a][1] = axis_walk(&g->axis[a], shallow, true);
+        wq[a][0] = axis_walk(&g->axis[a], deep, false), wq[a][1] = axis_walk(&g->axis[a], shallow, false);
+    }
+    double best = 0;
+    int best_first = 0;
+    for (int first = 0; first < rank; ++first) {
+        double k = 1, q = 1;
+        for (int a = 0; a < rank; ++a) k *= wk[a][a == first ? 0 : 1], q *= wq[a][a == first ? 0 : 1];
+        if (first == 0 || k + q < best) best = k + q, best_first = first;
+        /* another order must walk clearly less than the identity's (its first) */
+        if (first == 0) best *= 0.97;
+    }
+    if (best_first == 0) return 0;
+    int n = 0;
+    order[n++] = best_first;
+    for (int a = 0; a < 3; ++a)
+        if (a != best_first) order[n++] = a;
+    return 1;
+}
