@@ -31,16 +31,19 @@ PROBLEMS = [
     ("1d-32768-w2048", 1, (32768,), (2048,), (1,)),
     ("2d-256x256-w80", 1, (256, 256), (80, 80), (1, 1)),
     ("3d-30x48x80-s16x8x8", 1, (30, 48, 80), (18, 24, 24), (16, 8, 8)),
+    ("3d-30x48x80-w18x24x24", 1, (30, 48, 80), (18, 24, 24), (1, 1, 1)),
 ]
 
 
 def variants(op, q, k, v, geo, backward):
     """[(label, tiles, kv_parallel)]: every listed configuration (default first) as the tiles
-    argument of ops.na_*; the backward's also with KV parallelism off."""
+    argument of ops.na_*; the backward's also with KV parallelism off, after the call with no
+    tiles ("auto": the library's own choice, which may also reorder the axes of its 128-row
+    patches, dispatch.cu mma_backward; requested tiles keep the problem's order)."""
     ks, st, dil, causal, scale = geo[:5]
     rank = len(ks)
     problem = _lib.Problem(q, k, v, None, None, ks, st, dil, causal, scale)
-    out = []
+    out = [("auto", [0] * (4 * rank), True), ("auto det", [0] * (4 * rank), False)] if backward else []
     for qt, kt in _lib.tile_configs(problem, op):
         tiles = [0] * (4 * rank)
         first = 2 * rank if backward else 0
