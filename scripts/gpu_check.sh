@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # this tree's library against one built from the source tree $AB_REF (e.g. a `git worktree` of
 # the commit before a change), built alongside this tree's
 if has ab_ref; then
-    (cd "$AB_REF" && NBHD_CUDA=1 $PY setup.py -q build_ext --inplace >"$OUT/ab_ref_build.log" 2>&1) &
+    (cd "$AB_REF" && NBHD_CUDA=1 $PY setup.py -q build_ext --inplace --force >"$OUT/ab_ref_build.log" 2>&1) &
     ab_ref_build=$!
 fi
 
