@@ -189,33 +189,6 @@ def test_forward_128_query_patches(case, dtype):
 HOPPER_D128_CASES = [c for c in HOPPER_CASES if c[9] == 128]  # Hopper's one-warpgroup kernels
 
 
-# Windows of 512+ keys with the default tiles: on Hopper the backward's 128-row patches (8x4x4,
-# 16x8), on a permuted view where another axis order walks fewer pairs (dispatch.cu
-# mma_backward; kernel_choice.cu's estimate puts height first for the first, second and
-# fourth, the second axis first for the 2-D one, and keeps the third's order)
-AXIS_ORDER_CASES = [
-    (3, (30, 16, 24), (18, 8, 8), (16, 4, 4), (1, 1, 1), (True, False, False), 1, 2, 1, 64, 64, 3, "contig"),
-    (3, (20, 16, 12), (12, 8, 8), (1, 1, 1), (1, 1, 1), (False, False, False), 2, 2, 2, 128, 128, 0,
-     "heads_major"),
-    (3, (30, 8, 16), (18, 8, 8), (16, 4, 4), (1, 1, 1), (False, False, False), 1, 2, 1, 128, 128, 5,
-     "contig"),
-    (3, (20, 32, 12), (12, 8, 8), (1, 1, 1), (1, 2, 1), (False, False, False), 1, 2, 1, 64, 64, 0, "contig"),
-    (2, (40, 48), (24, 24), (16, 1), (1, 1), (False, False), 1, 2, 2, 64, 64, 2, "heads_major"),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", AXIS_ORDER_CASES, ids=ids)
-def test_backward_axis_order(case, dtype, kv_parallel):
-    """The default backward of large windows (on Hopper in another axis order where that walks
-    fewer pairs: the kernels see permuted strides) against the reference, and bitwise-equal on a
-    second call when deterministic."""
-    grads = check_backward(case, dtype)
-    if not kv_parallel:
-        for g0, g1 in zip(grads, check_backward(case, dtype)):
-            assert torch.equal(g0, g1), "deterministic backward differs between calls"
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_D128_CASES, ids=ids)
 def test_forward_64_query_patches_d128(case, dtype):

@@ -196,20 +196,8 @@ static double fz_error(const double *got, const double *want, int64_t n, double 
 
 static double fz_magnitude;  /* set per problem by fz_compute for the gradient checks */
 
-/* What a row output (out, lse, t_out, t_lse, dq, dtq) holds before the call: the rows outside
- * the query range must keep it. 12345 is no f16/bf16 value: compared as the dtype rounds it. */
-#define FZ_SENTINEL 12345.0
-
-static double fz_sentinel_as(nbhd_dtype dt) {
-    double buf[1];
-    nbhd_store(buf, 0, dt, FZ_SENTINEL);
-    return nbhd_load(buf, 0, dt);
-}
-
-static void fz_sentinel(tbuf *b) {
-    const int64_t n = dims_count(b->dims);
-    for (int64_t i = 0; i < n; ++i) nbhd_store(b->t.data, tbuf_offset(b, i), b->dtype, FZ_SENTINEL);
-}
+/* A row output (out, lse, t_out, t_lse, dq, dtq) holds harness.h's sentinel before the call: the
+ * rows outside the query range must keep it. */
 
 /* is element lin of a row tensor [B, X, Y, Z, H, .] a query the problem computes? */
 static int fz_in_range(const nbhd_problem *p, const int64_t dims[6], int64_t lin) {
@@ -234,7 +222,7 @@ static void fz_close(const nbhd_problem *p, const char *what, const tbuf *b, con
     const int64_t n = dims_count(b->dims);
     double *got = dense_alloc(n), *want_in = dense_alloc(n);
     tbuf_gather(b, got);
-    const double sentinel = fz_sentinel_as(b->dtype);
+    const double sentinel = sentinel_as(b->dtype);
     int64_t m = 0, lost = 0;
     for (int64_t i = 0; i < n; ++i) {
         if (!rows || fz_in_range(p, b->dims, i)) {  /* compacted in place: m <= i */
@@ -432,7 +420,7 @@ static void fz_compute(const nbhd_problem *p, nbhd_exec *e, int mode, uint8_t vi
     fz_fill_rows(p, &name, dense)
 #define MAKE_ROW_OUT(name, dims, type, ign)                                        \
     MAKE_OUT(name, dims, type, ign);                                               \
-    fz_sentinel(&name)
+    fill_sentinel(&name)
 
     MAKE_ROW_IN(Q, sq, dt, q, 0);
     MAKE_IN(K, sk, dt, k, 0, 1);

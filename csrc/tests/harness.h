@@ -201,4 +201,19 @@ static inline double tol_of(nbhd_dtype dt) {
     }
 }
 
+/* A row output's contents before a call with a query range (nbhd.h): the rows outside the range
+ * must keep them. 12345 is no f16/bf16 value: compared as the dtype rounds it (sentinel_as). */
+#define ROW_SENTINEL 12345.0
+
+static inline double sentinel_as(nbhd_dtype dt) {
+    double buf[1];
+    nbhd_store(buf, 0, dt, ROW_SENTINEL);
+    return nbhd_load(buf, 0, dt);
+}
+
+static inline void fill_sentinel(tbuf *b) {
+    const int64_t n = dims_count(b->dims);
+    for (int64_t i = 0; i < n; ++i) nbhd_store(b->t.data, tbuf_offset(b, i), b->dtype, ROW_SENTINEL);
+}
+
 #endif /* NBHD_TESTS_HARNESS_H */

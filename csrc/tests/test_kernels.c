@@ -592,19 +592,7 @@ static int run_rpb_case(uint64_t seed) {
  * box zero (so they add nothing to the key-side sums) and once with the box, its rows outside
  * poisoned with NaN and its outputs prefilled with a sentinel */
 
-#define RANGE_SENTINEL 12345.0
-
-/* the sentinel as a buffer of dtype dt holds it (rounded: 12345 is no f16/bf16 value) */
-static double sentinel_as(nbhd_dtype dt) {
-    double buf[1];
-    nbhd_store(buf, 0, dt, RANGE_SENTINEL);
-    return nbhd_load(buf, 0, dt);
-}
-
-static void fill_sentinel(tbuf *b) {
-    const int64_t n = dims_count(b->dims);
-    for (int64_t i = 0; i < n; ++i) nbhd_store(b->t.data, tbuf_offset(b, i), b->dtype, RANGE_SENTINEL);
-}
+/* (the sentinel: harness.h ROW_SENTINEL, fill_sentinel, sentinel_as) */
 
 static tbuf sentinel_output(rng_t *r, const int64_t dims[6], nbhd_dtype dt, int ignore_last) {
     tbuf b = output(r, dims, dt, ignore_last);
