@@ -222,8 +222,8 @@ def test_backward_128_query_patches(case, dtype, kv_parallel):
 
 # Windows of 512+ keys with the default tiles: on Hopper the backward's 128-row patches (8x4x4,
 # 16x8), on a permuted view where another axis order walks fewer pairs (dispatch.cu
-# mma_backward; kernel_choice.cu's estimate puts height first for the first, second and
-# fourth, the second axis first for the 2-D one, and keeps the third's order)
+# mma_backward; kernel_choice.cu's estimate puts the second axis first in each of these; the
+# problem's own order is what test_backward's large windows and requested tiles run)
 AXIS_ORDER_CASES = [
     (3, (30, 16, 24), (18, 8, 8), (16, 4, 4), (1, 1, 1), (True, False, False), 1, 2, 1, 64, 64, 3, "contig"),
     (3, (20, 16, 12), (12, 8, 8), (1, 1, 1), (1, 1, 1), (False, False, False), 2, 2, 2, 128, 128, 0,
