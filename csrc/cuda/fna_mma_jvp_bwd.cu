@@ -23,9 +23,9 @@
  * first-order backward. Deterministic with exec.kv_parallel off (no atomics but the table
  * gradient's, as the first-order kernels). KV-parallel (exec.kv_parallel on, no bias table): no
  * dq kernel; the dk/dv kernels stage dS^T and dtS^T in shared memory and add dQ = dS K + dtS tK
- * with fp32 atomics (mma_util.cuh tile_dq_atomic, as the first-order backward does), which
- * saves the dq kernel's four score products per pair. Rows with a non-finite result are
- * computed again exactly (exact_rows.cuh).
+ * with fp32 atomics (mma_util.cuh tile_dq_atomic, as the first-order backward does), instead of
+ * the dq kernel's score products. Rows with a non-finite result are computed again exactly
+ * (exact_rows.cuh).
  */
 #include <string.h>
 
