@@ -220,13 +220,13 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
 // ----------------------------------------------------------------------------
 // the axis order of the backward's 128-row patches
 
-/* Pairs that patches of depth c walk along one axis (each patch its depth times the span of
- * its rows' windows: keys and their inverse windows for the dK/dV kernels, queries and their
- * windows for the dQ kernels), over the exact pairs. Windows are separable, so a patch's box
- * costs the product of these per axis. */
+/* Pairs that patches of depth c walk along one axis: each patch its depth times the span of
+ * its rows' windows (keys and their inverse windows for the dK/dV kernels, queries and their
+ * windows for the dQ kernels). Windows are separable, so a patch's box costs the product of
+ * these per axis; the exact pairs are the same for every order, so they are not counted. */
 static double axis_walk(const nbhd_axis *a, int c, bool keys) {
     const int64_t d = a->dilation;
-    double walked = 0, exact = 0;
+    double walked = 0;
     for (int64_t g = 0; g < d && g < a->extent; ++g) {
         const int64_t n = nbhd_group_len(a, g);
         for (int64_t i0 = 0; i0 < n; i0 += c) {
@@ -243,12 +243,7 @@ static double axis_walk(const nbhd_axis *a, int c, bool keys) {
             walked += (double)c * (double)(span > 0 ? span : 0);  /* a patch past the end costs its whole depth */
         }
     }
-    for (int64_t x = 0; x < a->extent; ++x) {  /* the pairs, counted by queries: O(1) each */
-        int64_t f, cnt;
-        nbhd_window(a, x, &f, &cnt);
-        exact += (double)cnt;
-    }
-    return exact > 0 ? walked / exact : 1.0;
+    return walked;
 }
 
 int nbhd_cuda_backward_axis_order(const nbhd_geometry *g, int order[3]) {
