@@ -185,22 +185,22 @@ template <typename T, int N> struct wgmma_op;
                  ", p, 1, 1, " TRANS ";\n}\n"                                                      \
                  : __VA_ARGS__                                                                     \
                  : "l"(a_desc), "l"(b_desc), "r"(accumulate))
-#define NBHD_WGMMA_RS(SHAPE, TY, REGS, A, B, P, ...)                                           \
+#define NBHD_WGMMA_RS(SHAPE, TY, TRANS, REGS, A, B, P, ...)                                    \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                                  \
                  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " REGS ", " A ", " B     \
-                 ", p, 1, 1, 1;\n}\n"                                                              \
+                 ", p, 1, 1, " TRANS ";\n}\n"                                                     \
                  : __VA_ARGS__                                                                     \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
 #define NBHD_WGMMA_SS_N32(TY) \
     NBHD_WGMMA_SS("m64n32k16", TY, "0, 0", NBHD_WGMMA_R16, "%16", "%17", "%18", NBHD_WGMMA_D16)
 #define NBHD_WGMMA_SS_N64(TY, TRANS) \
     NBHD_WGMMA_SS("m64n64k16", TY, TRANS, NBHD_WGMMA_R32, "%32", "%33", "%34", NBHD_WGMMA_D32)
-#define NBHD_WGMMA_RS_N64(TY) \
-    NBHD_WGMMA_RS("m64n64k16", TY, NBHD_WGMMA_R32, "{%32, %33, %34, %35}", "%36", "%37", NBHD_WGMMA_D32)
+#define NBHD_WGMMA_RS_N64(TY, TRANS) \
+    NBHD_WGMMA_RS("m64n64k16", TY, TRANS, NBHD_WGMMA_R32, "{%32, %33, %34, %35}", "%36", "%37", NBHD_WGMMA_D32)
 #define NBHD_WGMMA_SS_N128(TY) \
     NBHD_WGMMA_SS("m64n128k16", TY, "0, 0", NBHD_WGMMA_R64, "%64", "%65", "%66", NBHD_WGMMA_D64)
 #define NBHD_WGMMA_RS_N128(TY) \
-    NBHD_WGMMA_RS("m64n128k16", TY, NBHD_WGMMA_R64, "{%64, %65, %66, %67}", "%68", "%69", NBHD_WGMMA_D64)
+    NBHD_WGMMA_RS("m64n128k16", TY, "1", NBHD_WGMMA_R64, "{%64, %65, %66, %67}", "%68", "%69", NBHD_WGMMA_D64)
 
 template <> struct wgmma_op<__nv_bfloat16, 32> {
     static __device__ __forceinline__ void ss(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
@@ -222,7 +222,11 @@ template <> struct wgmma_op<__nv_bfloat16, 64> {
     }
     /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
     static __device__ __forceinline__ void rs_bt(float d[32], const uint32_t a[4], uint64_t b_desc, int accumulate) {
-        NBHD_WGMMA_RS_N64("bf16");
+        NBHD_WGMMA_RS_N64("bf16", "1");
+    }
+    /* A in registers; B K-major (the forward's S = Q K^T with Q's fragments held) */
+    static __device__ __forceinline__ void rs(float d[32], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N64("bf16", "0");
     }
 };
 template <> struct wgmma_op<__half, 64> {
@@ -235,7 +239,11 @@ template <> struct wgmma_op<__half, 64> {
     }
     /* A in registers (an mma.sync m16n8k16 A fragment per warp); B MN-major */
     static __device__ __forceinline__ void rs_bt(float d[32], const uint32_t a[4], uint64_t b_desc, int accumulate) {
-        NBHD_WGMMA_RS_N64("f16");
+        NBHD_WGMMA_RS_N64("f16", "1");
+    }
+    /* A in registers; B K-major (the forward's S = Q K^T with Q's fragments held) */
+    static __device__ __forceinline__ void rs(float d[32], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N64("f16", "0");
     }
 };
 template <> struct wgmma_op<__nv_bfloat16, 128> {
