@@ -271,13 +271,13 @@ class PreparedJvp(torch.autograd.Function):
                     None, None, None)
         # a differentiable backward (create_graph), a watched one, or no fused kernel
         from .autograd import EAGER
-        from .rules import RULES, zeros_for
+        from .rules import RULES
         inputs, outs = list(saved[:10]), saved[10:]
         absent = inputs[3] is None
         if absent:
             inputs[3], inputs[4] = prep.empty_kx, prep.empty_vx
-        primals = (*inputs[:5], prep.empty_rpb)
-        both = (*primals, *zeros_for((*inputs[5:], None), primals))
+        # absent tangents stay None: the rule skips their products
+        both = (*inputs[:5], prep.empty_rpb, *inputs[5:], None)
         need = ctx.needs_input_grad
         wanted = (*need[:5], False, *need[5:10], False)   # the rule's positions: no bias tables here
         g = list(RULES["na_forward_jvp"].vjp(EAGER, (*both, *outs), fused, prep.geometry, grads, wanted))

@@ -164,6 +164,13 @@ def zeros_for(tangents, primals):
     return tuple(torch.zeros_like(p) if t is None else t for t, p in zip(tangents, primals))
 
 
+def zero_views_for(tangents, primals):
+    """zeros_for as broadcast views of one zero: the rules save them for the reference math of
+    third order, which copies them (_dense) when it runs, so that saving them costs no memory
+    at every second-order call"""
+    return tuple(p.new_zeros(()).expand_as(p) if t is None else t for t, p in zip(tangents, primals))
+
+
 def _jvp_by_double_vjp(fn, primals, tangents):
     """J(primals) @ tangents through two reverse passes: vjp_fn(u) = J^T u is linear in u, and
     its own vjp applied to `tangents` is J tangents. Used inside jvp rules, where PyTorch does
@@ -284,7 +291,7 @@ def _backward_jvp(calls, saved, fused, geometry, tangents):
 def _forward_jvp_save(tensors, outputs, geometry):
     # the backward keeps absent tangents absent (the fused kernel skips their products)
     primals = tensors[:6]
-    both = (*primals, *zeros_for(tensors[6:], primals))
+    both = (*primals, *zero_views_for(tensors[6:], primals))
     return (*tensors, *outputs), both, _fused(primals[0].device)
 
 
@@ -325,13 +332,14 @@ def _forward_jvp_jvp(calls, saved, fused, geometry, tangents):
 
 def _forward_jvp_backward_save(tensors, outputs, geometry):
     primals = tensors[:6]
-    both = (*zeros_for(tensors[:12], primals * 2), *zeros_for(tensors[16:20], tensors[12:16]))
+    both = (*zero_views_for(tensors[:12], primals * 2), *zero_views_for(tensors[16:20], tensors[12:16]))
     return both, both, None
 
 
 def _forward_jvp_backward_vjp(calls, saved, info, geometry, grads, wanted=None):
     if isinstance(geometry, PrimalGradsGeometry):  # the tangents' gradients were not made
         grads = (*grads[:6], None, None, None, None, None, None)
+    saved = _dense(saved)
     g = _vjp(lambda *p: _reference_forward_jvp_backward(*p, geometry), saved, zeros_for(grads, saved[:12]))
     return (*g[:12], None, None, None, None, *g[12:])
 

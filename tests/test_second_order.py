@@ -242,3 +242,43 @@ def test_second_order_passes_absent_inputs(no_reference):
     assert a["t_q"] is not None, "the tangent of q"
     assert all(a[n] is None for n in ("t_k", "t_v", "t_kx", "t_vx", "t_rpb")), "tangents of k, v"
     assert a["d_out"] is None and a["d_lse"] is None and a["d_t_lse"] is None, "cotangents of unused outputs"
+
+
+class _RecordZeros(torch.utils._python_dispatch.TorchDispatchMode):
+    """The element counts of the zero-filled tensors made under it."""
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.zeros_like, torch.ops.aten.zeros, torch.ops.aten.new_zeros,
+                                   torch.ops.aten.zero_):
+            self.sizes.append(out.numel())
+        return out
+
+
+def test_second_order_materializes_no_zeros(no_reference):
+    # absent tangents and cotangents stay absent in the kernels' calls, and the rules save them
+    # for third order as broadcast views of one zero (rules.zero_views_for): a double backward,
+    # a hessian-vector product or a differentiable backward through the tangent allocates no
+    # tensor of zeros the size of an input
+    g = torch.Generator().manual_seed(1)
+    q, k, v, t = (torch.randn(1, 64, 2, 8, generator=g) for _ in range(4))
+    loss = lambda x: nbhd.na1d(x, k, v, 7).square().sum()
+    rec = _RecordZeros()
+    with rec:
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        (gq,) = torch.autograd.grad(nbhd.na1d(*xs, 7).square().sum(), xs[0], create_graph=True)
+        torch.autograd.grad(gq.square().sum(), xs)
+        _, hv = jvp(grad(loss), (q,), (t,))
+    assert hv.shape == q.shape
+    # the eager forward+JVP outside the mode (which would watch it): its first call takes the
+    # rules, the second the prepared call (prepared.py), whose node hands the rules its tensors
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    for _ in range(2):
+        _, t_out = nbhd.na1d_jvp(*xs, t, None, None, 7)
+        with rec:
+            torch.autograd.grad(t_out.square().sum(), xs, create_graph=True)
+    assert type(t_out.grad_fn).__name__ == "PreparedJvpBackward"
+    assert max(rec.sizes, default=0) < q.numel(), sorted(rec.sizes)[-8:]
