@@ -66,6 +66,20 @@ def _windows_match(extent: int, kernel: int, stride: int, dilation: int, causal:
     return bool(same[start - lo:end - lo].all())
 
 
+def axis_read_range(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
+                    start: int, end: int) -> Range:
+    """[lo, hi) on one axis: the union of the windows of the queries [start, end), the only keys
+    whose values their outputs (and gradients) depend on. The key range around it (below) only
+    reproduces the window rule; its other keys are never read into a result."""
+    if not 0 <= start < end <= extent:
+        raise ValueError(f"query range [{start}, {end}) must be a non-empty part of [0, {extent})")
+    keys, valid = axis_windows(extent, kernel, stride, dilation, causal)
+    keys, valid = keys[start:end], valid[start:end]
+    lo = int(keys[:, 0].min())   # slot 0 is always valid: every window holds at least its query
+    hi = int(torch.where(valid, keys, torch.zeros_like(keys)).max()) + 1
+    return lo, hi
+
+
 def axis_key_range(extent: int, kernel: int, stride: int, dilation: int, causal: bool,
                    start: int, end: int) -> Range:
     """[L, R) on one axis: the smallest range found by the rules below whose sub-axis gives the
@@ -77,12 +91,7 @@ def axis_key_range(extent: int, kernel: int, stride: int, dilation: int, causal:
     start of each dilation group); R - L >= kernel*dilation (the kernel's extent rule). The result
     is checked against the window rule itself (reference.axis_windows) for every own query.
     """
-    if not 0 <= start < end <= extent:
-        raise ValueError(f"query range [{start}, {end}) must be a non-empty part of [0, {extent})")
-    keys, valid = axis_windows(extent, kernel, stride, dilation, causal)
-    keys, valid = keys[start:end], valid[start:end]
-    lo = int(keys[:, 0].min())   # slot 0 is always valid: every window holds at least its query
-    hi = int(torch.where(valid, keys, torch.zeros_like(keys)).max()) + 1
+    lo, hi = axis_read_range(extent, kernel, stride, dilation, causal, start, end)
     if causal:
         x = torch.arange(start, end)
         g, i = x % dilation, x // dilation
@@ -169,6 +178,15 @@ def key_box(global_shape: Sequence[int], axes: Sequence[int], box: Box, ks, st, 
         if not _windows_match(shape[a], ks[a], st[a], dil[a], causal[a], *box[a], *out[a]):
             raise RuntimeError(f"nbhd.distributed: widening the key range to {out[a]} broke the "
                                f"windows of {box[a]} on axis {a}; this is a bug in nbhd")
+    return tuple(out)
+
+
+def read_box(global_shape: Sequence[int], axes: Sequence[int], box: Box, ks, st, dil, causal) -> Box:
+    """The keys whose values the queries of `box` read (axis_read_range on each sharded axis): the
+    part of their key box that travels; the rest of the key box is zeros."""
+    out = list(box)
+    for a in axes:
+        out[a] = axis_read_range(global_shape[a], ks[a], st[a], dil[a], causal[a], *box[a])
     return tuple(out)
 
 
@@ -287,22 +305,26 @@ class HaloPlan:
 
     Attributes:
         boxes: per group rank, the owned box (global [start, end) per spatial axis)
-        key_boxes: per group rank, the box of keys its queries need (contains the owned box)
-        sends: [(peer, box)] pieces of this rank's box that peer needs
-        recvs: [(peer, box)] pieces of this rank's key box that peer owns
+        key_boxes: per group rank, the sub-grid its kernel runs on (contains the owned box): the
+            window rule evaluated on it gives its queries their windows on the whole grid
+        read_boxes: per group rank, the keys its queries' windows hold (inside the key box);
+            the key box's other tokens are zeros, which no result reads
+        sends: [(peer, box)] pieces of this rank's box that peer reads
+        recvs: [(peer, box)] pieces of this rank's read box that peer owns
     """
 
     def __init__(self, sharding: Sharding, ks, st, dil, causal):
         self.sharding = sharding
+        shape, axes = sharding.global_shape, sharding.axes
         self.boxes = [sharding.box(r) for r in range(sharding.world)]
-        self.key_boxes = [key_box(sharding.global_shape, sharding.axes, box, ks, st, dil, causal)
-                          for box in self.boxes]
+        self.key_boxes = [key_box(shape, axes, box, ks, st, dil, causal) for box in self.boxes]
+        self.read_boxes = [read_box(shape, axes, box, ks, st, dil, causal) for box in self.boxes]
         me = sharding.rank
         self.box, self.key_box = self.boxes[me], self.key_boxes[me]
         self.sends = [(r, piece) for r in range(sharding.world) if r != me
-                      for piece in [_intersect(self.box, self.key_boxes[r])] if piece is not None]
+                      for piece in [_intersect(self.box, self.read_boxes[r])] if piece is not None]
         self.recvs = [(r, piece) for r in range(sharding.world) if r != me
-                      for piece in [_intersect(self.boxes[r], self.key_box)] if piece is not None]
+                      for piece in [_intersect(self.boxes[r], self.read_boxes[me])] if piece is not None]
         # the own queries the own box alone serves (computed while the halo travels), and the
         # border pieces of the own box around them (computed on the key box once it arrived)
         inner = [own_box_queries(sharding.global_shape[a], ks[a], st[a], dil[a], causal[a], *self.box[a])
@@ -324,7 +346,7 @@ class HaloPlan:
 
     @property
     def key_box_tokens(self) -> int:
-        """Tokens of this rank's sub-grid (owned + halo): the keys its kernel call may read."""
+        """Tokens of this rank's sub-grid (owned, halo and zero-filled): what its kernel runs on."""
         return math.prod(hi - lo for lo, hi in self.key_box)
 
     @property

@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 import nbhd
 from nbhd import distributed as cp
 from nbhd import ops
-from nbhd.distributed import _windows_match, axis_key_range
+from nbhd.distributed import _windows_match, axis_key_range, axis_read_range
+from nbhd.reference import axis_windows
 
 # (global shape, kernel, stride, dilation, causal, shard axes, mesh shape or None, sizes or None)
 CASES = {
@@ -341,6 +342,34 @@ def test_axis_key_range_exhaustive(extent):
                                 if lo2 <= a and b <= hi2 and hi2 - lo2 >= K * d:
                                     assert not _windows_match(N, K, s, d, causal, a, b, lo2, hi2), \
                                         (N, K, s, d, causal, a, b, lo, hi, lo2, hi2)
+
+
+@pytest.mark.parametrize("extent", [9, 12])
+def test_axis_read_range_exhaustive(extent):
+    """The keys that travel: for every kernel/stride/dilation/causal and query range of small
+    axes, exactly the union of the queries' windows on the whole axis, inside the key range
+    (whose other tokens the exchange leaves zero)."""
+    N = extent
+    for K in range(2, N + 1):
+        for d in range(1, N // K + 1):
+            for s in range(1, K + 1):
+                for causal in (False, True):
+                    keys, valid = axis_windows(N, K, s, d, causal)
+                    for a in range(N):
+                        for b in range(a + 1, N + 1, max(1, N // 4)):
+                            lo, hi = axis_read_range(N, K, s, d, causal, a, b)
+                            held = keys[a:b][valid[a:b]]
+                            assert (lo, hi) == (int(held.min()), int(held.max()) + 1)
+                            klo, khi = axis_key_range(N, K, s, d, causal, a, b)
+                            assert klo <= lo and hi <= khi
+
+
+def test_read_range_of_the_weak_scaling_problem():
+    # 60 frames, window 18, stride 16, the second of two ranks (frames 32-59): its key range
+    # starts on a stride group's start (frame 16), but its windows hold frames 31-59 alone, so
+    # one frame travels, not sixteen (docs/context_parallel.md)
+    assert axis_key_range(60, 18, 16, 1, False, 32, 60) == (16, 60)
+    assert axis_read_range(60, 18, 16, 1, False, 32, 60) == (31, 60)
 
 
 def test_train_video_example_check_and_steps():
