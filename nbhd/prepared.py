@@ -195,6 +195,23 @@ def _save(ctx, prep: Prepared, q, k, v, kx, vx, rpb, out, lse) -> None:
     ctx.save_for_backward(q, k, v, kx, vx, prep.empty_rpb if rpb is None else rpb, out, lse)
 
 
+def _attention_backward(prep: Prepared, absent: bool, q, k, v, kx, vx, rpb, out, lse, d_out, d_lse) -> tuple:
+    """(dq, dk, dv, dkx, dvx, d_rpb) of a prepared call's first-order backward (None for absent
+    additional keys and table); kx and vx are the empty stand-ins when `absent`"""
+    if (d_out is not None and not torch.is_grad_enabled() and _unwatched()
+            and _plain_grad(d_out) and _plain_grad(d_lse)):
+        return tuple(prep.backward(q, k, v, None if absent else kx, None if absent else vx,
+                                   out, lse, d_out, d_lse, rpb if prep.biased else None))
+    # a differentiable backward (create_graph), or a watched one: the rules' path
+    from .autograd import EAGER
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    dq, dk, dv, dkx, dvx, d_rpb = EAGER.backward(q, k, v, kx, vx, rpb, out, lse, d_out, d_lse,
+                                                 prep.geometry)
+    return (dq, dk, dv, None if absent else dkx, None if absent else dvx,
+            d_rpb if prep.biased else None)
+
+
 class PreparedAttention(torch.autograd.Function):
     """(out, lse) of a prepared call whose inputs require grad. Outside any functorch transform
     only (unwatched): the transforms take NeighborhoodAttention."""
@@ -211,21 +228,7 @@ class PreparedAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         if d_out is None and d_lse is None:
             return None, None, None, None, None, None, None
-        prep, absent = ctx.prep, ctx.absent
-        q, k, v, kx, vx, rpb, out, lse = ctx.saved_tensors
-        if (d_out is not None and not torch.is_grad_enabled() and _unwatched()
-                and _plain_grad(d_out) and _plain_grad(d_lse)):
-            grads = prep.backward(q, k, v, None if absent else kx, None if absent else vx,
-                                  out, lse, d_out, d_lse, rpb if prep.biased else None)
-            return (*grads, None)
-        # a differentiable backward (create_graph), or a watched one: the rules' path
-        from .autograd import EAGER
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        dq, dk, dv, dkx, dvx, d_rpb = EAGER.backward(q, k, v, kx, vx, rpb, out, lse, d_out, d_lse,
-                                                     prep.geometry)
-        return (dq, dk, dv, None if absent else dkx, None if absent else dvx,
-                d_rpb if prep.biased else None, None)
+        return (*_attention_backward(ctx.prep, ctx.absent, *ctx.saved_tensors, d_out, d_lse), None)
 
 
 class PreparedJvpPrimal(PreparedAttention):
@@ -262,44 +265,79 @@ class PreparedJvp(torch.autograd.Function):
     def backward(ctx, d_t_out, d_t_lse):
         if d_t_out is None and d_t_lse is None:
             return (None,) * 13
-        prep, saved = ctx.prep, ctx.saved_tensors
-        grads = (None, None, d_t_out, d_t_lse)
-        fused = prep.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
-        if (fused and not torch.is_grad_enabled() and _unwatched()
-                and _plain_grad(d_t_out) and _plain_grad(d_t_lse)):
-            return (*prep.forward_jvp_backward(saved, grads, ctx.needs_input_grad[5:10], ctx.layouts),
-                    None, None, None)
-        # a differentiable backward (create_graph), a watched one, or no fused kernel
-        from .autograd import EAGER
-        from .rules import RULES
-        inputs, outs = list(saved[:10]), saved[10:]
-        absent = inputs[3] is None
-        if absent:
-            inputs[3], inputs[4] = prep.empty_kx, prep.empty_vx
-        # absent tangents stay None: the rule skips their products
-        both = (*inputs[:5], prep.empty_rpb, *inputs[5:], None)
-        need = ctx.needs_input_grad
-        wanted = (*need[:5], False, *need[5:10], False)   # the rule's positions: no bias tables here
-        g = list(RULES["na_forward_jvp"].vjp(EAGER, (*both, *outs), fused, prep.geometry, grads, wanted))
-        g = g[:5] + g[6:11]   # the prepared call has no bias table
-        for i, t in enumerate(saved[:10]):
-            if t is None:
-                g[i] = None
-        return (*g, None, None, None)
+        return _jvp_backward(ctx, (None, None, d_t_out, d_t_lse))
+
+
+class PreparedJvpJoint(PreparedJvp):
+    """(out, lse, t_out, t_lse) of a prepared forward+JVP already run, as one node over the
+    primals and tangents, where no tangent requires grad (the tangents are data: no graph above
+    them to reach): a loss on both kinds of output runs one fused backward through the
+    forward+JVP, which takes the primal outputs' cotangents for two more products per pair
+    instead of a first-order backward of their own; a loss on the primal outputs alone runs the
+    first-order backward, one on the tangent outputs alone the fused one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts, ran):
+        PreparedJvp.forward(ctx, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts, ran)
+        return tuple(ran)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse, d_t_out, d_t_lse):
+        if d_t_out is None and d_t_lse is None:
+            if d_out is None and d_lse is None:
+                return (None,) * 13
+            prep, saved = ctx.prep, ctx.saved_tensors
+            absent = saved[3] is None
+            kx, vx = (prep.empty_kx, prep.empty_vx) if absent else saved[3:5]
+            grads = _attention_backward(prep, absent, *saved[:3], kx, vx, prep.empty_rpb, *saved[10:12],
+                                        d_out, d_lse)
+            return (*grads[:5], *(None,) * 8)
+        return _jvp_backward(ctx, (d_out, d_lse, d_t_out, d_t_lse))
+
+
+def _jvp_backward(ctx, grads) -> tuple:
+    """The gradients of a PreparedJvp node (primals, tangents, then None for prep, layouts and
+    ran) for the cotangents `grads` on (out, lse, t_out, t_lse)"""
+    prep, saved = ctx.prep, ctx.saved_tensors
+    fused = prep.device.type in ops.FUSED_JVP_BACKWARD_DEVICES
+    if (fused and not torch.is_grad_enabled() and _unwatched() and all(_plain_grad(g) for g in grads)):
+        return (*prep.forward_jvp_backward(saved, grads, ctx.needs_input_grad[5:10], ctx.layouts),
+                None, None, None)
+    # a differentiable backward (create_graph), a watched one, or no fused kernel
+    from .autograd import EAGER
+    from .rules import RULES
+    inputs, outs = list(saved[:10]), saved[10:]
+    absent = inputs[3] is None
+    if absent:
+        inputs[3], inputs[4] = prep.empty_kx, prep.empty_vx
+    # absent tangents stay None: the rule skips their products
+    both = (*inputs[:5], prep.empty_rpb, *inputs[5:], None)
+    need = ctx.needs_input_grad
+    wanted = (*need[:5], False, *need[5:10], False)   # the rule's positions: no bias tables here
+    g = list(RULES["na_forward_jvp"].vjp(EAGER, (*both, *outs), fused, prep.geometry, grads, wanted))
+    g = g[:5] + g[6:11]   # the prepared call has no bias table
+    for i, t in enumerate(saved[:10]):
+        if t is None:
+            g[i] = None
+    return (*g, None, None, None)
 
 
 _apply = _torch_internals.raw_apply(PreparedAttention)
 _apply_jvp_primal = _torch_internals.raw_apply(PreparedJvpPrimal)
 _apply_jvp = _torch_internals.raw_apply(PreparedJvp)
+_apply_jvp_joint = _torch_internals.raw_apply(PreparedJvpJoint)
 
 
 def _jvp_with_grad(prep: Prepared, q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts=()):
-    """(out, lse, t_out, t_lse) of one forward+JVP kernel whose inputs require grad, as two
-    autograd nodes: the primal outputs over the primals (PreparedJvpPrimal), the tangent
-    outputs over both (PreparedJvp). One node for all four would link the tangents' graph to
-    the primal outputs: a backward from them alone would then visit every node that computed a
-    tangent, all the way up the model."""
+    """(out, lse, t_out, t_lse) of one forward+JVP kernel whose inputs require grad. Where a
+    tangent requires grad, as two autograd nodes: the primal outputs over the primals
+    (PreparedJvpPrimal), the tangent outputs over both (PreparedJvp). One node for all four
+    would link the tangents' graph to the primal outputs: a backward from them alone would then
+    visit every node that computed a tangent, all the way up the model. Tangents that are data
+    have no graph: one node (PreparedJvpJoint), so that a loss on both runs one fused backward."""
     ran = prep.forward_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, layouts)
+    if not any(t is not None and t.requires_grad for t in (tq, tk, tv, tkx, tvx)):
+        return _apply_jvp_joint(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts, ran)
     out, lse = _apply_jvp_primal(q, k, v, kx, vx, None, prep, ran)
     t_out, t_lse = _apply_jvp(q, k, v, kx, vx, tq, tk, tv, tkx, tvx, prep, layouts, ran)
     return out, lse, t_out, t_lse
