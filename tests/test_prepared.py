@@ -259,6 +259,29 @@ def test_jvp_then_backward_equals_the_op_path(tangent_grad, loss_on, op_path, la
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("loss_on", ["both", "primal", "tangent"])
+def test_jvp_with_additional_keys_equals_the_op_path(loss_on, op_path, launches):
+    """na2d_jvp with additional keys that require grad and a tangent that is data (one node for
+    all four outputs, prepared.PreparedJvpJoint): the additional keys' gradients too."""
+    leaves = _qkv(requires_grad=True)
+    kx, vx = (torch.randn(2, 3, 2, 8, requires_grad=True) for _ in range(2))
+    tq = torch.randn(2, 6, 7, 2, 8)
+    w1, w2 = torch.randn(2, 6, 7, 2, 8), torch.randn(2, 6, 7, 2, 8)
+
+    def f():
+        out, t_out = nbhd.na2d_jvp(*leaves, tq, None, None, 3, additional_keys=kx, additional_values=vx)
+        loss = ((out * w1).sum() if loss_on != "tangent" else 0) + ((t_out * w2).sum() if loss_on != "primal" else 0)
+        return torch.autograd.grad(loss, [*leaves, kx, vx])
+
+    f()
+    got, ops = launches(f)
+    assert _lib.OP_BACKWARD in ops if loss_on == "primal" else _lib.OP_BACKWARD not in ops, ops
+    out, _ = nbhd.na2d_jvp(*leaves, tq, None, None, 3, additional_keys=kx, additional_values=vx)
+    assert type(out.grad_fn).__name__ == "PreparedJvpJointBackward"
+    for a, b in zip(got, op_path(f)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_jvp_cases_that_keep_the_function():
     """forward_ad duals that require grad (a backward may follow inside the dual level), a
     tangent of another dtype, and jvp inside vmap take the Function path (prepared._dual
