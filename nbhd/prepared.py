@@ -28,7 +28,8 @@ from torch import Tensor
 from . import _lib, _torch_internals, ops
 from .rules import Geometry
 
-__all__ = ["Prepared", "PreparedAttention", "PreparedJvpPrimal", "PreparedJvp", "PreparedJvpJoint", "na", "na_jvp"]
+__all__ = ["Prepared", "PreparedAttention", "PreparedJvpPrimal", "PreparedJvp", "PreparedJvpJoint", "na",
+           "na_jvp"]
 
 _unwatched = _torch_internals.unwatched
 _run_state = ops.run_state

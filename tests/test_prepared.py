@@ -270,7 +270,8 @@ def test_jvp_with_additional_keys_equals_the_op_path(loss_on, op_path, launches)
 
     def f():
         out, t_out = nbhd.na2d_jvp(*leaves, tq, None, None, 3, additional_keys=kx, additional_values=vx)
-        loss = ((out * w1).sum() if loss_on != "tangent" else 0) + ((t_out * w2).sum() if loss_on != "primal" else 0)
+        loss = (((out * w1).sum() if loss_on != "tangent" else 0)
+                + ((t_out * w2).sum() if loss_on != "primal" else 0))
         return torch.autograd.grad(loss, [*leaves, kx, vx])
 
     f()

@@ -276,7 +276,8 @@ def test_second_order_materializes_no_zeros(no_reference):
     # the eager forward+JVP outside the mode (which would watch it): its first call takes the
     # rules, the second the prepared call (prepared.py), whose node hands the rules its tensors
     # (one node where the tangent is data, two where it requires grad)
-    for tangent, node in ((t, "PreparedJvpJointBackward"), (t.clone().requires_grad_(), "PreparedJvpBackward")):
+    for tangent, node in ((t, "PreparedJvpJointBackward"),
+                          (t.clone().requires_grad_(), "PreparedJvpBackward")):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         for _ in range(2):
             _, t_out = nbhd.na1d_jvp(*xs, tangent, None, None, 7)
