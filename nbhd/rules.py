@@ -161,13 +161,9 @@ def _reference_forward_jvp_backward(*args):
 
 
 def zeros_for(tangents, primals):
-    return tuple(torch.zeros_like(p) if t is None else t for t, p in zip(tangents, primals))
-
-
-def zero_views_for(tangents, primals):
-    """zeros_for as broadcast views of one zero: the rules save them for the reference math of
-    third order, which copies them (_dense) when it runs, so that saving them costs no memory
-    at every second-order call"""
+    """The tangents (or cotangents), a None one as zeros shaped like its primal: broadcast views
+    of one zero, so that a rule saving them holds no memory for them; the reference math copies
+    them (_dense) where it needs storage"""
     return tuple(p.new_zeros(()).expand_as(p) if t is None else t for t, p in zip(tangents, primals))
 
 
@@ -291,7 +287,7 @@ def _backward_jvp(calls, saved, fused, geometry, tangents):
 def _forward_jvp_save(tensors, outputs, geometry):
     # the backward keeps absent tangents absent (the fused kernel skips their products)
     primals = tensors[:6]
-    both = (*primals, *zero_views_for(tensors[6:], primals))
+    both = (*primals, *zeros_for(tensors[6:], primals))
     return (*tensors, *outputs), both, _fused(primals[0].device)
 
 
@@ -332,7 +328,7 @@ def _forward_jvp_jvp(calls, saved, fused, geometry, tangents):
 
 def _forward_jvp_backward_save(tensors, outputs, geometry):
     primals = tensors[:6]
-    both = (*zero_views_for(tensors[:12], primals * 2), *zero_views_for(tensors[16:20], tensors[12:16]))
+    both = (*zeros_for(tensors[:12], primals * 2), *zeros_for(tensors[16:20], tensors[12:16]))
     return both, both, None
 
 

@@ -260,7 +260,7 @@ class _RecordZeros(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_second_order_materializes_no_zeros(no_reference):
     # absent tangents and cotangents stay absent in the kernels' calls, and the rules save them
-    # for third order as broadcast views of one zero (rules.zero_views_for): a double backward,
+    # for third order as broadcast views of one zero (rules.zeros_for): a double backward,
     # a hessian-vector product or a differentiable backward through the tangent allocates no
     # tensor of zeros the size of an input
     g = torch.Generator().manual_seed(1)
