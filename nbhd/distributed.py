@@ -327,8 +327,8 @@ class HaloPlan:
                       for piece in [_intersect(self.boxes[r], self.read_boxes[me])] if piece is not None]
         # the own queries the own box alone serves (computed while the halo travels), and the
         # border pieces of the own box around them (computed on the key box once it arrived)
-        inner = [own_box_queries(sharding.global_shape[a], ks[a], st[a], dil[a], causal[a], *self.box[a])
-                 if a in sharding.axes else self.box[a] for a in range(len(self.box))]
+        inner = [own_box_queries(shape[a], ks[a], st[a], dil[a], causal[a], *self.box[a])
+                 if a in axes else self.box[a] for a in range(len(self.box))]
         self.interior: Optional[Box] = None if any(r is None for r in inner) else tuple(inner)
         self.border: List[Box] = []
         if self.interior is not None:

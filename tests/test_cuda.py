@@ -213,11 +213,7 @@ def test_backward_128_query_patches(case, dtype, kv_parallel):
     csrc/cuda/fna_wgmma_bwd.cu, the extra keys' dK/dV on mma.sync; elsewhere the 64-row mma.sync
     kernels, the only ones listed) against the reference, and deterministic: bitwise-equal on a
     second call."""
-    grads = check_backward(case, dtype, patch=128)
-    if not kv_parallel:
-        again = check_backward(case, dtype, patch=128)
-        for g0, g1 in zip(grads, again):
-            assert torch.equal(g0, g1), "deterministic backward differs between calls"
+    check_backward_repeatable(case, dtype, patch=128, deterministic=not kv_parallel)
 
 
 # Windows of 512+ keys with the default tiles: on Hopper the backward's 128-row patches (8x4x4,
@@ -241,10 +237,7 @@ def test_backward_axis_order(case, dtype, kv_parallel):
     """The default backward of large windows (on Hopper in another axis order where that walks
     fewer pairs: the kernels see permuted strides) against the reference, and bitwise-equal on a
     second call when deterministic."""
-    grads = check_backward(case, dtype)
-    if not kv_parallel:
-        for g0, g1 in zip(grads, check_backward(case, dtype)):
-            assert torch.equal(g0, g1), "deterministic backward differs between calls"
+    check_backward_repeatable(case, dtype, deterministic=not kv_parallel)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -253,10 +246,15 @@ def test_backward_64_row_patches_d128(case, dtype, kv_parallel):
     """The backward on 64-row patches at D = 128, requested as tiles (on Hopper the one-warpgroup
     wgmma kernels, deterministic whatever KV parallelism allows; elsewhere mma.sync) against the
     reference, and bitwise-equal on a second call."""
-    grads = check_backward(case, dtype, patch=64)
-    again = check_backward(case, dtype, patch=64)
-    for g0, g1 in zip(grads, again):
-        assert torch.equal(g0, g1), "deterministic backward differs between calls"
+    check_backward_repeatable(case, dtype, patch=64, deterministic=True)
+
+
+def check_backward_repeatable(case, dtype, patch=0, deterministic=True):
+    """check_backward, and where the backward is deterministic bitwise-equal on a second call"""
+    grads = check_backward(case, dtype, patch)
+    if deterministic:
+        for g0, g1 in zip(grads, check_backward(case, dtype, patch)):
+            assert torch.equal(g0, g1), "deterministic backward differs between calls"
 
 
 def check_backward(case, dtype, patch=0):

@@ -174,9 +174,6 @@ static void fz_describe(const nbhd_problem *p) {
                 (long long)p->query_begin[2], (long long)p->query_end[2]);
 }
 
-/* Gradient outputs sum terms of both signs (dQ = s sum dS k with sum dS = 0), so their result
- * can be far smaller than the terms; rounding error scales with the terms. `magnitude` (0 for
- * none) is the typical size of those terms and floors the normalisation of the error. */
 /* The output format's spacing at zero: f16 holds nothing between 0 and 2^-24, so a result that
  * small reads 0 or 2^-24 whatever the kernel computed (the other formats' subnormals lie far
  * below any magnitude the checks use) */
@@ -184,8 +181,11 @@ static double fz_zero_step(nbhd_dtype dt) {
     return dt == NBHD_F16 ? ldexp(1.0, -24) : 0.0;
 }
 
-/* The worst error of got against want: rel_error, or with magnitude > 0 (sums that cancel) each
- * element's error beyond the format's spacing at zero, over its size plus that magnitude */
+/* The worst error of got against want: rel_error, or with magnitude > 0 each element's error
+ * beyond the format's spacing at zero, over its size plus that magnitude. Gradient outputs sum
+ * terms of both signs (dQ = s sum dS k with sum dS = 0), so their result can be far smaller than
+ * the terms; rounding error scales with the terms. `magnitude` (0 for none) is the typical size
+ * of those terms and floors the normalisation of the error. */
 static double fz_error(const double *got, const double *want, int64_t n, double magnitude, double zero_step) {
     double worst = rel_error(got, want, n);
     if (magnitude > 0 && worst > 0) {
@@ -205,9 +205,6 @@ static double fz_error(const double *got, const double *want, int64_t n, double 
 
 static double fz_magnitude;  /* set per problem by fz_compute for the gradient checks */
 
-/* A row output (out, lse, t_out, t_lse, dq, dtq) holds harness.h's sentinel before the call: the
- * rows outside the query range must keep it. */
-
 /* is element lin of a row tensor [B, X, Y, Z, H, .] a query the problem computes? */
 static int fz_in_range(const nbhd_problem *p, const int64_t dims[6], int64_t lin) {
     return naive_in_range(p, lin / (dims[4] * dims[5]) % (dims[1] * dims[2] * dims[3]));
@@ -224,8 +221,8 @@ static void fz_fill_rows(const nbhd_problem *p, tbuf *b, double *dense) {
     tbuf_fill(b, dense);
 }
 
-/* got against the oracle; a row output (rows) only on the rows of the query range, its other
- * rows still the sentinel */
+/* got against the oracle; a row output (rows: out, lse, t_out, t_lse, dq, dtq) only on the rows
+ * of the query range, its other rows still harness.h's sentinel, written before the call */
 static void fz_close(const nbhd_problem *p, const char *what, const tbuf *b, const double *want,
                      double tol, int rows) {
     const int64_t n = dims_count(b->dims);
