@@ -379,11 +379,24 @@ def test_train_video_example_check_and_steps():
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for extra in (["--check"], ["--steps", "2"]):
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                              os.path.join(root, "examples", "context_parallel", "train_video.py"), *extra],
-                             capture_output=True, text=True, timeout=600, env=env)
+    def launch(extra):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               os.path.join(root, "examples", "context_parallel", "train_video.py"), *extra],
+                              capture_output=True, text=True, timeout=600, env=env)
+
+    for extra, last_line in ((["--check"], "rank 0: |sharded - unsharded|"), (["--steps", "2"], "step    1  loss")):
+        run = launch(extra)
+        if run.returncode != 0 and last_line in run.stdout and _gloo_teardown_abort(run.stderr):
+            run = launch(extra)   # once: the work finished, gloo's teardown aborted (not nbhd's code)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        assert last_line in run.stdout, run.stdout[-2000:]
+
+
+def _gloo_teardown_abort(stderr: str) -> bool:
+    """torch's gloo process group, rarely, aborts while it is destroyed at the end of a run whose
+    steps all finished and printed ("terminate called without an active exception", a C++ thread
+    of its own): such a launch is repeated once; any other failure fails the test."""
+    return "terminate called without an active exception" in stderr
 
 
 def test_bench_context_parallel_smoke():
