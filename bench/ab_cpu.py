@@ -1,10 +1,12 @@
 """Interleaved A/B of two builds of the C library in one process, for CPU kernel changes whose
 effect is smaller than this machine's run-to-run noise.
 
-    python bench/ab_cpu.py A.so B.so [problem] [fp32|bf16] [fwd|bwd|jvp] [rounds]
+    python bench/ab_cpu.py A.so B.so [problem] [fp32|bf16] [fwd|bwd|jvp|jvpb|jvpb-all] [rounds]
 
 problem: 1d (4096 tokens, window 255, H 4, D 64), 2d56 (56x56, window 7, B 4, H 8, D 32), 2d128
 (128x128, window 13, H 4, D 64) or 3d (8x24x24, window 5, H 4, D 64), as bench/bench_cpu.py.
+jvpb: the backward through forward+JVP as double backward runs it (tangent tq alone, the cotangent
+on t_out alone, the primals' gradients only); jvpb-all: every tangent, cotangent and gradient.
 Each round times both libraries (best of 3 calls each); prints best and median per library,
 their ratios, and the largest relative difference of the first two outputs (a sanity check).
 Build a library with `make build/c/libnbhd.so` and copy it aside before changing the sources.
@@ -24,6 +26,26 @@ NO_RPB = torch.empty(0)  # the ops' absent bias table
 libs = [_lib.lib]
 os.environ["NBHD_LIBRARY"] = sys.argv[2]
 libs.append(_lib._load())
+
+
+def entry_points(lib):
+    """_lib's entry points bound to lib (run() calls them, not _lib.lib's attributes)."""
+    kept, _lib.lib = _lib.lib, lib
+    try:
+        return {op: _lib._by_address(entry) for op, entry in _lib._ENTRY.items()}
+    finally:
+        _lib.lib = kept
+
+
+ENTRY_POINTS = [entry_points(lib) for lib in libs]
+
+
+def use(i):
+    """Library i from here on: its handle and entry points, and no plan bound to the other."""
+    _lib.lib, _lib._ENTRY_POINTS = libs[i], ENTRY_POINTS[i]
+    _lib.plans().clear()
+
+
 name = sys.argv[3] if len(sys.argv) > 3 else "1d"
 dname = sys.argv[4] if len(sys.argv) > 4 else "fp32"
 kind = sys.argv[5] if len(sys.argv) > 5 else "fwd"
@@ -43,19 +65,29 @@ if kind == "fwd":
     def fn(): return ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
 elif kind == "bwd":
     def fn(): return ops.na_backward(q, k, v, empty, empty, NO_RPB, out, lse, d_out, None, *geo)
-else:
+elif kind == "jvp":
     def fn(): return ops.na_forward_jvp(q, k, v, empty, empty, NO_RPB, q, k, v, empty, empty, None, *geo)
+else:
+    every = kind == "jvpb-all"
+    tk, tv = (k, v) if every else (None, None)
+    saved = ops.na_forward_jvp(q, k, v, empty, empty, NO_RPB, d_out, tk, tv, None, None, None, *geo)
+    cot = [torch.randn_like(x) if every or i == 2 else None for i, x in enumerate(saved)]
+
+    def fn(): return ops.na_forward_jvp_backward(q, k, v, empty, empty, NO_RPB, d_out, tk, tv, None, None, None,
+                                                 *saved, *cot, *geo, tangent_grads=every)
 results = []
-for lib in libs:
-    _lib.lib = lib
+for i in range(2):
+    use(i)
     results.append([t.float() for t in fn()[:2]])
 diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))
 times = [[], []]
 for _ in range(rounds):
-    for i, lib in enumerate(libs):
-        _lib.lib = lib
+    for i in range(2):
+        use(i)
         times[i].append(min(sample(fn, rounds=3)))
-flop = 4 * B * H * torch.tensor(ext).prod().item() * W ** r * D * {"fwd": 1, "bwd": 2.5, "jvp": 3}[kind]
+# the forward's useful FLOPs times each op's products per pair over the forward's 2 (docs/kernels.md §1, §2)
+PRODUCTS = {"fwd": 1, "bwd": 2.5, "jvp": 3, "jvpb": 5, "jvpb-all": 10.5}
+flop = 4 * B * H * torch.tensor(ext).prod().item() * W ** r * D * PRODUCTS[kind]
 for i in range(2):
     b, m = min(times[i]), statistics.median(times[i])
     print(f"{'AB'[i]}: {name} {dname} {kind}  best {b * 1e3:8.3f} ms ({flop / b / 1e9:6.1f} GF/s)  "

@@ -202,11 +202,11 @@ static float FAST(bwd_row_scalars)(const FAST(bwd) *f, const FAST(map) *m, const
     const nbhd_backward_args *a = f->a;
     const FAST(geo) *G = &f->c.G;
     float rows_bad = 0.0f;
+    FAST(dot_line)(Dr, 0, dO, G, m, &a->out, f->c.g->dtype, b, h, x, y, G->Dv);
     for (int64_t gr = m->g0; gr <= m->g1; ++gr)
         for (int64_t j = FAST(map_zlo)(m), hi = FAST(map_zhi)(m, G, gr); j < hi; ++j) {
             const int64_t z = gr + j * G->dil, p = FAST(map_z)(m, G, gr) + j;
-            Dr[p] = FAST(row_d)(dO + p, m->ZP, a, f->c.g->dtype, G->Dv, FAST(off)(&a->out, b, x, y, z, h),
-                                FAST(off)(&a->d_lse, b, x, y, z, h));
+            if (a->d_lse.data) Dr[p] -= ((const float *)a->d_lse.data)[FAST(off)(&a->d_lse, b, x, y, z, h)];
             Lr[p] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
             rows_bad += 0.0f * (Dr[p] + Lr[p]);
         }

@@ -16,7 +16,8 @@
  *   pass 3  the extra keys as pass 2, over every query of the group
  * Per slab: the key side (K, V, tK, tV), the query side (Q', tQ', dO, G; L, mu, E, C), then the
  * passes, as the backward's. An absent input (NULL data) is zero: it is not packed and its
- * products are skipped; absent d_t_* outputs are not written. 21 products per pair at most
+ * products are skipped; an absent d_t_* output (a tangent gradient not asked for) is neither
+ * computed nor written. 21 products per pair at most
  * (the forward's 2): 6 + 3 in pass 1, 6 + 6 in pass 2.
  * With a bias (problem.rpb) passes 1 and 2 add rpb and t_rpb (times log2e) to S1 and T1 as the
  * backward adds rpb (backward.h); pass 1 adds dS and dtS into the thread's partial tables of
@@ -147,19 +148,13 @@ static inline float FAST(row_dot)(const float *x, int64_t stride, const nbhd_ten
     return s;
 }
 
-/* The row scalars L, mu, E, C (out[0..4)) of query (b, x, y, z, h) from its packed dO and G (`stride`
- * apart; NULL: absent); returns 0 * their sum: NaN once one is not finite. */
-static float FAST(fjb_scalars)(const FAST(fjb) *f, const float *dO, const float *G, int64_t stride, int64_t b,
-                               int64_t x, int64_t y, int64_t z, int64_t h, float *out) {
+/* The row scalars L, mu, E, C (out[0..4)) of query (b, x, y, z, h) from its dot products
+ * e = dO.O + G.tO and cg = G.O (absent dO, G: zero); returns 0 * their sum: NaN once one is not
+ * finite. */
+static float FAST(fjb_finish)(const FAST(fjb) *f, float e, float cg, int64_t b, int64_t x, int64_t y, int64_t z,
+                              int64_t h, float *out) {
     const nbhd_forward_jvp_backward_args *a = f->a;
-    const nbhd_dtype dt = f->c.g->dtype;
-    const int64_t Dv = f->c.G.Dv, oo = FAST(off)(&a->out, b, x, y, z, h), ot = FAST(off)(&a->t_out, b, x, y, z, h);
-    float e = dO ? FAST(row_dot)(dO, stride, &a->out, dt, Dv, oo) : 0.0f, cg = 0.0f;
     if (a->d_lse.data) e -= ((const float *)a->d_lse.data)[FAST(off)(&a->d_lse, b, x, y, z, h)];
-    if (G) {
-        e += FAST(row_dot)(G, stride, &a->t_out, dt, Dv, ot);
-        cg = FAST(row_dot)(G, stride, &a->out, dt, Dv, oo);
-    }
     if (a->d_t_lse.data) cg -= ((const float *)a->d_t_lse.data)[FAST(off)(&a->d_t_lse, b, x, y, z, h)];
     out[0] = (float)(LOG2E * ((const float *)a->lse.data)[FAST(off)(&a->lse, b, x, y, z, h)]);
     out[1] = ((const float *)a->t_lse.data)[FAST(off)(&a->t_lse, b, x, y, z, h)];
@@ -168,19 +163,40 @@ static float FAST(fjb_scalars)(const FAST(fjb) *f, const float *dO, const float 
     return 0.0f * (out[0] + out[1] + out[2] + out[3]);
 }
 
-/* the row scalars of the packed positions of line (b, h, x, y) (map m, packed line ln) */
+/* ... of one query from its packed dO and G (`stride` apart; NULL: absent), one element at a
+ * time (the extra keys' rows of a tiled slab) */
+static float FAST(fjb_scalars)(const FAST(fjb) *f, const float *dO, const float *G, int64_t stride, int64_t b,
+                               int64_t x, int64_t y, int64_t z, int64_t h, float *out) {
+    const nbhd_forward_jvp_backward_args *a = f->a;
+    const nbhd_dtype dt = f->c.g->dtype;
+    const int64_t Dv = f->c.G.Dv, oo = FAST(off)(&a->out, b, x, y, z, h), ot = FAST(off)(&a->t_out, b, x, y, z, h);
+    const float e = (dO ? FAST(row_dot)(dO, stride, &a->out, dt, Dv, oo) : 0.0f) +
+                    (G ? FAST(row_dot)(G, stride, &a->t_out, dt, Dv, ot) : 0.0f);
+    const float cg = G ? FAST(row_dot)(G, stride, &a->out, dt, Dv, oo) : 0.0f;
+    return FAST(fjb_finish)(f, e, cg, b, x, y, z, h, out);
+}
+
+/* the row scalars of the packed positions of line (b, h, x, y) (map m, packed line ln): the dot
+ * products a line at a time (dot_line), then each position's */
 static float FAST(fjb_line_scalars)(const FAST(fjb) *f, const FAST(map) *m, int64_t ln, int64_t b, int64_t h,
                                     int64_t x, int64_t y) {
+    const nbhd_forward_jvp_backward_args *a = f->a;
     const FAST(geo) *G = &f->c.G;
+    const nbhd_dtype dt = f->c.g->dtype;
     const int64_t Dv = G->Dv, ZP = m->ZP;
-    const float *dO = f->has_do ? f->DOT + ln * Dv * ZP : NULL, *Gt = f->has_g ? f->GT + ln * Dv * ZP : NULL;
     float *rows[4] = {f->LR + ln * ZP, f->MR + ln * ZP, f->ER + ln * ZP, f->CR + ln * ZP};
+    if (f->has_do) FAST(dot_line)(rows[2], 0, f->DOT + ln * Dv * ZP, G, m, &a->out, dt, b, h, x, y, Dv);
+    if (f->has_g) {
+        FAST(dot_line)(rows[2], f->has_do, f->GT + ln * Dv * ZP, G, m, &a->t_out, dt, b, h, x, y, Dv);
+        FAST(dot_line)(rows[3], 0, f->GT + ln * Dv * ZP, G, m, &a->out, dt, b, h, x, y, Dv);
+    }
     float bad = 0.0f;
     for (int64_t gr = m->g0; gr <= m->g1; ++gr)
         for (int64_t j = FAST(map_zlo)(m), hi = FAST(map_zhi)(m, G, gr); j < hi; ++j) {
             const int64_t p = FAST(map_z)(m, G, gr) + j;
             float v[4];
-            bad += FAST(fjb_scalars)(f, dO ? dO + p : NULL, Gt ? Gt + p : NULL, ZP, b, x, y, gr + j * G->dil, h, v);
+            bad += FAST(fjb_finish)(f, f->has_do || f->has_g ? rows[2][p] : 0.0f, f->has_g ? rows[3][p] : 0.0f, b, x,
+                                    y, gr + j * G->dil, h, v);
             for (int k = 0; k < 4; ++k) rows[k][p] = v[k];
         }
     for (int k = 0; k < 4; ++k) FAST(zero_margins)(rows[k], G, m, 1);
@@ -278,7 +294,8 @@ static void FAST(fjb_q_unit)(const FAST(call) *c, void *scratch, const FAST(map)
         FAST(bias_lines)(c, it, u, cnt, 2, S, tab, G, &s->tp, FAST(fjb_q_line), &w);
     }
     const FAST(rowset) rs = {s->ra, s->rb, s->v[0], ne, it->zlines ? s->ns : NULL};
-    FAST(jvp_values)(s->O[1], s->O[0], it->nly, f->c.G.D, (const float *const *)s->W[2], (const float *const *)s->W[3],
+    FAST(jvp_values)(f->a->d_t_q.data ? s->O[1] : NULL, s->O[0], it->nly, f->c.G.D, (const float *const *)s->W[2],
+                     (const float *const *)s->W[3],
                      &rs, s->v[1], u->nn, km->ZP, it->zd.bcast, f->has_tk);
 }
 
@@ -302,7 +319,7 @@ static void FAST(fjb_q_extra)(const FAST(fjb) *f, FAST(fjb_scratch) *s, int r, i
         const FAST(rowset) rs = {&ra0, &rb0, kp, 1, NULL};
         float *dtQ[1] = {s->O[1][r]}, *dQ[1] = {s->O[0][r]};
         const float *dtS[1] = {W0[2]}, *dS[1] = {W0[3]};
-        FAST(jvp_values)(dtQ, dQ, 1, D, dtS, dS, &rs, tkp, u.nn, SP, 1, f->has_tkx);
+        FAST(jvp_values)(f->a->d_t_q.data ? dtQ : NULL, dQ, 1, D, dtS, dS, &rs, tkp, u.nn, SP, 1, f->has_tkx);
     }
 }
 
@@ -334,7 +351,8 @@ static int FAST(fjb_q_item)(const FAST(call) *c, void *scratch, const FAST(slab)
 // backward's key items), all query heads of the GQA group: dK, dtK, dV, dtV
 
 /* the key sums of a unit's rows (W: P, P n, dtS, dS of lines [0, nl); v[0..4): the rows' Q', tQ',
- * G, dO): (dtK, dK) += (dtS, dS) on (Q', tQ'), (dtV, dV) += (P, P n) on (G, dO) */
+ * G, dO): (dtK, dK) += (dtS, dS) on (Q', tQ'), (dtV, dV) += (P, P n) on (G, dO); O[1] (dtK) or
+ * O[3] (dtV) NULL: not wanted, not computed */
 static void FAST(fjb_key_sums)(const FAST(fjb) *f, FAST(fjb_scratch) *s, float *const *const *O, int nl,
                                int64_t nrows, int64_t n, int64_t ld, int bcast) {
     const int64_t D = f->c.G.D, Dv = f->c.G.Dv;
@@ -404,7 +422,8 @@ static void FAST(fjb_k_unit)(const FAST(call) *c, void *scratch, const FAST(map)
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
     FAST(kunit_ctx) w = FAST(kunit_ctx_of)(c, s, qm, it, u, h);
     FAST(walk_key_unit)(it, qm, line0, u, s->ra, s->rb, FAST(fjb_k_row), &w);
-    float *const *O[4] = {s->O[0], s->O[1], s->O[2], s->O[3]};
+    const nbhd_forward_jvp_backward_args *a = ((const FAST(fjb) *)c)->a;
+    float *const *O[4] = {s->O[0], a->d_t_k.data ? s->O[1] : NULL, s->O[2], a->d_t_v.data ? s->O[3] : NULL};
     FAST(fjb_key_sums)((const FAST(fjb) *)c, s, O, it->nly, u->nr, u->nn, qm->ZP, it->zd.bcast);
 }
 
@@ -458,7 +477,7 @@ static void FAST(fjb_x_unit)(const FAST(fjb) *f, FAST(fjb_scratch) *s, int64_t n
         for (int k = 0; k < 4; ++k) s->v[k][r] = b[k];
     }
     float *const Op[4][1] = {{s->O[0][0]}, {s->O[1][0]}, {s->O[2][0]}, {s->O[3][0]}};
-    float *const *O[4] = {Op[0], Op[1], Op[2], Op[3]};
+    float *const *O[4] = {Op[0], f->a->d_t_kx.data ? Op[1] : NULL, Op[2], f->a->d_t_vx.data ? Op[3] : NULL};
     FAST(fjb_key_sums)(f, s, O, 1, nr, nn, ld, 1);
 }
 

@@ -60,19 +60,20 @@ static void FAST(jvp_scores)(float *const *S, float *const *T, const float *cons
     }
 }
 
-/* acc_o[r][j] += P_r v_j, acc_c[r][j] += PT_r v_j + P_r tv_j over `len` rows, lines RA <= r < RB */
+/* acc_o[r][j] += P_r v_j (HO: wanted), acc_c[r][j] += PT_r v_j + P_r tv_j over `len` rows,
+ * lines RA <= r < RB */
 NBHD_ALWAYS_INLINE void FAST(jvp_values_seg)(vf (*ao)[3], vf (*ac)[3], int RA, int RB,
                                              const float *const *P, const float *const *PT,
                                              const float *const *v, const float *const *tv,
                                              int64_t len, int64_t d0, int64_t n, int64_t ld,
-                                             int bcast, int DB, int has_tv) {
+                                             int bcast, int DB, int has_tv, int HO) {
     for (int64_t t = 0; t < len; ++t) {
         const float *vb = v[t] + d0 * ld, *tvb = has_tv ? tv[t] + d0 * ld : NULL;
         for (int64_t c = 0; c < n; ++c) {
             vf p[MAXLINES], pt[MAXLINES];
             NBHD_UNROLL
             for (int r = RA; r < RB; ++r) {
-                p[r] = vf_load(P[r] + 16 * (t * n + c));
+                p[r] = HO || has_tv ? vf_load(P[r] + 16 * (t * n + c)) : vf_zero();
                 pt[r] = vf_load(PT[r] + 16 * (t * n + c));
             }
             NBHD_UNROLL
@@ -80,7 +81,7 @@ NBHD_ALWAYS_INLINE void FAST(jvp_values_seg)(vf (*ao)[3], vf (*ac)[3], int RA, i
                 const vf vj = FAST(opnd_reg)(vb + j * ld + c, bcast);
                 NBHD_UNROLL
                 for (int r = RA; r < RB; ++r) {
-                    ao[r][j] = vf_fma(p[r], vj, ao[r][j]);
+                    if (HO) ao[r][j] = vf_fma(p[r], vj, ao[r][j]);
                     ac[r][j] = vf_fma(pt[r], vj, ac[r][j]);
                 }
                 if (has_tv) {
@@ -98,18 +99,18 @@ NBHD_ALWAYS_INLINE void FAST(jvp_values_seg_lines)(vf (*ao)[3], vf (*ac)[3], int
                                                    const float *const *P, const float *const *PT,
                                                    const float *const *v, const float *const *tv,
                                                    int64_t len, int64_t d0, int64_t n, int64_t ld,
-                                                   int bcast, int DB, int has_tv) {
+                                                   int bcast, int DB, int has_tv, int HO) {
     switch (ra * 8 + rb) {
-    case 0 * 8 + 1: FAST(jvp_values_seg)(ao, ac, 0, 1, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
-    case 0 * 8 + 2: FAST(jvp_values_seg)(ao, ac, 0, 2, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
-    case 0 * 8 + 3: FAST(jvp_values_seg)(ao, ac, 0, 3, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
-    case 0 * 8 + 4: FAST(jvp_values_seg)(ao, ac, 0, 4, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
-    case 1 * 8 + 2: FAST(jvp_values_seg)(ao, ac, 1, 2, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
-    case 1 * 8 + 3: FAST(jvp_values_seg)(ao, ac, 1, 3, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
-    case 1 * 8 + 4: FAST(jvp_values_seg)(ao, ac, 1, 4, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
-    case 2 * 8 + 3: FAST(jvp_values_seg)(ao, ac, 2, 3, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
-    case 2 * 8 + 4: FAST(jvp_values_seg)(ao, ac, 2, 4, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
-    case 3 * 8 + 4: FAST(jvp_values_seg)(ao, ac, 3, 4, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv); break;
+    case 0 * 8 + 1: FAST(jvp_values_seg)(ao, ac, 0, 1, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
+    case 0 * 8 + 2: FAST(jvp_values_seg)(ao, ac, 0, 2, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
+    case 0 * 8 + 3: FAST(jvp_values_seg)(ao, ac, 0, 3, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
+    case 0 * 8 + 4: FAST(jvp_values_seg)(ao, ac, 0, 4, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
+    case 1 * 8 + 2: FAST(jvp_values_seg)(ao, ac, 1, 2, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
+    case 1 * 8 + 3: FAST(jvp_values_seg)(ao, ac, 1, 3, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
+    case 1 * 8 + 4: FAST(jvp_values_seg)(ao, ac, 1, 4, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
+    case 2 * 8 + 3: FAST(jvp_values_seg)(ao, ac, 2, 3, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
+    case 2 * 8 + 4: FAST(jvp_values_seg)(ao, ac, 2, 4, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
+    case 3 * 8 + 4: FAST(jvp_values_seg)(ao, ac, 3, 4, P, PT, v, tv, len, d0, n, ld, bcast, DB, has_tv, HO); break;
     default: break;
     }
 }
@@ -118,13 +119,13 @@ NBHD_ALWAYS_INLINE void FAST(jvp_values_block)(float *const *O, float *const *Cc
                                                const float *const *S, const float *const *T,
                                                const FAST(rowset) *rs, const float *const *tvrows,
                                                int64_t d0, int64_t n, int64_t ld, int bcast,
-                                               int DB, int has_tv) {
+                                               int DB, int has_tv, int HO) {
     vf ao[MAXLINES][3], ac[MAXLINES][3];
     NBHD_UNROLL
     for (int r = 0; r < MAXLINES; ++r)
         NBHD_UNROLL
         for (int j = 0; j < DB; ++j) {
-            ao[r][j] = r < nl ? vf_load(O[r] + 16 * (d0 + j)) : vf_zero();
+            ao[r][j] = HO && r < nl ? vf_load(O[r] + 16 * (d0 + j)) : vf_zero();
             ac[r][j] = r < nl ? vf_load(Cc[r] + 16 * (d0 + j)) : vf_zero();
         }
     const float *P[MAXLINES], *PT[MAXLINES];
@@ -134,7 +135,7 @@ NBHD_ALWAYS_INLINE void FAST(jvp_values_block)(float *const *O, float *const *Cc
         const int ra = rs->ra[t0], rb = rs->rb[t0];
         const int64_t nt = rs->nslots ? rs->nslots[t0] : n, len = FAST(rowset_run)(rs, t0, nt);
         FAST(jvp_values_seg_lines)(ao, ac, ra, rb, P, PT, rs->v + t0, tvrows + t0, len, d0, nt, ld,
-                                   bcast, DB, has_tv);
+                                   bcast, DB, has_tv, HO);
         NBHD_UNROLL
         for (int r = ra; r < rb; ++r) { P[r] += 16 * len * nt; PT[r] += 16 * len * nt; }
         t0 += len;
@@ -143,23 +144,32 @@ NBHD_ALWAYS_INLINE void FAST(jvp_values_block)(float *const *O, float *const *Cc
     for (int r = 0; r < nl; ++r)
         NBHD_UNROLL
         for (int j = 0; j < DB; ++j) {
-            vf_store(O[r] + 16 * (d0 + j), ao[r][j]);
+            if (HO) vf_store(O[r] + 16 * (d0 + j), ao[r][j]);
             vf_store(Cc[r] + 16 * (d0 + j), ac[r][j]);
         }
 }
 
-/* every dim in blocks of 3 (up to `wide`), 2, then 1; BC, TV constants after inlining */
+/* every dim in blocks of 3 (up to `wide`), 2, then 1; BC, TV, HO constants after inlining */
 NBHD_ALWAYS_INLINE void FAST(jvp_values_dims)(float *const *O, float *const *Cc, int nl, int64_t dim,
                                               int64_t wide, const float *const *S, const float *const *T,
                                               const FAST(rowset) *rs, const float *const *tvrows, int64_t n,
-                                              int64_t ld, int BC, int TV) {
+                                              int64_t ld, int BC, int TV, int HO) {
     int64_t d0 = 0;
-    for (; d0 + 3 <= wide; d0 += 3) FAST(jvp_values_block)(O, Cc, nl, S, T, rs, tvrows, d0, n, ld, BC, 3, TV);
-    for (; d0 + 2 <= dim; d0 += 2) FAST(jvp_values_block)(O, Cc, nl, S, T, rs, tvrows, d0, n, ld, BC, 2, TV);
-    for (; d0 < dim; ++d0) FAST(jvp_values_block)(O, Cc, nl, S, T, rs, tvrows, d0, n, ld, BC, 1, TV);
+    for (; d0 + 3 <= wide; d0 += 3) FAST(jvp_values_block)(O, Cc, nl, S, T, rs, tvrows, d0, n, ld, BC, 3, TV, HO);
+    for (; d0 + 2 <= dim; d0 += 2) FAST(jvp_values_block)(O, Cc, nl, S, T, rs, tvrows, d0, n, ld, BC, 2, TV, HO);
+    for (; d0 < dim; ++d0) FAST(jvp_values_block)(O, Cc, nl, S, T, rs, tvrows, d0, n, ld, BC, 1, TV, HO);
 }
 
-/* O_r += P_r v, C_r += PT_r v + P_r tv over the rows of rs (tvrows: their tv rows) */
+NBHD_ALWAYS_INLINE void FAST(jvp_values_tv)(float *const *O, float *const *Cc, int nl, int64_t dim,
+                                            int64_t wide, const float *const *S, const float *const *T,
+                                            const FAST(rowset) *rs, const float *const *tvrows, int64_t n,
+                                            int64_t ld, int BC, int TV) {
+    if (O) FAST(jvp_values_dims)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, BC, TV, 1);
+    else FAST(jvp_values_dims)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, BC, TV, 0);
+}
+
+/* O_r += P_r v, C_r += PT_r v + P_r tv over the rows of rs (tvrows: their tv rows); O NULL: not
+ * wanted (the backward through forward+JVP's absent tangent gradients), its products skipped */
 static void FAST(jvp_values)(float *const *O, float *const *Cc, int nl, int64_t dim,
                              const float *const *S, const float *const *T, const FAST(rowset) *rs,
                              const float *const *tvrows, int64_t n, int64_t ld, int bcast,
@@ -168,11 +178,11 @@ static void FAST(jvp_values)(float *const *O, float *const *Cc, int nl, int64_t 
      * (bench/ab_cpu.py A.so B.so 2d128 fp32 jvp, and 1d) */
     const int64_t wide = rs->nslots ? 0 : dim;
     if (bcast) {
-        if (has_tv) FAST(jvp_values_dims)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 1, 1);
-        else FAST(jvp_values_dims)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 1, 0);
+        if (has_tv) FAST(jvp_values_tv)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 1, 1);
+        else FAST(jvp_values_tv)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 1, 0);
     } else {
-        if (has_tv) FAST(jvp_values_dims)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 0, 1);
-        else FAST(jvp_values_dims)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 0, 0);
+        if (has_tv) FAST(jvp_values_tv)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 0, 1);
+        else FAST(jvp_values_tv)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 0, 0);
     }
 }
 

@@ -110,6 +110,38 @@ static int FAST(pack_line)(float *dst, const FAST(geo) *G, const FAST(map) *m, c
     return any;
 }
 
+/* Row dot products of line (b, h, x, y) (map m): dst[p] (+)= sum_d X[d*ZP + p] * t[token p][d] at
+ * each packed position p, X a tensor's rows as pack_line packed them ([dim][ZP]). t's rows are
+ * read 16 tokens x 16 dims at a time and transposed in registers, as pack_line reads them, so
+ * that the products are 16-lane FMAs, not one element (and one dtype switch) at a time: the
+ * backward's D = dO.O, the backward through forward+JVP's dO.O + G.tO and G.O. */
+static void FAST(dot_line)(float *dst, int add, const float *X, const FAST(geo) *G, const FAST(map) *m,
+                           const nbhd_tensor *t, nbhd_dtype dt, int64_t b, int64_t h, int64_t x, int64_t y,
+                           int64_t dim) {
+    const int64_t ZP = m->ZP, d16 = FAST(dims16)(t, dim), s5 = t->stride[5];
+    for (int64_t gr = m->g0; gr <= m->g1; ++gr) {
+        const int64_t hi = FAST(map_zhi)(m, G, gr);
+        for (int64_t i0 = FAST(map_zlo)(m); i0 < hi; i0 += 16) {
+            const int nz = FAST(chunk_lanes)(hi, i0);
+            const int64_t p0 = FAST(map_z)(m, G, gr) + i0;
+            int64_t tok[NBHD_LANES];
+            FAST(chunk_tokens)(tok, G, t, b, x, y, h, gr, i0, nz);
+            vf acc = vf_zero();
+            for (int64_t d0 = 0; d0 < d16; d0 += 16) {
+                vf r[NBHD_LANES];
+                FAST(load_rows16)(r, t->data, dt, tok, nz, d0);
+                vf_transpose16(r);
+                for (int i = 0; i < NBHD_LANES; ++i) acc = vf_fma(vf_load(X + (d0 + i) * ZP + p0), r[i], acc);
+            }
+            float lanes[NBHD_LANES];
+            vf_store(lanes, acc);
+            for (int64_t d = d16; d < dim; ++d)
+                for (int l = 0; l < nz; ++l) lanes[l] += X[d * ZP + p0 + l] * FAST(ld)(t->data, tok[l] + d * s5, dt);
+            for (int l = 0; l < nz; ++l) dst[p0 + l] = (add ? dst[p0 + l] : 0.0f) + lanes[l];
+        }
+    }
+}
+
 /* Packs the extra keys of (b, hk) of tensor t ([B, S, -, -, Hk, dim]) into dst [dim][SP]. */
 static void FAST(pack_extra)(float *dst, const FAST(geo) *G, const nbhd_tensor *t, nbhd_dtype dt,
                              int64_t b, int64_t hk, int64_t dim, float mul) {
