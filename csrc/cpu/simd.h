@@ -51,6 +51,8 @@ NBHD_ALWAYS_INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
 NBHD_ALWAYS_INLINE vf vf_in_reg(vf x) { __asm__("" : "+v"(x)); return x; }
 /* a*b + c */
 NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+/* one lane of vf_fma (scalar code that must round as the vector code does) */
+NBHD_ALWAYS_INLINE float vf_fma1(float a, float b, float c) { return fmaf(a, b, c); }
 NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 NBHD_ALWAYS_INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 NBHD_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
@@ -156,6 +158,8 @@ NBHD_ALWAYS_INLINE vf vf_in_reg(vf x) { __asm__("" : "+x"(x.lo), "+x"(x.hi)); re
 NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) {
     return VF2_(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
 }
+/* one lane of vf_fma */
+NBHD_ALWAYS_INLINE float vf_fma1(float a, float b, float c) { return fmaf(a, b, c); }
 NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return VF2_(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
 NBHD_ALWAYS_INLINE vf vf_add(vf a, vf b) { return VF2_(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
 NBHD_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return VF2_(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
@@ -263,6 +267,8 @@ NBHD_ALWAYS_INLINE vf vf_zero(void) { return (vf){0}; }
 NBHD_ALWAYS_INLINE vf vf_in_reg(vf x) { return x; }
 /* a*b + c (contracted to one FMA only where the compiler may) */
 NBHD_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { return a * b + c; }
+/* one lane of vf_fma (the same expression, so contracted alike) */
+NBHD_ALWAYS_INLINE float vf_fma1(float a, float b, float c) { return a * b + c; }
 NBHD_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return a * b; }
 NBHD_ALWAYS_INLINE vf vf_add(vf a, vf b) { return a + b; }
 NBHD_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return a - b; }

@@ -189,8 +189,7 @@ static void *FAST(bwd_scratch_new)(const FAST(call) *c) {
 /* D_i = dO_i.O_i - dLSE_i (dO: a query's dO^T, `stride` apart; oo, ol: its offsets in out, d_lse) */
 static inline float FAST(row_d)(const float *dO, int64_t stride, const nbhd_backward_args *a, nbhd_dtype dt,
                                 int64_t Dv, int64_t oo, int64_t ol) {
-    float Di = 0.0f;
-    for (int64_t d = 0; d < Dv; ++d) Di += dO[d * stride] * FAST(ld)(a->out.data, oo + d * a->out.stride[5], dt);
+    float Di = FAST(row_dot)(dO, stride, &a->out, dt, Dv, oo);
     if (a->d_lse.data) Di -= ((const float *)a->d_lse.data)[ol];
     return Di;
 }

@@ -140,14 +140,6 @@ static void FAST(fjb_k_products)(const FAST(fjb) *f, float *const *const *W, con
 // ----------------------------------------------------------------------------
 // packing of the query lines
 
-/* sum_d x[d * stride] * t[o + d * stride5] */
-static inline float FAST(row_dot)(const float *x, int64_t stride, const nbhd_tensor *t, nbhd_dtype dt, int64_t dim,
-                                  int64_t o) {
-    float s = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) s += x[d * stride] * FAST(ld)(t->data, o + d * t->stride[5], dt);
-    return s;
-}
-
 /* The row scalars L, mu, E, C (out[0..4)) of query (b, x, y, z, h) from its dot products
  * e = dO.O + G.tO and cg = G.O (absent dO, G: zero); returns 0 * their sum: NaN once one is not
  * finite. */
@@ -295,8 +287,7 @@ static void FAST(fjb_q_unit)(const FAST(call) *c, void *scratch, const FAST(map)
     }
     const FAST(rowset) rs = {s->ra, s->rb, s->v[0], ne, it->zlines ? s->ns : NULL};
     FAST(jvp_values)(f->a->d_t_q.data ? s->O[1] : NULL, s->O[0], it->nly, f->c.G.D, (const float *const *)s->W[2],
-                     (const float *const *)s->W[3],
-                     &rs, s->v[1], u->nn, km->ZP, it->zd.bcast, f->has_tk);
+                     (const float *const *)s->W[3], &rs, s->v[1], u->nn, km->ZP, it->zd.bcast, f->has_tk);
 }
 
 /* line r after its window: the extra keys of the slab's key head xo into its dQ, dtQ */

@@ -142,6 +142,19 @@ static void FAST(dot_line)(float *dst, int add, const float *X, const FAST(geo) 
     }
 }
 
+/* One position's dot_line, sum_d x[d * stride] * t[o + d * stride5], for rows packed one at a
+ * time (the extra keys' pass on tiled slabs): the same sums in the same order and rounding
+ * (vf_fma1 where dot_line's lanes take vf_fma), so that tiles and whole heads agree bitwise */
+static inline float FAST(row_dot)(const float *x, int64_t stride, const nbhd_tensor *t, nbhd_dtype dt, int64_t dim,
+                                  int64_t o) {
+    const int64_t d16 = FAST(dims16)(t, dim), s5 = t->stride[5];
+    float s = 0.0f;
+    int64_t d = 0;
+    for (; d < d16; ++d) s = vf_fma1(x[d * stride], FAST(ld)(t->data, o + d * s5, dt), s);
+    for (; d < dim; ++d) s += x[d * stride] * FAST(ld)(t->data, o + d * s5, dt);
+    return s;
+}
+
 /* Packs the extra keys of (b, hk) of tensor t ([B, S, -, -, Hk, dim]) into dst [dim][SP]. */
 static void FAST(pack_extra)(float *dst, const FAST(geo) *G, const nbhd_tensor *t, nbhd_dtype dt,
                              int64_t b, int64_t hk, int64_t dim, float mul) {
