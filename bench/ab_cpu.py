@@ -28,16 +28,8 @@ os.environ["NBHD_LIBRARY"] = sys.argv[2]
 libs.append(_lib._load())
 
 
-def entry_points(lib):
-    """_lib's entry points bound to lib (run() calls them, not _lib.lib's attributes)."""
-    kept, _lib.lib = _lib.lib, lib
-    try:
-        return {op: _lib._by_address(entry) for op, entry in _lib._ENTRY.items()}
-    finally:
-        _lib.lib = kept
-
-
-ENTRY_POINTS = [entry_points(lib) for lib in libs]
+# run() calls _lib's entry points, bound at import, not _lib.lib's attributes
+ENTRY_POINTS = [{op: _lib._by_address(entry, lib) for op, entry in _lib._ENTRY.items()} for lib in libs]
 
 
 def use(i):

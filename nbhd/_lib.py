@@ -200,9 +200,10 @@ def _check_layout() -> None:
 _check_layout()
 
 
-def _by_address(name: str):
-    """The entry point again, taking the structs' addresses as plain ints (no conversion)."""
-    fn = getattr(ctypes.CDLL(lib._name), name)
+def _by_address(name: str, library=None):
+    """The entry point again (of `library`, by default the loaded one), taking the structs'
+    addresses as plain ints (no conversion)."""
+    fn = getattr(ctypes.CDLL((library or lib)._name), name)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3
     return fn

@@ -113,27 +113,24 @@ def test_primal_gradients_alone(dtype, device):
 def test_each_tangent_gradient_skipped_alone():
     """A tangent gradient not asked for is an absent output, and the kernel skips its products
     (prepared.py asks for the wanted tangents' gradients only): with any one of dtq, dtk, dtv,
-    dtkx, dtvx absent, every other gradient equals the all-outputs call's bit for bit. CPU: the
-    fused kernel's key and query sums (csrc/cpu/fast/forward_jvp_backward.h)."""
-    from nbhd import _lib
+    dtkx, dtvx not wanted, every other gradient equals the all-outputs call's bit for bit. CPU:
+    the fused kernel's key and query sums (csrc/cpu/fast/forward_jvp_backward.h)."""
+    from nbhd.prepared import Prepared
     g = torch.Generator().manual_seed(5)
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     q, k, v = rnd(2, 12, 11, 4, 32), rnd(2, 12, 11, 2, 32), rnd(2, 12, 11, 2, 32)
     kx, vx = rnd(2, 3, 2, 32), rnd(2, 3, 2, 32)
     geo = Geometry((5, 3), (2, 1), (1, 2), (True, False), 0.125)
+    prep = Prepared(q, k, v, kx, vx, geo, kx[:, :0], vx[:, :0], NO_RPB)
     tans = tuple(torch.randn_like(t) for t in (q, k, v, kx, vx))
-    saved = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, *tans, None, *geo.args())
-    cot = tuple(torch.randn_like(t) for t in saved)
-    full = ops.na_forward_jvp_backward(q, k, v, kx, vx, NO_RPB, *tans, None, *saved, *cot, *geo.args())
-    grads = [t for i, t in enumerate(full) if i not in (5, 11)]   # no bias tables
-    for absent in range(5, 10):
-        outs = [torch.full_like(t, float("nan")) for t in grads]
-        outs[absent] = None
-        _lib.run(_lib.OP_FORWARD_JVP_BACKWARD, ops._geometry(*geo.args()[:5], geo.query_range),
-                 (q, k, v, kx, vx, *tans, *saved, *cot, *outs, *ops._tables(NO_RPB, None, None, None)),
-                 **ops.run_options(geo.tiles, backward=True))
-        for i, (a, b) in enumerate(zip(outs, grads)):
-            assert i == absent or torch.equal(a, b), (absent, i)
+    saved = (q, k, v, kx, vx, *tans, *prep.forward_jvp(q, k, v, kx, vx, *tans))
+    cot = tuple(torch.randn_like(t) for t in saved[10:])
+    full = prep.forward_jvp_backward(saved, cot, (True,) * 5, ())
+    for absent in range(5):
+        got = prep.forward_jvp_backward(saved, cot, tuple(i != absent for i in range(5)), ())
+        assert got[5 + absent] is None
+        for i, (a, b) in enumerate(zip(got, full)):
+            assert i == 5 + absent or torch.equal(a, b), (absent, i)
 
 
 class _JvpBackwardFlags(torch.utils._python_dispatch.TorchDispatchMode):

@@ -413,9 +413,9 @@ static void FAST(fjb_k_unit)(const FAST(call) *c, void *scratch, const FAST(map)
     FAST(fjb_scratch) *s = (FAST(fjb_scratch) *)scratch;
     FAST(kunit_ctx) w = FAST(kunit_ctx_of)(c, s, qm, it, u, h);
     FAST(walk_key_unit)(it, qm, line0, u, s->ra, s->rb, FAST(fjb_k_row), &w);
-    const nbhd_forward_jvp_backward_args *a = ((const FAST(fjb) *)c)->a;
-    float *const *O[4] = {s->O[0], a->d_t_k.data ? s->O[1] : NULL, s->O[2], a->d_t_v.data ? s->O[3] : NULL};
-    FAST(fjb_key_sums)((const FAST(fjb) *)c, s, O, it->nly, u->nr, u->nn, qm->ZP, it->zd.bcast);
+    const FAST(fjb) *f = (const FAST(fjb) *)c;
+    float *const *O[4] = {s->O[0], f->a->d_t_k.data ? s->O[1] : NULL, s->O[2], f->a->d_t_v.data ? s->O[3] : NULL};
+    FAST(fjb_key_sums)(f, s, O, it->nly, u->nr, u->nn, qm->ZP, it->zd.bcast);
 }
 
 /* stores lanes of dK, dtK (times ln2: Q' holds s log2e q), dV, dtV of key rows zl at (x, y, hk)

@@ -160,10 +160,11 @@ NBHD_ALWAYS_INLINE void FAST(jvp_values_dims)(float *const *O, float *const *Cc,
     for (; d0 < dim; ++d0) FAST(jvp_values_block)(O, Cc, nl, S, T, rs, tvrows, d0, n, ld, BC, 1, TV, HO);
 }
 
-NBHD_ALWAYS_INLINE void FAST(jvp_values_tv)(float *const *O, float *const *Cc, int nl, int64_t dim,
-                                            int64_t wide, const float *const *S, const float *const *T,
-                                            const FAST(rowset) *rs, const float *const *tvrows, int64_t n,
-                                            int64_t ld, int BC, int TV) {
+/* jvp_values_dims with HO = (O present), a constant after inlining */
+NBHD_ALWAYS_INLINE void FAST(jvp_values_o)(float *const *O, float *const *Cc, int nl, int64_t dim,
+                                           int64_t wide, const float *const *S, const float *const *T,
+                                           const FAST(rowset) *rs, const float *const *tvrows, int64_t n,
+                                           int64_t ld, int BC, int TV) {
     if (O) FAST(jvp_values_dims)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, BC, TV, 1);
     else FAST(jvp_values_dims)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, BC, TV, 0);
 }
@@ -178,11 +179,11 @@ static void FAST(jvp_values)(float *const *O, float *const *Cc, int nl, int64_t 
      * (bench/ab_cpu.py A.so B.so 2d128 fp32 jvp, and 1d) */
     const int64_t wide = rs->nslots ? 0 : dim;
     if (bcast) {
-        if (has_tv) FAST(jvp_values_tv)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 1, 1);
-        else FAST(jvp_values_tv)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 1, 0);
+        if (has_tv) FAST(jvp_values_o)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 1, 1);
+        else FAST(jvp_values_o)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 1, 0);
     } else {
-        if (has_tv) FAST(jvp_values_tv)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 0, 1);
-        else FAST(jvp_values_tv)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 0, 0);
+        if (has_tv) FAST(jvp_values_o)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 0, 1);
+        else FAST(jvp_values_o)(O, Cc, nl, dim, wide, S, T, rs, tvrows, n, ld, 0, 0);
     }
 }
 
