@@ -2,21 +2,36 @@
 which kernel of a multi-kernel op (the backward: D_i, dQ, dK/dV, extra keys) to work on.
 
     python bench/profile_kernels.py [--op bwd|fwd|jvp|jvpb] [--dims 128,64] [--problems 1d,3d-30] [--loop 5]
-                                    [--deterministic]
+                                    [--deterministic] [--backward-patch 64]
 
 jvpb: the backward through forward+JVP as backprop through the tangent runs it (a tangent of q
 only, cotangents of O and tO, the primals' gradients only).
 """
 import argparse
+import math
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import nbhd
-from nbhd import ops
+from nbhd import _lib, ops
 from ab_gpu import PROBLEMS
 
 NO_RPB = torch.empty(0)  # the ops' absent bias table
+
+
+def backward_tiles(q, k, v, empty, ks, st, D, patch):
+    """the ops' tiles argument: the backward's listed configuration with `patch` queries, or
+    none (the library's choice)"""
+    rank = len(ks)
+    tiles = [0] * (4 * rank)
+    if patch:
+        problem = _lib.Problem(q, k, v, None, None, list(ks), list(st), [1] * rank, [False] * rank, D ** -0.5)
+        listed = [c for c in _lib.tile_configs(problem, _lib.OP_BACKWARD) if math.prod(c[0]) == patch]
+        if not listed:
+            raise SystemExit(f"no backward tiles of {patch} queries listed for this problem")
+        tiles[2 * rank:3 * rank], tiles[3 * rank:] = list(listed[0][0]), list(listed[0][1])
+    return tiles
 
 
 def main():
@@ -27,6 +42,9 @@ def main():
     ap.add_argument("--problems", default="")
     ap.add_argument("--loop", type=int, default=5)
     ap.add_argument("--deterministic", action="store_true", help="the backwards without KV parallelism")
+    ap.add_argument("--backward-patch", type=int, default=0,
+                    help="the backwards on the listed tiles whose query patch holds this many rows "
+                         "(64: the mma.sync kernels; 0: the library's choice)")
     args = ap.parse_args()
     nbhd.use_kv_parallelism_in_fused_na(not args.deterministic)
     mode = "deterministic" if args.deterministic else "KV-parallel"
@@ -39,7 +57,8 @@ def main():
             q, k, v = (torch.randn(B, *ext, args.heads, D, generator=gen, device="cuda",
                                    dtype=torch.bfloat16) for _ in range(3))
             empty = torch.empty(B, 0, args.heads, D, device="cuda", dtype=torch.bfloat16)
-            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5, [0] * (4 * len(ks)), [])
+            geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5,
+                   backward_tiles(q, k, v, empty, ks, st, D, args.backward_patch), [])
             if args.op == "bwd":
                 out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
                 d_out = torch.randn_like(out)

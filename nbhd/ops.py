@@ -305,8 +305,6 @@ def _na_forward_jvp_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Te
     if not tangent_grads:  # the kernels skip absent outputs
         dtq = dtk = dtv = dtkx = dtvx = d_t_rpb = None
     kx_, vx_, t_kx, t_vx, dkx, dvx, dtkx, dtvx = _extra(kx, vx, t_kx, t_vx, dkx, dvx, dtkx, dtvx)
-    if q.is_cuda:  # untiled on CUDA: the tiles handed down are the backward kernels' own
-        tiles = [0] * len(tiles)
     _lib.run(_lib.OP_FORWARD_JVP_BACKWARD,
              _geometry(kernel_size, stride, dilation, is_causal, scale, query_range),
              (q, k, v, kx_, vx_, t_q, t_k, t_v, t_kx, t_vx, out, lse, t_out, t_lse, d_out, d_lse,

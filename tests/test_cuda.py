@@ -412,13 +412,15 @@ JVPB_TOL = {torch.float64: 1e-5, torch.float32: 1e-5, torch.float16: 3e-2, torch
 JVPB_NAMES = ["dq", "dk", "dv", "dkx", "dvx", "d_rpb", "dtq", "dtk", "dtv", "dtkx", "dtvx", "d_t_rpb"]
 
 
-def check_forward_jvp_backward(case, dtype, absent, seed_offset=0):
+def check_forward_jvp_backward(case, dtype, absent, seed_offset=0, patch=0):
     """nbhd's gradients of a random loss on (out, lse, t_out, t_lse) against the float64
     reference's (vjp of its jvp), every output poisoned first. absent: "tq" (no query tangent),
     "tkv" (no key and extra-value tangents), "dout" (no cotangent on out and lse: the loss is on
-    the tangent only) or "none"."""
+    the tangent only), "second" (a query tangent alone and no cotangent on out and lse: what
+    double backward runs) or "none". patch: with_patch's, of the backward's tiles."""
     rank = case[0]
     inputs, geo = build(case, dtype, 3 + seed_offset + zlib.crc32(ids(case).encode()) % 1000)
+    geo = with_patch(inputs, geo, _lib.OP_BACKWARD, patch)
     gen = torch.Generator(device="cuda").manual_seed(13 + seed_offset)
     rnd = lambda t: torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64)  # noqa: E731
     tangents = [rnd(t).to(dtype) for t in inputs]
@@ -426,9 +428,11 @@ def check_forward_jvp_backward(case, dtype, absent, seed_offset=0):
         tangents[0] = None
     if absent == "tkv":
         tangents[1] = tangents[4] = None
+    if absent == "second":
+        tangents[1:] = [None] * 4
     out, lse, t_out, t_lse = ops.na_forward_jvp(*inputs, NO_RPB, *tangents, None, *geo)
     cots = [rnd(t) for t in (out, lse, t_out, t_lse)]
-    if absent == "dout":
+    if absent in ("dout", "second"):
         cots[0] = cots[1] = None
     poison()
     grads = ops.na_forward_jvp_backward(
@@ -459,6 +463,30 @@ def test_forward_jvp_backward(case, dtype, absent, use_reference, kv_parallel):
     if use_reference and not kv_parallel:
         pytest.skip("the reference has one mode")
     check_forward_jvp_backward(case, dtype, absent)
+
+
+# D = 64 on 128-row patches: on Hopper the window keys' pass on wgmma (fna_wgmma_jvp_bwd.cu)
+# when KV-parallel, the default for windows of 512+ keys (the last two cases) and requested
+# as tiles for the rest
+WGMMA_JVPB_CASES = [c for c in HOPPER_CASES if c[9] == 64] + [
+    (1, (1300,), (515,), (1,), (1,), (False,), 1, 2, 1, 64, 64, 0, "contig"),
+    (2, (40, 48), (24, 24), (16, 1), (1, 1), (False, True), 1, 2, 2, 64, 64, 2, "heads_major"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", WGMMA_JVPB_CASES, ids=ids)
+@pytest.mark.parametrize("absent", ["none", "tq", "tkv", "dout", "second"])
+def test_forward_jvp_backward_128_row_patches(case, dtype, absent, kv_parallel):
+    """The backward through forward+JVP on 128-row patches at D = 64 against the reference;
+    KV-parallel on Hopper the wgmma key pass runs (and the mma.sync one does not, but for the
+    extra keys)."""
+    patch = 0 if math.prod(case[2]) >= 512 else 128
+    ran = cuda_kernels(lambda: check_forward_jvp_backward(case, dtype, absent, patch=patch))
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if kv_parallel and hopper and nbhd.has_cuda():
+        assert any("fna_wgmma_jvpb_keys_kernel" in n for n in ran), ran
+        assert not any("jvpb_dkdv_kernel<" in n and ", false, true," in n for n in ran), ran
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

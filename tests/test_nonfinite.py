@@ -201,12 +201,15 @@ def test_nonfinite_stays_in_neighborhood_cuda(dims, patch, case, dtype, which, k
 # again exactly the rows a masked slot made non-finite), so their non-finite outputs are the
 # reference's exactly (which visits each query's own keys), and the finite ones agree
 
-def _check_jvp_backward(geom, dtype, which, device, dims, tol, monkeypatch):
+def _check_jvp_backward(geom, dtype, which, device, dims, tol, monkeypatch, patch=0):
+    """patch 128: the backward's tiles of PATCH_128 (below)"""
     from nbhd.rules import Geometry
     t, d_lse = _inputs(geom, dtype, which, device=device, D=dims[0], DV=dims[1])
     q, k, v = t["q"], t["k"], t["v"]
     kx, vx = q.new_empty(B, 0, HK, dims[0]), q.new_empty(B, 0, HK, dims[1])
-    geo = Geometry(*geom[1:], dims[0] ** -0.5)
+    shape = PATCH_128[len(geom[0])]
+    tiles = [0] * (2 * len(shape)) + list(shape) * 2 if patch == 128 else None
+    geo = Geometry(*geom[1:], dims[0] ** -0.5, tiles)
     tans = (t["tq"], t["tk"], t["tv"], None, None)
     saved = ops.na_forward_jvp(q, k, v, kx, vx, NO_RPB, *tans, None, *geo.args())
     cot = (t["d_out"], d_lse, torch.randn_like(saved[2]), torch.randn_like(saved[3]))
@@ -238,13 +241,15 @@ def test_nonfinite_jvp_backward_cpu(isa, dtype, case, which, monkeypatch):
 @pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv", "d_out"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (128, 128)], ids=lambda x: f"D{x[0]}")
+@pytest.mark.parametrize("dims,patch", [((32, 32), 0), ((64, 64), 0), ((64, 64), 128), ((128, 128), 0)],
+                         ids=lambda x: f"D{x[0]}" if isinstance(x, tuple) else f"patch{x}")
 @pytest.mark.parametrize("kv_parallel", [True, False], ids=["kvp", "deterministic"])
-def test_nonfinite_jvp_backward_cuda(dims, dtype, case, which, kv_parallel, monkeypatch):
-    """KV-parallel: dQ summed by atomics, its non-finite rows repaired after the conversion"""
+def test_nonfinite_jvp_backward_cuda(dims, patch, dtype, case, which, kv_parallel, monkeypatch):
+    """KV-parallel: dQ summed by atomics, its non-finite rows repaired after the conversion; at
+    D = 64 on 128-row patches (Hopper: the wgmma key pass) its dK/dV rows too"""
     was = nbhd.is_kv_parallelism_in_fused_na_enabled()
     nbhd.use_kv_parallelism_in_fused_na(kv_parallel)
     try:
-        _check_jvp_backward(GEOMETRIES[case[0]][case[1]], dtype, which, "cuda", dims, 3e-2, monkeypatch)
+        _check_jvp_backward(GEOMETRIES[case[0]][case[1]], dtype, which, "cuda", dims, 3e-2, monkeypatch, patch)
     finally:
         nbhd.use_kv_parallelism_in_fused_na(was)

@@ -148,8 +148,8 @@ def test_double_backward_low_precision(dtype, device, no_reference):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and nbhd.has_cuda()), reason="needs a CUDA GPU")
 def test_double_backward_with_backward_tiles_cuda(no_reference):
-    """Backward tiles apply to the backward's kernels; the backward through forward+JVP, which
-    CUDA runs untiled, is not refused for them. Against the CPU's fused float64 result."""
+    """Backward tiles apply to the backward's kernels and to the backward through forward+JVP
+    (which lists the backward's tiles). Against the CPU's fused float64 result."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 12, 10, 2, 64, generator=g, dtype=torch.float64) for _ in range(3))
     e = q.new_empty(1, 0, 2, 64)

@@ -328,6 +328,14 @@ size_t nbhd_cuda_mma_forward_jvp_backward_workspace_bytes(const nbhd_geometry *g
  * tangent gradient not asked for goes to its primal's output, written after it) */
 nbhd_backward_args nbhd_cuda_tangent_backward_args(const nbhd_forward_jvp_backward_args *a);
 
+/* fna_wgmma_jvp_bwd.cu: the Hopper key pass of the backward through forward+JVP (the window
+ * keys' dK, dV and their dQ into the KV-parallel accumulator dq_acc), given the row terms of
+ * fna_mma_jvp_bwd.cu; apply: D = Dv = 64, no bias table, the tangents' choice `tangent` the
+ * KV-parallel wgmma backward on 128-row patches */
+int nbhd_cuda_wgmma_jvpb_keys_apply(const nbhd_geometry *g, const nbhd_cuda_choice *tangent);
+nbhd_status nbhd_cuda_wgmma_jvpb_keys(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                      const float *ws3, const float4 *rt, float *dq_acc, cudaStream_t stream);
+
 /* fna_mma_jvp.cu: shared memory of the forward+JVP kernel on `warps` warps (4 or 8) */
 size_t nbhd_cuda_mma_jvp_smem_bytes(const nbhd_geometry *g, int warps);
 /* the wgmma forward's shared memory per CTA on mb m-blocks per warp (fna_wgmma.cu), its bias

@@ -33,14 +33,6 @@
 
 #include "mma_util.cuh"
 
-/* the row terms the tile kernels read per query: one 16-byte load */
-struct jvpb_row_terms {
-    float lse2;  /* lse log2 e */
-    float mu;    /* tLSE */
-    float de;    /* D' + E */
-    float wofs;  /* g_mu - c: w = G.v + wofs */
-};
-
 // ----------------------------------------------------------------------------
 // 1. the row terms
 
@@ -110,24 +102,6 @@ __global__ void __launch_bounds__(256) jvpb_rows_kernel(const __grid_constant__ 
         const float gmu = scalar_or_zero<float>(a.d_t_lse, offset_of(a.d_t_lse, b, c[0], c[1], c[2], h));
         rt[r] = make_float4(lse * LOG2E_F, mu, Dp + eg, gmu - cg);
     }
-}
-
-/* one pair's terms from its score products (x = Q.K, ts = tQ.K + Q.tK, dp = dO.V + G.tV,
- * gv = G.V), its visibility and biases (natural units), and the query's row terms:
- * p, n = tS - mu, dS and dtS */
-struct jvpb_pair_terms {
-    float p, n, ds, dts;
-};
-__device__ __forceinline__ jvpb_pair_terms jvpb_terms(float x, float ts, float dp, float gv, bool ok, float bias,
-                                                      float t_bias, float scale_log2, float scale,
-                                                      const jvpb_row_terms &r) {
-    jvpb_pair_terms o;
-    o.p = ok ? prob_exp2(fmaf(x, scale_log2, fmaf(bias, LOG2E_F, -r.lse2))) : 0.f;
-    o.n = fmaf(ts, scale, t_bias - r.mu);
-    const float wv = gv + r.wofs;
-    o.ds = o.p * (dp - r.de + wv * o.n);
-    o.dts = o.p * wv;
-    return o;
 }
 
 /* the extra keys' tensors a key-tile loader reads (cta_patch::kv_rows): a tangent's own, or
@@ -569,10 +543,10 @@ size_t nbhd_cuda_mma_forward_jvp_backward_workspace_bytes(const nbhd_geometry *g
 }
 
 /* the primals' kernels on WARPS warps; with dq_acc (KV-parallel) no dq kernel: the dk/dv kernels
- * add dQ into it */
+ * add dQ into it; wgmma_keys: the window keys' pass on fna_wgmma_jvp_bwd.cu's kernel */
 template <typename T, int HD, int WARPS>
 static nbhd_status launch_primal(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, const float *ws3,
-                                 const float4 *rt, float *dq_acc, cudaStream_t st) {
+                                 const float4 *rt, float *dq_acc, bool wgmma_keys, cudaStream_t st) {
     constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
     constexpr int minb = HD == 128 ? 1 : 2;  /* registers for two CTAs at D <= 64, one at D = 128 */
     const bool kvp = dq_acc != nullptr;
@@ -585,7 +559,9 @@ static nbhd_status launch_primal(const nbhd_geometry *g, const nbhd_forward_jvp_
                                   "mma backward through forward+JVP (dq)", st, *g, *a, ws3, rt, P)) != NBHD_OK)
             return s;
     }
-    if (g->has_window) {  /* KV parallelism is off with a bias table (nbhd_cuda_kv_parallel_applies) */
+    if (g->has_window && wgmma_keys) {
+        if ((s = nbhd_cuda_wgmma_jvpb_keys(g, a, ws3, rt, dq_acc, st)) != NBHD_OK) return s;
+    } else if (g->has_window) {  /* KV parallelism is off with a bias table (nbhd_cuda_kv_parallel_applies) */
         auto dkdv = kvp      ? jvpb_dkdv_kernel<T, HD, false, true, WARPS, minb, false>
                     : g->rpb ? jvpb_dkdv_kernel<T, HD, false, false, WARPS, minb, true>
                              : jvpb_dkdv_kernel<T, HD, false, false, WARPS, minb, false>;
@@ -630,8 +606,9 @@ static nbhd_status launch_jvpb(const nbhd_geometry *g, const nbhd_forward_jvp_ba
                               *g, *a, ws3, rt, dq_acc)) != NBHD_OK)
         return s;
     if constexpr (HD == 128)
-        if (jvpb_warps(g, dq_acc) == 8) return launch_primal<T, HD, 8>(g, a, ws3, rt, dq_acc, st);
-    return launch_primal<T, HD, 4>(g, a, ws3, rt, dq_acc, st);
+        if (jvpb_warps(g, dq_acc) == 8) return launch_primal<T, HD, 8>(g, a, ws3, rt, dq_acc, false, st);
+    const bool wgmma_keys = dq_acc && nbhd_cuda_wgmma_jvpb_keys_apply(g, &tangent);
+    return launch_primal<T, HD, 4>(g, a, ws3, rt, dq_acc, wgmma_keys, st);
 }
 
 nbhd_backward_args nbhd_cuda_tangent_backward_args(const nbhd_forward_jvp_backward_args *a) {

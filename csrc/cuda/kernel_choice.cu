@@ -202,8 +202,10 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
     const bool half_type = g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
     const int D = g->head_dim;
     const bool head_dim_ok = D == g->head_dim_v && (D == 32 || D == 64 || D == 128);
-    const bool mma_op = op != NBHD_OP_FORWARD_JVP_BACKWARD;
-    if (!half_type || !head_dim_ok || !mma_op || !g->has_window) return 0;
+    /* the backward through forward+JVP runs on the backward's choice (cuda_forward_jvp_backward):
+     * its tiles are the backward's */
+    if (op == NBHD_OP_FORWARD_JVP_BACKWARD) op = NBHD_OP_BACKWARD;
+    if (!half_type || !head_dim_ok || !g->has_window) return 0;
     static const int32_t patch[2][3][3] = {{{64, 0, 0}, {8, 8, 0}, {4, 4, 4}},
                                            {{128, 0, 0}, {16, 8, 0}, {8, 4, 4}}};
     const nbhd_cuda_device dev = nbhd_cuda_device_facts();

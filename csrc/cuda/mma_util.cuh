@@ -875,6 +875,35 @@ struct key_patch {
 };
 
 // ----------------------------------------------------------------------------
+// the backward through forward+JVP's pair terms (fna_mma_jvp_bwd.cu, fna_wgmma_jvp_bwd.cu)
+
+/* the row terms the tile kernels read per query: one 16-byte load */
+struct jvpb_row_terms {
+    float lse2;  /* lse log2 e */
+    float mu;    /* tLSE */
+    float de;    /* D' + E */
+    float wofs;  /* g_mu - c: w = G.v + wofs */
+};
+
+/* one pair's terms from its score products (x = Q.K, ts = tQ.K + Q.tK, dp = dO.V + G.tV,
+ * gv = G.V), its visibility and biases (natural units), and the query's row terms:
+ * p, n = tS - mu, dS and dtS */
+struct jvpb_pair_terms {
+    float p, n, ds, dts;
+};
+__device__ __forceinline__ jvpb_pair_terms jvpb_terms(float x, float ts, float dp, float gv, bool ok, float bias,
+                                                      float t_bias, float scale_log2, float scale,
+                                                      const jvpb_row_terms &r) {
+    jvpb_pair_terms o;
+    o.p = ok ? prob_exp2(fmaf(x, scale_log2, fmaf(bias, LOG2E_F, -r.lse2))) : 0.f;
+    o.n = fmaf(ts, scale, t_bias - r.mu);
+    const float wv = gv + r.wofs;
+    o.ds = o.p * (dp - r.de + wv * o.n);
+    o.dts = o.p * wv;
+    return o;
+}
+
+// ----------------------------------------------------------------------------
 // KV-parallel dQ: the key-stationary kernels of the first-order backward (fna_mma_bwd.cu) and of
 // the backward through forward+JVP (fna_mma_jvp_bwd.cu) add dQ with fp32 atomics into a zeroed
 // accumulator after the per-row workspace; two small passes then convert and repair it.

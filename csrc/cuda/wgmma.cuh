@@ -152,7 +152,8 @@ template <typename R, int N> __device__ __forceinline__ void fence_regs(R (&x)[N
 }
 
 /* d (64 x N per warpgroup) (+)= A (64 x 16, descriptor) B (16 x N, descriptor); accumulate 0
- * overwrites d. N = 32 serves only as the S tiles of the forward+JVP's 32-key variant: no rs_bt */
+ * overwrites d. N = 32 serves the S tiles of the forward+JVP's 32-key variant and the backward
+ * through forward+JVP's dQ halves: no rs_bt */
 template <typename T, int N> struct wgmma_op;
 
 /* The instructions: the accumulator registers (an m64nN tile holds N/2 floats a thread:
@@ -191,8 +192,8 @@ template <typename T, int N> struct wgmma_op;
                  ", p, 1, 1, " TRANS ";\n}\n"                                                     \
                  : __VA_ARGS__                                                                     \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
-#define NBHD_WGMMA_SS_N32(TY) \
-    NBHD_WGMMA_SS("m64n32k16", TY, "0, 0", NBHD_WGMMA_R16, "%16", "%17", "%18", NBHD_WGMMA_D16)
+#define NBHD_WGMMA_SS_N32(TY, TRANS) \
+    NBHD_WGMMA_SS("m64n32k16", TY, TRANS, NBHD_WGMMA_R16, "%16", "%17", "%18", NBHD_WGMMA_D16)
 #define NBHD_WGMMA_SS_N64(TY, TRANS) \
     NBHD_WGMMA_SS("m64n64k16", TY, TRANS, NBHD_WGMMA_R32, "%32", "%33", "%34", NBHD_WGMMA_D32)
 #define NBHD_WGMMA_RS_N64(TY, TRANS) \
@@ -204,12 +205,20 @@ template <typename T, int N> struct wgmma_op;
 
 template <> struct wgmma_op<__nv_bfloat16, 32> {
     static __device__ __forceinline__ void ss(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-        NBHD_WGMMA_SS_N32("bf16");
+        NBHD_WGMMA_SS_N32("bf16", "0, 0");
+    }
+    /* A MN-major, B K-major (the backward through forward+JVP's dQ = dS K: dS^T staged, K^T) */
+    static __device__ __forceinline__ void ss_ta(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N32("bf16", "1, 0");
     }
 };
 template <> struct wgmma_op<__half, 32> {
     static __device__ __forceinline__ void ss(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-        NBHD_WGMMA_SS_N32("f16");
+        NBHD_WGMMA_SS_N32("f16", "0, 0");
+    }
+    /* A MN-major, B K-major (the backward through forward+JVP's dQ = dS K: dS^T staged, K^T) */
+    static __device__ __forceinline__ void ss_ta(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N32("f16", "1, 0");
     }
 };
 template <> struct wgmma_op<__nv_bfloat16, 64> {
@@ -278,6 +287,17 @@ __device__ __forceinline__ void wgmma_score_pair(float (&d1)[BN / 8][4], uint32_
         wgmma_op<T, BN>::ss(&d2[0][0], gmma_desc(a2 + sa, 16, 1024), gmma_desc(b2 + sb, 16, 1024), kk > 0);
     }
     wgmma_commit();
+}
+
+/* d (+)= A B^T (per warpgroup 64 x BN, k = HD), both operands K-major in shared memory as in
+ * wgmma_score_pair; accumulate 0: the first k-step overwrites d. Not committed. */
+template <typename T, int HD, int BN, int ROWS_A>
+__device__ __forceinline__ void wgmma_score(float (&d)[BN / 8][4], uint32_t a, uint32_t b, int accumulate) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const uint32_t sa = (kk >> 2) * ROWS_A * 128 + (kk & 3) * 32, sb = (kk >> 2) * BN * 128 + (kk & 3) * 32;
+        wgmma_op<T, BN>::ss(&d[0][0], gmma_desc(a + sa, 16, 1024), gmma_desc(b + sb, 16, 1024), kk > 0 || accumulate);
+    }
 }
 
 #undef NBHD_WGMMA_D16
