@@ -241,12 +241,13 @@ def test_nonfinite_jvp_backward_cpu(isa, dtype, case, which, monkeypatch):
 @pytest.mark.parametrize("which", ["q", "k", "v", "tq", "tk", "tv", "d_out"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"rank{c[0]}-{c[1]}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("dims,patch", [((32, 32), 0), ((64, 64), 0), ((64, 64), 128), ((128, 128), 0)],
+@pytest.mark.parametrize("dims,patch", [((32, 32), 0), ((64, 64), 0), ((64, 64), 128), ((128, 128), 0),
+                                        ((128, 128), 128)],
                          ids=lambda x: f"D{x[0]}" if isinstance(x, tuple) else f"patch{x}")
 @pytest.mark.parametrize("kv_parallel", [True, False], ids=["kvp", "deterministic"])
 def test_nonfinite_jvp_backward_cuda(dims, patch, dtype, case, which, kv_parallel, monkeypatch):
-    """KV-parallel: dQ summed by atomics, its non-finite rows repaired after the conversion; at
-    D = 64 on 128-row patches (Hopper: the wgmma key pass) its dK/dV rows too"""
+    """KV-parallel: dQ summed by atomics, its non-finite rows repaired after the conversion; on
+    128-row patches (Hopper: the wgmma key pass where it applies) its dK/dV rows too"""
     was = nbhd.is_kv_parallelism_in_fused_na_enabled()
     nbhd.use_kv_parallelism_in_fused_na(kv_parallel)
     try:

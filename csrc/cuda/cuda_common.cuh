@@ -330,9 +330,11 @@ nbhd_backward_args nbhd_cuda_tangent_backward_args(const nbhd_forward_jvp_backwa
 
 /* fna_wgmma_jvp_bwd.cu: the Hopper key pass of the backward through forward+JVP (the window
  * keys' dK, dV and their dQ into the KV-parallel accumulator dq_acc), given the row terms of
- * fna_mma_jvp_bwd.cu; apply: D = Dv = 64, no bias table, the tangents' choice `tangent` the
- * KV-parallel wgmma backward on 128-row patches */
-int nbhd_cuda_wgmma_jvpb_keys_apply(const nbhd_geometry *g, const nbhd_cuda_choice *tangent);
+ * fna_mma_jvp_bwd.cu; apply: D = Dv in {64, 128}, no bias table, the tangents' choice
+ * `tangent` the KV-parallel wgmma backward on 128-row patches, the present operands' tiles
+ * within a block's shared memory */
+int nbhd_cuda_wgmma_jvpb_keys_apply(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                    const nbhd_cuda_choice *tangent);
 nbhd_status nbhd_cuda_wgmma_jvpb_keys(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
                                       const float *ws3, const float4 *rt, float *dq_acc, cudaStream_t stream);
 

@@ -2,55 +2,85 @@
  * fna_wgmma_jvp_bwd.cu — the Hopper key pass of the backward through forward + JVP
  * (fna_mma_jvp_bwd.cu has the op, its row terms and notation; docs/design.md §6.8): the window
  * keys' dK, dV and, KV-parallel, their part of dQ by fp32 atomics, on warpgroup MMA (sm_90a),
- * f16/bf16, D = Dv = 64, no bias table. Key-stationary: a 128-key patch (two warpgroups of 64
- * keys) walks the exact union of its keys' inverse neighbourhoods in tiles of 64 queries, every
- * query head of its key head in turn. Per tile and warpgroup (64 keys x 64 queries):
+ * f16/bf16, D = Dv in {64, 128}, no bias table. Key-stationary: a 128-key patch (two
+ * warpgroups of 64 keys) walks the exact union of its keys' inverse neighbourhoods in tiles of
+ * 64 queries, every query head of its key head in turn. Per tile and warpgroup (64 keys x 64
+ * queries, the scores in two slices of 32 at D = 128):
  *
  *   S^T = K Q^T,  tS^T = K tQ^T + tK Q^T,  GV^T = V G^T,  dP^T = V dO^T + tV G^T
  *   P, n = tS - mu, dS = P (dP - D' - E + w n), dtS = P w    (jvpb_terms, mma_util.cuh)
  *   dV += P^T dO + (P n)^T G,  dK += dS^T Q + dtS^T tQ      (P^T, dS^T, ... from registers)
- *   dQ += dS K + dtS tK    over the CTA's 128 keys, 32 of the 64 columns per warpgroup: dS^T,
- *                          dtS^T staged in shared memory (A MN-major), K^T, tK^T transposed
- *                          there once per CTA (B K-major); added with fp32 atomics
+ *   dQ += dS K + dtS tK    over the CTA's 128 keys, half the columns per warpgroup: dS^T, dtS^T
+ *                          staged in shared memory (A MN-major); B at D = 64 K^T, tK^T
+ *                          transposed there once per CTA (K-major, m64n32), at D = 128 a
+ *                          64-column block of K, tK (MN-major); added with fp32 atomics
  *
  * A product with an absent operand (tQ, tK, tV, dO) is not issued: the flags are kernel
- * arguments, uniform over the CTA, so ptxas keeps every wgmma asynchronous. The extra keys, the
- * deterministic mode, D != 64 and bias tables stay on fna_mma_jvp_bwd.cu's kernels.
+ * arguments, uniform over the CTA, so ptxas keeps every wgmma asynchronous; absent operands take
+ * no shared memory. The extra keys, the deterministic mode, other head dims, bias tables, and at
+ * D = 128 operands too many for a block's shared memory stay on fna_mma_jvp_bwd.cu's kernels.
  */
 #include "wgmma.cuh"
 
 #define WGJ_BN 64     /* queries per tile */
 #define WGJ_STAGES 2  /* the query-side tiles, loaded one ahead: each is read within its tile */
 
-template <int RANK>
-static constexpr size_t wgj_smem_bytes() {
-    /* alignment slack; K, V, tK, tV [128][64]; K^T, tK^T [64][128]; Q, tQ, dO, G [ST][BN][64];
-     * dS^T, dtS^T [128][BN]; per stage the queries' row terms (float4) and in-group coordinates */
-    return 1024 + 2 * (6 * 128 * 64 + 4 * WGJ_STAGES * WGJ_BN * 64 + 2 * 128 * WGJ_BN) +
-           sizeof(float4) * WGJ_STAGES * WGJ_BN + sizeof(int) * WGJ_STAGES * RANK * WGJ_BN;
-}
+/* Shared memory of the key pass, byte offsets after the 1024-byte alignment: only the tiles of
+ * present operands (the tangents, dO) take room, so that D = 128 fits where they are few.
+ * K, V, tK, tV [128][HD]; at D = 64 K^T, tK^T [HD][128]; per stage Q, G, tQ, dO [BN][HD];
+ * dS^T, dtS^T [128][BN]; per stage the queries' row terms (float4) and in-group coordinates. */
+struct wgj_layout {
+    uint32_t k, v, tk, tv, kt, tkt, q, g, tq, dout, ds, dts, rt, qc, bytes;
+    __host__ __device__ wgj_layout(int hd, int rank, bool has_tq, bool has_tk, bool has_tv, bool has_do) {
+        const uint32_t rows = 2u * 128 * hd, tile = 2u * WGJ_STAGES * WGJ_BN * hd, st = 2u * 128 * WGJ_BN;
+        uint32_t at = 0;
+        auto take = [&](bool present, uint32_t n) { const uint32_t o = at; at += present ? n : 0; return o; };
+        k = take(true, rows);
+        v = take(true, rows);
+        tk = take(has_tk, rows);
+        tv = take(has_tv, rows);
+        kt = take(hd == 64, rows);
+        tkt = take(hd == 64 && has_tk, rows);
+        q = take(true, tile);
+        g = take(true, tile);
+        tq = take(has_tq, tile);
+        dout = take(has_do, tile);
+        ds = take(true, st);
+        dts = take(has_tk, st);
+        rt = take(true, sizeof(float4) * WGJ_STAGES * WGJ_BN);
+        qc = take(true, sizeof(int) * WGJ_STAGES * rank * WGJ_BN);
+        bytes = 1024 + at;
+    }
+};
 
-template <typename T, int RANK>
+/* SPLIT: the score products of a tile in SPLIT slices of 64 / SPLIT queries (two at D = 128, for
+ * the registers: dK and dV take 128 there, so a slice's dK/dV products finish before the next
+ * slice's scores) */
+template <typename T, int HD, int RANK, bool DP /* dO or tV present: dP has a term */>
 __global__ void __launch_bounds__(256, 1)
 fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
                            const __grid_constant__ nbhd_forward_jvp_backward_args a, const float *ws3,
                            const float4 *rt, float *dq_acc, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     using CTA = wg_cta<RANK, 2>;
-    constexpr int HD = 64, BN = WGJ_BN, BM = CTA::BM, THREADS = CTA::THREADS, ST = WGJ_STAGES;
+    constexpr int BN = WGJ_BN, BM = CTA::BM, THREADS = CTA::THREADS, ST = WGJ_STAGES;
+    constexpr int SPLIT = HD == 128 ? 2 : 1, NS = BN / SPLIT, KS = NS / 16;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T *Ks = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] each */
-    T *Vs = Ks + BM * HD, *tKs = Vs + BM * HD, *tVs = tKs + BM * HD;
-    T *KTs = tVs + BM * HD, *tKTs = KTs + HD * BM;  /* [HD][BM] each (64-key column blocks) */
-    T *Qs = tKTs + HD * BM;                     /* [ST][BN][HD] each */
-    T *tQs = Qs + ST * BN * HD, *dOs = tQs + ST * BN * HD, *Gs = dOs + ST * BN * HD;
-    T *dSs = Gs + ST * BN * HD;                 /* [BM][BN] dS^T, then dtS^T */
-    T *dtSs = dSs + BM * BN;
-    float4 *qt = (float4 *)(dtSs + BM * BN);    /* [ST][BN] the queries' row terms */
-    int *qc = (int *)(qt + ST * BN);            /* [ST][RANK][BN] in-group query coordinates */
+    /* without dO and tV (double backward) dP, P^T's fragments and their products vanish at
+     * compile time: registers for D = 128 */
+    const bool has_tq = a.t_q.data, has_tk = a.t_k.data, has_tv = DP && a.t_v.data, has_do = DP && a.d_out.data;
+    const bool has_ts = has_tq || has_tk;  /* tS has a term */
+    constexpr bool has_dp = DP;
+    const wgj_layout L(HD, RANK, has_tq, has_tk, has_tv, has_do);
+    unsigned char *base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    T *Ks = (T *)(base + L.k), *Vs = (T *)(base + L.v), *tKs = (T *)(base + L.tk), *tVs = (T *)(base + L.tv);
+    T *KTs = (T *)(base + L.kt), *tKTs = (T *)(base + L.tkt);
+    T *Qs = (T *)(base + L.q), *Gs = (T *)(base + L.g), *tQs = (T *)(base + L.tq), *dOs = (T *)(base + L.dout);
+    T *dSs = (T *)(base + L.ds), *dtSs = (T *)(base + L.dts);
+    float4 *qt = (float4 *)(base + L.rt);
+    int *qc = (int *)(base + L.qc);
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
-    const bool has_tq = a.t_q.data, has_tk = a.t_k.data, has_tv = a.t_v.data, has_do = a.d_out.data;
     CTA C;  /* rows: the patch's keys; C.h the key head */
     if (!C.place_keys(g, P)) return;
     const int hk = C.h;
@@ -163,25 +193,29 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
     const uint32_t rows_off = wg * 64 * 128;  /* the warpgroup's 64 rows in a [BM][64] tile */
     const uint32_t k_base = smem_u32(Ks) + rows_off, v_base = smem_u32(Vs) + rows_off;
     const uint32_t tk_base = smem_u32(tKs) + rows_off, tv_base = smem_u32(tVs) + rows_off;
-    /* dQ: this warpgroup's 32 columns, rows 32 wg.. of K^T and tK^T */
-    const uint32_t kt_base = smem_u32(KTs) + wg * 32 * 128, tkt_base = smem_u32(tKTs) + wg * 32 * 128;
+    /* dQ's B: at D = 64 this warpgroup's 32 columns, rows 32 wg.. of K^T and tK^T; at D = 128
+     * its 64 columns, column block wg of K and tK (MN-major) */
+    const uint32_t kq_base = HD == 64 ? smem_u32(KTs) + wg * 32 * 128 : smem_u32(Ks) + wg * BM * 128;
+    const uint32_t tkq_base = HD == 64 ? smem_u32(tKTs) + wg * 32 * 128 : smem_u32(tKs) + wg * BM * 128;
 
-    /* K^T (and tK^T) for dQ's B: [HD][BM] in 64-key column blocks, from the resident rows
-     * (visible to wgmma after the proxy fence and barrier before dQ's first product) */
+    /* D = 64: K^T (and tK^T) [HD][BM] in 64-key column blocks from the resident rows (seen by
+     * wgmma after the proxy fence and the barrier before dQ's first product) */
     auto transpose_keys = [&]() {
-        for (int i = tid; i < BM * HD / 8; i += THREADS) {
-            const int r = i / (HD / 8), ch = i % (HD / 8);
-            const uint4 kv = *(const uint4 *)(Ks + gmma_off<BM>(r, ch));
-            const uint4 tkv = has_tk ? *(const uint4 *)(tKs + gmma_off<BM>(r, ch)) : make_uint4(0, 0, 0, 0);
-            const T *k8 = (const T *)&kv, *tk8 = (const T *)&tkv;
+        if constexpr (HD == 64) {
+            for (int i = tid; i < BM * HD / 8; i += THREADS) {
+                const int r = i / (HD / 8), ch = i % (HD / 8);
+                const uint4 kv = *(const uint4 *)(Ks + gmma_off<BM>(r, ch));
+                const uint4 tkv = has_tk ? *(const uint4 *)(tKs + gmma_off<BM>(r, ch)) : make_uint4(0, 0, 0, 0);
+                const T *k8 = (const T *)&kv, *tk8 = (const T *)&tkv;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const int at = gmma_off<HD>(ch * 8 + e, r >> 3) + (r & 7);
-                KTs[at] = k8[e];
-                if (has_tk) tKTs[at] = tk8[e];
+                for (int e = 0; e < 8; ++e) {
+                    const int at = gmma_off<HD>(ch * 8 + e, r >> 3) + (r & 7);
+                    KTs[at] = k8[e];
+                    if (has_tk) tKTs[at] = tk8[e];
+                }
             }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     };
 
     tile_ring_start<ST, ST - 1>(tiles, load_tile);  /* K, V, tK, tV ride with tile 0's group */
@@ -191,120 +225,138 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
         const uint32_t do_st = smem_u32(dOs + s * BN * HD), g_st = smem_u32(Gs + s * BN * HD);
         const int *qct = qc + s * RANK * BN;
         const float4 *qtt = qt + s * BN;
-
-        // the four score products (absent operands' skipped; a sum with no term is zero)
-        float sc[BN / 8][4], ts[BN / 8][4], gv[BN / 8][4], dp[BN / 8][4];
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                if (!has_tq && !has_tk) ts[nb][e] = 0.f;
-                if (!has_do && !has_tv) dp[nb][e] = 0.f;
-            }
-        wgmma_fence();
-        wgmma_score<T, HD, BN, BM>(sc, k_base, q_st, 0);
-        wgmma_score<T, HD, BN, BM>(gv, v_base, g_st, 0);
-        if (has_tq) wgmma_score<T, HD, BN, BM>(ts, k_base, tq_st, 0);
-        if (has_tk) wgmma_score<T, HD, BN, BM>(ts, tk_base, q_st, has_tq);
-        if (has_do) wgmma_score<T, HD, BN, BM>(dp, v_base, do_st, 0);
-        if (has_tv) wgmma_score<T, HD, BN, BM>(dp, tv_base, g_st, has_do);
-        wgmma_commit();
         const bool full = tile_inside<BN, RANK>(qct, lane, ilo, ihi);
-        wgmma_wait<0>();
-        fence_regs(sc);
-        fence_regs(ts);
-        fence_regs(gv);
-        fence_regs(dp);
 
-        // P into sc, P n into ts, dS into dp, dtS into gv (masked unless full)
+        uint32_t pf[KS][4], pnf[KS][4], dsf[KS][4], dtsf[KS][4];  /* a slice's A fragments */
 #pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
+        for (int h = 0; h < SPLIT; ++h) {
+            // the slice's four score products (absent operands' skipped; a sum with no term is
+            // zero)
+            const uint32_t ro = h * NS * 128;  /* the slice's rows of the query-side tiles */
+            float sc[NS / 8][4], ts[NS / 8][4], gv[NS / 8][4], dp[NS / 8][4];
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int cr = nb * 8 + 2 * cq + e;
-                const float4 q4 = qtt[cr];
-                const jvpb_row_terms rw = {q4.x, q4.y, q4.z, q4.w};
-                int j[RANK];
+            for (int nb = 0; nb < NS / 8; ++nb)
 #pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
-#pragma unroll
-                for (int hrow = 0; hrow < 2; ++hrow) {
-                    bool ok = true;
-                    if (!full)
-#pragma unroll
-                        for (int ax = 0; ax < RANK; ++ax) ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
-                    const int x = 2 * hrow + e;
-                    const jvpb_pair_terms pr =
-                        jvpb_terms(sc[nb][x], ts[nb][x], dp[nb][x], gv[nb][x], ok, 0.f, 0.f, sl2, scale, rw);
-                    sc[nb][x] = pr.p;
-                    ts[nb][x] = pr.p * pr.n;
-                    dp[nb][x] = pr.ds;
-                    gv[nb][x] = pr.dts;
+                for (int e = 0; e < 4; ++e) {
+                    if (!has_ts) ts[nb][e] = 0.f;
+                    if (!has_dp) dp[nb][e] = 0.f;
                 }
+            wgmma_fence();
+            wgmma_score<T, HD, NS, BM, BN>(sc, k_base, q_st + ro, 0);
+            wgmma_score<T, HD, NS, BM, BN>(gv, v_base, g_st + ro, 0);
+            if (has_tq) wgmma_score<T, HD, NS, BM, BN>(ts, k_base, tq_st + ro, 0);
+            if (has_tk) wgmma_score<T, HD, NS, BM, BN>(ts, tk_base, q_st + ro, has_tq);
+            if (DP) {  /* dO V^T, else tV G^T; then tV G^T where both are present */
+                wgmma_score<T, HD, NS, BM, BN>(dp, has_do ? v_base : tv_base, (has_do ? do_st : g_st) + ro, 0);
+                if (has_do && has_tv) wgmma_score<T, HD, NS, BM, BN>(dp, tv_base, g_st + ro, 1);
             }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(sc);
+            fence_regs(ts);
+            fence_regs(gv);
+            fence_regs(dp);
 
-        // dV += P^T dO + (P n)^T G
-        uint32_t pf[BN / 16][4], pnf[BN / 16][4], dsf[BN / 16][4], dtsf[BN / 16][4];
+            // P into sc, P n into ts, dS into dp, dtS into gv (masked unless full)
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            a_frag_of<T>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
-            a_frag_of<T>(pnf[kk], ts[2 * kk], ts[2 * kk + 1]);
-        }
-        wgmma_fence();
-        if (has_do)
+            for (int nb = 0; nb < NS / 8; ++nb)
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                wgmma_op<T, HD>::rs_bt(&dv[0][0], pf[kk], gmma_desc(do_st + kk * 16 * 128, BN * 128, 1024), 1);
+                for (int e = 0; e < 2; ++e) {
+                    const int cr = h * NS + nb * 8 + 2 * cq + e;
+                    const float4 q4 = qtt[cr];
+                    const jvpb_row_terms rw = {q4.x, q4.y, q4.z, q4.w};
+                    int j[RANK];
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_op<T, HD>::rs_bt(&dv[0][0], pnf[kk], gmma_desc(g_st + kk * 16 * 128, BN * 128, 1024), 1);
-        wgmma_commit();
+                    for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
+#pragma unroll
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        bool ok = true;
+                        if (!full)
+#pragma unroll
+                            for (int ax = 0; ax < RANK; ++ax) ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
+                        const int x = 2 * hrow + e;
+                        const jvpb_pair_terms pr =
+                            jvpb_terms(sc[nb][x], ts[nb][x], dp[nb][x], gv[nb][x], ok, 0.f, 0.f, sl2, scale, rw);
+                        sc[nb][x] = pr.p;
+                        ts[nb][x] = pr.p * pr.n;
+                        dp[nb][x] = pr.ds;
+                        gv[nb][x] = pr.dts;
+                    }
+                }
 
-        // dK += dS^T Q + dtS^T tQ; dS^T and dtS^T staged (this warp's 16 keys x BN queries) for dQ
+            // dV += P^T dO + (P n)^T G over the slice's queries (k-steps h KS ..)
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            a_frag_of<T>(dsf[kk], dp[2 * kk], dp[2 * kk + 1]);
-            a_frag_of<T>(dtsf[kk], gv[2 * kk], gv[2 * kk + 1]);
-        }
-        {
+            for (int kk = 0; kk < KS; ++kk) {
+                a_frag_of<T>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
+                a_frag_of<T>(pnf[kk], ts[2 * kk], ts[2 * kk + 1]);
+                a_frag_of<T>(dsf[kk], dp[2 * kk], dp[2 * kk + 1]);
+                a_frag_of<T>(dtsf[kk], gv[2 * kk], gv[2 * kk + 1]);
+            }
+            wgmma_fence();
+            if (has_do)
+#pragma unroll
+                for (int kk = 0; kk < KS; ++kk)
+                    wgmma_op<T, HD>::rs_bt(&dv[0][0], pf[kk], gmma_desc(do_st + ro + kk * 16 * 128, BN * 128, 1024), 1);
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk)
+                wgmma_op<T, HD>::rs_bt(&dv[0][0], pnf[kk], gmma_desc(g_st + ro + kk * 16 * 128, BN * 128, 1024), 1);
+            // dK += dS^T Q + dtS^T tQ
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk)
+                wgmma_op<T, HD>::rs_bt(&dk[0][0], dsf[kk], gmma_desc(q_st + ro + kk * 16 * 128, BN * 128, 1024), 1);
+            if (has_tq)
+#pragma unroll
+                for (int kk = 0; kk < KS; ++kk)
+                    wgmma_op<T, HD>::rs_bt(&dk[0][0], dtsf[kk], gmma_desc(tq_st + ro + kk * 16 * 128, BN * 128, 1024), 1);
+            wgmma_commit();
+
+            // dS^T and dtS^T of this warp's 16 keys and the slice's queries, staged for dQ
             const int kr = w * 16 + (lane >> 2);
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
+            for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int row = kr + 8 * (i & 1), col = kk * 16 + 8 * (i >> 1) + 2 * cq;
+                    const int row = kr + 8 * (i & 1), col = h * NS + kk * 16 + 8 * (i >> 1) + 2 * cq;
                     const int at = gmma_off<BM>(row, col >> 3) + (col & 7);
                     *(uint32_t *)(dSs + at) = dsf[kk][i];
                     if (has_tk) *(uint32_t *)(dtSs + at) = dtsf[kk][i];
                 }
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  /* seen by wgmma */
+            if (SPLIT > 1) {  /* the slice's fragments free for the next (registers at D = 128) */
+                wgmma_wait<0>();
+                fence_regs(pf);
+                fence_regs(pnf);
+                fence_regs(dsf);
+                fence_regs(dtsf);
+                fence_regs(dk);
+                fence_regs(dv);
+            }
         }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_op<T, HD>::rs_bt(&dk[0][0], dsf[kk], gmma_desc(q_st + kk * 16 * 128, BN * 128, 1024), 1);
-        if (has_tq)
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                wgmma_op<T, HD>::rs_bt(&dk[0][0], dtsf[kk], gmma_desc(tq_st + kk * 16 * 128, BN * 128, 1024), 1);
-        wgmma_commit();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  /* dS^T seen by wgmma */
 
-        // dQ (64 queries x this warpgroup's 32 columns) = dS K + dtS tK over the CTA's 128 keys,
-        // once both warpgroups' dS^T are staged (and, on the first tile, K^T)
+        // dQ (64 queries x this warpgroup's HD / 2 columns) = dS K + dtS tK over the CTA's 128
+        // keys, once both warpgroups' dS^T are staged (and, on the first tile, K^T)
         if (t == 0) transpose_keys();
         __syncthreads();
-        float dq[4][4];
+        float dq[HD / 16][4];
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
-            const uint32_t a = smem_u32(dSs) + kk * 16 * 128, b = (kk >> 2) * HD * 128 + (kk & 3) * 32;
-            wgmma_op<T, 32>::ss_ta(&dq[0][0], gmma_desc(a, BM * 128, 1024), gmma_desc(kt_base + b, 16, 1024), kk > 0);
+            const uint64_t ad = gmma_desc(smem_u32(dSs) + kk * 16 * 128, BM * 128, 1024);
+            if constexpr (HD == 64)
+                wgmma_op<T, 32>::ss_ta(&dq[0][0], ad, gmma_desc(kq_base + (kk >> 2) * HD * 128 + (kk & 3) * 32, 16, 1024),
+                                       kk > 0);
+            else
+                wgmma_op<T, 64>::ss_tt(&dq[0][0], ad, gmma_desc(kq_base + kk * 16 * 128, BM * 128, 1024), kk > 0);
         }
         if (has_tk)
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {
-                const uint32_t a = smem_u32(dtSs) + kk * 16 * 128, b = (kk >> 2) * HD * 128 + (kk & 3) * 32;
-                wgmma_op<T, 32>::ss_ta(&dq[0][0], gmma_desc(a, BM * 128, 1024), gmma_desc(tkt_base + b, 16, 1024), 1);
+                const uint64_t ad = gmma_desc(smem_u32(dtSs) + kk * 16 * 128, BM * 128, 1024);
+                if constexpr (HD == 64)
+                    wgmma_op<T, 32>::ss_ta(&dq[0][0], ad,
+                                           gmma_desc(tkq_base + (kk >> 2) * HD * 128 + (kk & 3) * 32, 16, 1024), 1);
+                else
+                    wgmma_op<T, 64>::ss_tt(&dq[0][0], ad, gmma_desc(tkq_base + kk * 16 * 128, BM * 128, 1024), 1);
             }
         wgmma_commit();
         wgmma_wait<0>();
@@ -315,7 +367,7 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
         fence_regs(dk);
         fence_regs(dv);
         fence_regs(dq);
-        const int64_t cols = (int64_t)(t / tiles_per_head) * HD + wg * 32 + 2 * cq;  /* the query head's */
+        const int64_t cols = (int64_t)(t / tiles_per_head) * HD + wg * (HD / 2) + 2 * cq;  /* the query head's */
 #pragma unroll
         for (int hrow = 0; hrow < 2; ++hrow) {
             const int cr = (w & 3) * 16 + (lane >> 2) + 8 * hrow;
@@ -325,7 +377,7 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
             if (j[0] == KEY_NONE) continue;
             float *dst = dqp.at(j[0], j[1], j[2]) + cols;
 #pragma unroll
-            for (int nb = 0; nb < 4; ++nb)
+            for (int nb = 0; nb < HD / 16; ++nb)
                 atomicAdd((float2 *)(dst + nb * 8), make_float2(dq[nb][2 * hrow], dq[nb][2 * hrow + 1]));
         }
     }
@@ -355,29 +407,43 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
 #endif
 }
 
-/* the key pass applies: D = Dv = 64, no bias table, KV-parallel (dq_acc), an sm_90a image, the
- * wgmma first-order backward chosen for the tangents (128-row patches: this kernel's plan) */
-int nbhd_cuda_wgmma_jvpb_keys_apply(const nbhd_geometry *g, const nbhd_cuda_choice *tangent) {
-    return g->head_dim == 64 && g->head_dim_v == 64 && !g->rpb && g->has_window && tangent->kv_parallel &&
-           tangent->family == NBHD_CUDA_WGMMA && tangent->mb == 2 && nbhd_cuda_wgmma_ready() &&
-           nbhd_cuda_device_facts().smem_optin >= wgj_smem_bytes<3>();
+/* the key pass applies: D = Dv in {64, 128}, no bias table, KV-parallel (dq_acc), an sm_90a
+ * image, the wgmma first-order backward chosen for the tangents (128-row patches: this
+ * kernel's plan), the present operands' tiles within the shared memory of a block */
+int nbhd_cuda_wgmma_jvpb_keys_apply(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
+                                    const nbhd_cuda_choice *tangent) {
+    const int D = g->head_dim;
+    if (!((D == 64 || D == 128) && g->head_dim_v == D && !g->rpb && g->has_window && tangent->kv_parallel &&
+          tangent->family == NBHD_CUDA_WGMMA && tangent->mb == 2 && nbhd_cuda_wgmma_ready()))
+        return 0;
+    const wgj_layout L(D, NBHD_MAX_RANK, a->t_q.data, a->t_k.data, a->t_v.data, a->d_out.data);
+    return nbhd_cuda_device_facts().smem_optin >= L.bytes;
 }
 
-template <typename T>
+template <typename T, int HD>
 static nbhd_status launch_keys(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a, const float *ws3,
                                const float4 *rt, float *dq_acc, cudaStream_t st) {
     return with_rank<2>(g, [&](auto rank, const mma_plan &P) {
         constexpr int RANK = decltype(rank)::value;
         const int64_t ctas = g->batch * g->kv_heads * P.patches;
+        const wgj_layout L(HD, RANK, a->t_q.data, a->t_k.data, a->t_v.data, a->d_out.data);
         nbhd_status s;
         if ((s = nbhd_cuda_grid_fits(ctas, "wgmma backward through forward+JVP")) != NBHD_OK) return s;
-        return nbhd_cuda_launch(fna_wgmma_jvpb_keys_kernel<T, RANK>, ctas, 256, wgj_smem_bytes<RANK>(),
-                                "wgmma backward through forward+JVP (dk, dv, dq)", st, *g, *a, ws3, rt, dq_acc, P);
+        auto kernel = a->d_out.data || a->t_v.data ? fna_wgmma_jvpb_keys_kernel<T, HD, RANK, true>
+                                                   : fna_wgmma_jvpb_keys_kernel<T, HD, RANK, false>;
+        return nbhd_cuda_launch(kernel, ctas, 256, L.bytes, "wgmma backward through forward+JVP (dk, dv, dq)", st,
+                                *g, *a, ws3, rt, dq_acc, P);
     });
 }
 
 nbhd_status nbhd_cuda_wgmma_jvpb_keys(const nbhd_geometry *g, const nbhd_forward_jvp_backward_args *a,
                                       const float *ws3, const float4 *rt, float *dq_acc, cudaStream_t st) {
-    return g->dtype == NBHD_BF16 ? launch_keys<__nv_bfloat16>(g, a, ws3, rt, dq_acc, st)
-                                 : launch_keys<__half>(g, a, ws3, rt, dq_acc, st);
+    const bool bf = g->dtype == NBHD_BF16;
+    switch (g->head_dim) {
+    case 64: return bf ? launch_keys<__nv_bfloat16, 64>(g, a, ws3, rt, dq_acc, st)
+                       : launch_keys<__half, 64>(g, a, ws3, rt, dq_acc, st);
+    case 128: return bf ? launch_keys<__nv_bfloat16, 128>(g, a, ws3, rt, dq_acc, st)
+                        : launch_keys<__half, 128>(g, a, ws3, rt, dq_acc, st);
+    }
+    return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward through forward+JVP: head_dim %d", g->head_dim);
 }

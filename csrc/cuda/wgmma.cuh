@@ -289,14 +289,15 @@ __device__ __forceinline__ void wgmma_score_pair(float (&d1)[BN / 8][4], uint32_
     wgmma_commit();
 }
 
-/* d (+)= A B^T (per warpgroup 64 x BN, k = HD), both operands K-major in shared memory as in
- * wgmma_score_pair; accumulate 0: the first k-step overwrites d. Not committed. */
-template <typename T, int HD, int BN, int ROWS_A>
-__device__ __forceinline__ void wgmma_score(float (&d)[BN / 8][4], uint32_t a, uint32_t b, int accumulate) {
+/* d (+)= A B^T (per warpgroup 64 x N, k = HD), both operands K-major in shared memory as in
+ * wgmma_score_pair, B's N rows at b in a tile of ROWS_B; accumulate 0: the first k-step
+ * overwrites d. Not committed. */
+template <typename T, int HD, int N, int ROWS_A, int ROWS_B = N>
+__device__ __forceinline__ void wgmma_score(float (&d)[N / 8][4], uint32_t a, uint32_t b, int accumulate) {
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
-        const uint32_t sa = (kk >> 2) * ROWS_A * 128 + (kk & 3) * 32, sb = (kk >> 2) * BN * 128 + (kk & 3) * 32;
-        wgmma_op<T, BN>::ss(&d[0][0], gmma_desc(a + sa, 16, 1024), gmma_desc(b + sb, 16, 1024), kk > 0 || accumulate);
+        const uint32_t sa = (kk >> 2) * ROWS_A * 128 + (kk & 3) * 32, sb = (kk >> 2) * ROWS_B * 128 + (kk & 3) * 32;
+        wgmma_op<T, N>::ss(&d[0][0], gmma_desc(a + sa, 16, 1024), gmma_desc(b + sb, 16, 1024), kk > 0 || accumulate);
     }
 }
 
