@@ -1,6 +1,6 @@
 """A small sweep of every CUDA kernel for compute-sanitizer (memcheck, racecheck): forward
 (tensor-core and simple), backward (KV-parallel and deterministic), forward+JVP and the backward
-through it, on small odd shapes with extra keys; the non-causal ones again with a relative
+through it (every operand, and double backward's few), on small odd shapes with extra keys; the non-causal ones again with a relative
 positional bias table; every op again with a query range (initcheck: no kernel reads a row
 terms entry the range left unwritten)."""
 import torch
@@ -54,5 +54,11 @@ for use_ref, kv_parallel in ((False, True), (False, False), (True, False)):
                                          *geo, qr)
                 ops.na_forward_jvp_backward(q, k, v, kx, vx, rpb, q, None, v, kx if S else None, None, t_rpb,
                                             *fwd, *(torch.randn_like(t) for t in fwd), *geo, qr)
+                # double backward's shape: a query tangent, cotangents on the tangent outputs only
+                # (at D = 128 on Hopper the wgmma key pass fits only such operands)
+                fwd = ops.na_forward_jvp(q, k, v, kx, vx, rpb, q, None, None, None, None, None, *geo, qr)
+                ops.na_forward_jvp_backward(q, k, v, kx, vx, rpb, q, None, None, None, None, None, *fwd,
+                                            None, None, torch.randn_like(fwd[2]), torch.randn_like(fwd[3]),
+                                            *geo, qr, False)
 torch.cuda.synchronize()
 print("sanitize sweep done")
