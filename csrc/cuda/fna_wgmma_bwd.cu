@@ -206,27 +206,11 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
             if (dtabs[i] != 0.f) atomicAdd(d_tab + i, dtabs[i]);  /* entries no pair reached stay 0 */
     }
 
-    const float scale = sl2 * 0.69314718055994531f;
-    unsigned bad = 0;
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        int iq[3];
-        if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, iq)) continue;
-        store_pairs<T>((T *)a.d_q.data + C.offset(a.d_q, g, iq, C.h), dq, HD / 8, hrow, cq, scale);
-        if (!pairs_finite<HD / 8>(dq, hrow)) bad |= 1u << hrow;
-    }
-    if (__syncthreads_or(bad != 0)) {  /* non-finite rows again, exactly (exact_rows.cuh) */
-        float *scratch = (float *)Qs + w * exact_dq_scratch(HD, HD);
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            int iq[3] = {0, 0, 0};
-            C.row(w * 16 + (lane >> 2) + 8 * hrow, iq);
-            int64_t c[3];
-            for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + (int64_t)iq[ax] * g.axis[ax].dilation;
-            redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
-                redo_dq_row<T>(&g, &a, Dws, C.b, r[0], r[1], r[2], C.h, scratch);
-            });
-        }
-    }
+    float *scratch = (float *)Qs + w * exact_dq_scratch(HD, HD);  /* non-finite rows again, exactly */
+    C.template store_rows<T, HD / 8>(g, C.h, w, lane, a.d_q, dq, sl2 * 0.69314718055994531f, nullptr, dq,
+                                     [&](const int64_t r[3]) {
+                                         redo_dq_row<T>(&g, &a, Dws, C.b, r[0], r[1], r[2], C.h, scratch);
+                                     });
 #endif
 }
 
@@ -261,26 +245,8 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
     CTA C;  /* rows: the patch's keys; C.h the key head */
     if (!C.place_keys(g, P)) return;
     const int hk = C.h;
-    constexpr int ct[3] = {patch_ct(RANK, 0, WGS), patch_ct(RANK, 1, WGS), patch_ct(RANK, 2, WGS)};
 
-    // columns: the union of the rows' inverse neighbourhoods, in-group, walked row-major
-    key_box qb;
-    int64_t ncol = 1;
-#pragma unroll
-    for (int ax = 0; ax < 3; ++ax) {
-        qb.lo[ax] = 0;
-        qb.cnt[ax] = 1;
-        if (ax < RANK) {
-            int64_t lo, cnt;
-            inverse_union(&g.axis[ax], C.grp[ax], C.i0[ax], min(C.i0[ax] + ct[ax], C.Lg[ax]) - 1, &lo, &cnt);
-            qb.lo[ax] = (int)lo;
-            qb.cnt[ax] = (int)cnt;
-        }
-        ncol *= qb.cnt[ax];
-    }
-    qb.d1 = udiv32_of((uint32_t)max(qb.cnt[1], 1));
-    qb.d2 = udiv32_of((uint32_t)max(qb.cnt[2], 1));
-    qb.total = (int)ncol;
+    const key_box qb = C.inverse_box(g);  /* columns: the union of the rows' inverse neighbourhoods */
     const int tiles_per_head = (qb.total + BN - 1) / BN;
     const int tiles = tiles_per_head * g.group;
 
@@ -317,44 +283,15 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         }
     };
 
-    // this thread's rows (keys): inverse windows per axis, in-group (invalid rows: empty); the
-    // intersection over the warpgroup's box, [first(last key), end(first key)) as both ends
-    // never decrease along an axis (empty unless all its keys are in the grid)
+    // this thread's rows (keys): inverse windows, the warpgroup's intersection, bias keys
     const int cq = lane & 3;
-    int ist[2][RANK], ien[2][RANK], bkey[2];
-    bool rvalid[2];
+    int ist[2][RANK], ien[2][RANK], ilo[RANK], ihi[RANK], bkey[2];
+    C.key_windows(g, w, lane, ist, ien, ilo, ihi);
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         int ik[3];
-        rvalid[hrow] = C.row(w * 16 + (lane >> 2) + 8 * hrow, ik);
+        C.row(w * 16 + (lane >> 2) + 8 * hrow, ik);
         bkey[hrow] = tile_bias<RANK>::key(g, ik);
-#pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) {
-            const int d = g.axis[ax].dilation;
-            int64_t f = 0, c = 0;
-            if (rvalid[hrow]) inverse32(&g.axis[ax], C.grp[ax] + (int64_t)ik[ax] * d, &f, &c);
-            ist[hrow][ax] = (int)(f / d);
-            ien[hrow][ax] = rvalid[hrow] ? (int)(f / d + c) : 0;
-        }
-    }
-    int ilo[RANK], ihi[RANK];
-    {
-        constexpr int WX[3] = {patch_wt(RANK, 0) * 4, patch_wt(RANK, 1), patch_wt(RANK, 2)};
-        int wk[3];
-        C.row(wg * 64, wk);
-        bool all_rows = true;
-#pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) all_rows &= wk[ax] + WX[ax] <= C.Lg[ax];
-#pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) {
-            const int d = g.axis[ax].dilation;
-            const int f = min(wk[ax], C.Lg[ax] - 1), l = min(wk[ax] + WX[ax], C.Lg[ax]) - 1;
-            int64_t ff, fc, lf, lc;
-            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)f * d, &ff, &fc);
-            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)l * d, &lf, &lc);
-            ilo[ax] = all_rows ? (int)(lf / d) : 1 << 30;
-            ihi[ax] = all_rows ? (int)(ff / d + fc) : -(1 << 30);
-        }
     }
 
     float dk[HD / 8][4], dv[HD / 8][4], dq[KVP ? 8 : 1][4];
@@ -465,44 +402,16 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         if constexpr (KVP) {  /* dS^T is rewritten only after the next tile's barrier */
             fence_regs(dq);
             const int64_t cols = (int64_t)(t / tiles_per_head) * HD + dq_cb * 64;  /* head, block */
-#pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow) {
-                const int cr = (NQB == 2 ? w : w & 3) * 16 + (lane >> 2) + 8 * hrow;  /* dq_qb's */
-                int j[3] = {0, 0, 0};
-#pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) j[ax] = qct[ax * BN + cr];
-                if (j[0] == KEY_NONE) continue;
-                float *dst = dqp.at(j[0], j[1], j[2]) + cols + 2 * cq;
-#pragma unroll
-                for (int nb = 0; nb < 8; ++nb)
-                    atomicAdd((float2 *)(dst + nb * 8), make_float2(dq[nb][2 * hrow], dq[nb][2 * hrow + 1]));
-            }
+            add_dq_block<RANK, BN>(dqp, qct, NQB == 2 ? w : w & 3, cols, dq, lane);  /* dq_qb's rows */
         }
     }
     cp_async_wait<0>();
 
-    const float scale = sl2 * 0.69314718055994531f;
-    unsigned bad = 0;
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        int ik[3];
-        if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, ik)) continue;
-        store_pairs<T>((T *)a.d_k.data + C.offset(a.d_k, g, ik, hk), dk, HD / 8, hrow, cq, scale);
-        store_pairs<T>((T *)a.d_v.data + C.offset(a.d_v, g, ik, hk), dv, HD / 8, hrow, cq, 1.f);
-        if (!pairs_finite<HD / 8>(dk, hrow) || !pairs_finite<HD / 8>(dv, hrow)) bad |= 1u << hrow;
-    }
-    if (__syncthreads_or(bad != 0)) {  /* non-finite rows again, exactly (exact_rows.cuh) */
-        float *scratch = (float *)Ks + w * exact_dkv_scratch(HD, HD);
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            int ik[3] = {0, 0, 0};
-            C.row(w * 16 + (lane >> 2) + 8 * hrow, ik);
-            int64_t c[3];
-            for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + (int64_t)ik[ax] * g.axis[ax].dilation;
-            redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
-                redo_dkv_row<T, false>(&g, &a, Dws, C.b, r[0], r[1], r[2], hk, scratch);
-            });
-        }
-    }
+    float *scratch = (float *)Ks + w * exact_dkv_scratch(HD, HD);  /* non-finite rows again, exactly */
+    C.template store_rows<T, HD / 8>(g, hk, w, lane, a.d_k, dk, sl2 * 0.69314718055994531f, &a.d_v, dv,
+                                     [&](const int64_t r[3]) {
+                                         redo_dkv_row<T, false>(&g, &a, Dws, C.b, r[0], r[1], r[2], hk, scratch);
+                                     });
 #endif
 }
 

@@ -84,26 +84,8 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
     CTA C;  /* rows: the patch's keys; C.h the key head */
     if (!C.place_keys(g, P)) return;
     const int hk = C.h;
-    constexpr int ct[3] = {patch_ct(RANK, 0, 2), patch_ct(RANK, 1, 2), patch_ct(RANK, 2, 2)};
 
-    // columns: the union of the rows' inverse neighbourhoods, in-group, walked row-major
-    key_box qb;
-    int64_t ncol = 1;
-#pragma unroll
-    for (int ax = 0; ax < 3; ++ax) {
-        qb.lo[ax] = 0;
-        qb.cnt[ax] = 1;
-        if (ax < RANK) {
-            int64_t lo, cnt;
-            inverse_union(&g.axis[ax], C.grp[ax], C.i0[ax], min(C.i0[ax] + ct[ax], C.Lg[ax]) - 1, &lo, &cnt);
-            qb.lo[ax] = (int)lo;
-            qb.cnt[ax] = (int)cnt;
-        }
-        ncol *= qb.cnt[ax];
-    }
-    qb.d1 = udiv32_of((uint32_t)max(qb.cnt[1], 1));
-    qb.d2 = udiv32_of((uint32_t)max(qb.cnt[2], 1));
-    qb.total = (int)ncol;
+    const key_box qb = C.inverse_box(g);  /* columns: the union of the rows' inverse neighbourhoods */
     const int tiles_per_head = (qb.total + BN - 1) / BN;
     const int tiles = tiles_per_head * g.group;
 
@@ -146,43 +128,10 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
         }
     };
 
-    // this thread's rows (keys): inverse windows per axis, in-group (invalid rows: empty); the
-    // intersection over the warpgroup's box, [first(last key), end(first key)) as both ends
-    // never decrease along an axis (empty unless all its keys are in the grid)
+    // this thread's rows (keys): inverse windows, the warpgroup's intersection
     const int cq = lane & 3;
-    int ist[2][RANK], ien[2][RANK];
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        int ik[3];
-        const bool valid = C.row(w * 16 + (lane >> 2) + 8 * hrow, ik);
-#pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) {
-            const int d = g.axis[ax].dilation;
-            int64_t f = 0, c = 0;
-            if (valid) inverse32(&g.axis[ax], C.grp[ax] + (int64_t)ik[ax] * d, &f, &c);
-            ist[hrow][ax] = (int)(f / d);
-            ien[hrow][ax] = valid ? (int)(f / d + c) : 0;
-        }
-    }
-    int ilo[RANK], ihi[RANK];
-    {
-        constexpr int WX[3] = {patch_wt(RANK, 0) * 4, patch_wt(RANK, 1), patch_wt(RANK, 2)};
-        int wk[3];
-        C.row(wg * 64, wk);
-        bool all_rows = true;
-#pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) all_rows &= wk[ax] + WX[ax] <= C.Lg[ax];
-#pragma unroll
-        for (int ax = 0; ax < RANK; ++ax) {
-            const int d = g.axis[ax].dilation;
-            const int f = min(wk[ax], C.Lg[ax] - 1), l = min(wk[ax] + WX[ax], C.Lg[ax]) - 1;
-            int64_t ff, fc, lf, lc;
-            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)f * d, &ff, &fc);
-            inverse32(&g.axis[ax], C.grp[ax] + (int64_t)l * d, &lf, &lc);
-            ilo[ax] = all_rows ? (int)(lf / d) : 1 << 30;
-            ihi[ax] = all_rows ? (int)(ff / d + fc) : -(1 << 30);
-        }
-    }
+    int ist[2][RANK], ien[2][RANK], ilo[RANK], ihi[RANK];
+    C.key_windows(g, w, lane, ist, ien, ilo, ihi);
 
     float dk[HD / 8][4], dv[HD / 8][4];
 #pragma unroll
@@ -228,6 +177,14 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
         const bool full = tile_inside<BN, RANK>(qct, lane, ilo, ihi);
 
         uint32_t pf[KS][4], pnf[KS][4], dsf[KS][4], dtsf[KS][4];  /* a slice's A fragments */
+        auto fence_products = [&]() {  /* after the wait: the dK/dV products' registers */
+            fence_regs(pf);
+            fence_regs(pnf);
+            fence_regs(dsf);
+            fence_regs(dtsf);
+            fence_regs(dk);
+            fence_regs(dv);
+        };
 #pragma unroll
         for (int h = 0; h < SPLIT; ++h) {
             // the slice's four score products (absent operands' skipped; a sum with no term is
@@ -323,12 +280,7 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
                 }
             if (SPLIT > 1) {  /* the slice's fragments free for the next (registers at D = 128) */
                 wgmma_wait<0>();
-                fence_regs(pf);
-                fence_regs(pnf);
-                fence_regs(dsf);
-                fence_regs(dtsf);
-                fence_regs(dk);
-                fence_regs(dv);
+                fence_products();
             }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  /* dS^T seen by wgmma */
@@ -338,72 +290,34 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
         if (t == 0) transpose_keys();
         __syncthreads();
         float dq[HD / 16][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
-            const uint64_t ad = gmma_desc(smem_u32(dSs) + kk * 16 * 128, BM * 128, 1024);
-            if constexpr (HD == 64)
-                wgmma_op<T, 32>::ss_ta(&dq[0][0], ad, gmma_desc(kq_base + (kk >> 2) * HD * 128 + (kk & 3) * 32, 16, 1024),
-                                       kk > 0);
-            else
-                wgmma_op<T, 64>::ss_tt(&dq[0][0], ad, gmma_desc(kq_base + kk * 16 * 128, BM * 128, 1024), kk > 0);
-        }
-        if (has_tk)
+        auto dq_product = [&](uint32_t ds, uint32_t kb, int accumulate) {  /* dq (+)= (ds^T)^T (kb's K) */
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {
-                const uint64_t ad = gmma_desc(smem_u32(dtSs) + kk * 16 * 128, BM * 128, 1024);
+                const uint64_t ad = gmma_desc(ds + kk * 16 * 128, BM * 128, 1024);
                 if constexpr (HD == 64)
-                    wgmma_op<T, 32>::ss_ta(&dq[0][0], ad,
-                                           gmma_desc(tkq_base + (kk >> 2) * HD * 128 + (kk & 3) * 32, 16, 1024), 1);
+                    wgmma_op<T, 32>::ss_ta(&dq[0][0], ad, gmma_desc(kb + (kk >> 2) * HD * 128 + (kk & 3) * 32, 16, 1024),
+                                           kk > 0 || accumulate);
                 else
-                    wgmma_op<T, 64>::ss_tt(&dq[0][0], ad, gmma_desc(tkq_base + kk * 16 * 128, BM * 128, 1024), 1);
+                    wgmma_op<T, 64>::ss_tt(&dq[0][0], ad, gmma_desc(kb + kk * 16 * 128, BM * 128, 1024),
+                                           kk > 0 || accumulate);
             }
+        };
+        wgmma_fence();
+        dq_product(smem_u32(dSs), kq_base, 0);
+        if (has_tk) dq_product(smem_u32(dtSs), tkq_base, 1);
         wgmma_commit();
         wgmma_wait<0>();
-        fence_regs(pf);
-        fence_regs(pnf);
-        fence_regs(dsf);
-        fence_regs(dtsf);
-        fence_regs(dk);
-        fence_regs(dv);
+        fence_products();
         fence_regs(dq);
-        const int64_t cols = (int64_t)(t / tiles_per_head) * HD + wg * (HD / 2) + 2 * cq;  /* the query head's */
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            const int cr = (w & 3) * 16 + (lane >> 2) + 8 * hrow;
-            int j[3] = {0, 0, 0};
-#pragma unroll
-            for (int ax = 0; ax < RANK; ++ax) j[ax] = qct[ax * BN + cr];
-            if (j[0] == KEY_NONE) continue;
-            float *dst = dqp.at(j[0], j[1], j[2]) + cols;
-#pragma unroll
-            for (int nb = 0; nb < HD / 16; ++nb)
-                atomicAdd((float2 *)(dst + nb * 8), make_float2(dq[nb][2 * hrow], dq[nb][2 * hrow + 1]));
-        }
+        const int64_t cols = (int64_t)(t / tiles_per_head) * HD + wg * (HD / 2);  /* the query head's */
+        add_dq_block<RANK, BN>(dqp, qct, w & 3, cols, dq, lane);
     }
     cp_async_wait<0>();
 
-    unsigned bad = 0;
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        int ik[3];
-        if (!C.row(w * 16 + (lane >> 2) + 8 * hrow, ik)) continue;
-        store_pairs<T>((T *)a.d_k.data + C.offset(a.d_k, g, ik, hk), dk, HD / 8, hrow, cq, scale);
-        store_pairs<T>((T *)a.d_v.data + C.offset(a.d_v, g, ik, hk), dv, HD / 8, hrow, cq, 1.f);
-        if (!pairs_finite<HD / 8>(dk, hrow) || !pairs_finite<HD / 8>(dv, hrow)) bad |= 1u << hrow;
-    }
-    if (__syncthreads_or(bad != 0)) {  /* non-finite rows again, exactly (exact_rows.cuh) */
-        float *scratch = (float *)Ks + w * exact_jvpb_key_scratch(HD, HD);
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            int ik[3] = {0, 0, 0};
-            C.row(w * 16 + (lane >> 2) + 8 * hrow, ik);
-            int64_t c[3];
-            for (int ax = 0; ax < 3; ++ax) c[ax] = C.grp[ax] + (int64_t)ik[ax] * g.axis[ax].dilation;
-            redo_rows((bad >> hrow) & 1u, c, [&](const int64_t r[3]) {
-                redo_jvpb_key_row<T, false>(&g, &a, ws3, C.b, r[0], r[1], r[2], hk, scratch);
-            });
-        }
-    }
+    float *scratch = (float *)Ks + w * exact_jvpb_key_scratch(HD, HD);  /* non-finite rows again, exactly */
+    C.template store_rows<T, HD / 8>(g, hk, w, lane, a.d_k, dk, scale, &a.d_v, dv, [&](const int64_t r[3]) {
+        redo_jvpb_key_row<T, false>(&g, &a, ws3, C.b, r[0], r[1], r[2], hk, scratch);
+    });
 #endif
 }
 

@@ -80,6 +80,98 @@ struct wg_cta : cta_patch<RANK, WGS> {
             g, P, x1, x2, head, d1, d2, tid, [](int r, int ch) { return gmma_off<BM>(r, ch); });
     }
 
+    /* A key patch's walk (the dK/dV kernels): the union of its rows' inverse neighbourhoods,
+     * in-group, row-major */
+    __device__ __forceinline__ key_box inverse_box(const nbhd_geometry &g) const {
+        key_box qb;
+        int64_t ncol = 1;
+#pragma unroll
+        for (int ax = 0; ax < 3; ++ax) {
+            qb.lo[ax] = 0;
+            qb.cnt[ax] = 1;
+            if (ax < RANK) {
+                int64_t lo, cnt;
+                const int last = min(this->i0[ax] + patch_ct(RANK, ax, WGS), this->Lg[ax]) - 1;
+                inverse_union(&g.axis[ax], this->grp[ax], this->i0[ax], last, &lo, &cnt);
+                qb.lo[ax] = (int)lo;
+                qb.cnt[ax] = (int)cnt;
+            }
+            ncol *= qb.cnt[ax];
+        }
+        qb.d1 = udiv32_of((uint32_t)max(qb.cnt[1], 1));
+        qb.d2 = udiv32_of((uint32_t)max(qb.cnt[2], 1));
+        qb.total = (int)ncol;
+        return qb;
+    }
+
+    /* A key patch's thread rows qr = 16 w + lane / 4 + 8 hrow: inverse windows [ist, ien) per
+     * axis, in-group (invalid rows: empty); and the intersection [ilo, ihi) over the warpgroup's
+     * box, [first(last key), end(first key)) as both ends never decrease along an axis (empty
+     * unless all its keys are in the grid): a query tile inside it needs no mask */
+    __device__ __forceinline__ void key_windows(const nbhd_geometry &g, int w, int lane, int (&ist)[2][RANK],
+                                                int (&ien)[2][RANK], int (&ilo)[RANK], int (&ihi)[RANK]) const {
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int ik[3];
+            const bool valid = this->row(w * 16 + (lane >> 2) + 8 * hrow, ik);
+#pragma unroll
+            for (int ax = 0; ax < RANK; ++ax) {
+                const int d = g.axis[ax].dilation;
+                int64_t f = 0, c = 0;
+                if (valid) inverse32(&g.axis[ax], this->grp[ax] + (int64_t)ik[ax] * d, &f, &c);
+                ist[hrow][ax] = (int)(f / d);
+                ien[hrow][ax] = valid ? (int)(f / d + c) : 0;
+            }
+        }
+        constexpr int WX[3] = {patch_wt(RANK, 0) * 4, patch_wt(RANK, 1), patch_wt(RANK, 2)};
+        int wk[3];
+        this->row((w >> 2) * 64, wk);
+        bool all_rows = true;
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) all_rows &= wk[ax] + WX[ax] <= this->Lg[ax];
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
+            const int d = g.axis[ax].dilation;
+            const int f = min(wk[ax], this->Lg[ax] - 1), l = min(wk[ax] + WX[ax], this->Lg[ax]) - 1;
+            int64_t ff, fc, lf, lc;
+            inverse32(&g.axis[ax], this->grp[ax] + (int64_t)f * d, &ff, &fc);
+            inverse32(&g.axis[ax], this->grp[ax] + (int64_t)l * d, &lf, &lc);
+            ilo[ax] = all_rows ? (int)(lf / d) : 1 << 30;
+            ihi[ax] = all_rows ? (int)(ff / d + fc) : -(1 << 30);
+        }
+    }
+
+    /* The thread's fragment rows of one output x1 (head `head`) from accumulator a1 times mul1,
+     * and of a second, x2 (not null), from a2: rows holding a non-finite value are computed again
+     * by redo(full coordinates) (exact_rows.cuh redo_rows) after a barrier, so that redo may
+     * use shared memory */
+    template <typename T, int N8, typename Redo>
+    __device__ __forceinline__ void store_rows(const nbhd_geometry &g, int64_t head, int w, int lane,
+                                               const nbhd_tensor &x1, const float (&a1)[N8][4], float mul1,
+                                               const nbhd_tensor *x2, const float (&a2)[N8][4], Redo &&redo) const {
+        unsigned bad = 0;
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int ik[3];
+            if (!this->row(w * 16 + (lane >> 2) + 8 * hrow, ik)) continue;
+            store_pairs<T>((T *)x1.data + this->offset(x1, g, ik, head), a1, N8, hrow, lane & 3, mul1);
+            bool finite = pairs_finite<N8>(a1, hrow);
+            if (x2) {
+                store_pairs<T>((T *)x2->data + this->offset(*x2, g, ik, head), a2, N8, hrow, lane & 3, 1.f);
+                finite = finite && pairs_finite<N8>(a2, hrow);
+            }
+            if (!finite) bad |= 1u << hrow;
+        }
+        if (__syncthreads_or(bad != 0))
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                int ik[3] = {0, 0, 0};
+                this->row(w * 16 + (lane >> 2) + 8 * hrow, ik);
+                int64_t c[3];
+                for (int ax = 0; ax < 3; ++ax) c[ax] = this->grp[ax] + (int64_t)ik[ax] * g.axis[ax].dilation;
+                redo_rows((bad >> hrow) & 1u, c, redo);
+            }
+    }
+
     /* a thread's fragment rows (validity, windows, tile_bias::row) and its warpgroup's
      * intersection of windows */
     __device__ __forceinline__ void row_windows(const nbhd_geometry &g, const mma_plan &P, int w, int lane,
@@ -131,6 +223,26 @@ __device__ __forceinline__ bool tile_inside(const int *kct, int lane, const int 
             inside = inside && j >= ilo[ax] && j < ihi[ax];
         }
     return __all_sync(0xffffffffu, inside);
+}
+
+/* A warpgroup's KV-parallel dQ block added to the accumulator (fp32 atomics): rows 16 qw +
+ * lane / 4 + 8 hrow of a tile's queries (in-group coordinates qct [RANK][BN]; past the end:
+ * skipped), columns cols + 8 nb + 2 (lane % 4) of accumulator fragment dq */
+template <int RANK, int BN, int NB>
+__device__ __forceinline__ void add_dq_block(const group_ptr<float> &dqp, const int *qct, int qw, int64_t cols,
+                                             const float (&dq)[NB][4], int lane) {
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        const int cr = qw * 16 + (lane >> 2) + 8 * hrow;
+        int j[3] = {0, 0, 0};
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) j[ax] = qct[ax * BN + cr];
+        if (j[0] == KEY_NONE) continue;
+        float *dst = dqp.at(j[0], j[1], j[2]) + cols + 2 * (lane & 3);
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+            atomicAdd((float2 *)(dst + nb * 8), make_float2(dq[nb][2 * hrow], dq[nb][2 * hrow + 1]));
+    }
 }
 
 #if NBHD_HAS_WGMMA
