@@ -55,7 +55,8 @@ struct wgj_layout {
 
 /* SPLIT: the score products of a tile in SPLIT slices of 64 / SPLIT queries (two at D = 128, for
  * the registers: dK and dV take 128 there, so a slice's dK/dV products finish before the next
- * slice's scores) */
+ * slice's scores). At D = 64 two slices leave nothing spilled but ran 5-9 % slower on an H100
+ * (bench/profile_kernels.py --op jvpb --dims 64 --problems 1d,2d-256, both in one build) */
 template <typename T, int HD, int RANK, bool DP /* dO or tV present: dP has a term */>
 __global__ void __launch_bounds__(256, 1)
 fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
