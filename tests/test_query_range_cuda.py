@@ -134,22 +134,34 @@ def test_forward_jvp(case, dtype, patch, use_reference):
         check_rows(name, g, w, m, TOL[dtype], case, dtype)
 
 
+@pytest.mark.parametrize("operands", ["all", "second"])
+@pytest.mark.parametrize("patch", [0, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", RANGE_CASES, ids=ids)
-def test_forward_jvp_backward(case, dtype, use_reference):
-    inputs, geo, qr, m = problem(case, dtype, 26)
+def test_forward_jvp_backward(case, dtype, patch, operands, kv_parallel, use_reference):
+    """operands "second": double backward's (a query tangent, cotangents on the tangent outputs
+    only); on 128-row patches at D 64 and 128, KV-parallel, Hopper's wgmma key pass"""
+    if use_reference and not kv_parallel:
+        pytest.skip("the reference has one mode")
+    inputs, geo, qr, m = problem(case, dtype, 26, _lib.OP_BACKWARD, patch)
     gen = torch.Generator(device="cuda").manual_seed(27)
     rnd = lambda t: torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float64)  # noqa: E731
     tangents = [rnd(t).to(dtype) for t in inputs]
+    if operands == "second":
+        tangents[1:] = [None] * 4
     outs = ops.na_forward_jvp(*inputs, NO_RPB, *tangents, None, *geo[:6], qr)
     cots = [rnd(t) for t in outs]
+    if operands == "second":
+        cots[0] = cots[1] = None
     poison()
     grads = ops.na_forward_jvp_backward(
         poisoned(inputs[0], m), *inputs[1:], NO_RPB, poisoned(tangents[0], m), *tangents[1:], None,
-        *[poisoned(o, m) for o in outs], *[poisoned(c.to(o.dtype), m) for c, o in zip(cots, outs)], *geo[:6], qr)
+        *[poisoned(o, m) for o in outs],
+        *[None if c is None else poisoned(c.to(o.dtype), m) for c, o in zip(cots, outs)], *geo[:6], qr)
     torch.cuda.synchronize()
     prim = [t.double() for t in inputs]
-    tan = [t.double() for t in tangents]
+    tan = [torch.zeros_like(p) if t is None else t.double() for t, p in zip(tangents, prim)]
+    cots = [torch.zeros_like(o, dtype=torch.float64) if c is None else c for c, o in zip(cots, outs)]
 
     def forward_jvp(*x):
         (o, l), (to, tl) = torch.func.jvp(lambda *a: reference(a, geo, case[0]), tuple(x[:5]), tuple(x[5:]))
