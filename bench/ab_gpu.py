@@ -35,19 +35,29 @@ PROBLEMS = [
 ]
 
 
+def listed_tiles(op, q, k, v, geo, backward):
+    """[(q_tile, kv_tile, tiles)]: every configuration the library lists for op (default first),
+    with the ops' tiles argument that requests it (the backward's half when `backward`)."""
+    ks, st, dil, causal, scale = geo[:5]
+    rank = len(ks)
+    problem = _lib.Problem(q, k, v, None, None, ks, st, dil, causal, scale)
+    out = []
+    for qt, kt in _lib.tile_configs(problem, op):
+        tiles = [0] * (4 * rank)
+        first = 2 * rank if backward else 0
+        tiles[first:first + rank], tiles[first + rank:first + 2 * rank] = list(qt), list(kt)
+        out.append((qt, kt, tiles))
+    return out
+
+
 def variants(op, q, k, v, geo, backward):
     """[(label, tiles, kv_parallel)]: every listed configuration (default first) as the tiles
     argument of ops.na_*; the backward's also with KV parallelism off, after the call with no
     tiles ("auto": the library's own choice, which may also reorder the axes of its 128-row
     patches, dispatch.cu mma_backward; requested tiles keep the problem's order)."""
-    ks, st, dil, causal, scale = geo[:5]
-    rank = len(ks)
-    problem = _lib.Problem(q, k, v, None, None, ks, st, dil, causal, scale)
+    rank = len(geo[0])
     out = [("auto", [0] * (4 * rank), True), ("auto det", [0] * (4 * rank), False)] if backward else []
-    for qt, kt in _lib.tile_configs(problem, op):
-        tiles = [0] * (4 * rank)
-        first = 2 * rank if backward else 0
-        tiles[first:first + rank], tiles[first + rank:first + 2 * rank] = list(qt), list(kt)
+    for qt, kt, tiles in listed_tiles(op, q, k, v, geo, backward):
         label = "x".join(map(str, qt)) + "/" + "x".join(map(str, kt))
         out.append((label, tiles, True))
         if backward:

@@ -15,23 +15,22 @@ from torch.profiler import ProfilerActivity, profile
 
 import nbhd
 from nbhd import _lib, ops
-from ab_gpu import PROBLEMS
+from ab_gpu import PROBLEMS, listed_tiles
 
 NO_RPB = torch.empty(0)  # the ops' absent bias table
 
 
-def backward_tiles(q, k, v, empty, ks, st, D, patch):
+def backward_tiles(q, k, v, ks, st, D, patch):
     """the ops' tiles argument: the backward's listed configuration with `patch` queries, or
     none (the library's choice)"""
     rank = len(ks)
-    tiles = [0] * (4 * rank)
-    if patch:
-        problem = _lib.Problem(q, k, v, None, None, list(ks), list(st), [1] * rank, [False] * rank, D ** -0.5)
-        listed = [c for c in _lib.tile_configs(problem, _lib.OP_BACKWARD) if math.prod(c[0]) == patch]
-        if not listed:
-            raise SystemExit(f"no backward tiles of {patch} queries listed for this problem")
-        tiles[2 * rank:3 * rank], tiles[3 * rank:] = list(listed[0][0]), list(listed[0][1])
-    return tiles
+    if not patch:
+        return [0] * (4 * rank)
+    geo = (list(ks), list(st), [1] * rank, [False] * rank, D ** -0.5)
+    for qt, _, tiles in listed_tiles(_lib.OP_BACKWARD, q, k, v, geo, True):
+        if math.prod(qt) == patch:
+            return tiles
+    raise SystemExit(f"no backward tiles of {patch} queries listed for this problem")
 
 
 def main():
@@ -58,7 +57,7 @@ def main():
                                    dtype=torch.bfloat16) for _ in range(3))
             empty = torch.empty(B, 0, args.heads, D, device="cuda", dtype=torch.bfloat16)
             geo = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5,
-                   backward_tiles(q, k, v, empty, ks, st, D, args.backward_patch), [])
+                   backward_tiles(q, k, v, ks, st, D, args.backward_patch), [])
             if args.op == "bwd":
                 out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *geo)
                 d_out = torch.randn_like(out)

@@ -605,7 +605,7 @@ static nbhd_status launch_jvpb(const nbhd_geometry *g, const nbhd_forward_jvp_ba
     if ((s = nbhd_cuda_launch(row_terms, (chunks + 255) / 256, 256, 0, "mma backward through forward+JVP (rows)", st,
                               *g, *a, ws3, rt, dq_acc)) != NBHD_OK)
         return s;
-    const bool wgmma_keys = dq_acc && nbhd_cuda_wgmma_jvpb_keys_apply(g, a, &tangent);
+    const bool wgmma_keys = nbhd_cuda_wgmma_jvpb_keys_apply(g, a, &tangent);  /* KV-parallel: dq_acc */
     if constexpr (HD == 128)
         if (jvpb_warps(g, dq_acc) == 8) return launch_primal<T, HD, 8>(g, a, ws3, rt, dq_acc, wgmma_keys, st);
     return launch_primal<T, HD, 4>(g, a, ws3, rt, dq_acc, wgmma_keys, st);

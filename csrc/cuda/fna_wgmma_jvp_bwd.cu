@@ -71,7 +71,6 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
      * compile time: registers for D = 128 */
     const bool has_tq = a.t_q.data, has_tk = a.t_k.data, has_tv = DP && a.t_v.data, has_do = DP && a.d_out.data;
     const bool has_ts = has_tq || has_tk;  /* tS has a term */
-    constexpr bool has_dp = DP;
     const wgj_layout L(HD, RANK, has_tq, has_tk, has_tv, has_do);
     unsigned char *base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     T *Ks = (T *)(base + L.k), *Vs = (T *)(base + L.v), *tKs = (T *)(base + L.tk), *tVs = (T *)(base + L.tv);
@@ -197,7 +196,7 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     if (!has_ts) ts[nb][e] = 0.f;
-                    if (!has_dp) dp[nb][e] = 0.f;
+                    if (!DP) dp[nb][e] = 0.f;
                 }
             wgmma_fence();
             wgmma_score<T, HD, NS, BM, BN>(sc, k_base, q_st + ro, 0);
