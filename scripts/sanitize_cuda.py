@@ -2,7 +2,9 @@
 (tensor-core and simple), backward (KV-parallel and deterministic), forward+JVP and the backward
 through it (every operand, and double backward's few), on small odd shapes with extra keys; the non-causal ones again with a relative
 positional bias table; every op again with a query range (initcheck: no kernel reads a row
-terms entry the range left unwritten)."""
+terms entry the range left unwritten). An argument of case indices, e.g. 5,6, runs those only."""
+import sys
+
 import torch
 
 import nbhd
@@ -20,11 +22,17 @@ CASES = [
     # D = 128, a small window: on Hopper the one-warpgroup kernels (their table staged and, in the
     # dq kernel, its gradient summed in shared memory)
     (2, (12, 11), (5, 5), (1, 1), (1, 1), (False, False), 2, 1, 128, 0, torch.bfloat16),
+    # and in 3-D with extra keys: the forward and backward kernels' row masks
+    (3, (6, 7, 8), (3, 3, 3), (1, 1, 1), (1, 1, 1), (False, False, False), 2, 1, 128, 3, torch.bfloat16),
     # windows of 512+ keys: 128-row patches of the forward, JVP and backward (on Hopper the wgmma
     # kernels; the D = 128 JVP takes them on every window there)
     (1, (600,), (520,), (1,), (1,), (False,), 1, 1, 128, 0, torch.bfloat16),
     (3, (9, 10, 12), (8, 8, 8), (2, 1, 3), (1, 1, 1), (False, True, False), 2, 1, 64, 3, torch.float16),
 ]
+
+# python scripts/sanitize_cuda.py [5,6]: those cases only (racecheck of the whole sweep takes minutes)
+if len(sys.argv) > 1:
+    CASES = [CASES[int(i)] for i in sys.argv[1].split(",")]
 
 for use_ref, kv_parallel in ((False, True), (False, False), (True, False)):
     ops._OPTIONS["use_reference"] = use_ref

@@ -198,6 +198,39 @@ def test_forward_64_query_patches_d128(case, dtype):
     check_forward(case, dtype, 13 + zlib.crc32(ids(case).encode()) % 1000, patch=64)
 
 
+# Small windows at D = 128 in 2-D and 3-D, whose Hopper forward masks by rows (one bit per row
+# and key, csrc/cuda/cta_patch.cuh row_masks): partial patches at odd extents, even kernels,
+# dilation, causal axes, strides, GQA, extra keys, heads-major storage; the last case's table
+# does not fit (coordinate masks)
+ROW_MASK_CASES = [
+    (2, (19, 21), (7, 7), (1, 1), (1, 1), (False, False), 2, 2, 2, 128, 128, 0, "contig"),
+    (2, (24, 17), (6, 5), (1, 1), (2, 1), (False, True), 1, 4, 2, 128, 128, 3, "contig"),
+    (2, (33, 30), (13, 13), (2, 3), (1, 1), (False, False), 1, 2, 1, 128, 128, 0, "heads_major"),
+    (3, (9, 12, 10), (3, 5, 7), (1, 1, 1), (1, 1, 1), (False, False, False), 1, 2, 2, 128, 128, 0, "contig"),
+    (3, (15, 11, 12), (7, 7, 7), (1, 2, 1), (2, 1, 1), (True, False, False), 1, 2, 1, 128, 128, 5, "contig"),
+    (2, (50, 52), (50, 50), (50, 50), (1, 1), (False, False), 1, 1, 1, 128, 128, 0, "contig"),
+]
+
+
+def row_masks_fit(case, entries=192):
+    """csrc/cuda/cta_patch.cuh row_masks_fit for query rows: 64-query patches (2-D 8x8, 3-D 4x4x4)"""
+    ct = 8 if case[0] == 2 else 4
+    return sum(ct + k + s for k, s in zip(case[2], case[3])) <= entries
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ROW_MASK_CASES, ids=ids)
+def test_forward_row_masks(case, dtype):
+    """The forward on 64-query patches at D = 128 in 2-D and 3-D against the reference; on Hopper
+    the one-warpgroup wgmma kernel masks by row bits where its table fits (its last template
+    argument) and by coordinates where not."""
+    ran = cuda_kernels(lambda: check_forward(case, dtype, 17 + zlib.crc32(ids(case).encode()) % 1000, patch=64))
+    if torch.cuda.get_device_capability() == (9, 0):
+        fwd = [n for n in ran if "fna_wgmma_forward_kernel" in n]
+        assert len(fwd) == 1, ran
+        assert (", true>(" in fwd[0]) == row_masks_fit(case), fwd
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=ids)
 def test_backward(case, dtype, use_reference, kv_parallel):
@@ -247,6 +280,27 @@ def test_backward_64_row_patches_d128(case, dtype, kv_parallel):
     wgmma kernels, deterministic whatever KV parallelism allows; elsewhere mma.sync) against the
     reference, and bitwise-equal on a second call."""
     check_backward_repeatable(case, dtype, patch=64, deterministic=True)
+
+
+def row_masks_fit_keys(case):
+    """row_masks_fit for key rows (the dK/dV kernel's table): boxes of ct + 2 K + 2 s per axis"""
+    ct = 8 if case[0] == 2 else 4
+    return sum(ct + 2 * (k + s) for k, s in zip(case[2], case[3])) <= 192
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ROW_MASK_CASES, ids=ids)
+def test_backward_row_masks(case, dtype):
+    """The backward on 64-row patches at D = 128 in 2-D and 3-D against the reference, bitwise
+    repeatable; on Hopper the one-warpgroup dq and dK/dV kernels mask by row bits where their
+    tables fit (the last template argument) and by coordinates where not."""
+    ran = cuda_kernels(lambda: check_backward_repeatable(case, dtype, patch=64))
+    if torch.cuda.get_device_capability() == (9, 0):
+        dq = [n for n in ran if "fna_wgmma_dq_kernel" in n]
+        dkdv = [n for n in ran if "fna_wgmma_dkdv_kernel" in n]
+        assert len(dq) == 1 and len(dkdv) == 1, ran
+        assert (", true>(" in dq[0]) == row_masks_fit(case), dq
+        assert (", true>(" in dkdv[0]) == row_masks_fit_keys(case), dkdv
 
 
 def check_backward_repeatable(case, dtype, patch=0, deterministic=True):
@@ -370,6 +424,20 @@ def test_forward_jvp_128_query_patches(case, dtype, absent):
     """The forward+JVP on 128-query patches, requested as tiles where listed (on Hopper the
     wgmma kernel, csrc/cuda/fna_wgmma_jvp.cu), with absent tangents."""
     check_forward_jvp(case, dtype, absent, patch=128)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ROW_MASK_CASES, ids=ids)
+@pytest.mark.parametrize("absent", ["none", "tkv"])
+def test_forward_jvp_row_masks(case, dtype, absent):
+    """The forward+JVP on 64-query patches at D = 128 in 2-D and 3-D against the reference; on
+    Hopper the one-warpgroup kernel masks by row bits where its smaller table (64 entries) fits
+    and by coordinates where not."""
+    ran = cuda_kernels(lambda: check_forward_jvp(case, dtype, absent, patch=64))
+    if torch.cuda.get_device_capability() == (9, 0):
+        jvp = [n for n in ran if "fna_wgmma_jvp_kernel" in n]
+        assert len(jvp) == 1, ran
+        assert (", true>(" in jvp[0]) == row_masks_fit(case, entries=64), jvp
 
 
 def check_forward_jvp(case, dtype, absent, patch=0):

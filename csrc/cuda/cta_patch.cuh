@@ -86,6 +86,11 @@ __device__ __forceinline__ group_ptr<T> group_ptr_of(const nbhd_tensor &t, const
     return p;
 }
 
+/* load_kv_tile's default: nothing beside the coordinates */
+struct no_key_out {
+    __device__ __forceinline__ void operator()(int, bool, bool, const int (&)[3]) const {}
+};
+
 /* entry n of a tile's in-group coordinates [RANK][BN] (at dst): j, or KEY_NONE on axis 0 for a
  * position past the end (ok false) */
 template <int RANK, int BN>
@@ -93,6 +98,47 @@ __device__ __forceinline__ void put_coords(int *dst, int n, bool ok, const int (
     dst[n] = ok ? j[0] : KEY_NONE;
 #pragma unroll
     for (int ax = 1; ax < RANK; ++ax) dst[ax * BN + n] = j[ax];
+}
+
+/* Row masks of a 64-row query patch (one m-block per warp) in 2-D and 3-D: bit qr of a key's
+ * 64-bit word says whether row qr sees the key, so that a kernel's mask is one bit test per
+ * score instead of comparing the key's coordinates with the row's window on every axis
+ * (docs/kernels.md §3). The rows are the patch box row-major (qr = (c0 ct1 + c1) ct2 + c2: the
+ * m-blocks of patch_wt stacked along axis 0) and windows are products of per-axis ranges, so the
+ * rows that see window key j are the AND over the axes of the rows whose coordinate's window
+ * holds j[ax]: cta_patch::row_mask_table builds one entry per key-box position and axis once per
+ * CTA, and a key's word is RANK shared loads. */
+template <int RANK>
+struct row_masks {
+    /* entries of a table: the column box's extents summed over the axes (row_masks_fit); the
+     * forward+JVP, whose two CTAs per SM leave it less shared memory, takes JVP_ENTRIES */
+    static constexpr int ENTRIES = 192, JVP_ENTRIES = 64;
+    /* rows per step of coordinate ax */
+    __host__ __device__ static constexpr int step(int ax) {
+        return ax == 0 ? patch_ct(RANK, 1) * patch_ct(RANK, 2) : ax == 1 ? patch_ct(RANK, 2) : 1;
+    }
+    /* the rows whose coordinate along ax is 0: runs of step(ax) rows, one per period of
+     * step(ax) * ct rows (ax is a constant wherever this is called: the loops over axes unroll) */
+    __host__ __device__ static constexpr uint64_t first_rows(int ax) {
+        const int s = step(ax), p = s * patch_ct(RANK, ax);
+        const uint64_t run = s >= 64 ? ~0ull : (1ull << s) - 1;
+        return p >= 64 ? run : run * (~0ull / ((1ull << p) - 1));
+    }
+    /* the rows whose coordinate along ax is c */
+    __device__ __forceinline__ static uint64_t rows_at(int ax, int c) { return first_rows(ax) << (c * step(ax)); }
+};
+
+/* Does a 64-row patch's table fit row_masks::ENTRIES for this problem (rank >= 2)? Bounds each
+ * axis's box of columns: for query rows the union of ct windows, ct + K + s (their starts at most
+ * ct + s - 2 apart); for key rows the union of ct keys' inverse windows, ct + 2 K + 2 s (an
+ * inverse window holds at most K + s queries, and 1.5 K at a border). The table's builder traps
+ * on a box beyond ENTRIES, never overrunning it. */
+__host__ __device__ inline bool row_masks_fit(const nbhd_geometry *g, int rank, bool key_rows = false,
+                                              int entries = row_masks<3>::ENTRIES) {
+    int64_t n = 0;
+    for (int ax = 0; ax < rank; ++ax)
+        n += patch_ct(rank, ax) + (key_rows ? 2 : 1) * (g->axis[ax].kernel + g->axis[ax].stride);
+    return rank >= 2 && n <= entries;
 }
 
 /* ROWS rows of one tensor (TWO: two) into shared tiles d1 (and d2) by cp.async over THREADS
@@ -324,18 +370,86 @@ struct cta_patch {
 
     /* K and V of walk tile t (BN keys) into shared tiles Kd, Vd at element offsets off(key,
      * chunk), the keys' in-group coordinates into kcd [RANK][BN] (put_coords): one key per
-     * THREADS / BN threads */
-    template <typename T, int HD, int BN, int THREADS, typename Args, typename Off>
+     * THREADS / BN threads, which also calls key_out(kr, ok, win, j) for its key */
+    template <typename T, int HD, int BN, int THREADS, typename Args, typename Off, typename KeyOut = no_key_out>
     __device__ __forceinline__ void load_kv_tile(const nbhd_geometry &g, const Args &a, const group_ptr<const T> &kp,
                                                  const group_ptr<const T> &vp, int t, T *Kd, T *Vd, int *kcd,
-                                                 int tid, Off off) const {
+                                                 int tid, Off off, KeyOut key_out = {}) const {
         constexpr int TPR = THREADS / BN;
         int j[3];
         bool ok;
         load_row_tiles<T, HD, BN, THREADS, true>(tid, Kd, Vd, off, [&](int kr, const T *&ks, const T *&vs, bool &ok2) {
             return ok = ok2 = kv_rows(g, a, kp, vp, t, kr, BN, j, ks, vs);
         });
-        if (tid % TPR == 0) put_coords<RANK ? RANK : 3, BN>(kcd, tid / TPR, ok, j);
+        if (tid % TPR == 0) {
+            put_coords<RANK ? RANK : 3, BN>(kcd, tid / TPR, ok, j);
+            key_out(tid / TPR, ok, t < win_tiles, j);
+        }
+    }
+
+    /* The row-mask table (ENTRIES words) of a 64-row patch (row_masks) whose columns walk box `cols`: for each
+     * axis and box position u, the rows that meet column coordinate cols.lo + u (rows outside
+     * [Qb, Qe): none), at entry u after the earlier axes' entries. Query rows (KEY_ROWS false)
+     * meet the keys of their windows; key rows (the dK/dV kernels) the queries whose windows
+     * hold them. The caller syncs before reading it. */
+    template <int THREADS, bool KEY_ROWS, int ENTRIES>
+    __device__ __forceinline__ void row_mask_table(const nbhd_geometry &g, const key_box &cols, uint64_t *tab,
+                                                   int tid) const {
+        static_assert(RANK >= 2 && MB == 1, "row masks: 64-row patches in 2-D and 3-D");
+        if (cols.cnt[0] + cols.cnt[1] + (RANK == 3 ? cols.cnt[2] : 0) > ENTRIES) __trap();
+        int base = 0;
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
+            for (int u = tid; u < cols.cnt[ax]; u += THREADS) {
+                const int j = cols.lo[ax] + u;
+                int64_t cst = 0, cen = 0;  /* a query column's window */
+                if (KEY_ROWS) window32(&g.axis[ax], j, Lg[ax], &cst, &cen);
+                uint64_t rows = 0;
+#pragma unroll
+                for (int c = 0; c < patch_ct(RANK, ax); ++c) {
+                    const int i = i0[ax] + c;
+                    bool meets = false;
+                    if (KEY_ROWS) {
+                        meets = cst <= i && i < cen;
+                    } else {
+                        int64_t st = 0, en = 0;
+                        window32(&g.axis[ax], i, Lg[ax], &st, &en);
+                        meets = st <= j && j < en;
+                    }
+                    if (meets && i >= Qb[ax] && i < Qe[ax]) rows |= row_masks<RANK>::rows_at(ax, c);
+                }
+                tab[base + u] = rows;
+            }
+            base += cols.cnt[ax];
+        }
+    }
+
+    /* the rows that meet column j (in-group coordinates in box cols) from the table */
+    __device__ __forceinline__ static uint64_t column_rows(const uint64_t *tab, const key_box &cols,
+                                                           const int (&j)[3]) {
+        uint64_t rows = ~0ull;
+        int base = 0;
+#pragma unroll
+        for (int ax = 0; ax < (RANK ? RANK : 3); ++ax) {
+            rows &= tab[base + j[ax] - cols.lo[ax]];
+            base += cols.cnt[ax];
+        }
+        return rows;
+    }
+
+    /* the rows inside [Qb, Qe) (an extra key's rows) */
+    __device__ __forceinline__ uint64_t valid_rows() const {
+        static_assert(RANK >= 2 && MB == 1, "row masks: 64-row patches in 2-D and 3-D");
+        uint64_t rows = ~0ull;
+#pragma unroll
+        for (int ax = 0; ax < RANK; ++ax) {
+            uint64_t on = 0;
+#pragma unroll
+            for (int c = 0; c < patch_ct(RANK, ax); ++c)
+                if (i0[ax] + c >= Qb[ax] && i0[ax] + c < Qe[ax]) on |= row_masks<RANK>::rows_at(ax, c);
+            rows &= on;
+        }
+        return rows;
     }
 
     /* row e of an extra-key tensor [B, S, Hkv, D] */

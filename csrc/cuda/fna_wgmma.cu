@@ -22,10 +22,12 @@
  */
 #include "wgmma.cuh"
 
-template <typename T, int HD, int BN, int RANK, int MINB, int WGS, bool BIAS /* problem.rpb */>
+template <typename T, int HD, int BN, int RANK, int MINB, int WGS, bool BIAS /* problem.rpb */,
+          bool RMASK /* row masks (row_masks_fit): 64-query patches in 2-D and 3-D, no bias */>
 __global__ void __launch_bounds__(wg_threads(WGS), MINB)
 fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
+    static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && BN == 32), "row masks: one warpgroup, 2-D/3-D");
     using CTA = wg_cta<RANK, WGS>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -33,7 +35,9 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     T *Ks = Qs + BM * HD;                          /* [KST][BN][HD] */
     T *Vs = Ks + KST * BN * HD;                    /* [VST][BN][HD] */
     int *kc = (int *)(Vs + VST * BN * HD);         /* [KST][RANK][BN] in-group key coordinates */
-    float *tabs = (float *)(kc + KST * RANK * BN); /* with a bias: the head's table * log2e */
+    using Masks = wg_row_masks<RANK, BN, KST, RMASK>;
+    Masks rm(kc + KST * RANK * BN);                /* with row masks: their table and words */
+    float *tabs = (float *)((char *)(kc + KST * RANK * BN) + Masks::BYTES); /* with a bias: the head's table * log2e */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
     CTA C;  /* (b, head, patch) and the patch's key walk */
@@ -42,14 +46,19 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     auto row_coords = [&](int qr, int iq[3]) -> bool { return C.row(qr, iq); };
 
     C.template load_rows<T, HD, false>(g, P, a.q, a.q, C.h, Qs, Qs, tid);  /* zero rows outside the grid */
+    if constexpr (RMASK) rm.build(C, g, C.kb, tid);
 
     // K, V (and key coordinates) of tile t into their stages: one key per TPR threads
     const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
     const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
     auto load_tile = [&](int t, int) {
+        auto key_out = [&]() {
+            if constexpr (RMASK) return rm.key_out(C, t % KST);
+            else return no_key_out{};
+        };
         C.template load_kv_tile<T, HD, BN, THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
-                                                          Vs + (t % VST) * BN * HD, kc + (t % KST) * RANK * BN, tid,
-                                                          [](int r, int ch) { return gmma_off<BN>(r, ch); });
+                                                    Vs + (t % VST) * BN * HD, kc + (t % KST) * RANK * BN, tid,
+                                                    [](int r, int ch) { return gmma_off<BN>(r, ch); }, key_out());
     };
 
     // this thread's rows (r, r + 8 of its warp's m-block): validity and in-group windows; the
@@ -129,15 +138,20 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
         wgmma_commit();
         issue_pv();
 
-        // meanwhile: is the tile inside every row's window of the warpgroup (no mask)?
+        // meanwhile: is the tile inside every row's window of the warpgroup (no mask)? With row
+        // masks: does every key of the tile hold all 16 rows of the warp?
+        const uint32_t *kmt = rm.warp_words(t % KST, w);
         bool full = false;
-        if (win) full = tile_inside<BN, RANK>(kct, lane, ilo, ihi);
+        if constexpr (RMASK)
+            full = Masks::full(kmt, w, lane);
+        else if (win)
+            full = tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S is done; P V may still run */
         fence_regs(sc[0]);
 
         float corr[1][2];
-        const bool rescale = fwd_softmax_tile<1, BN, RANK, BIAS ? BIAS_STAGED : BIAS_NONE>(
-            g, sc, m, l, corr, full, win, kct, wst, wen, rvalid, sl2, cq, tabs, brow);
+        const bool rescale = fwd_softmax_tile<1, BN, RANK, BIAS ? BIAS_STAGED : BIAS_NONE, RMASK>(
+            g, sc, m, l, corr, full, win, kct, wst, wen, rvalid, sl2, cq, tabs, brow, kmt, Masks::row_bit(w, lane));
         wgmma_wait<0>();
         pv_done();
         if (rescale) fwd_rescale<1, HD>(o, corr);
@@ -170,7 +184,7 @@ int nbhd_cuda_wgmma_ready(void) {
     }
     if (!ready[dev]) {
         cudaFuncAttributes attr;
-        const bool ok = cudaFuncGetAttributes(&attr, fna_wgmma_forward_kernel<__nv_bfloat16, 128, 64, 1, 1, 2, false>) ==
+        const bool ok = cudaFuncGetAttributes(&attr, fna_wgmma_forward_kernel<__nv_bfloat16, 128, 64, 1, 1, 2, false, false>) ==
                             cudaSuccess && attr.binaryVersion == 90;
         cudaGetLastError();
         ready[dev] = ok ? 1 : 2;
@@ -178,24 +192,32 @@ int nbhd_cuda_wgmma_ready(void) {
     return ready[dev] == 1;
 }
 
-/* a CTA's shared memory: alignment slack, Q, the K and V stages, their key coordinates, and
- * with a bias the head's table (rpb_entries floats) */
-static size_t forward_smem_bytes(const nbhd_geometry *g, size_t elem, int HD, int BN, int RANK, int WGS) {
+/* a CTA's shared memory: alignment slack, Q, the K and V stages, their key coordinates, with
+ * row masks their table and the keys' words, and with a bias the head's table (rpb_entries
+ * floats) */
+static size_t forward_smem_bytes(const nbhd_geometry *g, size_t elem, int HD, int BN, int RANK, int WGS,
+                                 bool rmask) {
     return 1024 + elem * (size_t)(wg_rows(WGS) + (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN) * HD +
-           sizeof(int) * WGMMA_K_STAGES * RANK * BN + (g->rpb ? sizeof(float) * (size_t)g->rpb_entries : 0);
+           sizeof(int) * WGMMA_K_STAGES * RANK * BN +
+           (rmask ? wg_row_masks<3, 32, WGMMA_K_STAGES, true>::BYTES : 0) +
+           (g->rpb ? sizeof(float) * (size_t)g->rpb_entries : 0);
 }
 
 size_t nbhd_cuda_wgmma_forward_smem_bytes(const nbhd_geometry *g, int mb) {
     const int HD = (int)g->head_dim;
-    return forward_smem_bytes(g, 2, HD, mb == 2 ? 64 : 32, NBHD_MAX_RANK, mb);
+    return forward_smem_bytes(g, 2, HD, mb == 2 ? 64 : 32, NBHD_MAX_RANK, mb, mb == 1 && !g->rpb);
 }
 
 template <typename T, int HD, int BN, int RANK, int MINB, int WGS>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                                cudaStream_t st) {
-    const size_t smem = forward_smem_bytes(g, sizeof(T), HD, BN, RANK, WGS);
-    auto kernel = g->rpb ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, true>
-                         : fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false>;
+    // row masks on one warpgroup's 64-query patches in 2-D and 3-D where the table fits
+    constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
+    const bool rmask = RM && !g->rpb && row_masks_fit(g, RANK);
+    const size_t smem = forward_smem_bytes(g, sizeof(T), HD, BN, RANK, WGS, rmask);
+    auto kernel = g->rpb   ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, true, false>
+                  : rmask ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false, RM>
+                          : fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false, false>;
     return nbhd_cuda_launch(kernel, g->batch * g->heads * P.patches,
                             wg_threads(WGS), smem, "wgmma forward", st, *g, *a, P);
 }

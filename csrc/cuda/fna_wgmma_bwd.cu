@@ -41,21 +41,24 @@
 #define WGB_DQ_V_STAGES 2
 #define WGB_KV_STAGES 3
 
-/* the dq kernel's: alignment slack, Q, dO, the K and V stages, their key coordinates, and with a
- * bias the head's table and its gradient (rpb_entries floats each) */
-static size_t dq_smem_bytes(const nbhd_geometry *g, int HD, int BN, int RANK, int WGS) {
+/* the dq kernel's: alignment slack, Q, dO, the K and V stages, their key coordinates, with row
+ * masks their table and the keys' words (tiles of 32), and with a bias the head's table and its
+ * gradient (rpb_entries floats each) */
+static size_t dq_smem_bytes(const nbhd_geometry *g, int HD, int BN, int RANK, int WGS, bool rmask) {
     return 1024 + 2 * (size_t)(2 * wg_rows(WGS) + (WGB_DQ_K_STAGES + WGB_DQ_V_STAGES) * BN) * HD +
-           sizeof(int) * WGB_DQ_V_STAGES * RANK * BN + (g->rpb ? 2 * sizeof(float) * (size_t)g->rpb_entries : 0);
+           sizeof(int) * WGB_DQ_V_STAGES * RANK * BN +
+           (rmask ? wg_row_masks<3, 32, WGB_DQ_V_STAGES, true>::BYTES : 0) +
+           (g->rpb ? 2 * sizeof(float) * (size_t)g->rpb_entries : 0);
 }
 
 size_t nbhd_cuda_wgmma_dq_smem_bytes(const nbhd_geometry *g, int mb) {
     const int HD = (int)g->head_dim;
-    return dq_smem_bytes(g, HD, mb == 1 ? 32 : HD == 64 ? 128 : 64, NBHD_MAX_RANK, mb);
+    return dq_smem_bytes(g, HD, mb == 1 ? 32 : HD == 64 ? 128 : 64, NBHD_MAX_RANK, mb, mb == 1 && !g->rpb);
 }
-template <int HD, int BN, int RANK, bool KVP, int WGS>
+template <int HD, int BN, int RANK, bool KVP, int WGS, bool RMASK = false>
 static constexpr size_t dkdv_smem_bytes() {
     return 1024 + 2 * (size_t)(2 * wg_rows(WGS) + 2 * WGB_KV_STAGES * BN) * HD + (KVP ? 2 * (size_t)wg_rows(WGS) * BN : 0) +
-           sizeof(int) * WGB_KV_STAGES * (RANK + 2) * BN;
+           sizeof(int) * WGB_KV_STAGES * (RANK + 2) * BN + wg_row_masks<RANK, BN, WGB_KV_STAGES, RMASK, true>::BYTES;
 }
 
 // ----------------------------------------------------------------------------
@@ -63,11 +66,13 @@ static constexpr size_t dkdv_smem_bytes() {
 
 /* two warpgroups: one CTA per SM (at two, 128 registers, ptxas serialises the wgmma (C7512)
  * even at D = 64); one warpgroup (64-query patches at D = 128): three */
-template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rpb */>
+template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rpb */,
+          bool RMASK /* row masks (row_masks_fit): 64-query patches in 2-D and 3-D, no bias */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? (BIAS ? 2 : 3) : 1)
 fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                     const mma_plan P) {
 #if NBHD_HAS_WGMMA
+    static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && BN == 32), "row masks: one warpgroup, 2-D/3-D");
     using CTA = wg_cta<RANK, WGS>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGB_DQ_K_STAGES, VST = WGB_DQ_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -76,7 +81,9 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     T *Ks = dOs + BM * HD;                   /* [KST][BN][HD] */
     T *Vs = Ks + KST * BN * HD;              /* [VST][BN][HD] */
     int *kc = (int *)(Vs + VST * BN * HD);   /* [VST][RANK][BN] in-group key coordinates */
-    float *tabs = (float *)(kc + VST * RANK * BN);        /* with a bias: the head's table * log2e */
+    using Masks = wg_row_masks<RANK, BN, VST, RMASK>;
+    Masks rm(kc + VST * RANK * BN);          /* with row masks: their table and words */
+    float *tabs = (float *)((char *)(kc + VST * RANK * BN) + Masks::BYTES); /* with a bias: the head's table * log2e */
     float *dtabs = tabs + (BIAS ? g.rpb_entries : 0);     /* and the CTA's sum of its gradient */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
@@ -85,14 +92,19 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     const int win_tiles = C.win_tiles, tiles = C.tiles;
 
     C.template load_rows<T, HD>(g, P, a.q, a.d_out, C.h, Qs, dOs, tid);  /* zero rows outside the grid */
+    if constexpr (RMASK) rm.build(C, g, C.kb, tid);
 
-    // K, V (and key coordinates) of tile t: one key per TPR threads
+    // K, V (and key coordinates, row masks) of tile t: one key per TPR threads
     const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
     const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
     auto load_tile = [&](int t, int) {
+        auto key_out = [&]() {
+            if constexpr (RMASK) return rm.key_out(C, t % VST);
+            else return no_key_out{};
+        };
         C.template load_kv_tile<T, HD, BN, THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
                                                     Vs + (t % VST) * BN * HD, kc + (t % VST) * RANK * BN, tid,
-                                                          [](int r, int ch) { return gmma_off<BN>(r, ch); });
+                                                    [](int r, int ch) { return gmma_off<BN>(r, ch); }, key_out());
     };
 
     // this thread's rows: windows, lse (base 2), D_i
@@ -156,7 +168,10 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
         wgmma_score_pair<T, HD, BN, BM>(sc, q_base, k_base, dpt, do_base, v_base);
         issue_dq();
 
-        const bool full = !BIAS && win && tile_inside<BN, RANK>(kct, lane, ilo, ihi);
+        const uint32_t *kmt = rm.warp_words(t % VST, w);
+        bool full;
+        if constexpr (RMASK) full = Masks::full(kmt, w, lane);
+        else full = !BIAS && win && tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S and dP are done; dQ may still run */
         fence_regs(sc);
         fence_regs(dpt);
@@ -170,11 +185,13 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
                 const int kr = nb * 8 + 2 * cq + e;
                 int j[RANK];
 #pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : kct[ax * BN + kr];
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = full || RMASK ? 0 : kct[ax * BN + kr];
                 const int bk = BIAS ? tile_bias<RANK>::key(g, j) : 0;
+                const uint2 words = RMASK ? *(const uint2 *)(kmt + nb * 8 + 2 * cq) : uint2{0u, 0u};
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
-                    const bool ok = full || key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]);
+                    const bool ok = full || (RMASK ? row_sees(words, e, Masks::row_bit(w, lane) + 8 * hrow)
+                                                   : key_visible<RANK>(win, j, wst[hrow], wen[hrow], rvalid[hrow]));
                     float &x = sc[nb][2 * hrow + e];
                     if constexpr (BIAS) {
                         const bool pair = ok && win;  /* a window pair: it has a table entry */
@@ -219,11 +236,13 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 
 /* two warpgroups on 128-key patches, one CTA per SM; one warpgroup (64-key patches at D = 128,
  * not KV-parallel): two */
-template <typename T, int HD, int BN, int RANK, bool KVP, int WGS, bool BIAS /* problem.rpb (not with KVP) */>
+template <typename T, int HD, int BN, int RANK, bool KVP, int WGS, bool BIAS /* problem.rpb (not with KVP) */,
+          bool RMASK = false /* row masks (row_masks_fit): 64-key patches in 2-D and 3-D, no bias */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                       float *dq_acc, const mma_plan P) {
 #if NBHD_HAS_WGMMA
+    static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && !KVP && BN == 32), "row masks: one warpgroup, 2-D/3-D");
     using CTA = wg_cta<RANK, WGS>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, ST = WGB_KV_STAGES;
     static_assert(!KVP || WGS == 2, "KV-parallel dQ: a 64 x 64 block per warpgroup of two");
@@ -240,6 +259,8 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
     int *qc = (int *)(dSs + (KVP ? BM * BN : 0)); /* [ST][RANK][BN] in-group query coordinates */
     float *ql = (float *)(qc + ST * RANK * BN); /* [ST][BN] lse */
     float *qd = ql + ST * BN;                   /* [ST][BN] D_i */
+    using Masks = wg_row_masks<RANK, BN, ST, RMASK, true>;
+    Masks rm(qd + ST * BN);                     /* with row masks: their table and words */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
     CTA C;  /* rows: the patch's keys; C.h the key head */
@@ -251,6 +272,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
     const int tiles = tiles_per_head * g.group;
 
     C.template load_rows<T, HD>(g, P, a.k, a.v, hk, Ks, Vs, tid);  /* K and V rows, zero outside the grid */
+    if constexpr (RMASK) rm.build(C, g, qb, tid);
 
     // Q, dO (and query coordinates, lse, D_i) of tile t: query head hk * group + t / tiles_per_head
     const int64_t h0 = (int64_t)hk * g.group;
@@ -278,6 +300,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         }
         if (tid % TPR == 0) {
             put_coords<RANK, BN>(qc + s * RANK * BN, cr, ok, j);
+            rm.put(s, cr, qb, ok, true, j);
             cp_async4(smem_u32(ql + s * BN + cr), lp.at(j[0], j[1], j[2]) + (int64_t)hh * a.lse.stride[4], ok);
             cp_async4(smem_u32(qd + s * BN + cr), dwp.at(j[0], j[1], j[2]) + hh, ok);
         }
@@ -321,7 +344,10 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         wgmma_fence();
         wgmma_score_pair<T, HD, BN, BM>(sc, k_base, q_st, dpt, v_base, do_st);
         const float *tab = BIAS ? tile_bias<RANK>::table(g, a.rpb, (int)(h0 + t / tiles_per_head)) : nullptr;
-        const bool full = !BIAS && tile_inside<BN, RANK>(qct, lane, ilo, ihi);
+        const uint32_t *kmt = rm.warp_words(s, w);
+        bool full;
+        if constexpr (RMASK) full = Masks::full(kmt, w, lane);
+        else full = !BIAS && tile_inside<BN, RANK>(qct, lane, ilo, ihi);
         wgmma_wait<0>();
         fence_regs(sc);
         fence_regs(dpt);
@@ -335,12 +361,15 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
                 const float lv = qlt[cr] * 1.4426950408889634f;
                 int j[RANK];
 #pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) j[ax] = full ? 0 : qct[ax * BN + cr];
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = full || RMASK ? 0 : qct[ax * BN + cr];
                 const int bq = BIAS ? tile_bias<RANK>::row(g, j) : 0;
+                const uint2 words = RMASK ? *(const uint2 *)(kmt + nb * 8 + 2 * cq) : uint2{0u, 0u};
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
                     bool ok = true;
-                    if (!full)
+                    if (RMASK)
+                        ok = full || row_sees(words, e, Masks::row_bit(w, lane) + 8 * hrow);
+                    else if (!full)
 #pragma unroll
                         for (int ax = 0; ax < RANK; ++ax)
                             ok = ok && j[ax] >= ist[hrow][ax] && j[ax] < ien[hrow][ax];
@@ -433,14 +462,23 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
                                     *g, *a, Dws, dq_acc, P);
     }
     if (dq_acc) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: no KV-parallel pass on one warpgroup");
-    auto dq_kernel = g->rpb ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, true> : fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false>;
-    auto dkdv_kernel = g->rpb ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, true>
-                              : fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false>;
+    // row masks on one warpgroup's 64-row patches in 2-D and 3-D where the tables fit
+    constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
+    const bool rmask = RM && !g->rpb && row_masks_fit(g, RANK);
+    auto dq_kernel = g->rpb  ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, true, false>
+                     : rmask ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, RM>
+                             : fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, false>;
+    const bool rmask_keys = RM && !g->rpb && row_masks_fit(g, RANK, true);
+    auto dkdv_kernel = g->rpb       ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, true>
+                       : rmask_keys ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false, RM>
+                                    : fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false>;
     if ((s = nbhd_cuda_launch(dq_kernel, q_ctas, wg_threads(WGS),
-                              dq_smem_bytes(g, HD, BN, RANK, WGS), "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
+                              dq_smem_bytes(g, HD, BN, RANK, WGS, rmask), "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
         return s;
     return nbhd_cuda_launch(dkdv_kernel, kv_ctas, wg_threads(WGS),
-                            dkdv_smem_bytes<HD, BN, RANK, false, WGS>(), "wgmma backward (dk, dv)", st,
+                            rmask_keys ? dkdv_smem_bytes<HD, BN, RANK, false, WGS, RM>()
+                                       : dkdv_smem_bytes<HD, BN, RANK, false, WGS>(),
+                            "wgmma backward (dk, dv)", st,
                             *g, *a, Dws, (float *)nullptr, P);
 }
 

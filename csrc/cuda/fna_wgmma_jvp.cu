@@ -20,17 +20,23 @@
  * D = 128 takes no alignment slack, so that two CTAs fit an SM (2 x 113 KiB): the dynamic shared
  * memory of a CTA without static shared memory starts 1024-aligned on Hopper, which the kernel
  * checks (a trap, never a silent overrun). */
-template <int HD, int BN, int WGS>
+template <int RANK, int BN, bool RMASK>
+using wgj_row_masks = wg_row_masks<RANK, BN, WGMMA_K_STAGES, RMASK, false, row_masks<3>::JVP_ENTRIES>;
+
+/* with row masks their table and words take the key coordinates' place */
+template <int HD, int BN, int WGS, bool RMASK = false>
 static constexpr size_t wgj_smem_bytes(int rank) {
     return (WGS == 1 ? 0 : 1024) +
            2 * (size_t)(2 * wg_rows(WGS) * HD + 2 * (WGMMA_K_STAGES + WGMMA_V_STAGES) * BN * HD) +
-           sizeof(int) * WGMMA_K_STAGES * rank * BN;
+           (RMASK ? wgj_row_masks<3, BN, true>::BYTES : sizeof(int) * WGMMA_K_STAGES * rank * BN);
 }
 
-template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rpb */>
+template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rpb */,
+          bool RMASK /* row masks (row_masks_fit, JVP_ENTRIES): 64-query patches in 2-D and 3-D, no bias */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
+    static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && BN == 32), "row masks: one warpgroup, 2-D/3-D");
     using CTA = wg_cta<RANK, WGS>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES, TILE = BN * HD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -43,6 +49,8 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
     T *Vs = tKs + KST * TILE;               /* [VST][BN][HD] */
     T *tVs = Vs + VST * TILE;               /* [VST][BN][HD] */
     int *kc = (int *)(tVs + VST * TILE);    /* [KST][RANK][BN] in-group key coordinates */
+    using Masks = wgj_row_masks<RANK, BN, RMASK>;
+    Masks rm(kc);                           /* with row masks (in kc's place): their table and words */
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
     CTA C;
@@ -50,6 +58,7 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
     const int win_tiles = C.win_tiles, tiles = C.tiles;
 
     C.template load_rows<T, HD>(g, P, a.q, a.t_q, C.h, Qs, tQs, tid);  /* zero rows outside the grid; tQ when absent */
+    if constexpr (RMASK) rm.build(C, g, C.kb, tid);
 
     // K, tK, V, tV (and key coordinates) of tile t: one key per TPR threads
     auto load_tile = [&](int t, int) {
@@ -78,7 +87,10 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
             cp_async16(smem_u32(tKd + off), tks + ch * 8, ok && has_tk);
             cp_async16(smem_u32(tVd + off), tvs + ch * 8, ok && has_tv);
         }
-        if (tid % TPR == 0) put_coords<RANK, BN>(kc + (t % KST) * RANK * BN, kr, ok, j);
+        if (tid % TPR == 0) {
+            if constexpr (RMASK) rm.put(t % KST, kr, C.kb, ok, win, j);
+            else put_coords<RANK, BN>(kc + (t % KST) * RANK * BN, kr, ok, j);
+        }
     };
 
     const int cq = lane & 3;
@@ -146,15 +158,20 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
         wgmma_commit();
         issue_pv();
 
-        bool full = false;  /* the tile inside every row's window of the warpgroup: no mask */
-        if (win) full = tile_inside<BN, RANK>(kct, lane, ilo, ihi);
+        // the tile inside every row's window of the warpgroup (with row masks: every key holds
+        // all 16 rows of the warp): no mask
+        const uint32_t *kmt = rm.warp_words(t % KST, w);
+        bool full = false;
+        if constexpr (RMASK) full = Masks::full(kmt, w, lane);
+        else if (win) full = tile_inside<BN, RANK>(kct, lane, ilo, ihi);
         wgmma_wait<1>();  /* S and tS are done; the value products may still run */
         fence_regs(sc);
         fence_regs(ts);
 
         float corr[2];
-        const bool rescale = jvp_softmax_tile<BN, RANK, BIAS>(g, sc, ts, m, l, r, corr, full, win, kct, wst, wen,
-                                                              rvalid, sl2, scale, cq, tab, t_tab, brow);
+        const bool rescale = jvp_softmax_tile<BN, RANK, BIAS, RMASK>(g, sc, ts, m, l, r, corr, full, win, kct, wst,
+                                                                     wen, rvalid, sl2, scale, cq, tab, t_tab, brow,
+                                                                     kmt, Masks::row_bit(w, lane));
         wgmma_wait<0>();
         pv_done();
         if (rescale) {
@@ -195,11 +212,17 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
 template <typename T, int HD, int BN, int RANK, int WGS>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const mma_plan &P,
                                cudaStream_t st) {
-    constexpr size_t smem = wgj_smem_bytes<HD, BN, WGS>(RANK);
-    static_assert(smem <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
-    auto kernel = g->rpb ? fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, true> : fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, false>;
+    // row masks on one warpgroup's 64-query patches in 2-D and 3-D where the smaller table fits
+    constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
+    const bool rmask = RM && !g->rpb && row_masks_fit(g, RANK, false, row_masks<3>::JVP_ENTRIES);
+    constexpr size_t smem = wgj_smem_bytes<HD, BN, WGS>(RANK), smem_rm = wgj_smem_bytes<HD, BN, WGS, RM>(RANK);
+    static_assert(smem <= 227 * 1024 && smem_rm <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
+    static_assert(WGS == 2 || (smem <= 113 * 1024 && smem_rm <= 113 * 1024), "one warpgroup: two CTAs per SM");
+    auto kernel = g->rpb   ? fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, true, false>
+                  : rmask ? fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, false, RM>
+                          : fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, false, false>;
     return nbhd_cuda_launch(kernel, g->batch * g->heads * P.patches,
-                            wg_threads(WGS), smem, "wgmma forward_jvp", st, *g, *a, P);
+                            wg_threads(WGS), rmask ? smem_rm : smem, "wgmma forward_jvp", st, *g, *a, P);
 }
 
 template <typename T, int HD, int BN, int WGS>

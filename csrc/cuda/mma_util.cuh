@@ -434,20 +434,58 @@ __device__ __forceinline__ void stage_bias_table(float *dst, const float *tab, i
     for (int64_t i = tid; i < entries; i += threads) dst[i] = tab ? __ldg(tab + i) * LOG2E_F : 0.f;
 }
 
+/* The online softmax rescales O and l only when a row max of the warp grew by more than this
+ * (base 2) since the max the sums are taken against: P = 2^(S - m) stays below 2^8, exact in
+ * fp32 and in the bf16/f16 P of the value product, and small windows, whose row max grows on
+ * most of their few tiles, skip most rescales of O (64 multiplies per thread at D = 128). */
+#define RESCALE_SLACK 8.f
+
+/* the row-mask bit of row `bit` for key 2 cq + e of a fragment's key pair (row_masks) */
+__device__ __forceinline__ bool row_sees(uint2 words, int e, int bit) {
+    return ((e ? words.y : words.x) >> bit) & 1u;
+}
+
+/* One m-block's score fragments scaled to base 2 and masked by the tile's row-mask words kmw
+ * (this thread's half of the patch, row bit rbit, the second row's 8 higher): masked scores
+ * -inf, the rows' maxima into mx; each(nb, i, ok) per element for the caller's own terms. */
+template <int BN, typename Each>
+__device__ __forceinline__ void row_mask_scores(float (&sc)[BN / 8][4], float (&mx)[2], const uint32_t *kmw, int cq,
+                                                int rbit, float sl2, Each each) {
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb) {
+        const uint2 words = *(const uint2 *)(kmw + nb * 8 + 2 * cq);  /* keys 2 cq, 2 cq + 1 */
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                const bool ok = row_sees(words, e, rbit + 8 * hrow);
+                float &x = sc[nb][2 * hrow + e];
+                x = ok ? x * sl2 : -INFINITY;
+                mx[hrow] = fmaxf(mx[hrow], x);
+                each(nb, 2 * hrow + e, ok);
+            }
+    }
+}
+
 /* One key tile of the online softmax in base 2: scale the scores, add the bias (BIAS; tab: the
  * head's table row, global or staged, brow: the rows' tile_bias::row), mask them (unless full: every
  * key of the tile inside every row's window; win: a window tile, else extra keys, kept for valid
  * rows and real keys), update the row max m and sum l, and leave P = 2^(S - m) in sc. Returns
- * whether a row max of the warp moved; then O must be rescaled by corr (fwd_rescale) before
- * P V is added. kct: the tile's in-group key coordinates [RANK][BN]. */
-template <int MB, int BN, int RANK, int BIAS /* BIAS_NONE, BIAS_GLOBAL or BIAS_STAGED */>
+ * whether a row max of the warp grew by more than RESCALE_SLACK, and then m, l and corr moved: O
+ * must be rescaled by corr (fwd_rescale) before P V is added. kct: the tile's in-group key
+ * coordinates [RANK][BN]; or (ROWMASK, one m-block of a 64-row patch, no bias) kmw: the tile's
+ * row-mask words of this thread's half of the patch [BN] (row_masks), rbit: its row's bit in them
+ * (the second row's is 8 higher). */
+template <int MB, int BN, int RANK, int BIAS /* BIAS_NONE, BIAS_GLOBAL or BIAS_STAGED */, bool ROWMASK = false>
 __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (&sc)[MB][BN / 8][4], float (&m)[MB][2],
                                                  float (&l)[MB][2], float (&corr)[MB][2], bool full,
                                                  bool win, const int *kct,
                                                  const int (&wst)[MB][2][RANK],
                                                  const int (&wen)[MB][2][RANK],
                                                  const bool (&rvalid)[MB][2], float sl2, int cq,
-                                                 const float *tab, const int (&brow)[MB][2]) {
+                                                 const float *tab, const int (&brow)[MB][2],
+                                                 const uint32_t *kmw = nullptr, int rbit = 0) {
+    static_assert(!ROWMASK || (MB == 1 && BIAS == BIAS_NONE), "row masks: one m-block, no bias");
     float mx[MB][2];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) mx[mb][0] = mx[mb][1] = -INFINITY;
@@ -461,6 +499,8 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
                     sc[mb][nb][e] *= sl2;
                     mx[mb][e >> 1] = fmaxf(mx[mb][e >> 1], sc[mb][nb][e]);
                 }
+    } else if constexpr (ROWMASK) {
+        row_mask_scores<BN>(sc[0], mx[0], kmw, cq, rbit, sl2, [](int, int, bool) {});
     } else {
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb) {
@@ -491,8 +531,7 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
             }
         }
     }
-    float mu[MB][2];
-    bool moved = false;
+    bool grew = false;
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
@@ -500,26 +539,26 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
             float &x = mx[mb][hrow];
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-            const float m_new = fmaxf(m[mb][hrow], x);
-            mu[mb][hrow] = m_new == -INFINITY ? 0.f : m_new;  /* a row with no key yet */
-            moved |= m_new != m[mb][hrow];
+            grew |= x > m[mb][hrow] + RESCALE_SLACK;  /* m = -inf: any key */
         }
-    // l (and O, by the caller: fwd_rescale) times 2^(m_old - m), skipped while no row max of
-    // the warp moves
-    const bool rescale = __any_sync(0xffffffffu, moved);
-    if (rescale) {
+    // m moves to the row max, and l (and O, by the caller: fwd_rescale) by 2^(m_old - m), only
+    // when some row of the warp grew by more than the slack
+    const bool rescale = __any_sync(0xffffffffu, grew);
+    float mu[MB][2];
 #pragma unroll
-        for (int mb = 0; mb < MB; ++mb)
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow) {
-                corr[mb][hrow] = fast_exp2(m[mb][hrow] - mu[mb][hrow]);
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            if (rescale) {
+                const float m_new = fmaxf(m[mb][hrow], mx[mb][hrow]);
+                corr[mb][hrow] = fast_exp2(m[mb][hrow] - (m_new == -INFINITY ? 0.f : m_new));
                 l[mb][hrow] *= corr[mb][hrow];
+                m[mb][hrow] = m_new;
             }
-    }
+            mu[mb][hrow] = m[mb][hrow] == -INFINITY ? 0.f : m[mb][hrow];  /* a row with no key yet */
+        }
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
-        m[mb][0] = fmaxf(m[mb][0], mx[mb][0]);
-        m[mb][1] = fmaxf(m[mb][1], mx[mb][1]);
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
@@ -645,18 +684,20 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
 // 16-row m-block per warp, fragments as above
 
 /* One key tile of the forward+JVP's online softmax: sc (S) scaled to base 2, biased and masked as
- * in fwd_softmax_tile, ts (tS) scaled by the natural-log scale plus t_tab's entry (masked keys: 0,
- * never -inf); m, l
- * and r (the running sum of p tS) updated; leaves p in sc and p tS in ts. Returns whether a row
- * max of the warp moved: then O and C must be rescaled by corr before the tile's P V is added. */
-template <int BN, int RANK, bool BIAS>
+ * in fwd_softmax_tile (ROWMASK, kmw, rbit as there), ts (tS) scaled by the natural-log scale plus
+ * t_tab's entry (masked keys: 0, never -inf); m, l and r (the running sum of p tS) updated;
+ * leaves p in sc and p tS in ts. Returns whether a row max of the warp grew by more than
+ * RESCALE_SLACK: then O and C must be rescaled by corr before the tile's P V is added. */
+template <int BN, int RANK, bool BIAS, bool ROWMASK = false>
 __device__ __forceinline__ bool jvp_softmax_tile(const nbhd_geometry &g, float (&sc)[BN / 8][4], float (&ts)[BN / 8][4],
                                                  float (&m)[2], float (&l)[2], float (&r)[2],
                                                  float (&corr)[2], bool full, bool win,
                                                  const int *kct, const int (&wst)[2][RANK],
                                                  const int (&wen)[2][RANK], const bool (&rvalid)[2],
                                                  float sl2, float scale, int cq, const float *tab,
-                                                 const float *t_tab, const int (&brow)[2]) {
+                                                 const float *t_tab, const int (&brow)[2],
+                                                 const uint32_t *kmw = nullptr, int rbit = 0) {
+    static_assert(!ROWMASK || !BIAS, "row masks: no bias");
     float mx[2] = {-INFINITY, -INFINITY};
     if (full && !BIAS) {
 #pragma unroll
@@ -667,6 +708,9 @@ __device__ __forceinline__ bool jvp_softmax_tile(const nbhd_geometry &g, float (
                 ts[nb][e] *= scale;
                 mx[e >> 1] = fmaxf(mx[e >> 1], sc[nb][e]);
             }
+    } else if constexpr (ROWMASK) {
+        row_mask_scores<BN>(sc, mx, kmw, cq, rbit, sl2,
+                            [&](int nb, int i, bool ok) { ts[nb][i] = ok ? ts[nb][i] * scale : 0.f; });
     } else {
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
@@ -695,18 +739,26 @@ __device__ __forceinline__ bool jvp_softmax_tile(const nbhd_geometry &g, float (
             }
     }
     float mu[2];
-    bool moved = false;
+    bool grew = false;
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 1));
         mx[hrow] = fmaxf(mx[hrow], __shfl_xor_sync(0xffffffffu, mx[hrow], 2));
-        const float m_new = fmaxf(m[hrow], mx[hrow]);
-        mu[hrow] = m_new == -INFINITY ? 0.f : m_new;
-        corr[hrow] = fast_exp2(m[hrow] - mu[hrow]);
-        moved |= m_new != m[hrow];
-        m[hrow] = m_new;
-        l[hrow] *= corr[hrow];
-        r[hrow] *= corr[hrow];
+        grew |= mx[hrow] > m[hrow] + RESCALE_SLACK;  /* m = -inf: any key */
+    }
+    // as in fwd_softmax_tile: m, l and r (O and C, by the caller) move only when some row of the
+    // warp grew by more than the slack
+    const bool rescale = __any_sync(0xffffffffu, grew);
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        if (rescale) {
+            const float m_new = fmaxf(m[hrow], mx[hrow]);
+            corr[hrow] = fast_exp2(m[hrow] - (m_new == -INFINITY ? 0.f : m_new));
+            m[hrow] = m_new;
+            l[hrow] *= corr[hrow];
+            r[hrow] *= corr[hrow];
+        }
+        mu[hrow] = m[hrow] == -INFINITY ? 0.f : m[hrow];  /* a row with no key yet */
     }
 #pragma unroll
     for (int nb = 0; nb < BN / 8; ++nb)
@@ -718,7 +770,7 @@ __device__ __forceinline__ bool jvp_softmax_tile(const nbhd_geometry &g, float (
             ts[nb][e] *= p;
             r[e >> 1] += ts[nb][e];
         }
-    return __any_sync(0xffffffffu, moved);  /* else corr = 1 */
+    return rescale;
 }
 
 /* The end of a forward+JVP for the thread's rows hrow = 0, 1: o = O/l, mu = r/l, tO = C/l - mu o,

@@ -208,6 +208,53 @@ struct wg_cta : cta_patch<RANK, WGS> {
     }
 };
 
+/* The row masks (cta_patch.cuh row_masks) of a one-warpgroup kernel on 64-row patches in 2-D
+ * and 3-D (ON; else nothing): the CTA's table (ENTRIES words) over the box its
+ * columns walk, and each column stage's words [STAGES][2][BN] (rows 0-31, then 32-63), written by
+ * the thread that loads the column. KEY_ROWS: rows are keys, columns queries (dK/dV). */
+template <int RANK, int BN, int STAGES, bool ON, bool KEY_ROWS = false, int ENTRIES = row_masks<3>::ENTRIES>
+struct wg_row_masks {
+    static constexpr size_t BYTES = ON ? 8 * ENTRIES + 4 * STAGES * 2 * BN : 0;
+    uint64_t *tab;
+    uint32_t *words;
+    uint64_t extra = 0; /* an extra key's rows: those in the query range */
+
+    __device__ __forceinline__ explicit wg_row_masks(void *smem)
+        : tab((uint64_t *)smem), words((uint32_t *)(tab + (ON ? ENTRIES : 0))) {}
+
+    /* the table over box cols, then a CTA barrier (before the loads that read it) */
+    __device__ __forceinline__ void build(const wg_cta<RANK, 1> &C, const nbhd_geometry &g, const key_box &cols,
+                                          int tid) {
+        if constexpr (ON) {
+            C.template row_mask_table<128, KEY_ROWS, ENTRIES>(g, cols, tab, tid);
+            extra = C.valid_rows();
+            __syncthreads();
+        }
+    }
+    /* column c of the tile in stage s: its rows (ok: a real column; win: a window key, else an
+     * extra key) */
+    __device__ __forceinline__ void put(int s, int c, const key_box &cols, bool ok, bool win,
+                                        const int (&j)[3]) const {
+        if constexpr (ON) {
+            const uint64_t rows = !ok ? 0ull : win ? wg_cta<RANK, 1>::column_rows(tab, cols, j) : extra;
+            words[s * 2 * BN + c] = (uint32_t)rows;
+            words[s * 2 * BN + BN + c] = (uint32_t)(rows >> 32);
+        }
+    }
+    /* load_kv_tile's key_out for a key tile in stage s of a query patch (columns: C.kb) */
+    __device__ __forceinline__ auto key_out(const wg_cta<RANK, 1> &C, int s) const {
+        return [=, &C](int kr, bool ok, bool win, const int (&j)[3]) { put(s, kr, C.kb, ok, win, j); };
+    }
+    /* stage s's words of warp w's half of the rows; its rows' bit for hrow 0 (hrow 1: + 8) */
+    __device__ __forceinline__ const uint32_t *warp_words(int s, int w) const { return words + (s * 2 + (w >> 1)) * BN; }
+    __device__ __forceinline__ static int row_bit(int w, int lane) { return 16 * (w & 1) + (lane >> 2); }
+    /* does every column of the tile meet all 16 rows of warp w (then no mask)? */
+    __device__ __forceinline__ static bool full(const uint32_t *ww, int w, int lane) {
+        static_assert(BN == 32, "a column per lane");
+        return __all_sync(0xffffffffu, ((ww[lane] >> (16 * (w & 1))) & 0xffffu) == 0xffffu);
+    }
+};
+
 /* Is every key of a tile (in-group coordinates kct[ax * BN + kr]) inside [ilo, ihi) per axis,
  * a warpgroup's intersection of windows (then no key needs a mask)? Each warp reads all BN
  * keys, so the four warps of a warpgroup agree. */
