@@ -303,6 +303,21 @@ def test_backward_row_masks(case, dtype):
         assert (", true>(" in dkdv[0]) == row_masks_fit_keys(case), dkdv
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="the choice between Hopper's kernels")
+def test_backward_default_row_masks():
+    """With KV parallelism on (the default) a 13x13 window at D = 128 takes the row-masked
+    one-warpgroup dq and dK/dV kernels on 64-row patches (faster there than the KV-parallel
+    pass); the backward through forward+JVP keeps the KV-parallel wgmma key pass."""
+    case = (2, (40, 36), (13, 13), (1, 1), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig")
+    assert nbhd.is_kv_parallelism_in_fused_na_enabled()
+    ran = cuda_kernels(lambda: check_backward(case, torch.bfloat16))
+    assert any("fna_wgmma_dq_kernel" in n and ", true>(" in n for n in ran), ran
+    assert any("fna_wgmma_dkdv_kernel" in n and ", true>(" in n for n in ran), ran
+    ran = cuda_kernels(lambda: check_forward_jvp_backward(case, torch.bfloat16, "second"))
+    assert any("fna_wgmma_jvpb_keys_kernel" in n for n in ran), ran
+
+
 def check_backward_repeatable(case, dtype, patch=0, deterministic=True):
     """check_backward, and where the backward is deterministic bitwise-equal on a second call"""
     grads = check_backward(case, dtype, patch)

@@ -252,7 +252,7 @@ nbhd_cuda_choice nbhd_cuda_choose(const nbhd_geometry *g, nbhd_op op, const nbhd
                                   const nbhd_cuda_device *dev);
 
 /* backward: the KV-parallel path is asked for and applies (its workspace is larger) */
-int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_cuda_device *dev);
+int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, const nbhd_cuda_device *dev);
 
 /* the tile configurations of the tensor-core kernels (nbhd_device_ops.tile_configs) */
 int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,

@@ -46,7 +46,7 @@ static size_t cuda_workspace_bytes(const nbhd_geometry *g, nbhd_op op, const nbh
      * the KV-parallel mma backward adds its fp32 dQ accumulator */
     const nbhd_cuda_device dev = nbhd_cuda_device_facts();
     const size_t simple = nbhd_cuda_simple_workspace_bytes(g, op);
-    const int kv_parallel = nbhd_cuda_kv_parallel_applies(g, e, &dev);
+    const int kv_parallel = nbhd_cuda_kv_parallel_applies(g, op, e, &dev);
     const size_t mma = op == NBHD_OP_BACKWARD ? nbhd_cuda_mma_backward_workspace_bytes(g, kv_parallel)
                        : op == NBHD_OP_FORWARD_JVP_BACKWARD
                            ? nbhd_cuda_mma_forward_jvp_backward_workspace_bytes(g, kv_parallel)
@@ -157,7 +157,7 @@ static nbhd_status cuda_forward_jvp_backward(const nbhd_geometry *g, const nbhd_
     if (st != NBHD_OK) return st;
     const nbhd_backward_args t = nbhd_cuda_tangent_backward_args(a);
     const int layout_ok = nbhd_cuda_mma_forward_jvp_backward_supported(g, a) && nbhd_cuda_mma_backward_supported(g, &t);
-    const nbhd_cuda_choice c = choose(g, NBHD_OP_BACKWARD, e, layout_ok);
+    const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD_JVP_BACKWARD, e, layout_ok);
     if (c.family != NBHD_CUDA_SIMPLE)
         return nbhd_cuda_mma_forward_jvp_backward(g, a, e->workspace, &c, (cudaStream_t)e->stream);
     return nbhd_cuda_simple_forward_jvp_backward(g, a, e->workspace, (cudaStream_t)e->stream);

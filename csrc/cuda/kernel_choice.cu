@@ -38,12 +38,21 @@ nbhd_cuda_device nbhd_cuda_device_facts(void) {
 
 /* 128-row patches exist at D >= 64: the forward everywhere; the 8-warp forward+JVP where its
  * ~128 KiB of shared memory at D = 128 fit (sm_80 and sm_90 have 163 and 227 KiB per block,
- * sm_86/89 only 99); the backward only on wgmma (fna_wgmma_bwd.cu) */
+ * sm_86/89 only 99); the backward (and the backward through forward+JVP, on its choice) only on
+ * wgmma (fna_wgmma_bwd.cu) */
 static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op, const nbhd_cuda_device *dev) {
     if (g->head_dim < 64) return false;
     return op == NBHD_OP_FORWARD ||
            (op == NBHD_OP_FORWARD_JVP && dev->smem_optin >= nbhd_cuda_mma_jvp_smem_bytes(g, 8)) ||
-           (op == NBHD_OP_BACKWARD && dev->wgmma);
+           ((op == NBHD_OP_BACKWARD || op == NBHD_OP_FORWARD_JVP_BACKWARD) && dev->wgmma);
+}
+
+/* Hopper's one-warpgroup backward kernels on 64-row patches mask by row bits (2-D and 3-D, no
+ * bias, where both tables fit: cta_patch.cuh row_masks_fit) */
+static bool row_masked_backward(const nbhd_geometry *g, const nbhd_cuda_device *dev) {
+    const int rank = mma_rank_of(g);
+    return dev->wgmma && g->head_dim == 128 && !g->rpb && rank >= 2 && row_masks_fit(g, rank) &&
+           row_masks_fit(g, rank, true);
 }
 
 /* The default where allowed: 128-query patches where they feed more MMAs per shared-memory read
@@ -52,15 +61,19 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op, const nbhd_c
  * on one warpgroup: 1.18-1.29x faster than 128 on the small-window problems). The backward
  * (Hopper only): large windows, and with KV parallelism windows of 128+ keys at D = 128 (one
  * wgmma pass; below, e.g. 7x7, the deterministic one-warpgroup kernels on 64-row patches are
- * faster: 2-D 64x64 w7 B8 1.50 against 1.63 ms; even at 13x13, 14 % slower at 7^3).
- * Reproduce: bench/ab_gpu.py [--jvp | --bwd]. */
+ * faster: 2-D 64x64 w7 B8 1.50 against 1.63 ms) unless, for the first-order backward, those
+ * kernels mask by row bits: then they are faster from 13x13 to 7^3 too (1.02 against 1.18 ms
+ * on 2-D 128x128 w13, 1.99 against 2.06 on 3-D 16x32x32 w7^3: bench/bench_gpu.py, bdet against
+ * bwd, H100, bf16, 16 heads). The backward through forward+JVP keeps the KV-parallel wgmma key
+ * pass there (design.md §6.8). Reproduce: bench/ab_gpu.py [--jvp | --bwd]. */
 static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_parallel,
                                 const nbhd_cuda_device *dev) {
     if (!g->has_window) return false;
     const bool large = nbhd_cuda_mma_large_window(g);
     if (op == NBHD_OP_FORWARD) return large;
-    if (op == NBHD_OP_BACKWARD)
-        return large || (kv_parallel && g->head_dim == 128 && nbhd_cuda_window_keys(g) >= 128);
+    if (op == NBHD_OP_BACKWARD || op == NBHD_OP_FORWARD_JVP_BACKWARD)
+        return large || (kv_parallel && g->head_dim == 128 && nbhd_cuda_window_keys(g) >= 128 &&
+                         !(op == NBHD_OP_BACKWARD && row_masked_backward(g, dev)));
     return large && (dev->wgmma || g->head_dim >= 128);
 }
 
@@ -84,12 +97,12 @@ static int patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op, cons
  * on 128-row patches (the wgmma pass). On the 64-row mma.sync kernels at D = 128 the
  * key-stationary kernel already holds dK and dV in 256 registers, and its dQ phase costs more
  * than the separate dq kernel (bench/bench_gpu.py: bwd against bdet). */
-int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_cuda_device *dev) {
+int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, const nbhd_cuda_device *dev) {
     const int D = g->head_dim;
     /* with a bias the dQ kernels (query-stationary) add the table's gradient */
     if (!e || !e->kv_parallel || (g->dtype != NBHD_F16 && g->dtype != NBHD_BF16) || D != g->head_dim_v || g->rpb)
         return 0;
-    return D == 32 || D == 64 || (D == 128 && patch_mb(g, e, NBHD_OP_BACKWARD, dev) == 2);
+    return D == 32 || D == 64 || (D == 128 && patch_mb(g, e, op, dev) == 2);
 }
 
 /* Do `ctas` CTAs of `bytes` of shared memory each fit one SM (its opt-in limit plus the 1 KiB the
@@ -165,9 +178,9 @@ static void choose_forward_jvp(const nbhd_geometry *g, const nbhd_cuda_device *d
  * faster than two warpgroups deterministic on the small-window problems, bench/ab_gpu.py
  * --bwd); the accumulator of the KV-parallel path is read as float4, so a workspace not
  * 16-byte aligned takes two passes */
-static void choose_backward(const nbhd_geometry *g, const nbhd_exec *e, const nbhd_cuda_device *dev,
+static void choose_backward(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, const nbhd_cuda_device *dev,
                             nbhd_cuda_choice *c) {
-    c->kv_parallel = nbhd_cuda_kv_parallel_applies(g, e, dev) && (uintptr_t)e->workspace % 16 == 0;
+    c->kv_parallel = nbhd_cuda_kv_parallel_applies(g, op, e, dev) && (uintptr_t)e->workspace % 16 == 0;
     /* the wgmma dq kernel sums a bias table's gradient in shared memory beside a copy of the
      * table (two CTAs per SM on 64-row patches, one on 128); a table too large for that takes
      * the 64-row mma.sync backward, whose atomics go to global memory */
@@ -188,12 +201,13 @@ static void choose_backward(const nbhd_geometry *g, const nbhd_exec *e, const nb
 nbhd_cuda_choice nbhd_cuda_choose(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, int layout_ok,
                                   const nbhd_cuda_device *dev) {
     nbhd_cuda_choice c = {NBHD_CUDA_SIMPLE, 1, 0, 0, 0, 0};
-    if (e->use_reference || !layout_ok || op == NBHD_OP_FORWARD_JVP_BACKWARD) return c;
+    if (e->use_reference || !layout_ok) return c;
     c.family = NBHD_CUDA_MMA;
     c.mb = patch_mb(g, e, op, dev);
     if (op == NBHD_OP_FORWARD) choose_forward(g, dev, &c);
     if (op == NBHD_OP_FORWARD_JVP) choose_forward_jvp(g, dev, &c);
-    if (op == NBHD_OP_BACKWARD) choose_backward(g, e, dev, &c);
+    /* the backward through forward+JVP: its tangents' backward, on the backward's kernels */
+    if (op == NBHD_OP_BACKWARD || op == NBHD_OP_FORWARD_JVP_BACKWARD) choose_backward(g, op, e, dev, &c);
     return c;
 }
 
@@ -202,9 +216,8 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
     const bool half_type = g->dtype == NBHD_F16 || g->dtype == NBHD_BF16;
     const int D = g->head_dim;
     const bool head_dim_ok = D == g->head_dim_v && (D == 32 || D == 64 || D == 128);
-    /* the backward through forward+JVP runs on the backward's choice (cuda_forward_jvp_backward):
-     * its tiles are the backward's */
-    if (op == NBHD_OP_FORWARD_JVP_BACKWARD) op = NBHD_OP_BACKWARD;
+    /* the backward through forward+JVP runs on the backward's kernels (cuda_forward_jvp_backward):
+     * its tiles are the backward's, its default its own */
     if (!half_type || !head_dim_ok || !g->has_window) return 0;
     static const int32_t patch[2][3][3] = {{{64, 0, 0}, {8, 8, 0}, {4, 4, 4}},
                                            {{128, 0, 0}, {16, 8, 0}, {8, 4, 4}}};
