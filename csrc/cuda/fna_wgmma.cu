@@ -19,6 +19,8 @@
  *   O += P' V'         BN/16 wgmma m64nHDk16 of the previous tile, P' from registers
  * then, while the second runs on the tensor cores, the softmax of S (scale, mask unless the tile
  * is inside every row's window, online max and sum), and after it O's rescale and the new P.
+ * One warpgroup in 2-D and 3-D masks by row bits (RMASK: cta_patch.cuh row_masks, each key's
+ * word written by the thread that loads it) instead of comparing key coordinates.
  */
 #include "wgmma.cuh"
 

@@ -21,7 +21,9 @@
  *                are formed once (5 products per tile instead of 7), summation order not fixed.
  *
  * Otherwise each output element is written once by one thread: deterministic. A tile inside every row's
- * window of a warpgroup skips the mask (wgmma.cuh tile_inside). Every wgmma is issued on every
+ * window of a warpgroup skips the mask (wgmma.cuh tile_inside); one warpgroup in 2-D and 3-D masks
+ * by row bits instead (RMASK: cta_patch.cuh row_masks; a warp whose rows all meet the tile skips
+ * it). Every wgmma is issued on every
  * tile outside any branch (ptxas serialises wgmma it cannot prove warpgroup-uniform). The dq
  * kernel leaves the previous tile's dQ product running during this tile's P and dS, as the
  * forward does its P V; the dkdv kernel's two accumulators (128 registers at D = 128) leave no

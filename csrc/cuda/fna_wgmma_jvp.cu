@@ -16,14 +16,15 @@
  */
 #include "wgmma.cuh"
 
-/* The tiles (after up to 1024 bytes of alignment) and the key coordinates. One warpgroup at
- * D = 128 takes no alignment slack, so that two CTAs fit an SM (2 x 113 KiB): the dynamic shared
- * memory of a CTA without static shared memory starts 1024-aligned on Hopper, which the kernel
- * checks (a trap, never a silent overrun). */
+/* row masks (one warpgroup in 2-D and 3-D, cta_patch.cuh row_masks) with the smaller table */
 template <int RANK, int BN, bool RMASK>
 using wgj_row_masks = wg_row_masks<RANK, BN, WGMMA_K_STAGES, RMASK, false, row_masks<3>::JVP_ENTRIES>;
 
-/* with row masks their table and words take the key coordinates' place */
+/* The tiles (after up to 1024 bytes of alignment) and the key coordinates, or with row masks
+ * their table and words in the coordinates' place. One warpgroup at D = 128 takes no alignment
+ * slack, so that two CTAs fit an SM (2 x 113 KiB): the dynamic shared memory of a CTA without
+ * static shared memory starts 1024-aligned on Hopper, which the kernel checks (a trap, never a
+ * silent overrun). */
 template <int HD, int BN, int WGS, bool RMASK = false>
 static constexpr size_t wgj_smem_bytes(int rank) {
     return (WGS == 1 ? 0 : 1024) +
