@@ -131,8 +131,9 @@ struct row_masks {
 /* Does a 64-row patch's table fit row_masks::ENTRIES for this problem (rank >= 2)? Bounds each
  * axis's box of columns: for query rows the union of ct windows, ct + K + s (their starts at most
  * ct + s - 2 apart); for key rows the union of ct keys' inverse windows, ct + 2 K + 2 s (an
- * inverse window holds at most K + s queries, and 1.5 K at a border). The table's builder traps
- * on a box beyond ENTRIES, never overrunning it. */
+ * inverse window holds at most K + s queries, and 1.5 K at a border; tests/test_row_mask_bounds.py
+ * checks both against the window rule). The table's builder traps on a box beyond ENTRIES,
+ * never overrunning it. */
 __host__ __device__ inline bool row_masks_fit(const nbhd_geometry *g, int rank, bool key_rows = false,
                                               int entries = row_masks<3>::ENTRIES) {
     int64_t n = 0;
