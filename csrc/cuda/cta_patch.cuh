@@ -128,7 +128,8 @@ struct row_masks {
     __device__ __forceinline__ static uint64_t rows_at(int ax, int c) { return first_rows(ax) << (c * step(ax)); }
 };
 
-/* Does a 64-row patch's table fit row_masks::ENTRIES for this problem (rank >= 2)? Bounds each
+/* Do row masks serve this problem (rank >= 2, no bias table: a bias needs the key coordinates)
+ * and does a 64-row patch's table fit row_masks::ENTRIES? Bounds each
  * axis's box of columns: for query rows the union of ct windows, ct + K + s (their starts at most
  * ct + s - 2 apart); for key rows the union of ct keys' inverse windows, ct + 2 K + 2 s (an
  * inverse window holds at most K + s queries, and 1.5 K at a border; tests/test_row_mask_bounds.py
@@ -139,7 +140,7 @@ __host__ __device__ inline bool row_masks_fit(const nbhd_geometry *g, int rank, 
     int64_t n = 0;
     for (int ax = 0; ax < rank; ++ax)
         n += patch_ct(rank, ax) + (key_rows ? 2 : 1) * (g->axis[ax].kernel + g->axis[ax].stride);
-    return rank >= 2 && n <= entries;
+    return rank >= 2 && !g->rpb && n <= entries;
 }
 
 /* ROWS rows of one tensor (TWO: two) into shared tiles d1 (and d2) by cp.async over THREADS

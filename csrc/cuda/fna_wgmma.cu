@@ -54,13 +54,9 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
     const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
     auto load_tile = [&](int t, int) {
-        auto key_out = [&]() {
-            if constexpr (RMASK) return rm.key_out(C, t % KST);
-            else return no_key_out{};
-        };
         C.template load_kv_tile<T, HD, BN, THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
                                                     Vs + (t % VST) * BN * HD, kc + (t % KST) * RANK * BN, tid,
-                                                    [](int r, int ch) { return gmma_off<BN>(r, ch); }, key_out());
+                                                    [](int r, int ch) { return gmma_off<BN>(r, ch); }, rm.key_out(C, t % KST));
     };
 
     // this thread's rows (r, r + 8 of its warp's m-block): validity and in-group windows; the
@@ -215,7 +211,7 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *
                                cudaStream_t st) {
     // row masks on one warpgroup's 64-query patches in 2-D and 3-D where the table fits
     constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
-    const bool rmask = RM && !g->rpb && row_masks_fit(g, RANK);
+    const bool rmask = RM && row_masks_fit(g, RANK);
     const size_t smem = forward_smem_bytes(g, sizeof(T), HD, BN, RANK, WGS, rmask);
     auto kernel = g->rpb   ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, true, false>
                   : rmask ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false, RM>

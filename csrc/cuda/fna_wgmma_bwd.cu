@@ -100,13 +100,9 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     const group_ptr<const T> kp = group_ptr_of<const T>(a.k, g, C.b, C.grp, C.hk);
     const group_ptr<const T> vp = group_ptr_of<const T>(a.v, g, C.b, C.grp, C.hk);
     auto load_tile = [&](int t, int) {
-        auto key_out = [&]() {
-            if constexpr (RMASK) return rm.key_out(C, t % VST);
-            else return no_key_out{};
-        };
         C.template load_kv_tile<T, HD, BN, THREADS>(g, a, kp, vp, t, Ks + (t % KST) * BN * HD,
                                                     Vs + (t % VST) * BN * HD, kc + (t % VST) * RANK * BN, tid,
-                                                    [](int r, int ch) { return gmma_off<BN>(r, ch); }, key_out());
+                                                    [](int r, int ch) { return gmma_off<BN>(r, ch); }, rm.key_out(C, t % VST));
     };
 
     // this thread's rows: windows, lse (base 2), D_i
@@ -466,11 +462,11 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
     if (dq_acc) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: no KV-parallel pass on one warpgroup");
     // row masks on one warpgroup's 64-row patches in 2-D and 3-D where the tables fit
     constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
-    const bool rmask = RM && !g->rpb && row_masks_fit(g, RANK);
+    const bool rmask = RM && row_masks_fit(g, RANK);
     auto dq_kernel = g->rpb  ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, true, false>
                      : rmask ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, RM>
                              : fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, false>;
-    const bool rmask_keys = RM && !g->rpb && row_masks_fit(g, RANK, true);
+    const bool rmask_keys = RM && row_masks_fit(g, RANK, true);
     auto dkdv_kernel = g->rpb       ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, true>
                        : rmask_keys ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false, RM>
                                     : fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false>;

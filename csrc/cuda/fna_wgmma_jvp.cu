@@ -215,7 +215,7 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_ar
                                cudaStream_t st) {
     // row masks on one warpgroup's 64-query patches in 2-D and 3-D where the smaller table fits
     constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
-    const bool rmask = RM && !g->rpb && row_masks_fit(g, RANK, false, row_masks<3>::JVP_ENTRIES);
+    const bool rmask = RM && row_masks_fit(g, RANK, false, row_masks<3>::JVP_ENTRIES);
     constexpr size_t smem = wgj_smem_bytes<HD, BN, WGS>(RANK), smem_rm = wgj_smem_bytes<HD, BN, WGS, RM>(RANK);
     static_assert(smem <= 227 * 1024 && smem_rm <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
     static_assert(WGS == 2 || (smem <= 113 * 1024 && smem_rm <= 113 * 1024), "one warpgroup: two CTAs per SM");

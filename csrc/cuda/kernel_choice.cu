@@ -47,12 +47,11 @@ static bool large_patch_allowed(const nbhd_geometry *g, nbhd_op op, const nbhd_c
            ((op == NBHD_OP_BACKWARD || op == NBHD_OP_FORWARD_JVP_BACKWARD) && dev->wgmma);
 }
 
-/* Hopper's one-warpgroup backward kernels on 64-row patches mask by row bits (2-D and 3-D, no
- * bias, where both tables fit: cta_patch.cuh row_masks_fit) */
+/* Hopper's one-warpgroup backward kernels on 64-row patches (D = 128) mask by row bits where
+ * both their tables serve (cta_patch.cuh row_masks_fit: 2-D and 3-D, no bias, fitting) */
 static bool row_masked_backward(const nbhd_geometry *g, const nbhd_cuda_device *dev) {
     const int rank = mma_rank_of(g);
-    return dev->wgmma && g->head_dim == 128 && !g->rpb && rank >= 2 && row_masks_fit(g, rank) &&
-           row_masks_fit(g, rank, true);
+    return dev->wgmma && g->head_dim == 128 && row_masks_fit(g, rank) && row_masks_fit(g, rank, true);
 }
 
 /* The default where allowed: 128-query patches where they feed more MMAs per shared-memory read

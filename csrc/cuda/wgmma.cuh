@@ -241,9 +241,14 @@ struct wg_row_masks {
             words[s * 2 * BN + BN + c] = (uint32_t)(rows >> 32);
         }
     }
-    /* load_kv_tile's key_out for a key tile in stage s of a query patch (columns: C.kb) */
-    __device__ __forceinline__ auto key_out(const wg_cta<RANK, 1> &C, int s) const {
-        return [=, &C](int kr, bool ok, bool win, const int (&j)[3]) { put(s, kr, C.kb, ok, win, j); };
+    /* load_kv_tile's key_out for a key tile in stage s of query patch C (columns: C.kb); without
+     * row masks nothing */
+    template <typename CTA>
+    __device__ __forceinline__ auto key_out(const CTA &C, int s) const {
+        if constexpr (ON)
+            return [=, &C](int kr, bool ok, bool win, const int (&j)[3]) { put(s, kr, C.kb, ok, win, j); };
+        else
+            return no_key_out{};
     }
     /* stage s's words of warp w's half of the rows; its rows' bit for hrow 0 (hrow 1: + 8) */
     __device__ __forceinline__ const uint32_t *warp_words(int s, int w) const { return words + (s * 2 + (w >> 1)) * BN; }
