@@ -28,6 +28,9 @@ CASES = [
     # kernels; the D = 128 JVP takes them on every window there)
     (1, (600,), (520,), (1,), (1,), (False,), 1, 1, 128, 0, torch.bfloat16),
     (3, (9, 10, 12), (8, 8, 8), (2, 1, 3), (1, 1, 1), (False, True, False), 2, 1, 64, 3, torch.float16),
+    # the backward's 8x2x8 patches (stride groups' windows overlapping along the first axis),
+    # on a permuted view
+    (3, (20, 8, 16), (12, 8, 8), (10, 4, 8), (1, 1, 1), (False, False, False), 2, 1, 128, 2, torch.bfloat16),
 ]
 
 # python scripts/sanitize_cuda.py [5,6]: those cases only (racecheck of the whole sweep takes minutes)

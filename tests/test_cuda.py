@@ -15,7 +15,7 @@ import torch
 import nbhd
 from nbhd import _lib, configs, ops
 from nbhd.reference import na_reference
-from utils import cuda_kernels
+from utils import cuda_kernels, template_args
 
 NO_RPB = torch.empty(0)  # the ops' absent bias table
 
@@ -273,6 +273,34 @@ def test_backward_axis_order(case, dtype, kv_parallel):
     check_backward_repeatable(case, dtype, deterministic=not kv_parallel)
 
 
+# 3-D windows of 512+ keys with an axis whose stride groups' windows overlap (window 18, stride
+# 16 on 30 frames: [0, 18) and [12, 30)): on Hopper the backward's 128-row patches are 8x2x8
+# (PATCH_FLAT), 2 deep along that axis, where 8x4x4 patches in any order cut its windows more
+# (kernel_choice.cu nbhd_cuda_backward_patch); the shape and order its walk estimate picks for
+# each case: 1 and kernel axes (h, t, w), 1 and the identity, 1 and (t, w, h), causal time,
+# then a control whose unstrided windows keep 8x4x4 (0).
+FLAT_PATCH_CASES = [
+    ((3, (30, 16, 16), (18, 8, 8), (16, 8, 8), (1, 1, 1), (False, False, False), 1, 2, 1, 128, 128, 0, "contig"), 1),
+    ((3, (16, 30, 16), (8, 18, 8), (8, 16, 8), (1, 1, 1), (False, False, False), 2, 2, 2, 64, 64, 3, "heads_major"), 1),
+    ((3, (16, 8, 30), (8, 8, 18), (8, 8, 16), (1, 1, 1), (False, False, False), 1, 2, 2, 128, 128, 0, "contig"), 1),
+    ((3, (30, 16, 16), (18, 8, 8), (16, 8, 8), (1, 1, 1), (True, False, False), 1, 2, 1, 64, 64, 0, "contig"), 1),
+    ((3, (20, 16, 12), (12, 8, 8), (1, 1, 1), (1, 1, 1), (False, False, False), 1, 2, 2, 128, 128, 0, "contig"), 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=lambda x: ids(x) if isinstance(x, tuple) else str(x))
+def test_backward_flat_patches(case, shape, dtype, kv_parallel):
+    """The default backward where 8x2x8 key patches walk fewer pairs against the reference,
+    bitwise-equal on a second call when deterministic; on Hopper its wgmma kernels ran with
+    that m-block shape (the last template argument)."""
+    ran = cuda_kernels(lambda: check_backward_repeatable(case, dtype, deterministic=not kv_parallel))
+    if torch.cuda.get_device_capability() == (9, 0):
+        wgmma = [n for n in ran if "fna_wgmma_dkdv_kernel" in n or "fna_wgmma_dq_kernel" in n]
+        assert len(wgmma) == (1 if kv_parallel else 2), ran
+        assert all(template_args(n)[-1] == str(shape) for n in wgmma), wgmma
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HOPPER_D128_CASES, ids=ids)
 def test_backward_64_row_patches_d128(case, dtype, kv_parallel):
@@ -299,8 +327,9 @@ def test_backward_row_masks(case, dtype):
         dq = [n for n in ran if "fna_wgmma_dq_kernel" in n]
         dkdv = [n for n in ran if "fna_wgmma_dkdv_kernel" in n]
         assert len(dq) == 1 and len(dkdv) == 1, ran
-        assert (", true>(" in dq[0]) == row_masks_fit(case), dq
-        assert (", true>(" in dkdv[0]) == row_masks_fit_keys(case), dkdv
+        # the last two template arguments: RMASK, SHAPE
+        assert (template_args(dq[0])[-2] == "true") == row_masks_fit(case), dq
+        assert (template_args(dkdv[0])[-2] == "true") == row_masks_fit_keys(case), dkdv
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
@@ -312,8 +341,8 @@ def test_backward_default_row_masks():
     case = (2, (40, 36), (13, 13), (1, 1), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig")
     assert nbhd.is_kv_parallelism_in_fused_na_enabled()
     ran = cuda_kernels(lambda: check_backward(case, torch.bfloat16))
-    assert any("fna_wgmma_dq_kernel" in n and ", true>(" in n for n in ran), ran
-    assert any("fna_wgmma_dkdv_kernel" in n and ", true>(" in n for n in ran), ran
+    assert any("fna_wgmma_dq_kernel" in n and template_args(n)[-2] == "true" for n in ran), ran
+    assert any("fna_wgmma_dkdv_kernel" in n and template_args(n)[-2] == "true" for n in ran), ran
     ran = cuda_kernels(lambda: check_forward_jvp_backward(case, torch.bfloat16, "second"))
     assert any("fna_wgmma_jvpb_keys_kernel" in n for n in ran), ran
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nbhd import _lib, ops
-from test_cuda import (CASES, JVPB_TOL, NO_RPB, TOL, build, ids, kv_parallel, poison,  # noqa: F401
-                       reference, rel_err, use_reference, with_patch)
+from test_cuda import (CASES, FLAT_PATCH_CASES, JVPB_TOL, NO_RPB, TOL, build, ids, kv_parallel,  # noqa: F401
+                       poison, reference, rel_err, use_reference, with_patch)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not _lib.has_cuda(),
@@ -114,6 +114,13 @@ def test_backward(case, dtype, patch, kv_parallel, use_reference):
             check_rows(name, g, w, m, TOL[dtype], case, dtype)
         else:
             check_full(name, g, w, TOL[dtype], case, dtype)
+
+
+@pytest.mark.parametrize("case", [c for c, shape in FLAT_PATCH_CASES if shape][:3], ids=ids)
+def test_backward_flat_patches(case, kv_parallel):
+    """The default backward where Hopper's 128-row patches are 8x2x8 (on a permuted view), with
+    a query range: context parallelism's sharded strided 3-D problems take it."""
+    test_backward(case, torch.bfloat16, 0, kv_parallel, False)
 
 
 @pytest.mark.parametrize("patch", [0, 128])

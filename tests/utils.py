@@ -104,3 +104,24 @@ def cuda_kernels(fn) -> set:
         fn()
         torch.cuda.synchronize()
     return {e.name for e in prof.events() if "_kernel" in e.name}
+
+
+def template_args(name: str) -> list:
+    """The template arguments of a demangled kernel name, outermost only:
+    'k<a, b<c, d>, 3>(x)' -> ['a', 'b<c, d>', '3']."""
+    start = name.index("<")
+    args, depth, cur = [], 0, ""
+    for ch in name[start + 1:]:
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            if depth == 0:
+                break
+            depth -= 1
+        if ch == "," and depth == 0:
+            args.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    args.append(cur.strip())
+    return args

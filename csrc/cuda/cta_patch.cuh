@@ -163,8 +163,9 @@ __device__ __forceinline__ void load_row_tiles(int tid, T *d1, T *d2, Off off, R
     }
 }
 
-/* MB: 16-row m-blocks per warp of the 4-warp kernels (the patch is 64 * MB positions) */
-template <int RANK, int MB>
+/* MB: 16-row m-blocks per warp of the 4-warp kernels (the patch is 64 * MB positions); SHAPE:
+ * the 3-D m-block's (mma_util.cuh patch_wt) */
+template <int RANK, int MB, int SHAPE = PATCH_CUBE>
 struct cta_patch {
     int64_t b, hk;        /* batch; the kv head of a query patch */
     int h;                /* the patch's head: a query head, or the key head of a key patch */
@@ -175,10 +176,10 @@ struct cta_patch {
     int win_tiles, tiles; /* tiles of the walk: the key box's, then the extra keys' */
 
     __device__ __forceinline__ static int wt(const mma_plan &P, int ax) {
-        return RANK ? patch_wt(RANK, ax) : P.wt[ax];
+        return RANK ? patch_wt(RANK, ax, SHAPE) : P.wt[ax];
     }
     __device__ __forceinline__ static int ct(const mma_plan &P, int ax) {
-        return RANK ? patch_ct(RANK, ax, MB) : P.ct[ax];
+        return RANK ? patch_ct(RANK, ax, MB, SHAPE) : P.ct[ax];
     }
 
     /* patch index -> dilation group, first in-group position and group length per axis (the
@@ -272,7 +273,7 @@ struct cta_patch {
     }
     __device__ __forceinline__ bool row(int qr, int iq[3]) const {
         static_assert(RANK > 0, "a run-time patch shape comes from the plan: row(P, qr, iq)");
-        return row_in(patch_wt(RANK, 0), patch_wt(RANK, 1), patch_wt(RANK, 2), qr, iq);
+        return row_in(patch_wt(RANK, 0, SHAPE), patch_wt(RANK, 1, SHAPE), patch_wt(RANK, 2, SHAPE), qr, iq);
     }
     __device__ __forceinline__ bool row_in(int w0, int w1, int w2, int qr, int iq[3]) const {
         const int mblock = qr >> 4, r = qr & 15;
@@ -397,7 +398,7 @@ struct cta_patch {
     template <int THREADS, bool KEY_ROWS, int ENTRIES>
     __device__ __forceinline__ void row_mask_table(const nbhd_geometry &g, const key_box &cols, uint64_t *tab,
                                                    int tid) const {
-        static_assert(RANK >= 2 && MB == 1, "row masks: 64-row patches in 2-D and 3-D");
+        static_assert(RANK >= 2 && MB == 1 && SHAPE == PATCH_CUBE, "row masks: 64-row patches in 2-D and 3-D");
         if (cols.cnt[0] + cols.cnt[1] + (RANK == 3 ? cols.cnt[2] : 0) > ENTRIES) __trap();
         int base = 0;
 #pragma unroll
@@ -441,7 +442,7 @@ struct cta_patch {
 
     /* the rows inside [Qb, Qe) (an extra key's rows) */
     __device__ __forceinline__ uint64_t valid_rows() const {
-        static_assert(RANK >= 2 && MB == 1, "row masks: 64-row patches in 2-D and 3-D");
+        static_assert(RANK >= 2 && MB == 1 && SHAPE == PATCH_CUBE, "row masks: 64-row patches in 2-D and 3-D");
         uint64_t rows = ~0ull;
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {

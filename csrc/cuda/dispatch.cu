@@ -111,20 +111,22 @@ static void permute_strides(nbhd_tensor *t, const int order[3]) {
     for (int i = 0; i < NBHD_MAX_RANK; ++i) t->stride[1 + i] = was.stride[1 + order[i]];
 }
 
-/* The tensor-core backward, on 128-row patches in the axis order that walks the fewest pairs
- * (nbhd_cuda_backward_axis_order): the kernels see a permuted view, nothing is copied. Not with
- * a bias table (its flat index follows the axes) or requested tiles (given per axis). */
+/* The tensor-core backward, on 128-row patches of the shape and axis order that walk the fewest
+ * pairs (nbhd_cuda_backward_patch): the kernels see a permuted view, nothing is copied. Not
+ * with a bias table (its flat index follows the axes) or requested tiles (given per axis). */
 static nbhd_status mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e,
                                 const nbhd_cuda_choice &c) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     int order[3];
-    if (c.mb != 2 || g->rpb || tiles_requested(e) || !nbhd_cuda_backward_axis_order(g, order))
+    nbhd_cuda_choice pc = c;
+    if (c.family != NBHD_CUDA_WGMMA || c.mb != 2 || g->rpb || tiles_requested(e) ||
+        !nbhd_cuda_backward_patch(g, order, &pc.shape))
         return nbhd_cuda_mma_backward(g, a, e->workspace, &c, stream);
     const nbhd_geometry pg = permuted_geometry(g, order);
     nbhd_backward_args pa = *a;
     nbhd_tensor *spatial[] = {&pa.q, &pa.k, &pa.v, &pa.out, &pa.lse, &pa.d_out, &pa.d_lse, &pa.d_q, &pa.d_k, &pa.d_v};
     for (nbhd_tensor *t : spatial) permute_strides(t, order);
-    return nbhd_cuda_mma_backward(&pg, &pa, e->workspace, &c, stream);
+    return nbhd_cuda_mma_backward(&pg, &pa, e->workspace, &pc, stream);
 }
 
 static nbhd_status cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,

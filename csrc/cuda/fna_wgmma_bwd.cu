@@ -69,13 +69,14 @@ static constexpr size_t dkdv_smem_bytes() {
 /* two warpgroups: one CTA per SM (at two, 128 registers, ptxas serialises the wgmma (C7512)
  * even at D = 64); one warpgroup (64-query patches at D = 128): three */
 template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rpb */,
-          bool RMASK /* row masks (row_masks_fit): 64-query patches in 2-D and 3-D, no bias */>
+          bool RMASK /* row masks (row_masks_fit): 64-query patches in 2-D and 3-D, no bias */,
+          int SHAPE = PATCH_CUBE /* the 3-D m-block (mma_util.cuh patch_wt) */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? (BIAS ? 2 : 3) : 1)
 fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                     const mma_plan P) {
 #if NBHD_HAS_WGMMA
     static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && BN == 32), "row masks: one warpgroup, 2-D/3-D");
-    using CTA = wg_cta<RANK, WGS>;
+    using CTA = wg_cta<RANK, WGS, SHAPE>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGB_DQ_K_STAGES, VST = WGB_DQ_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD] */
@@ -235,13 +236,14 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 /* two warpgroups on 128-key patches, one CTA per SM; one warpgroup (64-key patches at D = 128,
  * not KV-parallel): two */
 template <typename T, int HD, int BN, int RANK, bool KVP, int WGS, bool BIAS /* problem.rpb (not with KVP) */,
-          bool RMASK = false /* row masks (row_masks_fit): 64-key patches in 2-D and 3-D, no bias */>
+          bool RMASK = false /* row masks (row_masks_fit): 64-key patches in 2-D and 3-D, no bias */,
+          int SHAPE = PATCH_CUBE /* the 3-D m-block (mma_util.cuh patch_wt) */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                       float *dq_acc, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && !KVP && BN == 32), "row masks: one warpgroup, 2-D/3-D");
-    using CTA = wg_cta<RANK, WGS>;
+    using CTA = wg_cta<RANK, WGS, SHAPE>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, ST = WGB_KV_STAGES;
     static_assert(!KVP || WGS == 2, "KV-parallel dQ: a 64 x 64 block per warpgroup of two");
     /* KVP: a warpgroup's dQ is 64 queries x 64 columns: of 128 queries at D = 64 it takes query
@@ -447,7 +449,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
 
 /* dq_acc: the KV-parallel pass (two warpgroups; tiles of 128 at D = 64, 64 at D = 128): dK/dV and
  * dQ by atomics, no dq kernel */
-template <typename T, int HD, int BN, int RANK, int WGS>
+template <typename T, int HD, int BN, int RANK, int WGS, int SHAPE>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                float *dq_acc, const mma_plan &P, cudaStream_t st) {
     const int64_t q_ctas = g->batch * g->heads * P.patches, kv_ctas = g->batch * g->kv_heads * P.patches;
@@ -455,7 +457,7 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
     if ((s = nbhd_cuda_grid_fits(q_ctas, "wgmma backward")) != NBHD_OK) return s;
     if constexpr (WGS == 2 && (BN / 64) * (HD / 64) == 2) {
         if (dq_acc)
-            return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true, WGS, false>, kv_ctas, wg_threads(WGS),
+            return nbhd_cuda_launch(fna_wgmma_dkdv_kernel<T, HD, BN, RANK, true, WGS, false, false, SHAPE>, kv_ctas, wg_threads(WGS),
                                     dkdv_smem_bytes<HD, BN, RANK, true, WGS>(), "wgmma backward (dk, dv, dq)", st,
                                     *g, *a, Dws, dq_acc, P);
     }
@@ -463,13 +465,15 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
     // row masks on one warpgroup's 64-row patches in 2-D and 3-D where the tables fit
     constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
     const bool rmask = RM && row_masks_fit(g, RANK);
-    auto dq_kernel = g->rpb  ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, true, false>
-                     : rmask ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, RM>
-                             : fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, false>;
+    constexpr bool CUBE = SHAPE == PATCH_CUBE;  // the flat patches take no bias table
+    if (!CUBE && g->rpb) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: a bias table on flat patches");
+    auto dq_kernel = g->rpb  ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, CUBE, false, SHAPE>
+                     : rmask ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, RM, SHAPE>
+                             : fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, false, SHAPE>;
     const bool rmask_keys = RM && row_masks_fit(g, RANK, true);
-    auto dkdv_kernel = g->rpb       ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, true>
-                       : rmask_keys ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false, RM>
-                                    : fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false>;
+    auto dkdv_kernel = g->rpb       ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, CUBE, false, SHAPE>
+                       : rmask_keys ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false, RM, SHAPE>
+                                    : fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false, false, SHAPE>;
     if ((s = nbhd_cuda_launch(dq_kernel, q_ctas, wg_threads(WGS),
                               dq_smem_bytes(g, HD, BN, RANK, WGS, rmask), "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
         return s;
@@ -480,12 +484,17 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
                             *g, *a, Dws, (float *)nullptr, P);
 }
 
+/* shape: the 3-D m-block of the two-warpgroup kernels (PATCH_FLAT only there) */
 template <typename T, int HD, int BN, int WGS>
 static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
-                                float *dq_acc, cudaStream_t st) {
+                                float *dq_acc, int shape, cudaStream_t st) {
     return with_rank<WGS>(g, [&](auto rank, const mma_plan &P) {
-        return launch_rank<T, HD, BN, decltype(rank)::value, WGS>(g, a, Dws, dq_acc, P, st);
-    });
+        constexpr int RANK = decltype(rank)::value;
+        if constexpr (RANK == 3 && WGS == 2)
+            if (shape == PATCH_FLAT) return launch_rank<T, HD, BN, RANK, WGS, PATCH_FLAT>(g, a, Dws, dq_acc, P, st);
+        if (shape != PATCH_CUBE) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: patch shape %d", shape);
+        return launch_rank<T, HD, BN, RANK, WGS, PATCH_CUBE>(g, a, Dws, dq_acc, P, st);
+    }, shape);
 }
 
 /* the kernels of the choice (kernel_choice.cu choose_backward): on 128-row patches tiles of 64
@@ -494,9 +503,9 @@ template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                           float *dq_acc, const nbhd_cuda_choice &c, cudaStream_t st) {
     constexpr int BN = HD == 64 ? 128 : 64;
-    if (c.mb == 2 && c.bn == BN) return launch_ranks<T, HD, BN, 2>(g, a, Dws, dq_acc, st);
+    if (c.mb == 2 && c.bn == BN) return launch_ranks<T, HD, BN, 2>(g, a, Dws, dq_acc, c.shape, st);
     if constexpr (HD == 128)
-        if (c.mb == 1 && c.bn == 32) return launch_ranks<T, HD, 32, 1>(g, a, Dws, dq_acc, st);
+        if (c.mb == 1 && c.bn == 32) return launch_ranks<T, HD, 32, 1>(g, a, Dws, dq_acc, c.shape, st);
     return nbhd_cuda_no_kernel("wgmma backward", &c);
 }
 

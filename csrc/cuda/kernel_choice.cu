@@ -199,7 +199,7 @@ static void choose_backward(const nbhd_geometry *g, nbhd_op op, const nbhd_exec 
 
 nbhd_cuda_choice nbhd_cuda_choose(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, int layout_ok,
                                   const nbhd_cuda_device *dev) {
-    nbhd_cuda_choice c = {NBHD_CUDA_SIMPLE, 1, 0, 0, 0, 0};
+    nbhd_cuda_choice c = {NBHD_CUDA_SIMPLE, 1, 0, 0, 0, 0, PATCH_CUBE};
     if (e->use_reference || !layout_ok) return c;
     c.family = NBHD_CUDA_MMA;
     c.mb = patch_mb(g, e, op, dev);
@@ -260,30 +260,34 @@ static double axis_walk(const nbhd_axis *a, int c, bool keys) {
     return walked;
 }
 
-int nbhd_cuda_backward_axis_order(const nbhd_geometry *g, int order[3]) {
+/* Orders of the axes (each a permutation; 3-D: 6, 2-D: 2) and 3-D m-block shapes; the
+ * identity order of the cube first, and only a walk at least 3 % shorter than the best so far
+ * replaces it: a shape or order is taken where it clearly pays. */
+int nbhd_cuda_backward_patch(const nbhd_geometry *g, int order[3], int *shape) {
+    static const int perms[6][3] = {{0, 1, 2}, {1, 0, 2}, {2, 0, 1}, {0, 2, 1}, {1, 2, 0}, {2, 1, 0}};
     const int rank = mma_rank_of(g);
     order[0] = 0, order[1] = 1, order[2] = 2;
+    *shape = PATCH_CUBE;
     if (rank < 2) return 0;
-    /* the deep axis of the 128-row patch is position 0 (3-D 8x4x4, 2-D 16x8) */
-    const int deep = patch_ct(rank, 0, 2), shallow = patch_ct(rank, 1, 2);
-    double wk[3][2], wq[3][2];  /* [axis][deep, shallow] */
-    for (int a = 0; a < rank; ++a) {
-        wk[a][0] = axis_walk(&g->axis[a], deep, true), wk[a][1] = axis_walk(&g->axis[a], shallow, true);
-        wq[a][0] = axis_walk(&g->axis[a], deep, false), wq[a][1] = axis_walk(&g->axis[a], shallow, false);
-    }
     double best = 0;
-    int best_first = 0;
-    for (int first = 0; first < rank; ++first) {
-        double k = 1, q = 1;
-        for (int a = 0; a < rank; ++a) k *= wk[a][a == first ? 0 : 1], q *= wq[a][a == first ? 0 : 1];
-        if (first == 0 || k + q < best) best = k + q, best_first = first;
-        /* another order must walk clearly less than the identity's (its first) */
-        if (first == 0) best *= 0.97;
+    for (int sh = PATCH_CUBE; sh <= (rank == 3 ? PATCH_FLAT : PATCH_CUBE); ++sh) {
+        /* walks of kernel axis i's depth along each problem axis */
+        double wk[3][3], wq[3][3];
+        for (int i = 0; i < rank; ++i)
+            for (int a = 0; a < rank; ++a) {
+                wk[i][a] = axis_walk(&g->axis[a], patch_ct(rank, i, 2, sh), true);
+                wq[i][a] = axis_walk(&g->axis[a], patch_ct(rank, i, 2, sh), false);
+            }
+        for (int p = 0; p < (rank == 3 ? 6 : 2); ++p) {
+            const int *o = perms[p];
+            double k = 1, q = 1;
+            for (int i = 0; i < rank; ++i) k *= wk[i][o[i]], q *= wq[i][o[i]];
+            if ((sh == PATCH_CUBE && p == 0) || k + q < 0.97 * best) {
+                best = k + q;
+                *shape = sh;
+                for (int i = 0; i < 3; ++i) order[i] = i < rank ? o[i] : i;
+            }
+        }
     }
-    if (best_first == 0) return 0;
-    int n = 0;
-    order[n++] = best_first;
-    for (int a = 0; a < 3; ++a)
-        if (a != best_first) order[n++] = a;
-    return 1;
+    return *shape != PATCH_CUBE || order[0] != 0 || order[1] != 1;
 }

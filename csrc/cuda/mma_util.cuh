@@ -20,16 +20,21 @@
  * m-blocks are stacked along the slowest axis and span the CTA's patch on the others, so that
  * the keys a warp needs form one contiguous run of the CTA's row-major walk of its union box
  * (2-D 7x7: 8 x 14 = 112 walk positions per m-block, against 10 rows x 14 = 140 for 4x4). */
-__host__ __device__ constexpr int patch_wt(int rank, int ax) {
-    return rank <= 1 ? (ax == 0 ? 16 : 1) : rank == 2 ? (ax == 0 ? 2 : ax == 1 ? 8 : 1)
-                                                      : (ax == 0 ? 1 : 4);
+/* 3-D m-block shapes: PATCH_CUBE 1x4x4 (every kernel), PATCH_FLAT 1x2x8 (the Hopper backward's
+ * 128-row patches of 8x2x8, where they walk fewer pairs: kernel_choice.cu) */
+enum { PATCH_CUBE = 0, PATCH_FLAT = 1 };
+__host__ __device__ constexpr int patch_wt(int rank, int ax, int shape = PATCH_CUBE) {
+    return rank <= 1   ? (ax == 0 ? 16 : 1)
+           : rank == 2 ? (ax == 0 ? 2 : ax == 1 ? 8 : 1)
+           : shape == PATCH_FLAT ? (ax == 0 ? 1 : ax == 1 ? 2 : 8)
+                                 : (ax == 0 ? 1 : 4);
 }
 __host__ __device__ constexpr int patch_wc(int rank, int ax, int mb = 1) {
     (void)rank;
     return ax == 0 ? 4 * mb : 1;
 }
-__host__ __device__ constexpr int patch_ct(int rank, int ax, int mb = 1) {
-    return patch_wt(rank, ax) * patch_wc(rank, ax, mb);
+__host__ __device__ constexpr int patch_ct(int rank, int ax, int mb = 1, int shape = PATCH_CUBE) {
+    return patch_wt(rank, ax, shape) * patch_wc(rank, ax, mb);
 }
 
 /* tile shapes and the CTA -> (b, head, patch) map, computed on the host */
@@ -48,13 +53,13 @@ static inline int mma_rank_of(const nbhd_geometry *g) {
                               : g->axis[1].extent > 1 || g->axis[1].kernel > 1 ? 2 : 1;
 }
 
-/* mb: 16-row m-blocks per warp (4 warps per CTA) */
-static inline mma_plan mma_plan_of(const nbhd_geometry *g, int mb = 1) {
+/* mb: 16-row m-blocks per warp (4 warps per CTA); shape: the 3-D m-block's (patch_wt) */
+static inline mma_plan mma_plan_of(const nbhd_geometry *g, int mb = 1, int shape = PATCH_CUBE) {
     mma_plan P;
     P.rank = mma_rank_of(g);
     P.patches = 1;
     for (int ax = 0; ax < 3; ++ax) {
-        P.wt[ax] = patch_wt(P.rank, ax);
+        P.wt[ax] = patch_wt(P.rank, ax, shape);
         P.wc[ax] = patch_wc(P.rank, ax, mb);
         P.ct[ax] = P.wt[ax] * P.wc[ax];
         const int64_t d = g->axis[ax].dilation, L = g->axis[ax].extent;

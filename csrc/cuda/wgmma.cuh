@@ -42,8 +42,8 @@ __host__ __device__ constexpr int wg_threads(int wgs) { return 128 * wgs; }
 /* f(std::integral_constant<int, RANK>, plan) for the problem's rank, its plan on patches of wgs
  * warpgroups: the launchers' one switch from the run-time rank to the kernels' template */
 template <int WGS, typename F>
-static nbhd_status with_rank(const nbhd_geometry *g, F &&f) {
-    const mma_plan P = mma_plan_of(g, WGS);
+static nbhd_status with_rank(const nbhd_geometry *g, F &&f, int shape = PATCH_CUBE) {
+    const mma_plan P = mma_plan_of(g, WGS, shape);
     switch (P.rank) {
     case 1: return f(std::integral_constant<int, 1>{}, P);
     case 2: return f(std::integral_constant<int, 2>{}, P);
@@ -68,8 +68,8 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lead_bytes
  * (cta_patch.cuh with MB = WGS: m-blocks stacked along axis 0, warp w owning m-block w, warpgroup
  * wg the box of m-blocks 4 wg .. 4 wg + 3), with the loads and masks of that shape. Two on the
  * large windows; one on small windows, whose 64-query patches waste less of the union. */
-template <int RANK, int WGS = 2>
-struct wg_cta : cta_patch<RANK, WGS> {
+template <int RANK, int WGS = 2, int SHAPE = PATCH_CUBE>
+struct wg_cta : cta_patch<RANK, WGS, SHAPE> {
     static constexpr int BM = wg_rows(WGS), THREADS = wg_threads(WGS);
     /* the patch's rows of x1 and x2 (head `head`) into [BM][HD] tiles d1, d2 of the layout
      * above (cta_patch::copy_rows) */
@@ -91,7 +91,7 @@ struct wg_cta : cta_patch<RANK, WGS> {
             qb.cnt[ax] = 1;
             if (ax < RANK) {
                 int64_t lo, cnt;
-                const int last = min(this->i0[ax] + patch_ct(RANK, ax, WGS), this->Lg[ax]) - 1;
+                const int last = min(this->i0[ax] + patch_ct(RANK, ax, WGS, SHAPE), this->Lg[ax]) - 1;
                 inverse_union(&g.axis[ax], this->grp[ax], this->i0[ax], last, &lo, &cnt);
                 qb.lo[ax] = (int)lo;
                 qb.cnt[ax] = (int)cnt;
@@ -123,7 +123,7 @@ struct wg_cta : cta_patch<RANK, WGS> {
                 ien[hrow][ax] = valid ? (int)(f / d + c) : 0;
             }
         }
-        constexpr int WX[3] = {patch_wt(RANK, 0) * 4, patch_wt(RANK, 1), patch_wt(RANK, 2)};
+        constexpr int WX[3] = {patch_wt(RANK, 0, SHAPE) * 4, patch_wt(RANK, 1, SHAPE), patch_wt(RANK, 2, SHAPE)};
         int wk[3];
         this->row((w >> 2) * 64, wk);
         bool all_rows = true;
@@ -189,7 +189,7 @@ struct wg_cta : cta_patch<RANK, WGS> {
      * so it is [start(last), end(first)). */
     __device__ __forceinline__ void box_inside(const nbhd_geometry &g, int wg, int (&ilo)[RANK],
                                                int (&ihi)[RANK]) const {
-        constexpr int WX[3] = {patch_wt(RANK, 0) * 4, patch_wt(RANK, 1), patch_wt(RANK, 2)};
+        constexpr int WX[3] = {patch_wt(RANK, 0, SHAPE) * 4, patch_wt(RANK, 1, SHAPE), patch_wt(RANK, 2, SHAPE)};
         int wq[3];
         this->row(wg * 64, wq);
         bool all_rows = true;
