@@ -29,7 +29,9 @@ PROBLEMS = [
     ("2d-128x128-w13", 1, (128, 128), (13, 13), (1, 1)),
     ("3d-16x32x32-w7", 1, (16, 32, 32), (7, 7, 7), (1, 1, 1)),
     ("1d-32768-w2048", 1, (32768,), (2048,), (1,)),
+    ("1d-32768-w2048-s256", 1, (32768,), (2048,), (256,)),
     ("2d-256x256-w80", 1, (256, 256), (80, 80), (1, 1)),
+    ("2d-256x256-w80-s16", 1, (256, 256), (80, 80), (16, 16)),
     ("3d-30x48x80-s16x8x8", 1, (30, 48, 80), (18, 24, 24), (16, 8, 8)),
     ("3d-30x48x80-w18x24x24", 1, (30, 48, 80), (18, 24, 24), (1, 1, 1)),
 ]
@@ -51,18 +53,19 @@ def listed_tiles(op, q, k, v, geo, backward):
 
 
 def variants(op, q, k, v, geo, backward):
-    """[(label, tiles, kv_parallel)]: every listed configuration (default first) as the tiles
-    argument of ops.na_*; the backward's also with KV parallelism off, after the call with no
-    tiles ("auto": the library's own choice, which may also reorder the axes of its 128-row
-    patches, dispatch.cu mma_backward; requested tiles keep the problem's order)."""
+    """[(label, tiles, kv_parallel)]: the call with no tiles ("auto": the library's own choice,
+    which on Hopper may also reshape or reorder its 128-row patches, dispatch.cu reshaped;
+    requested tiles keep the problem's order and 8x4x4), then every listed configuration
+    (default first) as the tiles argument of ops.na_*; the backward's also with KV parallelism
+    off."""
     rank = len(geo[0])
-    out = [("auto", [0] * (4 * rank), True), ("auto det", [0] * (4 * rank), False)] if backward else []
+    out = [("auto", [0] * (4 * rank), True)] + ([("auto det", [0] * (4 * rank), False)] if backward else [])
     for qt, kt, tiles in listed_tiles(op, q, k, v, geo, backward):
         label = "x".join(map(str, qt)) + "/" + "x".join(map(str, kt))
         out.append((label, tiles, True))
         if backward:
             out.append((label + " det", tiles, False))
-    return out or [("default", [0] * (4 * rank), True)]
+    return out
 
 
 def main():

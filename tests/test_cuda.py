@@ -228,7 +228,7 @@ def test_forward_row_masks(case, dtype):
     if torch.cuda.get_device_capability() == (9, 0):
         fwd = [n for n in ran if "fna_wgmma_forward_kernel" in n]
         assert len(fwd) == 1, ran
-        assert (", true>(" in fwd[0]) == row_masks_fit(case), fwd
+        assert (template_args(fwd[0])[-2] == "true") == row_masks_fit(case), fwd  # RMASK, SHAPE
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -274,18 +274,32 @@ def test_backward_axis_order(case, dtype, kv_parallel):
 
 
 # 3-D windows of 512+ keys with an axis whose stride groups' windows overlap (window 18, stride
-# 16 on 30 frames: [0, 18) and [12, 30)): on Hopper the backward's 128-row patches are 8x2x8
-# (PATCH_FLAT), 2 deep along that axis, where 8x4x4 patches in any order cut its windows more
-# (kernel_choice.cu nbhd_cuda_backward_patch); the shape and order its walk estimate picks for
-# each case: 1 and kernel axes (h, t, w), 1 and the identity, 1 and (t, w, h), causal time,
-# then a control whose unstrided windows keep 8x4x4 (0).
+# 16 on 30 frames: [0, 18) and [12, 30)) or an axis of 10 positions: on Hopper the forward's and
+# the backward's 128-row patches are 8x2x8 (PATCH_FLAT), 2 deep along that axis, where 8x4x4
+# patches in any order cut its windows more or pad it (kernel_choice.cu nbhd_cuda_patch_shape);
+# the shape and order its walk estimates pick for each case, forward and backward alike: 1 and
+# kernel axes (h, t, w), 1 and the identity, 1 and (t, w, h), causal time, 1 and (h, t, w)
+# unstrided, then a control whose windows keep 8x4x4 (0; its D = 128 forward takes 64-query
+# patches on one warpgroup, whose m-block is 1x4x4 too).
 FLAT_PATCH_CASES = [
-    ((3, (30, 16, 16), (18, 8, 8), (16, 8, 8), (1, 1, 1), (False, False, False), 1, 2, 1, 128, 128, 0, "contig"), 1),
-    ((3, (16, 30, 16), (8, 18, 8), (8, 16, 8), (1, 1, 1), (False, False, False), 2, 2, 2, 64, 64, 3, "heads_major"), 1),
-    ((3, (16, 8, 30), (8, 8, 18), (8, 8, 16), (1, 1, 1), (False, False, False), 1, 2, 2, 128, 128, 0, "contig"), 1),
-    ((3, (30, 16, 16), (18, 8, 8), (16, 8, 8), (1, 1, 1), (True, False, False), 1, 2, 1, 64, 64, 0, "contig"), 1),
+    ((3, (30, 8, 8), (18, 8, 8), (16, 8, 8), (1, 1, 1), (False, False, False), 1, 2, 1, 128, 128, 0, "contig"), 1),
+    ((3, (8, 30, 8), (8, 18, 8), (8, 16, 8), (1, 1, 1), (False, False, False), 2, 2, 2, 64, 64, 3, "heads_major"), 1),
+    ((3, (30, 6, 12), (18, 6, 6), (16, 6, 6), (1, 1, 1), (False, False, False), 1, 2, 2, 128, 128, 0, "contig"), 1),
+    ((3, (30, 8, 8), (18, 8, 8), (16, 8, 8), (1, 1, 1), (True, False, False), 1, 2, 1, 64, 64, 0, "contig"), 1),
+    ((3, (10, 16, 16), (6, 10, 10), (1, 1, 1), (1, 1, 1), (False, False, False), 2, 2, 1, 64, 64, 2, "contig"), 1),
     ((3, (20, 16, 12), (12, 8, 8), (1, 1, 1), (1, 1, 1), (False, False, False), 1, 2, 2, 128, 128, 0, "contig"), 0),
 ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=lambda x: ids(x) if isinstance(x, tuple) else str(x))
+def test_forward_flat_patches(case, shape, dtype):
+    """The default forward where 8x2x8 query patches walk fewer pairs against the reference; on
+    Hopper its wgmma kernel ran with that m-block shape (the last template argument)."""
+    ran = cuda_kernels(lambda: check_forward(case, dtype, 31))
+    if torch.cuda.get_device_capability() == (9, 0):
+        fwd = [n for n in ran if "fna_wgmma_forward_kernel" in n]
+        assert len(fwd) == 1 and template_args(fwd[0])[-1] == str(shape), ran
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
@@ -481,7 +495,19 @@ def test_forward_jvp_row_masks(case, dtype, absent):
     if torch.cuda.get_device_capability() == (9, 0):
         jvp = [n for n in ran if "fna_wgmma_jvp_kernel" in n]
         assert len(jvp) == 1, ran
-        assert (", true>(" in jvp[0]) == row_masks_fit(case, entries=64), jvp
+        assert (template_args(jvp[0])[-2] == "true") == row_masks_fit(case, entries=64), jvp  # RMASK, SHAPE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=lambda x: ids(x) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("absent", ["none", "tq"])
+def test_forward_jvp_flat_patches(case, shape, dtype, absent):
+    """The default forward+JVP where 8x2x8 query patches walk fewer pairs (FLAT_PATCH_CASES)
+    against the reference; on Hopper its wgmma kernel ran with that m-block shape."""
+    ran = cuda_kernels(lambda: check_forward_jvp(case, dtype, absent))
+    if torch.cuda.get_device_capability() == (9, 0):
+        jvp = [n for n in ran if "fna_wgmma_jvp_kernel" in n]
+        assert len(jvp) == 1 and template_args(jvp[0])[-1] == str(shape), ran
 
 
 def check_forward_jvp(case, dtype, absent, patch=0):

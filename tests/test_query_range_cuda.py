@@ -117,6 +117,13 @@ def test_backward(case, dtype, patch, kv_parallel, use_reference):
 
 
 @pytest.mark.parametrize("case", [c for c, shape in FLAT_PATCH_CASES if shape][:3], ids=ids)
+def test_forward_flat_patches(case):
+    """The default forward where Hopper's 128-row patches are 8x2x8 (on a permuted view), with a
+    query range."""
+    test_forward(case, torch.bfloat16, 0, False)
+
+
+@pytest.mark.parametrize("case", [c for c, shape in FLAT_PATCH_CASES if shape][:3], ids=ids)
 def test_backward_flat_patches(case, kv_parallel):
     """The default backward where Hopper's 128-row patches are 8x2x8 (on a permuted view), with
     a query range: context parallelism's sharded strided 3-D problems take it."""

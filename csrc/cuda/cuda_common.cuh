@@ -241,8 +241,8 @@ typedef struct {
     int minb;         /* CTAs per SM the registers are budgeted for */
     int qreg;         /* mma.sync forward: Q fragments held in registers */
     int kv_parallel;  /* backward: one key-stationary pass adding dQ by fp32 atomics */
-    int shape;        /* the 3-D m-block (mma_util.cuh patch_wt): 0 = 1x4x4, 1 = 1x2x8 (the Hopper
-                         backward's 128-row patches, nbhd_cuda_backward_patch) */
+    int shape;        /* the 3-D m-block (mma_util.cuh patch_wt): 0 = 1x4x4, 1 = 1x2x8 (Hopper's
+                         128-row patches, nbhd_cuda_patch_shape) */
 } nbhd_cuda_choice;
 
 nbhd_cuda_device nbhd_cuda_device_facts(void);
@@ -260,12 +260,12 @@ int nbhd_cuda_kv_parallel_applies(const nbhd_geometry *g, nbhd_op op, const nbhd
 int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
                                nbhd_tile_config *out, int32_t max);
 
-/* The backward on 128-row patches (3-D 8x4x4 or 8x2x8, 2-D 16x8: deep along axis 0) walks less
- * where its patches cut the windows least (e.g. not 8 deep along a strided time axis whose
- * stride groups' windows overlap): 1, order[i] = the problem axis the kernels see as axis i and
- * *shape the 3-D m-block (mma_util.cuh patch_wt) where another order or shape walks clearly
- * less, else 0, the identity and 1x4x4. */
-int nbhd_cuda_backward_patch(const nbhd_geometry *g, int order[3], int *shape);
+/* Hopper's forward and backward on 128-row patches (3-D 8x4x4 or 8x2x8, 2-D 16x8: deep along
+ * axis 0) walk less where their patches cut the windows least (e.g. not 8 deep along a strided
+ * time axis whose stride groups' windows overlap, or along 30 frames): 1, order[i] = the
+ * problem axis the kernels see as axis i and *shape the 3-D m-block (mma_util.cuh patch_wt)
+ * where another order or shape walks clearly less, else 0, the identity and 1x4x4. */
+int nbhd_cuda_patch_shape(const nbhd_geometry *g, nbhd_op op, int order[3], int *shape);
 
 /* keys in a query's window (padded axes have kernel 1) */
 static inline int64_t nbhd_cuda_window_keys(const nbhd_geometry *g) {

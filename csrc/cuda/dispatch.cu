@@ -89,15 +89,6 @@ static nbhd_status cuda_zero(nbhd_tensor t, int64_t B, const int64_t sp[3], int6
     return NBHD_OK;
 }
 
-static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
-                                const nbhd_exec *e) {
-    cudaStream_t stream = (cudaStream_t)e->stream;
-    const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD, e, nbhd_cuda_mma_forward_supported(g, a));
-    if (c.family != NBHD_CUDA_SIMPLE) return nbhd_cuda_mma_forward(g, a, &c, stream);
-    if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward");
-    return nbhd_cuda_simple_forward(g, a, stream);
-}
-
 /* The same problem with its spatial axes in another order: axis i of the result is axis
  * order[i] of g, and each spatial tensor's strides follow (the extra keys' have no spatial
  * axes; bias tables are not permuted, so no caller passes one). */
@@ -111,22 +102,63 @@ static void permute_strides(nbhd_tensor *t, const int order[3]) {
     for (int i = 0; i < NBHD_MAX_RANK; ++i) t->stride[1 + i] = was.stride[1 + order[i]];
 }
 
-/* The tensor-core backward, on 128-row patches of the shape and axis order that walk the fewest
- * pairs (nbhd_cuda_backward_patch): the kernels see a permuted view, nothing is copied. Not
- * with a bias table (its flat index follows the axes) or requested tiles (given per axis). */
+/* Whether Hopper's 128-row patches run op in another shape or axis order (nbhd_cuda_patch_shape):
+ * then the kernels see a permuted view, nothing is copied. Not with a bias table (its flat
+ * index follows the axes) or requested tiles (given per axis). */
+static bool reshaped(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, const nbhd_cuda_choice &c,
+                     int order[3], nbhd_cuda_choice *pc) {
+    *pc = c;
+    return c.family == NBHD_CUDA_WGMMA && c.mb == 2 && !g->rpb && !tiles_requested(e) &&
+           nbhd_cuda_patch_shape(g, op, order, &pc->shape);
+}
+
+static nbhd_status mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e,
+                               const nbhd_cuda_choice &c) {
+    cudaStream_t stream = (cudaStream_t)e->stream;
+    int order[3];
+    nbhd_cuda_choice pc;
+    if (!reshaped(g, NBHD_OP_FORWARD, e, c, order, &pc)) return nbhd_cuda_mma_forward(g, a, &c, stream);
+    const nbhd_geometry pg = permuted_geometry(g, order);
+    nbhd_forward_args pa = *a;
+    nbhd_tensor *spatial[] = {&pa.q, &pa.k, &pa.v, &pa.out, &pa.lse};
+    for (nbhd_tensor *t : spatial) permute_strides(t, order);
+    return nbhd_cuda_mma_forward(&pg, &pa, &pc, stream);
+}
+
+static nbhd_status mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_exec *e,
+                                   const nbhd_cuda_choice &c) {
+    cudaStream_t stream = (cudaStream_t)e->stream;
+    int order[3];
+    nbhd_cuda_choice pc;
+    if (!reshaped(g, NBHD_OP_FORWARD_JVP, e, c, order, &pc)) return nbhd_cuda_mma_forward_jvp(g, a, &c, stream);
+    const nbhd_geometry pg = permuted_geometry(g, order);
+    nbhd_forward_jvp_args pa = *a;
+    nbhd_tensor *spatial[] = {&pa.q, &pa.k, &pa.v, &pa.t_q, &pa.t_k, &pa.t_v, &pa.out, &pa.lse, &pa.t_out, &pa.t_lse};
+    for (nbhd_tensor *t : spatial) permute_strides(t, order);
+    return nbhd_cuda_mma_forward_jvp(&pg, &pa, &pc, stream);
+}
+
 static nbhd_status mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e,
                                 const nbhd_cuda_choice &c) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     int order[3];
-    nbhd_cuda_choice pc = c;
-    if (c.family != NBHD_CUDA_WGMMA || c.mb != 2 || g->rpb || tiles_requested(e) ||
-        !nbhd_cuda_backward_patch(g, order, &pc.shape))
+    nbhd_cuda_choice pc;
+    if (!reshaped(g, NBHD_OP_BACKWARD, e, c, order, &pc))
         return nbhd_cuda_mma_backward(g, a, e->workspace, &c, stream);
     const nbhd_geometry pg = permuted_geometry(g, order);
     nbhd_backward_args pa = *a;
     nbhd_tensor *spatial[] = {&pa.q, &pa.k, &pa.v, &pa.out, &pa.lse, &pa.d_out, &pa.d_lse, &pa.d_q, &pa.d_k, &pa.d_v};
     for (nbhd_tensor *t : spatial) permute_strides(t, order);
     return nbhd_cuda_mma_backward(&pg, &pa, e->workspace, &pc, stream);
+}
+
+static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
+                                const nbhd_exec *e) {
+    cudaStream_t stream = (cudaStream_t)e->stream;
+    const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD, e, nbhd_cuda_mma_forward_supported(g, a));
+    if (c.family != NBHD_CUDA_SIMPLE) return mma_forward(g, a, e, c);
+    if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward");
+    return nbhd_cuda_simple_forward(g, a, stream);
 }
 
 static nbhd_status cuda_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
@@ -144,7 +176,7 @@ static nbhd_status cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_j
                                     const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD_JVP, e, nbhd_cuda_mma_forward_jvp_supported(g, a));
-    if (c.family != NBHD_CUDA_SIMPLE) return nbhd_cuda_mma_forward_jvp(g, a, &c, stream);
+    if (c.family != NBHD_CUDA_SIMPLE) return mma_forward_jvp(g, a, e, c);
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward+JVP");
     return nbhd_cuda_simple_forward_jvp(g, a, stream);
 }

@@ -25,12 +25,13 @@
 #include "wgmma.cuh"
 
 template <typename T, int HD, int BN, int RANK, int MINB, int WGS, bool BIAS /* problem.rpb */,
-          bool RMASK /* row masks (row_masks_fit): 64-query patches in 2-D and 3-D, no bias */>
+          bool RMASK /* row masks (row_masks_fit): 64-query patches in 2-D and 3-D, no bias */,
+          int SHAPE = PATCH_CUBE /* the 3-D m-block (mma_util.cuh patch_wt) */>
 __global__ void __launch_bounds__(wg_threads(WGS), MINB)
 fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && BN == 32), "row masks: one warpgroup, 2-D/3-D");
-    using CTA = wg_cta<RANK, WGS>;
+    using CTA = wg_cta<RANK, WGS, SHAPE>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD]; O staged here */
@@ -206,25 +207,32 @@ size_t nbhd_cuda_wgmma_forward_smem_bytes(const nbhd_geometry *g, int mb) {
     return forward_smem_bytes(g, 2, HD, mb == 2 ? 64 : 32, NBHD_MAX_RANK, mb, mb == 1 && !g->rpb);
 }
 
-template <typename T, int HD, int BN, int RANK, int MINB, int WGS>
+template <typename T, int HD, int BN, int RANK, int MINB, int WGS, int SHAPE>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                                cudaStream_t st) {
     // row masks on one warpgroup's 64-query patches in 2-D and 3-D where the table fits
     constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
+    constexpr bool CUBE = SHAPE == PATCH_CUBE;  // the flat patches take no bias table
+    if (!CUBE && g->rpb) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward: a bias table on flat patches");
     const bool rmask = RM && row_masks_fit(g, RANK);
     const size_t smem = forward_smem_bytes(g, sizeof(T), HD, BN, RANK, WGS, rmask);
-    auto kernel = g->rpb   ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, true, false>
-                  : rmask ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false, RM>
-                          : fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false, false>;
+    auto kernel = g->rpb   ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, CUBE, false, SHAPE>
+                  : rmask ? fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false, RM, SHAPE>
+                          : fna_wgmma_forward_kernel<T, HD, BN, RANK, MINB, WGS, false, false, SHAPE>;
     return nbhd_cuda_launch(kernel, g->batch * g->heads * P.patches,
                             wg_threads(WGS), smem, "wgmma forward", st, *g, *a, P);
 }
 
+/* shape: the 3-D m-block of the two-warpgroup kernel (PATCH_FLAT only there) */
 template <typename T, int HD, int BN, int MINB, int WGS>
-static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_args *a, int shape, cudaStream_t st) {
     return with_rank<WGS>(g, [&](auto rank, const mma_plan &P) {
-        return launch_rank<T, HD, BN, decltype(rank)::value, MINB, WGS>(g, a, P, st);
-    });
+        constexpr int RANK = decltype(rank)::value;
+        if constexpr (RANK == 3 && WGS == 2)
+            if (shape == PATCH_FLAT) return launch_rank<T, HD, BN, RANK, MINB, WGS, PATCH_FLAT>(g, a, P, st);
+        if (shape != PATCH_CUBE) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward: patch shape %d", shape);
+        return launch_rank<T, HD, BN, RANK, MINB, WGS, PATCH_CUBE>(g, a, P, st);
+    }, shape);
 }
 
 /* the kernel of the choice (kernel_choice.cu choose_forward): 128-query patches on two
@@ -234,9 +242,9 @@ template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_cuda_choice &c,
                           cudaStream_t st) {
     if (c.mb == 2 && c.bn == 64 && c.minb == (HD == 64 ? 2 : 1))
-        return launch_ranks<T, HD, 64, HD == 64 ? 2 : 1, 2>(g, a, st);
+        return launch_ranks<T, HD, 64, HD == 64 ? 2 : 1, 2>(g, a, c.shape, st);
     if constexpr (HD == 128)
-        if (c.mb == 1 && c.bn == 32 && c.minb == 3) return launch_ranks<T, HD, 32, 3, 1>(g, a, st);
+        if (c.mb == 1 && c.bn == 32 && c.minb == 3) return launch_ranks<T, HD, 32, 3, 1>(g, a, c.shape, st);
     return nbhd_cuda_no_kernel("wgmma forward", &c);
 }
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,

@@ -33,12 +33,13 @@ static constexpr size_t wgj_smem_bytes(int rank) {
 }
 
 template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rpb */,
-          bool RMASK /* row masks (row_masks_fit, JVP_ENTRIES): 64-query patches in 2-D and 3-D, no bias */>
+          bool RMASK /* row masks (row_masks_fit, JVP_ENTRIES): 64-query patches in 2-D and 3-D, no bias */,
+          int SHAPE = PATCH_CUBE /* the 3-D m-block (mma_util.cuh patch_wt) */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && BN == 32), "row masks: one warpgroup, 2-D/3-D");
-    using CTA = wg_cta<RANK, WGS>;
+    using CTA = wg_cta<RANK, WGS, SHAPE>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES, TILE = BN * HD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const uint32_t pad = (1024 - (smem_u32(smem_raw) & 1023)) & 1023;
@@ -210,27 +211,34 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
 // ----------------------------------------------------------------------------
 // launch (on the mma.sync forward+JVP's conditions, fna_mma_jvp.cu, when nbhd_cuda_wgmma_ready)
 
-template <typename T, int HD, int BN, int RANK, int WGS>
+template <typename T, int HD, int BN, int RANK, int WGS, int SHAPE>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const mma_plan &P,
                                cudaStream_t st) {
     // row masks on one warpgroup's 64-query patches in 2-D and 3-D where the smaller table fits
     constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
+    constexpr bool CUBE = SHAPE == PATCH_CUBE;  // the flat patches take no bias table
+    if (!CUBE && g->rpb) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward_jvp: a bias table on flat patches");
     const bool rmask = RM && row_masks_fit(g, RANK, false, row_masks<3>::JVP_ENTRIES);
     constexpr size_t smem = wgj_smem_bytes<HD, BN, WGS>(RANK), smem_rm = wgj_smem_bytes<HD, BN, WGS, RM>(RANK);
     static_assert(smem <= 227 * 1024 && smem_rm <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
     static_assert(WGS == 2 || (smem <= 113 * 1024 && smem_rm <= 113 * 1024), "one warpgroup: two CTAs per SM");
-    auto kernel = g->rpb   ? fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, true, false>
-                  : rmask ? fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, false, RM>
-                          : fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, false, false>;
+    auto kernel = g->rpb   ? fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, CUBE, false, SHAPE>
+                  : rmask ? fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, false, RM, SHAPE>
+                          : fna_wgmma_jvp_kernel<T, HD, BN, RANK, WGS, false, false, SHAPE>;
     return nbhd_cuda_launch(kernel, g->batch * g->heads * P.patches,
                             wg_threads(WGS), rmask ? smem_rm : smem, "wgmma forward_jvp", st, *g, *a, P);
 }
 
+/* shape: the 3-D m-block of the two-warpgroup kernel (PATCH_FLAT only there) */
 template <typename T, int HD, int BN, int WGS>
-static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, cudaStream_t st) {
+static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, int shape, cudaStream_t st) {
     return with_rank<WGS>(g, [&](auto rank, const mma_plan &P) {
-        return launch_rank<T, HD, BN, decltype(rank)::value, WGS>(g, a, P, st);
-    });
+        constexpr int RANK = decltype(rank)::value;
+        if constexpr (RANK == 3 && WGS == 2)
+            if (shape == PATCH_FLAT) return launch_rank<T, HD, BN, RANK, WGS, PATCH_FLAT>(g, a, P, st);
+        if (shape != PATCH_CUBE) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward_jvp: patch shape %d", shape);
+        return launch_rank<T, HD, BN, RANK, WGS, PATCH_CUBE>(g, a, P, st);
+    }, shape);
 }
 
 /* the kernel of the choice (kernel_choice.cu choose_forward_jvp): 128-query patches on two
@@ -239,9 +247,9 @@ static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_jvp_a
 template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_cuda_choice &c,
                           cudaStream_t st) {
-    if (c.mb == 2 && c.bn == 64) return launch_ranks<T, HD, 64, 2>(g, a, st);
+    if (c.mb == 2 && c.bn == 64) return launch_ranks<T, HD, 64, 2>(g, a, c.shape, st);
     if constexpr (HD == 128)
-        if (c.mb == 1 && c.bn == 32) return launch_ranks<T, HD, 32, 1>(g, a, st);
+        if (c.mb == 1 && c.bn == 32) return launch_ranks<T, HD, 32, 1>(g, a, c.shape, st);
     return nbhd_cuda_no_kernel("wgmma forward_jvp", &c);
 }
 

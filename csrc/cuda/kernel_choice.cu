@@ -54,8 +54,24 @@ static bool row_masked_backward(const nbhd_geometry *g, const nbhd_cuda_device *
     return dev->wgmma && g->head_dim == 128 && row_masks_fit(g, rank) && row_masks_fit(g, rank, true);
 }
 
+/* Hopper's one-warpgroup forward on 64-query patches at D = 128 masks by row bits where its
+ * table fits (2-D, 3-D, no bias); on windows of 512+ keys with an unstrided axis, whose key
+ * tiles mostly cross some row's window edge, it beats two warpgroups on 128-query patches
+ * (their coordinate masks): 12.1 against 13.8 ms on 2-D 256x256 w80, 43.5 against 52.2 ms on
+ * 3-D 30x48x80 w18x24x24, while with every axis strided (the tiles inside one stride group's
+ * window, no mask) 128 stay faster (9.0 against 10.0 ms with stride 16, 29.3 against 35.2 with
+ * 16x8x8); H100, bf16, 16 heads, bench/ab_gpu.py --problems 2d-256,3d-30 --dims 128. */
+static bool row_masked_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev) {
+    const int rank = mma_rank_of(g);
+    if (!dev->wgmma || g->head_dim != 128 || !row_masks_fit(g, rank)) return false;
+    for (int a = 0; a < rank; ++a)
+        if (g->axis[a].stride == 1) return true;
+    return false;
+}
+
 /* The default where allowed: 128-query patches where they feed more MMAs per shared-memory read
- * than they waste on padding. The forward: windows of 512+ keys. The forward+JVP: those at
+ * than they waste on padding. The forward: windows of 512+ keys (on Hopper at D = 128 in 2-D
+ * and 3-D only where every axis is strided, row_masked_forward). The forward+JVP: those at
  * D = 128, and on Hopper at D = 64 too (on Hopper small windows at D = 128 take 64-query patches
  * on one warpgroup: 1.18-1.29x faster than 128 on the small-window problems). The backward
  * (Hopper only): large windows, and with KV parallelism windows of 128+ keys at D = 128 (one
@@ -69,7 +85,7 @@ static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_para
                                 const nbhd_cuda_device *dev) {
     if (!g->has_window) return false;
     const bool large = nbhd_cuda_mma_large_window(g);
-    if (op == NBHD_OP_FORWARD) return large;
+    if (op == NBHD_OP_FORWARD) return large && !row_masked_forward(g, dev);
     if (op == NBHD_OP_BACKWARD || op == NBHD_OP_FORWARD_JVP_BACKWARD)
         return large || (kv_parallel && g->head_dim == 128 && nbhd_cuda_window_keys(g) >= 128 &&
                          !(op == NBHD_OP_BACKWARD && row_masked_backward(g, dev)));
@@ -232,7 +248,7 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
 }
 
 // ----------------------------------------------------------------------------
-// the axis order of the backward's 128-row patches
+// the shape and axis order of the 128-row patches
 
 /* Pairs that patches of depth c walk along one axis: each patch its depth times the span of
  * its rows' windows (keys and their inverse windows for the dK/dV kernels, queries and their
@@ -262,8 +278,9 @@ static double axis_walk(const nbhd_axis *a, int c, bool keys) {
 
 /* Orders of the axes (each a permutation; 3-D: 6, 2-D: 2) and 3-D m-block shapes; the
  * identity order of the cube first, and only a walk at least 3 % shorter than the best so far
- * replaces it: a shape or order is taken where it clearly pays. */
-int nbhd_cuda_backward_patch(const nbhd_geometry *g, int order[3], int *shape) {
+ * replaces it: a shape or order is taken where it clearly pays. The forward and forward+JVP
+ * count their query patches' walk, the backward also its key patches'. */
+int nbhd_cuda_patch_shape(const nbhd_geometry *g, nbhd_op op, int order[3], int *shape) {
     static const int perms[6][3] = {{0, 1, 2}, {1, 0, 2}, {2, 0, 1}, {0, 2, 1}, {1, 2, 0}, {2, 1, 0}};
     const int rank = mma_rank_of(g);
     order[0] = 0, order[1] = 1, order[2] = 2;
@@ -272,10 +289,11 @@ int nbhd_cuda_backward_patch(const nbhd_geometry *g, int order[3], int *shape) {
     double best = 0;
     for (int sh = PATCH_CUBE; sh <= (rank == 3 ? PATCH_FLAT : PATCH_CUBE); ++sh) {
         /* walks of kernel axis i's depth along each problem axis */
+        const bool keys = op == NBHD_OP_BACKWARD;
         double wk[3][3], wq[3][3];
         for (int i = 0; i < rank; ++i)
             for (int a = 0; a < rank; ++a) {
-                wk[i][a] = axis_walk(&g->axis[a], patch_ct(rank, i, 2, sh), true);
+                wk[i][a] = keys ? axis_walk(&g->axis[a], patch_ct(rank, i, 2, sh), true) : 0;
                 wq[i][a] = axis_walk(&g->axis[a], patch_ct(rank, i, 2, sh), false);
             }
         for (int p = 0; p < (rank == 3 ? 6 : 2); ++p) {
