@@ -59,6 +59,8 @@ def parse_args():
     p.add_argument("--problems", default="", help="comma-separated substrings of problem names to keep")
     p.add_argument("--no-meanflow", action="store_true", help="skip the MeanFlow step timings")
     p.add_argument("--csv", default="")
+    p.add_argument("--nccl-high-priority", action="store_true",
+                   help="the NCCL process group's streams at high priority (overlap=True's exchange)")
     return p.parse_args()
 
 
@@ -104,7 +106,12 @@ def parse_axes(spec, default):
 def main():
     args = parse_args()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    options = {}
+    if backend == "nccl" and args.nccl_high_priority:
+        # NCCL's kernels on high-priority streams: the block scheduler starts them as soon as an
+        # SM frees, instead of after the attention kernel's queued CTAs
+        options["pg_options"] = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    dist.init_process_group(backend, **options)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
