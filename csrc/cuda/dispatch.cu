@@ -102,61 +102,48 @@ static void permute_strides(nbhd_tensor *t, const int order[3]) {
     for (int i = 0; i < NBHD_MAX_RANK; ++i) t->stride[1 + i] = was.stride[1 + order[i]];
 }
 
-/* Whether Hopper's 128-row patches run op in another shape or axis order (nbhd_cuda_patch_shape):
- * then the kernels see a permuted view, nothing is copied. Not with a bias table (its flat
- * index follows the axes) or requested tiles (given per axis). */
-static bool reshaped(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, const nbhd_cuda_choice &c,
-                     int order[3], nbhd_cuda_choice *pc) {
-    *pc = c;
-    return c.family == NBHD_CUDA_WGMMA && c.mb == 2 && !g->rpb && !tiles_requested(e) &&
-           nbhd_cuda_patch_shape(g, op, order, &pc->shape);
-}
+/* The spatial tensors of each op's arguments (the extra keys' have no spatial axes) */
+static nbhd_tensor nbhd_forward_args::*const FORWARD_SPATIAL[] = {
+    &nbhd_forward_args::q, &nbhd_forward_args::k, &nbhd_forward_args::v, &nbhd_forward_args::out,
+    &nbhd_forward_args::lse};
+static nbhd_tensor nbhd_forward_jvp_args::*const FORWARD_JVP_SPATIAL[] = {
+    &nbhd_forward_jvp_args::q,   &nbhd_forward_jvp_args::k,   &nbhd_forward_jvp_args::v,
+    &nbhd_forward_jvp_args::t_q, &nbhd_forward_jvp_args::t_k, &nbhd_forward_jvp_args::t_v,
+    &nbhd_forward_jvp_args::out, &nbhd_forward_jvp_args::lse, &nbhd_forward_jvp_args::t_out,
+    &nbhd_forward_jvp_args::t_lse};
+static nbhd_tensor nbhd_backward_args::*const BACKWARD_SPATIAL[] = {
+    &nbhd_backward_args::q,     &nbhd_backward_args::k,   &nbhd_backward_args::v,   &nbhd_backward_args::out,
+    &nbhd_backward_args::lse,   &nbhd_backward_args::d_out, &nbhd_backward_args::d_lse,
+    &nbhd_backward_args::d_q,   &nbhd_backward_args::d_k, &nbhd_backward_args::d_v};
 
-static nbhd_status mma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_exec *e,
-                               const nbhd_cuda_choice &c) {
-    cudaStream_t stream = (cudaStream_t)e->stream;
+/* run(geometry, args, choice) of a tensor-core op, on Hopper's 128-row patches in the shape and
+ * axis order nbhd_cuda_patch_shape picks: then the kernels see a permuted view (axes and the
+ * spatial tensors' strides; nothing is copied). Not with a bias table (its flat index follows
+ * the axes) or requested tiles (given per axis). */
+template <typename Args, size_t N, typename Run>
+static nbhd_status on_patches(const nbhd_geometry *g, nbhd_op op, const Args *a,
+                              nbhd_tensor Args::*const (&spatial)[N], const nbhd_exec *e,
+                              const nbhd_cuda_choice &c, Run run) {
     int order[3];
-    nbhd_cuda_choice pc;
-    if (!reshaped(g, NBHD_OP_FORWARD, e, c, order, &pc)) return nbhd_cuda_mma_forward(g, a, &c, stream);
+    nbhd_cuda_choice pc = c;
+    if (c.family != NBHD_CUDA_WGMMA || c.mb != 2 || g->rpb || tiles_requested(e) ||
+        !nbhd_cuda_patch_shape(g, op, order, &pc.shape))
+        return run(g, a, &c);
     const nbhd_geometry pg = permuted_geometry(g, order);
-    nbhd_forward_args pa = *a;
-    nbhd_tensor *spatial[] = {&pa.q, &pa.k, &pa.v, &pa.out, &pa.lse};
-    for (nbhd_tensor *t : spatial) permute_strides(t, order);
-    return nbhd_cuda_mma_forward(&pg, &pa, &pc, stream);
-}
-
-static nbhd_status mma_forward_jvp(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const nbhd_exec *e,
-                                   const nbhd_cuda_choice &c) {
-    cudaStream_t stream = (cudaStream_t)e->stream;
-    int order[3];
-    nbhd_cuda_choice pc;
-    if (!reshaped(g, NBHD_OP_FORWARD_JVP, e, c, order, &pc)) return nbhd_cuda_mma_forward_jvp(g, a, &c, stream);
-    const nbhd_geometry pg = permuted_geometry(g, order);
-    nbhd_forward_jvp_args pa = *a;
-    nbhd_tensor *spatial[] = {&pa.q, &pa.k, &pa.v, &pa.t_q, &pa.t_k, &pa.t_v, &pa.out, &pa.lse, &pa.t_out, &pa.t_lse};
-    for (nbhd_tensor *t : spatial) permute_strides(t, order);
-    return nbhd_cuda_mma_forward_jvp(&pg, &pa, &pc, stream);
-}
-
-static nbhd_status mma_backward(const nbhd_geometry *g, const nbhd_backward_args *a, const nbhd_exec *e,
-                                const nbhd_cuda_choice &c) {
-    cudaStream_t stream = (cudaStream_t)e->stream;
-    int order[3];
-    nbhd_cuda_choice pc;
-    if (!reshaped(g, NBHD_OP_BACKWARD, e, c, order, &pc))
-        return nbhd_cuda_mma_backward(g, a, e->workspace, &c, stream);
-    const nbhd_geometry pg = permuted_geometry(g, order);
-    nbhd_backward_args pa = *a;
-    nbhd_tensor *spatial[] = {&pa.q, &pa.k, &pa.v, &pa.out, &pa.lse, &pa.d_out, &pa.d_lse, &pa.d_q, &pa.d_k, &pa.d_v};
-    for (nbhd_tensor *t : spatial) permute_strides(t, order);
-    return nbhd_cuda_mma_backward(&pg, &pa, e->workspace, &pc, stream);
+    Args pa = *a;
+    for (nbhd_tensor Args::*t : spatial) permute_strides(&(pa.*t), order);
+    return run(&pg, &pa, &pc);
 }
 
 static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                 const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD, e, nbhd_cuda_mma_forward_supported(g, a));
-    if (c.family != NBHD_CUDA_SIMPLE) return mma_forward(g, a, e, c);
+    if (c.family != NBHD_CUDA_SIMPLE)
+        return on_patches(g, NBHD_OP_FORWARD, a, FORWARD_SPATIAL, e, c,
+                          [&](const nbhd_geometry *pg, const nbhd_forward_args *pa, const nbhd_cuda_choice *pc) {
+                              return nbhd_cuda_mma_forward(pg, pa, pc, stream);
+                          });
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward");
     return nbhd_cuda_simple_forward(g, a, stream);
 }
@@ -167,7 +154,11 @@ static nbhd_status cuda_backward(const nbhd_geometry *g, const nbhd_backward_arg
     const nbhd_status st = nbhd_zero_table(&nbhd_cuda_ops, g, a->d_rpb, e);  /* the kernels add into it */
     if (st != NBHD_OK) return st;
     const nbhd_cuda_choice c = choose(g, NBHD_OP_BACKWARD, e, nbhd_cuda_mma_backward_supported(g, a));
-    if (c.family != NBHD_CUDA_SIMPLE) return mma_backward(g, a, e, c);
+    if (c.family != NBHD_CUDA_SIMPLE)
+        return on_patches(g, NBHD_OP_BACKWARD, a, BACKWARD_SPATIAL, e, c,
+                          [&](const nbhd_geometry *pg, const nbhd_backward_args *pa, const nbhd_cuda_choice *pc) {
+                              return nbhd_cuda_mma_backward(pg, pa, e->workspace, pc, stream);
+                          });
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("backward");
     return nbhd_cuda_simple_backward(g, a, e->workspace, stream);
 }
@@ -176,7 +167,11 @@ static nbhd_status cuda_forward_jvp(const nbhd_geometry *g, const nbhd_forward_j
                                     const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
     const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD_JVP, e, nbhd_cuda_mma_forward_jvp_supported(g, a));
-    if (c.family != NBHD_CUDA_SIMPLE) return mma_forward_jvp(g, a, e, c);
+    if (c.family != NBHD_CUDA_SIMPLE)
+        return on_patches(g, NBHD_OP_FORWARD_JVP, a, FORWARD_JVP_SPATIAL, e, c,
+                          [&](const nbhd_geometry *pg, const nbhd_forward_jvp_args *pa, const nbhd_cuda_choice *pc) {
+                              return nbhd_cuda_mma_forward_jvp(pg, pa, pc, stream);
+                          });
     if (!e->use_reference && tiles_requested(e)) return refuse_tiles("forward+JVP");
     return nbhd_cuda_simple_forward_jvp(g, a, stream);
 }

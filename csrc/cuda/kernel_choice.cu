@@ -8,8 +8,9 @@
  * Patches: the mma kernels take 64 queries per CTA (1-D 64, 2-D 8x8, 3-D 4x4x4: mma_util.cuh
  * patch_*); the forward and forward+JVP at D >= 64 also 128 (1-D 128, 2-D 16x8, 3-D 8x4x4; on
  * Hopper the wgmma kernels), and on Hopper the backward too, the default where
- * large_patch_default says. The listed kv tile names the patch, whose exact union of windows
- * the kernels walk in row-major runs of 32 or 64 keys. The simple kernels have no tiles
+ * large_patch_default says (on Hopper by default in the shape and axis order of
+ * nbhd_cuda_patch_shape, 3-D 8x4x4 or 8x2x8). The listed kv tile names the patch, whose exact
+ * union of windows the kernels walk in row-major runs of 32 or 64 keys. The simple kernels have no tiles
  * (dispatch.cu refuses exec tiles for problems that would run on them).
  */
 #include <stdlib.h>

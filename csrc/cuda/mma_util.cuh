@@ -16,7 +16,8 @@
 /* Patch shapes per rank (rank 0, dense over extra keys, takes rank 1's): a 16-row m-block owns
  * patch_wt(rank, axis) queries per axis (16 in all), a CTA patch_wc(rank, axis, mb) m-blocks per
  * axis (4 * mb in all, mb per warp): at mb = 1, 1-D 64, 2-D 8x8 (m-blocks 2x8 each), 3-D 4x4x4
- * (1x4x4 each); at mb = 2 (the forward on large windows) 1-D 128, 2-D 16x8, 3-D 8x4x4. The
+ * (1x4x4 each); at mb = 2 (the forward on large windows) 1-D 128, 2-D 16x8, 3-D 8x4x4 (or, on
+ * Hopper, 8x2x8 of 1x2x8 m-blocks: PATCH_FLAT below). The
  * m-blocks are stacked along the slowest axis and span the CTA's patch on the others, so that
  * the keys a warp needs form one contiguous run of the CTA's row-major walk of its union box
  * (2-D 7x7: 8 x 14 = 112 walk positions per m-block, against 10 rows x 14 = 140 for 4x4). */
