@@ -302,6 +302,30 @@ def test_forward_flat_patches(case, shape, dtype):
         assert len(fwd) == 1 and template_args(fwd[0])[-1] == str(shape), ran
 
 
+# Windows of 512+ keys at D = 128: with an unstrided axis the forward's default is Hopper's
+# one-warpgroup kernel on 64-query patches, masking by row bits (kernel_choice.cu
+# row_masked_forward); with every axis strided, two warpgroups on 128-query patches.
+LARGE_WINDOW_FORWARD_CASES = [
+    ((2, (40, 36), (23, 23), (1, 1), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig"), "1"),
+    ((3, (10, 12, 12), (9, 8, 8), (1, 1, 1), (1, 1, 1), (True, False, False), 1, 2, 1, 128, 128, 3, "contig"), "1"),
+    ((2, (40, 36), (23, 23), (2, 3), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig"), "2"),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="the choice between Hopper's kernels")
+@pytest.mark.parametrize("case,warpgroups", LARGE_WINDOW_FORWARD_CASES,
+                         ids=lambda x: ids(x) if isinstance(x, tuple) else str(x))
+def test_forward_default_large_window(case, warpgroups):
+    """The default forward of a large window at D = 128 against the reference; on Hopper the
+    one-warpgroup row-masked kernel where an axis is unstrided, else two warpgroups."""
+    ran = cuda_kernels(lambda: check_forward(case, torch.bfloat16, 41))
+    fwd = [n for n in ran if "fna_wgmma_forward_kernel" in n]
+    assert len(fwd) == 1, ran
+    args = template_args(fwd[0])  # T, HD, BN, RANK, MINB, WGS, BIAS, RMASK, SHAPE
+    assert args[5] == warpgroups and (args[7] == "true") == (warpgroups == "1"), fwd
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=lambda x: ids(x) if isinstance(x, tuple) else str(x))
 def test_backward_flat_patches(case, shape, dtype, kv_parallel):
