@@ -2,9 +2,11 @@
 every (q_tile, kv_tile) the C library lists for the op (`nbhd_tile_configs`, csrc/cuda/kernel_choice.cu;
 the default first: 64- or 128-query patches, hence the mma.sync or, on Hopper, the wgmma
 kernels), and for the backward each with KV parallelism on and off. Each timing is a loop of
---loop calls between two CUDA events (host overhead amortised), median over --rounds rounds,
+--loop calls between two CUDA events, median over --rounds rounds,
 configurations taken in turn within each round; every configuration's output is checked
-against the default's.
+against the default's. The calls go through ops.call, the library's eager path (no custom-op
+dispatch); a loop amortises the host's time per call only where a kernel takes longer than it
+(tens of microseconds): below that the figures are the host's.
 
     python bench/ab_gpu.py [--dims 128,64] [--problems 1d,3d-30] [--rounds 7] [--loop 10] [--jvp | --bwd]
 
@@ -97,14 +99,15 @@ def main():
             base = (list(ks), list(st), [1] * len(ks), [False] * len(ks), D ** -0.5)
             flop = 4.0 * B * H * math.prod(ext) * math.prod(ks) * D * (2.5 if args.bwd else 1.0)
             if args.bwd:
-                out, lse = ops.na_forward(q, k, v, empty, empty, NO_RPB, *base, [0] * (4 * len(ks)), [])
+                out, lse = ops.call(ops.na_forward, q, k, v, empty, empty, NO_RPB, *base, [0] * (4 * len(ks)), [])
                 d_out = torch.randn_like(out)
-                fn = lambda t: ops.na_backward(q, k, v, empty, empty, NO_RPB, out, lse, d_out, None, *base, t, [])
+                fn = lambda t: ops.call(ops.na_backward, q, k, v, empty, empty, NO_RPB, out, lse, d_out, None, *base, t, [])
             elif args.jvp:
                 tq, tk, tv = (torch.randn_like(x) for x in (q, k, v))
-                fn = lambda t: ops.na_forward_jvp(q, k, v, empty, empty, NO_RPB, tq, tk, tv, empty, empty, None, *base, t, [])
+                fn = lambda t: ops.call(ops.na_forward_jvp, q, k, v, empty, empty, NO_RPB, tq, tk, tv, empty, empty, None,
+                                       *base, t, [])
             else:
-                fn = lambda t: ops.na_forward(q, k, v, empty, empty, NO_RPB, *base, t, [])
+                fn = lambda t: ops.call(ops.na_forward, q, k, v, empty, empty, NO_RPB, *base, t, [])
             configs = variants(op, q, k, v, base, args.bwd)
             ref = None
             for label, tiles, kvp in configs:  # warm-up, and every variant gives the same output
