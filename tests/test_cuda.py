@@ -131,6 +131,11 @@ def ids(case):
     return f"r{rank}-{'x'.join(map(str, ext))}-k{ks}-s{st}-d{dil}-c{[int(c) for c in causal]}-H{H}/{Hkv}-D{D}/{Dv}-S{S}-{layout}"
 
 
+def case_and_ids(x):
+    """pytest ids of (case, expectation) parameters: the case's, then the expectation's"""
+    return ids(x) if isinstance(x, tuple) else str(x)
+
+
 @pytest.fixture(params=[False, True], ids=["fast", "simple"])
 def use_reference(request):
     old = ops._OPTIONS["use_reference"]
@@ -292,7 +297,7 @@ FLAT_PATCH_CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=lambda x: ids(x) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=case_and_ids)
 def test_forward_flat_patches(case, shape, dtype):
     """The default forward where 8x2x8 query patches walk fewer pairs against the reference; on
     Hopper its wgmma kernel ran with that m-block shape (the last template argument)."""
@@ -315,7 +320,7 @@ LARGE_WINDOW_FORWARD_CASES = [
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
                     reason="the choice between Hopper's kernels")
 @pytest.mark.parametrize("case,warpgroups", LARGE_WINDOW_FORWARD_CASES,
-                         ids=lambda x: ids(x) if isinstance(x, tuple) else str(x))
+                         ids=case_and_ids)
 def test_forward_default_large_window(case, warpgroups):
     """The default forward of a large window at D = 128 against the reference; on Hopper the
     one-warpgroup row-masked kernel where an axis is unstrided, else two warpgroups."""
@@ -327,7 +332,7 @@ def test_forward_default_large_window(case, warpgroups):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=lambda x: ids(x) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=case_and_ids)
 def test_backward_flat_patches(case, shape, dtype, kv_parallel):
     """The default backward where 8x2x8 key patches walk fewer pairs against the reference,
     bitwise-equal on a second call when deterministic; on Hopper its wgmma kernels ran with
@@ -523,7 +528,7 @@ def test_forward_jvp_row_masks(case, dtype, absent):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=lambda x: ids(x) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("case,shape", FLAT_PATCH_CASES, ids=case_and_ids)
 @pytest.mark.parametrize("absent", ["none", "tq"])
 def test_forward_jvp_flat_patches(case, shape, dtype, absent):
     """The default forward+JVP where 8x2x8 query patches walk fewer pairs (FLAT_PATCH_CASES)

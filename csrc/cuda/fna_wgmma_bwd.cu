@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? (BIAS ? 2 : 3) : 1
 fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                     const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && BN == 32), "row masks: one warpgroup, 2-D/3-D");
+    static_assert(!RMASK || (row_masked_kernel(WGS, RANK, BN) && !BIAS), "row masks: one warpgroup, 2-D/3-D");
     using CTA = wg_cta<RANK, WGS, SHAPE>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGB_DQ_K_STAGES, VST = WGB_DQ_V_STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
                       float *dq_acc, const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && !KVP && BN == 32), "row masks: one warpgroup, 2-D/3-D");
+    static_assert(!RMASK || (row_masked_kernel(WGS, RANK, BN) && !BIAS && !KVP), "row masks: one warpgroup, 2-D/3-D");
     using CTA = wg_cta<RANK, WGS, SHAPE>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, ST = WGB_KV_STAGES;
     static_assert(!KVP || WGS == 2, "KV-parallel dQ: a 64 x 64 block per warpgroup of two");
@@ -463,10 +463,9 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
     }
     if (dq_acc) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: no KV-parallel pass on one warpgroup");
     // row masks on one warpgroup's 64-row patches in 2-D and 3-D where the tables fit
-    constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
+    constexpr bool RM = row_masked_kernel(WGS, RANK, BN);
     const bool rmask = RM && row_masks_fit(g, RANK);
-    constexpr bool CUBE = SHAPE == PATCH_CUBE;  // the flat patches take no bias table
-    if (!CUBE && g->rpb) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: a bias table on flat patches");
+    constexpr bool CUBE = SHAPE == PATCH_CUBE;  // no bias table on flat patches (with_patch)
     auto dq_kernel = g->rpb  ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, CUBE, false, SHAPE>
                      : rmask ? fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, RM, SHAPE>
                              : fna_wgmma_dq_kernel<T, HD, BN, RANK, WGS, false, false, SHAPE>;
@@ -484,17 +483,12 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
                             *g, *a, Dws, (float *)nullptr, P);
 }
 
-/* shape: the 3-D m-block of the two-warpgroup kernels (PATCH_FLAT only there) */
 template <typename T, int HD, int BN, int WGS>
 static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
                                 float *dq_acc, int shape, cudaStream_t st) {
-    return with_rank<WGS>(g, [&](auto rank, const mma_plan &P) {
-        constexpr int RANK = decltype(rank)::value;
-        if constexpr (RANK == 3 && WGS == 2)
-            if (shape == PATCH_FLAT) return launch_rank<T, HD, BN, RANK, WGS, PATCH_FLAT>(g, a, Dws, dq_acc, P, st);
-        if (shape != PATCH_CUBE) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: patch shape %d", shape);
-        return launch_rank<T, HD, BN, RANK, WGS, PATCH_CUBE>(g, a, Dws, dq_acc, P, st);
-    }, shape);
+    return with_patch<WGS>(g, shape, [&](auto rank, auto shape_c, const mma_plan &P) {
+        return launch_rank<T, HD, BN, decltype(rank)::value, WGS, decltype(shape_c)::value>(g, a, Dws, dq_acc, P, st);
+    });
 }
 
 /* the kernels of the choice (kernel_choice.cu choose_backward): on 128-row patches tiles of 64

@@ -38,7 +38,7 @@ template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rp
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? 2 : 1)
 fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_jvp_args a, const mma_plan P) {
 #if NBHD_HAS_WGMMA
-    static_assert(!RMASK || (WGS == 1 && RANK >= 2 && !BIAS && BN == 32), "row masks: one warpgroup, 2-D/3-D");
+    static_assert(!RMASK || (row_masked_kernel(WGS, RANK, BN) && !BIAS), "row masks: one warpgroup, 2-D/3-D");
     using CTA = wg_cta<RANK, WGS, SHAPE>;
     constexpr int BM = CTA::BM, THREADS = CTA::THREADS, KST = WGMMA_K_STAGES, VST = WGMMA_V_STAGES, TILE = BN * HD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -215,9 +215,8 @@ template <typename T, int HD, int BN, int RANK, int WGS, int SHAPE>
 static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, const mma_plan &P,
                                cudaStream_t st) {
     // row masks on one warpgroup's 64-query patches in 2-D and 3-D where the smaller table fits
-    constexpr bool RM = WGS == 1 && RANK >= 2 && BN == 32;
-    constexpr bool CUBE = SHAPE == PATCH_CUBE;  // the flat patches take no bias table
-    if (!CUBE && g->rpb) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward_jvp: a bias table on flat patches");
+    constexpr bool RM = row_masked_kernel(WGS, RANK, BN);
+    constexpr bool CUBE = SHAPE == PATCH_CUBE;  // no bias table on flat patches (with_patch)
     const bool rmask = RM && row_masks_fit(g, RANK, false, row_masks<3>::JVP_ENTRIES);
     constexpr size_t smem = wgj_smem_bytes<HD, BN, WGS>(RANK), smem_rm = wgj_smem_bytes<HD, BN, WGS, RM>(RANK);
     static_assert(smem <= 227 * 1024 && smem_rm <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
@@ -229,16 +228,11 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_forward_jvp_ar
                             wg_threads(WGS), rmask ? smem_rm : smem, "wgmma forward_jvp", st, *g, *a, P);
 }
 
-/* shape: the 3-D m-block of the two-warpgroup kernel (PATCH_FLAT only there) */
 template <typename T, int HD, int BN, int WGS>
 static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_forward_jvp_args *a, int shape, cudaStream_t st) {
-    return with_rank<WGS>(g, [&](auto rank, const mma_plan &P) {
-        constexpr int RANK = decltype(rank)::value;
-        if constexpr (RANK == 3 && WGS == 2)
-            if (shape == PATCH_FLAT) return launch_rank<T, HD, BN, RANK, WGS, PATCH_FLAT>(g, a, P, st);
-        if (shape != PATCH_CUBE) return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma forward_jvp: patch shape %d", shape);
-        return launch_rank<T, HD, BN, RANK, WGS, PATCH_CUBE>(g, a, P, st);
-    }, shape);
+    return with_patch<WGS>(g, shape, [&](auto rank, auto shape_c, const mma_plan &P) {
+        return launch_rank<T, HD, BN, decltype(rank)::value, WGS, decltype(shape_c)::value>(g, a, P, st);
+    });
 }
 
 /* the kernel of the choice (kernel_choice.cu choose_forward_jvp): 128-query patches on two

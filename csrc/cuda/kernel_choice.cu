@@ -287,10 +287,10 @@ int nbhd_cuda_patch_shape(const nbhd_geometry *g, nbhd_op op, int order[3], int 
     order[0] = 0, order[1] = 1, order[2] = 2;
     *shape = PATCH_CUBE;
     if (rank < 2) return 0;
+    const bool keys = op == NBHD_OP_BACKWARD;
     double best = 0;
     for (int sh = PATCH_CUBE; sh <= (rank == 3 ? PATCH_FLAT : PATCH_CUBE); ++sh) {
         /* walks of kernel axis i's depth along each problem axis */
-        const bool keys = op == NBHD_OP_BACKWARD;
         double wk[3][3], wq[3][3];
         for (int i = 0; i < rank; ++i)
             for (int a = 0; a < rank; ++a) {

@@ -51,6 +51,27 @@ static nbhd_status with_rank(const nbhd_geometry *g, F &&f, int shape = PATCH_CU
     }
 }
 
+/* f(RANK, SHAPE, plan) as integral constants: with_rank and the 3-D m-block (mma_util.cuh
+ * patch_wt). PATCH_FLAT is instantiated on two warpgroups in 3-D only, without a bias table
+ * (dispatch.cu on_patches asks for it only there); any other request is refused. */
+template <int WGS, typename F>
+static nbhd_status with_patch(const nbhd_geometry *g, int shape, F &&f) {
+    if (shape != PATCH_CUBE && (shape != PATCH_FLAT || WGS != 2 || g->rpb || mma_rank_of(g) != 3))
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma kernels: patch shape %d here", shape);
+    return with_rank<WGS>(g, [&](auto rank, const mma_plan &P) {
+        constexpr int RANK = decltype(rank)::value;
+        if constexpr (RANK == 3 && WGS == 2)
+            if (shape == PATCH_FLAT) return f(rank, std::integral_constant<int, PATCH_FLAT>{}, P);
+        return f(rank, std::integral_constant<int, PATCH_CUBE>{}, P);
+    }, shape);
+}
+
+/* the one-warpgroup kernels' row masks (cta_patch.cuh row_masks) exist in 2-D and 3-D with
+ * tiles of 32 */
+__host__ __device__ constexpr bool row_masked_kernel(int wgs, int rank, int bn) {
+    return wgs == 1 && rank >= 2 && bn == 32;
+}
+
 /* element offset of 8-element chunk ch of row `row` in a [ROWS][HD] tile of the layout above */
 template <int ROWS>
 __device__ __forceinline__ int gmma_off(int row, int ch) {
