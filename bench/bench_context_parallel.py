@@ -20,6 +20,11 @@ its own queries (the compute share; the rest is exchange, padding and slicing), 
 rank receives per step (forward: k, v; backward: their gradients, as many bytes), and the key
 box / owned tokens ratio (the keys and values each rank holds per query it owns).
 Times: CUDA events (CPU: perf_counter) around `--reps` calls after a warm-up, median of 5.
+
+`--profile` (CUDA) replaces the timings by one profiled forward+backward per row, on the one
+device and on every rank: the device time of nbhd's kernels, NCCL's, and every other kernel,
+copy and memset (the exchange's packing, padding, slicing, gradient accumulation), the
+longest of them, and the step's wall time; `--trace DIR` also writes each rank's Chrome trace.
 """
 from __future__ import annotations
 
@@ -59,6 +64,9 @@ def parse_args():
     p.add_argument("--problems", default="", help="comma-separated substrings of problem names to keep")
     p.add_argument("--no-meanflow", action="store_true", help="skip the MeanFlow step timings")
     p.add_argument("--csv", default="")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one forward+backward per row instead of timing (CUDA)")
+    p.add_argument("--trace", default="", help="with --profile: a folder for each rank's Chrome trace")
     p.add_argument("--nccl-high-priority", action="store_true",
                    help="the NCCL process group's streams at high priority (overlap=True's exchange)")
     return p.parse_args()
@@ -97,6 +105,89 @@ def meanflow_step(fn, q, k, v, tangents):
     (out * t_out.detach()).sum().backward()
 
 
+NBHD_KERNELS = ("fna_", "di_kernel", "dq_convert", "dq_repair", "merge_kernel", "zero_kernel",
+                "rows_kernel", "jvpb_")
+
+
+def profile_step(fn, device, trace=""):
+    """One call of fn (after one unprofiled) under torch.profiler -> (wall ms, {category: device ms}, [(ms, kernel)]):
+    categories nbhd (the library's kernels), nccl, other (copies, fills, pads, adds)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+    if trace:
+        prof.export_chrome_trace(trace)
+    cats, kernels = {"nbhd": 0.0, "nccl": 0.0, "other": 0.0}, {}
+    for e in prof.events():
+        if e.is_async or e.is_user_annotation or e.device_type == torch.autograd.DeviceType.CPU:
+            continue
+        ms = e.time_range.elapsed_us() / 1e3
+        name = e.name
+        cat = ("nbhd" if any(k in name for k in NBHD_KERNELS)
+               else "nccl" if "nccl" in name.lower() else "other")
+        cats[cat] += ms
+        short = name.split("(")[0].split("<")[0][-60:]
+        kernels[short] = kernels.get(short, 0.0) + ms
+    top = sorted(((ms, k) for k, ms in kernels.items()), reverse=True)[:8]
+    return start.elapsed_time(end), cats, top
+
+
+def profile_line(label, result):
+    wall, cats, top = result
+    parts = ", ".join(f"{c} {ms:.2f}" for c, ms in cats.items())
+    tops = "; ".join(f"{k} {ms:.2f}" for ms, k in top)
+    return f"  {label}: step {wall:.2f} ms; device ms {parts}\n    longest: {tops}"
+
+
+def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
+    """--profile: one forward+backward per problem and axis, on one device and on every rank."""
+    for name, kind, shape, ks, st, default_axes, scaled in problems:
+        geo = dict(kernel_size=ks, stride=st)
+        if rank == 0:
+            q, k, v = make_qkv(shape, heads, dim, dtype, device, True)
+            one = lambda *t: nbhd.na3d(*t, **geo)
+            lines = [profile_line(label, profile_step(
+                         fn, device, os.path.join(args.trace, f"{name}-one-{label}.json") if args.trace else ""))
+                     for label, fn in (("fwd", lambda: one(q, k, v)),
+                                       ("fwd+bwd", lambda: fwd_and_bwd(one, q, k, v)))]
+            print(f"{name} {kind}, one device {'x'.join(map(str, shape))}:\n" + "\n".join(lines), flush=True)
+            del q, k, v
+        dist.barrier()
+        full = list(shape)
+        if kind == "weak":
+            full[scaled] *= world
+        for axis in parse_axes(args.axes, default_axes):
+            sharding = sharded(full, axis, st)
+            q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
+            na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding)
+            for label, fn in (("fwd", lambda: na(q, k, v)), ("fwd+bwd", lambda: fwd_and_bwd(na, q, k, v))):
+                trace = (os.path.join(args.trace, f"{name}-{kind}-axis{'+'.join(map(str, axis))}-"
+                                                  f"{label}-rank{rank}.json") if args.trace else "")
+                dist.barrier()
+                line = profile_line(f"{label}, rank {rank}", profile_step(fn, device, trace))
+                lines = [None] * world
+                dist.all_gather_object(lines, line)
+                if rank == 0:
+                    print(f"{name} {kind} {'x'.join(map(str, full))} on {world}, axes "
+                          f"{'+'.join(map(str, axis))}:\n" + "\n".join(lines), flush=True)
+            del q, k, v
+
+
+def sharded(full, axis, st):
+    """The Sharding of `full` over `axis`, shard boundaries on stride-group boundaries (no group
+    cut across two ranks)."""
+    sharding = cp.Sharding(tuple(full), axes=axis)
+    return cp.Sharding(tuple(full), axes=axis, mesh_shape=sharding.mesh_shape,
+                       sizes=[cp.split_sizes(full[a], m, st[a])
+                              for a, m in zip(sharding.axes, sharding.mesh_shape)])
+
+
 def parse_axes(spec, default):
     if not spec:
         return [(a,) for a in default]
@@ -122,6 +213,15 @@ def main():
     meanflow = not args.no_meanflow
     problems = [p for p in (TINY if args.tiny else PROBLEMS)
                 if not args.problems or any(f in f"{p[0]}-{p[1]}" for f in args.problems.split(","))]
+    if args.profile:
+        if device.type != "cuda":
+            raise SystemExit("--profile needs CUDA devices")
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+        profile_rows(args, problems, heads, dim, dtype, device, rank, world)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     rows = []
     for name, kind, shape, ks, st, default_axes, scaled in problems:
         geo = dict(kernel_size=ks, stride=st)
@@ -148,11 +248,7 @@ def main():
         if kind == "weak":
             full[scaled] *= world
         for axis in parse_axes(args.axes, default_axes):
-            sharding = cp.Sharding(tuple(full), axes=axis)
-            # shard boundaries on stride-group boundaries (no group cut across two ranks)
-            sharding = cp.Sharding(tuple(full), axes=axis, mesh_shape=sharding.mesh_shape,
-                                   sizes=[cp.split_sizes(full[a], m, st[a])
-                                          for a, m in zip(sharding.axes, sharding.mesh_shape)])
+            sharding = sharded(full, axis, st)
             plan = sharding.plan(ks, st, 1, False)
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
             na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding)

@@ -393,18 +393,24 @@ class HaloPlan:
         out, sends, recvs, fills = [], [], [], []
         origin_own = [lo for lo, _ in self.box]
         origin_key = [lo for lo, _ in self.key_box]
+        # the own box and the received pieces fill the key box (the read box is the key box):
+        # nothing of it needs zeros
+        filled = self.owned_tokens + self.halo_tokens == self.key_box_tokens
         for t, d in zip(tensors, dims):
             shape = list(t.shape)
             for a, (lo, hi) in enumerate(self.key_box):
                 shape[d + a] = hi - lo
-            full = t.new_zeros(shape)
+            full = t.new_empty(shape) if filled else t.new_zeros(shape)
             full[_slices(d, self.box, origin_key)] = t
             for peer, box in self.sends:
                 sends.append((peer, t[_slices(d, box, origin_own)].contiguous()))
             for peer, box in self.recvs:
                 buf = full[_slices(d, box, origin_key)]
-                recvs.append((peer, torch.empty_like(buf, memory_format=torch.contiguous_format)))
-                fills.append((buf, recvs[-1][1]))
+                if buf.is_contiguous():   # received in place
+                    recvs.append((peer, buf))
+                else:
+                    recvs.append((peer, torch.empty_like(buf, memory_format=torch.contiguous_format)))
+                    fills.append((buf, recvs[-1][1]))
             out.append(full)
         return out, fills, sends, self._post(sends, recvs)
 
