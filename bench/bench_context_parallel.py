@@ -11,20 +11,24 @@ slowest rank's time counts. Problems (bf16 on GPUs, B = 1):
   weak:   the strided problem with N x 30 frames on N devices against 30 frames on one.
 For each sharded axis (`--axes`: a list of axes, `0+2` shards two axes on a balanced mesh;
 shard sizes in multiples of the axis's stride, split_sizes(..., multiple=stride)):
-forward, forward+backward and MeanFlow step time (torch.func.jvp with tangents on q, k, v,
-then the backward of the primal output), speedup (strong) or efficiency
-(weak), the forward with the exchange overlapped with the interior queries (`overlap=True`;
-`overlapped` says whether the rank had interior queries to overlap it with), the halo
+forward and forward+backward time both ways a rank runs (`overlap=False`: one call on the key
+box after the exchange; `overlap=True`: the interior queries on the own box while the halo
+travels, each border piece on its own key box after it, the backward likewise), the default's
+choice between them (by the largest share of border queries over the ranks) and its speedup
+(strong) or efficiency (weak), the MeanFlow step time (torch.func.jvp with tangents on q, k,
+v, then the backward of the primal output; transforms run the one call), the halo
 exchange alone (k and v), the forward kernel alone on the rank's key box for
 its own queries (the compute share; the rest is exchange, padding and slicing), the halo bytes a
 rank receives per step (forward: k, v; backward: their gradients, as many bytes), and the key
 box / owned tokens ratio (the keys and values each rank holds per query it owns).
 Times: CUDA events (CPU: perf_counter) around `--reps` calls after a warm-up, median of 5.
 
-`--profile` (CUDA) replaces the timings by one profiled forward+backward per row, on the one
-device and on every rank: the device time of nbhd's kernels, NCCL's, and every other kernel,
-copy and memset (the exchange's packing, padding, slicing, gradient accumulation), the
-longest of them, and the step's wall time; `--trace DIR` also writes each rank's Chrome trace.
+`--profile` (CUDA) replaces the timings by one profiled forward and forward+backward per row,
+on the one device and on every rank both ways: the device time of nbhd's kernels, of the
+exchange (NCCL's kernels, the copy engines' copies, symmetric memory's barriers) and of every
+other kernel, copy and memset (packing, padding, slicing, gradient accumulation), the exchange's
+time beside nbhd's kernels (hidden), the longest kernels, and the step's wall time;
+`--trace DIR` also writes each rank's Chrome trace.
 """
 from __future__ import annotations
 
@@ -64,6 +68,8 @@ def parse_args():
     p.add_argument("--problems", default="", help="comma-separated substrings of problem names to keep")
     p.add_argument("--no-meanflow", action="store_true", help="skip the MeanFlow step timings")
     p.add_argument("--csv", default="")
+    p.add_argument("--transport", default="auto", choices=("auto", "process_group"),
+                   help="how halos travel (nbhd.distributed.Sharding's transport)")
     p.add_argument("--profile", action="store_true",
                    help="profile one forward+backward per row instead of timing (CUDA)")
     p.add_argument("--trace", default="", help="with --profile: a folder for each rank's Chrome trace")
@@ -110,8 +116,10 @@ NBHD_KERNELS = ("fna_", "di_kernel", "dq_convert", "dq_repair", "merge_kernel", 
 
 
 def profile_step(fn, device, trace=""):
-    """One call of fn (after one unprofiled) under torch.profiler -> (wall ms, {category: device ms}, [(ms, kernel)]):
-    categories nbhd (the library's kernels), nccl, other (copies, fills, pads, adds)."""
+    """One call of fn (after one unprofiled) under torch.profiler -> (wall ms, {category: device
+    ms}, [(ms, kernel)], exchange ms hidden): categories nbhd (the library's kernels), exchange
+    (NCCL's kernels, the copy engines' copies, symmetric memory's barriers), other (packing,
+    padding, slicing, accumulation); hidden: the exchange's time during nbhd's kernels."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize(device)
@@ -123,26 +131,33 @@ def profile_step(fn, device, trace=""):
         torch.cuda.synchronize(device)
     if trace:
         prof.export_chrome_trace(trace)
-    cats, kernels = {"nbhd": 0.0, "nccl": 0.0, "other": 0.0}, {}
+    cats, kernels, spans = {"nbhd": 0.0, "exchange": 0.0, "other": 0.0}, {}, {"nbhd": [], "exchange": []}
     for e in prof.events():
         if e.is_async or e.is_user_annotation or e.device_type == torch.autograd.DeviceType.CPU:
             continue
         ms = e.time_range.elapsed_us() / 1e3
         name = e.name
         cat = ("nbhd" if any(k in name for k in NBHD_KERNELS)
-               else "nccl" if "nccl" in name.lower() else "other")
+               else "exchange" if ("nccl" in name.lower() or name.startswith("Memcpy")
+                                   or "barrier" in name.lower())
+               else "other")
         cats[cat] += ms
+        if cat in spans:
+            spans[cat].append((e.time_range.start, e.time_range.end))
         short = name.split("(")[0].split("<")[0][-60:]
         kernels[short] = kernels.get(short, 0.0) + ms
     top = sorted(((ms, k) for k, ms in kernels.items()), reverse=True)[:8]
-    return start.elapsed_time(end), cats, top
+    hidden = sum(max(0, min(e1, e2) - max(s1, s2)) for s1, e1 in spans["exchange"]
+                 for s2, e2 in spans["nbhd"]) / 1e3
+    return start.elapsed_time(end), cats, top, hidden
 
 
 def profile_line(label, result):
-    wall, cats, top = result
+    wall, cats, top, hidden = result
     parts = ", ".join(f"{c} {ms:.2f}" for c, ms in cats.items())
     tops = "; ".join(f"{k} {ms:.2f}" for ms, k in top)
-    return f"  {label}: step {wall:.2f} ms; device ms {parts}\n    longest: {tops}"
+    return (f"  {label}: step {wall:.2f} ms; device ms {parts} (exchange beside nbhd's kernels "
+            f"{hidden:.2f})\n    longest: {tops}")
 
 
 def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
@@ -163,12 +178,16 @@ def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
         if kind == "weak":
             full[scaled] *= world
         for axis in parse_axes(args.axes, default_axes):
-            sharding = sharded(full, axis, st)
+            sharding = sharded(full, axis, st, args.transport)
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
-            na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding)
-            for label, fn in (("fwd", lambda: na(q, k, v)), ("fwd+bwd", lambda: fwd_and_bwd(na, q, k, v))):
+            na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=False)
+            na_o = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True)
+            for label, fn in (("fwd, one call", lambda: na(q, k, v)),
+                              ("fwd+bwd, one call", lambda: fwd_and_bwd(na, q, k, v)),
+                              ("fwd, split", lambda: na_o(q, k, v)),
+                              ("fwd+bwd, split", lambda: fwd_and_bwd(na_o, q, k, v))):
                 trace = (os.path.join(args.trace, f"{name}-{kind}-axis{'+'.join(map(str, axis))}-"
-                                                  f"{label}-rank{rank}.json") if args.trace else "")
+                                                  f"{label.replace(', ', '-').replace(' ', '-')}-rank{rank}.json") if args.trace else "")
                 dist.barrier()
                 line = profile_line(f"{label}, rank {rank}", profile_step(fn, device, trace))
                 lines = [None] * world
@@ -179,13 +198,14 @@ def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
             del q, k, v
 
 
-def sharded(full, axis, st):
+def sharded(full, axis, st, transport):
     """The Sharding of `full` over `axis`, shard boundaries on stride-group boundaries (no group
     cut across two ranks)."""
     sharding = cp.Sharding(tuple(full), axes=axis)
     return cp.Sharding(tuple(full), axes=axis, mesh_shape=sharding.mesh_shape,
                        sizes=[cp.split_sizes(full[a], m, st[a])
-                              for a, m in zip(sharding.axes, sharding.mesh_shape)])
+                              for a, m in zip(sharding.axes, sharding.mesh_shape)],
+                       transport=transport)
 
 
 def parse_axes(spec, default):
@@ -248,15 +268,20 @@ def main():
         if kind == "weak":
             full[scaled] *= world
         for axis in parse_axes(args.axes, default_axes):
-            sharding = sharded(full, axis, st)
+            sharding = sharded(full, axis, st, args.transport)
             plan = sharding.plan(ks, st, 1, False)
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
             na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding)
-            t_fwd = slowest(run(lambda: na(q, k, v), args.reps), device)
-            # the same with the exchange overlapped with the interior queries (split calls)
-            t_fwd_overlap = slowest(run(lambda: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True),
-                                        args.reps), device)
-            t_fb = slowest(run(lambda: fwd_and_bwd(na, q, k, v), args.reps), device)
+            # both ways to run a rank (nbhd.distributed.na3d's overlap): one call on the key box
+            # after the exchange, and the split calls around it; the default picks one by rule
+            one = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=False)
+            split = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True)
+            t_fwd_one = slowest(run(lambda: one(q, k, v), args.reps), device)
+            t_fwd_split = slowest(run(lambda: split(q, k, v), args.reps), device)
+            t_fb_one = slowest(run(lambda: fwd_and_bwd(one, q, k, v), args.reps), device)
+            t_fb_split = slowest(run(lambda: fwd_and_bwd(split, q, k, v), args.reps), device)
+            splits = plan.border_share <= cp._OVERLAP_BORDER_SHARE
+            t_fwd, t_fb = (t_fwd_split, t_fb_split) if splits else (t_fwd_one, t_fb_one)
             t_mf = math.nan
             if meanflow:
                 tangents = tuple(torch.randn_like(t) for t in (q, k, v))
@@ -282,10 +307,14 @@ def main():
                        axis="+".join(map(str, axis)), mesh="x".join(map(str, sharding.mesh_shape)),
                        sizes=";".join("/".join(map(str, ax)) for ax in sharding.sizes),
                        heads=heads, dim=dim, dtype=str(dtype).replace("torch.", ""),
+                       transport="copy engines" if sharding.peer_copies(device) else backend,
                        base_fwd_ms=round(b_fwd, 3), base_fwdbwd_ms=round(b_fb, 3), base_meanflow_ms=round(b_mf, 3),
-                       fwd_ms=round(t_fwd, 3), fwd_overlap_ms=round(t_fwd_overlap, 3),
-                       overlapped=int(plan.interior is not None and bool(plan.border)),
-                       fwdbwd_ms=round(t_fb, 3), meanflow_ms=round(t_mf, 3),
+                       default="split" if splits else "one call", border_share=round(plan.border_share, 3),
+                       fwd_ms=round(t_fwd, 3), fwd_one_call_ms=round(t_fwd_one, 3),
+                       fwd_split_ms=round(t_fwd_split, 3),
+                       fwdbwd_ms=round(t_fb, 3), fwdbwd_one_call_ms=round(t_fb_one, 3),
+                       fwdbwd_split_ms=round(t_fb_split, 3),
+                       meanflow_ms=round(t_mf, 3),
                        fwd_score=round(score[0], 3), fwdbwd_score=round(score[1], 3),
                        meanflow_score=round(score[2], 3),
                        halo_ms=round(t_halo, 3), keybox_kernel_fwd_ms=round(t_box, 3), halo_bytes_fwd=bytes_fwd, halo_bytes_step=2 * bytes_fwd,
@@ -295,11 +324,12 @@ def main():
                 label = "speedup" if kind == "strong" else "efficiency"
                 mf = (f", MeanFlow step {t_mf:.3f} ms (1 device {b_mf:.3f}, {label} {score[2]:.2f})"
                       if meanflow else "")
-                print(f"{name} {kind} {row['grid']} on {world} ({backend}, axes {row['axis']}, mesh "
-                      f"{row['mesh']}): fwd {t_fwd:.3f} ms "
-                      f"(1 device {b_fwd:.3f}, {label} {score[0]:.2f}; overlapped: {t_fwd_overlap:.3f} ms), "
-                      f"fwd+bwd {t_fb:.3f} ms "
-                      f"(1 device {b_fb:.3f}, {label} {score[1]:.2f}){mf}; halo exchange {t_halo:.3f} ms, kernel on "
+                print(f"{name} {kind} {row['grid']} on {world} ({row['transport']}, axes {row['axis']}, mesh "
+                      f"{row['mesh']}, default {row['default']}, border share {plan.border_share:.2f}): "
+                      f"fwd {t_fwd:.3f} ms (1 device {b_fwd:.3f}, {label} {score[0]:.2f}; one call "
+                      f"{t_fwd_one:.3f}, split {t_fwd_split:.3f}), fwd+bwd {t_fb:.3f} ms (1 device "
+                      f"{b_fb:.3f}, {label} {score[1]:.2f}; one call {t_fb_one:.3f}, split {t_fb_split:.3f})"
+                      f"{mf}; halo exchange {t_halo:.3f} ms, kernel on "
                       f"the key box alone {t_box:.3f} ms (fwd), "
                       f"{bytes_fwd / 2**20:.2f} MiB fwd + as much bwd per rank; key box / owned "
                       f"{ratio.item():.2f}", flush=True)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _torch_internals as _ti
-from . import checks, functional
+from . import _peer_copies, backends, checks, functional, ops
 from .modules import NeighborhoodAttention2D, NeighborhoodAttention3D
 from .reference import axis_windows
 
@@ -229,6 +229,11 @@ class Sharding:
             Rank r has mesh coordinates in row-major order.
         sizes: per sharded axis, the shard sizes (positive, summing to the extent); default
             split_sizes(extent, parts) (uneven where the ranks do not divide the extent)
+        transport: how halos travel. "auto": by the copy engines when every rank of the group
+            is a CUDA device of this host with peer access to the others (symmetric memory,
+            nbhd/_peer_copies.py; no SM is taken from the attention kernel), else by the
+            process group's point-to-point send/recv (NCCL, gloo); "process_group": always
+            the latter
 
     A rank's local tensors are [B, *local_shape, ...] with local_shape the sizes of its box.
     Plans (halo ranges and transfers) are computed once per window geometry and cached.
@@ -236,7 +241,7 @@ class Sharding:
 
     def __init__(self, global_shape: Sequence[int], axes: Sequence[int] = (0,), group=None,
                  mesh_shape: Optional[Sequence[int]] = None,
-                 sizes: Optional[Sequence[Sequence[int]]] = None):
+                 sizes: Optional[Sequence[Sequence[int]]] = None, transport: str = "auto"):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("nbhd.distributed.Sharding needs an initialized default process group "
                                "(torch.distributed.init_process_group)")
@@ -265,6 +270,9 @@ class Sharding:
             if len(ax) != m or any(s < 1 for s in ax) or sum(ax) != self.global_shape[a]:
                 raise ValueError(f"sizes of axis {a} must be {m} positive shard sizes summing to its "
                                  f"extent {self.global_shape[a]}, got {ax}")
+        if transport not in ("auto", "process_group"):
+            raise ValueError(f"transport must be 'auto' or 'process_group', got {transport!r}")
+        self.transport = transport
         self._plans: Dict[tuple, HaloPlan] = {}
 
     def coords(self, rank: int) -> Tuple[int, ...]:
@@ -297,7 +305,14 @@ class Sharding:
 
     def __repr__(self) -> str:
         return (f"Sharding(global_shape={self.global_shape}, axes={self.axes}, "
-                f"mesh_shape={self.mesh_shape}, sizes={self.sizes}, rank={self.rank}/{self.world})")
+                f"mesh_shape={self.mesh_shape}, sizes={self.sizes}, transport={self.transport!r}, "
+                f"rank={self.rank}/{self.world})")
+
+    def peer_copies(self, device: torch.device) -> bool:
+        """Whether halos to and from tensors on `device` travel by the copy engines (the same
+        answer on every rank; collective on the first call per device)."""
+        return (self.transport == "auto" and device.type == "cuda"
+                and dist.get_backend(self.group) == "nccl" and _peer_copies.available(self.group, device))
 
 
 class HaloPlan:
@@ -311,6 +326,11 @@ class HaloPlan:
             the key box's other tokens are zeros, which no result reads
         sends: [(peer, box)] pieces of this rank's box that peer reads
         recvs: [(peer, box)] pieces of this rank's read box that peer owns
+        interior: the owned queries whose windows the owned box alone holds (None: some
+            sharded axis has none); border: the owned box's other pieces; border_key_boxes:
+            the key box of each border piece; border_share: the largest share of border
+            queries over the ranks (inf where some rank has no interior)
+        slot_tokens: the most tokens one rank sends another (the copy engines' slots)
     """
 
     def __init__(self, sharding: Sharding, ks, st, dil, causal):
@@ -325,20 +345,20 @@ class HaloPlan:
                       for piece in [_intersect(self.box, self.read_boxes[r])] if piece is not None]
         self.recvs = [(r, piece) for r in range(sharding.world) if r != me
                       for piece in [_intersect(self.boxes[r], self.read_boxes[me])] if piece is not None]
+        self.slot_tokens = _peer_copies.slot_tokens(self.boxes, self.read_boxes)
         # the own queries the own box alone serves (computed while the halo travels), and the
-        # border pieces of the own box around them (computed on the key box once it arrived)
-        inner = [own_box_queries(shape[a], ks[a], st[a], dil[a], causal[a], *self.box[a])
-                 if a in axes else self.box[a] for a in range(len(self.box))]
-        self.interior: Optional[Box] = None if any(r is None for r in inner) else tuple(inner)
-        self.border: List[Box] = []
-        if self.interior is not None:
-            rest = list(self.box)
-            for a in sharding.axes:
-                (lo, hi), (ilo, ihi) = rest[a], self.interior[a]
-                self.border += [tuple(rest[:a]) + ((x0, x1),) + tuple(rest[a + 1:])
-                                for x0, x1 in ((lo, ilo), (ihi, hi)) if x0 < x1]
-                rest[a] = (ilo, ihi)
-        self._pending = None
+        # border pieces of the own box around them (computed once it arrived); every rank's
+        # share of border queries decides whether overlapping pays (overlap=None)
+        parts = [_interior_and_border(shape, axes, box, ks, st, dil, causal) for box in self.boxes]
+        self.interior, self.border = parts[me]
+        shares = [sum(_volume(b) for b in border) / _volume(box)
+                  for box, (interior, border) in zip(self.boxes, parts) if interior is not None]
+        self.border_share = max(shares) if len(shares) == len(parts) else math.inf
+        # each border piece runs on the keys its own windows need (inside the key box)
+        self.border_key_boxes: List[Box] = []
+        for piece in self.border:
+            kb = key_box(shape, axes, piece, ks, st, dil, causal)
+            self.border_key_boxes.append(kb if _intersect(kb, self.key_box) == kb else self.key_box)
 
     @property
     def owned_tokens(self) -> int:
@@ -359,89 +379,130 @@ class HaloPlan:
         """Tokens this rank receives per exchanged tensor (its sends are other ranks' receives)."""
         return sum(math.prod(hi - lo for lo, hi in box) for _, box in self.recvs)
 
-    def _post(self, pieces_out, pieces_in) -> list:
-        """One batch of point-to-point transfers, posted: the requests to wait for."""
-        ops = []
+    def _post(self, pieces_out, pieces_in, like: Sequence[Tensor], dims: Sequence[int]) -> list:
+        """One batch of point-to-point transfers, posted: the requests to wait for.
+        pieces_out: [(peer, tensor)], any layout; pieces_in: [(peer, contiguous tensor)] to fill.
+        like: the exchanged tensors (spatial axes from dims), for the bytes per token of a slot."""
         group = self.sharding.group
-        for peer, tensor in pieces_out:
+        if like and self.sharding.peer_copies(like[0].device):
+            n = len(self.box)
+            token_bytes = sum(t.numel() // max(1, math.prod(t.shape[d:d + n])) * t.element_size()
+                              for t, d in zip(like, dims))
+            return [_peer_copies.post(group, like[0].device, pieces_out, pieces_in,
+                                      self.slot_tokens * token_bytes)]
+        ops = []
+        sent = [tensor.contiguous() for _, tensor in pieces_out]
+        for (peer, _), tensor in zip(pieces_out, sent):
             ops.append(dist.P2POp(dist.isend, tensor, self.sharding.global_rank(peer), group))
         for peer, tensor in pieces_in:
             ops.append(dist.P2POp(dist.irecv, tensor, self.sharding.global_rank(peer), group))
-        return dist.batch_isend_irecv(ops) if ops else []
+        return (dist.batch_isend_irecv(ops) if ops else []) + [_Holds(sent)]
 
-    def _exchange(self, pieces_out, pieces_in):
-        """One batch of point-to-point transfers, waited for."""
-        for req in self._post(pieces_out, pieces_in):
-            req.wait()
+    def post_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]):
+        """Posts the exchange of owned tensors' halos (spatial axes from dims[i]): -> (per tensor,
+        the pieces of self.recvs as they will arrive (contiguous), the requests to wait for)."""
+        sends, recvs, halos = [], [], []
+        origin_own = [lo for lo, _ in self.box]
+        for t, d in zip(tensors, dims):
+            for peer, box in self.sends:
+                sends.append((peer, t[_slices(d, box, origin_own)]))
+            pieces = [t.new_empty(_with_box(t.shape, d, box)) for _, box in self.recvs]
+            recvs += [(peer, piece) for (peer, _), piece in zip(self.recvs, pieces)]
+            halos.append(pieces)
+        return halos, self._post(sends, recvs, tensors, dims)
+
+    def post_halo_grads(self, grads: Sequence[Sequence[Tensor]], like: Sequence[Tensor],
+                        dims: Sequence[int]):
+        """The adjoint of post_halo: per tensor, gradients of its self.recvs pieces (any
+        layout), each sent to its owner -> (per tensor, the gradients of self.sends' pieces as
+        they will arrive, the requests). like: the owned tensors (spatial axes from dims)."""
+        sends, recvs, received = [], [], []
+        for pieces, t, d in zip(grads, like, dims):
+            sends += [(peer, g) for (peer, _), g in zip(self.recvs, pieces)]
+            back = [t.new_empty(_with_box(t.shape, d, box)) for _, box in self.sends]
+            recvs += [(peer, g) for (peer, _), g in zip(self.sends, back)]
+            received.append(back)
+        return received, self._post(sends, recvs, like, dims)
+
+    def assemble(self, t: Tensor, halo: Optional[Sequence[Tensor]], d: int, box: Box,
+                 out: Optional[Tensor] = None) -> Tensor:
+        """The tokens of `box` (global coordinates, inside the key box) from an owned tensor t
+        and its halo pieces (post_halo's), zeros where neither holds them (no window reads
+        those). halo None: the owned part only (the halo's still to come); out given: the
+        halo's part written into it (the owned part is there)."""
+        pieces = [(b, h) for (_, b), h in zip(self.recvs, halo or [None] * len(self.recvs))]
+        cuts = [(inter, src, origin) for origin, src in [(self.box, t)] + pieces
+                for inter in [_intersect(origin, box)] if inter is not None]
+        if out is None:
+            filled = sum(_volume(inter) for inter, _, _ in cuts) == _volume(box)
+            out = (t.new_empty if filled else t.new_zeros)(_with_box(t.shape, d, box))
+            cuts = cuts if halo is not None else cuts[:1] if cuts and cuts[0][1] is t else []
+        else:
+            cuts = [c for c in cuts if c[1] is not t]
+        for inter, src, origin in cuts:
+            out[_slices(d, inter, [lo for lo, _ in box])] = src[_slices(d, inter, [lo for lo, _ in origin])]
+        return out
 
     def gather_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]) -> List[Tensor]:
-        """Owned tensors (spatial axes from dims[i]) -> their key boxes, halos from their owners.
-        Completes the exchange prefetch_halo started for the same tensors, if any."""
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == _identity(tensors, dims):
-            return self._finish(pending[1])
-        if pending is not None:   # never expected: every rank runs the same calls; drain it
-            self._finish(pending[1])
-        return self._finish(self._start(tensors, dims))
-
-    def prefetch_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]) -> None:
-        """Posts the exchange of gather_halo(tensors, dims) now, so that it travels while the
-        caller computes; that gather_halo call then only waits for it."""
-        self._pending = (_identity(tensors, dims), self._start(tensors, dims))
-
-    def _start(self, tensors, dims):
-        out, sends, recvs, fills = [], [], [], []
-        origin_own = [lo for lo, _ in self.box]
-        origin_key = [lo for lo, _ in self.key_box]
-        # the own box and the received pieces fill the key box (the read box is the key box):
-        # nothing of it needs zeros
-        filled = self.owned_tokens + self.halo_tokens == self.key_box_tokens
-        for t, d in zip(tensors, dims):
-            shape = list(t.shape)
-            for a, (lo, hi) in enumerate(self.key_box):
-                shape[d + a] = hi - lo
-            full = t.new_empty(shape) if filled else t.new_zeros(shape)
-            full[_slices(d, self.box, origin_key)] = t
-            for peer, box in self.sends:
-                sends.append((peer, t[_slices(d, box, origin_own)].contiguous()))
-            for peer, box in self.recvs:
-                buf = full[_slices(d, box, origin_key)]
-                if buf.is_contiguous():   # received in place
-                    recvs.append((peer, buf))
-                else:
-                    recvs.append((peer, torch.empty_like(buf, memory_format=torch.contiguous_format)))
-                    fills.append((buf, recvs[-1][1]))
-            out.append(full)
-        return out, fills, sends, self._post(sends, recvs)
-
-    @staticmethod
-    def _finish(started) -> List[Tensor]:
-        out, fills, _sends, requests = started   # the sends stay referenced until done
+        """Owned tensors (spatial axes from dims[i]) -> their key boxes, halos from their owners."""
+        halos, requests = self.post_halo(tensors, dims)
         for req in requests:
             req.wait()
-        for dst, src in fills:
-            dst.copy_(src)
-        return out
+        return [self.assemble(t, h, d, self.key_box) for t, h, d in zip(tensors, halos, dims)]
 
     def reduce_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]) -> List[Tensor]:
         """The adjoint of gather_halo: key-box tensors -> owned tensors, each halo piece sent back
         to its owner and added there."""
-        out, sends, recvs, adds = [], [], [], []
         origin_own = [lo for lo, _ in self.box]
         origin_key = [lo for lo, _ in self.key_box]
-        for t, d in zip(tensors, dims):
-            own = t[_slices(d, self.box, origin_key)].clone(memory_format=torch.contiguous_format)
-            for peer, box in self.recvs:
-                sends.append((peer, t[_slices(d, box, origin_key)].contiguous()))
-            for peer, box in self.sends:
-                buf = own[_slices(d, box, origin_own)]
-                recvs.append((peer, torch.empty_like(buf, memory_format=torch.contiguous_format)))
-                adds.append((buf, recvs[-1][1]))
-            out.append(own)
-        self._exchange(sends, recvs)
-        for dst, src in adds:
-            dst.add_(src)
-        return out
+        own = [t[_slices(d, self.box, origin_key)].clone(memory_format=torch.contiguous_format)
+               for t, d in zip(tensors, dims)]
+        halo_grads = [[t[_slices(d, box, origin_key)] for _, box in self.recvs] for t, d in zip(tensors, dims)]
+        received, requests = self.post_halo_grads(halo_grads, own, dims)
+        for req in requests:
+            req.wait()
+        for o, back, d in zip(own, received, dims):
+            for (_, box), g in zip(self.sends, back):
+                o[_slices(d, box, origin_own)] += g
+        return own
+
+
+def _interior_and_border(shape, axes, box: Box, ks, st, dil, causal) -> Tuple[Optional[Box], List[Box]]:
+    """The queries of `box` whose windows `box` alone holds (own_box_queries per sharded axis;
+    None if some axis has none), and the border pieces of box around them (at most two per
+    sharded axis)."""
+    inner = [own_box_queries(shape[a], ks[a], st[a], dil[a], causal[a], *box[a]) if a in axes else box[a]
+             for a in range(len(box))]
+    if any(r is None for r in inner):
+        return None, []
+    rest, border = list(box), []
+    for a in axes:
+        (lo, hi), (ilo, ihi) = rest[a], inner[a]
+        border += [tuple(rest[:a]) + ((x0, x1),) + tuple(rest[a + 1:]) for x0, x1 in ((lo, ilo), (ihi, hi))
+                   if x0 < x1]
+        rest[a] = (ilo, ihi)
+    return tuple(inner), border
+
+
+def _volume(box: Box) -> int:
+    return math.prod(hi - lo for lo, hi in box)
+
+
+def _with_box(shape, d: int, box: Box) -> list:
+    """shape with its spatial axes (from dim d) the sizes of box."""
+    shape = list(shape)
+    shape[d:d + len(box)] = [hi - lo for lo, hi in box]
+    return shape
+
+
+class _Holds:
+    """Keeps the tensors of posted sends alive until the transfer is waited for."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        self.tensors = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,11 +557,6 @@ class _ReduceHalo(torch.autograd.Function):
     def vmap(info, in_dims, plan, dims, *tensors):
         moved, new_dims = _fold_vmap(info, in_dims[2:], dims, tensors)
         return _ReduceHalo.apply(plan, new_dims, *moved), (0,) * len(tensors)
-
-
-def _identity(tensors, dims) -> tuple:
-    """What a prefetched exchange is matched by: the tensors' storage, layout and version."""
-    return tuple((t.data_ptr(), t.shape, t.stride(), t._version, d) for t, d in zip(tensors, dims))
 
 
 def _save_shapes(ctx, inputs, output):
@@ -579,9 +635,174 @@ def gather(x: Tensor, sharding: Sharding, spatial_dim: int = 1) -> Tensor:
     return full
 
 
+class _Overlapped(torch.autograd.Function):
+    """One rank's sharded attention as one autograd node, the halo exchange beside the compute
+    (eager calls on plain tensors; `overlap` of na*d). Forward: post the exchange of k and v,
+    run the interior queries on the own box while it travels, then each border piece on its
+    own key box, its rows written into the output. Backward: the border pieces first, their
+    halo gradients posted to their owners, the interior's backward while those travel, then
+    every part added into the owned gradients. A backward that builds a graph (double
+    backward) recomputes through the composable path (_na_composed)."""
+
+    @staticmethod
+    def forward(ctx, spec, q, k, v):
+        plan, kernel, composed = spec
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        own = [lo for lo, _ in plan.box]
+        (hk, hv), requests = plan.post_halo((k, v), (1, 1))
+        side = _Beside(q.device)
+        with side:   # the border's owned tokens gathered beside the interior's kernel
+            inputs = [(_rows_of(q, piece, own, kb), plan.assemble(k, None, 1, kb),
+                       plan.assemble(v, None, 1, kb)) for piece, kb in zip(plan.border, plan.border_key_boxes)]
+        out, lse = kernel(q, k, v, _relative(plan.interior, own))
+        side.join([t for ins in inputs for t in ins])
+        for req in requests:
+            req.wait()
+        for piece, kb, (qb, kb_k, kb_v) in zip(plan.border, plan.border_key_boxes, inputs):
+            ob, lb = kernel(qb, plan.assemble(k, hk, 1, kb, kb_k), plan.assemble(v, hv, 1, kb, kb_v),
+                            _relative(piece, [lo for lo, _ in kb]))
+            at_own, at_kb = _slices(1, piece, own), _slices(1, piece, [lo for lo, _ in kb])
+            out[at_own], lse[at_own] = ob[at_kb], lb[at_kb]
+        ctx.save_for_backward(q, k, v, out, lse, *hk, *hv)
+        ctx.halo_pieces = len(hk)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        plan, kernel, composed = ctx.spec
+        q, k, v, out, lse, *halo = ctx.saved_tensors
+        if torch.is_grad_enabled():   # a graph of the backward: the composable path's
+            with torch.enable_grad():
+                res = composed(q, k, v)
+                pairs = [(o, g) for o, g in zip(res, (d_out, d_lse)) if g is not None]
+                grads = torch.autograd.grad([o for o, _ in pairs], (q, k, v), [g for _, g in pairs],
+                                            create_graph=True, allow_unused=True)
+            return (None, *grads)
+        n = ctx.halo_pieces
+        hk, hv = halo[:n], halo[n:]
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        own = [lo for lo, _ in plan.box]
+        # the border pieces and their halo gradients' transfer on a side stream, beside the
+        # interior's backward on the current one
+        side = _Beside(q.device)
+        with side:
+            border = []
+            for piece, kb in zip(plan.border, plan.border_key_boxes):
+                origin = [lo for lo, _ in kb]
+                rows = [_rows_of(t, piece, own, kb) for t in (q, out, lse, d_out)]
+                d_lse_b = None if d_lse is None else _rows_of(d_lse, piece, own, kb)
+                dqb, dkb, dvb = kernel.backward(rows[0], plan.assemble(k, hk, 1, kb),
+                                                plan.assemble(v, hv, 1, kb), rows[1], rows[2], rows[3],
+                                                d_lse_b, _relative(piece, origin))
+                border.append((piece, kb, dqb, dkb, dvb))
+            halo_grads = [[_cut_sum([(kb, b[i]) for _, kb, *b in border], rbox, h)
+                           for (_, rbox), h in zip(plan.recvs, halo)] for i, halo in ((1, hk), (2, hv))]
+            (back_k, back_v), requests = plan.post_halo_grads(halo_grads, (k, v), (1, 1))
+        dq, dk, dv = kernel.backward(q, k, v, out, lse, d_out, d_lse, _relative(plan.interior, own))
+        side.join([t for b in border for t in b[2:]] + list(back_k) + list(back_v))
+        for piece, kb, dqb, dkb, dvb in border:
+            origin = [lo for lo, _ in kb]
+            dq[_slices(1, piece, own)] += dqb[_slices(1, piece, origin)]
+            inter = _intersect(plan.box, kb)
+            dk[_slices(1, inter, own)] += dkb[_slices(1, inter, origin)]
+            dv[_slices(1, inter, own)] += dvb[_slices(1, inter, origin)]
+        for req in requests:
+            req.wait()
+        for acc, back in ((dk, back_k), (dv, back_v)):
+            for (_, box), g in zip(plan.sends, back):
+                acc[_slices(1, box, own)] += g
+        return None, dq, dk, dv
+
+
+class _Beside:
+    """A context running CUDA work on a side stream that starts where the current stream is;
+    join(tensors) orders the current stream after it and marks the tensors made there as used
+    on the current stream. On the CPU both do nothing (the work runs in order)."""
+
+    _streams: Dict[int, "torch.cuda.Stream"] = {}
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            if device.index not in self._streams:
+                # high priority: its CTAs are scheduled first as SMs free, so the border's
+                # smaller work and the transfer after it finish while the interior still runs
+                self._streams[device.index] = torch.cuda.Stream(device, priority=-1)
+            self.stream, self.main = self._streams[device.index], torch.cuda.current_stream(device)
+            self.stream.wait_stream(self.main)
+            self.context = torch.cuda.stream(self.stream)
+
+    def __enter__(self):
+        if self.cuda:
+            self.context.__enter__()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.context.__exit__(*exc)
+
+    def join(self, tensors: Sequence[Tensor]) -> None:
+        if self.cuda:
+            self.main.wait_stream(self.stream)
+            for t in tensors:
+                t.record_stream(self.main)
+
+
+def _cut_sum(parts: Sequence[Tuple[Box, Tensor]], box: Box, like: Tensor) -> Tensor:
+    """The sum over parts (key-box tensors) of their tokens in `box`: one part holding all of
+    box is returned as a view, no copy."""
+    cuts = [(inter, t, kb) for kb, t in parts for inter in [_intersect(box, kb)] if inter is not None]
+    if len(cuts) == 1 and cuts[0][0] == box:
+        inter, t, kb = cuts[0]
+        return t[_slices(1, box, [lo for lo, _ in kb])]
+    acc = torch.zeros_like(like)
+    for inter, t, kb in cuts:
+        acc[_slices(1, inter, [lo for lo, _ in box])] += t[_slices(1, inter, [lo for lo, _ in kb])]
+    return acc
+
+
+def _rows_of(t: Tensor, piece: Box, own: Sequence[int], kb: Box) -> Tensor:
+    """An owned row tensor's rows of `piece` on the grid of key box kb (the other rows are
+    never read: the kernels read a query range's rows only)."""
+    out = t.new_empty(_with_box(t.shape, 1, kb))
+    out[_slices(1, piece, [lo for lo, _ in kb])] = t[_slices(1, piece, own)]
+    return out
+
+
+class _Kernel:
+    """The fused kernels of one geometry for a query range: forward -> (out, lse); backward ->
+    (dq, dk, dv). Calls the ops directly (the _Overlapped node is their autograd)."""
+
+    def __init__(self, rank, ks, st, dil, causal, scale, backend):
+        self.rank, self.geo, self.scale, self.backend = rank, (ks, st, dil, causal), scale, backend
+
+    def _call(self, q, k, v, queries):
+        return functional._Call(self.rank, q, k, v, *self.geo, self.scale, None, None, self.backend,
+                                None, None, None, None, None, query_range=queries)
+
+    def fused(self, q) -> bool:
+        return backends.choose(q, self.backend) in ("cpu-fna", "cuda-fna")
+
+    def __call__(self, q, k, v, queries):
+        q_, k_, v_, kx, vx, rpb, geometry = self._call(q, k, v, queries).kernel_args()
+        return ops.call(ops.na_forward, q_, k_, v_, kx, vx, rpb, *geometry.args())
+
+    def backward(self, q, k, v, out, lse, d_out, d_lse, queries):
+        q_, k_, v_, kx, vx, rpb, geometry = self._call(q, k, v, queries).kernel_args()
+        return ops.call(ops.na_backward, q_, k_, v_, kx, vx, rpb, out, lse, d_out.contiguous(),
+                        None if d_lse is None else d_lse.contiguous(), *geometry.args())[:3]
+
+
+# overlap=None overlaps where no rank's border holds more than this share of its queries: the
+# split calls' extra work is paid on the border (two H200s, bench/bench_context_parallel.py,
+# docs/context_parallel.md: faster at a 20 % border, slower at 30 % and at 50-57 %)
+_OVERLAP_BORDER_SHARE = 0.25
+
+
 def _na_sharded(rank: int, query: Tensor, key: Tensor, value: Tensor, kernel_size, stride,
                 dilation, is_causal, scale, sharding: Sharding, backend, return_lse: bool,
-                overlap: bool):
+                overlap: Optional[bool]):
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding must be an nbhd.distributed.Sharding, got {type(sharding).__name__}")
     if len(sharding.global_shape) != rank:
@@ -595,17 +816,20 @@ def _na_sharded(rank: int, query: Tensor, key: Tensor, value: Tensor, kernel_siz
                          f"{sharding.global_shape}, box {sharding.box(sharding.rank)})")
     plan = sharding.plan(kernel_size, stride, dilation, is_causal)
     ks, st, dil, causal = checks.geometry(sharding.global_shape, kernel_size, stride, dilation, is_causal)
+    composed = lambda q, k, v: _na_composed(rank, plan, q, k, v, ks, st, dil, causal, scale, backend)
+    kernel = _Kernel(rank, ks, st, dil, causal, scale, backend)
+    if overlap is None:
+        overlap = plan.border_share <= _OVERLAP_BORDER_SHARE
+    if overlap and plan.interior is not None and plan.border and _can_overlap(q, k, v) and kernel.fused(q):
+        out, lse = _Overlapped.apply((plan, kernel, composed), q, k, v)
+    else:
+        out, lse = composed(q, k, v)
+    return (out, lse) if return_lse else out
 
-    def na(qq, kk, vv, queries: Box):   # the kernel on qq's grid, for `queries` of it only
-        return _NA[rank](qq, kk, vv, ks, st, dil, causal, scale, backend=backend,
-                         return_lse=return_lse, query_range=queries)
 
-    own_origin, key_origin = [lo for lo, _ in plan.box], [lo for lo, _ in plan.key_box]
-    early = None
-    if overlap and plan.interior is not None and plan.border and _can_overlap(q, k, v):
-        # the queries the own box serves run while the halo travels
-        plan.prefetch_halo((k, v), (1, 1))
-        early = na(q, k, v, _relative(plan.interior, own_origin))
+def _na_composed(rank, plan, q, k, v, ks, st, dil, causal, scale, backend):
+    """The sharded attention of differentiable parts, for every transform: the exchange Function
+    gives the key box, one kernel call computes the own queries on it."""
     k_box, v_box = exchange_halo(plan, k, v)
     # halo rows of q are never read (query ranges): zeros only give q the key box's shape
     pad = []
@@ -613,15 +837,10 @@ def _na_sharded(rank: int, query: Tensor, key: Tensor, value: Tensor, kernel_siz
         (lo, hi), (klo, khi) = plan.box[a], plan.key_box[a]
         pad += [lo - klo, khi - hi]
     q_box = F.pad(q, [0, 0, 0, 0] + pad)
-    own = _slices(1, plan.box, key_origin)
-    pick = (lambda r: (r[0][own], r[1][own])) if return_lse else (lambda r: r[own])
-    if early is None:
-        return pick(na(q_box, k_box, v_box, plan.query_range))
-    # each call's rows outside its range are zero: the parts add up exactly
-    parts = [early] + [pick(na(q_box, k_box, v_box, _relative(b, key_origin))) for b in plan.border]
-    if return_lse:
-        return sum(p[0] for p in parts), sum(p[1] for p in parts)
-    return sum(parts)
+    own = _slices(1, plan.box, [lo for lo, _ in plan.key_box])
+    out, lse = _NA[rank](q_box, k_box, v_box, ks, st, dil, causal, scale, backend=backend,
+                         return_lse=True, query_range=plan.query_range)
+    return out[own], lse[own]
 
 
 def _relative(box: Box, origin: Sequence[int]) -> Box:
@@ -630,8 +849,8 @@ def _relative(box: Box, origin: Sequence[int]) -> Box:
 
 def _can_overlap(*tensors: Tensor) -> bool:
     """An eager call on plain tensors outside every functorch transform, forward-mode AD and
-    torch.compile: the exchange can be posted early and completed by the exchange Function
-    (under transforms it runs inside the Function, on the transformed tensors)."""
+    torch.compile: _Overlapped can run it (it has no jvp or vmap rule, and its exchange is
+    posted and waited for around kernel calls Dynamo does not trace)."""
     return (not torch.compiler.is_compiling() and not _ti.forward_ad_active()
             and all(_ti.plain_tensor(t) for t in tensors))
 
@@ -648,11 +867,13 @@ _DOC = """{rank}-D neighborhood attention on a grid sharded across a process gro
         sharding: an nbhd.distributed.Sharding of {rank} spatial axes (the same on every rank)
         backend: as nbhd.na{rank}d
         return_lse: also return the logsumexp [B, *local_shape, H]
-        overlap: compute the own queries whose windows lie in the own box while the halo
-            travels, the others after it arrived (eager calls outside functorch transforms
-            and forward-mode AD; elsewhere, and by default, the exchange is waited for first:
-            on GPUs NCCL's transfer kernels take SMs from the attention kernel, and the split
-            calls were slower in bench/bench_context_parallel.py, docs/context_parallel.md)
+        overlap: True: compute the own queries whose windows lie in the own box while the
+            halo travels and each border piece after it arrived, and in the backward send the
+            halo gradients while the interior's backward runs (eager calls on plain tensors
+            outside functorch transforms and forward-mode AD, fused backends; elsewhere the
+            exchange is waited for, then one call computes the own box). False: never.
+            None (default): True where no rank's border pieces hold more than a quarter of
+            its queries (docs/context_parallel.md: the split calls cost more elsewhere)
 
     Returns:
         output [B, *local_shape, H, Dv], or (output, lse).
@@ -668,7 +889,7 @@ _DOC = """{rank}-D neighborhood attention on a grid sharded across a process gro
 def _make(rank: int):
     def na(query: Tensor, key: Tensor, value: Tensor, kernel_size, stride=1, dilation=1,
            is_causal=False, scale: Optional[float] = None, *, sharding: Sharding,
-           backend: Optional[str] = None, return_lse: bool = False, overlap: bool = False):
+           backend: Optional[str] = None, return_lse: bool = False, overlap: Optional[bool] = None):
         return _na_sharded(rank, query, key, value, kernel_size, stride, dilation, is_causal,
                            scale, sharding, backend, return_lse, overlap)
 

@@ -93,13 +93,20 @@ def _run_case(case, device, results, group=None):
     # sharded
     sh = lambda t: cp.shard(t, sharding)
     local = [sh(t).requires_grad_() for t in (q, k, v)]
-    out_l = na_cp(*local, **geo, sharding=sharding)
+    out_l = na_cp(*local, **geo, sharding=sharding, overlap=False)
     # the exchange overlapped with the interior queries (split calls), against one call after it
     out_o = na_cp(*local, **geo, sharding=sharding, overlap=True)
+    out_default = na_cp(*local, **geo, sharding=sharding)
     grads_o = torch.autograd.grad((out_o * sh(w)).sum(), local)
     grads_l = torch.autograd.grad((out_l * sh(w)).sum(), local)
     _, tangent_l = torch.func.jvp(lambda q, k, v: na_cp(q, k, v, **geo, sharding=sharding),
                                   tuple(sh(t) for t in (q, k, v)), tuple(sh(t) for t in (tq, tk, tv)))
+    # the process group's send/recv instead of the copy engines (the same on gloo): same results
+    sharding_pg = cp.Sharding(shape, axes=axes, group=group, mesh_shape=mesh, sizes=sizes,
+                              transport="process_group")
+    local_pg = [sh(t).requires_grad_() for t in (q, k, v)]
+    out_pg = na_cp(*local_pg, **geo, sharding=sharding_pg)
+    grads_pg = torch.autograd.grad((out_pg * sh(w)).sum(), local_pg)
     gathered = cp.gather(out_l, sharding)
     # the unfused reference path computes each query's scores in window order on both grids
     ref_full = na(q, k, v, **geo, backend="reference")
@@ -108,7 +115,13 @@ def _run_case(case, device, results, group=None):
         case=case,
         forward_bitwise=torch.equal(out_l, sh(out_same_kernels)),
         overlapped=plan.interior is not None and bool(plan.border),
-        overlap_bitwise=torch.equal(out_o, out_l),
+        # the overlapped path ran as one autograd node wherever the plan has interior and border
+        overlap_node=("_Overlapped" in type(out_o.grad_fn).__name__) == (
+            plan.interior is not None and bool(plan.border)),
+        peer_copies=sharding.peer_copies(device),
+        transports_bitwise=torch.equal(out_pg, out_l) and all(
+            torch.equal(a, b) for a, b in zip(grads_pg, grads_l)),
+        overlap_bitwise=torch.equal(out_o, out_l) and torch.equal(out_default, out_l),
         overlap_err=max((g_o - g_l).abs().max().item() / (g_l.abs().max().item() + 1e-30)
                         for g_o, g_l in zip(grads_o, grads_l)),
         forward_err=(out_l - sh(out)).abs().max().item() / out.abs().max().item(),
@@ -150,6 +163,14 @@ def _run_transforms(device, results):
     results.append(dict(case="double_backward",
                         err=max((a - sh(b)).abs().max().item() / b.abs().max().item()
                                 for a, b in zip(local2, full2))))
+    # the overlapped node's backward builds its graph through the composable path
+    probe = cp.na3d(*(sh(t[0]).requires_grad_() for t in (q, k, v)), **geo, sharding=sharding, overlap=True)
+    assert "_Overlapped" in type(probe.grad_fn).__name__, type(probe.grad_fn)
+    local2o = second(lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True),
+                     sh(q[0]), sh(k[0]), sh(v[0]))
+    results.append(dict(case="double_backward_overlapped",
+                        err=max((a - sh(b)).abs().max().item() / b.abs().max().item()
+                                for a, b in zip(local2o, full2))))
     # module wrapper: same weights as NeighborhoodAttention3D
     torch.manual_seed(0)
     ref_mod = nbhd.NeighborhoodAttention3D(8, 2, **geo).to(device).double()
@@ -194,6 +215,7 @@ def _errors():
     expect(ValueError, ["axes"], lambda: cp.Sharding((8, 8), axes=(2,)))
     expect(ValueError, ["mesh_shape"], lambda: cp.Sharding((8, 8), axes=(0, 1), mesh_shape=(2, 2)))
     expect(ValueError, ["sizes", "summing"], lambda: cp.Sharding((8,), sizes=((3, 4),)))
+    expect(ValueError, ["transport", "process_group"], lambda: cp.Sharding((8,), transport="nccl"))
     sharding = cp.Sharding((8, 6), axes=(0,))
     q = torch.randn(1, 4, 6, 2, 4)
     expect(ValueError, ["local_shape"], lambda: cp.na2d(q[:, :3], q[:, :3], q[:, :3], 3, sharding=sharding))
@@ -251,6 +273,8 @@ def _check(ranks, tol, bitwise):
                 assert c["forward_bitwise"], (label, c["forward_err"])
                 assert c["reference_bitwise"], label
                 assert c["overlap_bitwise"], label
+            assert c["transports_bitwise"], label
+            assert c["overlap_node"], label
             assert c["forward_err"] < tol, (label, c["forward_err"])
             assert c["overlap_err"] < tol, (label, c["overlap_err"])
             assert c["gathered_err"] < tol, (label, c["gathered_err"])
@@ -281,7 +305,9 @@ def test_nccl_against_single_process(world):
     _needs_distributed()
     if not torch.cuda.is_available() or torch.cuda.device_count() < world or not dist.is_nccl_available():
         pytest.skip(f"needs {world} CUDA GPUs and NCCL")
-    _check(_spawn(world, "nccl"), tol=1e-4, bitwise=False)
+    ranks = _check(_spawn(world, "nccl"), tol=1e-4, bitwise=False)
+    # the GPUs of one host: halos travel by the copy engines (symmetric memory)
+    assert all(c["peer_copies"] for res in ranks for c in res["cases"])
 
 
 def test_split_sizes():
@@ -293,6 +319,19 @@ def test_split_sizes():
         cp.split_sizes(20, 3, 16)
     with pytest.raises(ValueError, match="multiple"):
         cp.split_sizes(20, 2, 0)
+
+
+def test_overlap_border_share_of_the_weak_scaling_problem():
+    """overlap=None's rule on the weak-scaling problem (60x48x80, window 18x24x24, stride
+    16x8x8): sharded along width, the border is one stride group of 40 columns (overlapped);
+    along time, 16 of 32 and of 28 frames (one call on the key box)."""
+    shape, ks, st, dil, causal = (60, 48, 80), (18, 24, 24), (16, 8, 8), (1, 1, 1), (False,) * 3
+    share = lambda axes, box: sum(cp._volume(b) for b in cp._interior_and_border(
+        shape, axes, box, ks, st, dil, causal)[1]) / cp._volume(box)
+    assert share((2,), ((0, 60), (0, 48), (0, 40))) == share((2,), ((0, 60), (0, 48), (40, 80))) == 0.2
+    assert share((0,), ((0, 32), (0, 48), (0, 80))) == 0.5
+    assert share((0,), ((32, 60), (0, 48), (0, 80))) == 16 / 28
+    assert 0.2 <= cp._OVERLAP_BORDER_SHARE < 0.5
 
 
 def test_own_box_queries_exhaustive():
