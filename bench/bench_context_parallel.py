@@ -25,7 +25,7 @@ Times: CUDA events (CPU: perf_counter) around `--reps` calls after a warm-up, me
 
 `--profile` (CUDA) replaces the timings by one profiled forward and forward+backward per row,
 on the one device and on every rank both ways: the device time of nbhd's kernels, of the
-exchange (NCCL's kernels, the copy engines' copies, symmetric memory's barriers) and of every
+exchange (NCCL's kernels) and of every
 other kernel, copy and memset (packing, padding, slicing, gradient accumulation), the exchange's
 time beside nbhd's kernels (hidden), the longest kernels, and the step's wall time;
 `--trace DIR` also writes each rank's Chrome trace.
@@ -68,8 +68,6 @@ def parse_args():
     p.add_argument("--problems", default="", help="comma-separated substrings of problem names to keep")
     p.add_argument("--no-meanflow", action="store_true", help="skip the MeanFlow step timings")
     p.add_argument("--csv", default="")
-    p.add_argument("--transport", default="auto", choices=("auto", "process_group"),
-                   help="how halos travel (nbhd.distributed.Sharding's transport)")
     p.add_argument("--profile", action="store_true",
                    help="profile one forward+backward per row instead of timing (CUDA)")
     p.add_argument("--trace", default="", help="with --profile: a folder for each rank's Chrome trace")
@@ -118,8 +116,8 @@ NBHD_KERNELS = ("fna_", "di_kernel", "dq_convert", "dq_repair", "merge_kernel", 
 def profile_step(fn, device, trace=""):
     """One call of fn (after one unprofiled) under torch.profiler -> (wall ms, {category: device
     ms}, [(ms, kernel)], exchange ms hidden): categories nbhd (the library's kernels), exchange
-    (NCCL's kernels, the copy engines' copies, symmetric memory's barriers), other (packing,
-    padding, slicing, accumulation); hidden: the exchange's time during nbhd's kernels."""
+    (NCCL's kernels), other (packing, padding, slicing, accumulation); hidden: the exchange's
+    time during nbhd's kernels."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize(device)
@@ -138,8 +136,7 @@ def profile_step(fn, device, trace=""):
         ms = e.time_range.elapsed_us() / 1e3
         name = e.name
         cat = ("nbhd" if any(k in name for k in NBHD_KERNELS)
-               else "exchange" if ("nccl" in name.lower() or name.startswith("Memcpy")
-                                   or "barrier" in name.lower())
+               else "exchange" if "nccl" in name.lower()
                else "other")
         cats[cat] += ms
         if cat in spans:
@@ -178,7 +175,7 @@ def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
         if kind == "weak":
             full[scaled] *= world
         for axis in parse_axes(args.axes, default_axes):
-            sharding = sharded(full, axis, st, args.transport)
+            sharding = sharded(full, axis, st)
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
             na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=False)
             na_o = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True)
@@ -198,14 +195,13 @@ def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
             del q, k, v
 
 
-def sharded(full, axis, st, transport):
+def sharded(full, axis, st):
     """The Sharding of `full` over `axis`, shard boundaries on stride-group boundaries (no group
     cut across two ranks)."""
     sharding = cp.Sharding(tuple(full), axes=axis)
     return cp.Sharding(tuple(full), axes=axis, mesh_shape=sharding.mesh_shape,
                        sizes=[cp.split_sizes(full[a], m, st[a])
-                              for a, m in zip(sharding.axes, sharding.mesh_shape)],
-                       transport=transport)
+                              for a, m in zip(sharding.axes, sharding.mesh_shape)])
 
 
 def parse_axes(spec, default):
@@ -268,7 +264,7 @@ def main():
         if kind == "weak":
             full[scaled] *= world
         for axis in parse_axes(args.axes, default_axes):
-            sharding = sharded(full, axis, st, args.transport)
+            sharding = sharded(full, axis, st)
             plan = sharding.plan(ks, st, 1, False)
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
             na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding)
@@ -307,7 +303,6 @@ def main():
                        axis="+".join(map(str, axis)), mesh="x".join(map(str, sharding.mesh_shape)),
                        sizes=";".join("/".join(map(str, ax)) for ax in sharding.sizes),
                        heads=heads, dim=dim, dtype=str(dtype).replace("torch.", ""),
-                       transport="copy engines" if sharding.peer_copies(device) else backend,
                        base_fwd_ms=round(b_fwd, 3), base_fwdbwd_ms=round(b_fb, 3), base_meanflow_ms=round(b_mf, 3),
                        default="split" if splits else "one call", border_share=round(plan.border_share, 3),
                        fwd_ms=round(t_fwd, 3), fwd_one_call_ms=round(t_fwd_one, 3),
@@ -324,7 +319,7 @@ def main():
                 label = "speedup" if kind == "strong" else "efficiency"
                 mf = (f", MeanFlow step {t_mf:.3f} ms (1 device {b_mf:.3f}, {label} {score[2]:.2f})"
                       if meanflow else "")
-                print(f"{name} {kind} {row['grid']} on {world} ({row['transport']}, axes {row['axis']}, mesh "
+                print(f"{name} {kind} {row['grid']} on {world} ({backend}, axes {row['axis']}, mesh "
                       f"{row['mesh']}, default {row['default']}, border share {plan.border_share:.2f}): "
                       f"fwd {t_fwd:.3f} ms (1 device {b_fwd:.3f}, {label} {score[0]:.2f}; one call "
                       f"{t_fwd_one:.3f}, split {t_fwd_split:.3f}), fwd+bwd {t_fb:.3f} ms (1 device "

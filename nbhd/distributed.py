@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _torch_internals as _ti
-from . import _peer_copies, backends, checks, functional, ops
+from . import backends, checks, functional, ops
 from .modules import NeighborhoodAttention2D, NeighborhoodAttention3D
 from .reference import axis_windows
 
@@ -229,11 +229,6 @@ class Sharding:
             Rank r has mesh coordinates in row-major order.
         sizes: per sharded axis, the shard sizes (positive, summing to the extent); default
             split_sizes(extent, parts) (uneven where the ranks do not divide the extent)
-        transport: how halos travel. "auto": by the copy engines when every rank of the group
-            is a CUDA device of this host with peer access to the others (symmetric memory,
-            nbhd/_peer_copies.py; no SM is taken from the attention kernel), else by the
-            process group's point-to-point send/recv (NCCL, gloo); "process_group": always
-            the latter
 
     A rank's local tensors are [B, *local_shape, ...] with local_shape the sizes of its box.
     Plans (halo ranges and transfers) are computed once per window geometry and cached.
@@ -241,7 +236,7 @@ class Sharding:
 
     def __init__(self, global_shape: Sequence[int], axes: Sequence[int] = (0,), group=None,
                  mesh_shape: Optional[Sequence[int]] = None,
-                 sizes: Optional[Sequence[Sequence[int]]] = None, transport: str = "auto"):
+                 sizes: Optional[Sequence[Sequence[int]]] = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("nbhd.distributed.Sharding needs an initialized default process group "
                                "(torch.distributed.init_process_group)")
@@ -270,9 +265,6 @@ class Sharding:
             if len(ax) != m or any(s < 1 for s in ax) or sum(ax) != self.global_shape[a]:
                 raise ValueError(f"sizes of axis {a} must be {m} positive shard sizes summing to its "
                                  f"extent {self.global_shape[a]}, got {ax}")
-        if transport not in ("auto", "process_group"):
-            raise ValueError(f"transport must be 'auto' or 'process_group', got {transport!r}")
-        self.transport = transport
         self._plans: Dict[tuple, HaloPlan] = {}
 
     def coords(self, rank: int) -> Tuple[int, ...]:
@@ -305,14 +297,7 @@ class Sharding:
 
     def __repr__(self) -> str:
         return (f"Sharding(global_shape={self.global_shape}, axes={self.axes}, "
-                f"mesh_shape={self.mesh_shape}, sizes={self.sizes}, transport={self.transport!r}, "
-                f"rank={self.rank}/{self.world})")
-
-    def peer_copies(self, device: torch.device) -> bool:
-        """Whether halos to and from tensors on `device` travel by the copy engines (the same
-        answer on every rank; collective on the first call per device)."""
-        return (self.transport == "auto" and device.type == "cuda"
-                and dist.get_backend(self.group) == "nccl" and _peer_copies.available(self.group, device))
+                f"mesh_shape={self.mesh_shape}, sizes={self.sizes}, rank={self.rank}/{self.world})")
 
 
 class HaloPlan:
@@ -330,7 +315,6 @@ class HaloPlan:
             sharded axis has none); border: the owned box's other pieces; border_key_boxes:
             the key box of each border piece; border_share: the largest share of border
             queries over the ranks (inf where some rank has no interior)
-        slot_tokens: the most tokens one rank sends another (the copy engines' slots)
     """
 
     def __init__(self, sharding: Sharding, ks, st, dil, causal):
@@ -345,7 +329,6 @@ class HaloPlan:
                       for piece in [_intersect(self.box, self.read_boxes[r])] if piece is not None]
         self.recvs = [(r, piece) for r in range(sharding.world) if r != me
                       for piece in [_intersect(self.boxes[r], self.read_boxes[me])] if piece is not None]
-        self.slot_tokens = _peer_copies.slot_tokens(self.boxes, self.read_boxes)
         # the own queries the own box alone serves (computed while the halo travels), and the
         # border pieces of the own box around them (computed once it arrived); every rank's
         # share of border queries decides whether overlapping pays (overlap=None)
@@ -379,17 +362,10 @@ class HaloPlan:
         """Tokens this rank receives per exchanged tensor (its sends are other ranks' receives)."""
         return sum(math.prod(hi - lo for lo, hi in box) for _, box in self.recvs)
 
-    def _post(self, pieces_out, pieces_in, like: Sequence[Tensor], dims: Sequence[int]) -> list:
+    def _post(self, pieces_out, pieces_in) -> list:
         """One batch of point-to-point transfers, posted: the requests to wait for.
-        pieces_out: [(peer, tensor)], any layout; pieces_in: [(peer, contiguous tensor)] to fill.
-        like: the exchanged tensors (spatial axes from dims), for the bytes per token of a slot."""
+        pieces_out: [(peer, tensor)], any layout; pieces_in: [(peer, contiguous tensor)] to fill."""
         group = self.sharding.group
-        if like and self.sharding.peer_copies(like[0].device):
-            n = len(self.box)
-            token_bytes = sum(t.numel() // max(1, math.prod(t.shape[d:d + n])) * t.element_size()
-                              for t, d in zip(like, dims))
-            return [_peer_copies.post(group, like[0].device, pieces_out, pieces_in,
-                                      self.slot_tokens * token_bytes)]
         ops = []
         sent = [tensor.contiguous() for _, tensor in pieces_out]
         for (peer, _), tensor in zip(pieces_out, sent):
@@ -409,7 +385,7 @@ class HaloPlan:
             pieces = [t.new_empty(_with_box(t.shape, d, box)) for _, box in self.recvs]
             recvs += [(peer, piece) for (peer, _), piece in zip(self.recvs, pieces)]
             halos.append(pieces)
-        return halos, self._post(sends, recvs, tensors, dims)
+        return halos, self._post(sends, recvs)
 
     def post_halo_grads(self, grads: Sequence[Sequence[Tensor]], like: Sequence[Tensor],
                         dims: Sequence[int]):
@@ -422,7 +398,7 @@ class HaloPlan:
             back = [t.new_empty(_with_box(t.shape, d, box)) for _, box in self.sends]
             recvs += [(peer, g) for (peer, _), g in zip(self.sends, back)]
             received.append(back)
-        return received, self._post(sends, recvs, like, dims)
+        return received, self._post(sends, recvs)
 
     def assemble(self, t: Tensor, halo: Optional[Sequence[Tensor]], d: int, box: Box,
                  out: Optional[Tensor] = None) -> Tensor:

@@ -14,7 +14,8 @@ FSDP2 (fully_shard). The data are synthetic videos: Gaussian blobs moving at con
 
 MeanFlow (see examples/meanflow/train.py) needs u and du/dt = jvp(model, (z, r, t), (v, 0, 1)).
 PyTorch's torch.func.jvp cannot see through FSDP2's parameter hooks, so the recipe is:
-  1. target: with the parameters gathered (unshard), under no_grad, torch.func.jvp on the module
+  1. target: with the parameters gathered (every FSDP2 module unsharded), under no_grad,
+     torch.func.jvp on the module
      (the halo exchange carries the tangents too) -> target = v - (t - r) du/dt, a constant;
   2. loss: a normal forward through the FSDP2 module, MSE to the target, backward (FSDP2
      reduce-scatters the gradients; the halo exchange returns the key/value gradients).
@@ -154,15 +155,25 @@ def sample_tr(n, generator):
     return torch.where(torch.rand(n, generator=generator) < 0.5, t, r), t
 
 
+def gathered(model, on: bool) -> None:
+    """Unshard (on) or reshard every FSDP2 module of the model. Each fully_shard-ed block
+    gathers its own parameters; left to its forward hook, the gather would complete inside
+    torch.func.jvp, whose wrapped tensors FSDP2 cannot copy into (CUDA)."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard() if on else m.reshard()
+
+
 def meanflow_step(model, opt, x, eps, r, t, global_count, world):
     """One optimizer step; returns this rank's summed squared error (before the step)."""
     bc = lambda s: s[:, None, None, None, None]
     z = (1 - bc(t)) * x + bc(t) * eps
     v = eps - x
-    model.unshard()                                   # 1. the target, parameters gathered
+    gathered(model, True)                             # 1. the target, parameters gathered
     with torch.no_grad():
         _, dudt = torch.func.jvp(model, (z, r, t), (v, torch.zeros_like(r), torch.ones_like(t)))
-    model.reshard()
+    gathered(model, False)
     target = v - bc(t - r) * dudt
     u = model(z, r, t)                                # 2. the loss through FSDP2
     sse = (u - target).square().sum()
@@ -217,11 +228,11 @@ def main(argv=None):
         twin = VideoMeanFlow(*cfg, None).to(device)
         twin.load_state_dict(twin_state)
         with torch.no_grad():
-            model.unshard()
+            gathered(model, True)
             y, ty = torch.func.jvp(twin, (x, r, t), (tx, torch.zeros_like(r), torch.ones_like(t)))
             y_l, ty_l = torch.func.jvp(model, (x[:, :, t0:t1], r, t), (tx[:, :, t0:t1], torch.zeros_like(r),
                                                                       torch.ones_like(t)))
-            model.reshard()
+            gathered(model, False)
         err = max((y_l - y[:, :, t0:t1]).abs().max().item(), (ty_l - ty[:, :, t0:t1]).abs().max().item())
         # one loss's gradient: FSDP2 + context parallel against the unsharded twin
         count = x.numel()
