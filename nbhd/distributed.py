@@ -400,24 +400,28 @@ class HaloPlan:
             received.append(back)
         return received, self._post(sends, recvs)
 
-    def assemble(self, t: Tensor, halo: Optional[Sequence[Tensor]], d: int, box: Box,
-                 out: Optional[Tensor] = None) -> Tensor:
-        """The tokens of `box` (global coordinates, inside the key box) from an owned tensor t
-        and its halo pieces (post_halo's), zeros where neither holds them (no window reads
-        those). halo None: the owned part only (the halo's still to come); out given: the
-        halo's part written into it (the owned part is there)."""
-        pieces = [(b, h) for (_, b), h in zip(self.recvs, halo or [None] * len(self.recvs))]
-        cuts = [(inter, src, origin) for origin, src in [(self.box, t)] + pieces
-                for inter in [_intersect(origin, box)] if inter is not None]
-        if out is None:
-            filled = sum(_volume(inter) for inter, _, _ in cuts) == _volume(box)
-            out = (t.new_empty if filled else t.new_zeros)(_with_box(t.shape, d, box))
-            cuts = cuts if halo is not None else cuts[:1] if cuts and cuts[0][1] is t else []
-        else:
-            cuts = [c for c in cuts if c[1] is not t]
-        for inter, src, origin in cuts:
-            out[_slices(d, inter, [lo for lo, _ in box])] = src[_slices(d, inter, [lo for lo, _ in origin])]
+    def owned_part(self, t: Tensor, d: int, box: Box) -> Tensor:
+        """A tensor of the tokens of `box` (global coordinates, inside the key box) holding the
+        owned tensor t's; the halo's part is for add_halo, the rest zeros (no window reads it)."""
+        inters = [i for i in (_intersect(b, box) for b in [self.box] + [b for _, b in self.recvs]) if i]
+        filled = sum(_volume(i) for i in inters) == _volume(box)
+        out = (t.new_empty if filled else t.new_zeros)(_with_box(t.shape, d, box))
+        inter = _intersect(self.box, box)
+        if inter is not None:
+            out[_slices(d, inter, [lo for lo, _ in box])] = t[_slices(d, inter, [lo for lo, _ in self.box])]
         return out
+
+    def add_halo(self, out: Tensor, halo: Sequence[Tensor], d: int, box: Box) -> Tensor:
+        """Writes the halo pieces' (post_halo's) tokens of `box` into out (owned_part's)."""
+        for (_, piece_box), piece in zip(self.recvs, halo):
+            inter = _intersect(piece_box, box)
+            if inter is not None:
+                out[_slices(d, inter, [lo for lo, _ in box])] = piece[_slices(d, inter, [lo for lo, _ in piece_box])]
+        return out
+
+    def assemble(self, t: Tensor, halo: Sequence[Tensor], d: int, box: Box) -> Tensor:
+        """The tokens of `box` from the owned tensor t and its halo pieces, zeros elsewhere."""
+        return self.add_halo(self.owned_part(t, d, box), halo, d, box)
 
     def gather_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]) -> List[Tensor]:
         """Owned tensors (spatial axes from dims[i]) -> their key boxes, halos from their owners."""
@@ -629,14 +633,14 @@ class _Overlapped(torch.autograd.Function):
         (hk, hv), requests = plan.post_halo((k, v), (1, 1))
         side = _Beside(q.device)
         with side:   # the border's owned tokens gathered beside the interior's kernel
-            inputs = [(_rows_of(q, piece, own, kb), plan.assemble(k, None, 1, kb),
-                       plan.assemble(v, None, 1, kb)) for piece, kb in zip(plan.border, plan.border_key_boxes)]
+            inputs = [(_rows_of(q, piece, own, kb), plan.owned_part(k, 1, kb), plan.owned_part(v, 1, kb))
+                      for piece, kb in zip(plan.border, plan.border_key_boxes)]
         out, lse = kernel(q, k, v, _relative(plan.interior, own))
         side.join([t for ins in inputs for t in ins])
         for req in requests:
             req.wait()
         for piece, kb, (qb, kb_k, kb_v) in zip(plan.border, plan.border_key_boxes, inputs):
-            ob, lb = kernel(qb, plan.assemble(k, hk, 1, kb, kb_k), plan.assemble(v, hv, 1, kb, kb_v),
+            ob, lb = kernel(qb, plan.add_halo(kb_k, hk, 1, kb), plan.add_halo(kb_v, hv, 1, kb),
                             _relative(piece, [lo for lo, _ in kb]))
             at_own, at_kb = _slices(1, piece, own), _slices(1, piece, [lo for lo, _ in kb])
             out[at_own], lse[at_own] = ob[at_kb], lb[at_kb]
