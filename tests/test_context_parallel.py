@@ -159,6 +159,18 @@ def _run_transforms(device, results):
     assert "_Overlapped" in type(probe.grad_fn).__name__, type(probe.grad_fn)
     local2o = second(lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True),
                      sh(q[0]), sh(k[0]), sh(v[0]))
+    # the split node against the one call: strided q/k/v views (as the modules make them) and
+    # a loss on the logsumexp alone (no output gradient)
+    for lse_only in (False, True):
+        packed = sh(torch.cat([q[0], k[0], v[0]], -1))
+        def grads_of(overlap):
+            w = packed.clone().requires_grad_()
+            qq, kk, vv = w.split(D, -1)
+            out, lse = cp.na3d(qq, kk, vv, **geo, sharding=sharding, overlap=overlap, return_lse=True)
+            loss = lse.sin().sum() + (0 if lse_only else out.square().sum())
+            return (out, lse, *torch.autograd.grad(loss, w))
+        results.append(dict(case=f"overlapped_views_lse_only={lse_only}",
+                            err=max((a - b).abs().max().item() for a, b in zip(grads_of(True), grads_of(False)))))
     results.append(dict(case="double_backward_overlapped",
                         err=max((a - sh(b)).abs().max().item() / b.abs().max().item()
                                 for a, b in zip(local2o, full2))))
