@@ -158,7 +158,8 @@ def profile_line(label, result):
 
 
 def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
-    """--profile: one forward+backward per problem and axis, on one device and on every rank."""
+    """--profile: one forward and one forward+backward per problem, on one device, and per axis
+    on every rank both ways (one call, split)."""
     for name, kind, shape, ks, st, default_axes, scaled in problems:
         geo = dict(kernel_size=ks, stride=st)
         if rank == 0:
@@ -183,8 +184,9 @@ def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
                               ("fwd+bwd, one call", lambda: fwd_and_bwd(na, q, k, v)),
                               ("fwd, split", lambda: na_o(q, k, v)),
                               ("fwd+bwd, split", lambda: fwd_and_bwd(na_o, q, k, v))):
-                trace = (os.path.join(args.trace, f"{name}-{kind}-axis{'+'.join(map(str, axis))}-"
-                                                  f"{label.replace(', ', '-').replace(' ', '-')}-rank{rank}.json") if args.trace else "")
+                tag = label.replace(", ", "-").replace(" ", "-")
+                trace = (os.path.join(args.trace, f"{name}-{kind}-axis{'+'.join(map(str, axis))}-{tag}-rank{rank}.json")
+                         if args.trace else "")
                 dist.barrier()
                 line = profile_line(f"{label}, rank {rank}", profile_step(fn, device, trace))
                 lines = [None] * world
