@@ -113,8 +113,9 @@ def _run_case(case, device, results, group=None):
         overlap_node=("_Overlapped" in type(out_o.grad_fn).__name__) == (
             plan.interior is not None and bool(plan.border)),
         overlap_bitwise=torch.equal(out_o, out_l) and torch.equal(out_default, out_l),
-        overlap_err=max((g_o - g_l).abs().max().item() / (g_l.abs().max().item() + 1e-30)
-                        for g_o, g_l in zip(grads_o, grads_l)),
+        overlap_err=max([(g_o - g_l).abs().max().item() / (g_l.abs().max().item() + 1e-30)
+                         for g_o, g_l in zip(grads_o, grads_l)]
+                        + [(o - out_l).abs().max().item() / out_l.abs().max().item() for o in (out_o, out_default)]),
         forward_err=(out_l - sh(out)).abs().max().item() / out.abs().max().item(),
         gathered_err=(gathered - out).abs().max().item() / out.abs().max().item(),
         reference_bitwise=torch.equal(ref_l, sh(ref_full)),
