@@ -37,6 +37,9 @@ CASES = {
         ((6, 7, 5), (3, 3, 3), (1, 2, 1), (1, 1, 1), (True, False, False), (0,), None, None),
         ((6, 7, 5), (5, 3, 2), (2, 1, 2), (1, 2, 2), (False, True, False), (2,), None, None),
         ((6, 7, 5), (6, 7, 5), (1, 1, 1), (1, 1, 1), (False, False, False), (1,), None, None),
+        # wide shards, narrow borders (10-17 % of a rank's queries): overlap=None splits
+        ((40,), 5, 1, 1, False, (0,), None, None),
+        ((5, 24), (3, 5), (1, 2), (1, 1), (False, False), (1,), None, None),
     ],
     4: [
         ((13,), 5, 1, 1, False, (0,), None, None),
@@ -50,6 +53,7 @@ CASES = {
         ((6, 7, 5), (3, 3, 3), (1, 2, 1), (2, 1, 1), (True, False, False), (0, 1), (2, 2), None),
         ((6, 7, 5), (4, 3, 2), (4, 1, 2), (1, 2, 1), (True, True, False), (1, 2), (2, 2), None),
         ((8, 6, 6), (3, 3, 3), (1, 1, 1), (1, 1, 1), (False, False, False), (0,), None, None),
+        ((80,), 5, 1, 1, False, (0,), None, None),   # borders of 10-20 %: overlap=None splits
     ],
 }
 
@@ -112,6 +116,11 @@ def _run_case(case, device, results, group=None):
         # the overlapped path ran as one autograd node wherever the plan has interior and border
         overlap_node=("_Overlapped" in type(out_o.grad_fn).__name__) == (
             plan.interior is not None and bool(plan.border)),
+        # the default splits by the border-share rule
+        default_split="_Overlapped" in type(out_default.grad_fn).__name__,
+        default_node=("_Overlapped" in type(out_default.grad_fn).__name__) == (
+            plan.interior is not None and bool(plan.border)
+            and plan.border_share <= cp._OVERLAP_BORDER_SHARE),
         overlap_bitwise=torch.equal(out_o, out_l) and torch.equal(out_default, out_l),
         overlap_err=max([(g_o - g_l).abs().max().item() / (g_l.abs().max().item() + 1e-30)
                          for g_o, g_l in zip(grads_o, grads_l)]
@@ -277,6 +286,7 @@ def _check(ranks, tol, bitwise):
                 assert c["reference_bitwise"], label
                 assert c["overlap_bitwise"], label
             assert c["overlap_node"], label
+            assert c["default_node"], label
             assert c["forward_err"] < tol, (label, c["forward_err"])
             assert c["overlap_err"] < tol, (label, c["overlap_err"])
             assert c["gathered_err"] < tol, (label, c["gathered_err"])
@@ -286,6 +296,9 @@ def _check(ranks, tol, bitwise):
         for t in res["transforms"]:
             assert t["err"] < 1e-10, (r, t)
     assert any(c["overlapped"] for res in ranks for c in res["cases"]), "no case overlapped the exchange"
+    cases = [c for res in ranks for c in res["cases"]]
+    assert any(c["default_split"] for c in cases) and not all(c["default_split"] for c in cases), \
+        "the cases do not exercise both choices of overlap=None"
     return ranks
 
 
