@@ -178,12 +178,11 @@ def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
         for axis in parse_axes(args.axes, default_axes):
             sharding = sharded(full, axis, st)
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
-            na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=False)
-            na_o = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True)
-            for label, fn in (("fwd, one call", lambda: na(q, k, v)),
-                              ("fwd+bwd, one call", lambda: fwd_and_bwd(na, q, k, v)),
-                              ("fwd, split", lambda: na_o(q, k, v)),
-                              ("fwd+bwd, split", lambda: fwd_and_bwd(na_o, q, k, v))):
+            one, split = both_ways(geo, sharding)
+            for label, fn in (("fwd, one call", lambda: one(q, k, v)),
+                              ("fwd+bwd, one call", lambda: fwd_and_bwd(one, q, k, v)),
+                              ("fwd, split", lambda: split(q, k, v)),
+                              ("fwd+bwd, split", lambda: fwd_and_bwd(split, q, k, v))):
                 tag = label.replace(", ", "-").replace(" ", "-")
                 trace = (os.path.join(args.trace, f"{name}-{kind}-axis{'+'.join(map(str, axis))}-{tag}-rank{rank}.json")
                          if args.trace else "")
@@ -195,6 +194,13 @@ def profile_rows(args, problems, heads, dim, dtype, device, rank, world):
                     print(f"{name} {kind} {'x'.join(map(str, full))} on {world}, axes "
                           f"{'+'.join(map(str, axis))}:\n" + "\n".join(lines), flush=True)
             del q, k, v
+
+
+def both_ways(geo, sharding):
+    """The two ways to run a rank (nbhd.distributed.na3d's overlap): one call on the key box
+    after the exchange, and the split calls around it."""
+    return (lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=False),
+            lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True))
 
 
 def sharded(full, axis, st):
@@ -270,15 +276,12 @@ def main():
             plan = sharding.plan(ks, st, 1, False)
             q, k, v = make_qkv(sharding.local_shape, heads, dim, dtype, device, True)
             na = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding)
-            # both ways to run a rank (nbhd.distributed.na3d's overlap): one call on the key box
-            # after the exchange, and the split calls around it; the default picks one by rule
-            one = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=False)
-            split = lambda q, k, v: cp.na3d(q, k, v, **geo, sharding=sharding, overlap=True)
+            one, split = both_ways(geo, sharding)   # the default picks one by rule
             t_fwd_one = slowest(run(lambda: one(q, k, v), args.reps), device)
             t_fwd_split = slowest(run(lambda: split(q, k, v), args.reps), device)
             t_fb_one = slowest(run(lambda: fwd_and_bwd(one, q, k, v), args.reps), device)
             t_fb_split = slowest(run(lambda: fwd_and_bwd(split, q, k, v), args.reps), device)
-            splits = plan.border_share <= cp._OVERLAP_BORDER_SHARE
+            splits = plan.split_by_default
             t_fwd, t_fb = (t_fwd_split, t_fb_split) if splits else (t_fwd_one, t_fb_one)
             t_mf = math.nan
             if meanflow:

@@ -34,6 +34,7 @@ from . import _torch_internals as _ti
 from . import backends, checks, functional, ops
 from .modules import NeighborhoodAttention2D, NeighborhoodAttention3D
 from .reference import axis_windows
+from .rules import Geometry
 
 __all__ = ["Sharding", "HaloPlan", "axis_key_range", "split_sizes", "shard_box", "key_box",
            "exchange_halo", "shard", "gather",
@@ -344,23 +345,34 @@ class HaloPlan:
             self.border_key_boxes.append(kb if _intersect(kb, self.key_box) == kb else self.key_box)
 
     @property
+    def splits(self) -> bool:
+        """Whether this rank can run split calls: it has interior queries and a border."""
+        return self.interior is not None and bool(self.border)
+
+    @property
+    def split_by_default(self) -> bool:
+        """overlap=None's choice: split where no rank's border holds more than
+        _OVERLAP_BORDER_SHARE of its queries."""
+        return self.splits and self.border_share <= _OVERLAP_BORDER_SHARE
+
+    @property
     def owned_tokens(self) -> int:
-        return math.prod(hi - lo for lo, hi in self.box)
+        return _volume(self.box)
 
     @property
     def key_box_tokens(self) -> int:
         """Tokens of this rank's sub-grid (owned, halo and zero-filled): what its kernel runs on."""
-        return math.prod(hi - lo for lo, hi in self.key_box)
+        return _volume(self.key_box)
 
     @property
     def query_range(self) -> Tuple[Range, ...]:
         """The owned box in the key box's coordinates: the queries this rank's kernel computes."""
-        return _relative(self.box, [lo for lo, _ in self.key_box])
+        return _relative(self.box, _origin(self.key_box))
 
     @property
     def halo_tokens(self) -> int:
         """Tokens this rank receives per exchanged tensor (its sends are other ranks' receives)."""
-        return sum(math.prod(hi - lo for lo, hi in box) for _, box in self.recvs)
+        return sum(_volume(box) for _, box in self.recvs)
 
     def _post(self, pieces_out, pieces_in) -> list:
         """One batch of point-to-point transfers, posted: the requests to wait for.
@@ -378,7 +390,7 @@ class HaloPlan:
         """Posts the exchange of owned tensors' halos (spatial axes from dims[i]): -> (per tensor,
         the pieces of self.recvs as they will arrive (contiguous), the requests to wait for)."""
         sends, recvs, halos = [], [], []
-        origin_own = [lo for lo, _ in self.box]
+        origin_own = _origin(self.box)
         for t, d in zip(tensors, dims):
             for peer, box in self.sends:
                 sends.append((peer, t[_slices(d, box, origin_own)]))
@@ -408,7 +420,7 @@ class HaloPlan:
         out = (t.new_empty if filled else t.new_zeros)(_with_box(t.shape, d, box))
         inter = _intersect(self.box, box)
         if inter is not None:
-            out[_slices(d, inter, [lo for lo, _ in box])] = t[_slices(d, inter, [lo for lo, _ in self.box])]
+            out[_slices(d, inter, _origin(box))] = t[_slices(d, inter, _origin(self.box))]
         return out
 
     def add_halo(self, out: Tensor, halo: Sequence[Tensor], d: int, box: Box) -> Tensor:
@@ -416,7 +428,7 @@ class HaloPlan:
         for (_, piece_box), piece in zip(self.recvs, halo):
             inter = _intersect(piece_box, box)
             if inter is not None:
-                out[_slices(d, inter, [lo for lo, _ in box])] = piece[_slices(d, inter, [lo for lo, _ in piece_box])]
+                out[_slices(d, inter, _origin(box))] = piece[_slices(d, inter, _origin(piece_box))]
         return out
 
     def assemble(self, t: Tensor, halo: Sequence[Tensor], d: int, box: Box) -> Tensor:
@@ -433,8 +445,8 @@ class HaloPlan:
     def reduce_halo(self, tensors: Sequence[Tensor], dims: Sequence[int]) -> List[Tensor]:
         """The adjoint of gather_halo: key-box tensors -> owned tensors, each halo piece sent back
         to its owner and added there."""
-        origin_own = [lo for lo, _ in self.box]
-        origin_key = [lo for lo, _ in self.key_box]
+        origin_own = _origin(self.box)
+        origin_key = _origin(self.key_box)
         own = [t[_slices(d, self.box, origin_key)].clone(memory_format=torch.contiguous_format)
                for t, d in zip(tensors, dims)]
         halo_grads = [[t[_slices(d, box, origin_key)] for _, box in self.recvs] for t, d in zip(tensors, dims)]
@@ -462,6 +474,11 @@ def _interior_and_border(shape, axes, box: Box, ks, st, dil, causal) -> Tuple[Op
                    if x0 < x1]
         rest[a] = (ilo, ihi)
     return tuple(inner), border
+
+
+def _origin(box: Box) -> List[int]:
+    """The first token of a box per axis: where a tensor holding it starts."""
+    return [lo for lo, _ in box]
 
 
 def _volume(box: Box) -> int:
@@ -629,7 +646,7 @@ class _Overlapped(torch.autograd.Function):
         plan, kernel, composed = spec
         ctx.spec = spec
         ctx.set_materialize_grads(False)
-        own = [lo for lo, _ in plan.box]
+        own = _origin(plan.box)
         (hk, hv), requests = plan.post_halo((k, v), (1, 1))
         side = _Beside(q.device)
         with side:   # the border's owned tokens gathered beside the interior's kernel
@@ -641,8 +658,8 @@ class _Overlapped(torch.autograd.Function):
             req.wait()
         for piece, kb, (qb, kb_k, kb_v) in zip(plan.border, plan.border_key_boxes, inputs):
             ob, lb = kernel(qb, plan.add_halo(kb_k, hk, 1, kb), plan.add_halo(kb_v, hv, 1, kb),
-                            _relative(piece, [lo for lo, _ in kb]))
-            at_own, at_kb = _slices(1, piece, own), _slices(1, piece, [lo for lo, _ in kb])
+                            _relative(piece, _origin(kb)))
+            at_own, at_kb = _slices(1, piece, own), _slices(1, piece, _origin(kb))
             out[at_own], lse[at_own] = ob[at_kb], lb[at_kb]
         ctx.save_for_backward(q, k, v, out, lse, *hk, *hv)
         ctx.halo_pieces = len(hk)
@@ -663,14 +680,16 @@ class _Overlapped(torch.autograd.Function):
         hk, hv = halo[:n], halo[n:]
         if d_out is None:
             d_out = torch.zeros_like(out)
-        own = [lo for lo, _ in plan.box]
+        own = _origin(plan.box)
         # the border pieces and their halo gradients' transfer on a side stream, beside the
         # interior's backward on the current one
         side = _Beside(q.device)
         with side:
             border = []
             for piece, kb in zip(plan.border, plan.border_key_boxes):
-                origin = [lo for lo, _ in kb]
+                origin = _origin(kb)
+                # the border's inputs gathered again, not saved: a step keeps only the owned
+                # tensors and the halo
                 rows = [_rows_of(t, piece, own, kb) for t in (q, out, lse, d_out)]
                 d_lse_b = None if d_lse is None else _rows_of(d_lse, piece, own, kb)
                 dqb, dkb, dvb = kernel.backward(rows[0], plan.assemble(k, hk, 1, kb),
@@ -683,7 +702,7 @@ class _Overlapped(torch.autograd.Function):
         dq, dk, dv = kernel.backward(q, k, v, out, lse, d_out, d_lse, _relative(plan.interior, own))
         side.join([t for b in border for t in b[2:]] + list(back_k) + list(back_v))
         for piece, kb, dqb, dkb, dvb in border:
-            origin = [lo for lo, _ in kb]
+            origin = _origin(kb)
             dq[_slices(1, piece, own)] += dqb[_slices(1, piece, origin)]
             inter = _intersect(plan.box, kb)
             dk[_slices(1, inter, own)] += dkb[_slices(1, inter, origin)]
@@ -735,10 +754,10 @@ def _cut_sum(parts: Sequence[Tuple[Box, Tensor]], box: Box, like: Tensor) -> Ten
     cuts = [(inter, t, kb) for kb, t in parts for inter in [_intersect(box, kb)] if inter is not None]
     if len(cuts) == 1 and cuts[0][0] == box:
         inter, t, kb = cuts[0]
-        return t[_slices(1, box, [lo for lo, _ in kb])]
+        return t[_slices(1, box, _origin(kb))]
     acc = torch.zeros_like(like)
     for inter, t, kb in cuts:
-        acc[_slices(1, inter, [lo for lo, _ in box])] += t[_slices(1, inter, [lo for lo, _ in kb])]
+        acc[_slices(1, inter, _origin(box))] += t[_slices(1, inter, _origin(kb))]
     return acc
 
 
@@ -746,30 +765,33 @@ def _rows_of(t: Tensor, piece: Box, own: Sequence[int], kb: Box) -> Tensor:
     """An owned row tensor's rows of `piece` on the grid of key box kb (the other rows are
     never read: the kernels read a query range's rows only)."""
     out = t.new_empty(_with_box(t.shape, 1, kb))
-    out[_slices(1, piece, [lo for lo, _ in kb])] = t[_slices(1, piece, own)]
+    out[_slices(1, piece, _origin(kb))] = t[_slices(1, piece, own)]
     return out
 
 
 class _Kernel:
-    """The fused kernels of one geometry for a query range: forward -> (out, lse); backward ->
-    (dq, dk, dv). Calls the ops directly (the _Overlapped node is their autograd)."""
+    """The fused kernels of one validated call's geometry, for a query range: forward -> (out,
+    lse); backward -> (dq, dk, dv). Calls the ops directly (the _Overlapped node is their
+    autograd); the arguments were checked by na*d, so each call only sets its range."""
 
-    def __init__(self, rank, ks, st, dil, causal, scale, backend):
-        self.rank, self.geo, self.scale, self.backend = rank, (ks, st, dil, causal), scale, backend
+    def __init__(self, rank, q, ks, st, dil, causal, scale, backend):
+        self.rank, self.backend = rank, backends.choose(q, backend)
+        self.geo = (ks, st, dil, causal, checks.scale_of(scale, q.shape[-1], q.dtype))
 
-    def _call(self, q, k, v, queries):
-        return functional._Call(self.rank, q, k, v, *self.geo, self.scale, None, None, self.backend,
-                                None, None, None, None, None, query_range=queries)
+    @property
+    def fused(self) -> bool:
+        return self.backend in ("cpu-fna", "cuda-fna")
 
-    def fused(self, q) -> bool:
-        return backends.choose(q, self.backend) in ("cpu-fna", "cuda-fna")
+    def _args(self, q, k, v, queries: Box):
+        geometry = Geometry(*self.geo, query_range=[x for r in queries for x in r])
+        return functional._Call.checked(self.rank, q, k, v, None, None, geometry, self.backend).kernel_args()
 
-    def __call__(self, q, k, v, queries):
-        q_, k_, v_, kx, vx, rpb, geometry = self._call(q, k, v, queries).kernel_args()
+    def __call__(self, q, k, v, queries: Box):
+        q_, k_, v_, kx, vx, rpb, geometry = self._args(q, k, v, queries)
         return ops.call(ops.na_forward, q_, k_, v_, kx, vx, rpb, *geometry.args())
 
-    def backward(self, q, k, v, out, lse, d_out, d_lse, queries):
-        q_, k_, v_, kx, vx, rpb, geometry = self._call(q, k, v, queries).kernel_args()
+    def backward(self, q, k, v, out, lse, d_out, d_lse, queries: Box):
+        q_, k_, v_, kx, vx, rpb, geometry = self._args(q, k, v, queries)
         return ops.call(ops.na_backward, q_, k_, v_, kx, vx, rpb, out, lse, d_out.contiguous(),
                         None if d_lse is None else d_lse.contiguous(), *geometry.args())[:3]
 
@@ -797,10 +819,9 @@ def _na_sharded(rank: int, query: Tensor, key: Tensor, value: Tensor, kernel_siz
     plan = sharding.plan(kernel_size, stride, dilation, is_causal)
     ks, st, dil, causal = checks.geometry(sharding.global_shape, kernel_size, stride, dilation, is_causal)
     composed = lambda q, k, v: _na_composed(rank, plan, q, k, v, ks, st, dil, causal, scale, backend)
-    kernel = _Kernel(rank, ks, st, dil, causal, scale, backend)
-    if overlap is None:
-        overlap = plan.border_share <= _OVERLAP_BORDER_SHARE
-    if overlap and plan.interior is not None and plan.border and _can_overlap(q, k, v) and kernel.fused(q):
+    split = (plan.split_by_default if overlap is None else overlap) and plan.splits and _can_overlap(q, k, v)
+    kernel = _Kernel(rank, q, ks, st, dil, causal, scale, backend) if split else None
+    if kernel is not None and kernel.fused:
         out, lse = _Overlapped.apply((plan, kernel, composed), q, k, v)
     else:
         out, lse = composed(q, k, v)
@@ -817,7 +838,7 @@ def _na_composed(rank, plan, q, k, v, ks, st, dil, causal, scale, backend):
         (lo, hi), (klo, khi) = plan.box[a], plan.key_box[a]
         pad += [lo - klo, khi - hi]
     q_box = F.pad(q, [0, 0, 0, 0] + pad)
-    own = _slices(1, plan.box, [lo for lo, _ in plan.key_box])
+    own = _slices(1, plan.box, _origin(plan.key_box))
     out, lse = _NA[rank](q_box, k_box, v_box, ks, st, dil, causal, scale, backend=backend,
                          return_lse=True, query_range=plan.query_range)
     return out[own], lse[own]
