@@ -315,7 +315,8 @@ class HaloPlan:
         interior: the owned queries whose windows the owned box alone holds (None: some
             sharded axis has none); border: the owned box's other pieces; border_key_boxes:
             the key box of each border piece; border_share: the largest share of border
-            queries over the ranks (inf where some rank has no interior)
+            queries over the ranks (inf where some rank has no interior); send_holders: per
+            send, the index of a border key box holding it (None: none does)
     """
 
     def __init__(self, sharding: Sharding, ks, st, dil, causal):
@@ -343,11 +344,16 @@ class HaloPlan:
         for piece in self.border:
             kb = key_box(shape, axes, piece, ks, st, dil, causal)
             self.border_key_boxes.append(kb if _intersect(kb, self.key_box) == kb else self.key_box)
+        # per send, the border piece whose key box holds it: the split backward adds the owner's
+        # gradient of it there, beside the interior's backward
+        self.send_holders = [next((i for i, kb in enumerate(self.border_key_boxes)
+                                   if _intersect(box, kb) == box), None) for _, box in self.sends]
 
     @property
     def splits(self) -> bool:
-        """Whether this rank can run split calls: it has interior queries and a border."""
-        return self.interior is not None and bool(self.border)
+        """Whether this rank can run split calls: it has interior queries and a border, and a
+        border piece's key box holds each piece it sends."""
+        return self.interior is not None and bool(self.border) and None not in self.send_holders
 
     @property
     def split_by_default(self) -> bool:
@@ -634,12 +640,13 @@ def gather(x: Tensor, sharding: Sharding, spatial_dim: int = 1) -> Tensor:
 
 class _Overlapped(torch.autograd.Function):
     """One rank's sharded attention as one autograd node, the halo exchange beside the compute
-    (eager calls on plain tensors; `overlap` of na*d). Forward: post the exchange of k and v,
-    run the interior queries on the own box while it travels, then each border piece on its
-    own key box, its rows written into the output. Backward: the border pieces first, their
-    halo gradients posted to their owners, the interior's backward while those travel, then
-    every part added into the owned gradients. A backward that builds a graph (double
-    backward) recomputes through the composable path (_na_composed)."""
+    (eager calls on plain tensors; `overlap` of na*d). Forward: the interior queries on the
+    own box; beside them, on a high-priority side stream, the exchange of k and v, then each
+    border piece on its own key box (kept for the backward); their rows written into the
+    output. Backward: the border pieces, then the interior's, while the border's halo
+    gradients travel to their owners and the owners' come back; then every part added into
+    the owned gradients. A backward that builds a graph (double backward) recomputes through
+    the composable path (_na_composed)."""
 
     @staticmethod
     def forward(ctx, spec, q, k, v):
@@ -647,28 +654,35 @@ class _Overlapped(torch.autograd.Function):
         ctx.spec = spec
         ctx.set_materialize_grads(False)
         own = _origin(plan.box)
-        (hk, hv), requests = plan.post_halo((k, v), (1, 1))
+        # beside the interior's kernel: the halo's transfer, then each border piece on its key
+        # box (the CTAs of the high-priority side stream take SMs as the interior's retire)
         side = _Beside(q.device)
-        with side:   # the border's owned tokens gathered beside the interior's kernel
+        with side:
+            (hk, hv), requests = plan.post_halo((k, v), (1, 1))
+        out, lse = kernel(q, k, v, _relative(plan.interior, own))
+        with side:
             inputs = [(_rows_of(q, piece, own, kb), plan.owned_part(k, 1, kb), plan.owned_part(v, 1, kb))
                       for piece, kb in zip(plan.border, plan.border_key_boxes)]
-        out, lse = kernel(q, k, v, _relative(plan.interior, own))
-        side.join([t for ins in inputs for t in ins])
-        for req in requests:
-            req.wait()
-        for piece, kb, (qb, kb_k, kb_v) in zip(plan.border, plan.border_key_boxes, inputs):
-            ob, lb = kernel(qb, plan.add_halo(kb_k, hk, 1, kb), plan.add_halo(kb_v, hv, 1, kb),
-                            _relative(piece, _origin(kb)))
+            for req in requests:
+                req.wait()
+            border = [kernel(qb, plan.add_halo(kb_k, hk, 1, kb), plan.add_halo(kb_v, hv, 1, kb),
+                             _relative(piece, _origin(kb)))
+                      for piece, kb, (qb, kb_k, kb_v) in zip(plan.border, plan.border_key_boxes, inputs)]
+        key_boxes = [t for _, kb_k, kb_v in inputs for t in (kb_k, kb_v)]
+        side.join([t for b in border for t in b] + key_boxes)
+        for piece, kb, (ob, lb) in zip(plan.border, plan.border_key_boxes, border):
             at_own, at_kb = _slices(1, piece, own), _slices(1, piece, _origin(kb))
             out[at_own], lse[at_own] = ob[at_kb], lb[at_kb]
-        ctx.save_for_backward(q, k, v, out, lse, *hk, *hv)
-        ctx.halo_pieces = len(hk)
+        # the border key boxes are kept for the backward (not gathered again): less than the
+        # one call keeps (its whole key box), and their gathering was the backward's longest
+        # copy before its first kernel
+        ctx.save_for_backward(q, k, v, out, lse, *key_boxes)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         plan, kernel, composed = ctx.spec
-        q, k, v, out, lse, *halo = ctx.saved_tensors
+        q, k, v, out, lse, *key_boxes = ctx.saved_tensors
         if torch.is_grad_enabled():   # a graph of the backward: the composable path's
             with torch.enable_grad():
                 res = composed(q, k, v)
@@ -676,42 +690,42 @@ class _Overlapped(torch.autograd.Function):
                 grads = torch.autograd.grad([o for o, _ in pairs], (q, k, v), [g for _, g in pairs],
                                             create_graph=True, allow_unused=True)
             return (None, *grads)
-        n = ctx.halo_pieces
-        hk, hv = halo[:n], halo[n:]
         if d_out is None:
             d_out = torch.zeros_like(out)
         own = _origin(plan.box)
-        # the border pieces and their halo gradients' transfer on a side stream, beside the
-        # interior's backward on the current one
+        # the border pieces first, all SMs theirs; their halo gradients' transfer, posted before
+        # the interior's backward is launched, goes ahead of its CTAs (a transfer posted later
+        # waits for SMs behind them, as would the interior behind a high-priority border)
+        border = []
+        for i, (piece, kb) in enumerate(zip(plan.border, plan.border_key_boxes)):
+            origin = _origin(kb)
+            rows = [_rows_of(t, piece, own, kb) for t in (q, out, lse, d_out)]
+            d_lse_b = None if d_lse is None else _rows_of(d_lse, piece, own, kb)
+            dqb, dkb, dvb = kernel.backward(rows[0], key_boxes[2 * i], key_boxes[2 * i + 1], rows[1],
+                                            rows[2], rows[3], d_lse_b, _relative(piece, origin))
+            border.append((piece, kb, dqb, dkb, dvb))
+        halo_grads = [[_cut_sum([(kb, b[i]) for _, kb, *b in border], rbox, like)
+                       for (_, rbox) in plan.recvs] for i, like in ((1, k), (2, v))]
         side = _Beside(q.device)
         with side:
-            border = []
-            for piece, kb in zip(plan.border, plan.border_key_boxes):
-                origin = _origin(kb)
-                # the border's inputs gathered again, not saved: a step keeps only the owned
-                # tensors and the halo
-                rows = [_rows_of(t, piece, own, kb) for t in (q, out, lse, d_out)]
-                d_lse_b = None if d_lse is None else _rows_of(d_lse, piece, own, kb)
-                dqb, dkb, dvb = kernel.backward(rows[0], plan.assemble(k, hk, 1, kb),
-                                                plan.assemble(v, hv, 1, kb), rows[1], rows[2], rows[3],
-                                                d_lse_b, _relative(piece, origin))
-                border.append((piece, kb, dqb, dkb, dvb))
-            halo_grads = [[_cut_sum([(kb, b[i]) for _, kb, *b in border], rbox, h)
-                           for (_, rbox), h in zip(plan.recvs, halo)] for i, halo in ((1, hk), (2, hv))]
             (back_k, back_v), requests = plan.post_halo_grads(halo_grads, (k, v), (1, 1))
         dq, dk, dv = kernel.backward(q, k, v, out, lse, d_out, d_lse, _relative(plan.interior, own))
-        side.join([t for b in border for t in b[2:]] + list(back_k) + list(back_v))
+        with side:   # beside the interior's backward
+            for req in requests:
+                req.wait()
+            # the owners' gradients of what this rank sent, added into the border piece whose
+            # key box holds it (below, into the owned gradients with that piece's)
+            for (_, box), gk, gv, i in zip(plan.sends, back_k, back_v, plan.send_holders):
+                at = _slices(1, box, _origin(border[i][1]))
+                border[i][3][at] += gk
+                border[i][4][at] += gv
+        side.join([t for b in border for t in b[3:]])
         for piece, kb, dqb, dkb, dvb in border:
             origin = _origin(kb)
-            dq[_slices(1, piece, own)] += dqb[_slices(1, piece, origin)]
+            dq[_slices(1, piece, own)] = dqb[_slices(1, piece, origin)]   # dq holds no other rows there
             inter = _intersect(plan.box, kb)
             dk[_slices(1, inter, own)] += dkb[_slices(1, inter, origin)]
             dv[_slices(1, inter, own)] += dvb[_slices(1, inter, origin)]
-        for req in requests:
-            req.wait()
-        for acc, back in ((dk, back_k), (dv, back_v)):
-            for (_, box), g in zip(plan.sends, back):
-                acc[_slices(1, box, own)] += g
         return None, dq, dk, dv
 
 
@@ -731,15 +745,16 @@ class _Beside:
                 self._streams[device.index] = torch.cuda.Stream(device, priority=-1)
             self.stream, self.main = self._streams[device.index], torch.cuda.current_stream(device)
             self.stream.wait_stream(self.main)
-            self.context = torch.cuda.stream(self.stream)
+        self.contexts = []
 
-    def __enter__(self):
+    def __enter__(self):   # may be entered several times, in turn
         if self.cuda:
-            self.context.__enter__()
+            self.contexts.append(torch.cuda.stream(self.stream))
+            self.contexts[-1].__enter__()
 
     def __exit__(self, *exc):
         if self.cuda:
-            self.context.__exit__(*exc)
+            self.contexts.pop().__exit__(*exc)
 
     def join(self, tensors: Sequence[Tensor]) -> None:
         if self.cuda:
@@ -749,13 +764,13 @@ class _Beside:
 
 
 def _cut_sum(parts: Sequence[Tuple[Box, Tensor]], box: Box, like: Tensor) -> Tensor:
-    """The sum over parts (key-box tensors) of their tokens in `box`: one part holding all of
-    box is returned as a view, no copy."""
+    """The sum over parts (key-box tensors) of their tokens in `box`, as a tensor like `like`
+    but for its spatial sizes: one part holding all of box is returned as a view, no copy."""
     cuts = [(inter, t, kb) for kb, t in parts for inter in [_intersect(box, kb)] if inter is not None]
     if len(cuts) == 1 and cuts[0][0] == box:
         inter, t, kb = cuts[0]
         return t[_slices(1, box, _origin(kb))]
-    acc = torch.zeros_like(like)
+    acc = like.new_zeros(_with_box(like.shape, 1, box))
     for inter, t, kb in cuts:
         acc[_slices(1, inter, _origin(box))] += t[_slices(1, inter, _origin(kb))]
     return acc
@@ -771,7 +786,8 @@ def _rows_of(t: Tensor, piece: Box, own: Sequence[int], kb: Box) -> Tensor:
 
 class _Kernel:
     """The fused kernels of one validated call's geometry, for a query range: forward -> (out,
-    lse); backward -> (dq, dk, dv). Calls the ops directly (the _Overlapped node is their
+    lse); backward -> (dq, dk, dv), the rows of out, lse and dq outside the range uninitialised
+    (the caller writes them). Calls the kernels directly (the _Overlapped node is their
     autograd); the arguments were checked by na*d, so each call only sets its range."""
 
     def __init__(self, rank, q, ks, st, dil, causal, scale, backend):
@@ -788,12 +804,12 @@ class _Kernel:
 
     def __call__(self, q, k, v, queries: Box):
         q_, k_, v_, kx, vx, rpb, geometry = self._args(q, k, v, queries)
-        return ops.call(ops.na_forward, q_, k_, v_, kx, vx, rpb, *geometry.args())
+        return ops.forward_unfilled(q_, k_, v_, kx, vx, rpb, *geometry.args())
 
     def backward(self, q, k, v, out, lse, d_out, d_lse, queries: Box):
         q_, k_, v_, kx, vx, rpb, geometry = self._args(q, k, v, queries)
-        return ops.call(ops.na_backward, q_, k_, v_, kx, vx, rpb, out, lse, d_out.contiguous(),
-                        None if d_lse is None else d_lse.contiguous(), *geometry.args())[:3]
+        return ops.backward_unfilled(q_, k_, v_, kx, vx, rpb, out, lse, d_out.contiguous(),
+                                     None if d_lse is None else d_lse.contiguous(), *geometry.args())[:3]
 
 
 # overlap=None overlaps where no rank's border holds more than this share of its queries: the

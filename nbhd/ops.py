@@ -35,7 +35,7 @@ from . import _lib, _torch_internals, checks, context
 from .reference import merge_reference
 
 __all__ = ["na_forward", "na_backward", "na_forward_jvp", "na_forward_jvp_backward",
-           "merge_attentions", "call"]
+           "merge_attentions", "call", "forward_unfilled", "backward_unfilled"]
 
 _OPTIONS = {"threads": 0, "use_reference": False}
 
@@ -181,9 +181,22 @@ def _na_forward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb: Te
                 scale: float, tiles: List[int], query_range: List[int]) -> Tuple[Tensor, Tensor]:
     """(out [B,*S,H,Dv], lse [B,*S,H]) of neighborhood attention (+ rpb [H, M] on the scores);
     with a query range, zero outside it."""
+    return _forward(True, q, k, v, kx, vx, rpb, kernel_size, stride, dilation, is_causal, scale, tiles,
+                    query_range)
+
+
+def forward_unfilled(*args) -> Tuple[Tensor, Tensor]:
+    """na_forward's kernel (eager, plain tensors; the same arguments) on uninitialised outputs:
+    with a query range the rows outside it hold garbage, for a caller that writes them itself
+    (nbhd.distributed's split calls; na_forward zeroes them first)."""
+    return _forward(False, *args)
+
+
+def _forward(zero_outside: bool, q, k, v, kx, vx, rpb, kernel_size, stride, dilation, is_causal, scale,
+             tiles, query_range):
     _check("na_forward", (q, k, v, kx, vx), kernel_size, stride, dilation, is_causal, tiles,
            query_range, True, (("rpb", rpb),))
-    out, lse = _forward_shapes(q, v, vx, len(kernel_size), query_range)
+    out, lse = _forward_shapes(q, v, vx, len(kernel_size), query_range if zero_outside else [])
     _lib.run(_lib.OP_FORWARD, _geometry(kernel_size, stride, dilation, is_causal, scale, query_range),
              (q, k, v, *_extra(kx, vx), out, lse, *_tables(rpb)), **run_options(tiles, backward=False))
     return out, lse
@@ -209,9 +222,22 @@ def _na_backward(q: Tensor, k: Tensor, v: Tensor, kx: Tensor, vx: Tensor, rpb: T
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dkx, dvx, d_rpb), shaped like (q, k, v, kx, vx, rpb); with a query range
     dq is zero outside it and the others sum over its queries."""
+    return _backward(True, q, k, v, kx, vx, rpb, out, lse, d_out, d_lse, kernel_size, stride, dilation,
+                     is_causal, scale, tiles, query_range)
+
+
+def backward_unfilled(*args) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """na_backward's kernel (eager, plain tensors; the same arguments) whose dq holds garbage
+    outside a query range, for a caller that writes those rows itself (nbhd.distributed's
+    split calls; na_backward zeroes them first)."""
+    return _backward(False, *args)
+
+
+def _backward(zero_outside: bool, q, k, v, kx, vx, rpb, out, lse, d_out, d_lse, kernel_size, stride,
+              dilation, is_causal, scale, tiles, query_range):
     _check("na_backward", (q, k, v, kx, vx, out, lse, d_out, d_lse), kernel_size, stride, dilation,
            is_causal, tiles, query_range, True, (("rpb", rpb),))
-    grads = _backward_grads(q, k, v, kx, vx, rpb, query_range)
+    grads = _backward_grads(q, k, v, kx, vx, rpb, query_range if zero_outside else [])
     dq, dk, dv, dkx, dvx, d_rpb = grads
     kx_, vx_, dkx, dvx = _extra(kx, vx, dkx, dvx)
     _lib.run(_lib.OP_BACKWARD, _geometry(kernel_size, stride, dilation, is_causal, scale, query_range),
