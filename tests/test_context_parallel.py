@@ -238,24 +238,8 @@ def _errors():
     return out
 
 
-def _poison_uninitialised_rows():
-    """Row outputs the kernels get uninitialised (calls without a query range, and the split
-    calls' unfilled ones) start as NaN: a row that no call writes fails the comparisons."""
-    rows = ops._rows
-
-    def poisoned_rows(query_range):
-        new = rows(query_range)
-        if query_range:
-            return new
-
-        def poisoned(t, *shape, **kw):
-            return new(t, *shape, **kw).fill_(float("nan"))
-        return poisoned
-    ops._rows = poisoned_rows
-
-
 def _worker(rank, world, backend, result_dir):
-    _poison_uninitialised_rows()
+    from utils import nan_rows
     # a file store: no rank hosts a server that could vanish while another tears down
     dist.init_process_group(backend, init_method=f"file://{os.path.join(result_dir, 'store')}",
                             rank=rank, world_size=world)
@@ -265,16 +249,17 @@ def _worker(rank, world, backend, result_dir):
         device = torch.device("cuda", rank)
     torch.set_num_threads(1)
     results, transforms = [], []
-    for case in CASES[world]:
-        _run_case(case, device, results)
-    if world == 2:
-        _run_transforms(device, transforms)
-        if backend == "gloo":
-            transforms += _errors()
-    if world == 4:   # two context-parallel groups of 2 in one world: group ranks are not global ranks
-        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        for case in SUBGROUP_CASES:
-            _run_case(case, device, results, group=groups[rank // 2])
+    with nan_rows():   # rows that no call writes fail the comparisons
+        for case in CASES[world]:
+            _run_case(case, device, results)
+        if world == 2:
+            _run_transforms(device, transforms)
+            if backend == "gloo":
+                transforms += _errors()
+        if world == 4:   # two context-parallel groups of 2 in one world: group ranks are not global ranks
+            groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            for case in SUBGROUP_CASES:
+                _run_case(case, device, results, group=groups[rank // 2])
     torch.save({"cases": results, "transforms": transforms},
                os.path.join(result_dir, f"{backend}{world}_{rank}.pt"))
     dist.barrier()

@@ -148,6 +148,30 @@ def test_ops_allocate_zero_rows_and_fakes_match():
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
+def test_unfilled_ops_equal_the_ops_inside_the_range():
+    """ops.forward_unfilled / backward_unfilled (the split context-parallel calls' kernels): the
+    same values as na_forward / na_backward inside the range, the row outputs not zero-filled
+    outside it (their rows there are left as allocated)."""
+    case = CASES[2]
+    q, k, v, kx, vx = tensors(case)
+    spatial, ks, st, dil, causal = case[:5]
+    geo = (list(ks), list(st), list(dil), list(causal), 0.5, [0] * 8, [x for r in case[-1] for x in r])
+    args = (q, k, v, kx, vx, q.new_empty(0))
+    mask = inside(case)
+    out, lse = ops.na_forward(*args, *geo)
+    d_out = torch.randn_like(out)
+    grads = ops.na_backward(*args, out, lse, d_out, None, *geo)
+    from utils import nan_rows
+    with nan_rows():   # rows outside the range keep the NaN they were given
+        out_u, lse_u = ops.forward_unfilled(*args, *geo)
+        grads_u = ops.backward_unfilled(*args, out, lse, d_out, None, *geo)
+    for got, want, dims in ((out_u, out, 2), (lse_u, lse, 1), (grads_u[0], grads[0], 2)):
+        assert torch.equal(got[rows(mask, got, dims)], want[rows(mask, want, dims)])
+        assert got[~rows(mask, got, dims)].isnan().all()
+    for got, want in zip(grads_u[1:], grads[1:]):
+        assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------------------------
 # (b) gradients: those of a loss on the box's rows alone
 
