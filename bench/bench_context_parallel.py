@@ -71,8 +71,6 @@ def parse_args():
     p.add_argument("--profile", action="store_true",
                    help="profile one forward+backward per row instead of timing (CUDA)")
     p.add_argument("--trace", default="", help="with --profile: a folder for each rank's Chrome trace")
-    p.add_argument("--nccl-high-priority", action="store_true",
-                   help="the NCCL process group's streams at high priority (overlap=True's exchange)")
     return p.parse_args()
 
 
@@ -221,12 +219,7 @@ def parse_axes(spec, default):
 def main():
     args = parse_args()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    options = {}
-    if backend == "nccl" and args.nccl_high_priority:
-        # NCCL's kernels on high-priority streams: the block scheduler starts them as soon as an
-        # SM frees, instead of after the attention kernel's queued CTAs
-        options["pg_options"] = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    dist.init_process_group(backend, **options)
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
