@@ -673,9 +673,9 @@ class _Overlapped(torch.autograd.Function):
         for piece, kb, (ob, lb) in zip(plan.border, plan.border_key_boxes, border):
             at_own, at_kb = _slices(1, piece, own), _slices(1, piece, _origin(kb))
             out[at_own], lse[at_own] = ob[at_kb], lb[at_kb]
-        # the border key boxes are kept for the backward (not gathered again): less than the
-        # one call keeps (its whole key box), and their gathering was the backward's longest
-        # copy before its first kernel
+        # the border key boxes are kept for the backward: less than the one call keeps (its
+        # whole key box), and gathering them again would be the backward's longest copy before
+        # its first kernel
         ctx.save_for_backward(q, k, v, out, lse, *key_boxes)
         return out, lse
 
