@@ -9,10 +9,12 @@ dispatch); a loop amortises the host's time per call only where a kernel takes l
 (tens of microseconds): below that the figures are the host's.
 
     python bench/ab_gpu.py [--dims 128,64] [--problems 1d,3d-30] [--rounds 7] [--loop 10] [--jvp | --bwd]
+                           [--auto-only]
 
 Kernel choices that no tile argument reaches (key tiles, CTAs per SM, pipeline stages) are
 A/B'd as two builds: build, copy the library aside, change the source, build again, and time
-both with this script (NBHD_LIBRARY=... selects the library; run them back to back).
+both with this script (NBHD_LIBRARY=... selects the library; run them back to back, with
+--auto-only to time each library's own choice alone).
 """
 import argparse
 import math
@@ -80,6 +82,8 @@ def main():
     kind = ap.add_mutually_exclusive_group()
     kind.add_argument("--jvp", action="store_true", help="time the forward+JVP kernel instead")
     kind.add_argument("--bwd", action="store_true", help="time the backward kernels instead")
+    ap.add_argument("--auto-only", action="store_true",
+                    help="time the library's own choice alone (A/B of two builds)")
     args = ap.parse_args()
     dev = "cuda"
     what = "backward" if args.bwd else "forward+JVP" if args.jvp else "forward"
@@ -109,6 +113,8 @@ def main():
             else:
                 fn = lambda t: ops.call(ops.na_forward, q, k, v, empty, empty, NO_RPB, *base, t, [])
             configs = variants(op, q, k, v, base, args.bwd)
+            if args.auto_only:
+                configs = [c for c in configs if c[0].startswith("auto")]
             ref = None
             for label, tiles, kvp in configs:  # warm-up, and every variant gives the same output
                 nbhd.use_kv_parallelism_in_fused_na(kvp)

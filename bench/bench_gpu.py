@@ -16,6 +16,10 @@ NATTEN's own published H100 figures (natten.org, profiler page: Hopper FNA examp
 column labelled as published. Where NATTEN publishes a speed-up over cuDNN rather than a time,
 the time is derived as cuDNN's published time / the speed-up and marked '~'.
 
+The main table's `floor` is the forward's memory floor: q, k and v read once, out and the
+log-sum-exp written once, over the device's own copy rate (a 1 GiB device-to-device copy, bytes
+read plus written, measured at the start); no forward runs faster, whatever its kernels.
+
 Useful FLOPs: 4·B·H·N·|window|·D per forward (the backward is counted as 2.5x, forward+JVP as
 the forward's FLOPs); SDPA's useful FLOPs are 4·B·H·N²·D. Times: CUDA events around loops of
 back-to-back calls (the host's time per call overlaps the GPU's), warm-up, median of 7; a call
@@ -148,6 +152,23 @@ def make_inputs(B, ext, H, D, dtype, requires_grad=False):
     return q, k, v, dense
 
 
+def copy_rate():
+    """Bytes per second that a 1 GiB device-to-device copy moves, read plus written: the rate of
+    the forward's memory floor (random bytes: the copy must not see compressible zeros)."""
+    src = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms, _ = time_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / (ms * 1e-3)
+
+
+def floor_ms(B, N, H, D, elem, rate):
+    """The forward's memory floor: q, k, v read and out written once (elem bytes each), the fp32
+    log-sum-exp written once, at `rate` bytes per second."""
+    return (4 * B * N * H * D * elem + 4 * B * N * H) / rate * 1e3
+
+
 def tflops(flop, ms):
     return flop / (ms * 1e-3) / 1e12
 
@@ -155,8 +176,10 @@ def tflops(flop, ms):
 def run_main(args, rows):
     hdr = (f"{'problem':31s} {'D':>4s} {'fwd ms':>9s} {'TF/s':>6s} {'bwd ms':>9s} {'TF/s':>6s} "
            f"{'bdet ms':>9s} {'jvp ms':>9s} {'jvp/fwd':>7s} {'sdpa f':>8s} {'sdpaTF':>6s} {'sdpa b':>8s} "
-           f"{'flex f':>8s} {'x flex':>7s} {'%sdpa':>6s} {'b%sdpa':>6s}  sdpa backends (fwd/bwd)")
-    print(f"\n== main: {args.dtype}, heads", args.heads, flush=True)
+           f"{'flex f':>8s} {'x flex':>7s} {'%sdpa':>6s} {'b%sdpa':>6s} {'floor':>7s} {'xfloor':>6s}  sdpa backends (fwd/bwd)")
+    rate = copy_rate()
+    print(f"\n== main: {args.dtype}, heads {args.heads}; floor: the forward's memory floor at the "
+          f"device's copy rate, {rate / 1e12:.2f} TB/s", flush=True)
     print(hdr, flush=True)
     for D in [int(x) for x in args.dims.split(",")]:
         for name, B, ext, ks, st in MAIN_PROBLEMS:
@@ -200,13 +223,15 @@ def run_main(args, rows):
                      pct_sdpa=100 * tflops(flop_f, t_f) / tflops(sd_flop, sd_f),
                      bwd_pct_sdpa=100 * tflops(2.5 * flop_f, t_b) / tflops(2.5 * sd_flop, sd_b),
                      natten_published_ms=float("nan"),
+                     floor_ms=floor_ms(B, N, H, D, q.element_size(), rate),
                      timed_once="".join(c for c, s in zip("fbdj", (s_f, s_b, s_bd, s_j)) if s))
             rows.append(r)
             star = lambda s: "*" if s else " "
             print(f"{name:31s} {D:4d} {t_f:8.3f}{star(s_f)} {r['fwd_tflops']:6.1f} {t_b:8.2f}{star(s_b)} "
                   f"{r['bwd_tflops']:6.1f} {t_bd:8.2f}{star(s_bd)} {t_j:8.2f}{star(s_j)} {r['jvp_over_fwd']:7.2f} "
                   f"{sd_f:8.3f} {r['sdpa_fwd_tflops']:6.0f} {sd_b:8.3f} {fl_f:8.3f} {r['x_flex']:7.2f} "
-                  f"{r['pct_sdpa']:6.1f} {r['bwd_pct_sdpa']:6.1f}  {be_f}/{be_b}", flush=True)
+                  f"{r['pct_sdpa']:6.1f} {r['bwd_pct_sdpa']:6.1f} {r['floor_ms']:7.3f} {t_f / r['floor_ms']:6.2f}  "
+                  f"{be_f}/{be_b}", flush=True)
             del q, k, v, dense
             if not args.forward_only:
                 del qg, kg, vg, out, d_out

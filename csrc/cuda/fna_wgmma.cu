@@ -14,8 +14,8 @@
  * fwd_softmax_tile, fwd_store). The CTA walks the exact union of its windows in tiles of BN
  * keys (then the extra keys), K and V in a ring of shared-memory stages filled by cp.async in
  * the layout of wgmma.cuh; per tile each warpgroup issues
- *   S = Q K^T          HD/16 wgmma m64nBNk16, K from shared memory, Q too (or, on two
- *                      warpgroups in 2-D and 3-D, from registers: each warp's A fragments)
+ *   S = Q K^T          HD/16 wgmma m64nBNk16, K from shared memory, Q from registers (each
+ *                      warp's A fragments; from shared memory on two warpgroups in 1-D)
  *   O += P' V'         BN/16 wgmma m64nHDk16 of the previous tile, P' from registers
  * then, while the second runs on the tensor cores, the softmax of S (scale, mask unless the tile
  * is inside every row's window, online max and sum), and after it O's rescale and the new P.
@@ -102,10 +102,12 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
         fence_regs(o[0]);
     };
 
-    // On the two-warpgroup patches of 2-D and 3-D problems each warp holds its Q rows as A
-    // fragments (m16 x k16 per k-step), so that S = Q K^T reads only K from shared memory: 2-8 %
-    // faster there, even or slower in 1-D (bench/bench_gpu.py --forward-only, A/B of two builds)
-    constexpr bool QREG = WGS == 2 && RANK >= 2;
+    // Each warp holds its Q rows as A fragments (m16 x k16 per k-step), so that S = Q K^T reads
+    // only K from shared memory. One warpgroup's m64n32k16 would read 3 KB of shared memory (Q's
+    // 2, K's 1) per 16 cycles of products: with Q held, 6-10 % faster on every problem that runs
+    // it; on two warpgroups' 64-key tiles 2-8 % faster in 2-D and 3-D, even or slower in 1-D
+    // (bench/ab_gpu.py --auto-only, A/B of two builds)
+    constexpr bool QREG = WGS == 1 || RANK >= 2;
     uint32_t qf[QREG ? HD / 16 : 1][4];
     constexpr int RING = KST * VST;  /* the ring's stage index is unused: K and V have their own */
     tile_ring_start<RING, 1>(tiles, load_tile);  /* Q rides with tile 0's group */

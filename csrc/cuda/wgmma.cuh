@@ -379,6 +379,8 @@ template <typename T, int N> struct wgmma_op;
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
 #define NBHD_WGMMA_SS_N32(TY, TRANS) \
     NBHD_WGMMA_SS("m64n32k16", TY, TRANS, NBHD_WGMMA_R16, "%16", "%17", "%18", NBHD_WGMMA_D16)
+#define NBHD_WGMMA_RS_N32(TY, TRANS) \
+    NBHD_WGMMA_RS("m64n32k16", TY, TRANS, NBHD_WGMMA_R16, "{%16, %17, %18, %19}", "%20", "%21", NBHD_WGMMA_D16)
 #define NBHD_WGMMA_SS_N64(TY, TRANS) \
     NBHD_WGMMA_SS("m64n64k16", TY, TRANS, NBHD_WGMMA_R32, "%32", "%33", "%34", NBHD_WGMMA_D32)
 #define NBHD_WGMMA_RS_N64(TY, TRANS) \
@@ -396,6 +398,10 @@ template <> struct wgmma_op<__nv_bfloat16, 32> {
     static __device__ __forceinline__ void ss_ta(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
         NBHD_WGMMA_SS_N32("bf16", "1, 0");
     }
+    /* A in registers; B K-major (the forward's S = Q K^T with Q's fragments held) */
+    static __device__ __forceinline__ void rs(float d[16], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N32("bf16", "0");
+    }
 };
 template <> struct wgmma_op<__half, 32> {
     static __device__ __forceinline__ void ss(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
@@ -404,6 +410,10 @@ template <> struct wgmma_op<__half, 32> {
     /* A MN-major, B K-major (the backward through forward+JVP's dQ = dS K: dS^T staged, K^T) */
     static __device__ __forceinline__ void ss_ta(float d[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
         NBHD_WGMMA_SS_N32("f16", "1, 0");
+    }
+    /* A in registers; B K-major (the forward's S = Q K^T with Q's fragments held) */
+    static __device__ __forceinline__ void rs(float d[16], const uint32_t a[4], uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_RS_N32("f16", "0");
     }
 };
 template <> struct wgmma_op<__nv_bfloat16, 64> {
