@@ -142,6 +142,31 @@ def sdpa_best(qt, kt, vt, with_backward):
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
+# the CSV's columns: a main row's fields (a natten row has a subset)
+CSV_FIELDS = ("table", "problem", "dtype", "heads", "D", "fwd_ms", "fwd_tflops", "bwd_ms", "bwd_tflops",
+              "bwd_det_ms", "jvp_ms", "jvp_over_fwd", "sdpa_fwd_ms", "sdpa_fwd_tflops", "sdpa_fwd_backend",
+              "sdpa_bwd_ms", "sdpa_bwd_backend", "flex_fwd_ms", "x_flex", "pct_sdpa", "bwd_pct_sdpa",
+              "natten_published_ms", "floor_ms", "timed_once")
+
+
+class CsvRows(list):
+    """The measured rows; with a path, each is also written to that CSV as soon as it is
+    measured, so that a run stopped early (a time limit) keeps the rows it finished."""
+
+    def __init__(self, path=None):
+        super().__init__()
+        self.file = open(path, "w", newline="") if path else None
+        if self.file:
+            self.writer = csv.DictWriter(self.file, fieldnames=CSV_FIELDS, restval="")
+            self.writer.writeheader()
+            self.file.flush()
+
+    def append(self, row):
+        super().append(row)
+        if self.file:
+            self.writer.writerow(row)
+            self.file.flush()
+
 
 def make_inputs(B, ext, H, D, dtype, requires_grad=False):
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -282,7 +307,7 @@ def main():
     ap.add_argument("--dims", default="128,64", help="head dims of the main table")
     ap.add_argument("--heads", type=int, default=16, help="heads of the main table")
     ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="dtype of the main table")
-    ap.add_argument("--csv", default=None)
+    ap.add_argument("--csv", default=None, help="write the rows here, each as soon as it is measured")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--only", default=None, help="substrings of problem names, comma-separated")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA anchor (A/B runs of nbhd alone)")
@@ -292,18 +317,12 @@ def main():
     torch._dynamo.config.recompile_limit = 256
     torch._dynamo.config.cache_size_limit = 256
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    rows = []
+    rows = CsvRows(args.csv)
     tables = args.tables.split(",")
     if "main" in tables:
         run_main(args, rows)
     if "natten" in tables:
         run_natten(args, rows)
-    if args.csv and rows:
-        fields = sorted({f for r in rows for f in r}, key=lambda f: min(list(r).index(f) for r in rows if f in r))
-        with open(args.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=fields)
-            wr.writeheader()
-            wr.writerows(rows)
 
 
 if __name__ == "__main__":
