@@ -105,8 +105,9 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     // Each warp holds its Q rows as A fragments (m16 x k16 per k-step), so that S = Q K^T reads
     // only K from shared memory. One warpgroup's m64n32k16 would read 3 KB of shared memory (Q's
     // 2, K's 1) per 16 cycles of products: with Q held, faster on every problem that runs it
-    // (docs/kernels.md §3); on two warpgroups' 64-key tiles 2-8 % faster in 2-D and 3-D, even or
-    // slower in 1-D (bench/ab_gpu.py --auto-only, A/B of two builds)
+    // (bench/ab_gpu.py --auto-only, A/B of two builds; docs/kernels.md §3); on two warpgroups'
+    // 64-key tiles 2-8 % faster in 2-D and 3-D, even or slower in 1-D (bench/bench_gpu.py
+    // --forward-only, A/B of two builds)
     constexpr bool QREG = WGS == 1 || RANK >= 2;
     uint32_t qf[QREG ? HD / 16 : 1][4];
     constexpr int RING = KST * VST;  /* the ring's stage index is unused: K and V have their own */

@@ -469,31 +469,35 @@ template <> struct wgmma_op<__half, 128> {
     }
 };
 
-/* The backward's score pair, d1 = A1 B1^T and d2 = A2 B2^T (per warpgroup 64 x BN, k = HD), the
- * four operands K-major in shared memory at their warpgroup's first row: A in a tile of ROWS_A
- * rows, B of BN (64-column blocks ROWS * 128 bytes apart). Committed as one group. */
+/* k-step kk of d (+)= A B^T (per warpgroup 64 x N): both operands K-major in shared memory at
+ * their warpgroup's first row, A in a tile of ROWS_A rows, B in one of ROWS_B (64-column blocks
+ * ROWS * 128 bytes apart); accumulate 0 overwrites d */
+template <typename T, int N, int ROWS_A, int ROWS_B>
+__device__ __forceinline__ void wgmma_score_step(float (&d)[N / 8][4], uint32_t a, uint32_t b, int kk, int accumulate) {
+    const uint32_t sa = (kk >> 2) * ROWS_A * 128 + (kk & 3) * 32, sb = (kk >> 2) * ROWS_B * 128 + (kk & 3) * 32;
+    wgmma_op<T, N>::ss(&d[0][0], gmma_desc(a + sa, 16, 1024), gmma_desc(b + sb, 16, 1024), accumulate);
+}
+
+/* The backward's score pair, d1 = A1 B1^T and d2 = A2 B2^T (per warpgroup 64 x BN, k = HD), as
+ * wgmma_score_step with B in tiles of BN rows, their k-steps interleaved. Committed as one
+ * group. */
 template <typename T, int HD, int BN, int ROWS_A>
 __device__ __forceinline__ void wgmma_score_pair(float (&d1)[BN / 8][4], uint32_t a1, uint32_t b1,
                                                  float (&d2)[BN / 8][4], uint32_t a2, uint32_t b2) {
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
-        const uint32_t sa = (kk >> 2) * ROWS_A * 128 + (kk & 3) * 32, sb = (kk >> 2) * BN * 128 + (kk & 3) * 32;
-        wgmma_op<T, BN>::ss(&d1[0][0], gmma_desc(a1 + sa, 16, 1024), gmma_desc(b1 + sb, 16, 1024), kk > 0);
-        wgmma_op<T, BN>::ss(&d2[0][0], gmma_desc(a2 + sa, 16, 1024), gmma_desc(b2 + sb, 16, 1024), kk > 0);
+        wgmma_score_step<T, BN, ROWS_A, BN>(d1, a1, b1, kk, kk > 0);
+        wgmma_score_step<T, BN, ROWS_A, BN>(d2, a2, b2, kk, kk > 0);
     }
     wgmma_commit();
 }
 
-/* d (+)= A B^T (per warpgroup 64 x N, k = HD), both operands K-major in shared memory as in
- * wgmma_score_pair, B's N rows at b in a tile of ROWS_B; accumulate 0: the first k-step
- * overwrites d. Not committed. */
+/* d (+)= A B^T (per warpgroup 64 x N, k = HD) as wgmma_score_step; accumulate 0: the first
+ * k-step overwrites d. Not committed. */
 template <typename T, int HD, int N, int ROWS_A, int ROWS_B = N>
 __device__ __forceinline__ void wgmma_score(float (&d)[N / 8][4], uint32_t a, uint32_t b, int accumulate) {
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-        const uint32_t sa = (kk >> 2) * ROWS_A * 128 + (kk & 3) * 32, sb = (kk >> 2) * ROWS_B * 128 + (kk & 3) * 32;
-        wgmma_op<T, N>::ss(&d[0][0], gmma_desc(a + sa, 16, 1024), gmma_desc(b + sb, 16, 1024), kk > 0 || accumulate);
-    }
+    for (int kk = 0; kk < HD / 16; ++kk) wgmma_score_step<T, N, ROWS_A, ROWS_B>(d, a, b, kk, kk > 0 || accumulate);
 }
 
 #undef NBHD_WGMMA_D16
