@@ -112,6 +112,21 @@ def cuda_home_of(nvcc):
     return cands[2]
 
 
+def cuda_object_current(cmd, src, obj):
+    """Whether obj was built by this exact nvcc command (kept beside it in obj + ".cmd") and is
+    newer than its source and every header below csrc/: then it is not compiled again, so that a
+    kept build folder (`setup.py build_ext --inplace -t DIR`) rebuilds only the CUDA sources a
+    change touches."""
+    stamp = obj + ".cmd"
+    if not (os.path.isfile(obj) and os.path.isfile(stamp)):
+        return False
+    with open(stamp) as f:
+        if f.read() != " ".join(cmd):
+            return False
+    headers = [h for ext in ("h", "cuh") for h in glob.glob(os.path.join("csrc", "**", "*." + ext), recursive=True)]
+    return os.path.getmtime(obj) > max(os.path.getmtime(f) for f in [src, *headers])
+
+
 class BuildNbhd(build_ext):
     """Compiles the C sources in parallel; adds nvcc-compiled objects for csrc/cuda when the
     CUDA kernels are built (cuda_nvcc)."""
@@ -128,9 +143,14 @@ class BuildNbhd(build_ext):
                 cmd = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo",
                        "--expt-relaxed-constexpr", "-DNBHD_WITH_CUDA",
                        *[f"-I{i}" for i in INCLUDES], *cuda_gencode_flags(), "-c", src, "-o", obj]
-                print(" ".join(cmd))
-                nvcc_jobs.append(subprocess.Popen(cmd))
                 objects.append(obj)
+                if cuda_object_current(cmd, src, obj):
+                    print(f"{obj}: up to date")
+                    continue
+                print(" ".join(cmd))
+                if os.path.exists(obj + ".cmd"):
+                    os.remove(obj + ".cmd")  # written again only once this command has succeeded
+                nvcc_jobs.append((subprocess.Popen(cmd), cmd, obj))
             ext.extra_objects = objects
             ext.define_macros = [*ext.define_macros, ("NBHD_WITH_CUDA", "1")]
             lib_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
@@ -139,11 +159,20 @@ class BuildNbhd(build_ext):
             ext.runtime_library_dirs = ext.library_dirs
 
         def wait_for_nvcc():
-            if [j.wait() for j in nvcc_jobs] and any(j.returncode != 0 for j in nvcc_jobs):
+            failed = False
+            for job, cmd, obj in nvcc_jobs:
+                if job.wait() == 0:
+                    with open(obj + ".cmd", "w") as f:
+                        f.write(" ".join(cmd))
+                failed = failed or job.returncode != 0
+            nvcc_jobs.clear()
+            if failed:
                 raise RuntimeError("nvcc failed on csrc/cuda (see the messages above)")
 
         compile_in_parallel(self.compiler, int(os.environ.get("NBHD_BUILD_JOBS") or os.cpu_count() or 1),
                             then=wait_for_nvcc)
+        if nvcc_jobs:  # build_ext skips the link when the library is newer than the C sources
+            self.force = True
         try:
             super().build_extension(ext)
         finally:

@@ -2,6 +2,7 @@
 the C sources compile as separate objects in parallel (setup.py and the Makefile)."""
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import re
@@ -101,3 +102,26 @@ def test_setup_compiles_every_c_source(setup_py):
                      for top in (os.path.join(ROOT, "csrc/core"), os.path.join(ROOT, "csrc/cpu"))
                      for d, _, files in os.walk(top) for f in files if f.endswith(".c"))
     assert sorted(setup_py.C_SOURCES) == sources
+
+
+def test_cuda_object_kept_only_when_its_command_and_inputs_are_unchanged(setup_py, tmp_path):
+    """A kept build folder rebuilds only the CUDA objects a change touches: an object is current
+    when the stamp beside it holds the same nvcc command and it is newer than its source and
+    every header below csrc/"""
+    src = "csrc/cuda/merge.cu"
+    obj = str(tmp_path / "merge.cu.o")
+    cmd = ["nvcc", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-c", src, "-o", obj]
+    assert not setup_py.cuda_object_current(cmd, src, obj)  # no object
+    with open(obj, "w") as f:
+        f.write("object")
+    assert not setup_py.cuda_object_current(cmd, src, obj)  # no stamp: a build that failed or never finished
+    with open(obj + ".cmd", "w") as f:
+        f.write(" ".join(cmd))
+    newest = max(os.path.getmtime(p) for p in [src, *glob.glob("csrc/**/*.h", recursive=True),
+                                               *glob.glob("csrc/**/*.cuh", recursive=True)])
+    os.utime(obj, (newest + 10, newest + 10))
+    assert setup_py.cuda_object_current(cmd, src, obj)
+    other = [*cmd[:2], "-gencode=arch=compute_80,code=sm_80", *cmd[3:]]
+    assert not setup_py.cuda_object_current(other, src, obj)  # another target
+    os.utime(obj, (newest - 10, newest - 10))
+    assert not setup_py.cuda_object_current(cmd, src, obj)  # a source or header changed since
