@@ -390,6 +390,20 @@ def test_backward_default_row_masks():
     assert any("fna_wgmma_jvpb_keys_kernel" in n for n in ran), ran
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="Hopper's deterministic passes")
+@pytest.mark.parametrize("out_unaligned", [False, True], ids=["aligned", "unaligned"])
+def test_backward_di_in_dq_kernel(out_unaligned):
+    """Hopper's deterministic passes (a 13x13 window at D = 128: one warpgroup on 64-row
+    patches) form D_i in the dq kernel, with no D_i pass of its own, where O's rows allow
+    16-byte loads; an unaligned O takes the pass (di_kernel). Both against the reference, with a
+    gradient on the LSE."""
+    case = (2, (40, 36), (13, 13), (1, 1), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig")
+    ran = cuda_kernels(lambda: check_backward(case, torch.bfloat16, out_unaligned=out_unaligned))
+    assert any("fna_wgmma_dq_kernel" in n for n in ran), ran
+    assert any("di_kernel" in n for n in ran) == out_unaligned, ran
+
+
 def check_backward_repeatable(case, dtype, patch=0, deterministic=True):
     """check_backward, and where the backward is deterministic bitwise-equal on a second call"""
     grads = check_backward(case, dtype, patch)
@@ -398,7 +412,9 @@ def check_backward_repeatable(case, dtype, patch=0, deterministic=True):
             assert torch.equal(g0, g1), "deterministic backward differs between calls"
 
 
-def check_backward(case, dtype, patch=0):
+def check_backward(case, dtype, patch=0, out_unaligned=False):
+    """the backward against the float64 reference (with a gradient on the LSE); out_unaligned:
+    the forward's output handed over one element off its 16-byte alignment"""
     rank = case[0]
     inputs, geo = build(case, dtype, 1 + zlib.crc32(ids(case).encode()) % 1000)
     geo = with_patch(inputs, geo, _lib.OP_BACKWARD, patch)
@@ -411,6 +427,8 @@ def check_backward(case, dtype, patch=0):
     ref_grads = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), wrt,
                                     allow_unused=True)
     out, lse = ops.na_forward(*inputs, NO_RPB, *geo)
+    if out_unaligned:
+        out = torch.empty(out.numel() + 1, device="cuda", dtype=out.dtype)[1:].view(out.shape).copy_(out)
     poison()
     grads = ops.na_backward(*inputs, NO_RPB, out, lse, d_out.to(dtype), d_lse.to(lse.dtype), *geo)
     torch.cuda.synchronize()

@@ -303,11 +303,13 @@ nbhd_status nbhd_cuda_wgmma_forward_jvp(const nbhd_geometry *g, const nbhd_forwa
 
 /* fna_wgmma_bwd.cu: the Hopper backward's dQ and window-key dK/dV on 128-row patches (and on
  * 64-row ones at D = 128, deterministic), D = Dv in
- * {64, 128}, given D_i in Dws (fna_mma_bwd.cu runs it on the mma.sync backward's conditions).
+ * {64, 128}, given D_i in Dws (fna_mma_bwd.cu runs it on the mma.sync backward's conditions),
+ * or (form_di, the two deterministic passes, O rows 16-byte aligned) forming D_i in the dQ pass
+ * and writing it to Dws for the dK/dV pass.
  * dq_acc (KV-parallel): the window keys' dQ is added to this zeroed fp32
  * accumulator (mma_util.cuh dq_accumulator) in the dK/dV pass; null: two deterministic passes */
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                     const float *Dws, float *dq_acc, const nbhd_cuda_choice *c,
+                                     float *Dws, float *dq_acc, bool form_di, const nbhd_cuda_choice *c,
                                      cudaStream_t stream);
 
 /* fna_mma_bwd.cu: tensor-core backward (D_i, dQ query-stationary, dK/dV key-stationary) */

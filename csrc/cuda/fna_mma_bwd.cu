@@ -1,7 +1,8 @@
 /*
  * fna_mma_bwd.cu — tensor-core backward for f16/bf16 with D = Dv in {32, 64, 128} (docs/design.md §6.3):
  *
- *   1. di_kernel      D_i = dO_i.O_i - dLSE_i per query row (warp per row) -> workspace
+ *   1. di_kernel      D_i = dO_i.O_i - dLSE_i per query row -> workspace (on Hopper's
+ *                     deterministic passes formed by the dq kernel instead: fna_wgmma_bwd.cu)
  *   2. dq_kernel      query-stationary, tiles as the forward (64-query patch, exact union of
  *                     windows, then the extra keys), 32-key tiles:
  *                       P = 2^(S log2e - lse log2e), dP = dO V^T, dS = P (dP - D), dQ = s dS K
@@ -27,7 +28,10 @@
 // ----------------------------------------------------------------------------
 // 1. D_i = dO_i.O_i - dLSE_i
 
-/* A thread per 8 channels of a row (Dv / 8 = 4, 8 or 16 threads per row, lanes of one warp),
+/* A thread per 8 channels of a token (Dv / 8 = 4, 8 or 16 threads per token, lanes of one
+ * warp), every head of the token in turn: the token's batch and coordinates cost divisions, which
+ * a thread per row and 8 channels paid for every 32 bytes it read (the pass then ran at about two
+ * thirds of the memory's rate, bound by its instructions: Nsight Compute, scripts/profile_gpu.sh).
  * VEC: O rows 16-byte aligned with unit element stride (dO's are: the mma path's condition), one
  * 16-byte load of each; else 8 element loads of O. (A warp per row with 2-byte loads runs at
  * about a third of the memory's bandwidth: bench/profile_kernels.py.) dq_acc (KV-parallel): the
@@ -37,39 +41,44 @@ template <typename T, bool VEC>
 __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nbhd_backward_args a,
                                                  float *Dws, float *dq_acc) {
     const int per_row = g.head_dim_v / 8;
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, r = i / per_row;
-    const int d = (int)(i - r * per_row) * 8;
-    bool valid = r < g.batch * g.tokens * g.heads;
-    int64_t h = 0, b = 0, c[3] = {0, 0, 0};
-    float acc = 0.f;
-    if (valid) token_coords(g, (r / g.heads) % g.tokens, c);
-    valid = valid && (!g.query_range || row_in_range(g, c));  /* a row's threads agree: the shuffles stay uniform */
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, bt = i / per_row; /* b * tokens + token */
+    const int d = (int)(i - bt * per_row) * 8;
+    bool valid = bt < g.batch * g.tokens;
+    int64_t b = 0, c[3] = {0, 0, 0};
     if (valid) {
-        h = r % g.heads;
-        b = r / (g.heads * g.tokens);
-        const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h) + d;
-        const uint4 dv = *(const uint4 *)((const T *)a.d_out.data + offset_of(a.d_out, b, c[0], c[1], c[2], h) + d);
-        const uint4 ov = VEC ? *(const uint4 *)((const T *)a.out.data + oo) : make_uint4(0, 0, 0, 0);
-        const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
+        b = bt / g.tokens;
+        token_coords(g, bt - b * g.tokens, c);
+    }
+    valid = valid && (!g.query_range || row_in_range(g, c));  /* a token's threads agree: the shuffles stay uniform */
+    const T *dop = (const T *)a.d_out.data + (valid ? offset_of(a.d_out, b, c[0], c[1], c[2], 0) + d : 0);
+    const int64_t oo = valid ? offset_of(a.out, b, c[0], c[1], c[2], 0) + d : 0;
+    const float *dlp = a.d_lse.data && valid ? (const float *)a.d_lse.data + offset_of(a.d_lse, b, c[0], c[1], c[2], 0) : nullptr;
+#pragma unroll 4
+    for (int64_t h = 0; h < g.heads; ++h) {
+        const int64_t r = bt * g.heads + h;
+        float acc = 0.f;
+        if (valid) {
+            const uint4 dv = *(const uint4 *)(dop + h * a.d_out.stride[4]);
+            const int64_t oh = oo + h * a.out.stride[4];
+            const uint4 ov = VEC ? *(const uint4 *)((const T *)a.out.data + oh) : make_uint4(0, 0, 0, 0);
+            const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 o2 = VEC ? unpack2<T>(ow[e])
-                                  : make_float2(ld<T, float>(a.out, oo + 2 * e * a.out.stride[5]),
-                                                ld<T, float>(a.out, oo + (2 * e + 1) * a.out.stride[5]));
-            const float2 d2 = unpack2<T>(dw[e]);
-            acc += o2.x * d2.x + o2.y * d2.y;
+            for (int e = 0; e < 4; ++e) {
+                const float2 o2 = VEC ? unpack2<T>(ow[e])
+                                      : make_float2(ld<T, float>(a.out, oh + 2 * e * a.out.stride[5]),
+                                                    ld<T, float>(a.out, oh + (2 * e + 1) * a.out.stride[5]));
+                const float2 d2 = unpack2<T>(dw[e]);
+                acc += o2.x * d2.x + o2.y * d2.y;
+            }
+            if (dq_acc) {  /* [B, X, Y, Z, H, D] contiguous: row r, channels d.. */
+                float4 *z = (float4 *)(dq_acc + r * g.head_dim + d);
+                z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
         }
-        if (dq_acc) {  /* [B, X, Y, Z, H, D] contiguous: row r, channels d.. */
-            float4 *z = (float4 *)(dq_acc + r * g.head_dim + d);
-            z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+        for (int o = per_row / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (valid && d == 0) Dws[r] = dlp ? acc - dlp[h * a.d_lse.stride[4]] : acc;
     }
     if (dq_acc && i == 0) *repair_flag(g, dq_acc) = 0u;
-    for (int o = per_row / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (valid && d == 0) {
-        if (a.d_lse.data) acc -= ((const float *)a.d_lse.data)[offset_of(a.d_lse, b, c[0], c[1], c[2], h)];
-        Dws[r] = acc;
-    }
 }
 
 // ----------------------------------------------------------------------------
@@ -455,21 +464,27 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     const mma_plan P = mma_plan_of(g);
     float *Dws = (float *)workspace;
     nbhd_status s;
-    const int64_t rows = g->batch * g->tokens * g->heads;
     const int64_t ctas = g->batch * g->heads * P.patches;
     if ((s = nbhd_cuda_grid_fits(ctas, "mma backward")) != NBHD_OK) return s;
     /* KV-parallel (nbhd_cuda_kv_parallel_applies: D <= 64, or D = 128 on 128-row patches): the fp32 dQ
      * accumulator after D_i, cleared by the D_i pass */
     float *dq_acc = kv_parallel ? (float *)((unsigned char *)workspace + di_bytes(g)) : nullptr;
-    const int64_t chunks = rows * (HD / 8);  /* a thread per 8 channels: D_i and the conversion */
-    if (aligned_rows(a->out, 8, 16))
-        di_kernel<T, true><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
-    else
-        di_kernel<T, false><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
-    NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
+    /* Hopper's deterministic passes form D_i in the dQ pass, where O's rows allow 16-byte loads
+     * at int steps; else a pass of its own */
+    const bool o_rows = aligned_rows(a->out, 8, 16);
+    const bool form_di = hopper && !kv_parallel && o_rows && steps_fit(a->out, g) &&
+                         (!a->d_lse.data || steps_fit(a->d_lse, g));
+    const int64_t chunks = g->batch * g->tokens * (HD / 8);  /* a thread per 8 channels of a token: D_i */
+    if (!form_di) {
+        if (o_rows)
+            di_kernel<T, true><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
+        else
+            di_kernel<T, false><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
+        NBHD_CUDA_CHECK_LAUNCH("mma backward (D_i)");
+    }
 
     if (hopper) {  /* Hopper: wgmma for the window keys */
-        if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, &c, st)) != NBHD_OK) return s;
+        if ((s = nbhd_cuda_wgmma_backward(g, a, Dws, dq_acc, form_di, &c, st)) != NBHD_OK) return s;
         if (g->extra_kv > 0)  /* the extra keys' dK/dV (and dQ) on mma.sync */
             s = kv_parallel ? launch_dkdv<T, HD, true, true>(g, a, Dws, dq_acc, P, st)
                             : launch_dkdv<T, HD, true, false>(g, a, Dws, nullptr, P, st);

@@ -66,14 +66,59 @@ static constexpr size_t dkdv_smem_bytes() {
 // ----------------------------------------------------------------------------
 // dQ, query-stationary
 
+/* D_i = dO_i.O_i - dLSE_i of a thread's two fragment rows (in-group coordinates rq, valid
+ * rvalid) of head h: the row's four threads (cq) take interleaved 16-byte chunks of it (O and
+ * dO rows 16-byte aligned, unit element stride: fna_mma_bwd.cu launch_bwd's condition); the
+ * sums into Di, and by the cq = 0 thread into dp (D_i's workspace) */
+template <typename T, int HD>
+__device__ __forceinline__ void form_rows_di(const nbhd_geometry &g, const nbhd_backward_args &a, int64_t b,
+                                             const int64_t grp[3], int h, const int (&rq)[2][3],
+                                             const bool (&rvalid)[2], int cq, float (&Di)[2],
+                                             const group_ptr<float> &dp) {
+    const group_ptr<const T> op = group_ptr_of<const T>(a.out, g, b, grp, h);
+    const group_ptr<const T> gp = group_ptr_of<const T>(a.d_out, g, b, grp, h);
+    uint4 ov[2][HD / 32], dv[2][HD / 32];
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        const T *o = op.at(rq[hrow][0], rq[hrow][1], rq[hrow][2]), *d = gp.at(rq[hrow][0], rq[hrow][1], rq[hrow][2]);
+#pragma unroll
+        for (int i = 0; i < HD / 32; ++i) {
+            const int ch = 4 * i + cq;  /* the row's four threads: adjacent chunks, whole sectors */
+            ov[hrow][i] = rvalid[hrow] ? *(const uint4 *)(o + ch * 8) : make_uint4(0, 0, 0, 0);
+            dv[hrow][i] = rvalid[hrow] ? *(const uint4 *)(d + ch * 8) : make_uint4(0, 0, 0, 0);
+        }
+    }
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < HD / 32; ++i) {
+            const uint32_t ow[4] = {ov[hrow][i].x, ov[hrow][i].y, ov[hrow][i].z, ov[hrow][i].w};
+            const uint32_t dw[4] = {dv[hrow][i].x, dv[hrow][i].y, dv[hrow][i].z, dv[hrow][i].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 o2 = unpack2<T>(ow[e]), d2 = unpack2<T>(dw[e]);
+                acc += o2.x * d2.x + o2.y * d2.y;
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        const int *iq = rq[hrow];
+        if (rvalid[hrow] && a.d_lse.data)
+            acc -= *group_ptr_of<const float>(a.d_lse, g, b, grp, h).at(iq[0], iq[1], iq[2]);
+        Di[hrow] = rvalid[hrow] ? acc : 0.f;
+        if (rvalid[hrow] && cq == 0) *dp.at(iq[0], iq[1], iq[2]) = acc;
+    }
+}
+
 /* two warpgroups: one CTA per SM (at two, 128 registers, ptxas serialises the wgmma (C7512)
  * even at D = 64); one warpgroup (64-query patches at D = 128): three */
 template <typename T, int HD, int BN, int RANK, int WGS, bool BIAS /* problem.rpb */,
           bool RMASK /* row masks (row_masks_fit): 64-query patches in 2-D and 3-D, no bias */,
           int SHAPE = PATCH_CUBE /* the 3-D m-block (mma_util.cuh patch_wt) */>
 __global__ void __launch_bounds__(wg_threads(WGS), WGS == 1 ? (BIAS ? 2 : 3) : 1)
-fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, const float *Dws,
-                    const mma_plan P) {
+fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_backward_args a, float *Dws,
+                    bool form_di, const mma_plan P) {
 #if NBHD_HAS_WGMMA
     static_assert(!RMASK || (row_masked_kernel(WGS, RANK, BN) && !BIAS), "row masks: one warpgroup, 2-D/3-D");
     using CTA = wg_cta<RANK, WGS, SHAPE>;
@@ -118,15 +163,16 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
         for (int64_t i = tid; i < g.rpb_entries; i += THREADS) dtabs[i] = 0.f;
     }
     float lse2[2], Di[2];
+    int rq[2][3];
+    const group_ptr<float> dp = group_ptr_of<float>(di_tensor(g, Dws), g, C.b, C.grp, C.h);
     {
         const group_ptr<const float> lp = group_ptr_of<const float>(a.lse, g, C.b, C.grp, C.h);
-        const group_ptr<const float> dp = group_ptr_of<const float>(di_tensor(g, Dws), g, C.b, C.grp, C.h);
 #pragma unroll
         for (int hrow = 0; hrow < 2; ++hrow) {
-            int iq[3];
+            int *iq = rq[hrow];
             C.row(w * 16 + (lane >> 2) + 8 * hrow, iq);
             lse2[hrow] = rvalid[hrow] ? *lp.at(iq[0], iq[1], iq[2]) * 1.4426950408889634f : 0.f;
-            Di[hrow] = rvalid[hrow] ? *dp.at(iq[0], iq[1], iq[2]) : 0.f;
+            Di[hrow] = rvalid[hrow] && !form_di ? *dp.at(iq[0], iq[1], iq[2]) : 0.f;
         }
     }
 
@@ -155,6 +201,9 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
 
     constexpr int RING = KST * VST;  /* the ring's stage index is unused: K and V have their own */
     tile_ring_start<RING, 1>(tiles, load_tile);  /* Q and dO ride with tile 0's group */
+    // form_di: D_i = dO_i.O_i - dLSE_i of this thread's rows from global memory while the first
+    // copies fly (no pass of its own: the dK/dV kernel reads what this writes)
+    if (form_di) form_rows_di<T, HD>(g, a, C.b, C.grp, C.h, rq, rvalid, lane & 3, Di, dp);
     for (int t = 0; t < tiles; ++t) {
         tile_ring_next<RING, 1, true>(t, tiles, load_tile);
         const uint32_t k_base = smem_u32(Ks + (t % KST) * BN * HD), v_base = smem_u32(Vs + (t % VST) * BN * HD);
@@ -450,8 +499,8 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
 /* dq_acc: the KV-parallel pass (two warpgroups; tiles of 128 at D = 64, 64 at D = 128): dK/dV and
  * dQ by atomics, no dq kernel */
 template <typename T, int HD, int BN, int RANK, int WGS, int SHAPE>
-static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
-                               float *dq_acc, const mma_plan &P, cudaStream_t st) {
+static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args *a, float *Dws,
+                               float *dq_acc, bool form_di, const mma_plan &P, cudaStream_t st) {
     const int64_t q_ctas = g->batch * g->heads * P.patches, kv_ctas = g->batch * g->kv_heads * P.patches;
     nbhd_status s;
     if ((s = nbhd_cuda_grid_fits(q_ctas, "wgmma backward")) != NBHD_OK) return s;
@@ -474,7 +523,7 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
                        : rmask_keys ? fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false, RM, SHAPE>
                                     : fna_wgmma_dkdv_kernel<T, HD, BN, RANK, false, WGS, false, false, SHAPE>;
     if ((s = nbhd_cuda_launch(dq_kernel, q_ctas, wg_threads(WGS),
-                              dq_smem_bytes(g, HD, BN, RANK, WGS, rmask), "wgmma backward (dq)", st, *g, *a, Dws, P)) != NBHD_OK)
+                              dq_smem_bytes(g, HD, BN, RANK, WGS, rmask), "wgmma backward (dq)", st, *g, *a, Dws, form_di, P)) != NBHD_OK)
         return s;
     return nbhd_cuda_launch(dkdv_kernel, kv_ctas, wg_threads(WGS),
                             rmask_keys ? dkdv_smem_bytes<HD, BN, RANK, false, WGS, RM>()
@@ -484,32 +533,32 @@ static nbhd_status launch_rank(const nbhd_geometry *g, const nbhd_backward_args 
 }
 
 template <typename T, int HD, int BN, int WGS>
-static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
-                                float *dq_acc, int shape, cudaStream_t st) {
+static nbhd_status launch_ranks(const nbhd_geometry *g, const nbhd_backward_args *a, float *Dws,
+                                float *dq_acc, bool form_di, int shape, cudaStream_t st) {
     return with_patch<WGS>(g, shape, [&](auto rank, auto shape_c, const mma_plan &P) {
-        return launch_rank<T, HD, BN, decltype(rank)::value, WGS, decltype(shape_c)::value>(g, a, Dws, dq_acc, P, st);
+        return launch_rank<T, HD, BN, decltype(rank)::value, WGS, decltype(shape_c)::value>(g, a, Dws, dq_acc, form_di, P, st);
     });
 }
 
 /* the kernels of the choice (kernel_choice.cu choose_backward): on 128-row patches tiles of 64
  * at D = 128, of 128 at D = 64; at D = 128 also 64-row patches on one warpgroup, tiles of 32 */
 template <typename T, int HD>
-static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, const float *Dws,
-                          float *dq_acc, const nbhd_cuda_choice &c, cudaStream_t st) {
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_backward_args *a, float *Dws,
+                          float *dq_acc, bool form_di, const nbhd_cuda_choice &c, cudaStream_t st) {
     constexpr int BN = HD == 64 ? 128 : 64;
-    if (c.mb == 2 && c.bn == BN) return launch_ranks<T, HD, BN, 2>(g, a, Dws, dq_acc, c.shape, st);
+    if (c.mb == 2 && c.bn == BN) return launch_ranks<T, HD, BN, 2>(g, a, Dws, dq_acc, form_di, c.shape, st);
     if constexpr (HD == 128)
-        if (c.mb == 1 && c.bn == 32) return launch_ranks<T, HD, 32, 1>(g, a, Dws, dq_acc, c.shape, st);
+        if (c.mb == 1 && c.bn == 32) return launch_ranks<T, HD, 32, 1>(g, a, Dws, dq_acc, form_di, c.shape, st);
     return nbhd_cuda_no_kernel("wgmma backward", &c);
 }
 
 nbhd_status nbhd_cuda_wgmma_backward(const nbhd_geometry *g, const nbhd_backward_args *a,
-                                     const float *Dws, float *dq_acc, const nbhd_cuda_choice *c,
+                                     float *Dws, float *dq_acc, bool form_di, const nbhd_cuda_choice *c,
                                      cudaStream_t st) {
     const bool bf = g->dtype == NBHD_BF16;
     switch (g->head_dim) {
-    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, Dws, dq_acc, *c, st) : launch<__half, 64>(g, a, Dws, dq_acc, *c, st);
-    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, Dws, dq_acc, *c, st) : launch<__half, 128>(g, a, Dws, dq_acc, *c, st);
+    case 64: return bf ? launch<__nv_bfloat16, 64>(g, a, Dws, dq_acc, form_di, *c, st) : launch<__half, 64>(g, a, Dws, dq_acc, form_di, *c, st);
+    case 128: return bf ? launch<__nv_bfloat16, 128>(g, a, Dws, dq_acc, form_di, *c, st) : launch<__half, 128>(g, a, Dws, dq_acc, form_di, *c, st);
     }
     return nbhd_fail(NBHD_ERR_UNSUPPORTED, "wgmma backward: head_dim %d", g->head_dim);
 }
