@@ -28,10 +28,7 @@
 // ----------------------------------------------------------------------------
 // 1. D_i = dO_i.O_i - dLSE_i
 
-/* A thread per 8 channels of a token (Dv / 8 = 4, 8 or 16 threads per token, lanes of one
- * warp), every head of the token in turn: the token's batch and coordinates cost divisions, which
- * a thread per row and 8 channels paid for every 32 bytes it read (the pass then ran at about two
- * thirds of the memory's rate, bound by its instructions: Nsight Compute, scripts/profile_gpu.sh).
+/* A thread per 8 channels of a row (Dv / 8 = 4, 8 or 16 threads per row, lanes of one warp),
  * VEC: O rows 16-byte aligned with unit element stride (dO's are: the mma path's condition), one
  * 16-byte load of each; else 8 element loads of O. (A warp per row with 2-byte loads runs at
  * about a third of the memory's bandwidth: bench/profile_kernels.py.) dq_acc (KV-parallel): the
@@ -41,44 +38,39 @@ template <typename T, bool VEC>
 __global__ void __launch_bounds__(256) di_kernel(const nbhd_geometry g, const nbhd_backward_args a,
                                                  float *Dws, float *dq_acc) {
     const int per_row = g.head_dim_v / 8;
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, bt = i / per_row; /* b * tokens + token */
-    const int d = (int)(i - bt * per_row) * 8;
-    bool valid = bt < g.batch * g.tokens;
-    int64_t b = 0, c[3] = {0, 0, 0};
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, r = i / per_row;
+    const int d = (int)(i - r * per_row) * 8;
+    bool valid = r < g.batch * g.tokens * g.heads;
+    int64_t h = 0, b = 0, c[3] = {0, 0, 0};
+    float acc = 0.f;
+    if (valid) token_coords(g, (r / g.heads) % g.tokens, c);
+    valid = valid && (!g.query_range || row_in_range(g, c));  /* a row's threads agree: the shuffles stay uniform */
     if (valid) {
-        b = bt / g.tokens;
-        token_coords(g, bt - b * g.tokens, c);
-    }
-    valid = valid && (!g.query_range || row_in_range(g, c));  /* a token's threads agree: the shuffles stay uniform */
-    const T *dop = (const T *)a.d_out.data + (valid ? offset_of(a.d_out, b, c[0], c[1], c[2], 0) + d : 0);
-    const int64_t oo = valid ? offset_of(a.out, b, c[0], c[1], c[2], 0) + d : 0;
-    const float *dlp = a.d_lse.data && valid ? (const float *)a.d_lse.data + offset_of(a.d_lse, b, c[0], c[1], c[2], 0) : nullptr;
-#pragma unroll 4
-    for (int64_t h = 0; h < g.heads; ++h) {
-        const int64_t r = bt * g.heads + h;
-        float acc = 0.f;
-        if (valid) {
-            const uint4 dv = *(const uint4 *)(dop + h * a.d_out.stride[4]);
-            const int64_t oh = oo + h * a.out.stride[4];
-            const uint4 ov = VEC ? *(const uint4 *)((const T *)a.out.data + oh) : make_uint4(0, 0, 0, 0);
-            const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
+        h = r % g.heads;
+        b = r / (g.heads * g.tokens);
+        const int64_t oo = offset_of(a.out, b, c[0], c[1], c[2], h) + d;
+        const uint4 dv = *(const uint4 *)((const T *)a.d_out.data + offset_of(a.d_out, b, c[0], c[1], c[2], h) + d);
+        const uint4 ov = VEC ? *(const uint4 *)((const T *)a.out.data + oo) : make_uint4(0, 0, 0, 0);
+        const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 o2 = VEC ? unpack2<T>(ow[e])
-                                      : make_float2(ld<T, float>(a.out, oh + 2 * e * a.out.stride[5]),
-                                                    ld<T, float>(a.out, oh + (2 * e + 1) * a.out.stride[5]));
-                const float2 d2 = unpack2<T>(dw[e]);
-                acc += o2.x * d2.x + o2.y * d2.y;
-            }
-            if (dq_acc) {  /* [B, X, Y, Z, H, D] contiguous: row r, channels d.. */
-                float4 *z = (float4 *)(dq_acc + r * g.head_dim + d);
-                z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
+        for (int e = 0; e < 4; ++e) {
+            const float2 o2 = VEC ? unpack2<T>(ow[e])
+                                  : make_float2(ld<T, float>(a.out, oo + 2 * e * a.out.stride[5]),
+                                                ld<T, float>(a.out, oo + (2 * e + 1) * a.out.stride[5]));
+            const float2 d2 = unpack2<T>(dw[e]);
+            acc += o2.x * d2.x + o2.y * d2.y;
         }
-        for (int o = per_row / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (valid && d == 0) Dws[r] = dlp ? acc - dlp[h * a.d_lse.stride[4]] : acc;
+        if (dq_acc) {  /* [B, X, Y, Z, H, D] contiguous: row r, channels d.. */
+            float4 *z = (float4 *)(dq_acc + r * g.head_dim + d);
+            z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
     if (dq_acc && i == 0) *repair_flag(g, dq_acc) = 0u;
+    for (int o = per_row / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (valid && d == 0) {
+        if (a.d_lse.data) acc -= ((const float *)a.d_lse.data)[offset_of(a.d_lse, b, c[0], c[1], c[2], h)];
+        Dws[r] = acc;
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -474,7 +466,7 @@ static nbhd_status launch_bwd(const nbhd_geometry *g, const nbhd_backward_args *
     const bool o_rows = aligned_rows(a->out, 8, 16);
     const bool form_di = hopper && !kv_parallel && o_rows && steps_fit(a->out, g) &&
                          (!a->d_lse.data || steps_fit(a->d_lse, g));
-    const int64_t chunks = g->batch * g->tokens * (HD / 8);  /* a thread per 8 channels of a token: D_i */
+    const int64_t chunks = g->batch * g->tokens * g->heads * (HD / 8);  /* a thread per 8 channels: D_i */
     if (!form_di) {
         if (o_rows)
             di_kernel<T, true><<<(unsigned)((chunks + 255) / 256), 256, 0, st>>>(*g, *a, Dws, dq_acc);
