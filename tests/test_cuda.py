@@ -412,6 +412,11 @@ def check_backward_repeatable(case, dtype, patch=0, deterministic=True):
             assert torch.equal(g0, g1), "deterministic backward differs between calls"
 
 
+def unaligned_copy(t):
+    """a copy of t one element past the start of its storage (16-byte alignment lost)"""
+    return torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+
+
 def check_backward(case, dtype, patch=0, out_unaligned=False):
     """the backward against the float64 reference (with a gradient on the LSE); out_unaligned:
     the forward's output handed over one element off its 16-byte alignment"""
@@ -428,7 +433,7 @@ def check_backward(case, dtype, patch=0, out_unaligned=False):
                                     allow_unused=True)
     out, lse = ops.na_forward(*inputs, NO_RPB, *geo)
     if out_unaligned:
-        out = torch.empty(out.numel() + 1, device="cuda", dtype=out.dtype)[1:].view(out.shape).copy_(out)
+        out = unaligned_copy(out)
     poison()
     grads = ops.na_backward(*inputs, NO_RPB, out, lse, d_out.to(dtype), d_lse.to(lse.dtype), *geo)
     torch.cuda.synchronize()
@@ -481,8 +486,7 @@ def test_backward_out_unaligned(dtype):
     out, lse = ops.na_forward(*inputs, NO_RPB, *geo)
     gen = torch.Generator(device="cuda").manual_seed(5)
     d_out = torch.randn(out.shape, generator=gen, device="cuda", dtype=dtype)
-    shifted = torch.empty(out.numel() + 1, device="cuda", dtype=dtype)[1:].view(out.shape)
-    shifted.copy_(out)
+    shifted = unaligned_copy(out)
     old = nbhd.is_kv_parallelism_in_fused_na_enabled()
     try:
         nbhd.use_kv_parallelism_in_fused_na(False)

@@ -128,13 +128,11 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
-            const uint32_t step = (kk & 3) * 32;  /* 16 columns within a 64-column block */
-            const uint64_t kd = gmma_desc(k_base + (kk >> 2) * BN * 128 + step, 16, 1024);
             if constexpr (QREG) {
-                wgmma_op<T, BN>::rs(&sc[0][0][0], qf[kk], kd, kk > 0);
+                const uint32_t kb = k_base + (kk >> 2) * BN * 128 + (kk & 3) * 32;  /* as wgmma_score_step's B */
+                wgmma_op<T, BN>::rs(&sc[0][0][0], qf[kk], gmma_desc(kb, 16, 1024), kk > 0);
             } else {
-                const uint64_t qd = gmma_desc(q_base + (kk >> 2) * BM * 128 + step, 16, 1024);
-                wgmma_op<T, BN>::ss(&sc[0][0][0], qd, kd, kk > 0);
+                wgmma_score_step<T, BN, BM, BN>(sc[0], q_base, k_base, kk, kk > 0);
             }
         }
         wgmma_commit();

@@ -78,6 +78,13 @@ __device__ __forceinline__ void form_rows_di(const nbhd_geometry &g, const nbhd_
     const group_ptr<const T> op = group_ptr_of<const T>(a.out, g, b, grp, h);
     const group_ptr<const T> gp = group_ptr_of<const T>(a.d_out, g, b, grp, h);
     uint4 ov[2][HD / 32], dv[2][HD / 32];
+    float dl[2] = {0.f, 0.f};  /* dLSE_i */
+    if (a.d_lse.data) {
+        const group_ptr<const float> lp = group_ptr_of<const float>(a.d_lse, g, b, grp, h);
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow)
+            if (rvalid[hrow]) dl[hrow] = *lp.at(rq[hrow][0], rq[hrow][1], rq[hrow][2]);
+    }
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         const T *o = op.at(rq[hrow][0], rq[hrow][1], rq[hrow][2]), *d = gp.at(rq[hrow][0], rq[hrow][1], rq[hrow][2]);
@@ -103,11 +110,9 @@ __device__ __forceinline__ void form_rows_di(const nbhd_geometry &g, const nbhd_
         }
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-        const int *iq = rq[hrow];
-        if (rvalid[hrow] && a.d_lse.data)
-            acc -= *group_ptr_of<const float>(a.d_lse, g, b, grp, h).at(iq[0], iq[1], iq[2]);
+        acc -= dl[hrow];
         Di[hrow] = rvalid[hrow] ? acc : 0.f;
-        if (rvalid[hrow] && cq == 0) *dp.at(iq[0], iq[1], iq[2]) = acc;
+        if (rvalid[hrow] && cq == 0) *dp.at(rq[hrow][0], rq[hrow][1], rq[hrow][2]) = acc;
     }
 }
 
