@@ -25,15 +25,38 @@ def _sync(device: Optional[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
+_SPIN_RATE: dict = {}  # cycles per second of torch.cuda._sleep, per device
+
+
+def _spin(device: torch.device, seconds: float) -> None:
+    """Queues about `seconds` of a busy GPU (torch.cuda._sleep) on the current stream; its rate
+    in cycles per second is measured once per device."""
+    rate = _SPIN_RATE.get(device)
+    if rate is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 1 << 22
+        torch.cuda._sleep(cycles)  # the first call loads the kernel
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize(device)
+        rate = _SPIN_RATE[device] = cycles / (start.elapsed_time(end) / 1e3)
+    torch.cuda._sleep(int(rate * seconds))
+
+
 def sample(fn: Callable[[], object], rounds: int, calls: int = 1, warmup: int = 0,
            device: Optional[torch.device] = None, events: bool = False,
            before: Optional[Callable[[], object]] = None,
-           stop: Optional[Callable[[List[float], float], bool]] = None) -> List[float]:
+           stop: Optional[Callable[[List[float], float], bool]] = None,
+           lead_s: float = 0.0) -> List[float]:
     """Seconds per call of fn() in each of `rounds` loops of `calls` calls.
 
     warmup: calls before the first loop. device: a CUDA device is synchronised after the warm-up
     and after every loop. events: time each loop by CUDA events on the current stream (the
-    GPU's time between the loop's first and last launch) instead of the host clock.
+    GPU's time between the loop's first and last launch) instead of the host clock; with
+    lead_s the GPU first spins that long, so that the start event fires after the host has
+    queued the loop's first calls (the host's time to its first launch, hundreds of
+    microseconds for a backward through autograd, stays outside a loop of a few calls).
     before: called before each loop, untimed (a barrier). stop(times, elapsed): after each
     loop, True ends the sampling early (elapsed: seconds since the first loop began)."""
     device = torch.device(device) if isinstance(device, str) else device
@@ -49,6 +72,8 @@ def sample(fn: Callable[[], object], rounds: int, calls: int = 1, warmup: int = 
             before()
             _sync(device)
         if events:
+            if lead_s > 0:
+                _spin(device, lead_s)
             start.record()
             for _ in range(calls):
                 fn()

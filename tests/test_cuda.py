@@ -886,3 +886,21 @@ def test_cuda_graph():
     eager = step()
     for a, b in zip(static, eager):
         assert rel_err(a, b) < 1e-6
+
+
+def test_timing_lead_hides_host_latency():
+    """nbhd/_timing.sample's lead_s: the host's time before a loop's first launch (here a 30 ms
+    host pause) falls inside the GPU's lead and outside the events' interval; without a lead
+    it is timed."""
+    import time
+    from nbhd._timing import sample
+    x = torch.ones(1 << 10, device="cuda")
+
+    def call():
+        time.sleep(0.03)
+        x.add_(1)
+    cuda = torch.device("cuda")
+    (plain,) = sample(call, rounds=1, calls=1, warmup=1, device=cuda, events=True)
+    (led,) = sample(call, rounds=1, calls=1, warmup=1, device=cuda, events=True, lead_s=0.1)
+    assert plain > 0.025, plain
+    assert led < 0.005, led
