@@ -42,7 +42,7 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     Masks rm(kc + KST * RANK * BN);                /* with row masks: their table and words */
     float *tabs = (float *)((char *)(kc + KST * RANK * BN) + Masks::BYTES); /* with a bias: the head's table * log2e */
 
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = warpgroup_of<WGS>(w);
     CTA C;  /* (b, head, patch) and the patch's key walk */
     if (!C.place_queries(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
@@ -92,7 +92,7 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     auto issue_pv = [&]() {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint64_t vd = gmma_desc(pv_stage + kk * 16 * 128, BN * 128, 1024);
+            const uint64_t vd = gmma_desc(pv_stage, kk * 16 * 128, BN * 128, 1024);
             wgmma_op<T, HD>::rs_bt(&o[0][0][0], pf[kk], vd, 1);
         }
         wgmma_commit();
@@ -129,8 +129,8 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             if constexpr (QREG) {
-                const uint32_t kb = k_base + (kk >> 2) * BN * 128 + (kk & 3) * 32;  /* as wgmma_score_step's B */
-                wgmma_op<T, BN>::rs(&sc[0][0][0], qf[kk], gmma_desc(kb, 16, 1024), kk > 0);
+                const uint32_t kb = (kk >> 2) * BN * 128 + (kk & 3) * 32;  /* as wgmma_score_step's B */
+                wgmma_op<T, BN>::rs(&sc[0][0][0], qf[kk], gmma_desc(k_base, kb, 16, 1024), kk > 0);
             } else {
                 wgmma_score_step<T, BN, BM, BN>(sc[0], q_base, k_base, kk, kk > 0);
             }

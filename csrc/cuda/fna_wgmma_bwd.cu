@@ -139,7 +139,7 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     float *tabs = (float *)((char *)(kc + VST * RANK * BN) + Masks::BYTES); /* with a bias: the head's table * log2e */
     float *dtabs = tabs + (BIAS ? g.rpb_entries : 0);     /* and the CTA's sum of its gradient */
 
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = warpgroup_of<WGS>(w);
     CTA C;
     if (!C.place_queries(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
@@ -196,7 +196,7 @@ fna_wgmma_dq_kernel(const __grid_constant__ nbhd_geometry g, const __grid_consta
     auto issue_dq = [&]() {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_op<T, HD>::rs_bt(&dq[0][0], df[kk], gmma_desc(dq_k + kk * 16 * 128, BN * 128, 1024), 1);
+            wgmma_op<T, HD>::rs_bt(&dq[0][0], df[kk], gmma_desc(dq_k, kk * 16 * 128, BN * 128, 1024), 1);
         wgmma_commit();
     };
     auto dq_done = [&]() {
@@ -316,7 +316,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
     using Masks = wg_row_masks<RANK, BN, ST, RMASK, true>;
     Masks rm(qd + ST * BN);                     /* with row masks: their table and words */
 
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = warpgroup_of<WGS>(w);
     CTA C;  /* rows: the patch's keys; C.h the key head */
     if (!C.place_keys(g, P)) return;
     const int hk = C.h;
@@ -444,7 +444,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_op<T, HD>::rs_bt(&dv[0][0], pf[kk], gmma_desc(do_st + kk * 16 * 128, BN * 128, 1024), 1);
+            wgmma_op<T, HD>::rs_bt(&dv[0][0], pf[kk], gmma_desc(do_st, kk * 16 * 128, BN * 128, 1024), 1);
         wgmma_commit();
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
@@ -466,15 +466,15 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_op<T, HD>::rs_bt(&dk[0][0], df[kk], gmma_desc(q_st + kk * 16 * 128, BN * 128, 1024), 1);
+            wgmma_op<T, HD>::rs_bt(&dk[0][0], df[kk], gmma_desc(q_st, kk * 16 * 128, BN * 128, 1024), 1);
         wgmma_commit();
         if constexpr (KVP) {  /* both warpgroups' dS^T staged: dQ = dS K, then added to the accumulator */
             __syncthreads();
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
-                wgmma_op<T, 64>::ss_tt(&dq[0][0], gmma_desc(ds_base + kk * 16 * 128, BM * 128, 1024),
-                                       gmma_desc(k_cols + kk * 16 * 128, BM * 128, 1024), kk > 0);
+                wgmma_op<T, 64>::ss_tt(&dq[0][0], gmma_desc(ds_base, kk * 16 * 128, BM * 128, 1024),
+                                       gmma_desc(k_cols, kk * 16 * 128, BM * 128, 1024), kk > 0);
             wgmma_commit();
         }
         wgmma_wait<0>();

@@ -54,7 +54,7 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
     using Masks = wgj_row_masks<RANK, BN, RMASK>;
     Masks rm(kc);                           /* with row masks (in kc's place): their table and words */
 
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = warpgroup_of<WGS>(w);
     CTA C;
     if (!C.place_queries(g, P, BN)) return;
     const int win_tiles = C.win_tiles, tiles = C.tiles;
@@ -122,8 +122,8 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
     auto issue_pv = [&]() {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint64_t vd = gmma_desc(pv_v + kk * 16 * 128, BN * 128, 1024);
-            const uint64_t tvd = gmma_desc(pv_tv + kk * 16 * 128, BN * 128, 1024);
+            const uint64_t vd = gmma_desc(pv_v, kk * 16 * 128, BN * 128, 1024);
+            const uint64_t tvd = gmma_desc(pv_tv, kk * 16 * 128, BN * 128, 1024);
             wgmma_op<T, HD>::rs_bt(&o[0][0], pf[kk], vd, 1);     // O += P V
             wgmma_op<T, HD>::rs_bt(&ct[0][0], ptf[kk], vd, 1);   // C += (P . tS) V
             wgmma_op<T, HD>::rs_bt(&ct[0][0], pf[kk], tvd, 1);   //    + P tV
@@ -151,8 +151,8 @@ fna_wgmma_jvp_kernel(const __grid_constant__ nbhd_geometry g, const __grid_const
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             const uint32_t at = (kk >> 2) * BM * 128 + (kk & 3) * 32, bt = (kk >> 2) * BN * 128 + (kk & 3) * 32;
-            const uint64_t qd = gmma_desc(q_base + at, 16, 1024), tqd = gmma_desc(tq_base + at, 16, 1024);
-            const uint64_t kd = gmma_desc(k_base + bt, 16, 1024), tkd = gmma_desc(tk_base + bt, 16, 1024);
+            const uint64_t qd = gmma_desc(q_base, at, 16, 1024), tqd = gmma_desc(tq_base, at, 16, 1024);
+            const uint64_t kd = gmma_desc(k_base, bt, 16, 1024), tkd = gmma_desc(tk_base, bt, 16, 1024);
             wgmma_op<T, BN>::ss(&sc[0][0], qd, kd, kk > 0);
             wgmma_op<T, BN>::ss(&ts[0][0], tqd, kd, kk > 0);
             wgmma_op<T, BN>::ss(&ts[0][0], qd, tkd, 1);

@@ -80,7 +80,7 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
     float4 *qt = (float4 *)(base + L.rt);
     int *qc = (int *)(base + L.qc);
 
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = warpgroup_of<2>(w);
     CTA C;  /* rows: the patch's keys; C.h the key head */
     if (!C.place_keys(g, P)) return;
     const int hk = C.h;
@@ -253,18 +253,18 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
             if (has_do)
 #pragma unroll
                 for (int kk = 0; kk < KS; ++kk)
-                    wgmma_op<T, HD>::rs_bt(&dv[0][0], pf[kk], gmma_desc(do_st + ro + kk * 16 * 128, BN * 128, 1024), 1);
+                    wgmma_op<T, HD>::rs_bt(&dv[0][0], pf[kk], gmma_desc(do_st, ro + kk * 16 * 128, BN * 128, 1024), 1);
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk)
-                wgmma_op<T, HD>::rs_bt(&dv[0][0], pnf[kk], gmma_desc(g_st + ro + kk * 16 * 128, BN * 128, 1024), 1);
+                wgmma_op<T, HD>::rs_bt(&dv[0][0], pnf[kk], gmma_desc(g_st, ro + kk * 16 * 128, BN * 128, 1024), 1);
             // dK += dS^T Q + dtS^T tQ
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk)
-                wgmma_op<T, HD>::rs_bt(&dk[0][0], dsf[kk], gmma_desc(q_st + ro + kk * 16 * 128, BN * 128, 1024), 1);
+                wgmma_op<T, HD>::rs_bt(&dk[0][0], dsf[kk], gmma_desc(q_st, ro + kk * 16 * 128, BN * 128, 1024), 1);
             if (has_tq)
 #pragma unroll
                 for (int kk = 0; kk < KS; ++kk)
-                    wgmma_op<T, HD>::rs_bt(&dk[0][0], dtsf[kk], gmma_desc(tq_st + ro + kk * 16 * 128, BN * 128, 1024), 1);
+                    wgmma_op<T, HD>::rs_bt(&dk[0][0], dtsf[kk], gmma_desc(tq_st, ro + kk * 16 * 128, BN * 128, 1024), 1);
             wgmma_commit();
 
             // dS^T and dtS^T of this warp's 16 keys and the slice's queries, staged for dQ
@@ -293,12 +293,12 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
         auto dq_product = [&](uint32_t ds, uint32_t kb, int accumulate) {  /* dq (+)= (ds^T)^T (kb's K) */
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {
-                const uint64_t ad = gmma_desc(ds + kk * 16 * 128, BM * 128, 1024);
+                const uint64_t ad = gmma_desc(ds, kk * 16 * 128, BM * 128, 1024);
                 if constexpr (HD == 64)
-                    wgmma_op<T, 32>::ss_ta(&dq[0][0], ad, gmma_desc(kb + (kk >> 2) * HD * 128 + (kk & 3) * 32, 16, 1024),
+                    wgmma_op<T, 32>::ss_ta(&dq[0][0], ad, gmma_desc(kb, (kk >> 2) * HD * 128 + (kk & 3) * 32, 16, 1024),
                                            kk > 0 || accumulate);
                 else
-                    wgmma_op<T, 64>::ss_tt(&dq[0][0], ad, gmma_desc(kb + kk * 16 * 128, BM * 128, 1024),
+                    wgmma_op<T, 64>::ss_tt(&dq[0][0], ad, gmma_desc(kb, kk * 16 * 128, BM * 128, 1024),
                                            kk > 0 || accumulate);
             }
         };

@@ -36,6 +36,11 @@
  * two stages; V of tile t is read until tile t+1's softmax is done (its P V runs then): three. */
 __host__ __device__ constexpr int wg_rows(int wgs) { return 64 * wgs; }
 __host__ __device__ constexpr int wg_threads(int wgs) { return 128 * wgs; }
+/* warp w's warpgroup: a constant on one warpgroup, so that the shared addresses built from it
+ * stay warp-uniform and the wgmma descriptors live in uniform registers (from the thread index
+ * ptxas forms them per thread and moves each to a uniform register before its wgmma) */
+template <int WGS>
+__device__ __forceinline__ int warpgroup_of(int w) { return WGS == 1 ? 0 : w >> 2; }
 #define WGMMA_K_STAGES 2
 #define WGMMA_V_STAGES 3
 
@@ -78,10 +83,15 @@ __device__ __forceinline__ int gmma_off(int row, int ch) {
     return (ch >> 3) * ROWS * 64 + row * 64 + (((ch & 7) ^ (row & 7)) << 3);
 }
 
-/* a shared-memory matrix descriptor, 128-byte swizzle */
-__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lead_bytes >> 4) << 16) |
-           ((uint64_t)(stride_bytes >> 4) << 32) | ((uint64_t)1 << 62);
+/* the shared-memory matrix descriptor of address base + offset (both 16-byte aligned), 128-byte
+ * swizzle. The offset is added to the base's encoded address (bits 0-13, address / 16: a shared
+ * address stays below 256 KiB, so no carry leaves the field), so that the k-steps of one tile,
+ * constant offsets from one base, share its encoding and cost one add each. */
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t base, uint32_t offset, uint32_t lead_bytes,
+                                              uint32_t stride_bytes) {
+    const uint32_t lo = ((((base & 0x3FFFF) >> 4) | ((lead_bytes >> 4) << 16))) + (offset >> 4);
+    const uint32_t hi = (stride_bytes >> 4) | (1u << 30);
+    return ((uint64_t)hi << 32) | lo;
 }
 
 
@@ -475,7 +485,7 @@ template <> struct wgmma_op<__half, 128> {
 template <typename T, int N, int ROWS_A, int ROWS_B>
 __device__ __forceinline__ void wgmma_score_step(float (&d)[N / 8][4], uint32_t a, uint32_t b, int kk, int accumulate) {
     const uint32_t sa = (kk >> 2) * ROWS_A * 128 + (kk & 3) * 32, sb = (kk >> 2) * ROWS_B * 128 + (kk & 3) * 32;
-    wgmma_op<T, N>::ss(&d[0][0], gmma_desc(a + sa, 16, 1024), gmma_desc(b + sb, 16, 1024), accumulate);
+    wgmma_op<T, N>::ss(&d[0][0], gmma_desc(a, sa, 16, 1024), gmma_desc(b, sb, 16, 1024), accumulate);
 }
 
 /* The backward's score pair, d1 = A1 B1^T and d2 = A2 B2^T (per warpgroup 64 x BN, k = HD), as
