@@ -338,19 +338,20 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
                                      : group_ptr<float>{};
     auto load_tile = [&](int t, int s) {
         constexpr int CH = HD / 8, TPR = THREADS / BN, CPT = CH / TPR;
-        const int hh = t / tiles_per_head;
+        const int hh = g.group == 1 ? 0 : t / tiles_per_head;  /* no division without GQA */
         const int cr = tid / TPR, n = (t - hh * tiles_per_head) * BN + cr;
         const bool ok = n < qb.total;
         int j[3] = {0, 0, 0};
         if (ok) key_box_at<RANK>(qb, n, j);
-        const T *qs = qp.at(j[0], j[1], j[2]) + (int64_t)hh * a.q.stride[4];
-        const T *ds = dop.at(j[0], j[1], j[2]) + (int64_t)hh * a.d_out.stride[4];
+        // the thread's first chunk; the others at constant offsets (immediates of the copies)
+        const T *qs = qp.at(j[0], j[1], j[2]) + (int64_t)hh * a.q.stride[4] + (tid % TPR) * 8;
+        const T *ds = dop.at(j[0], j[1], j[2]) + (int64_t)hh * a.d_out.stride[4] + (tid % TPR) * 8;
         T *Qd = Qs + s * BN * HD, *dOd = dOs + s * BN * HD;
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
             const int ch = cc * TPR + tid % TPR, off = gmma_off<BN>(cr, ch);
-            cp_async16(smem_u32(Qd + off), qs + ch * 8, ok);
-            cp_async16(smem_u32(dOd + off), ds + ch * 8, ok);
+            cp_async16(smem_u32(Qd + off), qs + cc * TPR * 8, ok);
+            cp_async16(smem_u32(dOd + off), ds + cc * TPR * 8, ok);
         }
         if (tid % TPR == 0) {
             put_coords<RANK, BN>(qc + s * RANK * BN, cr, ok, j);
