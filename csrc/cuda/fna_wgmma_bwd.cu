@@ -323,7 +323,7 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
 
     const key_box qb = C.inverse_box(g);  /* columns: the union of the rows' inverse neighbourhoods */
     const int tiles_per_head = (qb.total + BN - 1) / BN;
-    const int tiles = tiles_per_head * g.group;
+    const int tiles = warp_uniform(tiles_per_head * g.group);  /* the loop's index in uniform registers */
 
     C.template load_rows<T, HD>(g, P, a.k, a.v, hk, Ks, Vs, tid);  /* K and V rows, zero outside the grid */
     if constexpr (RMASK) rm.build(C, g, qb, tid);

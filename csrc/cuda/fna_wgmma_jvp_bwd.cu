@@ -80,7 +80,9 @@ fna_wgmma_jvpb_keys_kernel(const __grid_constant__ nbhd_geometry g,
     float4 *qt = (float4 *)(base + L.rt);
     int *qc = (int *)(base + L.qc);
 
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = warpgroup_of<2>(w);
+    // not warpgroup_of: with the warpgroup warp-uniform ptxas spills twice as much here (190
+    // local loads per tile against 100 in the bf16 D = 128 2-D kernel's SASS)
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = w >> 2;
     CTA C;  /* rows: the patch's keys; C.h the key head */
     if (!C.place_keys(g, P)) return;
     const int hk = C.h;

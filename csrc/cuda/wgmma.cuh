@@ -36,11 +36,14 @@
  * two stages; V of tile t is read until tile t+1's softmax is done (its P V runs then): three. */
 __host__ __device__ constexpr int wg_rows(int wgs) { return 64 * wgs; }
 __host__ __device__ constexpr int wg_threads(int wgs) { return 128 * wgs; }
-/* warp w's warpgroup: a constant on one warpgroup, so that the shared addresses built from it
- * stay warp-uniform and the wgmma descriptors live in uniform registers (from the thread index
- * ptxas forms them per thread and moves each to a uniform register before its wgmma) */
+/* x, which every lane of the warp holds alike, as ptxas can tell (lane 0's): what it derives
+ * from it stays in uniform registers. The wgmma descriptors need them there; built from a
+ * value ptxas must assume per thread (the thread index, or a loop index whose trip count it
+ * cannot prove uniform) each is formed per thread and moved before its wgmma. */
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+/* warp w's warpgroup (a constant on one) */
 template <int WGS>
-__device__ __forceinline__ int warpgroup_of(int w) { return WGS == 1 ? 0 : w >> 2; }
+__device__ __forceinline__ int warpgroup_of(int w) { return WGS == 1 ? 0 : warp_uniform(w >> 2); }
 #define WGMMA_K_STAGES 2
 #define WGMMA_V_STAGES 3
 
