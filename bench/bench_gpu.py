@@ -67,10 +67,10 @@ NA = {1: nbhd.na1d, 2: nbhd.na2d, 3: nbhd.na3d}
 NA_JVP = {1: nbhd.na1d_jvp, 2: nbhd.na2d_jvp, 3: nbhd.na3d_jvp}
 
 
-def time_ms(fn, warmup=2, reps=7, slow_s=1.0, loop_ms=5.0, max_loop=20):
+def time_ms(fn, warmup=2, reps=7, slow_s=1.0, loop_ms=5.0, max_loop=20, lead_s=1e-3):
     """Median ms per call over reps (CUDA events), or one timed call when a call takes > slow_s.
     Each rep times a loop of back-to-back calls (up to max_loop, about loop_ms in all) that
-    starts behind a millisecond of a busy GPU, so the host's time per call overlaps the GPU's,
+    starts behind lead_s of a busy GPU, so the host's time per call overlaps the GPU's,
     the first call's included: the figure is the kernels' rate, for nbhd and the anchors alike.
     Returns (ms, timed_once)."""
     cuda = torch.device("cuda")
@@ -79,7 +79,7 @@ def time_ms(fn, warmup=2, reps=7, slow_s=1.0, loop_ms=5.0, max_loop=20):
     if first > slow_s * 1000:
         return first, True
     loop = max(1, min(max_loop, int(loop_ms / max(first, 1e-3))))
-    times = sample(fn, rounds=reps, calls=loop, warmup=warmup, device=cuda, events=True, lead_s=1e-3)
+    times = sample(fn, rounds=reps, calls=loop, warmup=warmup, device=cuda, events=True, lead_s=lead_s)
     return statistics.median(times) * 1e3, False
 
 

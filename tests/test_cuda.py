@@ -7,6 +7,7 @@ NBHD_CUDA_TEST_QUICK=1 runs a subset.
 """
 import math
 import os
+import time
 import zlib
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 import nbhd
 from nbhd import _lib, configs, ops
+from nbhd._timing import sample
 from nbhd.reference import na_reference
 from utils import cuda_kernels, template_args
 
@@ -892,8 +894,6 @@ def test_timing_lead_hides_host_latency():
     """nbhd/_timing.sample's lead_s: the host's time before a loop's first launch (here a 30 ms
     host pause) falls inside the GPU's lead and outside the events' interval; without a lead
     it is timed."""
-    import time
-    from nbhd._timing import sample
     x = torch.ones(1 << 10, device="cuda")
 
     def call():

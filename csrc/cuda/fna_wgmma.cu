@@ -129,8 +129,8 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             if constexpr (QREG) {
-                const uint32_t kb = (kk >> 2) * BN * 128 + (kk & 3) * 32;  /* as wgmma_score_step's B */
-                wgmma_op<T, BN>::rs(&sc[0][0][0], qf[kk], gmma_desc(k_base, kb, 16, 1024), kk > 0);
+                const uint32_t sb = (kk >> 2) * BN * 128 + (kk & 3) * 32;  /* as wgmma_score_step's B */
+                wgmma_op<T, BN>::rs(&sc[0][0][0], qf[kk], gmma_desc(k_base, sb, 16, 1024), kk > 0);
             } else {
                 wgmma_score_step<T, BN, BM, BN>(sc[0], q_base, k_base, kk, kk > 0);
             }

@@ -92,7 +92,7 @@ __device__ __forceinline__ int gmma_off(int row, int ch) {
  * constant offsets from one base, share its encoding and cost one add each. */
 __device__ __forceinline__ uint64_t gmma_desc(uint32_t base, uint32_t offset, uint32_t lead_bytes,
                                               uint32_t stride_bytes) {
-    const uint32_t lo = ((((base & 0x3FFFF) >> 4) | ((lead_bytes >> 4) << 16))) + (offset >> 4);
+    const uint32_t lo = (((base & 0x3FFFF) >> 4) | ((lead_bytes >> 4) << 16)) + (offset >> 4);
     const uint32_t hi = (stride_bytes >> 4) | (1u << 30);
     return ((uint64_t)hi << 32) | lo;
 }
