@@ -17,6 +17,8 @@ from typing import Callable, List, Optional
 
 import torch
 
+from nbhd._torch_internals import gpu_sleep
+
 __all__ = ["sample", "per_call_us"]
 
 
@@ -29,19 +31,21 @@ _SPIN_RATE: dict = {}  # cycles per second of torch.cuda._sleep, per device
 
 
 def _spin(device: torch.device, seconds: float) -> None:
-    """Queues about `seconds` of a busy GPU (torch.cuda._sleep) on the current stream; its rate
-    in cycles per second is measured once per device."""
+    """Queues about `seconds` of a busy GPU (_torch_internals.gpu_sleep) on the current stream,
+    its rate in cycles per second measured once per device; nothing without it."""
+    if gpu_sleep is None:
+        return
     rate = _SPIN_RATE.get(device)
     if rate is None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         cycles = 1 << 22
-        torch.cuda._sleep(cycles)  # the first call loads the kernel
+        gpu_sleep(cycles)  # the first call loads the kernel
         start.record()
-        torch.cuda._sleep(cycles)
+        gpu_sleep(cycles)
         end.record()
         torch.cuda.synchronize(device)
         rate = _SPIN_RATE[device] = cycles / (start.elapsed_time(end) / 1e3)
-    torch.cuda._sleep(int(rate * seconds))
+    gpu_sleep(int(rate * seconds))
 
 
 def sample(fn: Callable[[], object], rounds: int, calls: int = 1, warmup: int = 0,

@@ -26,6 +26,11 @@ Fast paths (fallback: the public path):
                      functions end in (`unpack_dual`, `make_dual`), without their Python checks
                      and export-mode lookups (a few microseconds a tensor)
 
+Timing aid (fallback: none):
+  gpu_sleep          nbhd/_timing.py's lead_s queues a busy GPU (torch.cuda._sleep, a spin of
+                     a number of cycles) before a timed loop; without it the lead is skipped and
+                     a loop's time includes the host's time to its first launch
+
 Needed (import fails without them):
   forward_ad_active  functional.py refuses forward-mode AD traced by torch.compile, which would
                      drop nbhd's jvp rule and return a wrong tangent
@@ -45,7 +50,7 @@ from torch import Tensor
 __all__ = ["MISSING", "plain_tensor", "dispatch_watched", "FastApplyFunction", "raw_apply",
            "unwatched", "lone_jvp_level", "unwrap_level", "wrap_level", "below_level",
            "unpack_dual", "make_dual", "forward_ad_active", "forward_grad_disabled", "is_batched",
-           "disable_functorch", "detect_fake_mode"]
+           "disable_functorch", "detect_fake_mode", "gpu_sleep"]
 
 MISSING: List[str] = []   # private symbols this PyTorch lacks; their fast paths are off
 
@@ -263,6 +268,13 @@ def disable_functorch():
 def detect_fake_mode():
     """The active fake mode (tracing), or None."""
     return _detect_fake_mode()
+
+
+
+# ----------------------------------------------------------------------------
+# timing aid
+
+gpu_sleep = _find("torch.cuda", "_sleep")  # gpu_sleep(cycles): the current stream spins
 
 
 del _module, _name
