@@ -25,10 +25,9 @@ import torch
 
 import nbhd
 from nbhd import _lib, ops
-from timing import sample
+from timing import LEAD_S, sample
 
 NO_RPB = torch.empty(0)  # the ops' absent bias table
-LEAD_S = 1e-3  # each loop starts behind this much of a busy GPU: the host's first launch hidden
 
 PROBLEMS = [
     ("2d-64x64-w7-B8", 8, (64, 64), (7, 7), (1, 1)),

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import nbhd
-from timing import sample
+from timing import LEAD_S, sample
 
 # name, batch, extents, kernel, stride
 MAIN_PROBLEMS = [
@@ -67,7 +67,7 @@ NA = {1: nbhd.na1d, 2: nbhd.na2d, 3: nbhd.na3d}
 NA_JVP = {1: nbhd.na1d_jvp, 2: nbhd.na2d_jvp, 3: nbhd.na3d_jvp}
 
 
-def time_ms(fn, warmup=2, reps=7, slow_s=1.0, loop_ms=5.0, max_loop=20, lead_s=1e-3):
+def time_ms(fn, warmup=2, reps=7, slow_s=1.0, loop_ms=5.0, max_loop=20, lead_s=LEAD_S):
     """Median ms per call over reps (CUDA events), or one timed call when a call takes > slow_s.
     Each rep times a loop of back-to-back calls (up to max_loop, about loop_ms in all) that
     starts behind lead_s of a busy GPU, so the host's time per call overlaps the GPU's,

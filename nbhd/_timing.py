@@ -19,7 +19,7 @@ import torch
 
 from nbhd._torch_internals import gpu_sleep
 
-__all__ = ["sample", "per_call_us"]
+__all__ = ["sample", "per_call_us", "LEAD_S"]
 
 
 def _sync(device: Optional[torch.device]) -> None:
@@ -28,6 +28,9 @@ def _sync(device: Optional[torch.device]) -> None:
 
 
 _SPIN_RATE: dict = {}  # cycles per second of torch.cuda._sleep, per device
+# the GPU benchmarks' lead (sample's lead_s): longer than the host's time to a call's first
+# launch, a backward through autograd included
+LEAD_S = 1e-3
 
 
 def _spin(device: torch.device, seconds: float) -> None:
@@ -37,14 +40,9 @@ def _spin(device: torch.device, seconds: float) -> None:
         return
     rate = _SPIN_RATE.get(device)
     if rate is None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         cycles = 1 << 22
-        gpu_sleep(cycles)  # the first call loads the kernel
-        start.record()
-        gpu_sleep(cycles)
-        end.record()
-        torch.cuda.synchronize(device)
-        rate = _SPIN_RATE[device] = cycles / (start.elapsed_time(end) / 1e3)
+        (took,) = sample(lambda: gpu_sleep(cycles), rounds=1, warmup=1, device=device, events=True)
+        rate = _SPIN_RATE[device] = cycles / took
     gpu_sleep(int(rate * seconds))
 
 

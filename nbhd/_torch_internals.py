@@ -270,7 +270,6 @@ def detect_fake_mode():
     return _detect_fake_mode()
 
 
-
 # ----------------------------------------------------------------------------
 # timing aid
 

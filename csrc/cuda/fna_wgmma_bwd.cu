@@ -344,12 +344,13 @@ fna_wgmma_dkdv_kernel(const __grid_constant__ nbhd_geometry g, const __grid_cons
         int j[3] = {0, 0, 0};
         if (ok) key_box_at<RANK>(qb, n, j);
         // the thread's first chunk; the others at constant offsets (immediates of the copies)
-        const T *qs = qp.at(j[0], j[1], j[2]) + (int64_t)hh * a.q.stride[4] + (tid % TPR) * 8;
-        const T *ds = dop.at(j[0], j[1], j[2]) + (int64_t)hh * a.d_out.stride[4] + (tid % TPR) * 8;
+        const int c0 = tid % TPR;
+        const T *qs = qp.at(j[0], j[1], j[2]) + (int64_t)hh * a.q.stride[4] + c0 * 8;
+        const T *ds = dop.at(j[0], j[1], j[2]) + (int64_t)hh * a.d_out.stride[4] + c0 * 8;
         T *Qd = Qs + s * BN * HD, *dOd = dOs + s * BN * HD;
 #pragma unroll
         for (int cc = 0; cc < CPT; ++cc) {
-            const int ch = cc * TPR + tid % TPR, off = gmma_off<BN>(cr, ch);
+            const int ch = cc * TPR + c0, off = gmma_off<BN>(cr, ch);
             cp_async16(smem_u32(Qd + off), qs + cc * TPR * 8, ok);
             cp_async16(smem_u32(dOd + off), ds + cc * TPR * 8, ok);
         }
