@@ -16,7 +16,7 @@ import torch
 import nbhd
 from nbhd import _lib, configs, ops
 from nbhd._timing import sample
-from nbhd.reference import na_reference
+from nbhd.reference import na_reference, neighborhood_index
 from utils import cuda_kernels, template_args
 
 NO_RPB = torch.empty(0)  # the ops' absent bias table
@@ -168,7 +168,10 @@ def test_forward(case, dtype, use_reference):
 
 def check_forward(case, dtype, seed, patch=0):
     inputs, geo = build(case, dtype, seed)
-    geo = with_patch(inputs, geo, _lib.OP_FORWARD, patch)
+    check_forward_inputs(case, inputs, with_patch(inputs, geo, _lib.OP_FORWARD, patch), dtype)
+
+
+def check_forward_inputs(case, inputs, geo, dtype):
     ref_out, ref_lse = reference(inputs, geo, case[0])
     poison()
     out, lse = ops.na_forward(*inputs, NO_RPB, *geo)
@@ -331,6 +334,71 @@ def test_forward_default_large_window(case, warpgroups):
     assert len(fwd) == 1, ran
     args = template_args(fwd[0])  # T, HD, BN, RANK, MINB, WGS, BIAS, RMASK, SHAPE
     assert args[5] == warpgroups and (args[7] == "true") == (warpgroups == "1"), fwd
+
+
+# 1-D at D = 128 on 128-query patches (the default from windows of 512 keys, or requested) with
+# no dilation, extra keys or bias: on Hopper the TMA-pipelined forward (csrc/cuda/fna_wgmma_tma.cu).
+# A partial last patch and key tiles past the grid's end, causal windows with a stride and GQA,
+# heads-major storage, a small window.
+TMA_FORWARD_CASES = [
+    (1, (1000,), (520,), (1,), (1,), (False,), 2, 2, 2, 128, 128, 0, "contig"),
+    (1, (777,), (600,), (7,), (1,), (True,), 1, 4, 2, 128, 128, 0, "contig"),
+    (1, (1300,), (1024,), (1,), (1,), (False,), 1, 2, 1, 128, 128, 0, "heads_major"),
+    (1, (300,), (45,), (3,), (1,), (False,), 2, 2, 2, 128, 128, 0, "contig"),
+]
+
+
+def tma_forward_ran(ran) -> bool:
+    return any("fna_wgmma_tma_forward_kernel" in n for n in ran)
+
+
+@pytest.mark.parametrize("patch", [0, 128], ids=["default", "patch128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", TMA_FORWARD_CASES, ids=ids)
+def test_forward_tma(case, dtype, patch):
+    """The 1-D forward on 128-query patches against the reference; on Hopper the TMA kernel
+    ran, by default from windows of 512 keys."""
+    ran = cuda_kernels(lambda: check_forward(case, dtype, 51 + zlib.crc32(ids(case).encode()) % 1000, patch=patch))
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert tma_forward_ran(ran) == (patch == 128 or case[2][0] >= 512), ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="the TMA forward is Hopper's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forward_tma_nonfinite_past_the_union(dtype):
+    """A NaN and an inf in V at tokens that the last key tile of some patches loads although no
+    row of theirs sees them (past their union of windows): only the queries whose windows hold
+    those tokens come out non-finite, the rest as the reference computes them."""
+    case = TMA_FORWARD_CASES[0]
+    inputs, geo = build(case, dtype, 61)
+    q, k, v, kx, vx = inputs
+    clean = v.clone()
+    bad_tokens = (600, 700)
+    v[0, bad_tokens[0]] = float("nan")
+    v[1, bad_tokens[1]] = float("inf")
+    poison()
+    ran = cuda_kernels(lambda: ops.na_forward(q, k, v, kx, vx, NO_RPB, *geo))
+    assert tma_forward_ran(ran), ran
+    out, lse = ops.na_forward(q, k, v, kx, vx, NO_RPB, *geo)
+    ref_out, _ = reference((q, k, clean, kx, vx), geo, case[0])
+    ks, st, dil, causal = geo[:4]
+    idx, valid = neighborhood_index(case[1], ks, st, dil, causal, device="cuda")
+    for b, token in enumerate(bad_tokens):
+        sees = ((idx == token) & valid).any(dim=1)  # [N]: the queries whose window holds it
+        bad = ~torch.isfinite(out[b].double()).all(dim=-1).all(dim=-1)
+        assert torch.equal(bad, sees), (b, token, bad.nonzero().flatten().tolist()[:8])
+        check("out", out[b][~sees], ref_out[b][~sees], dtype, case)
+
+
+def test_forward_tma_not_on_broadcast_keys():
+    """K and V broadcast over the batch (step 0, which a tensor map cannot take): the forward
+    takes another kernel and is still right."""
+    case = TMA_FORWARD_CASES[0]
+    (q, k, v, kx, vx), geo = build(case, torch.bfloat16, 71)
+    k, v = k[:1].expand_as(k), v[:1].expand_as(v)
+    ran = cuda_kernels(lambda: check_forward_inputs(case, (q, k, v, kx, vx), geo, torch.bfloat16))
+    assert not tma_forward_ran(ran), ran
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)

@@ -243,13 +243,17 @@ typedef struct {
     int kv_parallel;  /* backward: one key-stationary pass adding dQ by fp32 atomics */
     int shape;        /* the 3-D m-block (mma_util.cuh patch_wt): 0 = 1x4x4, 1 = 1x2x8 (Hopper's
                          128-row patches, nbhd_cuda_patch_shape) */
+    int tma;          /* forward: the TMA-pipelined wgmma kernel (fna_wgmma_tma.cu) */
 } nbhd_cuda_choice;
 
 nbhd_cuda_device nbhd_cuda_device_facts(void);
 
-/* A pure function of its arguments. layout_ok: the tensors suit the tensor-core kernels (the
- * op's nbhd_cuda_mma_*_supported); exec: use_reference, the requested tiles (already checked
+/* A pure function of its arguments. layout_ok: bit 0 (NBHD_LAYOUT_MMA), the tensors suit the
+ * tensor-core kernels (the op's nbhd_cuda_mma_*_supported); bit 1 (NBHD_LAYOUT_TMA), K and V
+ * also suit TMA's tensor maps (nbhd_cuda_tma_forward_fits); exec: use_reference, the requested tiles (already checked
  * against nbhd_cuda_tile_configs), kv_parallel and the workspace's alignment. */
+#define NBHD_LAYOUT_MMA 1
+#define NBHD_LAYOUT_TMA 2
 nbhd_cuda_choice nbhd_cuda_choose(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, int layout_ok,
                                   const nbhd_cuda_device *dev);
 
@@ -295,6 +299,12 @@ nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_arg
 int nbhd_cuda_wgmma_ready(void);
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                     const nbhd_cuda_choice *c, cudaStream_t stream);
+/* fna_wgmma_tma.cu: the Hopper forward pipelined by TMA loads, a producer warp and two consumer
+ * warpgroups taking turns; where it applies (1-D, no dilation, extra keys or bias, D = Dv = 128)
+ * and K and V suit its tensor maps (fits) */
+int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g);
+int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *a);
+nbhd_status nbhd_cuda_tma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t stream);
 /* fna_wgmma_jvp.cu: the Hopper forward+JVP on 128-query patches, D = Dv in {64, 128} (and on
  * 64-query patches at D = 128), on the
  * mma.sync forward+JVP's conditions */

@@ -138,7 +138,10 @@ static nbhd_status on_patches(const nbhd_geometry *g, nbhd_op op, const Args *a,
 static nbhd_status cuda_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                 const nbhd_exec *e) {
     cudaStream_t stream = (cudaStream_t)e->stream;
-    const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD, e, nbhd_cuda_mma_forward_supported(g, a));
+    const int layout = nbhd_cuda_mma_forward_supported(g, a)
+                           ? NBHD_LAYOUT_MMA | (nbhd_cuda_tma_forward_fits(g, a) ? NBHD_LAYOUT_TMA : 0)
+                           : 0;
+    const nbhd_cuda_choice c = choose(g, NBHD_OP_FORWARD, e, layout);
     if (c.family != NBHD_CUDA_SIMPLE)
         return on_patches(g, NBHD_OP_FORWARD, a, FORWARD_SPATIAL, e, c,
                           [&](const nbhd_geometry *pg, const nbhd_forward_args *pa, const nbhd_cuda_choice *pc) {

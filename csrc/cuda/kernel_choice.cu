@@ -140,7 +140,7 @@ static bool sm_holds(int ctas, size_t bytes, const nbhd_cuda_device *dev) {
  * with key tiles of 32, three CTAs per SM (16-23 % faster than mma.sync on the small-window
  * rows; at D = 64 no faster, and 64-key tiles slower). Reproduce: bench/bench_gpu.py
  * --forward-only, A/B of two builds. */
-static void choose_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev, nbhd_cuda_choice *c) {
+static void choose_forward(const nbhd_geometry *g, int layout_ok, const nbhd_cuda_device *dev, nbhd_cuda_choice *c) {
     const int D = g->head_dim;
     /* the wgmma forward stages a bias table in shared memory; a table that would cost it CTAs
      * per SM (64-query patches: 3-D windows of 9^3+, 2-D of 34^2+) takes the mma.sync forward,
@@ -151,6 +151,8 @@ static void choose_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev, 
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 64;
         c->minb = D == 64 ? 2 : 1;
+        /* in 1-D the TMA pipeline (fna_wgmma_tma.cu) where it applies */
+        c->tma = (layout_ok & NBHD_LAYOUT_TMA) && nbhd_cuda_tma_forward_applies(g);
         return;
     }
     if (one_warpgroup(g, c, dev) && fits) {
@@ -217,10 +219,10 @@ static void choose_backward(const nbhd_geometry *g, nbhd_op op, const nbhd_exec 
 nbhd_cuda_choice nbhd_cuda_choose(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, int layout_ok,
                                   const nbhd_cuda_device *dev) {
     nbhd_cuda_choice c = {NBHD_CUDA_SIMPLE, 1, 0, 0, 0, 0, PATCH_CUBE};
-    if (e->use_reference || !layout_ok) return c;
+    if (e->use_reference || !(layout_ok & NBHD_LAYOUT_MMA)) return c;
     c.family = NBHD_CUDA_MMA;
     c.mb = patch_mb(g, e, op, dev);
-    if (op == NBHD_OP_FORWARD) choose_forward(g, dev, &c);
+    if (op == NBHD_OP_FORWARD) choose_forward(g, layout_ok, dev, &c);
     if (op == NBHD_OP_FORWARD_JVP) choose_forward_jvp(g, dev, &c);
     /* the backward through forward+JVP: its tangents' backward, on the backward's kernels */
     if (op == NBHD_OP_BACKWARD || op == NBHD_OP_FORWARD_JVP_BACKWARD) choose_backward(g, op, e, dev, &c);

@@ -481,8 +481,9 @@ __device__ __forceinline__ void row_mask_scores(float (&sc)[BN / 8][4], float (&
  * must be rescaled by corr (fwd_rescale) before P V is added. kct: the tile's in-group key
  * coordinates [RANK][BN]; or (ROWMASK, one m-block of a 64-row patch, no bias) kmw: the tile's
  * row-mask words of this thread's half of the patch [BN] (row_masks), rbit: its row's bit in them
- * (the second row's is 8 higher). */
-template <int MB, int BN, int RANK, int BIAS /* BIAS_NONE, BIAS_GLOBAL or BIAS_STAGED */, bool ROWMASK = false>
+ * (the second row's is 8 higher); or (KEY_RUN, 1-D) the keys key0 .. key0 + BN - 1, kct unused. */
+template <int MB, int BN, int RANK, int BIAS /* BIAS_NONE, BIAS_GLOBAL or BIAS_STAGED */, bool ROWMASK = false,
+          bool KEY_RUN = false>
 __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (&sc)[MB][BN / 8][4], float (&m)[MB][2],
                                                  float (&l)[MB][2], float (&corr)[MB][2], bool full,
                                                  bool win, const int *kct,
@@ -490,8 +491,9 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
                                                  const int (&wen)[MB][2][RANK],
                                                  const bool (&rvalid)[MB][2], float sl2, int cq,
                                                  const float *tab, const int (&brow)[MB][2],
-                                                 const uint32_t *kmw = nullptr, int rbit = 0) {
+                                                 const uint32_t *kmw = nullptr, int rbit = 0, int key0 = 0) {
     static_assert(!ROWMASK || (MB == 1 && BIAS == BIAS_NONE), "row masks: one m-block, no bias");
+    static_assert(!KEY_RUN || (RANK == 1 && !ROWMASK), "a run of keys: 1-D");
     float mx[MB][2];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) mx[mb][0] = mx[mb][1] = -INFINITY;
@@ -515,7 +517,7 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
                 const int kr = nb * 8 + 2 * cq + e;
                 int j[RANK];
 #pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = KEY_RUN ? key0 + kr : kct[ax * BN + kr];
                 const int bk = BIAS ? tile_bias<RANK>::key(g, j) : 0;
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb)
