@@ -31,6 +31,8 @@ CASES = [
     # the backward's 8x2x8 patches (stride groups' windows overlapping along the first axis),
     # on a permuted view
     (3, (20, 8, 16), (12, 8, 8), (10, 4, 8), (1, 1, 1), (False, False, False), 2, 1, 128, 2, torch.bfloat16),
+    # D = 128 without extra keys: on Hopper the TMA forward (1-D above too) in rows of 32 keys
+    (2, (30, 30), (23, 23), (1, 1), (1, 1), (False, False), 2, 1, 128, 0, torch.bfloat16),
 ]
 
 # python scripts/sanitize_cuda.py [5,6]: those cases only (racecheck of the whole sweep takes minutes)

@@ -308,43 +308,62 @@ def test_forward_flat_patches(case, shape, dtype):
     Hopper its wgmma kernel ran with that m-block shape (the last template argument)."""
     ran = cuda_kernels(lambda: check_forward(case, dtype, 31))
     if torch.cuda.get_device_capability() == (9, 0):
-        fwd = [n for n in ran if "fna_wgmma_forward_kernel" in n]
+        fwd = [n for n in ran if "fna_wgmma_forward_kernel" in n or "fna_wgmma_tma_forward_kernel" in n]
         assert len(fwd) == 1 and template_args(fwd[0])[-1] == str(shape), ran
 
 
-# Windows of 512+ keys at D = 128: with an unstrided axis the forward's default is Hopper's
-# one-warpgroup kernel on 64-query patches, masking by row bits (kernel_choice.cu
-# row_masked_forward); with every axis strided, two warpgroups on 128-query patches.
+# Windows of 512+ keys at D = 128: on Hopper the TMA forward on 128-query patches where it
+# applies (kernel_choice.cu tma_forward); elsewhere with an unstrided axis the one-warpgroup
+# kernel on 64-query patches, masking by row bits (row_masked_forward): here with extra keys, and
+# with K and V heads-major over two kv heads in 3-D (no tensor map of five axes).
 LARGE_WINDOW_FORWARD_CASES = [
-    ((2, (40, 36), (23, 23), (1, 1), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig"), "1"),
+    ((2, (40, 36), (23, 23), (1, 1), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig"), "tma"),
     ((3, (10, 12, 12), (9, 8, 8), (1, 1, 1), (1, 1, 1), (True, False, False), 1, 2, 1, 128, 128, 3, "contig"), "1"),
-    ((2, (40, 36), (23, 23), (2, 3), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig"), "2"),
+    ((3, (10, 12, 12), (9, 8, 8), (1, 1, 1), (1, 1, 1), (True, False, False), 1, 4, 2, 128, 128, 0, "heads_major"),
+     "1"),
+    ((2, (40, 36), (23, 23), (2, 3), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig"), "tma"),
 ]
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
                     reason="the choice between Hopper's kernels")
-@pytest.mark.parametrize("case,warpgroups", LARGE_WINDOW_FORWARD_CASES,
+@pytest.mark.parametrize("case,kernel", LARGE_WINDOW_FORWARD_CASES,
                          ids=case_and_ids)
-def test_forward_default_large_window(case, warpgroups):
-    """The default forward of a large window at D = 128 against the reference; on Hopper the
-    one-warpgroup row-masked kernel where an axis is unstrided, else two warpgroups."""
+def test_forward_default_large_window(case, kernel):
+    """The default forward of a large window at D = 128 against the reference; on Hopper the TMA
+    kernel, or the one-warpgroup row-masked kernel."""
     ran = cuda_kernels(lambda: check_forward(case, torch.bfloat16, 41))
+    if kernel == "tma":
+        assert tma_forward_ran(ran), ran
+        return
     fwd = [n for n in ran if "fna_wgmma_forward_kernel" in n]
     assert len(fwd) == 1, ran
     args = template_args(fwd[0])  # T, HD, BN, RANK, MINB, WGS, BIAS, RMASK, SHAPE
-    assert args[5] == warpgroups and (args[7] == "true") == (warpgroups == "1"), fwd
+    assert args[5] == "1" and args[7] == "true", fwd
 
 
-# 1-D at D = 128 on 128-query patches (the default from windows of 512 keys, or requested) with
-# no dilation, extra keys or bias: on Hopper the TMA-pipelined forward (csrc/cuda/fna_wgmma_tma.cu).
-# A partial last patch and key tiles past the grid's end, causal windows with a stride and GQA,
-# heads-major storage, a small window.
+# D = 128 on 128-query patches with no dilation, extra keys or bias: on Hopper the TMA-pipelined
+# forward (csrc/cuda/fna_wgmma_tma.cu), by default on windows of 512 keys and more (the last
+# field: whether the default takes it).
+# Partial last patches and key tiles past the grid's end, causal windows with strides and GQA,
+# heads-major storage (in 3-D with two kv heads a layout its tensor maps cannot take), each row
+# width of the 2-D and 3-D tiles from 24 to 128 keys.
 TMA_FORWARD_CASES = [
-    (1, (1000,), (520,), (1,), (1,), (False,), 2, 2, 2, 128, 128, 0, "contig"),
-    (1, (777,), (600,), (7,), (1,), (True,), 1, 4, 2, 128, 128, 0, "contig"),
-    (1, (1300,), (1024,), (1,), (1,), (False,), 1, 2, 1, 128, 128, 0, "heads_major"),
-    (1, (300,), (45,), (3,), (1,), (False,), 2, 2, 2, 128, 128, 0, "contig"),
+    ((1, (1000,), (520,), (1,), (1,), (False,), 2, 2, 2, 128, 128, 0, "contig"), True),
+    ((1, (777,), (600,), (7,), (1,), (True,), 1, 4, 2, 128, 128, 0, "contig"), True),
+    ((1, (1300,), (1024,), (1,), (1,), (False,), 1, 2, 1, 128, 128, 0, "heads_major"), True),
+    ((1, (300,), (45,), (3,), (1,), (False,), 2, 2, 2, 128, 128, 0, "contig"), False),
+    ((2, (40, 37), (23, 23), (1, 1), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig"), True),
+    ((2, (40, 36), (23, 23), (2, 3), (1, 1), (False, False), 2, 2, 1, 128, 128, 0, "contig"), True),
+    ((2, (30, 50), (9, 40), (3, 5), (1, 1), (True, False), 1, 4, 2, 128, 128, 0, "heads_major"), False),
+    ((2, (21, 130), (5, 90), (1, 1), (1, 1), (False, False), 1, 2, 2, 128, 128, 0, "contig"), False),
+    ((2, (37, 90), (25, 66), (5, 6), (1, 1), (False, True), 1, 2, 2, 128, 128, 0, "contig"), True),
+    ((3, (10, 12, 12), (9, 8, 8), (1, 1, 1), (1, 1, 1), (True, False, False), 1, 2, 1, 128, 128, 0, "heads_major"),
+     True),
+    ((3, (12, 12, 24), (6, 6, 15), (3, 2, 5), (1, 1, 1), (False, False, False), 1, 4, 2, 128, 128, 0, "contig"),
+     True),
+    ((3, (9, 20, 20), (5, 11, 11), (2, 1, 1), (1, 1, 1), (False, False, True), 1, 4, 2, 128, 128, 0,
+      "heads_major"), False),
 ]
 
 
@@ -354,13 +373,15 @@ def tma_forward_ran(ran) -> bool:
 
 @pytest.mark.parametrize("patch", [0, 128], ids=["default", "patch128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", TMA_FORWARD_CASES, ids=ids)
-def test_forward_tma(case, dtype, patch):
-    """The 1-D forward on 128-query patches against the reference; on Hopper the TMA kernel
-    ran, by default from windows of 512 keys."""
+@pytest.mark.parametrize("case,default", TMA_FORWARD_CASES, ids=case_and_ids)
+def test_forward_tma(case, default, dtype, patch):
+    """The forward on 128-query patches against the reference; on Hopper the TMA kernel ran
+    where its tensor maps take K and V (not 3-D heads-major with two kv heads) and the default
+    or the requested tiles give 128-query patches."""
     ran = cuda_kernels(lambda: check_forward(case, dtype, 51 + zlib.crc32(ids(case).encode()) % 1000, patch=patch))
     if torch.cuda.get_device_capability() == (9, 0):
-        assert tma_forward_ran(ran) == (patch == 128 or case[2][0] >= 512), ran
+        maps = not (case[0] == 3 and case[8] > 1 and case[12] == "heads_major")
+        assert tma_forward_ran(ran) == (maps and (patch == 128 or default)), ran
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
@@ -370,7 +391,7 @@ def test_forward_tma_nonfinite_past_the_union(dtype):
     """A NaN and an inf in V at tokens that the last key tile of some patches loads although no
     row of theirs sees them (past their union of windows): only the queries whose windows hold
     those tokens come out non-finite, the rest as the reference computes them."""
-    case = TMA_FORWARD_CASES[0]
+    case = TMA_FORWARD_CASES[0][0]
     inputs, geo = build(case, dtype, 61)
     q, k, v, kx, vx = inputs
     clean = v.clone()
@@ -394,7 +415,7 @@ def test_forward_tma_nonfinite_past_the_union(dtype):
 def test_forward_tma_not_on_broadcast_keys():
     """K and V broadcast over the batch (step 0, which a tensor map cannot take): the forward
     takes another kernel and is still right."""
-    case = TMA_FORWARD_CASES[0]
+    case = TMA_FORWARD_CASES[0][0]
     (q, k, v, kx, vx), geo = build(case, torch.bfloat16, 71)
     k, v = k[:1].expand_as(k), v[:1].expand_as(v)
     ran = cuda_kernels(lambda: check_forward_inputs(case, (q, k, v, kx, vx), geo, torch.bfloat16))

@@ -299,12 +299,14 @@ nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_arg
 int nbhd_cuda_wgmma_ready(void);
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                     const nbhd_cuda_choice *c, cudaStream_t stream);
-/* fna_wgmma_tma.cu: the Hopper forward pipelined by TMA loads, a producer warp and two consumer
- * warpgroups taking turns; where it applies (1-D, no dilation, extra keys or bias, D = Dv = 128)
- * and K and V suit its tensor maps (fits) */
+/* fna_wgmma_tma.cu: the Hopper forward on 128-query patches pipelined by TMA loads, a producer
+ * warp and two consumer warpgroups taking turns; where it applies (no dilation, extra keys or
+ * bias, D = Dv = 128, in 2-D and 3-D unions at most 128 keys wide on the last axis) and K and V
+ * suit its tensor maps (fits); shape: the 3-D m-block as for fna_wgmma.cu */
 int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g);
 int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *a);
-nbhd_status nbhd_cuda_tma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t stream);
+nbhd_status nbhd_cuda_tma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, int shape,
+                                  cudaStream_t stream);
 /* fna_wgmma_jvp.cu: the Hopper forward+JVP on 128-query patches, D = Dv in {64, 128} (and on
  * 64-query patches at D = 128), on the
  * mma.sync forward+JVP's conditions */

@@ -26,43 +26,72 @@
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <string.h>
 
 #include "tma.cuh"
 
-#define TMA_BN 128         /* keys per tile */
 #define TMA_K_STAGES 2
 #define TMA_V_STAGES 2
 #define TMA_CONSUMER_REGS 240
 #define TMA_PRODUCER_REGS 24
+#define TMA_MAX_BN 128  /* keys per tile at most: a stage is 32 KiB at D = 128 */
+/* named barriers of the consumers: the two turns, and all 256 */
+#define TMA_BAR_TURN 1   /* warpgroup w issues on TMA_BAR_TURN + w */
+#define TMA_BAR_CONSUMERS 3
 
-/* a CTA's shared memory past its 1024-byte alignment: Q, the K and V stages, their mbarriers */
+/* a CTA's shared memory: alignment slack, Q, the K and V stages, their mbarriers */
 __host__ __device__ constexpr size_t tma_forward_smem(int HD) {
-    return 1024 + 2 * (size_t)(128 + (TMA_K_STAGES + TMA_V_STAGES) * TMA_BN) * HD +
+    return 1024 + 2 * (size_t)(128 + (TMA_K_STAGES + TMA_V_STAGES) * TMA_MAX_BN) * HD +
            8 * 2 * (TMA_K_STAGES + TMA_V_STAGES);
 }
 
-template <typename T, int HD>
+/* The union's rows and tiles: in 1-D a tile is a run of BN keys (RS = BN, R = 1); in 2-D and 3-D
+ * R rows of RS keys along the last axis (RS at least the union's extent there, kernel-wide), row
+ * i of the union's leading axes row-major. */
+template <int RANK>
+struct tma_rows {
+    /* leading in-group coordinates of row i (RANK - 1 of them) */
+    static __device__ __forceinline__ void lead(const key_box &kb, int i, int (&c)[3]) {
+        if (RANK == 2) {
+            c[0] = kb.lo[0] + i;
+        } else if (RANK == 3) {
+            const uint32_t q = udiv((uint32_t)i, kb.d1);
+            c[0] = kb.lo[0] + (int)q;
+            c[1] = kb.lo[1] + (i - (int)q * kb.cnt[1]);
+        }
+    }
+    static __device__ __forceinline__ int count(const key_box &kb) {
+        return RANK == 1 ? 1 : RANK == 2 ? kb.cnt[0] : kb.cnt[0] * kb.cnt[1];
+    }
+};
+
+template <typename T, int HD, int RANK, int RS, int R, int SHAPE>
 __global__ void __launch_bounds__(384, 1)
 fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_constant__ nbhd_forward_args a,
                              const mma_plan P, const __grid_constant__ CUtensorMap kmap,
                              const __grid_constant__ CUtensorMap vmap) {
 #if NBHD_HAS_WGMMA
-    constexpr int BN = TMA_BN, KST = TMA_K_STAGES, VST = TMA_V_STAGES, BM = 128, CONSUMERS = 256;
+    constexpr int BN = RS * R, KST = TMA_K_STAGES, VST = TMA_V_STAGES, BM = 128, CONSUMERS = 256;
+    constexpr int LAST = RANK - 1;
+    static_assert(BN % 16 == 0 && BN <= TMA_MAX_BN && RS % 8 == 0, "tiles of whole 16-key steps, 8-key rows");
     constexpr uint32_t TILE_BYTES = BN * HD * sizeof(T);
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD]; O staged here */
-    T *Ks = Qs + BM * HD;                                                    /* [KST][BN][HD] */
-    T *Vs = Ks + KST * BN * HD;                                              /* [VST][BN][HD] */
-    const uint32_t bars = smem_u32(Vs + VST * BN * HD);
+    T *Ks = Qs + BM * HD;                                                    /* [KST][TMA_MAX_BN][HD] */
+    T *Vs = Ks + KST * TMA_MAX_BN * HD;                                      /* [VST][TMA_MAX_BN][HD] */
+    const uint32_t bars = smem_u32(Vs + VST * TMA_MAX_BN * HD);
     auto k_full = [&](int s) { return bars + 8 * s; };
     auto k_empty = [&](int s) { return bars + 8 * (KST + s); };
     auto v_full = [&](int s) { return bars + 8 * (2 * KST + s); };
     auto v_empty = [&](int s) { return bars + 8 * (2 * KST + VST + s); };
+    auto k_stage = [&](int s) { return Ks + s * TMA_MAX_BN * HD; };
+    auto v_stage = [&](int s) { return Vs + s * TMA_MAX_BN * HD; };
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = warp_uniform(w >> 2);
-    wg_cta<1, 2> C;
+    wg_cta<RANK, 2, SHAPE> C;
     if (!C.place_queries(g, P, BN)) return;  /* uniform over the CTA */
-    const int tiles = C.tiles, key_lo = C.kb.lo[0];
+    const key_box kb = C.kb;
+    const int tiles = RANK == 1 ? C.tiles : (tma_rows<RANK>::count(kb) + R - 1) / R;
     if (tid == 0) {
         for (int s = 0; s < KST; ++s) mbar_init(k_full(s), 1), mbar_init(k_empty(s), CONSUMERS / 32);
         for (int s = 0; s < VST; ++s) mbar_init(v_full(s), 1), mbar_init(v_empty(s), CONSUMERS / 32);
@@ -76,22 +105,34 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
             tma_prefetch_map(&kmap);
             tma_prefetch_map(&vmap);
             const int b = (int)C.b, hk = (int)C.hk;
+            // one box of RS keys per row and 64 columns: 1-D (D, H, X, B) at (col, hk, key, b);
+            // 2-D (D, H, Y, X, B) at (col, hk, y, x, b); 3-D (H D, Z, Y, X, B) at (hk D + col, z, y, x, b)
+            auto load = [&](const CUtensorMap *map, T *stage, uint32_t bar, int t) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    int lc[3] = {0, 0, 0};
+                    tma_rows<RANK>::lead(kb, t * R + r, lc);
+                    const int key = RANK == 1 ? kb.lo[0] + t * BN : kb.lo[LAST];
+#pragma unroll
+                    for (int c = 0; c < HD / 64; ++c) {
+                        const uint32_t dst = smem_u32(stage + c * BN * 64 + r * RS * 64);
+                        if (RANK == 1) tma_load_4d(dst, map, c * 64, hk, key, b, bar);
+                        else if (RANK == 2) tma_load_5d(dst, map, c * 64, hk, key, lc[0], b, bar);
+                        else tma_load_5d(dst, map, hk * HD + c * 64, key, lc[1], lc[0], b, bar);
+                    }
+                }
+            };
             for (int t = 0; t < tiles; ++t) {
-                const int key = key_lo + t * BN, ks = t % KST, vs = t % VST;
+                const int ks = t % KST, vs = t % VST;
                 if (t >= KST) mbar_wait(k_empty(ks), ((t / KST) + 1) & 1);
                 mbar_arrive_expect(k_full(ks), TILE_BYTES);
-#pragma unroll
-                for (int c = 0; c < HD / 64; ++c)
-                    tma_load_4d(smem_u32(Ks + ks * BN * HD + c * BN * 64), &kmap, c * 64, hk, key, b, k_full(ks));
+                load(&kmap, k_stage(ks), k_full(ks), t);
                 if (t >= VST) mbar_wait(v_empty(vs), ((t / VST) + 1) & 1);
                 mbar_arrive_expect(v_full(vs), TILE_BYTES);
-#pragma unroll
-                for (int c = 0; c < HD / 64; ++c)
-                    tma_load_4d(smem_u32(Vs + vs * BN * HD + c * BN * 64), &vmap, c * 64, hk, key, b, v_full(vs));
+                load(&vmap, v_stage(vs), v_full(vs), t);
             }
         }
-        __syncthreads_or(0);  /* fwd_store's barrier */
-        return;
+        return;  /* the consumers' barriers are named ones over their 256 threads */
     }
     regs_grow<TMA_CONSUMER_REGS>();
 
@@ -100,16 +141,16 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
     cp_async_commit();
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  /* wgmma reads Q */
-    named_sync(3, CONSUMERS);
+    named_sync(TMA_BAR_CONSUMERS, CONSUMERS);
 
     const int rq = lane >> 2, cq = lane & 3;
     auto my_row = [&](int, int hrow) { return w * 16 + rq + 8 * hrow; };
     auto row_coords = [&](int qr, int iq[3]) -> bool { return C.row(qr, iq); };
-    int wst[1][2][1], wen[1][2][1];
+    int wst[1][2][RANK], wen[1][2][RANK];
     bool rvalid[1][2];
     int iq[2][3];
     C.fragment_rows(g, P, w, lane, wst[0], wen[0], rvalid[0], iq);
-    int ilo[1], ihi[1];
+    int ilo[RANK], ihi[RANK];
     C.box_inside(g, wg, ilo, ihi);
     const int brow[1][2] = {{0, 0}};
 
@@ -125,7 +166,7 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
     uint32_t pf[BN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) pf[kk][0] = pf[kk][1] = pf[kk][2] = pf[kk][3] = 0u;
-    uint32_t pv_stage = smem_u32(Vs);
+    uint32_t pv_stage = smem_u32(v_stage(0));
     auto issue_pv = [&]() {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
@@ -139,15 +180,15 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
         fence_regs(o[0]);
     };
     // the turn: warpgroup 0 issues first
-    const int my_turn = 1 + wg, next_turn = 2 - wg;
-    if (wg == 1) named_arrive(1, CONSUMERS);
+    const int my_turn = TMA_BAR_TURN + wg, next_turn = TMA_BAR_TURN + 1 - wg;
+    if (wg == 1) named_arrive(TMA_BAR_TURN, CONSUMERS);
 
     for (int t = 0; t < tiles; ++t) {
-        const int ks = t % KST, key = key_lo + t * BN;
+        const int ks = t % KST;
         const int pt = t > 0 ? t - 1 : 0;  /* the tile whose V the P V reads */
         mbar_wait(k_full(ks), (t / KST) & 1);
         mbar_wait(v_full(pt % VST), (pt / VST) & 1);
-        const uint32_t k_base = smem_u32(Ks + ks * BN * HD);
+        const uint32_t k_base = smem_u32(k_stage(ks));
 
         named_sync(my_turn, CONSUMERS);
         float sc[1][BN / 8][4];
@@ -158,31 +199,53 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
         issue_pv();
         named_arrive(next_turn, CONSUMERS);
 
-        const bool full = key >= ilo[0] && key + BN <= ihi[0];
+        // meanwhile: which of the tile's rows each thread row sees on the leading axes, and
+        // whether the whole tile lies inside every row's window of the warpgroup (no mask)
+        const int key0 = RANK == 1 ? kb.lo[0] + t * BN : kb.lo[LAST];
+        uint32_t lead = 3u;
+        bool full = key0 >= ilo[LAST] && key0 + RS <= ihi[LAST];
+        if constexpr (RANK > 1) {
+            lead = 0u;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                int lc[3];
+                tma_rows<RANK>::lead(kb, t * R + r, lc);
+#pragma unroll
+                for (int hrow = 0; hrow < 2; ++hrow) {
+                    bool ok = true;
+#pragma unroll
+                    for (int ax = 0; ax < LAST; ++ax) ok = ok && lc[ax] >= wst[0][hrow][ax] && lc[ax] < wen[0][hrow][ax];
+                    lead |= (uint32_t)ok << (2 * r + hrow);
+                }
+#pragma unroll
+                for (int ax = 0; ax < LAST; ++ax) full = full && lc[ax] >= ilo[ax] && lc[ax] < ihi[ax];
+            }
+        }
         wgmma_wait<1>();  /* S is done; P V may still run */
         fence_regs(sc[0]);
         if (lane == 0) mbar_arrive(k_empty(ks));
 
         float corr[1][2];
-        const bool rescale = fwd_softmax_tile<1, BN, 1, BIAS_NONE, false, true>(
-            g, sc, m, l, corr, full, true, nullptr, wst, wen, rvalid, sl2, cq, nullptr, brow, nullptr, 0, key);
+        const bool rescale = fwd_softmax_tile<1, BN, RANK, BIAS_NONE, false, RS>(
+            g, sc, m, l, corr, full, true, nullptr, wst, wen, rvalid, sl2, cq, nullptr, brow, nullptr, 0, key0, lead);
         wgmma_wait<0>();
         pv_done();
         if (t > 0 && lane == 0) mbar_arrive(v_empty(pt % VST));
         if (rescale) fwd_rescale<1, HD>(o, corr);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(pf[kk], sc[0][2 * kk], sc[0][2 * kk + 1]);
-        pv_stage = smem_u32(Vs + (t % VST) * BN * HD);
+        pv_stage = smem_u32(v_stage(t % VST));
     }
     mbar_wait(v_full((tiles - 1) % VST), ((tiles - 1) / VST) & 1);
-    if (wg == 0) named_sync(1, CONSUMERS);  /* warpgroup 1's last turn */
+    if (wg == 0) named_sync(TMA_BAR_TURN, CONSUMERS);  /* warpgroup 1's last turn */
     wgmma_fence();
     issue_pv();  /* the last tile's */
     wgmma_wait<0>();
     pv_done();
-    named_sync(3, CONSUMERS);  /* both warpgroups' wgmma reads of Qs are done before it stages O */
+    named_sync(TMA_BAR_CONSUMERS, CONSUMERS);  /* both warpgroups' wgmma reads of Qs are done before it stages O */
 
-    fwd_store<T, 1, HD>(g, a, C.grp, C.b, C.h, o, m, l, Qs, w * 16, lane, row_coords, my_row);
+    fwd_store<T, 1, HD>(g, a, C.grp, C.b, C.h, o, m, l, Qs, w * 16, lane, row_coords, my_row, TMA_BAR_CONSUMERS,
+                        CONSUMERS);
 #endif
 }
 
@@ -206,61 +269,130 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return fn;
 }
 
-/* K or V ([B, X, H, D] by its strides, f16/bf16) as a 4-D map (D, H, X, B): its dimensions and
- * byte steps; false where TMA cannot address it (a step not a positive multiple of 16 bytes
- * below 2^40, a start not 16-byte aligned, columns not contiguous) */
-static bool kv_map_shape(const nbhd_tensor &t, const nbhd_geometry *g, cuuint64_t dims[4], cuuint64_t strides[3]) {
-    if (t.stride[5] != 1 || (uintptr_t)t.data % 16) return false;
-    dims[0] = (cuuint64_t)g->head_dim;
-    dims[1] = (cuuint64_t)g->kv_heads;
-    dims[2] = (cuuint64_t)g->axis[0].extent;
-    dims[3] = (cuuint64_t)g->batch;
-    const int64_t steps[3] = {t.stride[4], t.stride[1], t.stride[0]};
-    for (int i = 0; i < 3; ++i) {
+/* The widest union of a 128-query patch's windows along axis a (ct queries of the patch along
+ * it, no dilation) over the patch positions of the axis's query range */
+static int64_t union_width(const nbhd_axis *a, int ct) {
+    int64_t lo, hi, width = 0;
+    nbhd_query_range_in_group(a, 0, &lo, &hi);
+    for (int64_t i0 = lo / ct * ct; i0 < hi; i0 += ct) {
+        const int64_t first = i0 > lo ? i0 : lo, last = (i0 + ct < hi ? i0 + ct : hi) - 1;
+        int64_t s1, e1, s2, e2;
+        nbhd_window_in_group(a, first, a->extent, &s1, &e1);
+        nbhd_window_in_group(a, last, a->extent, &s2, &e2);
+        if (e2 - s1 > width) width = e2 - s1;
+    }
+    return width;
+}
+
+/* rows of a 2-D or 3-D tile: (keys per row, rows per tile) for unions up to 128 keys wide along
+ * the last axis, the first whose rows hold the union */
+static const int TMA_ROWS[][2] = {{24, 4}, {32, 4}, {48, 2}, {64, 2}, {80, 1}, {96, 1}, {128, 1}};
+static int tma_row_config(int64_t width) {
+    for (int i = 0; i < (int)(sizeof TMA_ROWS / sizeof TMA_ROWS[0]); ++i)
+        if (width <= TMA_ROWS[i][0]) return i;
+    return -1;
+}
+
+/* K or V ([B, X, Y, Z, H, D] by its strides, f16/bf16) as a tensor map read in boxes of rs keys
+ * along the last axis and 64 columns of one head: 1-D (D, H, X, B), 2-D (D, H, Y, X, B), 3-D
+ * (H D, Z, Y, X, B) (the heads and columns as one axis: TMA has 5 at most). False where TMA cannot
+ * address it: a step not a positive multiple of 16 bytes below 2^40, a start not 16-byte
+ * aligned, columns not contiguous, in 3-D heads not D elements apart. */
+struct kv_map_layout {
+    int rank;
+    cuuint64_t dims[5], strides[4];
+    cuuint32_t box[5];
+};
+static bool kv_map_shape(const nbhd_tensor &t, const nbhd_geometry *g, int rank, int rs, kv_map_layout *m) {
+    const int64_t D = g->head_dim, H = g->kv_heads;
+    if (t.stride[5] != 1 || (uintptr_t)t.data % 16 || (rank == 3 && H > 1 && t.stride[4] != D)) return false;
+    const int64_t X = g->axis[0].extent, Y = g->axis[1].extent, Z = g->axis[2].extent;
+    int64_t dims[5], steps[4];
+    if (rank == 1) {
+        const int64_t d[4] = {D, H, X, g->batch}, s[3] = {t.stride[4], t.stride[1], t.stride[0]};
+        memcpy(dims, d, sizeof d), memcpy(steps, s, sizeof s);
+    } else if (rank == 2) {
+        const int64_t d[5] = {D, H, Y, X, g->batch}, s[4] = {t.stride[4], t.stride[2], t.stride[1], t.stride[0]};
+        memcpy(dims, d, sizeof d), memcpy(steps, s, sizeof s);
+    } else {
+        const int64_t d[5] = {H * D, Z, Y, X, g->batch}, s[4] = {t.stride[3], t.stride[2], t.stride[1], t.stride[0]};
+        memcpy(dims, d, sizeof d), memcpy(steps, s, sizeof s);
+    }
+    m->rank = rank == 1 ? 4 : 5;
+    for (int i = 0; i < m->rank; ++i) {
+        m->dims[i] = (cuuint64_t)dims[i];
+        m->box[i] = 1;
+    }
+    m->box[0] = 64;
+    m->box[rank == 3 ? 1 : 2] = (cuuint32_t)rs;
+    for (int i = 0; i + 1 < m->rank; ++i) {
         // a step along an axis of one position is never taken: any valid value
         const int64_t s = dims[i + 1] == 1 ? 16 : steps[i] * 2;
         if (s <= 0 || s % 16 || s >= (int64_t)1 << 40) return false;
-        strides[i] = (cuuint64_t)s;
+        m->strides[i] = (cuuint64_t)s;
     }
     return true;
 }
-static bool kv_map_fits(const nbhd_tensor &t, const nbhd_geometry *g) {
-    cuuint64_t dims[4], strides[3];
-    return kv_map_shape(t, g, dims, strides);
-}
-/* the map read in boxes of [64, 1, BN, 1] with the 128-byte swizzle */
-static bool kv_tensor_map(CUtensorMap *map, const nbhd_tensor &t, const nbhd_geometry *g) {
+static bool kv_tensor_map(CUtensorMap *map, const nbhd_tensor &t, const nbhd_geometry *g, int rank, int rs) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-    cuuint64_t dims[4], strides[3];
-    if (!encode || !kv_map_shape(t, g, dims, strides)) return false;
-    const cuuint32_t box[4] = {64, 1, TMA_BN, 1}, unit[4] = {1, 1, 1, 1};
-    return encode(map, g->dtype == NBHD_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-                  t.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    kv_map_layout m;
+    if (!encode || !kv_map_shape(t, g, rank, rs, &m)) return false;
+    const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
+    return encode(map, g->dtype == NBHD_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                  (cuuint32_t)m.rank, t.data, m.dims, m.strides, m.box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g) {
-    return mma_rank_of(g) == 1 && g->has_window && g->axis[0].dilation == 1 && g->extra_kv == 0 && !g->rpb &&
-           g->head_dim == 128 && g->head_dim_v == 128 && (g->dtype == NBHD_F16 || g->dtype == NBHD_BF16);
+    const int rank = mma_rank_of(g);
+    if (!g->has_window || g->extra_kv || g->rpb || g->head_dim != 128 || g->head_dim_v != 128 ||
+        (g->dtype != NBHD_F16 && g->dtype != NBHD_BF16))
+        return 0;
+    for (int ax = 0; ax < rank; ++ax)
+        if (g->axis[ax].dilation != 1) return 0;
+    /* 2-D and 3-D: rows of the union fit a tile's row (a 3-D patch may be 8 wide on the last axis) */
+    return rank == 1 || tma_row_config(union_width(&g->axis[rank - 1], 8)) >= 0;
 }
 
 int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *a) {
-    return nbhd_cuda_tma_forward_applies(g) && kv_map_fits(a->k, g) && kv_map_fits(a->v, g) &&
-           tensor_map_encoder() != nullptr;
+    const int rank = mma_rank_of(g);
+    kv_map_layout m;
+    return nbhd_cuda_tma_forward_applies(g) && kv_map_shape(a->k, g, rank, 64, &m) &&
+           kv_map_shape(a->v, g, rank, 64, &m) && tensor_map_encoder() != nullptr;
 }
 
-nbhd_status nbhd_cuda_tma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, cudaStream_t st) {
+template <typename T, int RANK, int SHAPE, int RS, int R>
+static nbhd_status launch_rows(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
+                               cudaStream_t st) {
     alignas(64) CUtensorMap kmap, vmap;
-    if (!kv_tensor_map(&kmap, a->k, g) || !kv_tensor_map(&vmap, a->v, g))
+    if (!kv_tensor_map(&kmap, a->k, g, RANK, RS) || !kv_tensor_map(&vmap, a->v, g, RANK, RS))
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "TMA forward: K or V not addressable by a tensor map");
-    const mma_plan P = mma_plan_of(g, 2, PATCH_CUBE);
-    if (P.rank != 1 || g->head_dim != 128)
-        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "TMA forward: rank %d, head_dim %d", P.rank, (int)g->head_dim);
-    const size_t smem = tma_forward_smem(128);
-    const int64_t ctas = g->batch * g->heads * P.patches;
-    return g->dtype == NBHD_BF16
-               ? nbhd_cuda_launch(fna_wgmma_tma_forward_kernel<__nv_bfloat16, 128>, ctas, 384, smem, "TMA forward",
-                                  st, *g, *a, P, kmap, vmap)
-               : nbhd_cuda_launch(fna_wgmma_tma_forward_kernel<__half, 128>, ctas, 384, smem, "TMA forward", st, *g,
-                                  *a, P, kmap, vmap);
+    return nbhd_cuda_launch(fna_wgmma_tma_forward_kernel<T, 128, RANK, RS, R, SHAPE>, g->batch * g->heads * P.patches,
+                            384, tma_forward_smem(128), "TMA forward", st, *g, *a, P, kmap, vmap);
+}
+
+template <typename T>
+static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, int shape, cudaStream_t st) {
+    return with_patch<2>(g, shape, [&](auto rank, auto shape_c, const mma_plan &P) -> nbhd_status {
+        constexpr int RANK = decltype(rank)::value, SHAPE = decltype(shape_c)::value;
+        if constexpr (RANK == 1) {
+            return launch_rows<T, 1, SHAPE, 128, 1>(g, a, P, st);
+        } else {
+            switch (tma_row_config(union_width(&g->axis[RANK - 1], P.ct[RANK - 1]))) {
+            case 0: return launch_rows<T, RANK, SHAPE, 24, 4>(g, a, P, st);
+            case 1: return launch_rows<T, RANK, SHAPE, 32, 4>(g, a, P, st);
+            case 2: return launch_rows<T, RANK, SHAPE, 48, 2>(g, a, P, st);
+            case 3: return launch_rows<T, RANK, SHAPE, 64, 2>(g, a, P, st);
+            case 4: return launch_rows<T, RANK, SHAPE, 80, 1>(g, a, P, st);
+            case 5: return launch_rows<T, RANK, SHAPE, 96, 1>(g, a, P, st);
+            case 6: return launch_rows<T, RANK, SHAPE, 128, 1>(g, a, P, st);
+            }
+            return nbhd_fail(NBHD_ERR_UNSUPPORTED, "TMA forward: a union wider than 128 keys on the last axis");
+        }
+    });
+}
+
+nbhd_status nbhd_cuda_tma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, int shape, cudaStream_t st) {
+    return g->dtype == NBHD_BF16 ? launch<__nv_bfloat16>(g, a, shape, st) : launch<__half>(g, a, shape, st);
 }

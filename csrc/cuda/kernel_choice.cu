@@ -61,7 +61,8 @@ static bool row_masked_backward(const nbhd_geometry *g, const nbhd_cuda_device *
  * (their coordinate masks): 12.1 against 13.8 ms on 2-D 256x256 w80, 43.5 against 52.2 ms on
  * 3-D 30x48x80 w18x24x24, while with every axis strided (the tiles inside one stride group's
  * window, no mask) 128 stay faster (9.0 against 10.0 ms with stride 16, 29.3 against 35.2 with
- * 16x8x8); H100, bf16, 16 heads, bench/ab_gpu.py --problems 2d-256,3d-30 --dims 128. */
+ * 16x8x8); H100, bf16, 16 heads, bench/ab_gpu.py --problems 2d-256,3d-30 --dims 128. The TMA
+ * pipeline on 128-query patches beats it where it applies (tma_forward). */
 static bool row_masked_forward(const nbhd_geometry *g, const nbhd_cuda_device *dev) {
     const int rank = mma_rank_of(g);
     if (!dev->wgmma || g->head_dim != 128 || !row_masks_fit(g, rank)) return false;
@@ -72,7 +73,8 @@ static bool row_masked_forward(const nbhd_geometry *g, const nbhd_cuda_device *d
 
 /* The default where allowed: 128-query patches where they feed more MMAs per shared-memory read
  * than they waste on padding. The forward: windows of 512+ keys (on Hopper at D = 128 in 2-D
- * and 3-D only where every axis is strided, row_masked_forward). The forward+JVP: those at
+ * and 3-D only where the TMA pipeline applies or every axis is strided, row_masked_forward).
+ * The forward+JVP: those at
  * D = 128, and on Hopper at D = 64 too (on Hopper small windows at D = 128 take 64-query patches
  * on one warpgroup: 1.18-1.29x faster than 128 on the small-window problems). The backward
  * (Hopper only): large windows, and with KV parallelism windows of 128+ keys at D = 128 (one
@@ -82,11 +84,11 @@ static bool row_masked_forward(const nbhd_geometry *g, const nbhd_cuda_device *d
  * on 2-D 128x128 w13, 1.99 against 2.06 on 3-D 16x32x32 w7^3: bench/bench_gpu.py, bdet against
  * bwd, H100, bf16, 16 heads). The backward through forward+JVP keeps the KV-parallel wgmma key
  * pass there (design.md §6.8). Reproduce: bench/ab_gpu.py [--jvp | --bwd]. */
-static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_parallel,
+static bool large_patch_default(const nbhd_geometry *g, nbhd_op op, bool kv_parallel, bool tma,
                                 const nbhd_cuda_device *dev) {
     if (!g->has_window) return false;
     const bool large = nbhd_cuda_mma_large_window(g);
-    if (op == NBHD_OP_FORWARD) return large && !row_masked_forward(g, dev);
+    if (op == NBHD_OP_FORWARD) return large && (tma || !row_masked_forward(g, dev));
     if (op == NBHD_OP_BACKWARD || op == NBHD_OP_FORWARD_JVP_BACKWARD)
         return large || (kv_parallel && g->head_dim == 128 && nbhd_cuda_window_keys(g) >= 128 &&
                          !(op == NBHD_OP_BACKWARD && row_masked_backward(g, dev)));
@@ -99,14 +101,25 @@ static bool one_warpgroup(const nbhd_geometry *g, const nbhd_cuda_choice *c, con
     return c->mb == 1 && dev->wgmma && g->head_dim == 128;
 }
 
+/* The forward's TMA pipeline (fna_wgmma_tma.cu) on 128-query patches, where it applies and K and
+ * V suit its tensor maps: faster than the cp.async kernels on every large-window problem, on
+ * one warpgroup's row masks too (2-D 256x256 w80 8.94 against 11.22 ms, 3-D 30x48x80
+ * w18x24x24 34.3 against 41.1, stride 16 6.00 against 9.06, stride 16x8x8 18.5 against 25.8,
+ * 1-D 32768 w2048 1.07 against 1.60; H200, bf16, 16 heads, bench/ab_gpu.py --dims 128, the
+ * library before and after). */
+static bool tma_forward(const nbhd_geometry *g, nbhd_op op, int layout_ok, const nbhd_cuda_device *dev) {
+    return op == NBHD_OP_FORWARD && dev->wgmma && (layout_ok & NBHD_LAYOUT_TMA) && nbhd_cuda_tma_forward_applies(g);
+}
+
 /* 16-row m-blocks per warp: the requested patch's (listed, so 128 only where allowed), else
  * the default */
-static int patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op, const nbhd_cuda_device *dev) {
+static int patch_mb(const nbhd_geometry *g, const nbhd_exec *e, nbhd_op op, const nbhd_cuda_device *dev,
+                    bool tma = false) {
     int64_t requested = 1;
     for (int ax = 0; ax < NBHD_MAX_RANK; ++ax)
         if (e->q_tile[ax] > 0) requested *= e->q_tile[ax];
     if (requested > 1) return requested == 128 && g->head_dim >= 64 ? 2 : 1;
-    return large_patch_default(g, op, e->kv_parallel, dev) && large_patch_allowed(g, op, dev) ? 2 : 1;
+    return large_patch_default(g, op, e->kv_parallel, tma, dev) && large_patch_allowed(g, op, dev) ? 2 : 1;
 }
 
 /* The KV-parallel path where it is asked for and faster: tensor-core types, D <= 64, and D = 128
@@ -140,7 +153,7 @@ static bool sm_holds(int ctas, size_t bytes, const nbhd_cuda_device *dev) {
  * with key tiles of 32, three CTAs per SM (16-23 % faster than mma.sync on the small-window
  * rows; at D = 64 no faster, and 64-key tiles slower). Reproduce: bench/bench_gpu.py
  * --forward-only, A/B of two builds. */
-static void choose_forward(const nbhd_geometry *g, int layout_ok, const nbhd_cuda_device *dev, nbhd_cuda_choice *c) {
+static void choose_forward(const nbhd_geometry *g, bool tma, const nbhd_cuda_device *dev, nbhd_cuda_choice *c) {
     const int D = g->head_dim;
     /* the wgmma forward stages a bias table in shared memory; a table that would cost it CTAs
      * per SM (64-query patches: 3-D windows of 9^3+, 2-D of 34^2+) takes the mma.sync forward,
@@ -151,8 +164,7 @@ static void choose_forward(const nbhd_geometry *g, int layout_ok, const nbhd_cud
         c->family = NBHD_CUDA_WGMMA;
         c->bn = 64;
         c->minb = D == 64 ? 2 : 1;
-        /* in 1-D the TMA pipeline (fna_wgmma_tma.cu) where it applies */
-        c->tma = (layout_ok & NBHD_LAYOUT_TMA) && nbhd_cuda_tma_forward_applies(g);
+        c->tma = tma;
         return;
     }
     if (one_warpgroup(g, c, dev) && fits) {
@@ -221,8 +233,9 @@ nbhd_cuda_choice nbhd_cuda_choose(const nbhd_geometry *g, nbhd_op op, const nbhd
     nbhd_cuda_choice c = {NBHD_CUDA_SIMPLE, 1, 0, 0, 0, 0, PATCH_CUBE};
     if (e->use_reference || !(layout_ok & NBHD_LAYOUT_MMA)) return c;
     c.family = NBHD_CUDA_MMA;
-    c.mb = patch_mb(g, e, op, dev);
-    if (op == NBHD_OP_FORWARD) choose_forward(g, layout_ok, dev, &c);
+    const bool tma = tma_forward(g, op, layout_ok, dev);
+    c.mb = patch_mb(g, e, op, dev, tma);
+    if (op == NBHD_OP_FORWARD) choose_forward(g, tma, dev, &c);
     if (op == NBHD_OP_FORWARD_JVP) choose_forward_jvp(g, dev, &c);
     /* the backward through forward+JVP: its tangents' backward, on the backward's kernels */
     if (op == NBHD_OP_BACKWARD || op == NBHD_OP_FORWARD_JVP_BACKWARD) choose_backward(g, op, e, dev, &c);
@@ -241,7 +254,8 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
                                            {{128, 0, 0}, {16, 8, 0}, {8, 4, 4}}};
     const nbhd_cuda_device dev = nbhd_cuda_device_facts();
     const bool two = large_patch_allowed(g, op, &dev);
-    const int first = two && large_patch_default(g, op, true, &dev) ? 1 : 0;  /* KV parallelism: the default */
+    /* KV parallelism, and tensors that suit the TMA forward's maps: the defaults */
+    const int first = two && large_patch_default(g, op, true, tma_forward(g, op, NBHD_LAYOUT_TMA, &dev), &dev) ? 1 : 0;
     const int32_t count = two ? 2 : 1;
     for (int i = 0; i < count && i < max; ++i) {
         const int which = i == 0 ? first : 1 - first;

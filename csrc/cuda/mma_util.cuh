@@ -481,9 +481,12 @@ __device__ __forceinline__ void row_mask_scores(float (&sc)[BN / 8][4], float (&
  * must be rescaled by corr (fwd_rescale) before P V is added. kct: the tile's in-group key
  * coordinates [RANK][BN]; or (ROWMASK, one m-block of a 64-row patch, no bias) kmw: the tile's
  * row-mask words of this thread's half of the patch [BN] (row_masks), rbit: its row's bit in them
- * (the second row's is 8 higher); or (KEY_RUN, 1-D) the keys key0 .. key0 + BN - 1, kct unused. */
+ * (the second row's is 8 higher); or (ROW_KEYS > 0, a multiple of 8; no bias) rows of ROW_KEYS
+ * keys along the last axis, kct unused: key kr at last-axis coordinate key0 + kr % ROW_KEYS, in
+ * row kr / ROW_KEYS, whose leading axes this thread's row hrow sees where bit 2 (kr / ROW_KEYS)
+ * + hrow of `lead` is set. */
 template <int MB, int BN, int RANK, int BIAS /* BIAS_NONE, BIAS_GLOBAL or BIAS_STAGED */, bool ROWMASK = false,
-          bool KEY_RUN = false>
+          int ROW_KEYS = 0>
 __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (&sc)[MB][BN / 8][4], float (&m)[MB][2],
                                                  float (&l)[MB][2], float (&corr)[MB][2], bool full,
                                                  bool win, const int *kct,
@@ -491,9 +494,11 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
                                                  const int (&wen)[MB][2][RANK],
                                                  const bool (&rvalid)[MB][2], float sl2, int cq,
                                                  const float *tab, const int (&brow)[MB][2],
-                                                 const uint32_t *kmw = nullptr, int rbit = 0, int key0 = 0) {
+                                                 const uint32_t *kmw = nullptr, int rbit = 0, int key0 = 0,
+                                                 uint32_t lead = 0) {
     static_assert(!ROWMASK || (MB == 1 && BIAS == BIAS_NONE), "row masks: one m-block, no bias");
-    static_assert(!KEY_RUN || (RANK == 1 && !ROWMASK), "a run of keys: 1-D");
+    static_assert(!ROW_KEYS || (ROW_KEYS % 8 == 0 && BN % ROW_KEYS == 0 && !ROWMASK && BIAS == BIAS_NONE),
+                  "rows of keys: whole 8-key blocks, no bias");
     float mx[MB][2];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) mx[mb][0] = mx[mb][1] = -INFINITY;
@@ -509,6 +514,25 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
                 }
     } else if constexpr (ROWMASK) {
         row_mask_scores<BN>(sc[0], mx[0], kmw, cq, rbit, sl2, [](int, int, bool) {});
+    } else if constexpr (ROW_KEYS > 0) {
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) {
+            const int row = nb * 8 / ROW_KEYS;  /* a constant: 8-key blocks stay in one row */
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int jl = key0 + nb * 8 % ROW_KEYS + 2 * cq + e;
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+                    for (int hrow = 0; hrow < 2; ++hrow) {
+                        const bool ok = ((lead >> (2 * row + hrow)) & 1u) && jl >= wst[mb][hrow][RANK - 1] &&
+                                        jl < wen[mb][hrow][RANK - 1];
+                        float &x = sc[mb][nb][2 * hrow + e];
+                        x = ok ? x * sl2 : -INFINITY;
+                        mx[mb][hrow] = fmaxf(mx[mb][hrow], x);
+                    }
+            }
+        }
     } else {
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb) {
@@ -517,7 +541,7 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
                 const int kr = nb * 8 + 2 * cq + e;
                 int j[RANK];
 #pragma unroll
-                for (int ax = 0; ax < RANK; ++ax) j[ax] = KEY_RUN ? key0 + kr : kct[ax * BN + kr];
+                for (int ax = 0; ax < RANK; ++ax) j[ax] = kct[ax * BN + kr];
                 const int bk = BIAS ? tile_bias<RANK>::key(g, j) : 0;
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb)
@@ -593,18 +617,31 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[MB][HD / 8][4], const flo
         }
 }
 
+/* named barrier id (1..15) over `threads` threads: whether any of them had pred */
+__device__ __forceinline__ bool named_sync_or(int id, int threads, bool pred) {
+    int any;
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"
+                 " selp.s32 %0, 1, 0, q;\n}\n"
+                 : "=r"(any)
+                 : "r"((int)pred), "r"(id), "r"(threads)
+                 : "memory");
+    return any != 0;
+}
+
 /* The end of a forward: O /= l, LSE = (m + log2 l) ln 2, for rows my_row(mb, hrow) of the CTA
  * whose in-group coordinates row_coords gives (false: outside the grid). The warp's output goes
  * out in 16-byte row chunks staged through its own rows of St (the swz<HD> layout, rows
  * row0 .. row0 + 16 MB, which no other warp touches) when the output allows it. Rows that come
- * out non-finite are computed again exactly (exact_rows.cuh), after a barrier of the whole CTA:
- * every thread calls this. */
+ * out non-finite are computed again exactly (exact_rows.cuh), after a barrier of the whole CTA
+ * (every thread calls this) or, with bar_threads > 0, of named barrier bar_id over the
+ * bar_threads threads that call it. */
 template <typename T, int MB, int HD, typename RowCoords, typename MyRow>
 __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_forward_args &a,
                                           const int64_t grp[3], int64_t b, int h,
                                           const float (&o)[MB][HD / 8][4], const float (&m)[MB][2],
                                           const float (&l)[MB][2], T *St, int row0, int lane,
-                                          RowCoords &&row_coords, MyRow &&my_row) {
+                                          RowCoords &&row_coords, MyRow &&my_row, int bar_id = 0,
+                                          int bar_threads = 0) {
     const int cq = lane & 3;
     const bool out_vec = ((uintptr_t)a.out.data & 15) == 0 && a.out.stride[0] % 8 == 0 &&
                          a.out.stride[1] % 8 == 0 && a.out.stride[2] % 8 == 0 &&
@@ -672,7 +709,8 @@ __device__ __forceinline__ void fwd_store(const nbhd_geometry &g, const nbhd_for
                 }
             }
     }
-    if (__syncthreads_or(bad != 0)) {  /* shared memory is free: each warp takes its scratch */
+    if (bar_threads ? named_sync_or(bar_id, bar_threads, bad != 0) : __syncthreads_or(bad != 0)) {
+        /* shared memory is free: each warp takes its scratch */
         float *scratch = (float *)St + (row0 / (16 * MB)) * exact_forward_scratch(HD, HD);
         for (int mb = 0; mb < MB; ++mb)
             for (int hrow = 0; hrow < 2; ++hrow) {

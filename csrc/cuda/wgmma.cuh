@@ -378,6 +378,10 @@ template <typename T, int N> struct wgmma_op;
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define NBHD_WGMMA_D40 NBHD_WGMMA_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+#define NBHD_WGMMA_R40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
+#define NBHD_WGMMA_D48 NBHD_WGMMA_D40, "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+#define NBHD_WGMMA_R48 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
 #define NBHD_WGMMA_SS(SHAPE, TY, TRANS, REGS, A, B, P, ...)                                    \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                                  \
                  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " REGS ", " A ", " B     \
@@ -400,6 +404,10 @@ template <typename T, int N> struct wgmma_op;
     NBHD_WGMMA_RS("m64n64k16", TY, TRANS, NBHD_WGMMA_R32, "{%32, %33, %34, %35}", "%36", "%37", NBHD_WGMMA_D32)
 #define NBHD_WGMMA_SS_N128(TY) \
     NBHD_WGMMA_SS("m64n128k16", TY, "0, 0", NBHD_WGMMA_R64, "%64", "%65", "%66", NBHD_WGMMA_D64)
+#define NBHD_WGMMA_SS_N80(TY) \
+    NBHD_WGMMA_SS("m64n80k16", TY, "0, 0", NBHD_WGMMA_R40, "%40", "%41", "%42", NBHD_WGMMA_D40)
+#define NBHD_WGMMA_SS_N96(TY) \
+    NBHD_WGMMA_SS("m64n96k16", TY, "0, 0", NBHD_WGMMA_R48, "%48", "%49", "%50", NBHD_WGMMA_D48)
 #define NBHD_WGMMA_RS_N128(TY) \
     NBHD_WGMMA_RS("m64n128k16", TY, "1", NBHD_WGMMA_R64, "{%64, %65, %66, %67}", "%68", "%69", NBHD_WGMMA_D64)
 
@@ -482,6 +490,28 @@ template <> struct wgmma_op<__half, 128> {
     }
 };
 
+/* the TMA forward's score tiles of 80 and 96 keys (fna_wgmma_tma.cu): S = Q K^T only */
+template <> struct wgmma_op<__nv_bfloat16, 80> {
+    static __device__ __forceinline__ void ss(float d[40], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N80("bf16");
+    }
+};
+template <> struct wgmma_op<__half, 80> {
+    static __device__ __forceinline__ void ss(float d[40], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N80("f16");
+    }
+};
+template <> struct wgmma_op<__nv_bfloat16, 96> {
+    static __device__ __forceinline__ void ss(float d[48], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N96("bf16");
+    }
+};
+template <> struct wgmma_op<__half, 96> {
+    static __device__ __forceinline__ void ss(float d[48], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+        NBHD_WGMMA_SS_N96("f16");
+    }
+};
+
 /* k-step kk of d (+)= A B^T (per warpgroup 64 x N): both operands K-major in shared memory at
  * their warpgroup's first row, A in a tile of ROWS_A rows, B in one of ROWS_B (64-column blocks
  * ROWS * 128 bytes apart); accumulate 0 overwrites d */
@@ -526,6 +556,12 @@ __device__ __forceinline__ void wgmma_score(float (&d)[N / 8][4], uint32_t a, ui
 #undef NBHD_WGMMA_RS_N64
 #undef NBHD_WGMMA_SS_N128
 #undef NBHD_WGMMA_RS_N128
+#undef NBHD_WGMMA_D40
+#undef NBHD_WGMMA_R40
+#undef NBHD_WGMMA_D48
+#undef NBHD_WGMMA_R48
+#undef NBHD_WGMMA_SS_N80
+#undef NBHD_WGMMA_SS_N96
 #endif /* NBHD_HAS_WGMMA */
 
 #endif /* NBHD_CUDA_WGMMA_CUH */
