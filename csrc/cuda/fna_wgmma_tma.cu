@@ -1,7 +1,7 @@
 /*
- * fna_wgmma_tma.cu — the Hopper forward (O, LSE) on 1-D windows of many keys, pipelined in the
- * manner FlashAttention-3 describes: the tensor memory accelerator loads K and V, warps
- * specialise, the two consumer warpgroups take turns at the tensor cores.
+ * fna_wgmma_tma.cu — the Hopper forward (O, LSE) on 128-query patches, pipelined in the manner
+ * FlashAttention-3 describes: the tensor memory accelerator loads K and V, warps specialise,
+ * the two consumer warpgroups take turns at the tensor cores. The large-window default.
  *
  * Why: the cp.async forward (fna_wgmma.cu) spends issue slots on every thread's copies and their
  * addresses, and its CTA barrier per tile keeps both warpgroups in step, so both wait for their
@@ -10,19 +10,22 @@
  * A CTA is three warpgroups on a 128-query patch (mma_util.cuh patch_*, as fna_wgmma.cu's mb = 2):
  *  - warpgroup 2, the producer, gives its registers up (setmaxnreg); one thread walks the
  *    patch's union of windows in tiles of BN keys and, per tile, loads K into a ring of KST
- *    stages and V into one of VST with one TMA box per 64 columns (the 128-byte swizzle of
- *    wgmma.cuh's layout), each stage's `full` mbarrier counting the bytes, after waiting for
- *    its `empty` mbarrier (tma.cuh);
+ *    stages and V into one of VST, one TMA box per row of the tile and 64 columns (the 128-byte
+ *    swizzle of wgmma.cuh's layout), each stage's `full` mbarrier counting the bytes, after
+ *    waiting for its `empty` mbarrier (tma.cuh);
  *  - warpgroups 0 and 1 each own 64 queries and run fna_wgmma.cu's loop: S = Q K^T of tile t
  *    and O += P V of tile t - 1 issued together, the softmax of S while P V runs. Between them
  *    two named barriers pass the turn: a warpgroup issues its products only after the other
  *    has issued its own, so one's softmax overlaps the other's products. A consumer warp
  *    releases a K stage once its S is done and a V stage once its P V is.
- * In 1-D a tile of the union is a run of BN tokens (a TMA box of [64 columns, 1 head, BN
- * tokens, 1 batch]); keys past the grid's end come as zeros and every key outside a row's
- * window is masked (fwd_softmax_tile, KEY_RUN), so the tiles need no coordinate table.
- * Conditions (nbhd_cuda_tma_forward_fits, kernel_choice.cu): 1-D, no dilation, no extra keys, no
- * bias, D = Dv = 128, f16/bf16, K and V with unit column stride and 16-byte aligned steps.
+ * Tiles: in 1-D a run of 128 tokens; in 2-D and 3-D R rows of RS keys along the last axis
+ * (tma_rows), RS at least the union's extent there (TMA_ROWS: 24 to 128), so that a row is one
+ * box. Keys past the grid come as zeros, keys past the union are masked like every key outside a
+ * row's window (fwd_softmax_tile with ROW_KEYS: the last-axis coordinate and a bit per row for
+ * the leading axes), so the tiles need no coordinate table.
+ * Conditions (nbhd_cuda_tma_forward_applies and _fits, kernel_choice.cu): no dilation, extra keys
+ * or bias, D = Dv = 128, f16/bf16, unions at most 128 keys wide on the last axis; K and V with
+ * unit column stride, 16-byte aligned steps and, in 3-D, heads D elements apart (or one head).
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
