@@ -412,6 +412,31 @@ def test_forward_tma_nonfinite_past_the_union(dtype):
         check("out", out[b][~sees], ref_out[b][~sees], dtype, case)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="the TMA forward is Hopper's")
+@pytest.mark.parametrize("which,ranges", [(0, [(300, 700)]), (4, [(5, 30), (3, 37)]),
+                                          (9, [(2, 9), (0, 12), (4, 11)])], ids=["1d", "2d", "3d"])
+def test_forward_tma_query_range(which, ranges):
+    """A query range (context parallelism, docs/context_parallel.md) on the TMA forward, the
+    queries outside it NaN: the rows inside are the whole grid's."""
+    case = TMA_FORWARD_CASES[which][0]
+    inputs, geo = build(case, torch.bfloat16, 81)
+    q, k, v, kx, vx = inputs
+    box = tuple(slice(b, e) for b, e in ranges)
+    outside = torch.ones(case[1], dtype=torch.bool, device="cuda")
+    outside[box] = False
+    q = q.clone()
+    q[:, outside] = float("nan")
+    ranged = (*geo[:6], [x for r in ranges for x in r])
+    ran = cuda_kernels(lambda: ops.na_forward(q, k, v, kx, vx, NO_RPB, *ranged))
+    assert tma_forward_ran(ran), ran
+    out, lse = ops.na_forward(q, k, v, kx, vx, NO_RPB, *ranged)
+    ref_out, ref_lse = reference(inputs, geo, case[0])
+    sel = (slice(None), *box)
+    check("out", out[sel], ref_out[sel], torch.bfloat16, case)
+    check("lse", lse[sel], ref_lse[sel], torch.bfloat16, case)
+
+
 def test_forward_tma_not_on_broadcast_keys():
     """K and V broadcast over the batch (step 0, which a tensor map cannot take): the forward
     takes another kernel and is still right."""
