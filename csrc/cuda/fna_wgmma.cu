@@ -73,34 +73,14 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     if (BIAS) stage_bias_table(tabs, tile_bias<RANK>::table(g, a.rpb, C.h), g.rpb_entries, tid, THREADS);
     const int brow[1][2] = {{tile_bias<RANK>::row(g, iq[0]), tile_bias<RANK>::row(g, iq[1])}};
 
-    float o[1][HD / 8][4];
-#pragma unroll
-    for (int i = 0; i < HD / 8; ++i) o[0][i][0] = o[0][i][1] = o[0][i][2] = o[0][i][3] = 0.f;
-    float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
+    // O += P V of the previous tile runs while this tile's softmax does (wg_forward_state): V in
+    // the previous tile's stage (the ring loads one tile ahead of three stages, so that stage is
+    // not reloaded before the next barrier); no tile is skipped, and the first tile's "previous"
+    // P V is P = 0 on its own V
+    wg_forward_state<T, HD, BN> F;
     const float sl2 = P.scale_log2;
     const uint32_t q_base = smem_u32(Qs) + wg * 64 * 128;  /* this warpgroup's 64 rows */
-
-    // O += P V of the previous tile runs while this tile's softmax does: P in registers, V in the
-    // previous tile's stage (the ring loads one tile ahead of three stages, so that stage is not
-    // reloaded before the next barrier). Every wgmma is issued on every tile, outside any branch
-    // (ptxas serialises wgmma it cannot prove warpgroup-uniform): no tile is skipped, and the
-    // first tile's "previous" P V is P = 0 on its own V.
-    uint32_t pf[BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) pf[kk][0] = pf[kk][1] = pf[kk][2] = pf[kk][3] = 0u;
     uint32_t pv_stage = smem_u32(Vs);
-    auto issue_pv = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint64_t vd = gmma_desc(pv_stage, kk * 16 * 128, BN * 128, 1024);
-            wgmma_op<T, HD>::rs_bt(&o[0][0][0], pf[kk], vd, 1);
-        }
-        wgmma_commit();
-    };
-    auto pv_done = [&]() {  /* after the wait: P and O may be touched again */
-        fence_regs(pf);
-        fence_regs(o[0]);
-    };
 
     // Each warp holds its Q rows as A fragments (m16 x k16 per k-step), so that S = Q K^T reads
     // only K from shared memory. One warpgroup's m64n32k16 would read 3 KB of shared memory (Q's
@@ -136,7 +116,7 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
             }
         }
         wgmma_commit();
-        issue_pv();
+        F.issue_pv(pv_stage);
 
         // meanwhile: is the tile inside every row's window of the warpgroup (no mask)? With row
         // masks: does every key of the tile hold all 16 rows of the warp?
@@ -151,22 +131,20 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
 
         float corr[1][2];
         const bool rescale = fwd_softmax_tile<1, BN, RANK, BIAS ? BIAS_STAGED : BIAS_NONE, RMASK>(
-            g, sc, m, l, corr, full, win, kct, wst, wen, rvalid, sl2, cq, tabs, brow, kmt, Masks::row_bit(w, lane));
+            g, sc, F.m, F.l, corr, full, win, kct, wst, wen, rvalid, sl2, cq, tabs, brow, kmt, Masks::row_bit(w, lane));
         wgmma_wait<0>();
-        pv_done();
-        if (rescale) fwd_rescale<1, HD>(o, corr);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(pf[kk], sc[0][2 * kk], sc[0][2 * kk + 1]);
+        F.pv_done();
+        F.take_p(sc, rescale, corr);
         pv_stage = v_base;
     }
     wgmma_fence();
-    issue_pv();  /* the last tile's (with no tile, P = 0) */
+    F.issue_pv(pv_stage);  /* the last tile's (with no tile, P = 0) */
     wgmma_wait<0>();
-    pv_done();
+    F.pv_done();
     cp_async_wait<0>();
     __syncthreads();  /* both warpgroups' wgmma reads of Qs are done before it stages O */
 
-    fwd_store<T, 1, HD>(g, a, C.grp, C.b, C.h, o, m, l, Qs, w * 16, lane, row_coords, my_row);
+    fwd_store<T, 1, HD>(g, a, C.grp, C.b, C.h, F.o, F.m, F.l, Qs, w * 16, lane, row_coords, my_row);
 #endif
 }
 

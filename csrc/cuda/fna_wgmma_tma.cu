@@ -157,31 +157,13 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
     C.box_inside(g, wg, ilo, ihi);
     const int brow[1][2] = {{0, 0}};
 
-    float o[1][HD / 8][4];
-#pragma unroll
-    for (int i = 0; i < HD / 8; ++i) o[0][i][0] = o[0][i][1] = o[0][i][2] = o[0][i][3] = 0.f;
-    float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
     const float sl2 = P.scale_log2;
     const uint32_t q_base = smem_u32(Qs) + wg * 64 * 128;  /* this warpgroup's 64 rows */
 
     // O += P V of the previous tile (the first tile's: P = 0 on its own V) runs while this
     // tile's softmax does, as in fna_wgmma.cu
-    uint32_t pf[BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) pf[kk][0] = pf[kk][1] = pf[kk][2] = pf[kk][3] = 0u;
+    wg_forward_state<T, HD, BN> F;
     uint32_t pv_stage = smem_u32(v_stage(0));
-    auto issue_pv = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint64_t vd = gmma_desc(pv_stage, kk * 16 * 128, BN * 128, 1024);
-            wgmma_op<T, HD>::rs_bt(&o[0][0][0], pf[kk], vd, 1);
-        }
-        wgmma_commit();
-    };
-    auto pv_done = [&]() {
-        fence_regs(pf);
-        fence_regs(o[0]);
-    };
     // the turn: warpgroup 0 issues first
     const int my_turn = TMA_BAR_TURN + wg, next_turn = TMA_BAR_TURN + 1 - wg;
     if (wg == 1) named_arrive(TMA_BAR_TURN, CONSUMERS);
@@ -199,7 +181,7 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) wgmma_score_step<T, BN, BM, BN>(sc[0], q_base, k_base, kk, kk > 0);
         wgmma_commit();
-        issue_pv();
+        F.issue_pv(pv_stage);
         named_arrive(next_turn, CONSUMERS);
 
         // meanwhile: which of the tile's rows each thread row sees on the leading axes, and
@@ -230,24 +212,22 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
 
         float corr[1][2];
         const bool rescale = fwd_softmax_tile<1, BN, RANK, BIAS_NONE, false, RS>(
-            g, sc, m, l, corr, full, true, nullptr, wst, wen, rvalid, sl2, cq, nullptr, brow, nullptr, 0, key0, lead);
+            g, sc, F.m, F.l, corr, full, true, nullptr, wst, wen, rvalid, sl2, cq, nullptr, brow, nullptr, 0, key0, lead);
         wgmma_wait<0>();
-        pv_done();
+        F.pv_done();
         if (t > 0 && lane == 0) mbar_arrive(v_empty(pt % VST));
-        if (rescale) fwd_rescale<1, HD>(o, corr);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(pf[kk], sc[0][2 * kk], sc[0][2 * kk + 1]);
+        F.take_p(sc, rescale, corr);
         pv_stage = smem_u32(v_stage(t % VST));
     }
     mbar_wait(v_full((tiles - 1) % VST), ((tiles - 1) / VST) & 1);
     if (wg == 0) named_sync(TMA_BAR_TURN, CONSUMERS);  /* warpgroup 1's last turn */
     wgmma_fence();
-    issue_pv();  /* the last tile's */
+    F.issue_pv(pv_stage);  /* the last tile's */
     wgmma_wait<0>();
-    pv_done();
+    F.pv_done();
     named_sync(TMA_BAR_CONSUMERS, CONSUMERS);  /* both warpgroups' wgmma reads of Qs are done before it stages O */
 
-    fwd_store<T, 1, HD>(g, a, C.grp, C.b, C.h, o, m, l, Qs, w * 16, lane, row_coords, my_row, TMA_BAR_CONSUMERS,
+    fwd_store<T, 1, HD>(g, a, C.grp, C.b, C.h, F.o, F.m, F.l, Qs, w * 16, lane, row_coords, my_row, TMA_BAR_CONSUMERS,
                         CONSUMERS);
 #endif
 }

@@ -497,7 +497,8 @@ __device__ __forceinline__ bool fwd_softmax_tile(const nbhd_geometry &g, float (
                                                  const uint32_t *kmw = nullptr, int rbit = 0, int key0 = 0,
                                                  uint32_t lead = 0) {
     static_assert(!ROWMASK || (MB == 1 && BIAS == BIAS_NONE), "row masks: one m-block, no bias");
-    static_assert(!ROW_KEYS || (ROW_KEYS % 8 == 0 && BN % ROW_KEYS == 0 && !ROWMASK && BIAS == BIAS_NONE),
+    static_assert(!ROW_KEYS || (ROW_KEYS % 8 == 0 && BN % (ROW_KEYS ? ROW_KEYS : 1) == 0 && !ROWMASK &&
+                                BIAS == BIAS_NONE),
                   "rows of keys: whole 8-key blocks, no bias");
     float mx[MB][2];
 #pragma unroll

@@ -535,6 +535,46 @@ __device__ __forceinline__ void wgmma_score_pair(float (&d1)[BN / 8][4], uint32_
     wgmma_commit();
 }
 
+/* A forward warpgroup's state over its key tiles (fna_wgmma.cu, fna_wgmma_tma.cu): O, the
+ * online max m and sum l of its thread's two rows, and the previous tile's P as A fragments,
+ * whose O += P V runs on the tensor cores while the next tile's softmax does. Every wgmma is
+ * issued on every tile, outside any branch (ptxas serialises wgmma it cannot prove
+ * warpgroup-uniform): before the first tile P = 0. */
+template <typename T, int HD, int BN>
+struct wg_forward_state {
+    float o[1][HD / 8][4];
+    float m[1][2], l[1][2];
+    uint32_t pf[BN / 16][4];
+
+    __device__ __forceinline__ wg_forward_state() {
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) o[0][i][0] = o[0][i][1] = o[0][i][2] = o[0][i][3] = 0.f;
+        m[0][0] = m[0][1] = -INFINITY;
+        l[0][0] = l[0][1] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) pf[kk][0] = pf[kk][1] = pf[kk][2] = pf[kk][3] = 0u;
+    }
+    /* O += P V, V the tile of BN keys at shared address v; one commit group */
+    __device__ __forceinline__ void issue_pv(uint32_t v) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_op<T, HD>::rs_bt(&o[0][0][0], pf[kk], gmma_desc(v, kk * 16 * 128, BN * 128, 1024), 1);
+        wgmma_commit();
+    }
+    /* after the wait for P V: P and O may be touched again */
+    __device__ __forceinline__ void pv_done() {
+        fence_regs(pf);
+        fence_regs(o[0]);
+    }
+    /* after the tile's softmax (fwd_softmax_tile, leaving its P in sc): O rescaled where it
+     * asked, and P the next P V's A fragments */
+    __device__ __forceinline__ void take_p(const float (&sc)[1][BN / 8][4], bool rescale, const float (&corr)[1][2]) {
+        if (rescale) fwd_rescale<1, HD>(o, corr);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) a_frag_of<T>(pf[kk], sc[0][2 * kk], sc[0][2 * kk + 1]);
+    }
+};
+
 /* d (+)= A B^T (per warpgroup 64 x N, k = HD) as wgmma_score_step; accumulate 0: the first
  * k-step overwrites d. Not committed. */
 template <typename T, int HD, int N, int ROWS_A, int ROWS_B = N>
