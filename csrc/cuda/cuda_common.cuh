@@ -250,8 +250,9 @@ nbhd_cuda_device nbhd_cuda_device_facts(void);
 
 /* A pure function of its arguments. layout_ok: bit 0 (NBHD_LAYOUT_MMA), the tensors suit the
  * tensor-core kernels (the op's nbhd_cuda_mma_*_supported); bit 1 (NBHD_LAYOUT_TMA), K and V
- * also suit TMA's tensor maps (nbhd_cuda_tma_forward_fits); exec: use_reference, the requested tiles (already checked
- * against nbhd_cuda_tile_configs), kv_parallel and the workspace's alignment. */
+ * also suit TMA's tensor maps (nbhd_cuda_tma_forward_fits); exec: use_reference, the requested
+ * tiles (already checked against nbhd_cuda_tile_configs), kv_parallel and the workspace's
+ * alignment. */
 #define NBHD_LAYOUT_MMA 1
 #define NBHD_LAYOUT_TMA 2
 nbhd_cuda_choice nbhd_cuda_choose(const nbhd_geometry *g, nbhd_op op, const nbhd_exec *e, int layout_ok,

@@ -215,7 +215,8 @@ template <typename T, int HD>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, const nbhd_cuda_choice &c,
                           cudaStream_t st) {
     if (c.mb == 2 && c.bn == 64 && c.minb == (HD == 64 ? 2 : 1))
-        return c.tma ? nbhd_cuda_tma_forward(g, a, c.shape, st) : launch_ranks<T, HD, 64, HD == 64 ? 2 : 1, 2>(g, a, c.shape, st);
+        return c.tma ? nbhd_cuda_tma_forward(g, a, c.shape, st)
+                     : launch_ranks<T, HD, 64, HD == 64 ? 2 : 1, 2>(g, a, c.shape, st);
     if constexpr (HD == 128)
         if (c.mb == 1 && c.bn == 32 && c.minb == 3) return launch_ranks<T, HD, 32, 3, 1>(g, a, c.shape, st);
     return nbhd_cuda_no_kernel("wgmma forward", &c);

@@ -199,7 +199,8 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
                 for (int hrow = 0; hrow < 2; ++hrow) {
                     bool ok = true;
 #pragma unroll
-                    for (int ax = 0; ax < LAST; ++ax) ok = ok && lc[ax] >= wst[0][hrow][ax] && lc[ax] < wen[0][hrow][ax];
+                    for (int ax = 0; ax < LAST; ++ax)
+                        ok = ok && lc[ax] >= wst[0][hrow][ax] && lc[ax] < wen[0][hrow][ax];
                     lead |= (uint32_t)ok << (2 * r + hrow);
                 }
 #pragma unroll
@@ -212,7 +213,8 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
 
         float corr[1][2];
         const bool rescale = fwd_softmax_tile<1, BN, RANK, BIAS_NONE, false, RS>(
-            g, sc, F.m, F.l, corr, full, true, nullptr, wst, wen, rvalid, sl2, cq, nullptr, brow, nullptr, 0, key0, lead);
+            g, sc, F.m, F.l, corr, full, true, nullptr, wst, wen, rvalid, sl2, cq, nullptr, brow, nullptr, 0, key0,
+            lead);
         wgmma_wait<0>();
         F.pv_done();
         if (t > 0 && lane == 0) mbar_arrive(v_empty(pt % VST));
@@ -242,7 +244,8 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     if (!__atomic_load_n(&tried, __ATOMIC_ACQUIRE)) {
         void *p = nullptr;
         cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
             q != cudaDriverEntryPointSuccess)
             p = nullptr;
         cudaGetLastError();

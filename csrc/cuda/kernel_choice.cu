@@ -255,7 +255,8 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
     const nbhd_cuda_device dev = nbhd_cuda_device_facts();
     const bool two = large_patch_allowed(g, op, &dev);
     /* KV parallelism, and tensors that suit the TMA forward's maps: the defaults */
-    const int first = two && large_patch_default(g, op, true, tma_forward(g, op, NBHD_LAYOUT_TMA, &dev), &dev) ? 1 : 0;
+    const bool tma = tma_forward(g, op, NBHD_LAYOUT_TMA, &dev);
+    const int first = two && large_patch_default(g, op, true, tma, &dev) ? 1 : 0;
     const int32_t count = two ? 2 : 1;
     for (int i = 0; i < count && i < max; ++i) {
         const int which = i == 0 ? first : 1 - first;
