@@ -8,7 +8,11 @@ queries, so both its real pairs and its union box factor over the axes:
   computed = prod_axes (patch queries on the axis) * |union of their windows|
 summed over every patch of the grid (border patches clipped to the grid). The patches are the
 CUDA kernels' (csrc/cuda/mma_util.cuh patch_*); the fast CPU kernels compute only real pairs on
-interior patches (docs/design.md §5.2), so they have no row here.
+interior patches (docs/design.md §5.2), so they have no row here. The last column is what the
+Hopper TMA forward computes on its 128-query patches (csrc/cuda/fna_wgmma_tma.cu): in 1-D runs
+of 128 keys; in 2-D and 3-D tiles of R rows of RS keys along the last axis, RS the first row
+width of TMA_ROWS that holds the widest union there, so that keys past a patch's union count
+as computed too.
 
     python bench/union_efficiency.py
 """
@@ -35,6 +39,35 @@ def axis_totals(L, K, s, n):
     return useful, computed
 
 
+def axis_patches(L, K, s, n):
+    """[(queries, union start, union end, useful)] of the patches of n queries along one axis."""
+    out = []
+    for p0 in range(0, L, n):
+        rows = [window(L, K, s, False, i) for i in range(p0, min(p0 + n, L))]
+        out.append((len(rows), min(b for b, _ in rows), max(e for _, e in rows), sum(e - b for b, e in rows)))
+    return out
+
+
+TMA_ROWS = [(24, 4), (32, 4), (48, 2), (64, 2), (80, 1), (96, 1), (128, 1)]  # fna_wgmma_tma.cu
+
+
+def tma_efficiency(extent, kernel, stride, patch):
+    """Useful share of what the TMA forward computes (module docstring)."""
+    axes = [axis_patches(L, K, s, n) for L, K, s, n in zip(extent, kernel, stride, patch)]
+    useful = 1
+    for a in axes:
+        useful *= sum(u for *_, u in a)
+    if len(axes) == 1:
+        return useful / sum(q * -(-(e - b) // 128) * 128 for q, b, e, _ in axes[0])
+    width = max(e - b for _, b, e, _ in axes[-1])
+    rs, r = next(c for c in TMA_ROWS if width <= c[0])
+    lead = [(1, 1)]  # (queries, rows) over the combinations of leading-axis patches
+    for a in axes[:-1]:
+        lead = [(q0 * q, n0 * (e - b)) for q0, n0 in lead for q, b, e, _ in a]
+    computed = sum(q0 * q * -(-n0 // r) * r * rs for q0, n0 in lead for q, *_ in axes[-1])
+    return useful / computed
+
+
 def efficiency(extent, kernel, stride, patch):
     useful = computed = 1
     for L, K, s, n in zip(extent, kernel, stride, patch):
@@ -50,6 +83,9 @@ PROBLEMS = [  # name, extent, kernel, stride
     ("2-D 56x56, window 7x7", (56, 56), (7, 7), (1, 1)),
     ("3-D 16x32x32, window 7x7x7", (16, 32, 32), (7, 7, 7), (1, 1, 1)),
     ("3-D 8x24x24, window 5x5x5", (8, 24, 24), (5, 5, 5), (1, 1, 1)),
+    ("2-D 256x256, window 80x80", (256, 256), (80, 80), (1, 1)),
+    ("2-D 256x256, window 80x80, stride 16x16", (256, 256), (80, 80), (16, 16)),
+    ("3-D 30x48x80, window 18x24x24", (30, 48, 80), (18, 24, 24), (1, 1, 1)),
     ("3-D 30x48x80, window 18x24x24, stride 16x8x8", (30, 48, 80), (18, 24, 24), (16, 8, 8)),
 ]
 PATCHES = [  # name, patch per rank (1-D, 2-D, 3-D)
@@ -60,10 +96,11 @@ PATCHES = [  # name, patch per rank (1-D, 2-D, 3-D)
 
 
 def main():
-    print("useful share of the products over each patch's exact union box")
-    print(f"{'problem':48s}" + "".join(f"{name:>26s}" for name, _ in PATCHES))
+    print("useful share of the products over each patch's exact union box (last: the TMA forward's tiles)")
+    print(f"{'problem':48s}" + "".join(f"{name:>26s}" for name, _ in PATCHES) + f"{'TMA rows, 128 queries':>26s}")
     for name, ext, ks, st in PROBLEMS:
         cells = [efficiency(ext, ks, st, shapes[len(ext) - 1]) for _, shapes in PATCHES]
+        cells.append(tma_efficiency(ext, ks, st, PATCHES[0][1][len(ext) - 1]))
         print(f"{name:48s}" + "".join(f"{100 * c:25.0f}%" for c in cells))
 
 
