@@ -29,16 +29,6 @@ def window(L, K, s, causal, i):
     return start, start + K
 
 
-def axis_totals(L, K, s, n):
-    """(useful, computed) summed over the patches of n queries along one axis."""
-    useful = computed = 0
-    for p0 in range(0, L, n):
-        rows = [window(L, K, s, False, i) for i in range(p0, min(p0 + n, L))]
-        useful += sum(e - b for b, e in rows)
-        computed += len(rows) * (max(e for _, e in rows) - min(b for b, _ in rows))
-    return useful, computed
-
-
 def axis_patches(L, K, s, n):
     """[(queries, union start, union end, useful)] of the patches of n queries along one axis."""
     out = []
@@ -66,6 +56,12 @@ def tma_efficiency(extent, kernel, stride, patch):
         lead = [(q0 * q, n0 * (e - b)) for q0, n0 in lead for q, b, e, _ in a]
     computed = sum(q0 * q * -(-n0 // r) * r * rs for q0, n0 in lead for q, *_ in axes[-1])
     return useful / computed
+
+
+def axis_totals(L, K, s, n):
+    """(useful, computed) summed over the patches of n queries along one axis."""
+    patches = axis_patches(L, K, s, n)
+    return sum(u for *_, u in patches), sum(q * (e - b) for q, b, e, _ in patches)
 
 
 def efficiency(extent, kernel, stride, patch):

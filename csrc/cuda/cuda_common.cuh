@@ -302,8 +302,9 @@ nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_a
                                     const nbhd_cuda_choice *c, cudaStream_t stream);
 /* fna_wgmma_tma.cu: the Hopper forward on 128-query patches pipelined by TMA loads, a producer
  * warp and two consumer warpgroups taking turns; where it applies (no dilation, extra keys or
- * bias, D = Dv = 128, in 2-D and 3-D unions at most 128 keys wide on the last axis) and K and V
- * suit its tensor maps (fits); shape: the 3-D m-block as for fna_wgmma.cu */
+ * bias, D = Dv = 128, in 2-D and 3-D unions at most 128 keys wide on the last axis: applies) and
+ * where K and V suit its tensor maps (fits: the tensors alone); shape: the 3-D m-block as for
+ * fna_wgmma.cu */
 int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g);
 int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *a);
 nbhd_status nbhd_cuda_tma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, int shape,

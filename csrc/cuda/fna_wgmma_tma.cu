@@ -48,11 +48,19 @@ __host__ __device__ constexpr size_t tma_forward_smem(int HD) {
            8 * 2 * (TMA_K_STAGES + TMA_V_STAGES);
 }
 
-/* The union's rows and tiles: in 1-D a tile is a run of BN keys (RS = BN, R = 1); in 2-D and 3-D
- * R rows of RS keys along the last axis (RS at least the union's extent there, kernel-wide), row
- * i of the union's leading axes row-major. */
-template <int RANK>
+/* The union's rows and tiles: in 1-D a tile is a run of RS keys (R = 1); in 2-D and 3-D R rows
+ * of RS keys along the last axis (RS at least the union's extent there, kernel-wide), row i of
+ * the union's leading axes row-major. */
+template <int RANK, int RS, int R>
 struct tma_rows {
+    static __device__ __forceinline__ int tiles(const key_box &kb) {
+        const int rows = RANK == 1 ? kb.total : RANK == 2 ? kb.cnt[0] : kb.cnt[0] * kb.cnt[1];
+        return (rows + (RANK == 1 ? RS : R) - 1) / (RANK == 1 ? RS : R);
+    }
+    /* the last-axis coordinate of tile t's first key (of every row's in 2-D and 3-D) */
+    static __device__ __forceinline__ int first_key(const key_box &kb, int t) {
+        return RANK == 1 ? kb.lo[0] + t * RS : kb.lo[RANK - 1];
+    }
     /* leading in-group coordinates of row i (RANK - 1 of them) */
     static __device__ __forceinline__ void lead(const key_box &kb, int i, int (&c)[3]) {
         if (RANK == 2) {
@@ -62,9 +70,6 @@ struct tma_rows {
             c[0] = kb.lo[0] + (int)q;
             c[1] = kb.lo[1] + (i - (int)q * kb.cnt[1]);
         }
-    }
-    static __device__ __forceinline__ int count(const key_box &kb) {
-        return RANK == 1 ? 1 : RANK == 2 ? kb.cnt[0] : kb.cnt[0] * kb.cnt[1];
     }
 };
 
@@ -93,8 +98,9 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = warp_uniform(w >> 2);
     wg_cta<RANK, 2, SHAPE> C;
     if (!C.place_queries(g, P, BN)) return;  /* uniform over the CTA */
+    using Rows = tma_rows<RANK, RS, R>;
     const key_box kb = C.kb;
-    const int tiles = RANK == 1 ? C.tiles : (tma_rows<RANK>::count(kb) + R - 1) / R;
+    const int tiles = Rows::tiles(kb);
     if (tid == 0) {
         for (int s = 0; s < KST; ++s) mbar_init(k_full(s), 1), mbar_init(k_empty(s), CONSUMERS / 32);
         for (int s = 0; s < VST; ++s) mbar_init(v_full(s), 1), mbar_init(v_empty(s), CONSUMERS / 32);
@@ -114,8 +120,8 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     int lc[3] = {0, 0, 0};
-                    tma_rows<RANK>::lead(kb, t * R + r, lc);
-                    const int key = RANK == 1 ? kb.lo[0] + t * BN : kb.lo[LAST];
+                    Rows::lead(kb, t * R + r, lc);
+                    const int key = Rows::first_key(kb, t);
 #pragma unroll
                     for (int c = 0; c < HD / 64; ++c) {
                         const uint32_t dst = smem_u32(stage + c * BN * 64 + r * RS * 64);
@@ -186,7 +192,7 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
 
         // meanwhile: which of the tile's rows each thread row sees on the leading axes, and
         // whether the whole tile lies inside every row's window of the warpgroup (no mask)
-        const int key0 = RANK == 1 ? kb.lo[0] + t * BN : kb.lo[LAST];
+        const int key0 = Rows::first_key(kb, t);
         uint32_t lead = 3u;
         bool full = key0 >= ilo[LAST] && key0 + RS <= ihi[LAST];
         if constexpr (RANK > 1) {
@@ -194,7 +200,7 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 int lc[3];
-                tma_rows<RANK>::lead(kb, t * R + r, lc);
+                Rows::lead(kb, t * R + r, lc);
 #pragma unroll
                 for (int hrow = 0; hrow < 2; ++hrow) {
                     bool ok = true;
@@ -272,9 +278,10 @@ static int64_t union_width(const nbhd_axis *a, int ct) {
 
 /* rows of a 2-D or 3-D tile: (keys per row, rows per tile) for unions up to 128 keys wide along
  * the last axis, the first whose rows hold the union */
-static const int TMA_ROWS[][2] = {{24, 4}, {32, 4}, {48, 2}, {64, 2}, {80, 1}, {96, 1}, {128, 1}};
+static constexpr int TMA_ROWS[][2] = {{24, 4}, {32, 4}, {48, 2}, {64, 2}, {80, 1}, {96, 1}, {128, 1}};
+static constexpr int TMA_ROW_CONFIGS = (int)(sizeof TMA_ROWS / sizeof TMA_ROWS[0]);
 static int tma_row_config(int64_t width) {
-    for (int i = 0; i < (int)(sizeof TMA_ROWS / sizeof TMA_ROWS[0]); ++i)
+    for (int i = 0; i < TMA_ROW_CONFIGS; ++i)
         if (width <= TMA_ROWS[i][0]) return i;
     return -1;
 }
@@ -344,8 +351,8 @@ int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g) {
 int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *a) {
     const int rank = mma_rank_of(g);
     kv_map_layout m;
-    return nbhd_cuda_tma_forward_applies(g) && kv_map_shape(a->k, g, rank, 64, &m) &&
-           kv_map_shape(a->v, g, rank, 64, &m) && tensor_map_encoder() != nullptr;
+    return kv_map_shape(a->k, g, rank, 64, &m) && kv_map_shape(a->v, g, rank, 64, &m) &&
+           tensor_map_encoder() != nullptr;
 }
 
 template <typename T, int RANK, int SHAPE, int RS, int R>
@@ -358,6 +365,18 @@ static nbhd_status launch_rows(const nbhd_geometry *g, const nbhd_forward_args *
                             384, tma_forward_smem(128), "TMA forward", st, *g, *a, P, kmap, vmap);
 }
 
+/* the kernel of TMA_ROWS[config] */
+template <typename T, int RANK, int SHAPE, int I = 0>
+static nbhd_status launch_row_config(int config, const nbhd_geometry *g, const nbhd_forward_args *a,
+                                     const mma_plan &P, cudaStream_t st) {
+    if constexpr (I == TMA_ROW_CONFIGS) {
+        return nbhd_fail(NBHD_ERR_UNSUPPORTED, "TMA forward: a union wider than 128 keys on the last axis");
+    } else {
+        if (config == I) return launch_rows<T, RANK, SHAPE, TMA_ROWS[I][0], TMA_ROWS[I][1]>(g, a, P, st);
+        return launch_row_config<T, RANK, SHAPE, I + 1>(config, g, a, P, st);
+    }
+}
+
 template <typename T>
 static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, int shape, cudaStream_t st) {
     return with_patch<2>(g, shape, [&](auto rank, auto shape_c, const mma_plan &P) -> nbhd_status {
@@ -365,16 +384,8 @@ static nbhd_status launch(const nbhd_geometry *g, const nbhd_forward_args *a, in
         if constexpr (RANK == 1) {
             return launch_rows<T, 1, SHAPE, 128, 1>(g, a, P, st);
         } else {
-            switch (tma_row_config(union_width(&g->axis[RANK - 1], P.ct[RANK - 1]))) {
-            case 0: return launch_rows<T, RANK, SHAPE, 24, 4>(g, a, P, st);
-            case 1: return launch_rows<T, RANK, SHAPE, 32, 4>(g, a, P, st);
-            case 2: return launch_rows<T, RANK, SHAPE, 48, 2>(g, a, P, st);
-            case 3: return launch_rows<T, RANK, SHAPE, 64, 2>(g, a, P, st);
-            case 4: return launch_rows<T, RANK, SHAPE, 80, 1>(g, a, P, st);
-            case 5: return launch_rows<T, RANK, SHAPE, 96, 1>(g, a, P, st);
-            case 6: return launch_rows<T, RANK, SHAPE, 128, 1>(g, a, P, st);
-            }
-            return nbhd_fail(NBHD_ERR_UNSUPPORTED, "TMA forward: a union wider than 128 keys on the last axis");
+            return launch_row_config<T, RANK, SHAPE>(
+                tma_row_config(union_width(&g->axis[RANK - 1], P.ct[RANK - 1])), g, a, P, st);
         }
     });
 }

@@ -618,7 +618,14 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[MB][HD / 8][4], const flo
         }
 }
 
-/* named barrier id (1..15) over `threads` threads: whether any of them had pred */
+/* named barrier id (1..15; 0 is __syncthreads') over `threads` threads: sync waits, arrive only
+ * counts, sync_or also tells whether any of them had pred */
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ bool named_sync_or(int id, int threads, bool pred) {
     int any;
     asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"

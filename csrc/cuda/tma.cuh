@@ -1,8 +1,8 @@
 /*
  * tma.cuh — inline-PTX helpers of the Hopper (sm_90a) pipelined kernels (fna_wgmma_tma.cu): the
  * tensor memory accelerator's tile loads (cp.async.bulk.tensor) completing on shared-memory
- * mbarriers, the mbarriers themselves, named barriers for a subset of a CTA's warps, and
- * setmaxnreg (PTX ISA: "Tensor Copy", "mbarrier", "bar", "setmaxnreg").
+ * mbarriers, the mbarriers themselves and setmaxnreg (PTX ISA: "Tensor Copy", "mbarrier",
+ * "setmaxnreg"); named barriers over some of a CTA's warps are mma_util.cuh's (named_sync).
  *
  * A stage of a ring has two mbarriers: `full` (one arrival, the producer's arrive.expect_tx, plus
  * the bytes its TMA loads deliver) and `empty` (one arrival per consumer warp once its reads of
@@ -61,15 +61,6 @@ __device__ __forceinline__ void tma_load_5d(uint32_t dst, const void *map, int c
 }
 __device__ __forceinline__ void tma_prefetch_map(const void *map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
-}
-
-/* named barrier `id` (1..15; 0 is __syncthreads') over `threads` threads: sync waits, arrive
- * only counts */
-__device__ __forceinline__ void named_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 /* every warp of a warpgroup: this warpgroup's registers per thread become N */
