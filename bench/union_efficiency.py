@@ -12,7 +12,8 @@ interior patches (docs/design.md §5.2), so they have no row here. The last colu
 Hopper TMA forward computes on its 128-query patches (csrc/cuda/fna_wgmma_tma.cu): in 1-D runs
 of 128 keys; in 2-D and 3-D tiles of R rows of RS keys along the last axis, RS the first row
 width of TMA_ROWS that holds the widest union there, so that keys past a patch's union count
-as computed too.
+as computed too; each of its two warpgroups (the halves of the patch along the first axis)
+computes the tiles that hold its own union's rows.
 
     python bench/union_efficiency.py
 """
@@ -38,23 +39,44 @@ def axis_patches(L, K, s, n):
     return out
 
 
-TMA_ROWS = [(24, 4), (32, 4), (48, 2), (64, 2), (80, 1), (96, 1), (128, 1)]  # fna_wgmma_tma.cu
+TMA_ROWS = [(16, 8), (24, 4), (32, 4), (48, 2), (64, 2), (80, 1), (96, 1), (128, 1)]  # fna_wgmma_tma.cu
+
+
+def first_axis_halves(L, K, s, n):
+    """[(union start, union end, [(queries, start, end) per warpgroup])] of the patches of n
+    queries along the first axis, each split into two warpgroups' halves of n / 2."""
+    out = []
+    for p0 in range(0, L, n):
+        rows = [window(L, K, s, False, i) for i in range(p0, min(p0 + n, L))]
+        halves = [rows[h:h + n // 2] for h in range(0, len(rows), n // 2)]
+        out.append((min(b for b, _ in rows), max(e for _, e in rows),
+                    [(len(h), min(b for b, _ in h), max(e for _, e in h)) for h in halves]))
+    return out
 
 
 def tma_efficiency(extent, kernel, stride, patch):
-    """Useful share of what the TMA forward computes (module docstring)."""
+    """Useful share of what the TMA forward computes (module docstring): each warpgroup the tiles
+    from the one holding its half's first union row along the first axis to the one holding
+    its last."""
     axes = [axis_patches(L, K, s, n) for L, K, s, n in zip(extent, kernel, stride, patch)]
     useful = 1
     for a in axes:
         useful *= sum(u for *_, u in a)
+    first = first_axis_halves(extent[0], kernel[0], stride[0], patch[0])
     if len(axes) == 1:
-        return useful / sum(q * -(-(e - b) // 128) * 128 for q, b, e, _ in axes[0])
+        return useful / sum(q * (-(-(e - lo) // 128) - (b - lo) // 128) * 128
+                            for lo, _, halves in first for q, b, e in halves)
     width = max(e - b for _, b, e, _ in axes[-1])
     rs, r = next(c for c in TMA_ROWS if width <= c[0])
-    lead = [(1, 1)]  # (queries, rows) over the combinations of leading-axis patches
-    for a in axes[:-1]:
-        lead = [(q0 * q, n0 * (e - b)) for q0, n0 in lead for q, b, e, _ in a]
-    computed = sum(q0 * q * -(-n0 // r) * r * rs for q0, n0 in lead for q, *_ in axes[-1])
+    middle = axes[1] if len(axes) == 3 else [(1, 0, 1, 0)]  # rows per first-axis coordinate: e - b
+    computed = 0
+    for lo, hi, halves in first:
+        for q1, b1, e1, _ in middle:
+            unit = e1 - b1
+            tiles = -(-(hi - lo) * unit // r)
+            for q0, b, e in halves:
+                walked = min(tiles, -(-(e - lo) * unit // r)) - (b - lo) * unit // r
+                computed += q0 * q1 * sum(q for q, *_ in axes[-1]) * walked * r * rs
     return useful / computed
 
 

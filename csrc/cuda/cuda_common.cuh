@@ -269,8 +269,10 @@ int32_t nbhd_cuda_tile_configs(const nbhd_geometry *g, int32_t rank, nbhd_op op,
  * axis 0) walk less where their patches cut the windows least (e.g. not 8 deep along a strided
  * time axis whose stride groups' windows overlap, or along 30 frames): 1, order[i] = the
  * problem axis the kernels see as axis i and *shape the 3-D m-block (mma_util.cuh patch_wt)
- * where another order or shape walks clearly less, else 0, the identity and 1x4x4. */
-int nbhd_cuda_patch_shape(const nbhd_geometry *g, nbhd_op op, int order[3], int *shape);
+ * where another order or shape walks clearly less, else 0, the identity and 1x4x4. rows: the
+ * TMA forward's walk (whole rows of nbhd_cuda_tma_row_keys keys along the last axis, each
+ * warpgroup the union of its half of the first). */
+int nbhd_cuda_patch_shape(const nbhd_geometry *g, nbhd_op op, bool rows, int order[3], int *shape);
 
 /* keys in a query's window (padded axes have kernel 1) */
 static inline int64_t nbhd_cuda_window_keys(const nbhd_geometry *g) {
@@ -306,6 +308,8 @@ nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_a
  * where K and V suit its tensor maps (fits: the tensors alone); shape: the 3-D m-block as for
  * fna_wgmma.cu */
 int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g);
+/* the keys of the TMA forward's tile rows for a union `width` keys wide on the last axis; -1 past 128 */
+int nbhd_cuda_tma_row_keys(int64_t width);
 int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *a);
 nbhd_status nbhd_cuda_tma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, int shape,
                                   cudaStream_t stream);

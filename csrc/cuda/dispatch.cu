@@ -127,7 +127,7 @@ static nbhd_status on_patches(const nbhd_geometry *g, nbhd_op op, const Args *a,
     int order[3];
     nbhd_cuda_choice pc = c;
     if (c.family != NBHD_CUDA_WGMMA || c.mb != 2 || g->rpb || tiles_requested(e) ||
-        !nbhd_cuda_patch_shape(g, op, order, &pc.shape))
+        !nbhd_cuda_patch_shape(g, op, c.tma, order, &pc.shape))
         return run(g, a, &c);
     const nbhd_geometry pg = permuted_geometry(g, order);
     Args pa = *a;

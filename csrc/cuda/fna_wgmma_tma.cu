@@ -17,9 +17,11 @@
  *    and O += P V of tile t - 1 issued together, the softmax of S while P V runs. Between them
  *    two named barriers pass the turn: a warpgroup issues its products only after the other
  *    has issued its own, so one's softmax overlaps the other's products. A consumer warp
- *    releases a K stage once its S is done and a V stage once its P V is.
+ *    releases a K stage once its S is done and a V stage once its P V is. The warpgroups split
+ *    the patch along its first axis, so each computes only the tiles that hold a row of its
+ *    own union there (box_union0); the other's tiles it frees and passes the turn on.
  * Tiles: in 1-D a run of 128 tokens; in 2-D and 3-D R rows of RS keys along the last axis
- * (tma_rows), RS at least the union's extent there (TMA_ROWS: 24 to 128), so that a row is one
+ * (tma_rows), RS at least the union's extent there (TMA_ROWS: 16 to 128), so that a row is one
  * box. Keys past the grid come as zeros, keys past the union are masked like every key outside a
  * row's window (fwd_softmax_tile with ROW_KEYS: the last-axis coordinate and a bit per row for
  * the leading axes), so the tiles need no coordinate table.
@@ -166,17 +168,40 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
     const float sl2 = P.scale_log2;
     const uint32_t q_base = smem_u32(Qs) + wg * 64 * 128;  /* this warpgroup's 64 rows */
 
-    // O += P V of the previous tile (the first tile's: P = 0 on its own V) runs while this
-    // tile's softmax does, as in fna_wgmma.cu
-    wg_forward_state<T, HD, BN> F;
-    uint32_t pv_stage = smem_u32(v_stage(0));
+    // This warpgroup's tiles [t_lo, t_hi): those holding a row of its windows' union along the
+    // first axis, on which the warpgroups split the patch (small windows: about half the
+    // patch's tiles each). A tile of the other's it only passes on: it frees the tile's stages
+    // once loaded (so no empty barrier runs a phase ahead) and passes the turn.
+    int t_lo = 0, t_hi = 0;
+    {
+        int ulo, uhi;
+        C.box_union0(g, wg, ulo, uhi);
+        if (ulo < uhi) {
+            const int unit = RANK == 3 ? kb.cnt[1] : 1, per = RANK == 1 ? RS : R;
+            t_lo = max(ulo - kb.lo[0], 0) * unit / per;
+            t_hi = min(tiles, ((min(uhi, kb.lo[0] + kb.cnt[0]) - kb.lo[0]) * unit + per - 1) / per);
+        }
+        t_lo = warp_uniform(t_lo), t_hi = warp_uniform(max(t_hi, t_lo));
+    }
     // the turn: warpgroup 0 issues first
     const int my_turn = TMA_BAR_TURN + wg, next_turn = TMA_BAR_TURN + 1 - wg;
     if (wg == 1) named_arrive(TMA_BAR_TURN, CONSUMERS);
+    auto pass = [&](int t) {
+        mbar_wait(k_full(t % KST), (t / KST) & 1);
+        mbar_wait(v_full(t % VST), (t / VST) & 1);
+        if (lane == 0) mbar_arrive(k_empty(t % KST)), mbar_arrive(v_empty(t % VST));
+        named_sync(my_turn, CONSUMERS);
+        named_arrive(next_turn, CONSUMERS);
+    };
+    for (int t = 0; t < t_lo; ++t) pass(t);
 
-    for (int t = 0; t < tiles; ++t) {
+    // O += P V of the previous tile (the first tile's: P = 0 on its own V) runs while this
+    // tile's softmax does, as in fna_wgmma.cu
+    wg_forward_state<T, HD, BN> F;
+    uint32_t pv_stage = smem_u32(v_stage(t_lo % VST));
+    for (int t = t_lo; t < t_hi; ++t) {
         const int ks = t % KST;
-        const int pt = t > 0 ? t - 1 : 0;  /* the tile whose V the P V reads */
+        const int pt = t > t_lo ? t - 1 : t;  /* the tile whose V the P V reads */
         mbar_wait(k_full(ks), (t / KST) & 1);
         mbar_wait(v_full(pt % VST), (pt / VST) & 1);
         const uint32_t k_base = smem_u32(k_stage(ks));
@@ -223,16 +248,20 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
             lead);
         wgmma_wait<0>();
         F.pv_done();
-        if (t > 0 && lane == 0) mbar_arrive(v_empty(pt % VST));
+        if (t > t_lo && lane == 0) mbar_arrive(v_empty(pt % VST));
         F.take_p(sc, rescale, corr);
         pv_stage = smem_u32(v_stage(t % VST));
     }
-    mbar_wait(v_full((tiles - 1) % VST), ((tiles - 1) / VST) & 1);
+    if (t_hi > t_lo) {  /* the last tile's P V */
+        mbar_wait(v_full((t_hi - 1) % VST), ((t_hi - 1) / VST) & 1);
+        wgmma_fence();
+        F.issue_pv(pv_stage);
+        wgmma_wait<0>();
+        F.pv_done();
+        if (lane == 0) mbar_arrive(v_empty((t_hi - 1) % VST));
+    }
+    for (int t = t_hi; t < tiles; ++t) pass(t);
     if (wg == 0) named_sync(TMA_BAR_TURN, CONSUMERS);  /* warpgroup 1's last turn */
-    wgmma_fence();
-    F.issue_pv(pv_stage);  /* the last tile's */
-    wgmma_wait<0>();
-    F.pv_done();
     named_sync(TMA_BAR_CONSUMERS, CONSUMERS);  /* both warpgroups' wgmma reads of Qs are done before it stages O */
 
     fwd_store<T, 1, HD>(g, a, C.grp, C.b, C.h, F.o, F.m, F.l, Qs, w * 16, lane, row_coords, my_row, TMA_BAR_CONSUMERS,
@@ -278,12 +307,16 @@ static int64_t union_width(const nbhd_axis *a, int ct) {
 
 /* rows of a 2-D or 3-D tile: (keys per row, rows per tile) for unions up to 128 keys wide along
  * the last axis, the first whose rows hold the union */
-static constexpr int TMA_ROWS[][2] = {{24, 4}, {32, 4}, {48, 2}, {64, 2}, {80, 1}, {96, 1}, {128, 1}};
+static constexpr int TMA_ROWS[][2] = {{16, 8}, {24, 4}, {32, 4}, {48, 2}, {64, 2}, {80, 1}, {96, 1}, {128, 1}};
 static constexpr int TMA_ROW_CONFIGS = (int)(sizeof TMA_ROWS / sizeof TMA_ROWS[0]);
 static int tma_row_config(int64_t width) {
     for (int i = 0; i < TMA_ROW_CONFIGS; ++i)
         if (width <= TMA_ROWS[i][0]) return i;
     return -1;
+}
+int nbhd_cuda_tma_row_keys(int64_t width) {
+    const int i = tma_row_config(width);
+    return i < 0 ? -1 : TMA_ROWS[i][0];
 }
 
 /* K or V ([B, X, Y, Z, H, D] by its strides, f16/bf16) as a tensor map read in boxes of rs keys

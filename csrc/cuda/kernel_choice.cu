@@ -13,6 +13,7 @@
  * union of windows the kernels walk in row-major runs of 32 or 64 keys. The simple kernels have no tiles
  * (dispatch.cu refuses exec tiles for problems that would run on them).
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "mma_util.cuh"
@@ -106,7 +107,10 @@ static bool one_warpgroup(const nbhd_geometry *g, const nbhd_cuda_choice *c, con
  * one warpgroup's row masks too (2-D 256x256 w80 8.94 against 11.22 ms, 3-D 30x48x80
  * w18x24x24 34.3 against 41.1, stride 16 6.00 against 9.06, stride 16x8x8 18.5 against 25.8,
  * 1-D 32768 w2048 1.07 against 1.60; H200, bf16, 16 heads, bench/ab_gpu.py --dims 128, the
- * library before and after). */
+ * library before and after). Not on small windows, where one CTA per SM hides less of each
+ * patch's first loads and last stores than three one-warpgroup CTAs on 64-query patches: 2-D
+ * 64x64 w7 B8 0.372 against 0.297 ms, 128x128 w13 0.255 against 0.231, 3-D 16x32x32 w7^3 0.466
+ * against 0.398 (H200, the listed tiles of bench/ab_gpu.py --dims 128 --problems 2d-64,2d-128,3d-16). */
 static bool tma_forward(const nbhd_geometry *g, nbhd_op op, int layout_ok, const nbhd_cuda_device *dev) {
     return op == NBHD_OP_FORWARD && dev->wgmma && (layout_ok & NBHD_LAYOUT_TMA) && nbhd_cuda_tma_forward_applies(g);
 }
@@ -294,11 +298,30 @@ static double axis_walk(const nbhd_axis *a, int c, bool keys) {
     return walked;
 }
 
+/* The TMA forward's walk along the last axis: every patch position its depth times the row
+ * width of the widest span (one width per kernel); no order whose rows would pass 128 keys.
+ * Its queries' windows (no dilation there). With it, and its warpgroups' halves along the
+ * first axis, 3-D 30x48x80 w18x24x24 takes 8x2x8 along (h, t, w): 28.2 against 31.9 ms
+ * (H200, bf16, 16 heads, bench/ab_gpu.py --auto-only --dims 128 --problems 3d-30x48x80-w18,
+ * the library before and after). */
+static double row_walk(const nbhd_axis *a, int c) {
+    int64_t widest = 0, patches = 0;
+    for (int64_t i0 = 0; i0 < a->extent; i0 += c, ++patches) {
+        const int64_t i1 = (i0 + c < a->extent ? i0 + c : a->extent) - 1;
+        int64_t f0, c0, f1, c1;
+        nbhd_window(a, i0, &f0, &c0);
+        nbhd_window(a, i1, &f1, &c1);
+        if (f1 + c1 - f0 > widest) widest = f1 + c1 - f0;
+    }
+    const int rs = nbhd_cuda_tma_row_keys(widest);
+    return rs < 0 ? HUGE_VAL : (double)patches * c * rs;
+}
+
 /* Orders of the axes (each a permutation; 3-D: 6, 2-D: 2) and 3-D m-block shapes; the
  * identity order of the cube first, and only a walk at least 3 % shorter than the best so far
  * replaces it: a shape or order is taken where it clearly pays. The forward and forward+JVP
  * count their query patches' walk, the backward also its key patches'. */
-int nbhd_cuda_patch_shape(const nbhd_geometry *g, nbhd_op op, int order[3], int *shape) {
+int nbhd_cuda_patch_shape(const nbhd_geometry *g, nbhd_op op, bool rows, int order[3], int *shape) {
     static const int perms[6][3] = {{0, 1, 2}, {1, 0, 2}, {2, 0, 1}, {0, 2, 1}, {1, 2, 0}, {2, 1, 0}};
     const int rank = mma_rank_of(g);
     order[0] = 0, order[1] = 1, order[2] = 2;
@@ -311,8 +334,10 @@ int nbhd_cuda_patch_shape(const nbhd_geometry *g, nbhd_op op, int order[3], int 
         double wk[3][3], wq[3][3];
         for (int i = 0; i < rank; ++i)
             for (int a = 0; a < rank; ++a) {
-                wk[i][a] = keys ? axis_walk(&g->axis[a], patch_ct(rank, i, 2, sh), true) : 0;
-                wq[i][a] = axis_walk(&g->axis[a], patch_ct(rank, i, 2, sh), false);
+                const int c = patch_ct(rank, i, 2, sh);
+                wk[i][a] = keys ? axis_walk(&g->axis[a], c, true) : 0;
+                wq[i][a] = rows && i == rank - 1 ? row_walk(&g->axis[a], c)
+                                                 : axis_walk(&g->axis[a], rows && i == 0 ? c / 2 : c, false);
             }
         for (int p = 0; p < (rank == 3 ? 6 : 2); ++p) {
             const int *o = perms[p];

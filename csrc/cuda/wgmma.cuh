@@ -218,6 +218,22 @@ struct wg_cta : cta_patch<RANK, WGS, SHAPE> {
         box_inside(g, w >> 2, ilo, ihi);
     }
 
+    /* the union [lo, hi) of the windows of warpgroup wg's box along the first axis, the one
+     * its box splits the patch on (empty where none of its rows is in the query range) */
+    __device__ __forceinline__ void box_union0(const nbhd_geometry &g, int wg, int &lo, int &hi) const {
+        constexpr int WX0 = patch_wt(RANK, 0, SHAPE) * 4;
+        int wq[3];
+        this->row(wg * 64, wq);
+        const int f = max(wq[0], this->Qb[0]), l = min(wq[0] + WX0, this->Qe[0]) - 1;
+        lo = hi = 0;
+        if (f > l) return;
+        int64_t sf, ef, sl, el;
+        window32(&g.axis[0], f, this->Lg[0], &sf, &ef);
+        window32(&g.axis[0], l, this->Lg[0], &sl, &el);
+        lo = (int)sf;
+        hi = (int)el;
+    }
+
     /* the intersection of the windows of warpgroup wg's box (empty unless all its rows are in
      * the grid): a tile inside it needs no mask. Starts and ends never decrease along an axis,
      * so it is [start(last), end(first)). */
