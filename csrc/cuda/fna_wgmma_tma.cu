@@ -39,15 +39,14 @@
 #define TMA_V_STAGES 2
 #define TMA_CONSUMER_REGS 240
 #define TMA_PRODUCER_REGS 24
-#define TMA_MAX_BN 128  /* keys per tile at most: a stage is 32 KiB at D = 128 */
+#define TMA_MAX_BN 160  /* keys per tile at most: a stage is 40 KiB at D = 128 */
 /* named barriers of the consumers: the two turns, and all 256 */
 #define TMA_BAR_TURN 1   /* warpgroup w issues on TMA_BAR_TURN + w */
 #define TMA_BAR_CONSUMERS 3
 
-/* a CTA's shared memory: alignment slack, Q, the K and V stages, their mbarriers */
-__host__ __device__ constexpr size_t tma_forward_smem(int HD) {
-    return 1024 + 2 * (size_t)(128 + (TMA_K_STAGES + TMA_V_STAGES) * TMA_MAX_BN) * HD +
-           8 * 2 * (TMA_K_STAGES + TMA_V_STAGES);
+/* a CTA's shared memory: alignment slack, Q, the K and V stages of BN keys, their mbarriers */
+__host__ __device__ constexpr size_t tma_forward_smem(int HD, int BN) {
+    return 1024 + 2 * (size_t)(128 + (TMA_K_STAGES + TMA_V_STAGES) * BN) * HD + 8 * 2 * (TMA_K_STAGES + TMA_V_STAGES);
 }
 
 /* The union's rows and tiles: in 1-D a tile is a run of RS keys (R = 1); in 2-D and 3-D R rows
@@ -87,15 +86,15 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
     constexpr uint32_t TILE_BYTES = BN * HD * sizeof(T);
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [BM][HD]; O staged here */
-    T *Ks = Qs + BM * HD;                                                    /* [KST][TMA_MAX_BN][HD] */
-    T *Vs = Ks + KST * TMA_MAX_BN * HD;                                      /* [VST][TMA_MAX_BN][HD] */
-    const uint32_t bars = smem_u32(Vs + VST * TMA_MAX_BN * HD);
+    T *Ks = Qs + BM * HD;                                                    /* [KST][BN][HD] */
+    T *Vs = Ks + KST * BN * HD;                                              /* [VST][BN][HD] */
+    const uint32_t bars = smem_u32(Vs + VST * BN * HD);
     auto k_full = [&](int s) { return bars + 8 * s; };
     auto k_empty = [&](int s) { return bars + 8 * (KST + s); };
     auto v_full = [&](int s) { return bars + 8 * (2 * KST + s); };
     auto v_empty = [&](int s) { return bars + 8 * (2 * KST + VST + s); };
-    auto k_stage = [&](int s) { return Ks + s * TMA_MAX_BN * HD; };
-    auto v_stage = [&](int s) { return Vs + s * TMA_MAX_BN * HD; };
+    auto k_stage = [&](int s) { return Ks + s * BN * HD; };
+    auto v_stage = [&](int s) { return Vs + s * BN * HD; };
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wg = warp_uniform(w >> 2);
     wg_cta<RANK, 2, SHAPE> C;
@@ -306,8 +305,12 @@ static int64_t union_width(const nbhd_axis *a, int ct) {
 }
 
 /* rows of a 2-D or 3-D tile: (keys per row, rows per tile) for unions up to 128 keys wide along
- * the last axis, the first whose rows hold the union */
-static constexpr int TMA_ROWS[][2] = {{16, 8}, {24, 4}, {32, 4}, {48, 2}, {64, 2}, {80, 1}, {96, 1}, {128, 1}};
+ * the last axis, the first whose rows hold the union. Tiles past 128 keys issue two score
+ * products per k-step (wgmma_score_step): 160 keys against 80 on 2-D 256x256 w80 stride 16, 5.72
+ * against 6.06-6.17 ms; 160 against 128 on 3-D 30x48x80 w18x24x24 27.5 against 27.7-27.8 ms,
+ * 144 against 96 with stride 16x8x8 17.6 against 17.5-17.6; 192 (96 x 2) spilled and was no
+ * faster on 2-D w80 (H200, bf16, 16 heads, bench/ab_gpu.py --auto-only --dims 128, two builds) */
+static constexpr int TMA_ROWS[][2] = {{16, 8}, {24, 6}, {32, 5}, {48, 2}, {64, 2}, {80, 2}, {96, 1}, {128, 1}};
 static constexpr int TMA_ROW_CONFIGS = (int)(sizeof TMA_ROWS / sizeof TMA_ROWS[0]);
 static int tma_row_config(int64_t width) {
     for (int i = 0; i < TMA_ROW_CONFIGS; ++i)
@@ -395,7 +398,7 @@ static nbhd_status launch_rows(const nbhd_geometry *g, const nbhd_forward_args *
     if (!kv_tensor_map(&kmap, a->k, g, RANK, RS) || !kv_tensor_map(&vmap, a->v, g, RANK, RS))
         return nbhd_fail(NBHD_ERR_UNSUPPORTED, "TMA forward: K or V not addressable by a tensor map");
     return nbhd_cuda_launch(fna_wgmma_tma_forward_kernel<T, 128, RANK, RS, R, SHAPE>, g->batch * g->heads * P.patches,
-                            384, tma_forward_smem(128), "TMA forward", st, *g, *a, P, kmap, vmap);
+                            384, tma_forward_smem(128, RS * R), "TMA forward", st, *g, *a, P, kmap, vmap);
 }
 
 /* the kernel of TMA_ROWS[config] */

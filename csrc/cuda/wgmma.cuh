@@ -530,11 +530,21 @@ template <> struct wgmma_op<__half, 96> {
 
 /* k-step kk of d (+)= A B^T (per warpgroup 64 x N): both operands K-major in shared memory at
  * their warpgroup's first row, A in a tile of ROWS_A rows, B in one of ROWS_B (64-column blocks
- * ROWS * 128 bytes apart); accumulate 0 overwrites d */
+ * ROWS * 128 bytes apart); accumulate 0 overwrites d. N past 128 as two products (160 = 80 + 80,
+ * 144 = 80 + 64), the second's B that many rows on (a multiple of 8: the swizzle's 1024-byte
+ * atoms). */
 template <typename T, int N, int ROWS_A, int ROWS_B>
 __device__ __forceinline__ void wgmma_score_step(float (&d)[N / 8][4], uint32_t a, uint32_t b, int kk, int accumulate) {
     const uint32_t sa = (kk >> 2) * ROWS_A * 128 + (kk & 3) * 32, sb = (kk >> 2) * ROWS_B * 128 + (kk & 3) * 32;
-    wgmma_op<T, N>::ss(&d[0][0], gmma_desc(a, sa, 16, 1024), gmma_desc(b, sb, 16, 1024), accumulate);
+    if constexpr (N > 128) {
+        constexpr int F = N / 2 == 64 || N / 2 == 80 || N / 2 == 96 ? N / 2 : 80;  /* shapes wgmma_op has */
+        static_assert(F % 8 == 0, "parts of whole 8-row swizzle atoms");
+        wgmma_op<T, F>::ss(&d[0][0], gmma_desc(a, sa, 16, 1024), gmma_desc(b, sb, 16, 1024), accumulate);
+        wgmma_op<T, N - F>::ss(&d[F / 8][0], gmma_desc(a, sa, 16, 1024), gmma_desc(b, sb + F * 128, 16, 1024),
+                               accumulate);
+    } else {
+        wgmma_op<T, N>::ss(&d[0][0], gmma_desc(a, sa, 16, 1024), gmma_desc(b, sb, 16, 1024), accumulate);
+    }
 }
 
 /* The backward's score pair, d1 = A1 B1^T and d2 = A2 B2^T (per warpgroup 64 x BN, k = HD), as
