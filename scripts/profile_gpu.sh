@@ -2,7 +2,8 @@
 # Nsight Compute summaries of the tensor-core kernels (run on the GPU machine after a build):
 # duration, occupancy, issue rate, tensor-pipe use and warp stall reasons per kernel, for the
 # second of two forward+backward calls; text reports under $OUT.
-#   PROBLEMS="2d7 3d7" SOURCE="2d13" [SKIP=3 COUNT=3: launches skipped, profiled] bash scripts/profile_gpu.sh
+#   PROBLEMS="2d7 3d7" SOURCE="2d13" [SKIP=3 COUNT=3: launches skipped, profiled]
+#   [KERNELS=fna_wgmma_tma: the kernels' name pattern] bash scripts/profile_gpu.sh
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -11,7 +12,7 @@ STALLS=barrier,long_scoreboard,short_scoreboard,wait,math_pipe_throttle,mio_thro
 METRICS=gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,sm__inst_executed.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__average_warp_latency_per_inst_issued.ratio,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active
 for s in ${STALLS//,/ }; do METRICS+=",smsp__average_warps_issue_stalled_${s}_per_issue_active.ratio"; done
 for p in ${PROBLEMS:-2d7 2d7-64}; do
-    ncu --clock-control none --launch-skip ${SKIP:-3} --launch-count ${COUNT:-3} -k regex:'fna_|dq_convert' \
+    ncu --clock-control none --launch-skip ${SKIP:-3} --launch-count ${COUNT:-3} -k regex:"${KERNELS:-fna_|dq_convert}" \
         --metrics "$METRICS" $PY scripts/profile_gpu.py "$p" >"$OUT/ncu_$p.txt" 2>&1
     echo "== $p (rc=$?)"
     grep -E "fna_|dq_convert|gpu__time|registers|warps_active|inst_executed|issue_active|hmma|latency_per|stalled|dram__|lts__|pipe_" \
