@@ -110,8 +110,9 @@ static bool one_warpgroup(const nbhd_geometry *g, const nbhd_cuda_choice *c, con
  * library before and after). Not on small windows, where one CTA per SM hides less of each
  * patch's first loads and last stores than three one-warpgroup CTAs on 64-query patches: 2-D
  * 64x64 w7 B8 0.372 against 0.297 ms, 128x128 w13 0.255 against 0.231, 3-D 16x32x32 w7^3 0.466
- * against 0.398 (H200, the listed tiles of bench/ab_gpu.py --dims 128 --problems 2d-64,2d-128,3d-16;
- * rows of 24 keys then 4 to a tile). */
+ * against 0.398 (H200, bench/ab_gpu.py --dims 128 --problems 2d-64,2d-128,3d-16 on a build that
+ * took it there by default, against the listed 64-query tiles; rows of 24 keys then 4 to a
+ * tile). */
 static bool tma_forward(const nbhd_geometry *g, nbhd_op op, int layout_ok, const nbhd_cuda_device *dev) {
     return op == NBHD_OP_FORWARD && dev->wgmma && (layout_ok & NBHD_LAYOUT_TMA) && nbhd_cuda_tma_forward_applies(g);
 }
