@@ -39,7 +39,7 @@ def axis_patches(L, K, s, n):
     return out
 
 
-TMA_ROWS = [(16, 8), (24, 4), (32, 4), (48, 2), (64, 2), (80, 1), (96, 1), (128, 1)]  # fna_wgmma_tma.cu
+TMA_ROWS = [(16, 8), (24, 6), (32, 5), (48, 2), (64, 2), (80, 2), (96, 1), (128, 1)]  # fna_wgmma_tma.cu
 
 
 def first_axis_halves(L, K, s, n):

@@ -1,7 +1,8 @@
 """bench/union_efficiency.py: the TMA forward's tiles compute at least the exact union of each
 warpgroup's half of a patch (its share of useful products never exceeds that union's), and
 exactly the window where a patch's queries share one window whose last-axis width is a row
-width (the strided problems)."""
+width (the strided problems); its row table is the kernel's."""
+import re
 import sys
 from pathlib import Path
 
@@ -29,3 +30,11 @@ def test_tma_row_width_hand_count():
     useful = (20 * 5) ** 2
     computed = (8 * 2 * 8 + 8 * 3 * 8 + 4 * 1 * 8) * (8 + 8 + 4) * 16
     assert ue.tma_efficiency((20, 20), (5, 5), (1, 1), (16, 8)) == pytest.approx(useful / computed)
+
+
+def test_tma_rows_mirror_the_kernel():
+    # union_efficiency.py mirrors fna_wgmma_tma.cu's TMA_ROWS: the same (row keys, rows) pairs
+    src = (Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "fna_wgmma_tma.cu").read_text()
+    table = re.search(r"TMA_ROWS\[\]\[2\] = \{(.*?)\};", src, re.S).group(1)
+    pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+), (\d+)\}", table)]
+    assert pairs == ue.TMA_ROWS
