@@ -45,13 +45,9 @@ TMA_ROWS = [(16, 8), (24, 6), (32, 5), (48, 2), (64, 2), (80, 2), (96, 1), (128,
 def first_axis_halves(L, K, s, n):
     """[(union start, union end, [(queries, start, end) per warpgroup])] of the patches of n
     queries along the first axis, each split into two warpgroups' halves of n / 2."""
-    out = []
-    for p0 in range(0, L, n):
-        rows = [window(L, K, s, False, i) for i in range(p0, min(p0 + n, L))]
-        halves = [rows[h:h + n // 2] for h in range(0, len(rows), n // 2)]
-        out.append((min(b for b, _ in rows), max(e for _, e in rows),
-                    [(len(h), min(b for b, _ in h), max(e for _, e in h)) for h in halves]))
-    return out
+    halves = axis_patches(L, K, s, n // 2)
+    return [(min(b for _, b, _, _ in pair), max(e for _, _, e, _ in pair), [(q, b, e) for q, b, e, _ in pair])
+            for pair in (halves[i:i + 2] for i in range(0, len(halves), 2))]
 
 
 def tma_efficiency(extent, kernel, stride, patch):

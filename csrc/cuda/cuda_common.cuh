@@ -308,8 +308,9 @@ nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_a
  * where K and V suit its tensor maps (fits: the tensors alone); shape: the 3-D m-block as for
  * fna_wgmma.cu */
 int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g);
-/* the keys of the TMA forward's tile rows for a union `width` keys wide on the last axis; -1 past 128 */
-int nbhd_cuda_tma_row_keys(int64_t width);
+/* the keys of the TMA forward's tile rows along axis a for patches ct deep there (the widest
+ * union of their windows over the query range); -1 past 128 */
+int nbhd_cuda_tma_row_keys(const nbhd_axis *a, int ct);
 int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *a);
 nbhd_status nbhd_cuda_tma_forward(const nbhd_geometry *g, const nbhd_forward_args *a, int shape,
                                   cudaStream_t stream);

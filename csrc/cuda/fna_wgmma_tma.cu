@@ -19,7 +19,8 @@
  *    has issued its own, so one's softmax overlaps the other's products. A consumer warp
  *    releases a K stage once its S is done and a V stage once its P V is. The warpgroups split
  *    the patch along its first axis, so each computes only the tiles that hold a row of its
- *    own union there (box_union0); the other's tiles it frees and passes the turn on.
+ *    own union there (box_ends, tma_rows::tile_range); the other's tiles it frees and passes the
+ *    turn on.
  * Tiles: in 1-D a run of 128 tokens; in 2-D and 3-D R rows of RS keys along the last axis
  * (tma_rows), RS at least the union's extent there (TMA_ROWS: 16 to 128), so that a row is one
  * box. Keys past the grid come as zeros, keys past the union are masked like every key outside a
@@ -57,6 +58,14 @@ struct tma_rows {
     static __device__ __forceinline__ int tiles(const key_box &kb) {
         const int rows = RANK == 1 ? kb.total : RANK == 2 ? kb.cnt[0] : kb.cnt[0] * kb.cnt[1];
         return (rows + (RANK == 1 ? RS : R) - 1) / (RANK == 1 ? RS : R);
+    }
+    /* [t_lo, t_hi): the tiles holding the rows whose first-axis coordinate is in [lo, hi) (in
+     * 1-D the keys); empty for an empty range */
+    static __device__ __forceinline__ void tile_range(const key_box &kb, int lo, int hi, int &t_lo, int &t_hi) {
+        const int unit = RANK == 3 ? kb.cnt[1] : 1, per = RANK == 1 ? RS : R;  /* rows per coordinate, per tile */
+        t_lo = max(lo - kb.lo[0], 0) * unit / per;
+        t_hi = min(tiles(kb), ((min(hi, kb.lo[0] + kb.cnt[0]) - kb.lo[0]) * unit + per - 1) / per);
+        t_hi = max(t_hi, t_lo);
     }
     /* the last-axis coordinate of tile t's first key (of every row's in 2-D and 3-D) */
     static __device__ __forceinline__ int first_key(const key_box &kb, int t) {
@@ -173,14 +182,9 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
     // once loaded (so no empty barrier runs a phase ahead) and passes the turn.
     int t_lo = 0, t_hi = 0;
     {
-        int ulo, uhi;
-        C.box_union0(g, wg, ulo, uhi);
-        if (ulo < uhi) {
-            const int unit = RANK == 3 ? kb.cnt[1] : 1, per = RANK == 1 ? RS : R;
-            t_lo = max(ulo - kb.lo[0], 0) * unit / per;
-            t_hi = min(tiles, ((min(uhi, kb.lo[0] + kb.cnt[0]) - kb.lo[0]) * unit + per - 1) / per);
-        }
-        t_lo = warp_uniform(t_lo), t_hi = warp_uniform(max(t_hi, t_lo));
+        int64_t first[2], last[2];  /* windows of its first and last rows: its union is [first, last) */
+        if (C.box_ends(g, wg, 0, first, last)) Rows::tile_range(kb, (int)first[0], (int)last[1], t_lo, t_hi);
+        t_lo = warp_uniform(t_lo), t_hi = warp_uniform(t_hi);
     }
     // the turn: warpgroup 0 issues first
     const int my_turn = TMA_BAR_TURN + wg, next_turn = TMA_BAR_TURN + 1 - wg;
@@ -317,8 +321,8 @@ static int tma_row_config(int64_t width) {
         if (width <= TMA_ROWS[i][0]) return i;
     return -1;
 }
-int nbhd_cuda_tma_row_keys(int64_t width) {
-    const int i = tma_row_config(width);
+int nbhd_cuda_tma_row_keys(const nbhd_axis *a, int ct) {
+    const int i = tma_row_config(union_width(a, ct));
     return i < 0 ? -1 : TMA_ROWS[i][0];
 }
 
@@ -381,7 +385,7 @@ int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g) {
     for (int ax = 0; ax < rank; ++ax)
         if (g->axis[ax].dilation != 1) return 0;
     /* 2-D and 3-D: rows of the union fit a tile's row (a 3-D patch may be 8 wide on the last axis) */
-    return rank == 1 || tma_row_config(union_width(&g->axis[rank - 1], 8)) >= 0;
+    return rank == 1 || nbhd_cuda_tma_row_keys(&g->axis[rank - 1], 8) > 0;
 }
 
 int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *a) {

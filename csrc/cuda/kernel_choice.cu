@@ -300,23 +300,15 @@ static double axis_walk(const nbhd_axis *a, int c, bool keys) {
     return walked;
 }
 
-/* The TMA forward's walk along the last axis: every patch position its depth times the row
- * width of the widest span (one width per kernel); no order whose rows would pass 128 keys.
- * Its queries' windows (no dilation there). With it, and its warpgroups' halves along the
+/* The TMA forward's walk along the last axis: every patch position its depth times the width
+ * of the kernel's rows (nbhd_cuda_tma_row_keys: one width per kernel, for the widest union);
+ * no order whose rows would pass 128 keys. With it, and its warpgroups' halves along the
  * first axis, 3-D 30x48x80 w18x24x24 takes 8x2x8 along (h, t, w): 28.2 against 31.9 ms
  * (H200, bf16, 16 heads, bench/ab_gpu.py --auto-only --dims 128 --problems 3d-30x48x80-w18,
  * the library before and after). */
 static double row_walk(const nbhd_axis *a, int c) {
-    int64_t widest = 0, patches = 0;
-    for (int64_t i0 = 0; i0 < a->extent; i0 += c, ++patches) {
-        const int64_t i1 = (i0 + c < a->extent ? i0 + c : a->extent) - 1;
-        int64_t f0, c0, f1, c1;
-        nbhd_window(a, i0, &f0, &c0);
-        nbhd_window(a, i1, &f1, &c1);
-        if (f1 + c1 - f0 > widest) widest = f1 + c1 - f0;
-    }
-    const int rs = nbhd_cuda_tma_row_keys(widest);
-    return rs < 0 ? HUGE_VAL : (double)patches * c * rs;
+    const int rs = nbhd_cuda_tma_row_keys(a, c);
+    return rs < 0 ? HUGE_VAL : (double)((a->extent + c - 1) / c) * c * rs;
 }
 
 /* Orders of the axes (each a permutation; 3-D: 6, 2-D: 2) and 3-D m-block shapes; the

@@ -218,20 +218,18 @@ struct wg_cta : cta_patch<RANK, WGS, SHAPE> {
         box_inside(g, w >> 2, ilo, ihi);
     }
 
-    /* the union [lo, hi) of the windows of warpgroup wg's box along the first axis, the one
-     * its box splits the patch on (empty where none of its rows is in the query range) */
-    __device__ __forceinline__ void box_union0(const nbhd_geometry &g, int wg, int &lo, int &hi) const {
-        constexpr int WX0 = patch_wt(RANK, 0, SHAPE) * 4;
+    /* along axis ax, the first and last of warpgroup wg's rows in the query range and their
+     * windows [start, end): first and last; false where it has none there */
+    __device__ __forceinline__ bool box_ends(const nbhd_geometry &g, int wg, int ax, int64_t (&first)[2],
+                                             int64_t (&last)[2]) const {
+        constexpr int WX[3] = {patch_wt(RANK, 0, SHAPE) * 4, patch_wt(RANK, 1, SHAPE), patch_wt(RANK, 2, SHAPE)};
         int wq[3];
         this->row(wg * 64, wq);
-        const int f = max(wq[0], this->Qb[0]), l = min(wq[0] + WX0, this->Qe[0]) - 1;
-        lo = hi = 0;
-        if (f > l) return;
-        int64_t sf, ef, sl, el;
-        window32(&g.axis[0], f, this->Lg[0], &sf, &ef);
-        window32(&g.axis[0], l, this->Lg[0], &sl, &el);
-        lo = (int)sf;
-        hi = (int)el;
+        const int f = max(wq[ax], this->Qb[ax]), l = min(wq[ax] + WX[ax], this->Qe[ax]) - 1;
+        if (f > l) return false;
+        window32(&g.axis[ax], f, this->Lg[ax], &first[0], &first[1]);
+        window32(&g.axis[ax], l, this->Lg[ax], &last[0], &last[1]);
+        return true;
     }
 
     /* the intersection of the windows of warpgroup wg's box (empty unless all its rows are in
@@ -247,13 +245,10 @@ struct wg_cta : cta_patch<RANK, WGS, SHAPE> {
         for (int ax = 0; ax < RANK; ++ax) all_rows &= wq[ax] >= this->Qb[ax] && wq[ax] + WX[ax] <= this->Qe[ax];
 #pragma unroll
         for (int ax = 0; ax < RANK; ++ax) {
-            const int f = max(min(wq[ax], this->Qe[ax] - 1), this->Qb[ax]);
-            const int l = min(wq[ax] + WX[ax], this->Qe[ax]) - 1;
-            int64_t sf, ef, sl, el;
-            window32(&g.axis[ax], f, this->Lg[ax], &sf, &ef);
-            window32(&g.axis[ax], l, this->Lg[ax], &sl, &el);
-            ilo[ax] = all_rows ? (int)sl : 1 << 30;
-            ihi[ax] = all_rows ? (int)ef : -(1 << 30);
+            int64_t first[2], last[2];
+            all_rows = all_rows && box_ends(g, wg, ax, first, last);
+            ilo[ax] = all_rows ? (int)last[0] : 1 << 30;
+            ihi[ax] = all_rows ? (int)first[1] : -(1 << 30);
         }
     }
 };
