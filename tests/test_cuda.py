@@ -354,9 +354,9 @@ def test_forward_default_large_window(case, kernel):
 # forward (csrc/cuda/fna_wgmma_tma.cu), by default on windows of 512 keys and more (the last
 # field: whether the default takes it).
 # Partial last patches and key tiles past the grid's end, causal windows with strides and GQA,
-# heads-major storage (in 3-D with two kv heads a layout its tensor maps cannot take), each row
+# heads-major storage (in 3-D with two heads a layout its tensor maps cannot take), each row
 # width of the 2-D and 3-D tiles from 16 to 128 keys, small windows whose warpgroups walk
-# different tiles.
+# different tiles; the last three with 320-512 patches, several per persistent CTA.
 TMA_FORWARD_CASES = [
     ((1, (1000,), (520,), (1,), (1,), (False,), 2, 2, 2, 128, 128, 0, "contig"), True),
     ((1, (777,), (600,), (7,), (1,), (True,), 1, 4, 2, 128, 128, 0, "contig"), True),
@@ -377,6 +377,9 @@ TMA_FORWARD_CASES = [
     ((2, (33, 30), (13, 13), (2, 3), (1, 1), (False, True), 1, 4, 2, 128, 128, 0, "heads_major"), False),
     ((3, (9, 12, 10), (3, 5, 7), (1, 1, 1), (1, 1, 1), (False, False, False), 1, 2, 2, 128, 128, 0, "contig"), False),
     ((3, (15, 11, 12), (7, 7, 7), (1, 2, 1), (1, 1, 1), (True, False, False), 2, 2, 1, 128, 128, 0, "contig"), False),
+    ((1, (8192,), (520,), (1,), (1,), (False,), 2, 4, 2, 128, 128, 0, "contig"), True),
+    ((2, (64, 80), (23, 23), (1, 1), (1, 1), (False, False), 2, 4, 4, 128, 128, 0, "contig"), True),
+    ((3, (16, 16, 24), (9, 8, 8), (1, 1, 1), (1, 1, 1), (False, False, False), 2, 4, 2, 128, 128, 0, "contig"), True),
 ]
 
 
@@ -389,11 +392,11 @@ def tma_forward_ran(ran) -> bool:
 @pytest.mark.parametrize("case,default", TMA_FORWARD_CASES, ids=case_and_ids)
 def test_forward_tma(case, default, dtype, patch):
     """The forward on 128-query patches against the reference; on Hopper the TMA kernel ran
-    where its tensor maps take K and V (not 3-D heads-major with two kv heads) and the default
-    or the requested tiles give 128-query patches."""
+    where its tensor maps take Q, K and V (not 3-D heads-major with two query heads) and the
+    default or the requested tiles give 128-query patches."""
     ran = cuda_kernels(lambda: check_forward(case, dtype, 51 + zlib.crc32(ids(case).encode()) % 1000, patch=patch))
     if torch.cuda.get_device_capability() == (9, 0):
-        maps = not (case[0] == 3 and case[8] > 1 and case[12] == "heads_major")
+        maps = not (case[0] == 3 and case[7] > 1 and case[12] == "heads_major")
         assert tma_forward_ran(ran) == (maps and (patch == 128 or default)), ran
 
 
@@ -428,7 +431,7 @@ def test_forward_tma_nonfinite_past_the_union(dtype):
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
                     reason="the TMA forward is Hopper's")
 @pytest.mark.parametrize("which,ranges", [(0, [(300, 700)]), (4, [(5, 30), (3, 37)]),
-                                          (9, [(2, 9), (0, 12), (4, 11)])], ids=["1d", "2d", "3d"])
+                                          (10, [(2, 9), (0, 12), (4, 11)])], ids=["1d", "2d", "3d"])
 def test_forward_tma_query_range(which, ranges):
     """A query range (context parallelism, docs/context_parallel.md) on the TMA forward, the
     queries outside it NaN: the rows inside are the whole grid's."""

@@ -210,10 +210,10 @@ struct cta_patch {
         return true;
     }
 
-    /* CTA -> (b, head h of `heads`, patch), patches fastest: neighbouring CTAs take
-     * neighbouring patches of one head (their key boxes overlap in L2); returns the patch */
-    __device__ __forceinline__ uint32_t head_major(const mma_plan &P, uint32_t heads) {
-        uint32_t idx = blockIdx.x;
+    /* CTA (or a persistent CTA's item idx) -> (b, head h of `heads`, patch), patches fastest:
+     * neighbouring CTAs take neighbouring patches of one head (their key boxes overlap in L2);
+     * returns the patch */
+    __device__ __forceinline__ uint32_t head_major(const mma_plan &P, uint32_t heads, uint32_t idx = blockIdx.x) {
         const uint32_t patches = (uint32_t)P.patches;
         const uint32_t patch = idx % patches;
         idx /= patches;
@@ -244,9 +244,11 @@ struct cta_patch {
         return locate(g, P, patch, false);
     }
 
-    /* query patch, head-major, with its key walk in tiles of bn keys; false: an empty slot */
-    __device__ __forceinline__ bool place_queries(const nbhd_geometry &g, const mma_plan &P, int bn) {
-        const uint32_t patch = head_major(P, (uint32_t)g.heads);
+    /* query patch of CTA (or item) idx, head-major, with its key walk in tiles of bn keys;
+     * false: an empty slot */
+    __device__ __forceinline__ bool place_queries(const nbhd_geometry &g, const mma_plan &P, int bn,
+                                                  uint32_t idx = blockIdx.x) {
+        const uint32_t patch = head_major(P, (uint32_t)g.heads, idx);
         hk = g.group == 1 ? h : h / g.group;
         if (!locate(g, P, patch, true)) return false;
         walk(g, P, bn);

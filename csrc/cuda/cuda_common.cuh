@@ -225,6 +225,7 @@ size_t nbhd_cuda_simple_workspace_bytes(const nbhd_geometry *g, nbhd_op op);
 typedef struct {
     int wgmma;          /* it runs the sm_90a image, which has the Hopper (wgmma) kernels */
     size_t smem_optin;  /* shared memory a block may opt into, bytes */
+    int sms;            /* multiprocessors: the persistent kernels' CTAs */
 } nbhd_cuda_device;
 
 typedef enum {

@@ -22,8 +22,8 @@
 nbhd_cuda_device nbhd_cuda_device_facts(void) {
     static nbhd_cuda_device facts[64];
     static int known[64];
-    nbhd_cuda_device d = {0, 0};
-    int dev = 0, optin = 0;
+    nbhd_cuda_device d = {0, 0, 1};
+    int dev = 0, optin = 0, sms = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
         cudaGetLastError();
         return d;
@@ -31,6 +31,7 @@ nbhd_cuda_device nbhd_cuda_device_facts(void) {
     if (__atomic_load_n(&known[dev], __ATOMIC_ACQUIRE)) return facts[dev];
     if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess)
         d.smem_optin = (size_t)optin;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && sms > 0) d.sms = sms;
     cudaGetLastError();
     d.wgmma = nbhd_cuda_wgmma_ready();
     facts[dev] = d;
