@@ -103,17 +103,16 @@ static bool one_warpgroup(const nbhd_geometry *g, const nbhd_cuda_choice *c, con
     return c->mb == 1 && dev->wgmma && g->head_dim == 128;
 }
 
-/* The forward's TMA pipeline (fna_wgmma_tma.cu) on 128-query patches, where it applies and K and
- * V suit its tensor maps: faster than the cp.async kernels on every large-window problem, on
+/* The forward's TMA pipeline (fna_wgmma_tma.cu) on 128-query patches, where it applies and Q, K
+ * and V suit its tensor maps: faster than the cp.async kernels on every large-window problem, on
  * one warpgroup's row masks too (2-D 256x256 w80 8.94 against 11.22 ms, 3-D 30x48x80
  * w18x24x24 34.3 against 41.1, stride 16 6.00 against 9.06, stride 16x8x8 18.5 against 25.8,
  * 1-D 32768 w2048 1.07 against 1.60; H200, bf16, 16 heads, bench/ab_gpu.py --dims 128, the
- * library before and after). Not on small windows, where one CTA per SM hides less of each
- * patch's first loads and last stores than three one-warpgroup CTAs on 64-query patches: 2-D
- * 64x64 w7 B8 0.372 against 0.297 ms, 128x128 w13 0.255 against 0.231, 3-D 16x32x32 w7^3 0.466
- * against 0.398 (H200, bench/ab_gpu.py --dims 128 --problems 2d-64,2d-128,3d-16 on a build that
- * took it there by default, against the listed 64-query tiles; rows of 24 keys then 4 to a
- * tile). */
+ * library before and after). Not on small windows, where its whole-row tiles on 128-query
+ * patches compute more of the union than one warpgroup's 32-key tiles on 64 queries: with
+ * persistent CTAs, 2-D 64x64 w7 B8 0.334 against 0.299 ms, 128x128 w13 0.255 against 0.231, 3-D
+ * 16x32x32 w7^3 0.530 (8x4x4) against 0.399 (H200, bench/ab_gpu.py --dims 128 --problems
+ * 2d-64,2d-128,3d-16: the listed 128- and 64-query tiles). */
 static bool tma_forward(const nbhd_geometry *g, nbhd_op op, int layout_ok, const nbhd_cuda_device *dev) {
     return op == NBHD_OP_FORWARD && dev->wgmma && (layout_ok & NBHD_LAYOUT_TMA) && nbhd_cuda_tma_forward_applies(g);
 }
