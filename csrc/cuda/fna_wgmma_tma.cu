@@ -464,6 +464,7 @@ int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *
 template <typename T, int RANK, int SHAPE, int RS, int R>
 static nbhd_status launch_rows(const nbhd_geometry *g, const nbhd_forward_args *a, const mma_plan &P,
                                cudaStream_t st) {
+    static_assert(tma_forward_smem(128, RS * R) <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
     alignas(64) CUtensorMap qmap, kmap, vmap;
     int qbox[5], kvbox[5];
     mblock_box(RANK, SHAPE, qbox);
