@@ -15,6 +15,12 @@ width of TMA_ROWS that holds the widest union there, so that keys past a patch's
 as computed too; each of its two warpgroups (the halves of the patch along the first axis)
 computes the tiles that hold its own union's rows.
 
+A second table counts what the patches load rather than compute: the keys of K and V that a
+patch's CTA reads (its union box; the TMA forward's whole row tiles over the patch's union,
+shared by its two warpgroups) per query of the grid. At D = 128 in bf16 a key is 512 bytes of
+K and V and a query another 512 of Q and O, so a forward moves B * H * N * (keys + 1) * 512
+bytes through L2 at least (docs/kernels.md §1).
+
     python bench/union_efficiency.py
 """
 
@@ -76,6 +82,31 @@ def tma_efficiency(extent, kernel, stride, patch):
     return useful / computed
 
 
+def loaded_keys(extent, kernel, stride, patch):
+    """Keys of K and V that the CTAs of patches `patch` load per query of the grid: each patch
+    its exact union box (the CUDA kernels' walk)."""
+    keys = 1
+    for L, K, s, n in zip(extent, kernel, stride, patch):
+        keys *= sum(e - b for _, b, e, _ in axis_patches(L, K, s, n)) / L
+    return keys
+
+
+def tma_loaded_keys(extent, kernel, stride, patch):
+    """Keys the TMA forward loads per query of the grid: per 128-query patch the tiles over its
+    union (in 1-D runs of 128 keys from the union's start; in 2-D and 3-D rows of RS keys, R to a
+    tile, over the union's rows on the leading axes)."""
+    axes = [axis_patches(L, K, s, n) for L, K, s, n in zip(extent, kernel, stride, patch)]
+    queries = 1
+    for L in extent:
+        queries *= L
+    if len(axes) == 1:
+        return sum(-(-(e - b) // 128) * 128 for _, b, e, _ in axes[0]) / queries
+    rs, r = next(c for c in TMA_ROWS if max(e - b for _, b, e, _ in axes[-1]) <= c[0])
+    middle = axes[1] if len(axes) == 3 else [(1, 0, 1, 0)]
+    rows = sum(-(-(e0 - b0) * (e1 - b1) // r) * r for _, b0, e0, _ in axes[0] for _, b1, e1, _ in middle)
+    return rows * rs * len(axes[-1]) / queries
+
+
 def axis_totals(L, K, s, n):
     """(useful, computed) summed over the patches of n queries along one axis."""
     patches = axis_patches(L, K, s, n)
@@ -109,13 +140,23 @@ PATCHES = [  # name, patch per rank (1-D, 2-D, 3-D)
 ]
 
 
-def main():
-    print("useful share of the products over each patch's exact union box (last: the TMA forward's tiles)")
+def table(title, per_patch, tma, cell):
+    """One table: per problem per_patch(...) for each of PATCHES, then tma(...) on 128-query
+    patches, each cell formatted by cell."""
+    print(title)
     print(f"{'problem':48s}" + "".join(f"{name:>26s}" for name, _ in PATCHES) + f"{'TMA rows, 128 queries':>26s}")
     for name, ext, ks, st in PROBLEMS:
-        cells = [efficiency(ext, ks, st, shapes[len(ext) - 1]) for _, shapes in PATCHES]
-        cells.append(tma_efficiency(ext, ks, st, PATCHES[0][1][len(ext) - 1]))
-        print(f"{name:48s}" + "".join(f"{100 * c:25.0f}%" for c in cells))
+        cells = [per_patch(ext, ks, st, shapes[len(ext) - 1]) for _, shapes in PATCHES]
+        cells.append(tma(ext, ks, st, PATCHES[0][1][len(ext) - 1]))
+        print(f"{name:48s}" + "".join(cell(c) for c in cells))
+
+
+def main():
+    table("useful share of the products over each patch's exact union box (last: the TMA forward's tiles)",
+          efficiency, tma_efficiency, lambda c: f"{100 * c:25.0f}%")
+    print()
+    table("keys of K and V loaded per query of the grid (last: the TMA forward's tiles)",
+          loaded_keys, tma_loaded_keys, lambda c: f"{c:26.1f}")
 
 
 if __name__ == "__main__":

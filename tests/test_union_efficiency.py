@@ -1,7 +1,8 @@
 """bench/union_efficiency.py: the TMA forward's tiles compute at least the exact union of each
 warpgroup's half of a patch (its share of useful products never exceeds that union's), and
 exactly the window where a patch's queries share one window whose last-axis width is a row
-width (the strided problems); its row table is the kernel's."""
+width (the strided problems); its row table is the kernel's; the keys each patch loads, counted
+by hand on small grids."""
 import re
 import sys
 from pathlib import Path
@@ -38,3 +39,15 @@ def test_tma_rows_mirror_the_kernel():
     table = re.search(r"TMA_ROWS\[\]\[2\] = \{(.*?)\};", src, re.S).group(1)
     pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+), (\d+)\}", table)]
     assert pairs == ue.TMA_ROWS
+
+
+def test_loaded_keys_hand_count():
+    # 1-D 10 tokens, window 3, patches of 4: unions [0, 5), [3, 9), [7, 10): 14 keys for 10
+    # queries; the TMA forward's one patch of 128 loads one run of 128 keys
+    assert ue.loaded_keys((10,), (3,), (1,), (4,)) == pytest.approx(1.4)
+    assert ue.tma_loaded_keys((10,), (3,), (1,), (128,)) == pytest.approx(12.8)
+    # 2-D 20x20, window 5x5, patch 16x8 (as above): union boxes (18 + 6) x (10 + 12 + 6) keys;
+    # the TMA forward's rows of 16 keys, 8 to a tile: 18 rows -> 3 tiles, 6 -> 1, per each of
+    # the three patches along the last axis
+    assert ue.loaded_keys((20, 20), (5, 5), (1, 1), (16, 8)) == pytest.approx(24 * 28 / 400)
+    assert ue.tma_loaded_keys((20, 20), (5, 5), (1, 1), (16, 8)) == pytest.approx((24 + 8) * 16 * 3 / 400)
