@@ -3,14 +3,20 @@ whose demangled name contains every given substring, the innermost loop that hol
 (HGMMA) and its instruction count by opcode. The counts are static (both sides of a branch
 inside the loop count), per warp and iteration (one key or query tile).
 
-    python scripts/sass_loops.py OBJECT_OR_LIBRARY SUBSTRING... [--top 14]
+    python scripts/sass_loops.py OBJECT_OR_LIBRARY SUBSTRING... [--top 14] [--against OTHER]
     python scripts/sass_loops.py build/.../fna_wgmma_bwd.cu.o "dkdv_kernel<__nv_bfloat16, 128, 32, 2,"
+
+--against OTHER compares each kernel's loop with the same kernel's (the same name up to its
+parameter list) in another build: the counts' difference and how alike the two loops' opcode
+sequences are (1 = the same order). Two builds can issue the same instructions in another
+order, and that alone has moved a kernel's time by a few per cent (docs/kernels.md §3).
 
 Needs `cuobjdump` (with `nvdisasm` beside it or on PATH) from the CUDA toolkit, found on PATH or
 under $CUDA_HOME/bin; `c++filt` demangles. docs/kernels.md §3 quotes its counts.
 """
 import argparse
 import collections
+import difflib
 import os
 import re
 import shutil
@@ -59,6 +65,20 @@ def loop_counts(function_sass: str) -> Optional[Dict[str, int]]:
     return dict(counts.most_common())
 
 
+def loop_opcodes(function_sass: str) -> Optional[List[str]]:
+    """The main loop's opcodes in address order; None without a loop."""
+    instructions = parse(function_sass)
+    span = main_loop(instructions)
+    if span is None:
+        return None
+    return [opcode(t) for a, t in instructions if span[0] <= a <= span[1]]
+
+
+def order_likeness(a: List[str], b: List[str]) -> float:
+    """How alike two opcode sequences are in order: 2 * matched / (len a + len b), 1 = identical."""
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
 def functions(sass: str) -> Dict[str, str]:
     """Mangled name -> that function's SASS, from cuobjdump -sass output."""
     parts = re.split(r"\n\s*Function : ", sass)[1:]
@@ -77,16 +97,24 @@ def main() -> None:
     ap.add_argument("object", help="an object file or shared library with sm_90a code")
     ap.add_argument("names", nargs="+", help="substrings that the demangled kernel name must all contain")
     ap.add_argument("--top", type=int, default=14, help="opcodes printed per kernel")
+    ap.add_argument("--against", help="another build's object or library: compare each loop with its kernel's there")
     args = ap.parse_args()
     cuobjdump = _tool("cuobjdump")
     env = dict(os.environ, PATH=os.environ.get("PATH", "") + os.pathsep + os.path.dirname(cuobjdump))
-    sass = subprocess.run([cuobjdump, "-sass", args.object], capture_output=True, text=True, env=env,
-                          check=True).stdout
+
+    def kernels(obj: str) -> Dict[str, str]:
+        """demangled name -> SASS of the kernels of obj whose names hold every substring"""
+        sass = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True, env=env, check=True).stdout
+        out = {}
+        for mangled, text in functions(sass).items():
+            name = subprocess.run(["c++filt", mangled], capture_output=True, text=True).stdout.strip()
+            if all(s in name for s in args.names):
+                out[name] = text
+        return out
+
+    other = {name.split("(")[0]: text for name, text in kernels(args.against).items()} if args.against else {}
     found = 0
-    for mangled, text in functions(sass).items():
-        name = subprocess.run(["c++filt", mangled], capture_output=True, text=True).stdout.strip()
-        if not all(s in name for s in args.names):
-            continue
+    for name, text in kernels(args.object).items():
         found += 1
         counts = loop_counts(text)
         if counts is None:
@@ -94,6 +122,17 @@ def main() -> None:
             continue
         top = ", ".join(f"{op} {n}" for op, n in list(counts.items())[:args.top])
         print(f"{name}\n  main loop: {sum(counts.values())} instructions ({top})")
+        if args.against:
+            theirs = other.get(name.split("(")[0])
+            ops, their_ops = loop_opcodes(text), loop_opcodes(theirs) if theirs else None
+            if their_ops is None:
+                print("  against: no such kernel with a loop there")
+                continue
+            theirs_counts = collections.Counter(their_ops)
+            delta = {op: n - theirs_counts.get(op, 0) for op, n in counts.items() if n != theirs_counts.get(op, 0)}
+            delta.update({op: -n for op, n in theirs_counts.items() if op not in counts})
+            print(f"  against: {len(their_ops)} instructions there, order likeness {order_likeness(ops, their_ops):.3f}"
+                  f", counts here minus there {dict(sorted(delta.items()))}")
     if not found:
         sys.exit("sass_loops.py: no kernel matches " + " and ".join(repr(s) for s in args.names))
 

@@ -1,5 +1,5 @@
 """scripts/sass_loops.py's parsing of cuobjdump SASS (no toolkit needed): the innermost loop
-around a wgmma, its instructions by opcode."""
+around a wgmma, its instructions by opcode, and how alike two builds order them."""
 import importlib.util
 import os
 
@@ -47,3 +47,15 @@ def test_opcode_and_functions():
     assert sass_loops.opcode("F2FP.BF16.F32.PACK_AB R1, R2, R3") == "F2FP"
     dump = "header\n\t\tFunction : _Z1fv\n" + FUNCTION + "\n\t\tFunction : _Z1gv\n" + _sass([(0, "EXIT")])
     assert list(sass_loops.functions(dump)) == ["_Z1fv", "_Z1gv"]
+
+
+def test_loop_order_against_another_build():
+    ops = sass_loops.loop_opcodes(FUNCTION)
+    assert ops == ["IMAD", "WARPGROUP", "HGMMA", "MUFU", "BRA"]
+    # the same instructions, the exponent moved before the product: 4 of 5 in order
+    moved = _sass([(0x00, "@!P0 IMAD.WIDE R2, R1, 0x2, R4"), (0x10, "WARPGROUP.ARRIVE"), (0x20, "MUFU.EX2 R5, R6"),
+                   (0x30, "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], R24"), (0x40, "@!P1 BRA 0x0")])
+    theirs = sass_loops.loop_opcodes(moved)
+    assert sorted(theirs) == sorted(ops)
+    assert sass_loops.order_likeness(ops, ops) == 1.0
+    assert sass_loops.order_likeness(ops, theirs) == 0.8
