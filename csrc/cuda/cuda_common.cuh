@@ -250,7 +250,7 @@ typedef struct {
 nbhd_cuda_device nbhd_cuda_device_facts(void);
 
 /* A pure function of its arguments. layout_ok: bit 0 (NBHD_LAYOUT_MMA), the tensors suit the
- * tensor-core kernels (the op's nbhd_cuda_mma_*_supported); bit 1 (NBHD_LAYOUT_TMA), K and V
+ * tensor-core kernels (the op's nbhd_cuda_mma_*_supported); bit 1 (NBHD_LAYOUT_TMA), Q, K and V
  * also suit TMA's tensor maps (nbhd_cuda_tma_forward_fits); exec: use_reference, the requested
  * tiles (already checked against nbhd_cuda_tile_configs), kv_parallel and the workspace's
  * alignment. */
@@ -303,11 +303,11 @@ nbhd_status nbhd_cuda_mma_forward(const nbhd_geometry *g, const nbhd_forward_arg
 int nbhd_cuda_wgmma_ready(void);
 nbhd_status nbhd_cuda_wgmma_forward(const nbhd_geometry *g, const nbhd_forward_args *a,
                                     const nbhd_cuda_choice *c, cudaStream_t stream);
-/* fna_wgmma_tma.cu: the Hopper forward on 128-query patches pipelined by TMA loads, a producer
- * warp and two consumer warpgroups taking turns; where it applies (no dilation, extra keys or
- * bias, D = Dv = 128, in 2-D and 3-D unions at most 128 keys wide on the last axis: applies) and
- * where K and V suit its tensor maps (fits: the tensors alone); shape: the 3-D m-block as for
- * fna_wgmma.cu */
+/* fna_wgmma_tma.cu: the Hopper forward on 128-query patches pipelined by TMA loads on persistent
+ * CTAs, a producer warp and two consumer warpgroups taking turns; where it applies (no dilation,
+ * extra keys or bias, D = Dv = 128, in 2-D and 3-D unions at most 128 keys wide on the last axis:
+ * applies) and where Q, K and V suit its tensor maps (fits: the tensors alone); shape: the 3-D
+ * m-block as for fna_wgmma.cu */
 int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g);
 /* the keys of the TMA forward's tile rows along axis a for patches ct deep there (the widest
  * union of their windows over the query range); -1 past 128 */
