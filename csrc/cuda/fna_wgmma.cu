@@ -64,12 +64,9 @@ fna_wgmma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __grid_c
     // intersection of the warpgroup's windows (a tile inside it skips the mask)
     const int rq = lane >> 2, cq = lane & 3;
     auto my_row = [&](int, int hrow) { return w * 16 + rq + 8 * hrow; };
-    int wst[1][2][RANK], wen[1][2][RANK];
+    int wst[1][2][RANK], wen[1][2][RANK], iq[2][3], ilo[RANK], ihi[RANK];
     bool rvalid[1][2];
-    int iq[2][3];
-    C.fragment_rows(g, P, w, lane, wst[0], wen[0], rvalid[0], iq);
-    int ilo[RANK], ihi[RANK];
-    C.box_inside(g, wg, ilo, ihi);
+    C.rows_and_box(g, P, w, lane, wg, wst[0], wen[0], rvalid[0], iq, ilo, ihi);
     if (BIAS) stage_bias_table(tabs, tile_bias<RANK>::table(g, a.rpb, C.h), g.rpb_entries, tid, THREADS);
     const int brow[1][2] = {{tile_bias<RANK>::row(g, iq[0]), tile_bias<RANK>::row(g, iq[1])}};
 

@@ -202,12 +202,9 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
 
         auto my_row = [&](int, int hrow) { return w * 16 + rq + 8 * hrow; };
         auto row_coords = [&](int qr, int iq[3]) -> bool { return C.row(qr, iq); };
-        int wst[1][2][RANK], wen[1][2][RANK];
+        int wst[1][2][RANK], wen[1][2][RANK], iq[2][3], ilo[RANK], ihi[RANK];
         bool rvalid[1][2];
-        int iq[2][3];
-        C.fragment_rows(g, P, w, lane, wst[0], wen[0], rvalid[0], iq);
-        int ilo[RANK], ihi[RANK];
-        C.box_inside(g, wg, ilo, ihi);
+        C.rows_and_box(g, P, w, lane, wg, wst[0], wen[0], rvalid[0], iq, ilo, ihi);
         const int brow[1][2] = {{0, 0}};
         const uint32_t q_base = smem_u32(Qb) + wg * 64 * 128; /* this warpgroup's 64 rows */
 

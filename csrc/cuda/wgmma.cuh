@@ -206,6 +206,15 @@ struct wg_cta : cta_patch<RANK, WGS, SHAPE> {
             }
     }
 
+    /* a thread's fragment rows (validity, in-group windows, coordinates iq) and warpgroup wg's
+     * intersection of windows (box_inside) */
+    __device__ __forceinline__ void rows_and_box(const nbhd_geometry &g, const mma_plan &P, int w, int lane, int wg,
+                                                 int (&wst)[2][RANK], int (&wen)[2][RANK], bool (&rvalid)[2],
+                                                 int (&iq)[2][3], int (&ilo)[RANK], int (&ihi)[RANK]) const {
+        this->fragment_rows(g, P, w, lane, wst, wen, rvalid, iq);
+        box_inside(g, wg, ilo, ihi);
+    }
+
     /* a thread's fragment rows (validity, windows, tile_bias::row) and its warpgroup's
      * intersection of windows */
     __device__ __forceinline__ void row_windows(const nbhd_geometry &g, const mma_plan &P, int w, int lane,
