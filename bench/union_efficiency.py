@@ -56,6 +56,15 @@ def first_axis_halves(L, K, s, n):
             for pair in (halves[i:i + 2] for i in range(0, len(halves), 2))]
 
 
+def tma_tiles(axes):
+    """(RS, R, middle) of the TMA forward's 2-D or 3-D tiles over axes (axis_patches per axis):
+    rows of RS keys, the first width of TMA_ROWS that holds the widest union along the last
+    axis, R to a tile; middle, the patches of the axis between the first and the last (the union
+    rows per first-axis coordinate: e - b; one in 2-D)."""
+    rs, r = next(c for c in TMA_ROWS if max(e - b for _, b, e, _ in axes[-1]) <= c[0])
+    return rs, r, axes[1] if len(axes) == 3 else [(1, 0, 1, 0)]
+
+
 def tma_efficiency(extent, kernel, stride, patch):
     """Useful share of what the TMA forward computes (module docstring): each warpgroup the tiles
     from the one holding its half's first union row along the first axis to the one holding
@@ -68,9 +77,7 @@ def tma_efficiency(extent, kernel, stride, patch):
     if len(axes) == 1:
         return useful / sum(q * (-(-(e - lo) // 128) - (b - lo) // 128) * 128
                             for lo, _, halves in first for q, b, e in halves)
-    width = max(e - b for _, b, e, _ in axes[-1])
-    rs, r = next(c for c in TMA_ROWS if width <= c[0])
-    middle = axes[1] if len(axes) == 3 else [(1, 0, 1, 0)]  # rows per first-axis coordinate: e - b
+    rs, r, middle = tma_tiles(axes)
     computed = 0
     for lo, hi, halves in first:
         for q1, b1, e1, _ in middle:
@@ -101,8 +108,7 @@ def tma_loaded_keys(extent, kernel, stride, patch):
         queries *= L
     if len(axes) == 1:
         return sum(-(-(e - b) // 128) * 128 for _, b, e, _ in axes[0]) / queries
-    rs, r = next(c for c in TMA_ROWS if max(e - b for _, b, e, _ in axes[-1]) <= c[0])
-    middle = axes[1] if len(axes) == 3 else [(1, 0, 1, 0)]
+    rs, r, middle = tma_tiles(axes)
     rows = sum(-(-(e0 - b0) * (e1 - b1) // r) * r for _, b0, e0, _ in axes[0] for _, b1, e1, _ in middle)
     return rows * rs * len(axes[-1]) / queries
 

@@ -55,23 +55,19 @@ def main_loop(instructions: List[Tuple[int, str]], marker: str = "HGMMA") -> Opt
     return first, last
 
 
-def loop_counts(function_sass: str) -> Optional[Dict[str, int]]:
-    """Instructions of the main loop (main_loop) by opcode, most frequent first; None without a loop."""
-    instructions = parse(function_sass)
-    span = main_loop(instructions)
-    if span is None:
-        return None
-    counts = collections.Counter(opcode(t) for a, t in instructions if span[0] <= a <= span[1])
-    return dict(counts.most_common())
-
-
 def loop_opcodes(function_sass: str) -> Optional[List[str]]:
-    """The main loop's opcodes in address order; None without a loop."""
+    """The main loop's (main_loop) opcodes in address order; None without a loop."""
     instructions = parse(function_sass)
     span = main_loop(instructions)
     if span is None:
         return None
     return [opcode(t) for a, t in instructions if span[0] <= a <= span[1]]
+
+
+def loop_counts(function_sass: str) -> Optional[Dict[str, int]]:
+    """Instructions of the main loop by opcode, most frequent first; None without a loop."""
+    ops = loop_opcodes(function_sass)
+    return None if ops is None else dict(collections.Counter(ops).most_common())
 
 
 def order_likeness(a: List[str], b: List[str]) -> float:
@@ -116,23 +112,22 @@ def main() -> None:
     found = 0
     for name, text in kernels(args.object).items():
         found += 1
-        counts = loop_counts(text)
-        if counts is None:
+        ops = loop_opcodes(text)
+        if ops is None:
             print(f"{name}\n  no loop around a wgmma")
             continue
-        top = ", ".join(f"{op} {n}" for op, n in list(counts.items())[:args.top])
-        print(f"{name}\n  main loop: {sum(counts.values())} instructions ({top})")
+        top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(args.top))
+        print(f"{name}\n  main loop: {len(ops)} instructions ({top})")
         if args.against:
             theirs = other.get(name.split("(")[0])
-            ops, their_ops = loop_opcodes(text), loop_opcodes(theirs) if theirs else None
+            their_ops = loop_opcodes(theirs) if theirs else None
             if their_ops is None:
                 print("  against: no such kernel with a loop there")
                 continue
-            theirs_counts = collections.Counter(their_ops)
-            delta = {op: n - theirs_counts.get(op, 0) for op, n in counts.items() if n != theirs_counts.get(op, 0)}
-            delta.update({op: -n for op, n in theirs_counts.items() if op not in counts})
+            delta = collections.Counter(ops)
+            delta.subtract(their_ops)
             print(f"  against: {len(their_ops)} instructions there, order likeness {order_likeness(ops, their_ops):.3f}"
-                  f", counts here minus there {dict(sorted(delta.items()))}")
+                  f", counts here minus there {dict(sorted((op, n) for op, n in delta.items() if n))}")
     if not found:
         sys.exit("sass_loops.py: no kernel matches " + " and ".join(repr(s) for s in args.names))
 

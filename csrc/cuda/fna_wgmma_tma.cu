@@ -45,7 +45,6 @@
 #define TMA_V_STAGES 2
 #define TMA_CONSUMER_REGS 240
 #define TMA_PRODUCER_REGS 24
-#define TMA_MAX_BN 160  /* keys per tile at most: a stage is 40 KiB at D = 128 */
 /* named barriers of the consumers: the two turns, and all 256 */
 #define TMA_BAR_TURN 1   /* warpgroup w issues on TMA_BAR_TURN + w */
 #define TMA_BAR_CONSUMERS 3
@@ -98,7 +97,7 @@ fna_wgmma_tma_forward_kernel(const __grid_constant__ nbhd_geometry g, const __gr
 #if NBHD_HAS_WGMMA
     constexpr int BN = RS * R, KST = TMA_K_STAGES, VST = TMA_V_STAGES, BM = 128, CONSUMERS = 256;
     constexpr int LAST = RANK - 1;
-    static_assert(BN % 16 == 0 && BN <= TMA_MAX_BN && RS % 8 == 0, "tiles of whole 16-key steps, 8-key rows");
+    static_assert(BN % 16 == 0 && RS % 8 == 0, "tiles of whole 16-key steps, 8-key rows");
     constexpr uint32_t TILE_BYTES = BN * HD * sizeof(T), Q_BYTES = BM * HD * sizeof(T);
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *Qs = (T *)(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023)); /* [2][BM][HD]; O staged there */
@@ -368,18 +367,16 @@ int nbhd_cuda_tma_row_keys(const nbhd_axis *a, int ct) {
     return i < 0 ? -1 : TMA_ROWS[i][0];
 }
 
-/* Q, K or V ([B, X, Y, Z, H, D] by its strides, f16/bf16, `heads` heads) as a tensor map read
- * in boxes of 64 columns of one head by box[1..4] positions: 1-D (D, H, X, B), 2-D (D, H, Y, X,
- * B), 3-D (H D, Z, Y, X, B) (the heads and columns as one axis: TMA has 5 at most). False where
- * TMA cannot address it: a step not a positive multiple of 16 bytes below 2^40, a start not
- * 16-byte aligned, columns not contiguous, in 3-D heads not D elements apart. */
+/* Q, K or V ([B, X, Y, Z, H, D] by its strides, f16/bf16, `heads` heads) as a tensor map's
+ * axes: 1-D (D, H, X, B), 2-D (D, H, Y, X, B), 3-D (H D, Z, Y, X, B) (the heads and columns as
+ * one axis: TMA has 5 at most). False where TMA cannot address it: a step not a positive
+ * multiple of 16 bytes below 2^40, a start not 16-byte aligned, columns not contiguous, in 3-D
+ * heads not D elements apart. */
 struct tensor_map_layout {
     int rank;
     cuuint64_t dims[5], strides[4];
-    cuuint32_t box[5];
 };
-static bool map_shape(const nbhd_tensor &t, const nbhd_geometry *g, int rank, int64_t heads, const int (&box)[5],
-                      tensor_map_layout *m) {
+static bool map_shape(const nbhd_tensor &t, const nbhd_geometry *g, int rank, int64_t heads, tensor_map_layout *m) {
     const int64_t D = g->head_dim, H = heads;
     if (t.stride[5] != 1 || (uintptr_t)t.data % 16 || (rank == 3 && H > 1 && t.stride[4] != D)) return false;
     const int64_t X = g->axis[0].extent, Y = g->axis[1].extent, Z = g->axis[2].extent;
@@ -395,10 +392,7 @@ static bool map_shape(const nbhd_tensor &t, const nbhd_geometry *g, int rank, in
         memcpy(dims, d, sizeof d), memcpy(steps, s, sizeof s);
     }
     m->rank = rank == 1 ? 4 : 5;
-    for (int i = 0; i < m->rank; ++i) {
-        m->dims[i] = (cuuint64_t)dims[i];
-        m->box[i] = (cuuint32_t)box[i];
-    }
+    for (int i = 0; i < m->rank; ++i) m->dims[i] = (cuuint64_t)dims[i];
     for (int i = 0; i + 1 < m->rank; ++i) {
         // a step along an axis of one position is never taken: any valid value
         const int64_t s = dims[i + 1] == 1 ? 16 : steps[i] * 2;
@@ -407,15 +401,16 @@ static bool map_shape(const nbhd_tensor &t, const nbhd_geometry *g, int rank, in
     }
     return true;
 }
-/* K and V: boxes of rs keys along the last axis */
-static void row_box(int rank, int rs, int (&box)[5]) {
+/* boxes (64 columns of one head by box[1..4] positions on map_shape's axes) of K and V: rs keys
+ * along the last axis */
+static void row_box(int rank, int rs, cuuint32_t (&box)[5]) {
     for (int i = 0; i < 5; ++i) box[i] = 1;
     box[0] = 64;
     box[rank == 3 ? 1 : 2] = rs;
 }
 /* Q: boxes of one 16-row m-block (mma_util.cuh patch_wt), its rows in the patch's order (the last
  * axis fastest) */
-static void mblock_box(int rank, int shape, int (&box)[5]) {
+static void mblock_box(int rank, int shape, cuuint32_t (&box)[5]) {
     for (int i = 0; i < 5; ++i) box[i] = 1;
     box[0] = 64;
     if (rank == 1) {
@@ -427,13 +422,13 @@ static void mblock_box(int rank, int shape, int (&box)[5]) {
     }
 }
 static bool tensor_map(CUtensorMap *map, const nbhd_tensor &t, const nbhd_geometry *g, int rank, int64_t heads,
-                       const int (&box)[5]) {
+                       const cuuint32_t (&box)[5]) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     tensor_map_layout m;
-    if (!encode || !map_shape(t, g, rank, heads, box, &m)) return false;
+    if (!encode || !map_shape(t, g, rank, heads, &m)) return false;
     const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
     return encode(map, g->dtype == NBHD_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                  (cuuint32_t)m.rank, t.data, m.dims, m.strides, m.box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  (cuuint32_t)m.rank, t.data, m.dims, m.strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -451,11 +446,9 @@ int nbhd_cuda_tma_forward_applies(const nbhd_geometry *g) {
 
 int nbhd_cuda_tma_forward_fits(const nbhd_geometry *g, const nbhd_forward_args *a) {
     const int rank = mma_rank_of(g);
-    int box[5];
-    row_box(rank, 64, box);
     tensor_map_layout m;
-    return map_shape(a->q, g, rank, g->heads, box, &m) && map_shape(a->k, g, rank, g->kv_heads, box, &m) &&
-           map_shape(a->v, g, rank, g->kv_heads, box, &m) && tensor_map_encoder() != nullptr;
+    return map_shape(a->q, g, rank, g->heads, &m) && map_shape(a->k, g, rank, g->kv_heads, &m) &&
+           map_shape(a->v, g, rank, g->kv_heads, &m) && tensor_map_encoder() != nullptr;
 }
 
 template <typename T, int RANK, int SHAPE, int RS, int R>
@@ -463,7 +456,7 @@ static nbhd_status launch_rows(const nbhd_geometry *g, const nbhd_forward_args *
                                cudaStream_t st) {
     static_assert(tma_forward_smem(128, RS * R) <= 227 * 1024, "a Hopper CTA has at most 227 KiB of shared memory");
     alignas(64) CUtensorMap qmap, kmap, vmap;
-    int qbox[5], kvbox[5];
+    cuuint32_t qbox[5], kvbox[5];
     mblock_box(RANK, SHAPE, qbox);
     row_box(RANK, RS, kvbox);
     if (!tensor_map(&qmap, a->q, g, RANK, g->heads, qbox) || !tensor_map(&kmap, a->k, g, RANK, g->kv_heads, kvbox) ||

@@ -221,10 +221,9 @@ struct wg_cta : cta_patch<RANK, WGS, SHAPE> {
                                                 int (&wst)[2][RANK], int (&wen)[2][RANK], bool (&rvalid)[2],
                                                 int (&ilo)[RANK], int (&ihi)[RANK], int (&brow)[2]) const {
         int iq[2][3];
-        this->fragment_rows(g, P, w, lane, wst, wen, rvalid, iq);
+        rows_and_box(g, P, w, lane, w >> 2, wst, wen, rvalid, iq, ilo, ihi);
         brow[0] = tile_bias<RANK>::row(g, iq[0]);
         brow[1] = tile_bias<RANK>::row(g, iq[1]);
-        box_inside(g, w >> 2, ilo, ihi);
     }
 
     /* along axis ax, the first and last of warpgroup wg's rows in the query range and their
